@@ -1,0 +1,14 @@
+"""The one place every role gets its Kafka clients from.
+
+    producer = await start_producer()             # idempotent, acks=all, lz4, small linger
+    await publish(producer, TOKENS, event, key=event.request_id)
+    consumer = await start_consumer(TOKENS, group="gateway")   # manual commits
+    await dead_letter(producer, record, exc, group="gateway")  # poison event -> ts.deadletter
+"""
+
+from producers.clients import start_consumer, start_producer
+from producers.consume import events
+from producers.deadletter import dead_letter
+from producers.publish import decode_record, publish
+
+__all__ = ["dead_letter", "events", "decode_record", "publish", "start_consumer", "start_producer"]

@@ -1,0 +1,40 @@
+"""The consume loop every role shares: decode, dead-letter what cannot be decoded, move on."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.structs import ConsumerRecord
+
+from schemas import DecodeError, Event
+from topics import TopicSpec
+
+from producers.deadletter import dead_letter
+from producers.publish import decode_record
+
+
+async def events(
+    consumer: AIOKafkaConsumer,
+    producer: AIOKafkaProducer,
+    specs: dict[str, TopicSpec],
+    *,
+    group: str = "",
+    timeout_ms: int = 200,
+) -> AsyncIterator[tuple[Event, ConsumerRecord]]:
+    """Yield (event, record) for every decodable record, in partition order.
+
+    A record that fails to decode is written to the dead-letter topic (acknowledged
+    before this continues) and skipped; the caller commits offsets as its effects land.
+    `specs` maps each subscribed topic name to its registry entry.
+    """
+    while True:
+        batches = await consumer.getmany(timeout_ms=timeout_ms)
+        for records in batches.values():
+            for record in records:
+                try:
+                    event = decode_record(record, specs[record.topic])
+                except DecodeError as exc:
+                    await dead_letter(producer, record, exc, group=group)
+                    continue
+                yield event, record

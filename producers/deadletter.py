@@ -1,0 +1,40 @@
+"""Routing a record that cannot be processed to the dead-letter topic, and moving on."""
+
+from __future__ import annotations
+
+import logging
+
+from aiokafka import AIOKafkaProducer
+from aiokafka.structs import ConsumerRecord
+
+from schemas import DeadLetter, DecodeError
+from topics import DEAD_LETTER
+
+from producers.publish import publish
+
+log = logging.getLogger(__name__)
+
+
+async def dead_letter(
+    producer: AIOKafkaProducer, record: ConsumerRecord, exc: BaseException, *, group: str = ""
+) -> None:
+    """Write `record` untouched to ts.deadletter with why it failed and where it came from.
+
+    Waits for the broker's acknowledgement so the caller may then commit past the record.
+    """
+    reason = exc.reason if isinstance(exc, DecodeError) else f"{type(exc).__name__}: {exc}"
+    key = record.key
+    letter = DeadLetter(
+        request_id=key.decode("utf-8", "replace") if key else "",
+        reason=reason,
+        error_type=type(exc).__name__,
+        source_topic=record.topic,
+        source_partition=record.partition,
+        source_offset=record.offset,
+        consumer_group=group,
+        payload=record.value or b"",
+        key=key,
+        headers=[(k, bytes(v)) for k, v in (record.headers or ())],
+    )
+    log.warning("dead-lettered %s[%d]@%d: %s", record.topic, record.partition, record.offset, reason)
+    await publish(producer, DEAD_LETTER, letter, key=letter.request_id)

@@ -1,0 +1,67 @@
+"""Typed, versioned contracts for every event tokenstream carries over Kafka.
+
+Read this package and `topics/` to follow a request end to end:
+
+    ChatRequest -> InferenceRequest -> TokenChunk* -> Completion
+                       |                  |
+                 SafetyVerdict       ToolCall -> ToolResult
+    Cancel (control), DeadLetter (anything undecodable)
+
+All events are msgspec Structs, encoded as JSON by `schemas.codec`.
+"""
+
+from schemas.base import SCHEMA_VERSION, Event
+from schemas.codec import (
+    DecodeError,
+    MalformedEvent,
+    UnsupportedVersion,
+    decode,
+    encode,
+)
+from schemas.control import Cancel, RouteUpdate
+from schemas.deadletter import DeadLetter
+from schemas.requests import ChatMessage, ChatRequest, InferenceRequest, SamplingParams
+from schemas.safety import SafetyVerdict
+from schemas.tokens import Completion, FinishReason, Timings, TokenChunk, Usage
+from schemas.tools import ToolCall, ToolResult
+from schemas.tracing import TraceContext
+
+ALL_EVENTS: tuple[type[Event], ...] = (
+    ChatRequest,
+    InferenceRequest,
+    TokenChunk,
+    Completion,
+    ToolCall,
+    ToolResult,
+    SafetyVerdict,
+    Cancel,
+    RouteUpdate,
+    DeadLetter,
+)
+
+__all__ = [
+    "ALL_EVENTS",
+    "SCHEMA_VERSION",
+    "Cancel",
+    "ChatMessage",
+    "ChatRequest",
+    "Completion",
+    "DeadLetter",
+    "DecodeError",
+    "Event",
+    "FinishReason",
+    "InferenceRequest",
+    "MalformedEvent",
+    "RouteUpdate",
+    "SafetyVerdict",
+    "SamplingParams",
+    "Timings",
+    "TokenChunk",
+    "ToolCall",
+    "ToolResult",
+    "TraceContext",
+    "UnsupportedVersion",
+    "Usage",
+    "decode",
+    "encode",
+]

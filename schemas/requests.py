@@ -1,0 +1,70 @@
+"""What a client asks for: the chat request at the edge and the inference request a worker runs."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from schemas.base import Event
+
+Role = Literal["system", "user", "assistant", "tool"]
+
+
+class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
+    role: Role
+    content: str
+    name: str | None = None
+    tool_call_id: str | None = None
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Per-request decoding settings. temperature 0 means greedy."""
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: list[str] = msgspec.field(default_factory=list)
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+
+
+class ChatRequest(Event, tag="chat_request"):
+    """Written by the gateway to the chat-requests topic, keyed by conversation_id.
+
+    messages may hold the whole history (OpenAI style) or only the new turn; the
+    conversation processor completes it from the stored history.
+    reply_partition is the tokens-topic partition owned by the gateway instance that
+    holds the client's connection: every token event for this request goes there.
+    """
+
+    model: str
+    messages: list[ChatMessage]
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    stream: bool = True
+    assistant: str | None = None
+    user: str | None = None
+    reply_partition: int = 0
+    gateway_id: str = ""
+
+
+class InferenceRequest(Event, tag="inference_request"):
+    """Written to a model's inference topic, keyed by request_id; a worker group consumes it.
+
+    prompt is the final, rendered message list after history, presets and trimming.
+    dropped_messages counts turns removed to fit the context window.
+    """
+
+    model: str
+    messages: list[ChatMessage]
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    reply_partition: int = 0
+    dropped_messages: int = 0
+    admitted_at: float = 0.0

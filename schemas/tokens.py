@@ -1,0 +1,54 @@
+"""What a worker emits: token chunks while generating, one completion at the end."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from schemas.base import Event
+
+FinishReason = Literal["stop", "length", "cancelled", "content_filter", "error", "tool_calls"]
+
+
+class TokenChunk(Event, tag="token_chunk"):
+    """New text of one request from one engine step, keyed by request_id.
+
+    seq starts at 0 and has no gaps: a consumer that has seen seq n wants n+1 next
+    and drops anything <= n (at-least-once delivery becomes exactly-once display).
+    token_ids are the ids behind `text`, so a worker taking over can resume generation.
+    """
+
+    seq: int
+    text: str
+    token_ids: list[int] = msgspec.field(default_factory=list)
+    worker_id: str = ""
+
+
+class Usage(msgspec.Struct, kw_only=True):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class Timings(msgspec.Struct, kw_only=True):
+    """Seconds spent waiting in the worker queue, in prefill, and decoding."""
+
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+
+class Completion(Event, tag="completion"):
+    """Last event of a request on the tokens topic. seq follows the last TokenChunk."""
+
+    seq: int
+    finish_reason: FinishReason
+    usage: Usage = msgspec.field(default_factory=Usage)
+    timings: Timings = msgspec.field(default_factory=Timings)
+    error: str | None = None
+    dropped_messages: int = 0
+    worker_id: str = ""

@@ -1,0 +1,27 @@
+"""Tool use: the model asks, the tool processor answers."""
+
+from __future__ import annotations
+
+import msgspec
+
+from schemas.base import Event
+
+
+class ToolCall(Event, tag="tool_call"):
+    """A model's request to run a tool; arguments is a JSON object as text (OpenAI style)."""
+
+    call_id: str
+    name: str
+    arguments: str = "{}"
+
+
+class ToolResult(Event, tag="tool_result"):
+    """Outcome of one ToolCall. ok is False when the tool failed or was stopped."""
+
+    call_id: str
+    name: str
+    ok: bool
+    output: str = ""
+    error: str | None = None
+    duration_s: float = 0.0
+    meta: dict[str, str] = msgspec.field(default_factory=dict)

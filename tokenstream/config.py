@@ -1,0 +1,39 @@
+"""Typed configuration, read from TOKENSTREAM_* environment variables with local defaults."""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def _xdg(var: str, fallback: str) -> Path:
+    return Path(os.environ.get(var) or Path.home() / fallback) / "tokenstream"
+
+
+class Settings(BaseSettings):
+    """One place for every knob. Example: TOKENSTREAM_KAFKA_BOOTSTRAP=10.0.0.5:9092."""
+
+    model_config = SettingsConfigDict(env_prefix="TOKENSTREAM_", extra="ignore")
+
+    kafka_bootstrap: str = "127.0.0.1:9092"
+    kafka_replication: int = Field(1, ge=1, description="replication factor of created topics")
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    weaviate_host: str = "127.0.0.1"
+    weaviate_http_port: int = 8080
+    weaviate_grpc_port: int = 50051
+
+    data_dir: Path = Field(default_factory=lambda: _xdg("XDG_DATA_HOME", ".local/share"),
+                           description="persistent broker, Redis and Weaviate data of `stack up`")
+    cache_dir: Path = Field(default_factory=lambda: _xdg("XDG_CACHE_HOME", ".cache"),
+                            description="downloaded Kafka jars and the built Weaviate binary")
+
+    models: list[str] = ["smollm2"]
+
+
+@lru_cache
+def settings() -> Settings:
+    return Settings()

@@ -1,0 +1,72 @@
+"""The three services together, in start order."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenstream.config import Settings, settings
+from tokenstream.stack.kafka import Kafka
+from tokenstream.stack.redis import Redis
+from tokenstream.stack.service import Service, Status, free_port
+from tokenstream.stack.weaviate import Weaviate
+
+
+@dataclass
+class Stack:
+    kafka: Kafka
+    redis: Redis
+    weaviate: Weaviate
+
+    @property
+    def services(self) -> list[Service]:
+        return [self.kafka, self.redis, self.weaviate]
+
+    @classmethod
+    def default(cls, cfg: Settings | None = None) -> Stack:
+        """The stack `tokenstream stack up` manages: data under cfg.data_dir, kept across restarts."""
+        cfg = cfg or settings()
+        kafka_port = int(cfg.kafka_bootstrap.rsplit(":", 1)[1])
+        redis_port = int(cfg.redis_url.rsplit(":", 1)[1].split("/")[0])
+        folders = _folders(cfg.data_dir, cfg.cache_dir)
+        return cls(
+            Kafka(*folders, port=kafka_port, controller_port=kafka_port + 1),
+            Redis(*folders, port=redis_port, persistent=True),
+            Weaviate(*folders, port=cfg.weaviate_http_port, grpc_port=cfg.weaviate_grpc_port),
+        )
+
+    @classmethod
+    def ephemeral(cls, root: Path, cache_dir: Path | None = None) -> Stack:
+        """A throwaway stack on free ports under `root` (tests, benchmarks)."""
+        folders = _folders(root, cache_dir or settings().cache_dir)
+        return cls(
+            Kafka(*folders, port=free_port(), controller_port=free_port(), test_mode=True),
+            Redis(*folders, port=free_port(), persistent=False),
+            Weaviate(*folders, port=free_port(), grpc_port=free_port(), gossip_port=free_port(),
+                     data_port=free_port(), raft_port=free_port(), raft_rpc_port=free_port()),
+        )
+
+    def up(self, say=print) -> None:
+        for service in self.services:
+            service.start(say)
+
+    def down(self, say=print) -> None:
+        for service in reversed(self.services):
+            if not service.stop(say):
+                say(f"{service.name}: not running")
+
+    def status(self) -> list[Status]:
+        return [s.status() for s in self.services]
+
+    def environment(self) -> dict[str, str]:
+        """TOKENSTREAM_* variables that point a role at this stack."""
+        return {
+            "TOKENSTREAM_KAFKA_BOOTSTRAP": self.kafka.address,
+            "TOKENSTREAM_REDIS_URL": self.redis.address,
+            "TOKENSTREAM_WEAVIATE_HTTP_PORT": str(self.weaviate.port),
+            "TOKENSTREAM_WEAVIATE_GRPC_PORT": str(self.weaviate.grpc_port),
+        }
+
+
+def _folders(root: Path, cache_dir: Path) -> tuple[Path, Path, Path, Path]:
+    return root / "data", root / "run", root / "logs", cache_dir

@@ -1,0 +1,36 @@
+"""The single registry of Kafka topics: names, partitions, retention, keys and event types.
+
+Every role asks this package for a topic name; no other module spells one out.
+"""
+
+from topics.registry import (
+    CHAT_REQUESTS,
+    CONTROL,
+    CONVERSATIONS,
+    DEAD_LETTER,
+    REGISTRY,
+    ROUTES,
+    TOKENS,
+    TOOL_CALLS,
+    TOOL_RESULTS,
+    VERDICTS,
+    TopicSpec,
+    inference_topic,
+    spec_for,
+)
+
+__all__ = [
+    "CHAT_REQUESTS",
+    "CONTROL",
+    "CONVERSATIONS",
+    "DEAD_LETTER",
+    "REGISTRY",
+    "ROUTES",
+    "TOKENS",
+    "TOOL_CALLS",
+    "TOOL_RESULTS",
+    "VERDICTS",
+    "TopicSpec",
+    "inference_topic",
+    "spec_for",
+]

@@ -1,0 +1,126 @@
+"""Making the cluster match the registry (`topics apply`) and reading it back (`topics describe`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aiokafka import AIOKafkaConsumer
+from aiokafka.admin import AIOKafkaAdminClient, NewPartitions, NewTopic
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+from aiokafka.structs import TopicPartition
+
+from topics.registry import TopicSpec
+
+
+TOPIC_ALREADY_EXISTS = 36  # another `apply` created it between our list and create
+DYNAMIC_TOPIC_CONFIG = 1  # config_source of a value set on the topic itself
+
+
+@dataclass
+class Change:
+    topic: str
+    action: str  # created | updated | unchanged
+    detail: str = ""
+
+
+@dataclass
+class TopicInfo:
+    name: str
+    partitions: int
+    configs: dict[str, str]
+    end_offsets: int  # sum over partitions: how many records the topic has ever taken
+
+
+def _admin(bootstrap: str) -> AIOKafkaAdminClient:
+    return AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=30_000)
+
+
+async def apply(specs: list[TopicSpec], bootstrap: str, replication: int = 1) -> list[Change]:
+    """Create missing topics; bring configs and partition counts of existing ones to the spec.
+
+    Idempotent: a second run reports every topic unchanged. Partitions only grow (Kafka
+    cannot shrink them); configs not named in the spec go back to the broker default.
+    """
+    admin = _admin(bootstrap)
+    await admin.start()
+    try:
+        existing = set(await admin.list_topics())
+        changes: list[Change] = []
+        missing = [s for s in specs if s.name not in existing]
+        if missing:
+            response = await admin.create_topics(
+                [NewTopic(s.name, s.partitions, replication, topic_configs=dict(s.configs)) for s in missing]
+            )
+            _raise_errors(response.to_object()["topic_errors"], ignore={TOPIC_ALREADY_EXISTS})
+            changes += [Change(s.name, "created", f"{s.partitions} partitions") for s in missing]
+        present = [s for s in specs if s.name in existing]
+        if present:
+            current = await _configs(admin, [s.name for s in present])
+            counts = await _partition_counts(admin, [s.name for s in present])
+            for spec in present:
+                changes.append(await _reconcile(admin, spec, current[spec.name], counts[spec.name]))
+        return changes
+    finally:
+        await admin.close()
+
+
+async def _reconcile(admin: AIOKafkaAdminClient, spec: TopicSpec, configs: dict[str, str],
+                     partitions: int) -> Change:
+    details = []
+    drift = {k: v for k, v in spec.configs.items() if configs.get(k) != v}
+    if drift:
+        resource = ConfigResource(ConfigResourceType.TOPIC, spec.name, configs=dict(spec.configs))
+        for response in await admin.alter_configs([resource]):
+            _raise_errors(response.to_object()["resources"])
+        details += [f"{k}={v}" for k, v in drift.items()]
+    if partitions < spec.partitions:
+        await admin.create_partitions({spec.name: NewPartitions(spec.partitions)})
+        details.append(f"partitions {partitions}->{spec.partitions}")
+    return Change(spec.name, "updated" if details else "unchanged", ", ".join(details))
+
+
+async def _configs(admin: AIOKafkaAdminClient, names: list[str]) -> dict[str, dict[str, str]]:
+    """Topic configs set on the topic itself (not broker defaults)."""
+    responses = await admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, n) for n in names])
+    result: dict[str, dict[str, str]] = {n: {} for n in names}
+    for response in responses:
+        resources = response.to_object()["resources"]
+        _raise_errors(resources)
+        for resource in resources:
+            for entry in resource["config_entries"]:
+                if entry["config_source"] == DYNAMIC_TOPIC_CONFIG:
+                    result[resource["resource_name"]][entry["config_names"]] = entry["config_value"]
+    return result
+
+
+def _raise_errors(results: list[dict], ignore: frozenset[int] | set[int] = frozenset()) -> None:
+    failed = [r for r in results if r["error_code"] not in (0, *ignore)]
+    if failed:
+        raise RuntimeError("; ".join(
+            f"{r.get('topic') or r.get('resource_name')}: error {r['error_code']} {r['error_message'] or ''}"
+            for r in failed))
+
+
+async def _partition_counts(admin: AIOKafkaAdminClient, names: list[str]) -> dict[str, int]:
+    return {t["topic"]: len(t["partitions"]) for t in await admin.describe_topics(names)}
+
+
+async def describe(names: list[str], bootstrap: str) -> list[TopicInfo]:
+    admin = _admin(bootstrap)
+    await admin.start()
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    await consumer.start()
+    try:
+        names = [n for n in names if n in set(await admin.list_topics())]
+        if not names:
+            return []
+        configs = await _configs(admin, names)
+        counts = await _partition_counts(admin, names)
+        ends = await consumer.end_offsets([TopicPartition(n, p) for n in names for p in range(counts[n])])
+        return [
+            TopicInfo(n, counts[n], configs[n], sum(v for tp, v in ends.items() if tp.topic == n))
+            for n in names
+        ]
+    finally:
+        await consumer.stop()
+        await admin.close()
