@@ -7,6 +7,9 @@ and everything is stopped at the end of the session.
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -45,3 +48,48 @@ def bootstrap(stack: Stack) -> str:
 def unique() -> str:
     """A fresh suffix for topic and group names, so tests never see each other's events."""
     return uuid.uuid4().hex[:8]
+
+
+class Roles:
+    """Starts tokenstream roles as real processes (`tokenstream ...`) pointed at the test stack.
+
+    Each process logs to its own file; every one still running is killed at the end of the test.
+    """
+
+    def __init__(self, stack: Stack, log_dir: Path) -> None:
+        self.stack = stack
+        self.log_dir = log_dir
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, *args: str, env: dict[str, str] | None = None, name: str | None = None) -> subprocess.Popen:
+        name = name or "-".join(args[:2])
+        log = open(self.log_dir / f"{name}-{len(self.procs)}.log", "wb")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tokenstream.cli", *args],
+            env={**os.environ, **self.stack.environment(), "PYTHONUNBUFFERED": "1", **(env or {})},
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        proc.log_path = log.name  # type: ignore[attr-defined]
+        self.procs.append(proc)
+        return proc
+
+    def log(self, proc: subprocess.Popen) -> str:
+        return Path(proc.log_path).read_text(errors="replace")  # type: ignore[attr-defined]
+
+    def stop_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+@pytest.fixture
+def roles(stack: Stack, tmp_path: Path):
+    r = Roles(stack, tmp_path)
+    yield r
+    r.stop_all()

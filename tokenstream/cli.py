@@ -96,8 +96,41 @@ def topics_describe(model: list[str] = typer.Option(None, help="models served"))
     console.print(table)
 
 
+bench_app = typer.Typer(help="Benchmarks: each prints its figures beside its baseline, measured in the same run.",
+                        no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+processor_app = typer.Typer(help="The stateless stream processors (faust-streaming agents).", no_args_is_help=True)
+app.add_typer(processor_app, name="processor")
+
+# Each role brings its own commands from a light `cli` module (heavy imports such as torch
+# happen inside the command), so `tokenstream stack up` never loads a model. This table is
+# the whole wiring.
+ROLE_COMMANDS = {
+    (app, "worker"): "gpu_workers.cli:worker",
+    (app, "gateway"): "gateway.cli:gateway",
+    (bench_app, "worker"): "bench.worker:main",
+    (bench_app, "gateway"): "bench.gateway:main",
+    (bench_app, "safety"): "bench.safety:main",
+    (processor_app, "conversation"): "processors.cli:conversation",
+    (processor_app, "safety"): "processors.cli:safety",
+    (processor_app, "router"): "processors.cli:router",
+}
+
+
+def _register_roles() -> None:
+    import importlib
+    import importlib.util
+
+    for (parent, name), target in ROLE_COMMANDS.items():
+        module, func = target.split(":")
+        if importlib.util.find_spec(module) is None:
+            continue  # that role has not landed yet
+        parent.command(name)(getattr(importlib.import_module(module), func))
+
+
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _register_roles()
     app()
 
 
