@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from aiokafka import AIOKafkaProducer
 from aiokafka.structs import ConsumerRecord, RecordMetadata
 
@@ -27,11 +29,12 @@ async def publish(
     partition: int | None = None,
     trace: TraceContext | None = None,
     wait: bool = True,
-) -> RecordMetadata | None:
+) -> RecordMetadata | asyncio.Future[RecordMetadata]:
     """Write `event` to `spec`. The key defaults to the event's request_id.
 
-    wait=False returns once the event is queued in the producer's batch (the caller
-    flushes); wait=True returns when the broker has acknowledged it (acks=all).
+    wait=True returns the broker's acknowledgement (acks=all: the event is durable).
+    wait=False returns as soon as the event is queued in the producer's batch, with the
+    future of that acknowledgement: many events then share one produce request.
     """
     if not isinstance(event, spec.events):
         raise TypeError(f"{type(event).__name__} does not belong on topic {spec.name}")
@@ -42,7 +45,7 @@ async def publish(
         partition=partition,
         headers=_headers(event, trace),
     )
-    return await future if wait else None
+    return await future if wait else future
 
 
 def decode_record(record: ConsumerRecord, spec: TopicSpec) -> Event:

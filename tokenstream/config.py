@@ -20,11 +20,15 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TOKENSTREAM_", extra="ignore")
 
     kafka_bootstrap: str = "127.0.0.1:9092"
+    kafka_controller_port: int | None = Field(None, description="KRaft controller port of `stack up` "
+                                              "(default: the bootstrap port + 1)")
     kafka_replication: int = Field(1, ge=1, description="replication factor of created topics")
     redis_url: str = "redis://127.0.0.1:6379/0"
     weaviate_host: str = "127.0.0.1"
     weaviate_http_port: int = 8080
     weaviate_grpc_port: int = 50051
+    weaviate_cluster_ports: tuple[int, int, int, int] = Field(
+        (7946, 7947, 8300, 8301), description="gossip, data, raft and raft-rpc ports of `stack up`")
 
     data_dir: Path = Field(default_factory=lambda: _xdg("XDG_DATA_HOME", ".local/share"),
                            description="persistent broker, Redis and Weaviate data of `stack up`")

@@ -7,6 +7,7 @@ import base64
 import shutil
 import subprocess
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tokenstream.stack.service import Service, ServiceError, port_open
@@ -122,7 +123,9 @@ class Kafka(Service):
     def is_ready(self) -> bool:
         if not port_open(self.port):
             return False
-        return asyncio.run(_cluster_answers(self.address))
+        # A thread of its own, so the check also works when called from inside an event loop.
+        with ThreadPoolExecutor(1) as pool:
+            return pool.submit(asyncio.run, _cluster_answers(self.address)).result()
 
 
 async def _cluster_answers(bootstrap: str) -> bool:

@@ -30,9 +30,11 @@ class Stack:
         redis_port = int(cfg.redis_url.rsplit(":", 1)[1].split("/")[0])
         folders = _folders(cfg.data_dir, cfg.cache_dir)
         return cls(
-            Kafka(*folders, port=kafka_port, controller_port=kafka_port + 1),
+            Kafka(*folders, port=kafka_port, controller_port=cfg.kafka_controller_port or kafka_port + 1),
             Redis(*folders, port=redis_port, persistent=True),
-            Weaviate(*folders, port=cfg.weaviate_http_port, grpc_port=cfg.weaviate_grpc_port),
+            Weaviate(*folders, port=cfg.weaviate_http_port, grpc_port=cfg.weaviate_grpc_port,
+                     **dict(zip(("gossip_port", "data_port", "raft_port", "raft_rpc_port"),
+                                cfg.weaviate_cluster_ports, strict=True))),
         )
 
     @classmethod

@@ -1,0 +1,103 @@
+"""Unit tests of the event contracts and the codec (no broker needed)."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from schemas import (
+    ALL_EVENTS,
+    Cancel,
+    ChatMessage,
+    ChatRequest,
+    Completion,
+    DeadLetter,
+    InferenceRequest,
+    MalformedEvent,
+    RouteUpdate,
+    SafetyVerdict,
+    SamplingParams,
+    Timings,
+    TokenChunk,
+    ToolCall,
+    ToolResult,
+    TraceContext,
+    UnsupportedVersion,
+    Usage,
+    decode,
+    encode,
+)
+
+MESSAGES = [ChatMessage(role="system", content="be brief"), ChatMessage(role="user", content="hello")]
+
+
+def sample_events() -> list:
+    """One filled-in instance of every event type."""
+    common = dict(request_id="req-1", conversation_id="conv-1", tenant="acme")
+    return [
+        ChatRequest(**common, model="smollm2", messages=MESSAGES,
+                    sampling=SamplingParams(max_tokens=5, temperature=0.0, stop=["\n"], seed=7),
+                    reply_partition=3, gateway_id="gw-0"),
+        InferenceRequest(**common, model="smollm2", messages=MESSAGES, reply_partition=3, dropped_messages=2),
+        TokenChunk(**common, seq=4, text=" wor", token_ids=[101, 102], worker_id="w-1"),
+        Completion(**common, seq=5, finish_reason="length", usage=Usage(prompt_tokens=9, completion_tokens=5),
+                   timings=Timings(queue_s=0.1, prefill_s=0.2, decode_s=0.3)),
+        ToolCall(**common, call_id="call-1", name="python", arguments='{"code": "1+1"}'),
+        ToolResult(**common, call_id="call-1", name="python", ok=True, output="2", duration_s=0.05),
+        SafetyVerdict(**common, stage="output", blocked=True, categories=["violence"],
+                      scores={"violence": 0.93}, policy_version="p1", window_end_seq=12),
+        Cancel(**common, reason="client_disconnected"),
+        RouteUpdate(**common, model="smollm2", weights={"smollm2": 0.9, "smollm2-v2": 0.1}),
+        DeadLetter(**common, reason="bad", error_type="MalformedEvent", source_topic="t",
+                   source_partition=1, source_offset=42, payload=b"\x00\xff", key=b"k",
+                   headers=[("traceparent", b"00-x")]),
+    ]
+
+
+def test_every_event_type_has_a_sample():
+    assert {type(e) for e in sample_events()} == set(ALL_EVENTS)
+
+
+@pytest.mark.parametrize("event", sample_events(), ids=lambda e: type(e).__name__)
+def test_round_trip_through_codec(event):
+    data = encode(event)
+    assert decode(data) == event
+    assert decode(data, type(event)) == event
+    assert msgspec.json.decode(data)["type"] == type(event).__struct_config__.tag
+
+
+def test_decode_restricted_to_a_topic_types_rejects_others():
+    data = encode(Cancel(request_id="r"))
+    with pytest.raises(MalformedEvent):
+        decode(data, TokenChunk, Completion)
+
+
+@pytest.mark.parametrize("payload", [
+    b"not json",
+    b"{}",
+    b'{"type": "no_such_event", "request_id": "r"}',
+    b'{"type": "token_chunk", "request_id": "r", "seq": "three", "text": "x"}',
+    b'{"type": "token_chunk", "seq": 1, "text": "x"}',
+    b'{"type": "inference_request", "request_id": "r", "model": "m", "messages": [],'
+    b' "sampling": {"max_tokens": 0}}',
+])
+def test_malformed_events_raise_typed_error(payload):
+    with pytest.raises(MalformedEvent) as info:
+        decode(payload)
+    assert info.value.reason
+
+
+def test_unknown_version_raises_unsupported_version():
+    data = encode(TokenChunk(request_id="r", seq=0, text="a")).replace(b'"v":1', b'"v":99')
+    with pytest.raises(UnsupportedVersion) as info:
+        decode(data)
+    assert info.value.version == 99
+
+
+def test_trace_context_round_trips_through_headers():
+    trace = TraceContext.new()
+    parsed = TraceContext.from_headers(trace.headers())
+    assert parsed == trace
+    child = trace.child()
+    assert child.trace_id == trace.trace_id and child.span_id != trace.span_id
+    assert TraceContext.parse("garbage") is None

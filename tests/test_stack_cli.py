@@ -1,0 +1,69 @@
+"""`tokenstream stack up | status | down` as a user runs it, on its own ports and data folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+
+from tokenstream.stack.service import free_port
+
+
+def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tokenstream.cli", *args], env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def processes_under(folder: Path) -> list[psutil.Process]:
+    """Processes whose command line or working directory lies in `folder`."""
+    found = []
+    for p in psutil.process_iter(["cmdline", "cwd"]):
+        text = " ".join(p.info["cmdline"] or []) + " " + (p.info["cwd"] or "")
+        if str(folder) in text:
+            found.append(p)
+    return found
+
+
+def test_stack_up_twice_is_harmless_and_down_leaves_nothing(tmp_path: Path):
+    kafka = free_port()
+    env = {
+        **os.environ,
+        "TOKENSTREAM_DATA_DIR": str(tmp_path / "data"),
+        "TOKENSTREAM_KAFKA_BOOTSTRAP": f"127.0.0.1:{kafka}",
+        "TOKENSTREAM_KAFKA_CONTROLLER_PORT": str(free_port()),
+        "TOKENSTREAM_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0",
+        "TOKENSTREAM_WEAVIATE_HTTP_PORT": str(free_port()),
+        "TOKENSTREAM_WEAVIATE_GRPC_PORT": str(free_port()),
+        "TOKENSTREAM_WEAVIATE_CLUSTER_PORTS": json.dumps([free_port() for _ in range(4)]),
+        "COLUMNS": "200",
+    }
+    try:
+        first = cli(env, "stack", "up")
+        assert first.returncode == 0, first.stdout + first.stderr
+        for name in ("kafka", "redis", "weaviate"):
+            assert f"{name}: ready" in first.stdout
+        pids = {p.pid for p in processes_under(tmp_path)}
+        assert len(pids) >= 3
+
+        second = cli(env, "stack", "up")
+        assert second.returncode == 0, second.stdout + second.stderr
+        assert second.stdout.count("already running") == 3
+        assert {p.pid for p in processes_under(tmp_path)} == pids  # nothing new, nothing restarted
+
+        status = cli(env, "stack", "status")
+        assert status.stdout.count("ready") == 3, status.stdout
+
+        applied = cli(env, "topics", "apply")
+        assert applied.returncode == 0 and "ts.tokens" in applied.stdout and "created" in applied.stdout
+        described = cli(env, "topics", "describe")
+        assert "ts.inference.smollm2" in described.stdout and "missing" not in described.stdout
+    finally:
+        down = cli(env, "stack", "down")
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert down.stdout.count("stopped") == 3
+    assert processes_under(tmp_path) == []
+    assert "stopped" in cli(env, "stack", "status").stdout
