@@ -1,0 +1,36 @@
+"""Worker knobs, from TOKENSTREAM_WORKER_* environment variables (CLI options override them)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class WorkerConfig(BaseSettings):
+    """Everything one worker process needs besides the Kafka address (tokenstream.config)."""
+
+    model_config = SettingsConfigDict(env_prefix="TOKENSTREAM_WORKER_", extra="ignore")
+
+    model: str = Field("smollm2", description="served model name: the inference topic and consumer group")
+    model_path: Path | None = Field(None, description="local Hugging Face model folder (default: offline SmolLM2)")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    quantization: Literal["none", "8bit", "4bit"] = "none"
+    device: str = Field("auto", description="cpu, cuda, cuda:1 ... (auto: cuda when present)")
+    device_map: str | None = Field(None, description="'auto' shards the model across every visible GPU")
+
+    block_size: int = Field(16, ge=1, description="tokens per KV page")
+    kv_blocks: int | None = Field(None, description="KV pages in the pool (default: from kv_memory_fraction)")
+    kv_memory_gb: float = Field(1.0, gt=0, description="KV pool size when kv_blocks is not given")
+    max_running: int = Field(32, ge=1, description="most requests decoding in one batch")
+    max_waiting: int = Field(32, ge=1, description="queued requests before the worker pauses fetching")
+    prefill_chunk: int = Field(256, ge=1, description="most prompt tokens prefilled in one step")
+    max_model_len: int = Field(2048, ge=16, description="longest prompt + output, in tokens")
+
+    worker_id: str = ""
+    metrics_port: int | None = Field(None, description="Prometheus endpoint port (None: no endpoint)")
+    session_timeout_ms: int = 6000
+    takeover_margin_s: float = Field(5.0, description="look this far before created_at for emitted tokens")
+    step_delay_s: float = Field(0.0, ge=0, description="sleep after each step (throttling / failover tests)")

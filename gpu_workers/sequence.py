@@ -1,0 +1,74 @@
+"""One request inside the engine: its tokens, pages, text streamed so far and timings."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpu_workers.stops import StopMatcher
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    # resuming a request another worker started: the tokens and text it already emitted
+    generated: list[int] = field(default_factory=list)
+    emitted_text: str = ""
+    next_seq: int = 0
+    arrival: float = field(default_factory=time.time)
+    tag: Any = None  # the caller's handle (the Kafka record)
+
+    blocks: list[int] = field(default_factory=list)
+    computed: int = 0  # tokens whose keys/values are in the cache
+    unsent_ids: list[int] = field(default_factory=list)
+    resumed: int = 0
+    scheduled_at: float | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    finished_at: float | None = None
+    finish_reason: str | None = None
+
+    def __post_init__(self) -> None:
+        self.matcher = StopMatcher(self.stop)
+        self.resumed = len(self.generated)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.generated
+
+    @property
+    def pending(self) -> int:
+        """Tokens to feed before the next token can be sampled."""
+        return len(self.prompt_ids) + len(self.generated) - self.computed
+
+    @property
+    def limit(self) -> int:
+        """Most tokens this request can ever hold in the cache."""
+        return len(self.prompt_ids) + self.max_tokens
+
+    def timings(self) -> tuple[float, float, float]:
+        """(queue, prefill, decode) seconds."""
+        end = self.finished_at or time.time()
+        sched = self.scheduled_at or end
+        first = self.first_token_at or end
+        return max(0.0, sched - self.arrival), max(0.0, first - sched), max(0.0, end - first)
+
+
+@dataclass
+class Output:
+    """What a step produced for one request: a text chunk, the completion, or both (chunk first)."""
+
+    seq: Sequence
+    chunk_seq: int | None = None
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    completion_seq: int | None = None
+    error: str | None = None
