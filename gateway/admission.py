@@ -1,0 +1,162 @@
+"""Admission control from the consumer lag of each model's worker group.
+
+Every poll interval the gateway reads, for group `worker.<model>` on inference_topic(model),
+the committed offsets (admin API) and the end offsets. lag = end - committed, summed over
+partitions; the drain rate is the growth of the committed offsets over a sliding window.
+A new request is refused with 429 when lag / drain rate exceeds the wait budget. Requests
+admitted since the last sample count as lag too, so a burst between samples cannot
+overshoot. When no sample has succeeded for a while, the broker is taken to be down (503).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from aiokafka import AIOKafkaConsumer
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.structs import TopicPartition
+
+from gateway.metrics import Metrics
+from gateway.openai_api import overloaded, unavailable
+from topics import inference_topic
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelLoad:
+    model: str
+    lag: int = 0
+    rate: float = 0.0  # requests per second taken by the worker group
+    admitted_since_sample: int = 0
+    samples: deque[tuple[float, int]] = field(default_factory=deque)  # (time, committed total)
+    baseline: dict[int, int] = field(default_factory=dict)  # end offset when first seen, per partition
+    last_ok: float = 0.0
+
+
+@dataclass
+class Decision:
+    admitted: bool
+    lag: int
+    rate: float
+    wait_s: float
+    retry_after: int = 0
+
+
+class Admission:
+    def __init__(self, bootstrap: str, models: list[str], metrics: Metrics, *, budget_s: float,
+                 poll_s: float = 0.5, window_s: float = 10.0, min_rate: float = 1.0,
+                 stale_s: float = 5.0) -> None:
+        self.bootstrap = bootstrap
+        self.metrics = metrics
+        self.budget_s, self.poll_s, self.window_s = budget_s, poll_s, window_s
+        self.min_rate, self.stale_s = min_rate, stale_s
+        self.loads = {m: ModelLoad(m) for m in models}
+        self._admin: AIOKafkaAdminClient | None = None
+        self._consumer: AIOKafkaConsumer | None = None
+
+    # ------------------------------------------------------------------ decisions
+
+    def decide(self, model: str) -> Decision:
+        load = self.loads[model]
+        if time.monotonic() - load.last_ok > self.stale_s:
+            raise unavailable("The inference pipeline is unreachable (no broker answer for "
+                              f"{self.stale_s:.0f}s); try again shortly.")
+        lag = load.lag + load.admitted_since_sample
+        rate = max(load.rate, self.min_rate)
+        wait = lag / rate
+        self.metrics.estimated_wait.labels(model).set(wait)
+        if wait > self.budget_s:
+            retry = max(1, math.ceil((lag - self.budget_s * rate) / rate))
+            return Decision(False, lag, rate, wait, retry)
+        return Decision(True, lag, rate, wait)
+
+    def admit(self, model: str) -> Decision:
+        """Count the request in, or raise the 429 (or 503) it gets instead."""
+        decision = self.decide(model)
+        if not decision.admitted:
+            self.metrics.rejections.labels(model).inc()
+            raise overloaded(decision.retry_after, decision.wait_s)
+        self.loads[model].admitted_since_sample += 1
+        return decision
+
+    def healthy(self) -> bool:
+        now = time.monotonic()
+        return all(now - load.last_ok <= self.stale_s for load in self.loads.values())
+
+    # ------------------------------------------------------------------ sampling
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self._sample_all()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # broker down or restarting: keep trying, stay stale
+                log.warning("admission sample failed: %s", exc)
+                await self._reset()
+            await asyncio.sleep(self.poll_s)
+
+    async def close(self) -> None:
+        await self._reset()
+
+    async def _reset(self) -> None:
+        for client in (self._consumer, self._admin):
+            if client is not None:
+                try:
+                    await (client.stop() if isinstance(client, AIOKafkaConsumer) else client.close())
+                except Exception:  # noqa: BLE001
+                    pass
+        self._admin = self._consumer = None
+
+    async def _clients(self) -> tuple[AIOKafkaAdminClient, AIOKafkaConsumer]:
+        if self._admin is None or self._consumer is None:
+            await self._reset()
+            admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap, request_timeout_ms=5000)
+            await admin.start()
+            self._admin = admin
+            consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, group_id=None,
+                                        request_timeout_ms=5000, enable_auto_commit=False)
+            await consumer.start()
+            self._consumer = consumer
+        return self._admin, self._consumer
+
+    async def _sample_all(self) -> None:
+        admin, consumer = await self._clients()
+        for load in self.loads.values():
+            await asyncio.wait_for(self._sample(admin, consumer, load), timeout=5)
+
+    async def _sample(self, admin: AIOKafkaAdminClient, consumer: AIOKafkaConsumer, load: ModelLoad) -> None:
+        topic = inference_topic(load.model).name
+        partitions = consumer.partitions_for_topic(topic)
+        if not partitions:
+            await consumer._client.force_metadata_update()  # noqa: SLF001 - new topic
+            partitions = consumer.partitions_for_topic(topic)
+        now = time.monotonic()
+        if not partitions:  # topic not created yet: nothing can be queued
+            load.lag, load.admitted_since_sample, load.last_ok = 0, 0, now
+            return
+        tps = [TopicPartition(topic, p) for p in sorted(partitions)]
+        ends = await consumer.end_offsets(tps)
+        committed = await admin.list_consumer_group_offsets(f"worker.{load.model}", partitions=tps)
+        lag = done = 0
+        for tp in tps:
+            end = ends[tp]
+            base = load.baseline.setdefault(tp.partition, end)
+            meta = committed.get(tp)
+            at = meta.offset if meta is not None and meta.offset >= 0 else base
+            lag += max(0, end - at)
+            done += at
+        load.samples.append((now, done))
+        while len(load.samples) > 2 and now - load.samples[0][0] > self.window_s:
+            load.samples.popleft()
+        t0, d0 = load.samples[0]
+        load.rate = (done - d0) / (now - t0) if now > t0 else 0.0
+        load.lag, load.admitted_since_sample, load.last_ok = lag, 0, now
+        self.metrics.lag.labels(load.model).set(lag)
+        self.metrics.drain_rate.labels(load.model).set(load.rate)

@@ -1,0 +1,64 @@
+"""Gateway settings, read from TOKENSTREAM_GATEWAY_* environment variables (CLI flags override)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from functools import lru_cache
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def _default_instance_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class GatewaySettings(BaseSettings):
+    """Example: TOKENSTREAM_GATEWAY_INSTANCE_INDEX=1 TOKENSTREAM_GATEWAY_INSTANCE_COUNT=2."""
+
+    model_config = SettingsConfigDict(env_prefix="TOKENSTREAM_GATEWAY_", extra="ignore")
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    instance_id: str = Field(default_factory=_default_instance_id)
+    # Instance i of n owns the tokens-topic partitions p with p % n == i, unless
+    # reply_partitions names them explicitly.
+    instance_index: int = Field(0, ge=0)
+    instance_count: int = Field(1, ge=1)
+    reply_partitions: list[int] | None = None
+
+    models: list[str] = ["smollm2"]
+
+    # Per-connection buffer: at most buffer_events pending events; when full, new text is
+    # merged into the last pending chunk up to coalesce_chars, then the partition is paused.
+    buffer_events: int = Field(64, ge=2)
+    coalesce_chars: int = Field(4096, ge=16)
+
+    # Admission: reject when the estimated queue wait of the model's worker group exceeds this.
+    admission_budget_s: float = Field(10.0, gt=0)
+    admission_poll_s: float = Field(0.5, gt=0)
+    admission_window_s: float = Field(10.0, gt=0)
+    # Drain rate assumed when none has been measured yet (requests per second).
+    admission_min_rate: float = Field(1.0, gt=0)
+    # The broker counts as down when no lag sample succeeded for this long.
+    broker_stale_s: float = Field(5.0, gt=0)
+
+    # A disconnected stream is cancelled unless some client resumes it within this time.
+    cancel_grace_s: float = Field(5.0, ge=0)
+    # Upper bound on one request (non-streaming wait, streaming without events).
+    request_timeout_s: float = Field(600.0, gt=0)
+    # SSE keep-alive comment interval.
+    ping_s: float = Field(15.0, gt=0)
+
+    def owned_partitions(self, total: int) -> list[int]:
+        if self.reply_partitions:
+            return sorted(p for p in self.reply_partitions if 0 <= p < total)
+        if self.instance_index >= self.instance_count:
+            raise ValueError("instance_index must be below instance_count")
+        return [p for p in range(total) if p % self.instance_count == self.instance_index]
+
+
+@lru_cache
+def gateway_settings() -> GatewaySettings:
+    return GatewaySettings()

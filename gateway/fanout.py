@@ -1,0 +1,152 @@
+"""Token events to the connections that wait for them, with bounded memory.
+
+One consumer per gateway instance, manually assigned to the instance's own partitions of
+the tokens topic (each request names one of them as its reply_partition), so no instance
+reads another's tokens. Events are routed by request_id to a bounded per-connection
+Stream. A Stream that is full merges new text into its last pending chunk (a slow client
+gets fewer, larger chunks); when even that is exhausted, the fanout seeks the partition
+back to the undelivered record and pauses it until the client has drained its buffer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Callable
+
+import msgspec
+from aiokafka import AIOKafkaConsumer
+from aiokafka.structs import TopicPartition
+
+from gateway.metrics import Metrics
+from schemas import Completion, DecodeError, Event, TokenChunk, decode
+from topics import TOKENS
+
+log = logging.getLogger(__name__)
+
+
+class Stream:
+    """The pending events of one connection: at most `capacity` events, never more."""
+
+    def __init__(self, request_id: str, capacity: int, coalesce_chars: int,
+                 on_drain: Callable[[Stream], None]) -> None:
+        self.request_id = request_id
+        self.capacity = capacity
+        self.coalesce_chars = coalesce_chars
+        self.items: deque[Event] = deque()
+        self.blocked_on: TopicPartition | None = None
+        self.coalesced = 0
+        self._ready = asyncio.Event()
+        self._on_drain = on_drain
+
+    def offer(self, event: Event) -> bool:
+        """Take `event` or refuse it (the caller pauses until drained). Never grows past capacity."""
+        if len(self.items) < self.capacity:
+            self.items.append(event)
+            self._ready.set()
+            return True
+        tail = self.items[-1]
+        if (isinstance(event, TokenChunk) and isinstance(tail, TokenChunk)
+                and len(tail.text) < self.coalesce_chars):
+            self.items[-1] = msgspec.structs.replace(
+                tail, seq=event.seq, text=tail.text + event.text, token_ids=tail.token_ids + event.token_ids)
+            self.coalesced += 1
+            self._ready.set()
+            return True
+        return False
+
+    async def take(self, timeout: float | None = None) -> list[Event]:
+        """Every pending event (at least one), or [] after `timeout` seconds without any."""
+        if not self.items:
+            self._ready.clear()
+            try:
+                await asyncio.wait_for(self._ready.wait(), timeout)
+            except TimeoutError:
+                return []
+        batch = list(self.items)
+        self.items.clear()
+        self._ready.clear()
+        if self.blocked_on is not None:
+            self._on_drain(self)
+        return batch
+
+
+class Fanout:
+    def __init__(self, consumer: AIOKafkaConsumer, partitions: list[int], metrics: Metrics,
+                 capacity: int = 64, coalesce_chars: int = 4096) -> None:
+        self.consumer = consumer
+        self.partitions = [TopicPartition(TOKENS.name, p) for p in partitions]
+        self.metrics = metrics
+        self.capacity = capacity
+        self.coalesce_chars = coalesce_chars
+        self.streams: dict[str, Stream] = {}
+        self.blocked: dict[TopicPartition, set[str]] = {}
+        self.last_poll = 0.0
+
+    async def start(self) -> None:
+        self.consumer.assign(self.partitions)
+        await self.consumer.seek_to_end(*self.partitions)
+        for tp in self.partitions:  # resolve positions now: a request admitted later sees all its events
+            await self.consumer.position(tp)
+
+    async def position(self, partition: int) -> int:
+        return await self.consumer.position(TopicPartition(TOKENS.name, partition))
+
+    def subscribe(self, request_id: str) -> Stream:
+        stream = Stream(request_id, self.capacity, self.coalesce_chars, self._drained)
+        self.streams[request_id] = stream
+        self.metrics.active_streams.set(len(self.streams))
+        return stream
+
+    def unsubscribe(self, request_id: str) -> None:
+        stream = self.streams.pop(request_id, None)
+        self.metrics.active_streams.set(len(self.streams))
+        if stream is not None and stream.blocked_on is not None:
+            self._drained(stream)
+
+    def _drained(self, stream: Stream) -> None:
+        tp, stream.blocked_on = stream.blocked_on, None
+        waiting = self.blocked.get(tp)
+        if waiting is None:
+            return
+        waiting.discard(stream.request_id)
+        if not waiting:
+            del self.blocked[tp]
+            self.consumer.resume(tp)
+            self.metrics.paused.set(len(self.blocked))
+
+    def _block(self, tp: TopicPartition, offset: int, stream: Stream) -> None:
+        self.consumer.seek(tp, offset)
+        self.consumer.pause(tp)
+        stream.blocked_on = tp
+        self.blocked.setdefault(tp, set()).add(stream.request_id)
+        self.metrics.pauses.inc()
+        self.metrics.paused.set(len(self.blocked))
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        counters = {tp.partition: self.metrics.token_events.labels(str(tp.partition)) for tp in self.partitions}
+        while True:
+            batches = await self.consumer.getmany(timeout_ms=200, max_records=2000)
+            self.last_poll = loop.time()
+            for tp, records in batches.items():
+                if tp in self.blocked:
+                    continue  # fetched before the pause took effect; refetched after resume
+                counters[tp.partition].inc(len(records))
+                for record in records:
+                    key = record.key.decode() if record.key else ""
+                    stream = self.streams.get(key)
+                    if stream is None:
+                        continue  # nobody holds this request here (disconnected, or a replay serves it)
+                    try:
+                        event = decode(record.value or b"", TokenChunk, Completion)
+                    except DecodeError as exc:
+                        log.warning("undecodable token event %s@%d: %s", tp, record.offset, exc)
+                        continue
+                    before = stream.coalesced
+                    if not stream.offer(event):
+                        self._block(tp, record.offset, stream)
+                        break
+                    if stream.coalesced != before:
+                        self.metrics.coalesced.inc()

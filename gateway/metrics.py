@@ -1,0 +1,38 @@
+"""Prometheus metrics of one gateway instance (served at /metrics)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("gateway_requests_total", "chat completion requests by outcome",
+                                ["model", "stream", "status"], registry=r)
+        self.lag = Gauge("gateway_admission_lag", "consumer lag of the model's worker group (requests)",
+                         ["model"], registry=r)
+        self.drain_rate = Gauge("gateway_admission_drain_rate", "requests per second the worker group takes",
+                                ["model"], registry=r)
+        self.estimated_wait = Gauge("gateway_admission_estimated_wait_seconds",
+                                    "lag / drain rate at the last admission decision", ["model"], registry=r)
+        self.rejections = Counter("gateway_admission_rejections_total", "requests refused with 429",
+                                  ["model"], registry=r)
+        self.active_streams = Gauge("gateway_active_streams", "connections waiting on token events",
+                                    registry=r)
+        self.token_events = Counter("gateway_token_events_total",
+                                    "token and completion events consumed from owned partitions",
+                                    ["partition"], registry=r)
+        self.coalesced = Counter("gateway_coalesced_chunks_total",
+                                 "token chunks merged into a pending chunk of a slow client", registry=r)
+        self.pauses = Counter("gateway_partition_pauses_total",
+                              "times a tokens partition was paused because a client buffer was full",
+                              registry=r)
+        self.paused = Gauge("gateway_paused_partitions", "tokens partitions paused now", registry=r)
+        self.cancels = Counter("gateway_cancels_total", "cancel events written", ["reason"], registry=r)
+        self.resumes = Counter("gateway_resumes_total", "streams resumed with Last-Event-ID", registry=r)
+        self.ttft = Histogram("gateway_ttft_seconds", "time from request to first token sent",
+                              buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30), registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,240 @@
+"""Test helpers for the gateway tests.
+
+`FakePipeline` is a TEST DOUBLE standing in for the conversation processor and the GPU
+worker (both being built elsewhere). It plays them for real over the broker:
+
+    ts.chat.requests --(processor double)--> ts.inference.<model> --(worker double,
+    group worker.<model>, `slots` at a time, committing offsets)--> ts.tokens[reply_partition]
+
+The worker double's answer is deterministic: the words of the last user message echoed
+back, one word per TokenChunk, `token_delay` seconds apart (max_tokens and stop honoured).
+It honours Cancel events on ts.control. Nothing here is used by the gateway itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aiokafka.structs import OffsetAndMetadata, TopicPartition
+
+from producers import publish, start_consumer, start_producer
+from schemas import ChatRequest, Completion, InferenceRequest, TokenChunk, Usage, decode
+from topics import CHAT_REQUESTS, CONTROL, TOKENS, inference_topic
+from topics.admin import apply
+
+
+def expected_answer(prompt: str, max_tokens: int | None = None, stop: list[str] | None = None) -> str:
+    """What the worker double answers to a last user message `prompt`."""
+    words = prompt.split()
+    out = []
+    for w in words[: max_tokens or len(words)]:
+        if stop and w in stop:
+            break
+        out.append(w)
+    return " ".join(out)
+
+
+@dataclass
+class Served:
+    request: InferenceRequest
+    received_at: float
+    first_token_at: float | None = None
+    finish_reason: str | None = None
+
+
+@dataclass
+class FakePipeline:
+    """TEST DOUBLE of processor + worker for one model; see the module docstring."""
+
+    bootstrap: str
+    model: str
+    token_delay: float = 0.01
+    slots: int = 8
+    requests: dict[str, ChatRequest] = field(default_factory=dict)
+    served: dict[str, Served] = field(default_factory=dict)
+    active: set[str] = field(default_factory=set)
+    cancels: list[str] = field(default_factory=list)
+
+    async def start(self) -> FakePipeline:
+        self._topic = inference_topic(self.model)
+        await apply([CHAT_REQUESTS, TOKENS, CONTROL, self._topic], self.bootstrap)
+        self._producer = await start_producer(self.bootstrap, linger_ms=1)
+        self._requests_in = await _tail(self.bootstrap, CHAT_REQUESTS.name)
+        self._control_in = await _tail(self.bootstrap, CONTROL.name)
+        self._work_in = await start_consumer(self._topic, group=f"worker.{self.model}", bootstrap=self.bootstrap,
+                                             from_beginning=True, max_poll_records=1)
+        deadline = time.monotonic() + 30
+        while not self._work_in.assignment():
+            if time.monotonic() > deadline:
+                raise TimeoutError("worker double never got its partitions")
+            await asyncio.sleep(0.05)
+        self._pending_cancel: set[str] = set()
+        self._cancel_flags: dict[str, asyncio.Event] = {}
+        self._slots = asyncio.Semaphore(self.slots)
+        self._tasks = [asyncio.create_task(c) for c in (self._process(), self._work(), self._control())]
+        return self
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(BaseException):
+                await t
+        for c in (self._requests_in, self._control_in, self._work_in):
+            await c.stop()
+        await self._producer.stop()
+
+    # processor double: ChatRequest -> InferenceRequest
+    async def _process(self) -> None:
+        while True:
+            for records in (await self._requests_in.getmany(timeout_ms=100)).values():
+                for record in records:
+                    req = decode(record.value, ChatRequest)
+                    if req.model != self.model:
+                        continue
+                    self.requests[req.request_id] = req
+                    inf = InferenceRequest(request_id=req.request_id, conversation_id=req.conversation_id,
+                                           model=req.model, messages=req.messages, sampling=req.sampling,
+                                           reply_partition=req.reply_partition, admitted_at=time.time())
+                    await publish(self._producer, self._topic, inf)
+
+    # worker double: group worker.<model>, `slots` requests at a time
+    async def _work(self) -> None:
+        while True:
+            await self._slots.acquire()
+            record = await self._work_in.getone()
+            req = decode(record.value, InferenceRequest)
+            tp = TopicPartition(record.topic, record.partition)
+            await self._work_in.commit({tp: OffsetAndMetadata(record.offset + 1, "")})
+            self.served[req.request_id] = Served(req, time.time())
+            self.active.add(req.request_id)
+            task = asyncio.create_task(self._generate(req))
+            task.add_done_callback(lambda _: self._slots.release())
+
+    async def _generate(self, req: InferenceRequest) -> None:
+        rid, served = req.request_id, self.served[req.request_id]
+        flag = self._cancel_flags.setdefault(rid, asyncio.Event())
+        if rid in self._pending_cancel:
+            flag.set()
+        prompt = next((m.content for m in reversed(req.messages) if m.role == "user"), "")
+        words = prompt.split()
+        seq, reason = 0, "stop"
+        try:
+            for i, word in enumerate(words):
+                if word in req.sampling.stop:
+                    break
+                if seq >= req.sampling.max_tokens:
+                    reason = "length"
+                    break
+                if flag.is_set():
+                    reason = "cancelled"
+                    break
+                if word == "[[error]]":
+                    reason = "error"
+                    break
+                text = word if i == 0 else " " + word
+                await publish(self._producer, TOKENS, TokenChunk(request_id=rid, seq=seq, text=text,
+                                                                 token_ids=[i], worker_id="fake"),
+                              partition=req.reply_partition, wait=False)
+                if served.first_token_at is None:
+                    served.first_token_at = time.time()
+                seq += 1
+                if self.token_delay:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(flag.wait(), self.token_delay)
+            if flag.is_set():
+                reason = "cancelled"
+            prompt_tokens = sum(len(m.content.split()) for m in req.messages)
+            done = Completion(request_id=rid, seq=seq, finish_reason=reason, worker_id="fake",
+                              usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=seq),
+                              error="the worker double was asked to fail" if reason == "error" else None)
+            await publish(self._producer, TOKENS, done, partition=req.reply_partition)
+            served.finish_reason = reason
+        finally:
+            self.active.discard(rid)
+            self._cancel_flags.pop(rid, None)
+
+    async def _control(self) -> None:
+        while True:
+            for records in (await self._control_in.getmany(timeout_ms=100)).values():
+                for record in records:
+                    rid = record.key.decode()
+                    self.cancels.append(rid)
+                    flag = self._cancel_flags.get(rid)
+                    if flag is not None:
+                        flag.set()
+                    else:
+                        self._pending_cancel.add(rid)
+
+
+async def _tail(bootstrap: str, topic: str):
+    """A group-less consumer of every partition of `topic`, from its current end."""
+    consumer = await start_consumer(group=None, bootstrap=bootstrap, fetch_max_wait_ms=100)
+    partitions = consumer.partitions_for_topic(topic)
+    if not partitions:
+        await consumer._client.force_metadata_update()  # noqa: SLF001
+        partitions = consumer.partitions_for_topic(topic)
+    tps = [TopicPartition(topic, p) for p in sorted(partitions)]
+    consumer.assign(tps)
+    await consumer.seek_to_end(*tps)
+    for tp in tps:
+        await consumer.position(tp)
+    return consumer
+
+
+# ------------------------------------------------------------------ gateway processes
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_gateway(roles, models: list[str], *, index: int = 0, count: int = 1, env: dict | None = None,
+                  wait_ready: bool = True, timeout: float = 60.0) -> tuple[str, object]:
+    """Run `tokenstream gateway` as a real process; returns (base URL, process)."""
+    port = free_port()
+    proc = roles.start("gateway", "--port", str(port), "--instance-index", str(index),
+                       "--instance-count", str(count), name=f"gateway-{index}-{port}",
+                       env={"TOKENSTREAM_GATEWAY_MODELS": json.dumps(models),
+                            "TOKENSTREAM_GATEWAY_INSTANCE_ID": f"gw{index}-{port}", **(env or {})})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError("gateway exited:\n" + roles.log(proc))
+        try:
+            with urllib.request.urlopen(url + ("/health/ready" if wait_ready else "/health/live"), timeout=2):
+                return url, proc
+        except Exception:  # noqa: BLE001
+            if time.monotonic() > deadline:
+                raise TimeoutError("gateway not ready:\n" + roles.log(proc)) from None
+            time.sleep(0.2)
+
+
+def rss_bytes(pid: int) -> int:
+    import psutil
+
+    return psutil.Process(pid).memory_info().rss
+
+
+def metric(url: str, name: str, labels: str = "") -> float:
+    """One sample of the gateway's /metrics (sum over label sets containing `labels`)."""
+    text = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and (line[len(name)] in " {") and labels in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def here() -> Path:
+    return Path(os.path.dirname(__file__))
