@@ -1,0 +1,296 @@
+"""The Kafka side of a worker: consume requests, feed the engine, publish tokens, commit, cancel, take over.
+
+    inference topic (group worker.<model>) -> Engine -> tokens topic, partition reply_partition
+    control topic (group-less, latest)      -> Engine.cancel
+
+Guarantee: a request's offset is committed only after its Completion is acknowledged by the
+broker (acks=all), and only up to the lowest offset still in flight on that partition. A
+request re-delivered after a rebalance is resumed from the tokens already on the tokens topic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+
+from aiokafka import ConsumerRebalanceListener
+from aiokafka.errors import KafkaError
+from aiokafka.structs import TopicPartition
+
+from gpu_workers.config import WorkerConfig
+from gpu_workers.engine import Engine, Output, Sequence
+from gpu_workers.metrics import WorkerMetrics
+from gpu_workers.offsets import OffsetTracker
+from gpu_workers.recovery import TokenLog
+from producers import dead_letter, decode_record, publish, start_consumer, start_producer
+from schemas import Cancel, Completion, DecodeError, InferenceRequest, Timings, TokenChunk, Usage, encode
+from topics import CONTROL, TOKENS, inference_topic
+
+log = logging.getLogger(__name__)
+
+
+def prompt_ids(tokenizer, request: InferenceRequest) -> list[int]:
+    messages = [{"role": m.role, "content": m.content} for m in request.messages]
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if not isinstance(ids, list) else ids)
+    return tokenizer("\n".join(m["content"] for m in messages))["input_ids"]
+
+
+class _Rebalance(ConsumerRebalanceListener):
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+
+    async def on_partitions_revoked(self, revoked) -> None:
+        await self.worker.revoked(set(revoked))
+
+    async def on_partitions_assigned(self, assigned) -> None:
+        await self.worker.assigned(set(assigned))
+
+
+class Worker:
+    def __init__(self, cfg: WorkerConfig, engine: Engine, metrics: WorkerMetrics, bootstrap: str) -> None:
+        self.cfg = cfg
+        self.engine = engine
+        self.metrics = metrics
+        self.bootstrap = bootstrap
+        self.worker_id = cfg.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.spec = inference_topic(cfg.model)
+        self.group = f"worker.{cfg.model}"
+        self.tracker = OffsetTracker()
+        self.takeover_below: dict[TopicPartition, int] = {}
+        self.owned: dict[str, tuple[TopicPartition, int, InferenceRequest]] = {}
+        self.step_lock = asyncio.Lock()
+        self.commit_lock = asyncio.Lock()
+        self.work = asyncio.Event()
+        self.ready = asyncio.Event()
+        self.pending_completions: set[asyncio.Task] = set()
+
+    # ---- lifecycle ----
+    async def run(self, stop: asyncio.Event) -> None:
+        self.producer = await start_producer(self.bootstrap)
+        self.tokens = TokenLog(self.bootstrap)
+        await self.tokens.start()
+        self.control = await start_consumer(CONTROL, group=None, bootstrap=self.bootstrap)
+        for tp in self.control.assignment():
+            await self.control.position(tp)  # fixes "latest" now, so no cancel sent after start is missed
+        self.consumer = await start_consumer(
+            group=self.group, bootstrap=self.bootstrap, from_beginning=True,
+            session_timeout_ms=self.cfg.session_timeout_ms, heartbeat_interval_ms=1000,
+            max_poll_interval_ms=600_000)
+        self.consumer.subscribe([self.spec.name], listener=_Rebalance(self))
+        tasks = [asyncio.create_task(self._consume(stop)), asyncio.create_task(self._steps(stop)),
+                 asyncio.create_task(self._cancels(stop))]
+        try:
+            done, _ = await asyncio.wait([*tasks, asyncio.create_task(stop.wait())],
+                                         return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                if t in tasks and t.exception():
+                    raise t.exception()
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*self.pending_completions, return_exceptions=True)
+            await self._commit()
+            await self.consumer.stop()
+            await self.control.stop()
+            await self.tokens.stop()
+            await self.producer.stop()
+            log.info("worker %s stopped", self.worker_id)
+
+    async def assigned(self, tps: set[TopicPartition]) -> None:
+        if tps:
+            ends = await self.consumer.end_offsets(list(tps))
+            self.takeover_below.update(ends)  # anything below may have been started by a previous owner
+        log.info("worker %s assigned %d partitions of %s", self.worker_id, len(tps), self.spec.name)
+        if not self.ready.is_set():
+            log.info("worker ready: %s in group %s", self.worker_id, self.group)
+            self.ready.set()
+
+    async def revoked(self, tps: set[TopicPartition]) -> None:
+        """Hand partitions over cleanly: stop their requests, finish the step, flush what was written."""
+        lost = [rid for rid, (tp, _, _) in self.owned.items() if tp in tps]
+        for rid in lost:
+            self.engine.abort(rid)
+        async with self.step_lock:
+            for tp in tps:
+                self.tracker.drop(tp)
+                self.takeover_below.pop(tp, None)
+            for rid in lost:
+                self.owned.pop(rid, None)
+            await self.producer.flush()
+        if lost:
+            log.info("worker %s gave up %d in-flight requests on rebalance", self.worker_id, len(lost))
+
+    # ---- consuming requests ----
+    async def _consume(self, stop: asyncio.Event) -> None:
+        paused = False
+        while not stop.is_set():
+            room = self.cfg.max_waiting - self.engine.queued
+            if room <= 0:
+                if not paused:
+                    self.consumer.pause(*self.consumer.assignment())
+                    paused = True
+                await asyncio.sleep(0.02)
+                continue
+            if paused:
+                self.consumer.resume(*self.consumer.assignment())
+                paused = False
+            batches = await self.consumer.getmany(timeout_ms=100, max_records=room)
+            for tp, records in batches.items():
+                for rec in records:
+                    if tp not in self.consumer.assignment():
+                        break
+                    await self._accept(tp, rec)
+            self.work.set()
+
+    async def _accept(self, tp: TopicPartition, rec) -> None:
+        self.tracker.add(tp, rec.offset)
+        try:
+            request = decode_record(rec, self.spec)
+        except DecodeError as exc:
+            await dead_letter(self.producer, rec, exc, group=self.group)
+            await self._done(tp, rec.offset)
+            return
+        s = request.sampling
+        seq = Sequence(request.request_id, prompt_ids(self.engine.tokenizer, request), max_tokens=s.max_tokens,
+                       temperature=s.temperature, top_p=s.top_p, seed=s.seed, stop=list(s.stop),
+                       arrival=min(time.time(), request.admitted_at or request.created_at), tag=(tp, rec.offset))
+        if rec.offset < self.takeover_below.get(tp, -1):
+            emitted = await self.tokens.emitted(request.request_id, request.reply_partition,
+                                                request.created_at - self.cfg.takeover_margin_s)
+            if emitted.completion is not None:
+                await self._done(tp, rec.offset)
+                return
+            if emitted.chunks:
+                self.metrics.takeovers.labels(self.cfg.model).inc()
+                seq.generated = emitted.token_ids
+                seq.resumed = len(seq.generated)
+                seq.emitted_text = emitted.text
+                seq.next_seq = len(emitted.chunks)
+        self.owned[request.request_id] = (tp, rec.offset, request)
+        self.engine.add(seq)
+
+    async def _cancels(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            batches = await self.control.getmany(timeout_ms=200)
+            for records in batches.values():
+                for rec in records:
+                    try:
+                        event = decode_record(rec, CONTROL)
+                    except DecodeError:
+                        continue
+                    if isinstance(event, Cancel):
+                        self.engine.cancel(event.request_id)
+                        self.work.set()
+
+    # ---- stepping and publishing ----
+    async def _steps(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            if not self.engine.has_work:
+                self.work.clear()
+                try:
+                    await asyncio.wait_for(self.work.wait(), 0.05)
+                except TimeoutError:
+                    pass
+                continue
+            async with self.step_lock:
+                t0 = time.perf_counter()
+                outputs = await asyncio.to_thread(self.engine.step)
+                self.metrics.step_seconds.labels(self.cfg.model).observe(time.perf_counter() - t0)
+                await self._publish(outputs)
+            if self.cfg.step_delay_s:
+                await asyncio.sleep(self.cfg.step_delay_s)
+            else:
+                await asyncio.sleep(0)
+
+    async def _publish(self, outputs: list[Output]) -> None:
+        for out in outputs:
+            rid = out.seq.request_id
+            owned = self.owned.get(rid)
+            if owned is None:
+                continue  # aborted: its partition belongs to another worker now
+            tp, offset, request = owned
+            if out.chunk_seq is not None:
+                chunk = TokenChunk(request_id=rid, conversation_id=request.conversation_id, tenant=request.tenant,
+                                   seq=out.chunk_seq, text=out.text, token_ids=out.token_ids,
+                                   worker_id=self.worker_id)
+                await publish(self.producer, TOKENS, chunk, partition=request.reply_partition, wait=False)
+            if out.finish_reason is not None:
+                seq = out.seq
+                queue, prefill, decode = seq.timings()
+                done = Completion(
+                    request_id=rid, conversation_id=request.conversation_id, tenant=request.tenant,
+                    seq=out.completion_seq, finish_reason=out.finish_reason, error=out.error,
+                    usage=Usage(prompt_tokens=len(seq.prompt_ids), completion_tokens=len(seq.generated)),
+                    timings=Timings(queue_s=queue, prefill_s=prefill, decode_s=decode),
+                    dropped_messages=request.dropped_messages, worker_id=self.worker_id)
+                future = await self.producer.send(TOKENS.name, encode(done), key=rid.encode(),
+                                                  partition=request.reply_partition,
+                                                  headers=[("event-type", b"completion")])
+                self.owned.pop(rid, None)
+                task = asyncio.create_task(self._after_delivery(future, tp, offset))
+                self.pending_completions.add(task)
+                task.add_done_callback(self.pending_completions.discard)
+
+    async def _after_delivery(self, future, tp: TopicPartition, offset: int) -> None:
+        await future  # acknowledged by the broker (acks=all): now the request may be committed
+        await self._done(tp, offset)
+
+    async def _done(self, tp: TopicPartition, offset: int) -> None:
+        self.tracker.done(tp, offset)
+        await self._commit()
+
+    async def _commit(self) -> None:
+        async with self.commit_lock:
+            assignment = self.consumer.assignment()
+            offsets = {tp: off for tp, off in self.tracker.committable().items() if tp in assignment}
+            if not offsets:
+                return
+            try:
+                await self.consumer.commit(offsets)
+            except (KafkaError, AssertionError) as exc:  # rebalancing: the new owner redoes the rest
+                log.warning("commit of %s failed: %s", offsets, exc)
+                return
+            self.tracker.mark_committed(offsets)
+            self.metrics.commits.labels(self.cfg.model).inc()
+
+
+async def run_worker(cfg: WorkerConfig, stop: asyncio.Event | None = None, *, loaded=None,
+                     bootstrap: str | None = None, on_ready=None) -> None:
+    """Load the model (unless given), build the engine and serve until `stop` is set."""
+    from gpu_workers.kv_cache import PagedKVCache
+    from gpu_workers.model_loader import load
+    from tokenstream.config import settings
+    from topics.admin import apply
+
+    stop = stop or asyncio.Event()
+    bootstrap = bootstrap or settings().kafka_bootstrap
+    if loaded is None:
+        loaded = await asyncio.to_thread(load, cfg.model, cfg.model_path, cfg.dtype, cfg.quantization,
+                                         cfg.device, cfg.device_map)
+    cache = PagedKVCache.for_model(loaded.model, cfg.kv_blocks, cfg.block_size, cfg.kv_memory_gb)
+    metrics = WorkerMetrics(cfg.model)
+    if cfg.metrics_port:
+        metrics.serve(cfg.metrics_port)
+    engine = Engine(loaded.model, loaded.tokenizer, cache, max_running=cfg.max_running,
+                    prefill_chunk=cfg.prefill_chunk, max_model_len=cfg.max_model_len, metrics=metrics)
+    log.info("worker: device=%s model=%s (%s, %.1fM params) dtype=%s quantization=%s "
+             "kv budget=%d pages x %d tokens = %d tokens (%.1f MiB) max_running=%d prefill_chunk=%d metrics=%s",
+             loaded.device, cfg.model, loaded.source, loaded.params / 1e6, loaded.dtype, loaded.quantization,
+             cache.allocator.num_blocks, cache.block_size, cache.capacity_tokens, cache.nbytes() / 2**20,
+             cfg.max_running, cfg.prefill_chunk, cfg.metrics_port or "off")
+    await apply([inference_topic(cfg.model), TOKENS, CONTROL], bootstrap)
+    worker = Worker(cfg, engine, metrics, bootstrap)
+    if on_ready is not None:
+        asyncio.get_running_loop().create_task(_when_ready(worker, on_ready))
+    await worker.run(stop)
+
+
+async def _when_ready(worker: Worker, on_ready) -> None:
+    await worker.ready.wait()
+    on_ready(worker)
