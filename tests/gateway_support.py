@@ -238,3 +238,29 @@ def metric(url: str, name: str, labels: str = "") -> float:
 
 def here() -> Path:
     return Path(os.path.dirname(__file__))
+
+
+async def sse(response) -> "AsyncIterator[tuple[str | None, str]]":  # noqa: F821
+    """(id, data) of each SSE event of an httpx streaming response; comments are skipped."""
+    event_id, data = None, []
+    async for line in response.aiter_lines():
+        if line == "":
+            if data:
+                yield event_id, "\n".join(data)
+            event_id, data = None, []
+        elif line.startswith(":"):
+            continue
+        else:
+            name, _, value = line.partition(":")
+            value = value[1:] if value.startswith(" ") else value
+            if name == "id":
+                event_id = value
+            elif name == "data":
+                data.append(value)
+
+
+def content_of(data: str) -> str:
+    if data == "[DONE]":
+        return ""
+    body = json.loads(data)
+    return "".join((c["delta"].get("content") or "") for c in body.get("choices", []))
