@@ -19,9 +19,10 @@ from schemas.codec import (
     encode,
 )
 from schemas.control import Cancel, RouteUpdate
+from schemas.conversation import ConversationHistory
 from schemas.deadletter import DeadLetter
 from schemas.requests import ChatMessage, ChatRequest, InferenceRequest, SamplingParams
-from schemas.safety import SafetyVerdict
+from schemas.safety import OutputWindow, SafetyVerdict
 from schemas.tokens import Completion, FinishReason, Timings, TokenChunk, Usage
 from schemas.tools import ToolCall, ToolResult
 from schemas.tracing import TraceContext
@@ -36,6 +37,8 @@ ALL_EVENTS: tuple[type[Event], ...] = (
     SafetyVerdict,
     Cancel,
     RouteUpdate,
+    ConversationHistory,
+    OutputWindow,
     DeadLetter,
 )
 
@@ -46,12 +49,14 @@ __all__ = [
     "ChatMessage",
     "ChatRequest",
     "Completion",
+    "ConversationHistory",
     "DeadLetter",
     "DecodeError",
     "Event",
     "FinishReason",
     "InferenceRequest",
     "MalformedEvent",
+    "OutputWindow",
     "RouteUpdate",
     "SafetyVerdict",
     "SamplingParams",

@@ -23,3 +23,17 @@ class SafetyVerdict(Event, tag="safety_verdict"):
     scores: dict[str, float] = msgspec.field(default_factory=dict)
     policy_version: str = ""
     window_end_seq: int = -1
+
+
+class OutputWindow(Event, tag="output_window"):
+    """The safety processor's view of one streaming answer (its table row, keyed by request_id).
+
+    text is the tail of the answer still to be judged together with what comes next;
+    last_seq is the last chunk folded in (a replayed chunk with seq <= last_seq is ignored);
+    pending_tokens counts tokens since the last judgement.
+    """
+
+    text: str = ""
+    last_seq: int = -1
+    pending_tokens: int = 0
+    blocked: bool = False

@@ -43,10 +43,15 @@ class Timings(msgspec.Struct, kw_only=True):
 
 
 class Completion(Event, tag="completion"):
-    """Last event of a request on the tokens topic. seq follows the last TokenChunk."""
+    """Last event of a request on the tokens topic. seq follows the last TokenChunk.
+
+    text is the whole generated answer (the chunks joined): the conversation processor
+    appends it to the history, and an auditor reads an answer without replaying chunks.
+    """
 
     seq: int
     finish_reason: FinishReason
+    text: str = ""
     usage: Usage = msgspec.field(default_factory=Usage)
     timings: Timings = msgspec.field(default_factory=Timings)
     error: str | None = None

@@ -9,9 +9,11 @@ from schemas import (
     Cancel,
     ChatRequest,
     Completion,
+    ConversationHistory,
     DeadLetter,
     Event,
     InferenceRequest,
+    OutputWindow,
     RouteUpdate,
     SafetyVerdict,
     TokenChunk,
@@ -49,9 +51,20 @@ CHAT_REQUESTS = TopicSpec(
     "requests as the gateway admitted them; input to the conversation processor",
     _retained(7),
 )
+PREPARED = TopicSpec(
+    "ts.requests.prepared", 12, "request_id", (InferenceRequest,),
+    "requests with their full, trimmed history; input to the safety processor",
+    _retained(7),
+)
+SCREENED = TopicSpec(
+    "ts.requests.screened", 12, "request_id", (InferenceRequest,),
+    "requests whose input passed safety; input to the router",
+    _retained(7),
+)
 TOKENS = TopicSpec(
-    "ts.tokens", 12, "request_id", (TokenChunk, Completion),
-    "generated tokens and completions; the partition is chosen by the gateway that holds the connection",
+    "ts.tokens", 12, "request_id", (TokenChunk, Completion, SafetyVerdict),
+    "generated tokens and completions (and blocking output verdicts, in band); "
+    "the partition is chosen by the gateway that holds the connection",
     _retained(1, **{"message.timestamp.type": "LogAppendTime"}),
 )
 CONTROL = TopicSpec(
@@ -70,9 +83,21 @@ TOOL_CALLS = TopicSpec(
 TOOL_RESULTS = TopicSpec(
     "ts.tool.results", 6, "request_id", (ToolResult,), "outcomes of tool invocations", _retained(7),
 )
+CONVERSATION_TURNS = TopicSpec(
+    "ts.conversation.turns", 12, "conversation_id", (Completion,),
+    "finished answers re-keyed by conversation, so the history table can append them",
+    _retained(7),
+)
+# Changelogs of the processors' faust tables. Faust names them <app id>-<table>-changelog;
+# they are listed here so that `topics apply` owns their partitions and configs.
 CONVERSATIONS = TopicSpec(
-    "ts.conversations", 12, "conversation_id", (ChatRequest,),
-    "latest full history of each conversation (compacted: one record per key survives)",
+    "ts-conversation-history-changelog", 12, "conversation_id", (ConversationHistory,),
+    "history of each conversation, the conversation processor's table (compacted)",
+    {"cleanup.policy": "compact", "min.cleanable.dirty.ratio": "0.1", "segment.ms": str(DAY_MS)},
+)
+SAFETY_WINDOWS = TopicSpec(
+    "ts-safety-windows-changelog", 12, "request_id", (OutputWindow,),
+    "the text window under review of each streaming answer, the safety processor's table (compacted)",
     {"cleanup.policy": "compact", "min.cleanable.dirty.ratio": "0.1", "segment.ms": str(DAY_MS)},
 )
 ROUTES = TopicSpec(
@@ -103,7 +128,8 @@ def inference_topic(model: str) -> TopicSpec:
 
 
 REGISTRY: tuple[TopicSpec, ...] = (
-    CHAT_REQUESTS, TOKENS, CONTROL, VERDICTS, TOOL_CALLS, TOOL_RESULTS, CONVERSATIONS, ROUTES, DEAD_LETTER,
+    CHAT_REQUESTS, PREPARED, SCREENED, TOKENS, CONTROL, VERDICTS, TOOL_CALLS, TOOL_RESULTS,
+    CONVERSATION_TURNS, CONVERSATIONS, SAFETY_WINDOWS, ROUTES, DEAD_LETTER,
 )
 
 
