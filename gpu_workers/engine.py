@@ -47,7 +47,7 @@ class Engine:
         self.reserved_blocks = 0
         self._inbox: collections.deque[Sequence] = collections.deque()
         self._cancels: collections.deque[str] = collections.deque()
-        self._aborts: collections.deque[str] = collections.deque()
+        self._aborts: collections.deque[Sequence] = collections.deque()
         self._recent_cancels: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.wakeup = threading.Event()
         self.steps = 0
@@ -63,9 +63,9 @@ class Engine:
         self._cancels.append(request_id)
         self.wakeup.set()
 
-    def abort(self, request_id: str) -> None:
-        """Drop a request without any output (its partition moved to another worker)."""
-        self._aborts.append(request_id)
+    def abort(self, seq: Sequence) -> None:
+        """Drop this request without any output (its partition moved to another worker)."""
+        self._aborts.append(seq)
         self.wakeup.set()
 
     @property
@@ -112,18 +112,21 @@ class Engine:
                 self.waiting.append(seq)
 
     def _take_cancels(self, outputs: list[Output]) -> None:
-        for queue, reason in ((self._cancels, "cancelled"), (self._aborts, None)):
-            while queue:
-                rid = queue.popleft()
-                if reason:
-                    self._recent_cancels[rid] = None
-                    while len(self._recent_cancels) > 10_000:
-                        self._recent_cancels.popitem(last=False)
-                for seq in [s for s in self.waiting if s.request_id == rid]:
-                    self.waiting.remove(seq)
-                    self._finish(seq, reason, outputs)
-                for seq in [s for s in self.running if s.request_id == rid]:
-                    self._finish(seq, reason, outputs)
+        while self._aborts:
+            seq = self._aborts.popleft()
+            if seq in self.waiting:
+                self.waiting.remove(seq)
+            self._finish(seq, None, outputs)
+        while self._cancels:
+            rid = self._cancels.popleft()
+            self._recent_cancels[rid] = None
+            while len(self._recent_cancels) > 10_000:
+                self._recent_cancels.popitem(last=False)
+            for seq in [s for s in self.waiting if s.request_id == rid]:
+                self.waiting.remove(seq)
+                self._finish(seq, "cancelled", outputs)
+            for seq in [s for s in self.running if s.request_id == rid]:
+                self._finish(seq, "cancelled", outputs)
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_running:

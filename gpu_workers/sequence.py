@@ -9,7 +9,7 @@ from typing import Any
 from gpu_workers.stops import StopMatcher
 
 
-@dataclass
+@dataclass(eq=False)  # identity: two requests are never "equal"
 class Sequence:
     request_id: str
     prompt_ids: list[int]

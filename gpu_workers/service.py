@@ -62,7 +62,8 @@ class Worker:
         self.group = f"worker.{cfg.model}"
         self.tracker = OffsetTracker()
         self.takeover_below: dict[TopicPartition, int] = {}
-        self.owned: dict[str, tuple[TopicPartition, int, InferenceRequest]] = {}
+        self.owned: dict[str, tuple[TopicPartition, int, InferenceRequest, Sequence]] = {}
+        self.generation = 0
         self.step_lock = asyncio.Lock()
         self.commit_lock = asyncio.Lock()
         self.work = asyncio.Event()
@@ -113,9 +114,10 @@ class Worker:
 
     async def revoked(self, tps: set[TopicPartition]) -> None:
         """Hand partitions over cleanly: stop their requests, finish the step, flush what was written."""
-        lost = [rid for rid, (tp, _, _) in self.owned.items() if tp in tps]
+        self.generation += 1
+        lost = [rid for rid, (tp, *_) in self.owned.items() if tp in tps]
         for rid in lost:
-            self.engine.abort(rid)
+            self.engine.abort(self.owned[rid][3])
         async with self.step_lock:
             for tp in tps:
                 self.tracker.drop(tp)
@@ -140,11 +142,12 @@ class Worker:
             if paused:
                 self.consumer.resume(*self.consumer.assignment())
                 paused = False
+            generation = self.generation
             batches = await self.consumer.getmany(timeout_ms=100, max_records=room)
             for tp, records in batches.items():
                 for rec in records:
-                    if tp not in self.consumer.assignment():
-                        break
+                    if generation != self.generation or tp not in self.consumer.assignment():
+                        break  # fetched before a rebalance: the new assignment re-delivers it
                     await self._accept(tp, rec)
             self.work.set()
 
@@ -156,6 +159,8 @@ class Worker:
             await dead_letter(self.producer, rec, exc, group=self.group)
             await self._done(tp, rec.offset)
             return
+        if request.request_id in self.owned:
+            return  # a duplicate of a request this worker is running
         s = request.sampling
         seq = Sequence(request.request_id, prompt_ids(self.engine.tokenizer, request), max_tokens=s.max_tokens,
                        temperature=s.temperature, top_p=s.top_p, seed=s.seed, stop=list(s.stop),
@@ -172,7 +177,7 @@ class Worker:
                 seq.resumed = len(seq.generated)
                 seq.emitted_text = emitted.text
                 seq.next_seq = len(emitted.chunks)
-        self.owned[request.request_id] = (tp, rec.offset, request)
+        self.owned[request.request_id] = (tp, rec.offset, request, seq)
         self.engine.add(seq)
 
     async def _cancels(self, stop: asyncio.Event) -> None:
@@ -214,7 +219,7 @@ class Worker:
             owned = self.owned.get(rid)
             if owned is None:
                 continue  # aborted: its partition belongs to another worker now
-            tp, offset, request = owned
+            tp, offset, request, _ = owned
             if out.chunk_seq is not None:
                 chunk = TokenChunk(request_id=rid, conversation_id=request.conversation_id, tenant=request.tenant,
                                    seq=out.chunk_seq, text=out.text, token_ids=out.token_ids,

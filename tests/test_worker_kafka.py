@@ -1,0 +1,236 @@
+"""The worker against the real broker: streaming, commits, metrics, cancel, and kill -9 failover."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import time
+import uuid
+from collections import defaultdict
+
+import httpx
+import pytest
+from aiokafka import AIOKafkaConsumer
+from aiokafka.structs import TopicPartition
+
+from gpu_workers.config import WorkerConfig
+from gpu_workers.model_loader import load
+from gpu_workers.random_model import build
+from gpu_workers.service import run_worker
+from producers import decode_record, publish, start_producer
+from schemas import Cancel, ChatMessage, Completion, InferenceRequest, SamplingParams, TokenChunk
+from topics import CONTROL, TOKENS, inference_topic
+from topics.admin import apply
+
+REPLY = 5
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    return build(tmp_path_factory.mktemp("tiny-kafka-model"))
+
+
+@pytest.fixture(scope="session")
+def tiny_loaded(tiny_dir):
+    return load("tiny", tiny_dir)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def request(model: str, text: str, max_tokens: int, **sampling) -> InferenceRequest:
+    return InferenceRequest(request_id=f"req-{uuid.uuid4().hex[:10]}", model=model, reply_partition=REPLY,
+                            messages=[ChatMessage(role="user", content=text)],
+                            sampling=SamplingParams(max_tokens=max_tokens, temperature=0, **sampling))
+
+
+class TokenReader:
+    """Reads the reply partition of the tokens topic from where it ended when created."""
+
+    def __init__(self, bootstrap: str) -> None:
+        self.bootstrap = bootstrap
+        self.events: dict[str, list] = defaultdict(list)
+
+    async def __aenter__(self):
+        self.consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, enable_auto_commit=False)
+        await self.consumer.start()
+        self.tp = TopicPartition(TOKENS.name, REPLY)
+        self.consumer.assign([self.tp])
+        await self.consumer.seek_to_end(self.tp)
+        await self.consumer.position(self.tp)
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.consumer.stop()
+
+    async def until(self, done, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not done(self):
+            assert time.monotonic() < deadline, f"timed out; seen {dict((k, len(v)) for k, v in self.events.items())}"
+            for records in (await self.consumer.getmany(timeout_ms=200)).values():
+                for rec in records:
+                    self.events[rec.key.decode()].append(decode_record(rec, TOKENS))
+
+    def completion(self, rid: str) -> Completion | None:
+        return next((e for e in self.events[rid] if isinstance(e, Completion)), None)
+
+    def chunks(self, rid: str) -> list[TokenChunk]:
+        return [e for e in self.events[rid] if isinstance(e, TokenChunk)]
+
+    def all_complete(self, rids) -> bool:
+        return all(self.completion(r) is not None for r in rids)
+
+
+def assert_gap_free(reader: TokenReader, rid: str) -> Completion:
+    """One chunk per seq 0..n-1, no duplicate, then exactly one completion with seq n."""
+    events = reader.events[rid]
+    seqs = [e.seq for e in events]
+    assert seqs == list(range(len(events))), seqs
+    completions = [e for e in events if isinstance(e, Completion)]
+    assert len(completions) == 1 and events[-1] is completions[0]
+    return completions[0]
+
+
+async def committed(bootstrap: str, model: str) -> int:
+    spec = inference_topic(model)
+    c = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=f"worker.{model}", enable_auto_commit=False)
+    await c.start()
+    try:
+        return sum([(await c.committed(TopicPartition(spec.name, p))) or 0 for p in range(spec.partitions)])
+    finally:
+        await c.stop()
+
+
+async def start_inprocess(cfg: WorkerConfig, loaded, bootstrap: str):
+    stop, ready = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(run_worker(cfg, stop, loaded=loaded, bootstrap=bootstrap,
+                                          on_ready=lambda w: ready.set()))
+    await asyncio.wait_for(ready.wait(), 60)
+    return stop, task
+
+
+async def test_worker_streams_commits_and_exports_metrics(bootstrap, unique, tiny_loaded):
+    model = f"tiny-{unique}"
+    port = free_port()
+    cfg = WorkerConfig(model=model, metrics_port=port, max_running=4, worker_id="w1")
+    stop, task = await start_inprocess(cfg, tiny_loaded, bootstrap)
+    producer = await start_producer(bootstrap)
+    try:
+        async with TokenReader(bootstrap) as reader:
+            reqs = [request(model, f"Tell me about topic {i}", max_tokens=5 + 7 * i) for i in range(6)]
+            for r in reqs:
+                await publish(producer, inference_topic(model), r)
+            await reader.until(lambda rd: rd.all_complete([r.request_id for r in reqs]))
+        for r in reqs:
+            done = assert_gap_free(reader, r.request_id)
+            ids = [t for c in reader.chunks(r.request_id) for t in c.token_ids]
+            assert done.usage.completion_tokens == len(ids) and done.usage.prompt_tokens > 5
+            if done.finish_reason == "length":
+                assert len(ids) == r.sampling.max_tokens
+            text = "".join(c.text for c in reader.chunks(r.request_id))
+            assert text == tiny_loaded.tokenizer.decode(ids, skip_special_tokens=True)
+            assert done.worker_id == "w1" and done.timings.decode_s >= 0 and done.timings.prefill_s > 0
+        # offsets are committed once completions are durable: all 6 requests, across partitions
+        deadline = time.monotonic() + 10
+        while await committed(bootstrap, model) < len(reqs):
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.2)
+        assert await committed(bootstrap, model) == len(reqs)
+        async with httpx.AsyncClient() as client:
+            body = (await client.get(f"http://127.0.0.1:{port}/metrics")).text
+        for name in ("vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
+                     "vllm:e2e_request_latency_seconds_count", "vllm:request_queue_time_seconds_count",
+                     "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                     "vllm:prompt_tokens_total", "vllm:generation_tokens_total"):
+            assert name in body
+        line = next(x for x in body.splitlines() if x.startswith("vllm:e2e_request_latency_seconds_count"))
+        assert float(line.split()[-1]) == 6
+    finally:
+        stop.set()
+        await task
+        await producer.stop()
+
+
+async def test_cancel_on_control_topic_ends_request_as_cancelled(bootstrap, unique, tiny_loaded):
+    model = f"tiny-{unique}"
+    cfg = WorkerConfig(model=model, step_delay_s=0.05)
+    await apply([CONTROL], bootstrap)
+    stop, task = await start_inprocess(cfg, tiny_loaded, bootstrap)
+    producer = await start_producer(bootstrap)
+    try:
+        async with TokenReader(bootstrap) as reader:
+            victim, other = request(model, "a long story", 400), request(model, "another story", 40)
+            for r in (victim, other):
+                await publish(producer, inference_topic(model), r)
+            await reader.until(lambda rd: len(rd.chunks(victim.request_id)) >= 3)
+            sent = time.monotonic()
+            await publish(producer, CONTROL, Cancel(request_id=victim.request_id, reason="test"))
+            await reader.until(lambda rd: rd.completion(victim.request_id) is not None, timeout=10)
+            assert time.monotonic() - sent < 2.0
+            done = assert_gap_free(reader, victim.request_id)
+            assert done.finish_reason == "cancelled" and done.usage.completion_tokens < 400
+            await reader.until(lambda rd: rd.completion(other.request_id) is not None)
+            assert assert_gap_free(reader, other.request_id).finish_reason in ("length", "stop")
+    finally:
+        stop.set()
+        await task
+        await producer.stop()
+
+
+def wait_for_log(roles, proc, text: str, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in roles.log(proc):
+        assert proc.poll() is None, roles.log(proc)[-3000:]
+        assert time.monotonic() < deadline, roles.log(proc)[-3000:]
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+async def test_kill9_mid_stream_second_worker_finishes_gap_free(bootstrap, unique, roles, tiny_dir, tiny_loaded):
+    tokenizer = tiny_loaded.tokenizer
+    model = f"tiny-{unique}"
+    await apply([inference_topic(model), TOKENS, CONTROL], bootstrap)
+    args = ["worker", "--model", model, "--model-path", str(tiny_dir), "--step-delay", "0.05"]
+    a = roles.start(*args, "--worker-id", "A", name="worker-A")
+    b = roles.start(*args, "--worker-id", "B", name="worker-B")
+    await asyncio.to_thread(wait_for_log, roles, a, "worker ready")
+    await asyncio.to_thread(wait_for_log, roles, b, "worker ready")
+    await asyncio.sleep(3)  # both joined: the group settles with partitions split over A and B
+    producer = await start_producer(bootstrap)
+    try:
+        async with TokenReader(bootstrap) as reader:
+            reqs = [request(model, f"request number {i}", 120) for i in range(8)]
+            for r in reqs:
+                await publish(producer, inference_topic(model), r)
+            rids = [r.request_id for r in reqs]
+            await reader.until(lambda rd: all(len(rd.chunks(x)) >= 8 for x in rids), timeout=90)
+            on_a = [x for x in rids if reader.chunks(x)[-1].worker_id == "A"]
+            assert on_a, "worker A owns none of the requests"
+            os.killpg(a.pid, signal.SIGKILL)
+            killed_at = {x: len(reader.events[x]) for x in on_a}
+            await reader.until(lambda rd: rd.all_complete(rids), timeout=120)
+        for r in reqs:
+            done = assert_gap_free(reader, r.request_id)  # raw log: no gap, no duplicate
+            chunks = reader.chunks(r.request_id)
+            ids = [t for c in chunks for t in c.token_ids]
+            assert done.usage.completion_tokens == len(ids)
+            if done.finish_reason == "length":
+                assert len(ids) == 120
+            assert "".join(c.text for c in chunks) == tokenizer.decode(ids, skip_special_tokens=True)
+        for x in on_a:  # A's requests: A emitted the start, B resumed where A stopped and completed
+            workers = [c.worker_id for c in reader.chunks(x)]
+            assert workers[0] == "A" and reader.completion(x).worker_id == "B"
+            assert workers == sorted(workers)  # A...A then B...B: one handover, no interleaving
+            assert killed_at[x] < len(reader.events[x])
+        deadline = time.monotonic() + 20
+        while await committed(bootstrap, model) < len(reqs):
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.5)
+        assert "takeover" in roles.log(b)
+    finally:
+        await producer.stop()
