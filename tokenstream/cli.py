@@ -117,6 +117,15 @@ ROLE_COMMANDS = {
 }
 
 
+def _register_route_commands() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("processors.router.control") is not None:
+        from processors.router.control import app as route_app
+
+        app.add_typer(route_app, name="route")
+
+
 def _register_roles() -> None:
     import importlib
     import importlib.util
@@ -131,6 +140,7 @@ def _register_roles() -> None:
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _register_roles()
+    _register_route_commands()
     app()
 
 

@@ -36,6 +36,8 @@ class Settings(BaseSettings):
                             description="downloaded Kafka jars and the built Weaviate binary")
 
     models: list[str] = ["smollm2"]
+    model_paths: dict[str, Path] = Field(
+        default_factory=dict, description="served model name -> local Hugging Face folder (JSON object)")
 
 
 @lru_cache

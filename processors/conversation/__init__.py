@@ -1,0 +1,1 @@
+"""Conversation manager: history per conversation, assistant presets, context-window trimming."""

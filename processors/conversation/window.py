@@ -1,0 +1,51 @@
+"""Fitting a conversation into the model's context window, counted with the model's own tokenizer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from schemas import ChatMessage
+
+
+class PromptTooLong(ValueError):
+    """Even the newest message alone does not fit."""
+
+
+def chat_template_counter(tokenizer) -> Callable[[list[ChatMessage]], int]:
+    """Tokens of the prompt exactly as the worker will render it (chat template, generation prompt)."""
+
+    def count(messages: list[ChatMessage]) -> int:
+        rendered = [{"role": m.role, "content": m.content} for m in messages]
+        ids = tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return len(ids)
+
+    return count
+
+
+def trim(messages: list[ChatMessage], count: Callable[[list[ChatMessage]], int],
+         budget: int) -> tuple[list[ChatMessage], int]:
+    """Drop the oldest turns until the prompt takes at most `budget` tokens.
+
+    System messages and the newest message always stay; the kept part starts with a user
+    turn. Returns the kept messages and how many were dropped. Binary search over the cut,
+    since the count only falls as more is dropped.
+    """
+    system = [m for m in messages if m.role == "system"]
+    rest = [m for m in messages if m.role != "system"]
+    if count(messages) <= budget:
+        return list(messages), 0
+    low, high = 1, len(rest) - 1  # drop rest[:cut]; cut=len(rest)-1 keeps only the newest message
+    if high < low or count([*system, rest[-1]]) > budget:
+        raise PromptTooLong(f"the newest message alone exceeds the {budget}-token budget")
+    while low < high:
+        mid = (low + high) // 2
+        if count([*system, *rest[mid:]]) <= budget:
+            high = mid
+        else:
+            low = mid + 1
+    cut = low
+    while cut < len(rest) - 1 and rest[cut].role != "user":
+        cut += 1
+    return [*system, *rest[cut:]], cut

@@ -1,0 +1,111 @@
+"""What every processor shares: its faust app, registry topics as raw bytes, typed decode and send."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import faust
+from faust.types import EventT
+
+from schemas import DeadLetter, DecodeError, Event, TraceContext, decode, encode
+from tokenstream.config import settings
+from topics import DEAD_LETTER, TopicSpec
+
+log = logging.getLogger(__name__)
+TYPE_HEADER = "event-type"
+
+
+def make_app(role: str, **overrides) -> faust.App:
+    """A faust app whose id (and consumer group) is `ts-<role>`, with exactly-once processing."""
+    cfg = settings()
+    brokers = ";".join(f"kafka://{b.strip()}" for b in cfg.kafka_bootstrap.split(","))
+    options = dict(
+        broker=brokers,
+        processing_guarantee="exactly_once",
+        store="memory://",  # tables are rebuilt from their changelog topics at start
+        web_enabled=False,
+        consumer_auto_offset_reset="earliest",
+        topic_replication_factor=cfg.kafka_replication,
+        topic_partitions=12,
+        broker_commit_every=100,
+        broker_session_timeout=10.0,  # a killed member's partitions move on within seconds
+        broker_heartbeat_interval=1.0,
+        broker_commit_interval=0.2,
+        stream_wait_empty=False,
+    )
+    options.update(overrides)
+    return faust.App(f"ts-{role}", **options)
+
+
+def topic(app: faust.App, spec: TopicSpec) -> faust.TopicT:
+    """A registry topic as faust sees it: raw bytes, decoded by `schemas` (not by faust)."""
+    return app.topic(spec.name, key_type=bytes, value_type=bytes, key_serializer="raw",
+                     value_serializer="raw", partitions=spec.partitions)
+
+
+def table(app: faust.App, spec: TopicSpec, name: str) -> faust.Table:
+    """A table whose changelog is the registry's `spec` (faust names it <app id>-<name>-changelog)."""
+    assert spec.name == f"{app.conf.id}-{name}-changelog", f"registry name {spec.name} != faust's"
+    return app.Table(name, partitions=spec.partitions, key_type=bytes, value_type=bytes)  # bytes: raw
+
+
+def trace_of(event: EventT) -> TraceContext:
+    headers = event.message.headers or []
+    items = headers.items() if isinstance(headers, dict) else headers
+    found = TraceContext.from_headers([(k, v) for k, v in items])
+    return (found or TraceContext.new()).child()
+
+
+async def typed(stream: faust.StreamT, specs: dict[str, TopicSpec],
+                dead_letters: faust.TopicT) -> AsyncIterator[tuple[Event, EventT]]:
+    """Yield (event, faust event) for each record; undecodable ones go to the dead-letter topic."""
+    async for event in stream.events():
+        message = event.message
+        try:
+            yield decode(event.value or b"", *specs[message.topic].events), event
+        except DecodeError as exc:
+            log.warning("dead-lettered %s[%d]@%d: %s", message.topic, message.partition, message.offset,
+                        exc.reason)
+            key = message.key if isinstance(message.key, bytes) else None
+            headers = message.headers or []
+            items = headers.items() if isinstance(headers, dict) else headers
+            letter = DeadLetter(
+                request_id=key.decode("utf-8", "replace") if key else "", reason=exc.reason,
+                error_type=type(exc).__name__, source_topic=message.topic,
+                source_partition=message.partition, source_offset=message.offset,
+                consumer_group=stream.app.conf.id, payload=event.value or b"", key=key,
+                headers=[(k, bytes(v)) for k, v in items],
+            )
+            await send(dead_letters, DEAD_LETTER, letter, key=letter.request_id)
+
+
+async def send(target: faust.TopicT, spec: TopicSpec, event: Event, *, key: str,
+               partition: int | None = None, trace: TraceContext | None = None) -> None:
+    """Write a typed event; inside an agent it joins the transaction of the input partition."""
+    if not isinstance(event, spec.events):
+        raise TypeError(f"{type(event).__name__} does not belong on topic {spec.name}")
+    headers = [(TYPE_HEADER, type(event).__struct_config__.tag.encode())]
+    if trace is not None:
+        headers += trace.headers()
+    await target.send(key=key.encode(), value=encode(event), partition=partition, headers=headers)
+
+
+def get(tbl: faust.Table, key: str, kind: type[Event]) -> Event | None:
+    raw = tbl.get(key.encode())
+    return decode(raw, kind) if raw else None
+
+
+def put(tbl: faust.Table, key: str, value: Event | None) -> None:
+    """Store (or, with None, delete) a table row; the changelog write joins the transaction."""
+    if value is None:
+        tbl.pop(key.encode(), None)
+    else:
+        tbl[key.encode()] = encode(value)
+
+
+def run(app: faust.App, loglevel: str = "warn") -> None:
+    """Run the app's worker in this process until SIGTERM/SIGINT (what `tokenstream processor X` does)."""
+    from faust.worker import Worker
+
+    Worker(app, loglevel=loglevel, quiet=True).execute_from_commandline()

@@ -1,0 +1,118 @@
+"""The router: ts.requests.screened -> ts.inference.<target>.
+
+Routes come from configuration, overlaid by RouteUpdate events on the compacted ts.routes
+topic (read whole at start, then followed), so canary weights change at run time and a
+rollback is one event. Load is the consumer lag of each target's worker group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import msgspec
+from aiokafka.structs import TopicPartition
+
+from processors.faust_app import make_app, send, topic, trace_of, typed
+from processors.router.config import Route, RouterSettings
+from processors.router.policy import decide
+from producers import start_consumer
+from producers.lag import LagSampler
+from schemas import Completion, DecodeError, RouteUpdate, decode
+from tokenstream.config import settings
+from topics import DEAD_LETTER, ROUTES, SCREENED, TOKENS, inference_topic
+
+log = logging.getLogger(__name__)
+
+cfg = RouterSettings()
+app = make_app("router")
+screened_in, tokens_out, dead_letters = topic(app, SCREENED), topic(app, TOKENS), topic(app, DEAD_LETTER)
+routes: dict[str, Route] = dict(cfg.routes)  # a cache of config + ts.routes, rebuilt at every start
+routes_ready = asyncio.Event()
+sampler = LagSampler(settings().kafka_bootstrap)
+_outputs: dict[str, object] = {}
+
+
+def apply_update(update: RouteUpdate) -> None:
+    base = routes.get(update.model) or cfg.routes.get(update.model) or Route()
+    routes[update.model] = base.model_copy(update={"weights": dict(update.weights),
+                                                   "fallback": update.fallback or base.fallback})
+    log.info("route %s: weights %s, fallback %s", update.model, update.weights, routes[update.model].fallback)
+
+
+@app.task
+async def follow_routes() -> None:
+    """Read ts.routes from the beginning (compacted: the latest weights per model), then follow it."""
+    consumer = await start_consumer(group=None)
+    try:
+        tps = [TopicPartition(ROUTES.name, p) for p in range(ROUTES.partitions)]
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        ends = await consumer.end_offsets(tps)
+        while True:
+            for records in (await consumer.getmany(timeout_ms=200)).values():
+                for record in records:
+                    try:
+                        apply_update(decode(record.value or b"", RouteUpdate))
+                    except DecodeError as exc:
+                        log.warning("ignoring bad route update at offset %d: %s", record.offset, exc.reason)
+            if not routes_ready.is_set() and all(await _reached(consumer, tp, end) for tp, end in ends.items()):
+                routes_ready.set()
+    finally:
+        await consumer.stop()
+
+
+async def _reached(consumer, tp: TopicPartition, end: int) -> bool:
+    return await consumer.position(tp) >= end
+
+
+def targets() -> set[str]:
+    found = set()
+    for model, route in routes.items():
+        found |= set(route.weights or {model: 1.0}) | set(route.tiers.values())
+        if route.fallback:
+            found.add(route.fallback)
+    return found
+
+
+@app.task
+async def sample_loads() -> None:
+    while True:
+        for target in targets():
+            try:
+                await sampler.sample(f"worker.{target}", inference_topic(target).name)
+            except Exception as exc:  # noqa: BLE001 - the broker may be restarting
+                log.warning("lag sample of %s failed: %s", target, exc)
+        await asyncio.sleep(cfg.poll_s)
+
+
+def waits() -> dict[str, float]:
+    return {load.group.removeprefix("worker."): load.wait_s(cfg.min_rate) for load in sampler.loads.values()}
+
+
+async def exists(target: str) -> bool:
+    load = sampler.loads.get((f"worker.{target}", inference_topic(target).name))
+    if load is None or load.partitions == 0:
+        load = await sampler.sample(f"worker.{target}", inference_topic(target).name)
+    return load.partitions > 0
+
+
+@app.agent(screened_in)
+async def route(stream):
+    await routes_ready.wait()
+    async for request, raw in typed(stream, {SCREENED.name: SCREENED}, dead_letters):
+        tier = cfg.tenant_tiers.get(request.tenant, cfg.default_tier)
+        decision = decide(request.request_id, request.model, routes.get(request.model), tier, waits(),
+                          cfg.wait_budget_s)
+        spec = inference_topic(decision.target)
+        trace = trace_of(raw)
+        if not await exists(decision.target):
+            await send(tokens_out, TOKENS, Completion(
+                request_id=request.request_id, conversation_id=request.conversation_id, tenant=request.tenant,
+                seq=0, finish_reason="error", error=f"no worker group serves model {decision.target!r}",
+            ), key=request.request_id, partition=request.reply_partition, trace=trace)
+            continue
+        out = _outputs.get(spec.name) or _outputs.setdefault(spec.name, topic(app, spec))
+        routed = msgspec.structs.replace(request, model=decision.target)
+        await send(out, spec, routed, key=request.request_id, trace=trace)
+        log.debug("routed %s: %s -> %s (%s)", request.request_id, request.model, decision.target, decision.reason)

