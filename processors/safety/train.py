@@ -25,9 +25,9 @@ from processors.safety.config import DATA_DIR, SafetySettings, safety_settings
 
 @dataclass(frozen=True)
 class HeadConfig:
-    epochs: int = 400
+    epochs: int = 300  # full-batch Adam steps
     lr: float = 0.05
-    l2: float = 1e-4  # times the squared weights, added to the example-averaged loss
+    l2: float = 3e-5  # times the squared weights, added to the example-averaged loss
     pos_power: float = 0.5  # positives weigh (negatives / positives) ** pos_power
     seed: int = 0
 
@@ -153,10 +153,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--epochs", type=int, default=HeadConfig.epochs)
     p.add_argument("--lr", type=float, default=HeadConfig.lr)
     p.add_argument("--l2", type=float, default=HeadConfig.l2)
+    p.add_argument("--pos-power", type=float, default=HeadConfig.pos_power)
     p.add_argument("--seed", type=int, default=HeadConfig.seed)
     p.add_argument("--cv", type=int, default=5, help="cross-validation folds on the training set (0: skip)")
     a = p.parse_args(argv)
-    train(data=a.data, out=a.out, cfg=HeadConfig(a.epochs, a.lr, a.l2, a.seed), cv_folds=a.cv)
+    cfg = HeadConfig(epochs=a.epochs, lr=a.lr, l2=a.l2, pos_power=a.pos_power, seed=a.seed)
+    train(data=a.data, out=a.out, cfg=cfg, cv_folds=a.cv)
 
 
 if __name__ == "__main__":
