@@ -4,8 +4,9 @@ One consumer per gateway instance, manually assigned to the instance's own parti
 the tokens topic (each request names one of them as its reply_partition), so no instance
 reads another's tokens. Events are routed by request_id to a bounded per-connection
 Stream. A Stream that is full merges new text into its last pending chunk (a slow client
-gets fewer, larger chunks); when even that is exhausted, the fanout seeks the partition
-back to the undelivered record and pauses it until the client has drained its buffer.
+gets fewer, larger chunks); when even that is exhausted, the fanout parks the rest of the
+fetched records of that partition (one fetch response at most) and pauses the partition
+until the client has drained its buffer; then it delivers the parked records and resumes.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Callable
 
 import msgspec
 from aiokafka import AIOKafkaConsumer
-from aiokafka.structs import TopicPartition
+from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from gateway.metrics import Metrics
 from schemas import Completion, DecodeError, Event, TokenChunk, decode
@@ -81,17 +82,17 @@ class Fanout:
         self.capacity = capacity
         self.coalesce_chars = coalesce_chars
         self.streams: dict[str, Stream] = {}
-        self.blocked: dict[TopicPartition, set[str]] = {}
+        # Records fetched but not yet delivered because a stream was full, per paused partition.
+        # At most one fetch response each (max_partition_fetch_bytes): bounded.
+        self.parked: dict[TopicPartition, deque[ConsumerRecord]] = {}
         self.last_poll = 0.0
+        self._counters = {tp.partition: metrics.token_events.labels(str(tp.partition)) for tp in self.partitions}
 
     async def start(self) -> None:
         self.consumer.assign(self.partitions)
         await self.consumer.seek_to_end(*self.partitions)
         for tp in self.partitions:  # resolve positions now: a request admitted later sees all its events
             await self.consumer.position(tp)
-
-    async def position(self, partition: int) -> int:
-        return await self.consumer.position(TopicPartition(TOKENS.name, partition))
 
     def subscribe(self, request_id: str) -> Stream:
         stream = Stream(request_id, self.capacity, self.coalesce_chars, self._drained)
@@ -106,47 +107,51 @@ class Fanout:
             self._drained(stream)
 
     def _drained(self, stream: Stream) -> None:
+        """`stream` has room again: deliver the parked records of its partition, then resume it."""
         tp, stream.blocked_on = stream.blocked_on, None
-        waiting = self.blocked.get(tp)
-        if waiting is None:
+        records = self.parked.get(tp)
+        if records is None:
             return
-        waiting.discard(stream.request_id)
-        if not waiting:
-            del self.blocked[tp]
+        if self._deliver(tp, records):
+            del self.parked[tp]
             self.consumer.resume(tp)
-            self.metrics.paused.set(len(self.blocked))
+            self.metrics.paused.set(len(self.parked))
 
-    def _block(self, tp: TopicPartition, offset: int, stream: Stream) -> None:
-        self.consumer.seek(tp, offset)
-        self.consumer.pause(tp)
-        stream.blocked_on = tp
-        self.blocked.setdefault(tp, set()).add(stream.request_id)
-        self.metrics.pauses.inc()
-        self.metrics.paused.set(len(self.blocked))
+    def _deliver(self, tp: TopicPartition, records: deque[ConsumerRecord]) -> bool:
+        """Route records in order; on a full stream, park the rest and pause. True when all went."""
+        while records:
+            record = records[0]
+            key = record.key.decode() if record.key else ""
+            stream = self.streams.get(key)
+            if stream is not None:  # else nobody holds this request here (gone, or a replay serves it)
+                try:
+                    event = decode(record.value or b"", TokenChunk, Completion)
+                except DecodeError as exc:
+                    log.warning("undecodable token event %s@%d: %s", tp, record.offset, exc)
+                    event = None
+                if event is not None:
+                    before = stream.coalesced
+                    if not stream.offer(event):
+                        stream.blocked_on = tp
+                        return False
+                    if stream.coalesced != before:
+                        self.metrics.coalesced.inc()
+            records.popleft()
+        return True
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
-        counters = {tp.partition: self.metrics.token_events.labels(str(tp.partition)) for tp in self.partitions}
         while True:
             batches = await self.consumer.getmany(timeout_ms=200, max_records=2000)
             self.last_poll = loop.time()
             for tp, records in batches.items():
-                if tp in self.blocked:
-                    continue  # fetched before the pause took effect; refetched after resume
-                counters[tp.partition].inc(len(records))
-                for record in records:
-                    key = record.key.decode() if record.key else ""
-                    stream = self.streams.get(key)
-                    if stream is None:
-                        continue  # nobody holds this request here (disconnected, or a replay serves it)
-                    try:
-                        event = decode(record.value or b"", TokenChunk, Completion)
-                    except DecodeError as exc:
-                        log.warning("undecodable token event %s@%d: %s", tp, record.offset, exc)
-                        continue
-                    before = stream.coalesced
-                    if not stream.offer(event):
-                        self._block(tp, record.offset, stream)
-                        break
-                    if stream.coalesced != before:
-                        self.metrics.coalesced.inc()
+                self._counters[tp.partition].inc(len(records))
+                pending = deque(records)
+                if tp in self.parked:  # cannot happen while paused; keep order if it ever does
+                    self.parked[tp].extend(pending)
+                    continue
+                if not self._deliver(tp, pending):
+                    self.parked[tp] = pending
+                    self.consumer.pause(tp)
+                    self.metrics.pauses.inc()
+                    self.metrics.paused.set(len(self.parked))

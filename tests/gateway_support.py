@@ -31,9 +31,17 @@ from topics import CHAT_REQUESTS, CONTROL, TOKENS, inference_topic
 from topics.admin import apply
 
 
+def _words(prompt: str) -> list[str]:
+    """`[[repeat N]] a b` means the words a b, N times over (long answers from short prompts)."""
+    words = prompt.split()
+    if len(words) >= 2 and words[0] == "[[repeat" and words[1].endswith("]]"):
+        return words[2:] * int(words[1][:-2])
+    return words
+
+
 def expected_answer(prompt: str, max_tokens: int | None = None, stop: list[str] | None = None) -> str:
     """What the worker double answers to a last user message `prompt`."""
-    words = prompt.split()
+    words = _words(prompt)
     out = []
     for w in words[: max_tokens or len(words)]:
         if stop and w in stop:
@@ -125,7 +133,7 @@ class FakePipeline:
         if rid in self._pending_cancel:
             flag.set()
         prompt = next((m.content for m in reversed(req.messages) if m.role == "user"), "")
-        words = prompt.split()
+        words = _words(prompt)
         seq, reason = 0, "stop"
         try:
             for i, word in enumerate(words):

@@ -1,0 +1,127 @@
+"""Backpressure: lag-based 429s with Retry-After while admitted requests complete, bounded
+gateway memory, and a slow client that gets coalesced chunks while its partition pauses."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+
+import openai
+import pytest
+
+from tests.conftest import Roles
+from tests.gateway_support import FakePipeline, metric, rss_bytes, start_gateway
+
+WORDS = " ".join(f"v{i}" for i in range(10))
+
+
+@pytest.fixture(scope="module")
+async def pipeline(stack, bootstrap):
+    p = await FakePipeline(bootstrap, f"busy-{uuid.uuid4().hex[:6]}", token_delay=0.03, slots=2).start()
+    yield p
+    await p.stop()
+
+
+@pytest.fixture(scope="module")
+async def fast(stack, bootstrap):
+    p = await FakePipeline(bootstrap, f"fast-{uuid.uuid4().hex[:6]}", token_delay=0, slots=4).start()
+    yield p
+    await p.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(stack, pipeline, fast, tmp_path_factory):
+    roles = Roles(stack, tmp_path_factory.mktemp("gateway-overload"))
+    env = {"TOKENSTREAM_GATEWAY_ADMISSION_BUDGET_S": "1.0", "TOKENSTREAM_GATEWAY_ADMISSION_POLL_S": "0.25",
+           "TOKENSTREAM_GATEWAY_ADMISSION_MIN_RATE": "1", "TOKENSTREAM_GATEWAY_BUFFER_EVENTS": "4",
+           "TOKENSTREAM_GATEWAY_COALESCE_CHARS": "2048"}
+    url, proc = start_gateway(roles, [pipeline.model, fast.model], env=env)
+    yield url, proc
+    roles.stop_all()
+
+
+async def test_overload_gets_429_with_retry_after(gateway, pipeline):
+    url, proc = gateway
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
+
+    async def one(i: int):
+        try:
+            done = await client.chat.completions.create(
+                model=pipeline.model, messages=[{"role": "user", "content": f"{i} {WORDS}"}])
+            return done.choices[0].message.content == f"{i} {WORDS}"
+        except openai.RateLimitError as err:
+            return err
+
+    rss = []
+    outcomes: list = []
+    for wave in range(4):
+        outcomes += await asyncio.gather(*(one(100 * wave + i) for i in range(40)))
+        rss.append(rss_bytes(proc.pid))
+    admitted = [o for o in outcomes if o is True]
+    rejected = [o for o in outcomes if isinstance(o, openai.RateLimitError)]
+    assert len(admitted) + len(rejected) == len(outcomes), "every admitted request completes correctly"
+    assert admitted and len(rejected) > len(outcomes) // 2
+    for err in rejected:
+        assert err.status_code == 429 and err.body["type"] == "rate_limit_error"
+        assert int(err.response.headers["retry-after"]) >= 1
+    # the pipeline was never handed more than it could drain: only admitted requests reached it
+    assert sum(1 for r in pipeline.requests.values() if r.model == pipeline.model) == len(admitted)
+    assert metric(url, "gateway_admission_rejections_total") == len(rejected)
+    assert 'gateway_admission_estimated_wait_seconds{model="' + pipeline.model in \
+        __import__("httpx").get(url + "/metrics").text
+    # memory stays flat across waves of overload (first wave warms up)
+    assert max(rss[1:]) - rss[1] < 20 * 2**20, rss
+
+    # once drained, requests are admitted again
+    for _ in range(50):
+        try:
+            done = await client.chat.completions.create(model=pipeline.model,
+                                                        messages=[{"role": "user", "content": "later"}])
+            assert done.choices[0].message.content == "later"
+            break
+        except openai.RateLimitError:
+            await asyncio.sleep(0.2)
+    else:
+        pytest.fail("never admitted again after the overload")
+
+
+async def test_slow_client_gets_coalesced_chunks_and_partition_pauses(gateway, fast):
+    url, proc = gateway
+    block = [f"s{i}" + "x" * 200 for i in range(100)]
+    words = block * 200  # 20,000 tokens, 4 MB of text: more than socket buffers absorb
+    payload = json.dumps({"model": fast.model, "stream": True, "max_tokens": 100_000, "messages": [
+        {"role": "user", "content": "[[repeat 200]] " + " ".join(block)}]}).encode()
+    host, port = url.removeprefix("http://").split(":")
+    import socket
+
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32768)
+    sock.connect((host, int(port)))
+    sock.setblocking(False)
+    reader, writer = await asyncio.open_connection(sock=sock, limit=4096)  # reads stall too
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(payload)).encode() + b"\r\nConnection: close\r\n\r\n" + payload)
+    await writer.drain()
+    body = await reader.read(2048)  # headers and the first events, then stall
+    rss_before = rss_bytes(proc.pid)
+    for _ in range(100):  # the worker double writes all its tokens meanwhile
+        await asyncio.sleep(0.1)
+        if fast.served and all(s.finish_reason for s in fast.served.values()):
+            break
+    await asyncio.sleep(0.5)
+    assert metric(url, "gateway_partition_pauses_total") >= 1
+    rss_stalled = rss_bytes(proc.pid)
+    while chunk := await reader.read(65536):
+        body += chunk
+    writer.close()
+    text = body.decode()
+    frames = [line[6:] for line in text.split("\r\n\r\n", 1)[1].splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    got = "".join((json.loads(f)["choices"][0]["delta"].get("content") or "") for f in frames
+                  if json.loads(f)["choices"])
+    assert got == " ".join(words)
+    assert len(frames) < len(words) // 2, "a slow client gets coalesced chunks"
+    assert metric(url, "gateway_coalesced_chunks_total") > 0
+    assert rss_stalled - rss_before < 20 * 2**20
+    assert metric(url, "gateway_paused_partitions") == 0
