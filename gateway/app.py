@@ -301,15 +301,17 @@ def create_app(cfg: GatewaySettings, bootstrap: str, redis_url: str | None = Non
                             reply_partition=partition, gateway_id=cfg.instance_id)
         fanout = gw.fanout
         stream = fanout.subscribe(rid)
-        try:
-            await asyncio.wait_for(publish(gw.producer, CHAT_REQUESTS, event, key=conversation), timeout=10)
-        except Exception as exc:  # noqa: BLE001
-            fanout.unsubscribe(rid)
-            raise api.unavailable(f"Could not hand the request to the pipeline: {exc or type(exc).__name__}")
         created = int(created_at)
         include_usage = body.include_usage()
-        await gw.remember(rid, {"model": body.model, "created": created, "include_usage": include_usage})
-        generation = await gw.canceller.attach(rid)
+        # the write to the pipeline and the two Redis notes go out together
+        written, _, generation = await asyncio.gather(
+            asyncio.wait_for(publish(gw.producer, CHAT_REQUESTS, event, key=conversation), timeout=10),
+            gw.remember(rid, {"model": body.model, "created": created, "include_usage": include_usage}),
+            gw.canceller.attach(rid), return_exceptions=True)
+        if isinstance(written, BaseException) or isinstance(generation, BaseException):
+            fanout.unsubscribe(rid)
+            exc = written if isinstance(written, BaseException) else generation
+            raise api.unavailable(f"Could not hand the request to the pipeline: {exc or type(exc).__name__}")
         m.requests.labels(body.model, "true" if body.stream else "false", "200").inc()
 
         async def live() -> AsyncIterator[list[Event]]:

@@ -1,0 +1,367 @@
+"""`tokenstream bench gateway`: SSE fan-out at scale and the gateway's share of time to first token.
+
+One run against a throwaway Kafka and Redis and a real `tokenstream gateway` process:
+
+(a) fan-out: `--streams` (default 1,000) concurrent SSE streams, all open at once, fed by
+    synthetic token events that this benchmark writes to each request's reply partition at a
+    fixed rate (`--rate` tokens per second per stream). Delivery lag = the client's receipt time
+    minus the token event's created_at (same clock: one host). Gateway RSS is sampled throughout.
+(b) pipeline overhead at light load: one request at a time; the client's TTFT (request sent ->
+    first content chunk) minus the synthetic worker's own TTFT (ChatRequest received -> first
+    token written). That difference is what the gateway and the broker add: HTTP, the
+    ChatRequest write, two broker hops and the SSE frame. Targets: p50 <= 15 ms, p99 <= 50 ms.
+
+The synthetic worker reads ts.chat.requests directly (the conversation processor is not part of
+what is measured). Clients are raw asyncio sockets speaking HTTP/1.0, so the load generator costs
+little CPU next to the gateway. Results go to bench/results/gateway.json.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import typer
+
+RESULTS = Path(__file__).parent / "results" / "gateway.json"
+MODEL = "bench-synthetic"
+ID_RE = re.compile(rb"id: ([0-9a-f]{16}p\d+t\d+):(-?\d+)\r?\n")
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
+
+
+def main(
+    streams: int = typer.Option(1000, help="concurrent SSE streams in part (a)"),
+    rate: float = typer.Option(2.0, help="tokens per second per stream in part (a)"),
+    tokens: int = typer.Option(20, help="tokens per stream in part (a)"),
+    light_requests: int = typer.Option(200, help="sequential requests in part (b)"),
+    out: Path = typer.Option(RESULTS, help="where the JSON results go"),
+) -> None:
+    """Fan-out delivery lag and RSS with 1,000+ SSE streams; gateway TTFT overhead at light load."""
+    import asyncio
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 65536)), hard))
+    result = asyncio.run(_run(streams, rate, tokens, light_requests))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    _table(result)
+    print(f"written to {out}")
+
+
+async def _run(streams: int, rate: float, tokens: int, light_requests: int) -> dict:
+    import asyncio
+    import os
+    import platform
+    import subprocess
+    import sys
+    import tempfile
+    import urllib.request
+
+    import psutil
+
+    from tokenstream.stack import Stack
+    from tokenstream.stack.service import free_port
+    from topics import CHAT_REQUESTS, CONTROL, TOKENS, inference_topic
+    from topics.admin import apply
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
+    stack = Stack.ephemeral(tmp)
+    say = lambda m: print(m, flush=True)  # noqa: E731
+    stack.kafka.start(say)
+    stack.redis.start(say)
+    gateway = None
+    try:
+        bootstrap = stack.kafka.address
+        await apply([CHAT_REQUESTS, TOKENS, CONTROL, inference_topic(MODEL)], bootstrap)
+        port = free_port()
+        env = {**os.environ, **stack.environment(), "PYTHONUNBUFFERED": "1",
+               "TOKENSTREAM_GATEWAY_MODELS": json.dumps([MODEL]),
+               "TOKENSTREAM_GATEWAY_ADMISSION_BUDGET_S": "100000"}
+        log = open(tmp / "gateway.log", "wb")
+        gateway = subprocess.Popen([sys.executable, "-m", "tokenstream.cli", "gateway", "--port", str(port)],
+                                   env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(300):
+            try:
+                urllib.request.urlopen(url + "/health/ready", timeout=1)
+                break
+            except Exception:  # noqa: BLE001
+                await asyncio.sleep(0.2)
+        else:
+            raise RuntimeError("gateway did not become ready: " + (tmp / "gateway.log").read_text())
+        proc = psutil.Process(gateway.pid)
+        worker = await SyntheticWorker(bootstrap).start()
+        try:
+            say("(b) light load: TTFT overhead")
+            light = await _light(port, worker, light_requests)
+            say(f"(a) fan-out: {streams} streams, {tokens} tokens at {rate}/s each")
+            fan = await _fanout(port, worker, proc, streams, rate, tokens)
+        finally:
+            await worker.stop()
+        return {
+            "command": f"tokenstream bench gateway --streams {streams} --rate {rate} --tokens {tokens} "
+                       f"--light-requests {light_requests}",
+            "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                        "note": "gateway, broker and load generator share this host (loopback)"},
+            "fanout": fan, "light_load": light,
+            "targets": {"overhead_p50_ms": 15, "overhead_p99_ms": 50},
+        }
+    finally:
+        if gateway is not None:
+            gateway.terminate()
+            try:
+                gateway.wait(10)
+            except Exception:  # noqa: BLE001
+                gateway.kill()
+        stack.redis.stop(say)
+        stack.kafka.stop(say)
+
+
+class SyntheticWorker:
+    """Stands in for the pipeline: reads ChatRequests, writes token events where they ask."""
+
+    def __init__(self, bootstrap: str) -> None:
+        self.bootstrap = bootstrap
+        self.arrived: dict[str, tuple[int, float]] = {}  # request_id -> (reply partition, received at)
+        self.first_written: dict[str, float] = {}
+        self.auto_answer = False
+        self._waiters: list = []
+
+    async def start(self) -> SyntheticWorker:
+        import asyncio
+
+        from aiokafka.structs import TopicPartition
+
+        from producers import start_consumer, start_producer
+        from topics import CHAT_REQUESTS
+
+        self.producer = await start_producer(self.bootstrap, linger_ms=0)
+        self.consumer = await start_consumer(group=None, bootstrap=self.bootstrap, fetch_max_wait_ms=100)
+        tps = [TopicPartition(CHAT_REQUESTS.name, p) for p in range(CHAT_REQUESTS.partitions)]
+        self.consumer.assign(tps)
+        await self.consumer.seek_to_end(*tps)
+        for tp in tps:
+            await self.consumer.position(tp)
+        self.task = asyncio.create_task(self._read())
+        return self
+
+    async def stop(self) -> None:
+        self.task.cancel()
+        await self.consumer.stop()
+        await self.producer.stop()
+
+    async def _read(self) -> None:
+        import time as _t
+
+        from schemas import ChatRequest, decode
+
+        while True:
+            for records in (await self.consumer.getmany(timeout_ms=100)).values():
+                for record in records:
+                    req = decode(record.value, ChatRequest)
+                    now = _t.time()
+                    self.arrived[req.request_id] = (req.reply_partition, now)
+                    if self.auto_answer:
+                        await self._answer_now(req.request_id, req.reply_partition, now)
+
+    async def _answer_now(self, rid: str, partition: int, received: float) -> None:
+        """Light load: first token at once (the worker's own TTFT is ~0 and measured), then done."""
+        from producers import publish
+        from schemas import Completion, TokenChunk, Usage
+        from topics import TOKENS
+
+        await publish(self.producer, TOKENS, TokenChunk(request_id=rid, seq=0, text="hello"),
+                      partition=partition, wait=False)
+        self.first_written[rid] = time.time()
+        await publish(self.producer, TOKENS, Completion(request_id=rid, seq=1, finish_reason="stop",
+                                                        usage=Usage(prompt_tokens=1, completion_tokens=1)),
+                      partition=partition, wait=False)
+
+    async def tick(self, rids: list[str], seq: int, last: bool) -> dict[str, float]:
+        """One token for each of `rids` (and their completions when `last`); returns created_at."""
+        from producers import publish
+        from schemas import Completion, TokenChunk
+        from topics import TOKENS
+
+        created = {}
+        for rid in rids:
+            ev = TokenChunk(request_id=rid, seq=seq, text=f" t{seq}")
+            created[rid] = ev.created_at
+            await publish(self.producer, TOKENS, ev, partition=self.arrived[rid][0], wait=False)
+            if last:
+                await publish(self.producer, TOKENS, Completion(request_id=rid, seq=seq + 1, finish_reason="stop"),
+                              partition=self.arrived[rid][0], wait=False)
+        await self.producer.flush()
+        return created
+
+
+def _post(port: int, prompt: str) -> bytes:
+    body = json.dumps({"model": MODEL, "stream": True, "max_tokens": 64,
+                       "messages": [{"role": "user", "content": prompt}]}).encode()
+    return (f"POST /v1/chat/completions HTTP/1.0\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+async def _light(port: int, worker: SyntheticWorker, n: int) -> dict:
+    import asyncio
+
+    worker.auto_answer = True
+    client_ttft, worker_ttft, overhead, inbound, outbound = [], [], [], [], []
+    for i in range(n + 10):  # the first 10 warm up connections and code paths
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        t0 = time.time()
+        writer.write(_post(port, f"light {i}"))
+        buf, rid, first = b"", None, None
+        while first is None:
+            data = await reader.read(65536)
+            if not data:
+                break
+            buf += data
+            for m in ID_RE.finditer(buf):
+                rid = m.group(1).decode()
+                if int(m.group(2)) >= 0:
+                    first = time.time()
+                    break
+        while await reader.read(65536):
+            pass
+        writer.close()
+        if i < 10 or first is None or rid not in worker.first_written:
+            continue
+        client = first - t0
+        own = worker.first_written[rid] - worker.arrived[rid][1]
+        client_ttft.append(client * 1000)
+        worker_ttft.append(own * 1000)
+        overhead.append((client - own) * 1000)
+        inbound.append((worker.arrived[rid][1] - t0) * 1000)
+        outbound.append((first - worker.first_written[rid]) * 1000)
+    worker.auto_answer = False
+    return {
+        "requests": len(overhead),
+        "client_ttft_ms": {"p50": _pct(client_ttft, 50), "p99": _pct(client_ttft, 99)},
+        "worker_ttft_ms": {"p50": _pct(worker_ttft, 50), "p99": _pct(worker_ttft, 99)},
+        "request_to_worker_ms": {"p50": _pct(inbound, 50), "p99": _pct(inbound, 99)},
+        "first_token_to_client_ms": {"p50": _pct(outbound, 50), "p99": _pct(outbound, 99)},
+        "overhead_ms": {"p50": _pct(overhead, 50), "p90": _pct(overhead, 90), "p99": _pct(overhead, 99),
+                        "max": max(overhead) if overhead else None},
+    }
+
+
+async def _fanout(port: int, worker: SyntheticWorker, proc, streams: int, rate: float, tokens: int) -> dict:
+    import asyncio
+
+    received: dict[str, dict[int, float]] = {}
+    rid_of: list[str | None] = [None] * streams
+    opened = asyncio.Event()
+    errors = 0
+
+    async def client(i: int) -> None:
+        nonlocal errors
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            errors += 1
+            return
+        writer.write(_post(port, f"stream {i}"))
+        tail = b""
+        while True:
+            data = await reader.read(65536)
+            if not data:
+                break
+            now = time.time()
+            buf = tail + data
+            end = 0
+            for m in ID_RE.finditer(buf):
+                rid, seq = m.group(1).decode(), int(m.group(2))
+                rid_of[i] = rid
+                received.setdefault(rid, {})[seq] = now
+                end = m.end()
+            tail = buf[end:][-256:]
+        writer.close()
+
+    rss = [proc.memory_info().rss]
+    stop_sampling = asyncio.Event()
+
+    async def sample() -> None:
+        while not stop_sampling.is_set():
+            rss.append(proc.memory_info().rss)
+            await asyncio.sleep(0.25)
+
+    sampler = asyncio.create_task(sample())
+    t_open = time.time()
+    tasks = []
+    for i in range(streams):  # open in waves so the accept queue never overflows
+        tasks.append(asyncio.create_task(client(i)))
+        if i % 100 == 99:
+            await asyncio.sleep(0.05)
+    deadline = time.time() + 120
+    while sum(1 for r in rid_of if r) < streams - errors and time.time() < deadline:
+        await asyncio.sleep(0.1)
+    rids = [r for r in rid_of if r and r in worker.arrived]
+    open_s = time.time() - t_open
+    opened.set()
+    created: dict[str, dict[int, float]] = {r: {} for r in rids}
+    t_start = time.time()
+    for seq in range(tokens):
+        target = t_start + seq / rate
+        await asyncio.sleep(max(0.0, target - time.time()))
+        for rid, at in (await worker.tick(rids, seq, last=seq == tokens - 1)).items():
+            created[rid][seq] = at
+    await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
+    stop_sampling.set()
+    await sampler
+    lags, missing = [], 0
+    for rid in rids:
+        got = received.get(rid, {})
+        for seq, at in created[rid].items():
+            # a coalesced frame carries the id of its last token: earlier tokens arrive with it
+            later = [t for s, t in got.items() if s >= seq]
+            if not later:
+                missing += 1
+                continue
+            lags.append((min(later) - at) * 1000)
+    return {
+        "streams_requested": streams, "streams_open": len(rids), "connect_errors": errors,
+        "open_all_s": round(open_s, 2), "tokens_per_stream": tokens, "rate_per_stream": rate,
+        "events_per_s": round(len(rids) * rate, 1), "tokens_delivered": len(lags), "tokens_missing": missing,
+        "delivery_lag_ms": {"p50": _pct(lags, 50), "p90": _pct(lags, 90), "p99": _pct(lags, 99),
+                            "max": max(lags) if lags else None},
+        "gateway_rss_mb": {"before": round(rss[0] / 2**20, 1), "peak": round(max(rss) / 2**20, 1),
+                           "after": round(rss[-1] / 2**20, 1)},
+    }
+
+
+def _table(r: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    f, lt = r["fanout"], r["light_load"]
+    t = Table("measure", "value", "target", title="tokenstream bench gateway")
+    t.add_row("(a) streams open at once", f"{f['streams_open']:,} / {f['streams_requested']:,}", ">= 1,000")
+    t.add_row("(a) token events/s", f"{f['events_per_s']:,}", "")
+    t.add_row("(a) tokens delivered / missing", f"{f['tokens_delivered']:,} / {f['tokens_missing']}", "all / 0")
+    t.add_row("(a) delivery lag p50 / p99", f"{f['delivery_lag_ms']['p50']:.1f} / {f['delivery_lag_ms']['p99']:.1f} ms",
+              "")
+    t.add_row("(a) gateway RSS before / peak / after",
+              f"{f['gateway_rss_mb']['before']} / {f['gateway_rss_mb']['peak']} / {f['gateway_rss_mb']['after']} MB",
+              "bounded")
+    ok50 = lt["overhead_ms"]["p50"] <= r["targets"]["overhead_p50_ms"]
+    ok99 = lt["overhead_ms"]["p99"] <= r["targets"]["overhead_p99_ms"]
+    t.add_row("(b) client TTFT p50 / p99", f"{lt['client_ttft_ms']['p50']:.1f} / {lt['client_ttft_ms']['p99']:.1f} ms", "")
+    t.add_row("(b) worker's own TTFT p50 / p99",
+              f"{lt['worker_ttft_ms']['p50']:.2f} / {lt['worker_ttft_ms']['p99']:.2f} ms", "")
+    t.add_row("(b) request -> worker p50 / p99",
+              f"{lt['request_to_worker_ms']['p50']:.1f} / {lt['request_to_worker_ms']['p99']:.1f} ms", "")
+    t.add_row("(b) first token -> client p50 / p99",
+              f"{lt['first_token_to_client_ms']['p50']:.1f} / {lt['first_token_to_client_ms']['p99']:.1f} ms", "")
+    t.add_row("(b) overhead p50", f"{lt['overhead_ms']['p50']:.1f} ms", f"<= 15 ms {'[green]ok' if ok50 else '[red]missed'}")
+    t.add_row("(b) overhead p99", f"{lt['overhead_ms']['p99']:.1f} ms", f"<= 50 ms {'[green]ok' if ok99 else '[red]missed'}")
+    Console().print(t)
