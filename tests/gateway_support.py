@@ -207,9 +207,9 @@ def free_port() -> int:
 
 
 def start_gateway(roles, models: list[str], *, index: int = 0, count: int = 1, env: dict | None = None,
-                  wait_ready: bool = True, timeout: float = 60.0) -> tuple[str, object]:
+                  wait_ready: bool = True, timeout: float = 60.0, port: int | None = None) -> tuple[str, object]:
     """Run `tokenstream gateway` as a real process; returns (base URL, process)."""
-    port = free_port()
+    port = port or free_port()
     proc = roles.start("gateway", "--port", str(port), "--instance-index", str(index),
                        "--instance-count", str(count), name=f"gateway-{index}-{port}",
                        env={"TOKENSTREAM_GATEWAY_MODELS": json.dumps(models),
@@ -272,3 +272,137 @@ def content_of(data: str) -> str:
         return ""
     body = json.loads(data)
     return "".join((c["delta"].get("content") or "") for c in body.get("choices", []))
+
+
+# ------------------------------------------------------------------ a headless browser
+
+class Chromium:
+    """Debian's chromium, headless, driven over the Chrome DevTools Protocol.
+
+    The websocket client is the few lines CDP needs (RFC 6455 text frames, client masking),
+    so the test downloads nothing and needs no extra package.
+    """
+
+    def __init__(self, profile: Path, binary: str = "/usr/bin/chromium") -> None:
+        import subprocess
+
+        self.port = free_port()
+        self.proc = subprocess.Popen(
+            [binary, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+             f"--remote-debugging-port={self.port}", f"--user-data-dir={profile}",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             "--no-first-run", "--disable-quic", "--disable-extensions", "--mute-audio",
+             "--window-size=1100,800", "about:blank"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        self._id = 0
+
+    def connect(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                targets = json.load(urllib.request.urlopen(f"http://127.0.0.1:{self.port}/json/list", timeout=2))
+                page = next(t for t in targets if t["type"] == "page")
+                break
+            except Exception:  # noqa: BLE001
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise RuntimeError("chromium did not start") from None
+                time.sleep(0.2)
+        self._ws_connect(page["webSocketDebuggerUrl"])
+
+    def _ws_connect(self, url: str) -> None:
+        import base64
+
+        host_port, path = url.removeprefix("ws://").split("/", 1)
+        host, port = host_port.split(":")
+        self.sock = socket.create_connection((host, int(port)), timeout=60)
+        key = base64.b64encode(os.urandom(16)).decode()
+        self.sock.sendall((f"GET /{path} HTTP/1.1\r\nHost: {host_port}\r\nUpgrade: websocket\r\n"
+                           f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n"
+                           ).encode())
+        head = b""
+        while b"\r\n\r\n" not in head:
+            head += self.sock.recv(1)
+        if b" 101 " not in head.split(b"\r\n", 1)[0]:
+            raise RuntimeError(f"websocket handshake failed: {head!r}")
+
+    def _recv_exact(self, n: int) -> bytes:
+        out = b""
+        while len(out) < n:
+            chunk = self.sock.recv(n - len(out))
+            if not chunk:
+                raise ConnectionError("devtools connection closed")
+            out += chunk
+        return out
+
+    def _send_text(self, text: str) -> None:
+        import struct
+
+        data = text.encode()
+        n = len(data)
+        head = b"\x81" + (bytes([0x80 | n]) if n < 126 else
+                          b"\xfe" + struct.pack(">H", n) if n < 65536 else b"\xff" + struct.pack(">Q", n))
+        mask = os.urandom(4)
+        self.sock.sendall(head + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(data)))
+
+    def _recv_text(self) -> str:
+        import struct
+
+        parts = []
+        while True:
+            b0, b1 = self._recv_exact(2)
+            n = b1 & 0x7F
+            if n == 126:
+                n = struct.unpack(">H", self._recv_exact(2))[0]
+            elif n == 127:
+                n = struct.unpack(">Q", self._recv_exact(8))[0]
+            payload = self._recv_exact(n)
+            opcode = b0 & 0x0F
+            if opcode == 8:
+                raise ConnectionError("devtools closed the websocket")
+            if opcode in (0, 1, 2):
+                parts.append(payload)
+                if b0 & 0x80:
+                    return b"".join(parts).decode()
+
+    def call(self, method: str, **params) -> dict:
+        self._id += 1
+        my = self._id
+        self._send_text(json.dumps({"id": my, "method": method, "params": params}))
+        while True:
+            msg = json.loads(self._recv_text())
+            if msg.get("id") == my:
+                if "error" in msg:
+                    raise RuntimeError(f"{method}: {msg['error']}")
+                return msg["result"]
+
+    def js(self, expression: str):
+        result = self.call("Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True)
+        if "exceptionDetails" in result:
+            raise RuntimeError(f"page error: {result['exceptionDetails']}")
+        return result["result"].get("value")
+
+    def wait_for(self, expression: str, timeout: float = 30.0):
+        deadline = time.monotonic() + timeout
+        guarded = f"(() => {{ try {{ return ({expression}); }} catch (e) {{ return false; }} }})()"
+        while True:
+            value = self.js(guarded)
+            if value:
+                return value
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"page never satisfied: {expression}")
+            time.sleep(0.05)
+
+    def screenshot(self, path: Path) -> None:
+        import base64
+
+        data = self.call("Page.captureScreenshot", format="png")["data"]
+        path.write_bytes(base64.b64decode(data))
+
+    def close(self) -> None:
+        import signal
+
+        with contextlib.suppress(Exception):
+            self.sock.close()
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
