@@ -111,6 +111,7 @@ async def _run(streams: int, rate: float, tokens: int, light_requests: int) -> d
             "command": f"tokenstream bench gateway --streams {streams} --rate {rate} --tokens {tokens} "
                        f"--light-requests {light_requests}",
             "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                        "load_average_1m_at_end": round(os.getloadavg()[0], 2),
                         "note": "gateway, broker and load generator share this host (loopback)"},
             "fanout": fan, "light_load": light,
             "targets": {"overhead_p50_ms": 15, "overhead_p99_ms": 50},
@@ -309,16 +310,19 @@ async def _fanout(port: int, worker: SyntheticWorker, proc, streams: int, rate: 
     open_s = time.time() - t_open
     opened.set()
     created: dict[str, dict[int, float]] = {r: {} for r in rids}
+    # each stream gets its own phase within the token interval: a steady feed, not bursts of 1,000
+    groups = 10
     t_start = time.time()
     for seq in range(tokens):
-        target = t_start + seq / rate
-        await asyncio.sleep(max(0.0, target - time.time()))
-        for rid, at in (await worker.tick(rids, seq, last=seq == tokens - 1)).items():
-            created[rid][seq] = at
+        for g in range(groups):
+            target = t_start + seq / rate + g / (rate * groups)
+            await asyncio.sleep(max(0.0, target - time.time()))
+            for rid, at in (await worker.tick(rids[g::groups], seq, last=seq == tokens - 1)).items():
+                created[rid][seq] = at
     await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
     stop_sampling.set()
     await sampler
-    lags, missing = [], 0
+    lags, missing, by_seq = [], 0, {}
     for rid in rids:
         got = received.get(rid, {})
         for seq, at in created[rid].items():
@@ -328,12 +332,14 @@ async def _fanout(port: int, worker: SyntheticWorker, proc, streams: int, rate: 
                 missing += 1
                 continue
             lags.append((min(later) - at) * 1000)
+            by_seq.setdefault(seq, []).append(lags[-1])
     return {
         "streams_requested": streams, "streams_open": len(rids), "connect_errors": errors,
         "open_all_s": round(open_s, 2), "tokens_per_stream": tokens, "rate_per_stream": rate,
         "events_per_s": round(len(rids) * rate, 1), "tokens_delivered": len(lags), "tokens_missing": missing,
         "delivery_lag_ms": {"p50": _pct(lags, 50), "p90": _pct(lags, 90), "p99": _pct(lags, 99),
                             "max": max(lags) if lags else None},
+        "delivery_lag_p99_by_token_ms": {s: round(_pct(v, 99), 1) for s, v in sorted(by_seq.items())},
         "gateway_rss_mb": {"before": round(rss[0] / 2**20, 1), "peak": round(max(rss) / 2**20, 1),
                            "after": round(rss[-1] / 2**20, 1)},
     }

@@ -129,12 +129,14 @@ class Gateway:
             with contextlib.suppress(Exception):
                 await self.redis.set(f"ts:gateway:req:{request_id}", json.dumps(meta), ex=META_TTL_S)
 
-    async def recall(self, request_id: str) -> dict:
+    async def recall(self, request_id: str) -> dict | None:
+        """The notes of an admitted request; {} when Redis cannot say, None when it never was admitted."""
         if self.redis is not None:
-            with contextlib.suppress(Exception):
+            try:
                 raw = await self.redis.get(f"ts:gateway:req:{request_id}")
-                if raw:
-                    return json.loads(raw)
+            except Exception:  # noqa: BLE001 - without Redis, the log alone serves the resume
+                return {}
+            return json.loads(raw) if raw else None
         return {}
 
 
@@ -287,6 +289,9 @@ def create_app(cfg: GatewaySettings, bootstrap: str, redis_url: str | None = Non
                                 name=msg.name, tool_call_id=msg.tool_call_id) for msg in body.messages]
         if gw.fanout is None or gw.producer is None:
             raise api.unavailable("The gateway is not connected to the inference pipeline yet.")
+        if len(gw.fanout.streams) >= cfg.max_active_streams:
+            m.rejections.labels(body.model).inc()
+            raise api.overloaded(1, 0.0)
         gw.admission.admit(body.model)  # 429 / 503 before anything is written
 
         partition = gw.reply_partition()
@@ -352,7 +357,9 @@ def create_app(cfg: GatewaySettings, bootstrap: str, redis_url: str | None = Non
                 cleanup()
                 with contextlib.suppress(Exception):
                     await source.aclose()  # type: ignore[attr-defined]
-                if not framer.done:
+                if framer.done:
+                    gw.canceller.release(framer.rid)
+                else:
                     gw.canceller.detached(framer.rid, generation)
 
         return EventSourceResponse(frames(), ping=cfg.ping_s, headers={"Cache-Control": "no-cache",
@@ -394,6 +401,7 @@ def create_app(cfg: GatewaySettings, bootstrap: str, redis_url: str | None = Non
         if done is None:
             gw.canceller.detached(rid, generation, grace_s=0)
             raise api.APIError(504, "timed out waiting for the model", "server_error", code="timeout")
+        gw.canceller.release(rid)
         if done.finish_reason == "error":
             raise api.APIError(500, done.error or "generation failed", "server_error", code="generation_error")
         return JSONResponse(api.completion_body(
@@ -420,6 +428,8 @@ def create_app(cfg: GatewaySettings, bootstrap: str, redis_url: str | None = Non
         if gw.producer is None:
             raise api.unavailable("The gateway is not connected to the inference pipeline yet.")
         meta = await gw.recall(rid)
+        if meta is None:
+            raise api.not_found(f"No completion with id {completion!r} (or it has expired).")
         usage = meta.get("include_usage", False) if include_usage is None else include_usage
         framer = Framer(rid, meta.get("model", "unknown"), meta.get("created", parse_request_id(rid)[1] // 1000),
                         usage, last)

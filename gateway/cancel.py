@@ -63,6 +63,10 @@ class Canceller:
                 pass
         return self._local.get(request_id, 0)
 
+    def release(self, request_id: str) -> None:
+        """The answer was delivered in full: nothing to cancel, forget the local generation."""
+        self._local.pop(request_id, None)
+
     def detached(self, request_id: str, generation: int, *, grace_s: float | None = None) -> None:
         """The connection of `generation` dropped before the end: cancel unless resumed in time."""
         task = asyncio.get_running_loop().create_task(

@@ -35,6 +35,9 @@ class GatewaySettings(BaseSettings):
     buffer_events: int = Field(64, ge=2)
     coalesce_chars: int = Field(4096, ge=16)
 
+    # Connections waiting on tokens at once; beyond this, 429 (a hard cap next to the lag check).
+    max_active_streams: int = Field(20_000, ge=1)
+
     # Admission: reject when the estimated queue wait of the model's worker group exceeds this.
     admission_budget_s: float = Field(10.0, gt=0)
     admission_poll_s: float = Field(0.5, gt=0)

@@ -128,6 +128,8 @@ async def test_resume_from_the_start_and_after_the_end(gateways, pipeline):
         assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
         missing = await http.get(f"{a}/v1/chat/completions/chatcmpl-nonsense/stream")
         assert missing.status_code == 404
+        never = await http.get(f"{a}/v1/chat/completions/chatcmpl-0123456789abcdefp3t1700000000000/stream")
+        assert never.status_code == 404 and never.json()["error"]["code"] == "not_found"
 
 
 async def test_disconnect_cancels_after_grace_and_frees_the_slot(gateways, pipeline):
@@ -168,3 +170,16 @@ async def test_stop_route_cancels_now(gateways, pipeline):
     assert finish == "stop"
     assert 3 <= len(got.split()) < 40
     assert pipeline.served[chunk["id"].removeprefix("chatcmpl-")].finish_reason == "cancelled"
+
+
+async def test_non_streaming_client_that_leaves_is_cancelled(gateways, pipeline):
+    a, _ = gateways
+    before = set(pipeline.served)
+    async with httpx.AsyncClient(timeout=1.0) as http:
+        with pytest.raises(httpx.ReadTimeout):
+            await http.post(a + "/v1/chat/completions", json=body(pipeline.model, LONG, stream=False))
+    rid = next(iter(set(pipeline.served) - before))
+    deadline = time.monotonic() + 5
+    while rid in pipeline.active and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert rid not in pipeline.active and pipeline.served[rid].finish_reason == "cancelled"

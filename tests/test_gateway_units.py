@@ -1,0 +1,75 @@
+"""Pure pieces of the gateway, no broker: bounded buffers, coalescing, resumable ids and frames."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gateway.app import Framer
+from gateway.fanout import Stream
+from gateway.resume import NOTHING_SEEN, new_request_id, parse_last_event_id, parse_request_id
+from schemas import Completion, TokenChunk, Usage
+
+
+def chunk(seq: int, text: str = "x") -> TokenChunk:
+    return TokenChunk(request_id="r", seq=seq, text=text)
+
+
+async def test_stream_is_bounded_and_coalesces_then_refuses():
+    drained = []
+    s = Stream("r", capacity=3, coalesce_chars=5, on_drain=drained.append)
+    assert all(s.offer(chunk(i, "ab")) for i in range(3))
+    assert s.offer(chunk(3, "cd")) and s.offer(chunk(4, "ef"))  # merged into the tail: "abcdef"
+    assert len(s.items) == 3 and s.items[-1].text == "abcdef" and s.items[-1].seq == 4
+    assert not s.offer(chunk(5, "gh"))  # tail is full: refused, the caller pauses
+    assert not s.offer(Completion(request_id="r", seq=6, finish_reason="stop"))
+    s.blocked_on = object()
+    batch = await s.take()
+    assert [e.seq for e in batch] == [0, 1, 4] and drained == [s] and not s.items
+    assert await s.take(timeout=0.01) == []
+
+
+def test_request_ids_name_partition_and_time():
+    rid = new_request_id(7, 1700000000.123)
+    assert parse_request_id(rid) == (7, 1700000000123)
+    with pytest.raises(ValueError):
+        parse_request_id("chatcmpl-whatever")
+    assert parse_last_event_id(None, rid) == NOTHING_SEEN
+    assert parse_last_event_id(f"{rid}:12", rid) == 12
+    with pytest.raises(ValueError):
+        parse_last_event_id("other:3", rid)
+
+
+def frames_after(last: int, include_usage: bool = True) -> list[tuple[str, str]]:
+    f = Framer("rid", "m", 0, include_usage, last)
+    events = [chunk(0, "a"), chunk(1, " b"), chunk(1, " b"), chunk(2, " c"),
+              Completion(request_id="r", seq=3, finish_reason="stop", usage=Usage(prompt_tokens=1, completion_tokens=3))]
+    out = f.start() + f.frames(events[:2]) + f.frames(events[2:])
+    return [(e.id, e.data) for e in out]
+
+
+def text(frames) -> str:
+    out = ""
+    for _, data in frames:
+        if data != "[DONE]":
+            out += "".join(c["delta"].get("content") or "" for c in json.loads(data)["choices"])
+    return out
+
+
+def test_framer_positions_make_resume_exact():
+    full = frames_after(NOTHING_SEEN)
+    assert [i for i, _ in full] == ["rid:-1", "rid:1", "rid:2", "rid:3", "rid:4", "rid:5"]
+    assert text(full) == "a b c" and full[-1][1] == "[DONE]"
+    assert json.loads(full[-2][1])["usage"]["completion_tokens"] == 3
+    for cut in range(len(full)):  # resume after any frame: the rest, nothing twice
+        last = int(full[cut][0].split(":")[1])
+        rest = frames_after(last)
+        assert [i for i, _ in full[: cut + 1] + rest] == [i for i, _ in full]
+        assert text(full[: cut + 1] + rest) == "a b c"
+
+
+def test_framer_reports_generation_errors_in_band():
+    f = Framer("rid", "m", 0, False, NOTHING_SEEN)
+    out = f.frames([chunk(0), Completion(request_id="r", seq=1, finish_reason="error", error="boom")])
+    assert json.loads(out[1].data)["error"]["message"] == "boom" and out[-1].data == "[DONE]"
