@@ -55,9 +55,10 @@ class SafetySettings(BaseSettings):
 
     head_path: Path = Field(DATA_DIR / "head.safetensors", description="trained head weights")
     model_path: Path | None = Field(None, description="sentence-embedding model folder (default: bundled MiniLM)")
-    max_length: int = Field(256, ge=16, le=512, description="tokens per window; longer texts are windowed")
-    window_overlap: int = Field(32, ge=0, description="tokens shared by consecutive windows of a long text")
-    batch_size: int = Field(32, ge=1, description="windows per embedding forward pass")
+    chunk_tokens: int = Field(128, ge=16, le=512, description="tokens per scored chunk; longer texts are split")
+    chunk_overlap: int = Field(32, ge=0, description="tokens shared by consecutive chunks of a long text")
+    sentence_units: bool = Field(True, description="also score each sentence of a multi-sentence text alone")
+    batch_size: int = Field(32, ge=1, description="chunks per embedding forward pass")
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads (None: leave torch's default)")
 
     @field_validator("categories")
@@ -72,8 +73,8 @@ class SafetySettings(BaseSettings):
         unknown = set(self.thresholds) - set(self.categories)
         if unknown:
             raise ValueError(f"thresholds for unknown categories: {sorted(unknown)}")
-        if self.window_overlap >= self.max_length - 2:
-            raise ValueError("window_overlap must be smaller than max_length - 2")
+        if self.chunk_overlap >= self.chunk_tokens - 2:
+            raise ValueError("chunk_overlap must be smaller than chunk_tokens - 2")
         return self
 
 
