@@ -66,6 +66,7 @@ class FakePipeline:
     model: str
     token_delay: float = 0.01
     slots: int = 8
+    worker: bool = True  # False: only the processor double runs; a real worker serves the model
     requests: dict[str, ChatRequest] = field(default_factory=dict)
     served: dict[str, Served] = field(default_factory=dict)
     active: set[str] = field(default_factory=set)
@@ -77,6 +78,13 @@ class FakePipeline:
         self._producer = await start_producer(self.bootstrap, linger_ms=1)
         self._requests_in = await _tail(self.bootstrap, CHAT_REQUESTS.name)
         self._control_in = await _tail(self.bootstrap, CONTROL.name)
+        self._pending_cancel: set[str] = set()
+        self._cancel_flags: dict[str, asyncio.Event] = {}
+        self._slots = asyncio.Semaphore(self.slots)
+        if not self.worker:
+            self._work_in = None
+            self._tasks = [asyncio.create_task(self._process()), asyncio.create_task(self._control())]
+            return self
         self._work_in = await start_consumer(self._topic, group=f"worker.{self.model}", bootstrap=self.bootstrap,
                                              from_beginning=True, max_poll_records=1)
         deadline = time.monotonic() + 30
@@ -97,7 +105,8 @@ class FakePipeline:
             with contextlib.suppress(BaseException):
                 await t
         for c in (self._requests_in, self._control_in, self._work_in):
-            await c.stop()
+            if c is not None:
+                await c.stop()
         await self._producer.stop()
 
     # processor double: ChatRequest -> InferenceRequest

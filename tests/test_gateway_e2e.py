@@ -1,0 +1,104 @@
+"""End to end with the real worker (`tokenstream worker`, a tiny random-weight model on the CPU):
+SDK -> gateway -> ts.chat.requests -> (processor double) -> ts.inference.<model> -> worker -> ts.tokens.
+A stream cut on one gateway and resumed on another joins to the uninterrupted greedy answer;
+a dropped stream is cancelled after the grace period and the worker's batch slot is freed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import Roles
+from tests.gateway_support import FakePipeline, content_of, free_port, sse, start_gateway
+
+pytestmark = pytest.mark.slow
+PROMPT = [{"role": "user", "content": "Tell me a story about a lighthouse keeper."}]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from gpu_workers.random_model import build
+
+    return build(tmp_path_factory.mktemp("gateway-tiny-model"))
+
+
+def wait_for_log(roles, proc, text: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in roles.log(proc):
+        assert proc.poll() is None, roles.log(proc)[-3000:]
+        assert time.monotonic() < deadline, roles.log(proc)[-3000:]
+        time.sleep(0.2)
+
+
+def running(metrics_url: str) -> float:
+    for line in httpx.get(metrics_url).text.splitlines():
+        if line.startswith("vllm:num_requests_running"):
+            return float(line.rsplit(" ", 1)[1])
+    return -1.0
+
+
+async def test_real_worker_resume_and_cancel(stack, bootstrap, tmp_path, tiny_model):
+    model = f"tiny-{uuid.uuid4().hex[:6]}"
+    processor = await FakePipeline(bootstrap, model, worker=False).start()  # ChatRequest -> InferenceRequest
+    roles = Roles(stack, tmp_path)
+    metrics_port = free_port()
+    try:
+        worker = roles.start("worker", "--model", model, "--model-path", str(tiny_model), "--step-delay", "0.05",
+                             "--metrics-port", str(metrics_port), name="worker")
+        await asyncio.to_thread(wait_for_log, roles, worker, "worker ready")
+        env = {"TOKENSTREAM_GATEWAY_CANCEL_GRACE_S": "1"}
+        a, _ = await asyncio.to_thread(start_gateway, roles, [model], index=0, count=2, env=env)
+        b, _ = await asyncio.to_thread(start_gateway, roles, [model], index=1, count=2, env=env)
+
+        client = openai.AsyncOpenAI(base_url=b + "/v1", api_key="x", max_retries=0, timeout=120)
+        stream = await client.chat.completions.create(model=model, messages=PROMPT, temperature=0, max_tokens=40,
+                                                      stream=True)
+        greedy = "".join([c.choices[0].delta.content or "" async for c in stream])
+        assert greedy
+
+        request = {"model": model, "messages": PROMPT, "temperature": 0, "max_tokens": 40, "stream": True}
+        async with httpx.AsyncClient(timeout=120) as http:
+            first = []
+            async with http.stream("POST", a + "/v1/chat/completions", json=request) as r:
+                async for event_id, data in sse(r):
+                    first.append((event_id, data))
+                    if sum(1 for _, d in first if content_of(d)) >= 5:
+                        break
+            cid = json.loads(first[0][1])["id"]
+            async with http.stream("GET", f"{b}/v1/chat/completions/{cid}/stream",
+                                   headers={"Last-Event-ID": first[-1][0]}) as r:
+                rest = [e async for e in sse(r)]
+        assert rest[-1][1] == "[DONE]"
+        assert "".join(content_of(d) for _, d in first + rest) == greedy
+
+        # a dropped stream: cancelled after the grace period, the worker's slot freed
+        long = dict(request, max_tokens=400)
+        async with httpx.AsyncClient(timeout=120) as http:
+            async with http.stream("POST", a + "/v1/chat/completions", json=long) as r:
+                n = 0
+                async for _, data in sse(r):
+                    cid = json.loads(data)["id"]
+                    n += bool(content_of(data))
+                    if n >= 3:
+                        break
+        metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+        assert await asyncio.to_thread(running, metrics_url) == 1
+        deadline = time.monotonic() + 15
+        while await asyncio.to_thread(running, metrics_url) != 0:
+            assert time.monotonic() < deadline, "the worker never freed the slot"
+            await asyncio.sleep(0.2)
+        async with httpx.AsyncClient(timeout=60) as http:
+            async with http.stream("GET", f"{a}/v1/chat/completions/{cid}/stream?include_usage=true") as r:
+                events = [e async for e in sse(r)]
+        usage = json.loads(events[-2][1])["usage"]
+        assert usage["completion_tokens"] < 400
+        assert cid.removeprefix("chatcmpl-") in processor.cancels
+    finally:
+        await asyncio.to_thread(roles.stop_all)
+        await processor.stop()
