@@ -291,7 +291,9 @@ def create_app(cfg: GatewaySettings, bootstrap: str, redis_url: str | None = Non
             raise api.unavailable("The gateway is not connected to the inference pipeline yet.")
         if len(gw.fanout.streams) >= cfg.max_active_streams:
             m.rejections.labels(body.model).inc()
-            raise api.overloaded(1, 0.0)
+            raise api.APIError(429, f"This gateway instance holds {cfg.max_active_streams} open streams; "
+                                    "retry after 1s.", "rate_limit_error", code="rate_limit_exceeded",
+                               headers={"Retry-After": "1"})
         gw.admission.admit(body.model)  # 429 / 503 before anything is written
 
         partition = gw.reply_partition()
