@@ -218,3 +218,19 @@ def test_bitsandbytes_quantized_loading_on_cpu(quantization, smol):
     out = engine(q).generate([s])
     assert s.finish_reason in ("stop", "length") and len(s.generated) >= 3
     assert "".join(o.text for o in out["q"]) == s.emitted_text and s.emitted_text.strip()
+
+
+def test_prompt_longer_than_context_ends_with_error(tiny):
+    eng = engine(tiny, blocks=64, block_size=16, max_model_len=128)
+    too_long, fine = greedy("long", ids(200), 5), greedy("fine", ids(100), 100)
+    out = eng.generate([too_long, fine])
+    assert [o.finish_reason for o in out["long"]] == ["error"] and "does not fit" in out["long"][0].error
+    assert fine.finish_reason == "length" and len(fine.generated) == 28  # capped by the 128-token context
+
+
+def test_cli_modules_are_import_light():
+    import subprocess
+    import sys
+
+    code = "import sys, gpu_workers.cli, bench.worker; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
