@@ -89,9 +89,9 @@ async def test_overload_gets_429_with_retry_after(gateway, pipeline):
 async def test_slow_client_gets_coalesced_chunks_and_partition_pauses(gateway, fast):
     url, proc = gateway
     block = [f"s{i}" + "x" * 200 for i in range(100)]
-    words = block * 200  # 20,000 tokens, 4 MB of text: more than socket buffers absorb
+    words = block * 400  # 40,000 tokens, 8 MB of text: more than socket buffers absorb
     payload = json.dumps({"model": fast.model, "stream": True, "max_tokens": 100_000, "messages": [
-        {"role": "user", "content": "[[repeat 200]] " + " ".join(block)}]}).encode()
+        {"role": "user", "content": "[[repeat 400]] " + " ".join(block)}]}).encode()
     host, port = url.removeprefix("http://").split(":")
     import socket
 
