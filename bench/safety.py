@@ -77,7 +77,8 @@ def confusion(examples: list[dict], predicted: list[list[str]], categories: list
 def percentiles_ms(samples_s: list[float]) -> dict[str, float]:
     ms = sorted(s * 1000 for s in samples_s)
     q = statistics.quantiles(ms, n=100, method="inclusive")
-    return {"p50": round(q[49], 3), "p99": round(q[98], 3), "mean": round(statistics.fmean(ms), 3), "n": len(ms)}
+    return {"p50": round(q[49], 3), "p99": round(q[98], 3), "mean": round(statistics.fmean(ms), 3),
+            "n": len(ms)}
 
 
 def time_each(fn: Callable[[str], object], texts: list[str], iterations: int, warmup: int = 5) -> list[float]:

@@ -170,14 +170,16 @@ class Head:
 
         meta = dict(self.metadata, categories=json.dumps(self.categories))
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_file({"weight": self.weight.contiguous(), "bias": self.bias.contiguous()}, str(path), metadata=meta)
+        tensors = {"weight": self.weight.contiguous(), "bias": self.bias.contiguous()}
+        save_file(tensors, str(path), metadata=meta)
 
     @classmethod
     def load(cls, path: Path) -> "Head":
         from safetensors import safe_open
 
         if not Path(path).exists():
-            raise FileNotFoundError(f"no trained safety head at {path}; run `python -m processors.safety.train`")
+            raise FileNotFoundError(f"no trained safety head at {path}; "
+                                    "run `python -m processors.safety.train`")
         with safe_open(str(path), framework="pt") as f:
             meta = dict(f.metadata() or {})
             weight, bias = f.get_tensor("weight").float(), f.get_tensor("bias").float()
@@ -204,7 +206,8 @@ class SafetyClassifier:
     @classmethod
     def load(cls, policy: Policy | None = None, settings: SafetySettings | None = None) -> "SafetyClassifier":
         s = settings or safety_settings()
-        return cls(get_embedder(s), Head.load(s.head_path), policy or Policy.from_settings(s), s.sentence_units)
+        return cls(get_embedder(s), Head.load(s.head_path), policy or Policy.from_settings(s),
+                   sentences=s.sentence_units)
 
     def with_policy(self, policy: Policy) -> "SafetyClassifier":
         """The same model under another policy (no reload)."""

@@ -54,8 +54,8 @@ class SafetySettings(BaseSettings):
     thresholds: dict[str, float] = Field(default_factory=dict, description="per-category thresholds")
 
     head_path: Path = Field(DATA_DIR / "head.safetensors", description="trained head weights")
-    model_path: Path | None = Field(None, description="sentence-embedding model folder (default: bundled MiniLM)")
-    chunk_tokens: int = Field(128, ge=16, le=512, description="tokens per scored chunk; longer texts are split")
+    model_path: Path | None = Field(None, description="embedding model folder (default: bundled MiniLM)")
+    chunk_tokens: int = Field(128, ge=16, le=512, description="tokens per scored chunk; longer texts split")
     chunk_overlap: int = Field(32, ge=0, description="tokens shared by consecutive chunks of a long text")
     sentence_units: bool = Field(True, description="also score each sentence of a multi-sentence text alone")
     batch_size: int = Field(32, ge=1, description="chunks per embedding forward pass")
