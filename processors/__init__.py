@@ -5,7 +5,7 @@
                   ts.tokens -> ts.safety.verdicts              (output windows; a block is sent in band)
     router        ts.requests.screened -> ts.inference.<model> (model, tier, load, canary weights)
 
-State lives in faust tables backed by compacted changelog topics; every processor runs with
-processing_guarantee="exactly_once" (Kafka transactions), so a processor killed at any point
-and restarted re-reads its input and commits each output exactly once.
+State lives in faust tables backed by compacted changelog topics and in Redis; processing is
+at-least-once with effects made idempotent by request id (`processors.effects`), so a
+processor killed at any point and restarted re-reads its input without emitting twice.
 """

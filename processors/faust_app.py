@@ -17,12 +17,16 @@ TYPE_HEADER = "event-type"
 
 
 def make_app(role: str, **overrides) -> faust.App:
-    """A faust app whose id (and consumer group) is `ts-<role>`, with exactly-once processing."""
+    """A faust app whose id (and consumer group) is `ts-<role>`, processing at-least-once.
+
+    Re-processing after a crash is made harmless by `processors.effects.Ledger` (see there
+    why not faust's exactly_once).
+    """
     cfg = settings()
     brokers = ";".join(f"kafka://{b.strip()}" for b in cfg.kafka_bootstrap.split(","))
     options = dict(
         broker=brokers,
-        processing_guarantee="exactly_once",
+        processing_guarantee="at_least_once",
         store="memory://",  # tables are rebuilt from their changelog topics at start
         web_enabled=False,
         consumer_auto_offset_reset="earliest",
@@ -82,13 +86,13 @@ async def typed(stream: faust.StreamT, specs: dict[str, TopicSpec],
 
 async def send(target: faust.TopicT, spec: TopicSpec, event: Event, *, key: str,
                partition: int | None = None, trace: TraceContext | None = None) -> None:
-    """Write a typed event; inside an agent it joins the transaction of the input partition."""
+    """Write a typed event and wait for the broker's acknowledgement."""
     if not isinstance(event, spec.events):
         raise TypeError(f"{type(event).__name__} does not belong on topic {spec.name}")
     headers = [(TYPE_HEADER, type(event).__struct_config__.tag.encode())]
     if trace is not None:
         headers += trace.headers()
-    await target.send(key=key.encode(), value=encode(event), partition=partition, headers=headers)
+    await (await target.send(key=key.encode(), value=encode(event), partition=partition, headers=headers))
 
 
 def get(tbl: faust.Table, key: str, kind: type[Event]) -> Event | None:
@@ -97,7 +101,7 @@ def get(tbl: faust.Table, key: str, kind: type[Event]) -> Event | None:
 
 
 def put(tbl: faust.Table, key: str, value: Event | None) -> None:
-    """Store (or, with None, delete) a table row; the changelog write joins the transaction."""
+    """Store (or, with None, delete) a table row (its changelog record is written with it)."""
     if value is None:
         tbl.pop(key.encode(), None)
     else:

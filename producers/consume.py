@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
-from aiokafka.structs import ConsumerRecord
+from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from schemas import DecodeError, Event
 from topics import TopicSpec
@@ -38,3 +38,11 @@ async def events(
                     await dead_letter(producer, record, exc, group=group)
                     continue
                 yield event, record
+
+
+async def caught_up(consumer: AIOKafkaConsumer, ends: dict[TopicPartition, int]) -> bool:
+    """True once the consumer's position has reached `ends` on every partition (a replay is done)."""
+    for tp, end in ends.items():
+        if await consumer.position(tp) < end:
+            return False
+    return True

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 from dataclasses import dataclass
 
 from aiokafka import AIOKafkaConsumer
@@ -52,6 +55,7 @@ async def apply(specs: list[TopicSpec], bootstrap: str, replication: int = 1) ->
                 [NewTopic(s.name, s.partitions, replication, topic_configs=dict(s.configs)) for s in missing]
             )
             _raise_errors(response.to_object()["topic_errors"], ignore={TOPIC_ALREADY_EXISTS})
+            await _wait_for_leaders(admin, [s.name for s in missing])
             changes += [Change(s.name, "created", f"{s.partitions} partitions") for s in missing]
         present = [s for s in specs if s.name in existing]
         if present:
@@ -77,6 +81,20 @@ async def _reconcile(admin: AIOKafkaAdminClient, spec: TopicSpec, configs: dict[
         await admin.create_partitions({spec.name: NewPartitions(spec.partitions)})
         details.append(f"partitions {partitions}->{spec.partitions}")
     return Change(spec.name, "updated" if details else "unchanged", ", ".join(details))
+
+
+async def _wait_for_leaders(admin: AIOKafkaAdminClient, names: list[str], timeout_s: float = 30.0) -> None:
+    """Return once every partition of `names` has a leader: the topics are usable, not just created."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        described = await admin.describe_topics(names)
+        ready = all(t["error_code"] == 0 and t["partitions"] and all(p["leader"] >= 0 for p in t["partitions"])
+                    for t in described)
+        if ready and len(described) == len(names):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"topics without leaders after {timeout_s:.0f}s: {names}")
+        await asyncio.sleep(0.2)
 
 
 async def _configs(admin: AIOKafkaAdminClient, names: list[str]) -> dict[str, dict[str, str]]:

@@ -14,6 +14,7 @@ from processors.conversation.config import ConversationSettings
 from processors.conversation.history import bounded, carries_full_history, merge, with_answer
 from processors.conversation.presets import apply_preset, load_presets
 from processors.conversation.window import PromptTooLong, chat_template_counter, trim
+from processors.effects import Ledger
 from processors.faust_app import get, make_app, put, send, table, topic, trace_of, typed
 from schemas import ChatRequest, Completion, ConversationHistory, InferenceRequest
 from tokenstream.models import load_tokenizer
@@ -24,6 +25,7 @@ SEEN_KEPT = 64  # request ids remembered per conversation, to drop a request del
 
 cfg = ConversationSettings()
 app = make_app("conversation")
+ledger = Ledger("conversation")
 history_table = table(app, CONVERSATIONS, "history")
 inbox = app.topic(CHAT_REQUESTS.name, CONVERSATION_TURNS.name, key_type=bytes, value_type=bytes,
                   key_serializer="raw", value_serializer="raw")
@@ -68,11 +70,14 @@ async def _prepare(request: ChatRequest, state: ConversationHistory, trace) -> b
         return False
     state.messages = bounded(messages, cfg.max_history_messages)
     state.pending_request_id, state.pending_since = request.request_id, time.time()
+    if await ledger.done("prepared", request.request_id):
+        return True  # emitted before a restart: only the table row needed rebuilding
     await send(prepared_out, PREPARED, InferenceRequest(
         request_id=request.request_id, conversation_id=request.conversation_id, tenant=request.tenant,
         model=model, messages=prompt, sampling=sampling, reply_partition=request.reply_partition,
         dropped_messages=dropped, admitted_at=request.created_at,
     ), key=request.request_id, trace=trace)
+    await ledger.record("prepared", request.request_id)
     return True
 
 

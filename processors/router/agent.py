@@ -13,10 +13,12 @@ import logging
 import msgspec
 from aiokafka.structs import TopicPartition
 
+from processors.effects import Ledger
 from processors.faust_app import make_app, send, topic, trace_of, typed
 from processors.router.config import Route, RouterSettings
 from processors.router.policy import decide
 from producers import start_consumer
+from producers.consume import caught_up
 from producers.lag import LagSampler
 from schemas import Completion, DecodeError, RouteUpdate, decode
 from tokenstream.config import settings
@@ -26,6 +28,7 @@ log = logging.getLogger(__name__)
 
 cfg = RouterSettings()
 app = make_app("router")
+ledger = Ledger("router")
 screened_in, tokens_out, dead_letters = topic(app, SCREENED), topic(app, TOKENS), topic(app, DEAD_LETTER)
 routes: dict[str, Route] = dict(cfg.routes)  # a cache of config + ts.routes, rebuilt at every start
 routes_ready = asyncio.Event()
@@ -56,14 +59,10 @@ async def follow_routes() -> None:
                         apply_update(decode(record.value or b"", RouteUpdate))
                     except DecodeError as exc:
                         log.warning("ignoring bad route update at offset %d: %s", record.offset, exc.reason)
-            if not routes_ready.is_set() and all(await _reached(consumer, tp, end) for tp, end in ends.items()):
+            if not routes_ready.is_set() and await caught_up(consumer, ends):
                 routes_ready.set()
     finally:
         await consumer.stop()
-
-
-async def _reached(consumer, tp: TopicPartition, end: int) -> bool:
-    return await consumer.position(tp) >= end
 
 
 def targets() -> set[str]:
@@ -101,6 +100,8 @@ async def exists(target: str) -> bool:
 async def route(stream):
     await routes_ready.wait()
     async for request, raw in typed(stream, {SCREENED.name: SCREENED}, dead_letters):
+        if await ledger.done("routed", request.request_id):
+            continue  # routed before a restart
         tier = cfg.tenant_tiers.get(request.tenant, cfg.default_tier)
         decision = decide(request.request_id, request.model, routes.get(request.model), tier, waits(),
                           cfg.wait_budget_s)
@@ -111,8 +112,10 @@ async def route(stream):
                 request_id=request.request_id, conversation_id=request.conversation_id, tenant=request.tenant,
                 seq=0, finish_reason="error", error=f"no worker group serves model {decision.target!r}",
             ), key=request.request_id, partition=request.reply_partition, trace=trace)
+            await ledger.record("routed", request.request_id)
             continue
         out = _outputs.get(spec.name) or _outputs.setdefault(spec.name, topic(app, spec))
         routed = msgspec.structs.replace(request, model=decision.target)
         await send(out, spec, routed, key=request.request_id, trace=trace)
+        await ledger.record("routed", request.request_id)
         log.debug("routed %s: %s -> %s (%s)", request.request_id, request.model, decision.target, decision.reason)

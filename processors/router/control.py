@@ -62,6 +62,7 @@ def show() -> None:
     from aiokafka.structs import TopicPartition
 
     from producers import start_consumer
+    from producers.consume import caught_up
     from schemas import RouteUpdate, decode
     from topics import ROUTES
 
@@ -72,7 +73,7 @@ def show() -> None:
             consumer.assign(tps)
             await consumer.seek_to_beginning(*tps)
             ends, latest = await consumer.end_offsets(tps), {}
-            while any(await consumer.position(tp) < end for tp, end in ends.items()):
+            while not await caught_up(consumer, ends):
                 for records in (await consumer.getmany(timeout_ms=500)).values():
                     for r in records:
                         update = decode(r.value, RouteUpdate)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from processors.effects import Ledger
 from processors.faust_app import get, make_app, put, send, table, topic, trace_of, typed
 from processors.safety.classifier import Judgement, SafetyClassifier
 from processors.safety.windows import WindowSettings, due, fold, judged
@@ -22,6 +23,7 @@ REFUSAL = "I can't help with that request."
 
 windows_cfg = WindowSettings()
 app = make_app("safety")
+ledger = Ledger("safety")
 windows_table = table(app, SAFETY_WINDOWS, "windows")
 prepared_in, tokens_in = topic(app, PREPARED), topic(app, TOKENS)
 screened_out, tokens_out = topic(app, SCREENED), topic(app, TOKENS)
@@ -55,15 +57,18 @@ def verdict(of, judgement: Judgement, stage: str, window_end_seq: int = -1) -> S
 @app.agent(prepared_in)
 async def screen_inputs(stream):
     async for request, raw in typed(stream, {PREPARED.name: PREPARED}, dead_letters):
+        if await ledger.done("input", request.request_id):
+            continue  # judged and forwarded before a restart
         trace = trace_of(raw)
         newest = next((m.content for m in reversed(request.messages) if m.role == "user"), "")
         result = await judge(newest)
         await send(verdicts_out, VERDICTS, verdict(request, result, "input"), key=request.request_id, trace=trace)
-        if not result.blocked:
+        if result.blocked:
+            log.info("input of %s blocked: %s", request.request_id, ", ".join(result.categories))
+            await refuse(request, result, trace)
+        else:
             await send(screened_out, SCREENED, request, key=request.request_id, trace=trace)
-            continue
-        log.info("input of %s blocked: %s", request.request_id, ", ".join(result.categories))
-        await refuse(request, result, trace)
+        await ledger.record("input", request.request_id)
 
 
 async def refuse(request: InferenceRequest, result: Judgement, trace) -> None:
@@ -92,8 +97,9 @@ async def watch_outputs(stream):
             trace = trace_of(raw)
             await send(verdicts_out, VERDICTS, verdict(event, result, "output", window.last_seq),
                        key=event.request_id, trace=trace)
-            if result.blocked:
+            if result.blocked and not await ledger.done("block", event.request_id):
                 await block_output(event, result, window, raw.message.partition, trace)
+                await ledger.record("block", event.request_id)
             window = judged(window, windows_cfg, result.blocked)
         put(windows_table, event.request_id, None if final else window)
 

@@ -1,0 +1,60 @@
+"""Small helpers for tests that read and write registry topics on the real broker."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from aiokafka.structs import TopicPartition
+
+from producers import start_consumer
+from producers.publish import decode_record
+from schemas import Event
+from topics import TopicSpec
+
+
+class Tap:
+    """Reads a topic from its current end (or the beginning) and keeps every decoded event."""
+
+    def __init__(self, spec: TopicSpec, from_beginning: bool = False) -> None:
+        self.spec, self.from_beginning = spec, from_beginning
+        self.events: list[tuple[Event, int]] = []  # (event, partition)
+        self._task: asyncio.Task | None = None
+
+    async def __aenter__(self) -> Tap:
+        self.consumer = await start_consumer(group=None, isolation_level="read_committed")
+        tps = [TopicPartition(self.spec.name, p) for p in range(self.spec.partitions)]
+        self.consumer.assign(tps)
+        if self.from_beginning:
+            await self.consumer.seek_to_beginning(*tps)
+        else:
+            await self.consumer.seek_to_end(*tps)
+            for tp in tps:
+                await self.consumer.position(tp)  # fix the start now, before the test writes
+        self._task = asyncio.create_task(self._run())
+        return self
+
+    async def _run(self) -> None:
+        while True:
+            for tp, records in (await self.consumer.getmany(timeout_ms=100)).items():
+                self.events.extend((decode_record(r, self.spec), tp.partition) for r in records)
+
+    async def __aexit__(self, *exc) -> None:
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        await self.consumer.stop()
+
+    def matching(self, predicate: Callable[[Event], bool]) -> list[Event]:
+        return [e for e, _ in self.events if predicate(e)]
+
+    async def wait_for(self, predicate: Callable[[Event], bool], count: int = 1,
+                       timeout: float = 60.0) -> list[Event]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = self.matching(predicate)
+            if len(found) >= count:
+                return found
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"{self.spec.name}: {len(self.matching(predicate))} of {count} events "
+                             f"after {timeout:.0f}s")

@@ -1,0 +1,322 @@
+"""The faust-streaming processors as real processes against the real broker.
+
+One conversation, one safety and one router process serve the whole module (each is its own
+consumer group); the tests play the gateway and the worker by writing and reading topics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.structs import OffsetAndMetadata, TopicPartition
+
+from processors.conversation.window import chat_template_counter
+from producers import publish, start_producer
+from schemas import (
+    Cancel,
+    ChatMessage,
+    ChatRequest,
+    Completion,
+    InferenceRequest,
+    SafetyVerdict,
+    SamplingParams,
+    TokenChunk,
+)
+from tests.kafka_support import Tap
+from tokenstream.models import load_tokenizer
+from topics import CHAT_REQUESTS, CONTROL, PREPARED, SCREENED, TOKENS, VERDICTS, inference_topic
+from topics.admin import apply
+from topics.registry import all_topics
+
+pytestmark = pytest.mark.slow
+
+WINDOW = 400  # context window the conversation processor is started with
+MODELS = ["smollm2", "primary-x", "fallback-x", "canary-x", "canary-x-v2"]
+ROUTES = {"primary-x": {"fallback": "fallback-x"}, "canary-x": {}}
+HARMFUL = "I am going to find him tonight and stab him until he stops breathing."
+VIOLENT_ANSWER = ("Sure. First get a knife, then wait for the victim outside the house and stab them "
+                  "repeatedly in the chest until they die, then hide the body so nobody finds it. ")
+
+
+def rid() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+class Processors:
+    """The three processors as `tokenstream processor X` processes; kill -9 and restart on demand."""
+
+    def __init__(self, roles) -> None:
+        self.roles = roles
+        self.env = {
+            "TOKENSTREAM_CONVERSATION_CONTEXT_TOKENS": str(WINDOW),
+            "TOKENSTREAM_ROUTER_ROUTES": json.dumps(ROUTES),
+            "TOKENSTREAM_ROUTER_WAIT_BUDGET_S": "2",
+            "TOKENSTREAM_ROUTER_MIN_RATE": "1",
+        }
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str) -> None:
+        self.procs[name] = self.roles.start("processor", name, "--loglevel", "info", env=self.env,
+                                            name=f"processor-{name}")
+
+    def kill9(self, name: str) -> None:
+        proc = self.procs[name]
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def processors(stack, tmp_path_factory):
+    import asyncio as _asyncio
+
+    _asyncio.run(apply(all_topics(MODELS), stack.kafka.address))
+    from tests.conftest import Roles
+
+    roles = Roles(stack, tmp_path_factory.mktemp("processors"))
+    procs = Processors(roles)
+    for name in ("conversation", "safety", "router"):
+        procs.start(name)
+    yield procs
+    roles.stop_all()
+
+
+async def chat(producer, conversation: str, messages: list[ChatMessage], *, request_id: str | None = None,
+               model: str = "smollm2", reply_partition: int = 5, **kw) -> ChatRequest:
+    request = ChatRequest(request_id=request_id or rid(), conversation_id=conversation, model=model,
+                          messages=messages, reply_partition=reply_partition, **kw)
+    await publish(producer, CHAT_REQUESTS, request, key=conversation)
+    return request
+
+
+async def answer(producer, request: InferenceRequest, text: str) -> None:
+    """Play the worker: the completion of `request` with `text`."""
+    await publish(producer, TOKENS, Completion(request_id=request.request_id,
+                                               conversation_id=request.conversation_id, seq=1,
+                                               finish_reason="stop", text=text),
+                  partition=request.reply_partition)
+
+
+def by_id(request_id: str):
+    return lambda e: e.request_id == request_id
+
+
+async def test_third_turn_with_only_the_new_message_gets_the_full_history(processors):
+    conv = f"conv-{rid()}"
+    system = ChatMessage(role="system", content="You are terse.")
+    async with Tap(PREPARED) as prepared:
+        producer = await start_producer()
+        try:
+            first = await chat(producer, conv, [system, ChatMessage(role="user", content="Name a colour.")])
+            [p1] = await prepared.wait_for(by_id(first.request_id), timeout=90)
+            assert [m.content for m in p1.messages] == ["You are terse.", "Name a colour."]
+            await answer(producer, p1, "Blue.")
+
+            second = await chat(producer, conv, [ChatMessage(role="user", content="Another one?")])
+            [p2] = await prepared.wait_for(by_id(second.request_id))
+            # the third turn arrives before the second answer has landed: it must wait for it
+            third = await chat(producer, conv, [ChatMessage(role="user", content="And a third?")])
+            await asyncio.sleep(1.0)
+            assert prepared.matching(by_id(third.request_id)) == []
+            await answer(producer, p2, "Green.")
+            [p3] = await prepared.wait_for(by_id(third.request_id))
+        finally:
+            await producer.stop()
+    assert [(m.role, m.content) for m in p3.messages] == [
+        ("system", "You are terse."), ("user", "Name a colour."), ("assistant", "Blue."),
+        ("user", "Another one?"), ("assistant", "Green."), ("user", "And a third?")]
+    assert p3.dropped_messages == 0 and p3.conversation_id == conv and p3.reply_partition == 5
+
+
+async def test_history_longer_than_the_window_is_trimmed_oldest_first(processors):
+    system = ChatMessage(role="system", content="Answer briefly.")
+    turns = []
+    for i in range(30):
+        turns.append(ChatMessage(role="user", content=f"Question {i}: tell me something about the number {i}."))
+        turns.append(ChatMessage(role="assistant", content=f"The number {i} is a fine number, " * 2))
+    turns.append(ChatMessage(role="user", content="Final question: what did I ask first?"))
+    async with Tap(PREPARED) as prepared:
+        producer = await start_producer()
+        try:
+            request = await chat(producer, f"conv-{rid()}", [system, *turns],
+                                 sampling=SamplingParams(max_tokens=64))
+            [p] = await prepared.wait_for(by_id(request.request_id))
+        finally:
+            await producer.stop()
+    count = chat_template_counter(load_tokenizer("smollm2"))
+    assert count(p.messages) <= WINDOW - 64
+    assert p.dropped_messages > 0 and len(p.messages) == 1 + len(turns) - p.dropped_messages
+    assert p.messages[0] == system and p.messages[-1] == turns[-1]
+    assert p.messages[1].role == "user"
+    assert p.messages[1:] == turns[p.dropped_messages:]  # what is kept is the newest, unchanged
+    # and nothing newer could have been kept: one more turn would not fit
+    assert count([system, *turns[p.dropped_messages - 2:]]) > WINDOW - 64
+
+
+async def test_blocked_input_never_reaches_the_worker_topic(processors):
+    worker_topic = inference_topic("smollm2")
+    bad = InferenceRequest(request_id=rid(), conversation_id="c-bad", model="smollm2", reply_partition=7,
+                           messages=[ChatMessage(role="user", content=HARMFUL)])
+    good = InferenceRequest(request_id=rid(), conversation_id="c-good", model="smollm2", reply_partition=7,
+                            messages=[ChatMessage(role="user", content="What is the capital of France?")])
+    async with Tap(worker_topic) as inference, Tap(VERDICTS) as verdicts, Tap(TOKENS) as tokens:
+        producer = await start_producer()
+        try:
+            await publish(producer, PREPARED, bad)
+            await publish(producer, PREPARED, good)
+            [routed] = await inference.wait_for(by_id(good.request_id), timeout=90)
+            [done] = await tokens.wait_for(lambda e: e.request_id == bad.request_id and isinstance(e, Completion))
+            [verdict] = await verdicts.wait_for(lambda e: e.request_id == bad.request_id and e.stage == "input")
+        finally:
+            await producer.stop()
+        await asyncio.sleep(1.0)
+        assert inference.matching(by_id(bad.request_id)) == []
+    assert routed.messages == good.messages
+    assert verdict.blocked and verdict.stage == "input" and verdict.categories and verdict.policy_version
+    assert done.finish_reason == "content_filter" and done.seq == 1
+    refusal = [e for e, p in tokens.events if e.request_id == bad.request_id and isinstance(e, TokenChunk)]
+    assert [c.seq for c in refusal] == [0] and refusal[0].text
+    assert {p for e, p in tokens.events if e.request_id == bad.request_id} == {7}
+    [allowed] = verdicts.matching(lambda e: e.request_id == good.request_id and e.stage == "input")
+    assert not allowed.blocked
+
+
+async def test_streamed_output_is_cut_with_a_verdict_in_band_and_a_cancel(processors):
+    bad, good = rid(), rid()
+    async with Tap(TOKENS) as tokens, Tap(CONTROL) as control:
+        producer = await start_producer()
+        try:
+            words = VIOLENT_ANSWER.split(" ")
+            calm = ("Paris is the capital of France and is known for its museums, cafes and parks. " * 2).split(" ")
+            for seq in range(40):
+                await publish(producer, TOKENS, TokenChunk(request_id=bad, seq=seq, text=words[seq % len(words)] + " ",
+                                                           token_ids=[1]), partition=4, wait=False)
+                await publish(producer, TOKENS, TokenChunk(request_id=good, seq=seq, text=calm[seq % len(calm)] + " ",
+                                                           token_ids=[1]), partition=4, wait=False)
+            await producer.flush()
+            [cut] = await tokens.wait_for(lambda e: isinstance(e, SafetyVerdict) and e.request_id == bad, timeout=90)
+            [cancel] = await control.wait_for(by_id(bad))
+            await publish(producer, TOKENS, Completion(request_id=good, seq=40, finish_reason="stop"), partition=4)
+            await asyncio.sleep(2.0)
+        finally:
+            await producer.stop()
+    assert cut.blocked and cut.stage == "output" and cut.window_end_seq >= 0 and "violence" in cut.categories
+    assert [p for e, p in tokens.events if isinstance(e, SafetyVerdict) and e.request_id == bad] == [4]
+    assert isinstance(cancel, Cancel) and cancel.reason == "content_filter"
+    assert not any(isinstance(e, SafetyVerdict) and e.request_id == good for e, _ in tokens.events)
+
+
+async def test_router_overflows_to_the_fallback_while_the_primary_lags(processors, bootstrap):
+    primary = inference_topic("primary-x")
+    producer = await start_producer()
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        # a backlog on the primary: 40 requests its (absent) workers have not taken
+        ends = {}
+        for i in range(40):
+            meta = await publish(producer, primary, InferenceRequest(request_id=rid(), model="primary-x", messages=[]))
+            ends.setdefault(meta.partition, meta.offset)
+        from aiokafka import AIOKafkaConsumer
+
+        c = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id="worker.primary-x", enable_auto_commit=False)
+        await c.start()
+        await c.commit({TopicPartition(primary.name, p): OffsetAndMetadata(o, "") for p, o in ends.items()})
+        await c.stop()
+        await asyncio.sleep(2.5)  # the router samples lag every 0.5 s
+        async with Tap(inference_topic("fallback-x")) as fallback, Tap(primary) as direct:
+            request = InferenceRequest(request_id=rid(), model="primary-x", reply_partition=1,
+                                       messages=[ChatMessage(role="user", content="hello")])
+            await publish(producer, SCREENED, request)
+            [moved] = await fallback.wait_for(by_id(request.request_id), timeout=30)
+            assert direct.matching(by_id(request.request_id)) == []
+        assert moved.model == "fallback-x"
+        # once the primary has caught up, requests go to it again
+        await (await admin.list_consumer_group_offsets("worker.primary-x")) and None
+        c = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id="worker.primary-x", enable_auto_commit=False)
+        await c.start()
+        latest = await c.end_offsets([TopicPartition(primary.name, p) for p in range(primary.partitions)])
+        await c.commit({tp: OffsetAndMetadata(o, "") for tp, o in latest.items()})
+        await c.stop()
+        await asyncio.sleep(2.5)
+        async with Tap(primary) as direct:
+            again = InferenceRequest(request_id=rid(), model="primary-x", messages=[])
+            await publish(producer, SCREENED, again)
+            await direct.wait_for(by_id(again.request_id), timeout=30)
+    finally:
+        await admin.close()
+        await producer.stop()
+
+
+def route_cli(*args: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "tokenstream.cli", "route", *args], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+async def test_canary_weights_change_at_run_time_and_roll_back(processors):
+    stable, canary = inference_topic("canary-x"), inference_topic("canary-x-v2")
+    assert "canary-x-v2 10%" in route_cli("set", "canary-x", "-w", "canary-x=0.9", "-w", "canary-x-v2=0.1")
+    await asyncio.sleep(1.5)
+    n = 300
+    producer = await start_producer()
+    try:
+        async with Tap(stable) as to_stable, Tap(canary) as to_canary:
+            ids = {rid() for _ in range(n)}
+            for request_id in ids:
+                await publish(producer, SCREENED, InferenceRequest(request_id=request_id, model="canary-x",
+                                                                   messages=[]), wait=False)
+            await producer.flush()
+            deadline = time.monotonic() + 60
+            while len(to_stable.events) + len(to_canary.events) < n and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            share = len(to_canary.events) / n
+            assert {e.request_id for e, _ in to_stable.events + to_canary.events} == ids
+            assert 0.04 <= share <= 0.17, f"canary share {share:.2%}"
+            assert all(e.model == "canary-x-v2" for e, _ in to_canary.events)
+
+        assert "canary-x 100%" in route_cli("rollback", "canary-x")
+        await asyncio.sleep(1.5)
+        async with Tap(stable) as to_stable, Tap(canary) as to_canary:
+            later = {rid() for _ in range(50)}
+            for request_id in later:
+                await publish(producer, SCREENED, InferenceRequest(request_id=request_id, model="canary-x",
+                                                                   messages=[]), wait=False)
+            await producer.flush()
+            await to_stable.wait_for(lambda e: e.request_id in later, count=50)
+            assert to_canary.events == []
+    finally:
+        await producer.stop()
+    assert "canary-x" in route_cli("show")
+
+
+async def test_kill9_of_each_processor_loses_and_duplicates_nothing(processors):
+    n = 60
+    ids = [rid() for _ in range(n)]
+    target = inference_topic("smollm2")
+    async with Tap(target) as inference:
+        producer = await start_producer()
+        try:
+            for i, request_id in enumerate(ids):
+                await chat(producer, f"conv-kill-{request_id}", [ChatMessage(role="user", content=f"Say {i}.")],
+                           request_id=request_id)
+                if i in (15, 30, 45):
+                    name = {15: "conversation", 30: "safety", 45: "router"}[i]
+                    processors.kill9(name)
+                    processors.start(name)
+                await asyncio.sleep(0.05)
+            await inference.wait_for(lambda e: e.request_id in set(ids), count=n, timeout=180)
+            await asyncio.sleep(3.0)  # anything duplicated late would show up now
+        finally:
+            await producer.stop()
+        seen = [e.request_id for e, _ in inference.events if e.request_id in set(ids)]
+    assert sorted(seen) == sorted(ids)  # every request exactly once, through three kill -9s
