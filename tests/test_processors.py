@@ -16,7 +16,6 @@ import time
 import uuid
 
 import pytest
-from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
 from processors.conversation.window import chat_template_counter
@@ -217,20 +216,14 @@ async def test_streamed_output_is_cut_with_a_verdict_in_band_and_a_cancel(proces
 async def test_router_overflows_to_the_fallback_while_the_primary_lags(processors, bootstrap):
     primary = inference_topic("primary-x")
     producer = await start_producer()
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
     try:
         # a backlog on the primary: 40 requests its (absent) workers have not taken
         ends = {}
         for i in range(40):
             meta = await publish(producer, primary, InferenceRequest(request_id=rid(), model="primary-x", messages=[]))
             ends.setdefault(meta.partition, meta.offset)
-        from aiokafka import AIOKafkaConsumer
-
-        c = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id="worker.primary-x", enable_auto_commit=False)
-        await c.start()
-        await c.commit({TopicPartition(primary.name, p): OffsetAndMetadata(o, "") for p, o in ends.items()})
-        await c.stop()
+        await commit_offsets(bootstrap, "worker.primary-x",
+                             {TopicPartition(primary.name, p): o for p, o in ends.items()})
         await asyncio.sleep(2.5)  # the router samples lag every 0.5 s
         async with Tap(inference_topic("fallback-x")) as fallback, Tap(primary) as direct:
             request = InferenceRequest(request_id=rid(), model="primary-x", reply_partition=1,
@@ -240,20 +233,31 @@ async def test_router_overflows_to_the_fallback_while_the_primary_lags(processor
             assert direct.matching(by_id(request.request_id)) == []
         assert moved.model == "fallback-x"
         # once the primary has caught up, requests go to it again
-        await (await admin.list_consumer_group_offsets("worker.primary-x")) and None
-        c = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id="worker.primary-x", enable_auto_commit=False)
-        await c.start()
-        latest = await c.end_offsets([TopicPartition(primary.name, p) for p in range(primary.partitions)])
-        await c.commit({tp: OffsetAndMetadata(o, "") for tp, o in latest.items()})
-        await c.stop()
+        await commit_offsets(bootstrap, "worker.primary-x", None, topic=primary.name)
         await asyncio.sleep(2.5)
         async with Tap(primary) as direct:
             again = InferenceRequest(request_id=rid(), model="primary-x", messages=[])
             await publish(producer, SCREENED, again)
             await direct.wait_for(by_id(again.request_id), timeout=30)
     finally:
-        await admin.close()
         await producer.stop()
+
+
+async def commit_offsets(bootstrap: str, group: str, offsets: dict[TopicPartition, int] | None,
+                         topic: str | None = None) -> None:
+    """Commit `offsets` for `group` (None: the end of every partition of `topic`), as its workers would."""
+    from aiokafka import AIOKafkaConsumer
+
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False)
+    await consumer.start()
+    try:
+        if offsets is None:
+            tps = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic) or range(12)]
+            offsets = await consumer.end_offsets(tps)
+        consumer.assign(list(offsets))
+        await consumer.commit({tp: OffsetAndMetadata(o, "") for tp, o in offsets.items()})
+    finally:
+        await consumer.stop()
 
 
 def route_cli(*args: str) -> str:
