@@ -37,7 +37,7 @@ from gateway.resume import (
     replay,
 )
 from producers import publish, start_consumer, start_producer
-from schemas import ChatMessage, ChatRequest, Completion, Event, SamplingParams, TokenChunk
+from schemas import ChatMessage, ChatRequest, Completion, Event, SafetyVerdict, SamplingParams, TokenChunk
 from topics import CHAT_REQUESTS, TOKENS
 
 log = logging.getLogger(__name__)
@@ -142,6 +142,17 @@ class Gateway:
 
 # ---------------------------------------------------------------------- answer building
 
+def content_filtered(verdict: SafetyVerdict, seq: int) -> Completion:
+    """A blocking output verdict ends the answer like a completion with finish_reason content_filter.
+
+    `seq` is one past the highest chunk seq before the verdict in the log, so the finish frame
+    gets the same SSE id live and on a resume.
+    """
+    return Completion(request_id=verdict.request_id, conversation_id=verdict.conversation_id,
+                      tenant=verdict.tenant, seq=seq, finish_reason="content_filter",
+                      error="output flagged: " + ", ".join(verdict.categories))
+
+
 class Framer:
     """Turns a request's token events into OpenAI chunk frames with resumable SSE ids."""
 
@@ -153,6 +164,7 @@ class Framer:
         self.next_seq = max(0, last_seen + 1) if last_seen >= 0 else 0
         self.done = False
         self.first_token_at: float | None = None
+        self.max_chunk_seq = -1  # highest chunk seq met in log order, delivered or not
 
     def _data(self, body: dict) -> str:
         return json.dumps(body, separators=(",", ":"))
@@ -172,7 +184,12 @@ class Framer:
         for ev in events:
             if self.done:
                 break
+            if isinstance(ev, SafetyVerdict):
+                if not ev.blocked:
+                    continue
+                ev = content_filtered(ev, self.max_chunk_seq + 1)
             if isinstance(ev, TokenChunk):
+                self.max_chunk_seq = max(self.max_chunk_seq, ev.seq)
                 if ev.seq < self.next_seq:
                     continue  # duplicate
                 self.next_seq = ev.seq + 1
@@ -382,6 +399,8 @@ def create_app(cfg: GatewaySettings, bootstrap: str, redis_url: str | None = Non
                             next_seq = ev.seq + 1
                     elif isinstance(ev, Completion):
                         return ev
+                    elif isinstance(ev, SafetyVerdict) and ev.blocked:
+                        return content_filtered(ev, next_seq)
             return None
 
         async def watch_disconnect() -> None:

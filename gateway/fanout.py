@@ -21,7 +21,7 @@ from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from gateway.metrics import Metrics
-from schemas import Completion, DecodeError, Event, TokenChunk, decode
+from schemas import DecodeError, Event, TokenChunk, decode
 from topics import TOKENS
 
 log = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ class Fanout:
             stream = self.streams.get(key)
             if stream is not None:  # else nobody holds this request here (gone, or a replay serves it)
                 try:
-                    event = decode(record.value or b"", TokenChunk, Completion)
+                    event = decode(record.value or b"", *TOKENS.events)
                 except DecodeError as exc:
                     log.warning("undecodable token event %s@%d: %s", tp, record.offset, exc)
                     event = None

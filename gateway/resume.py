@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import TopicPartition
 
-from schemas import Completion, DecodeError, Event, TokenChunk, decode
+from schemas import Completion, DecodeError, Event, SafetyVerdict, decode
 from topics import TOKENS
 
 _ID = re.compile(r"^[0-9a-f]{16}p(\d+)t(\d+)$")
@@ -57,6 +57,11 @@ def parse_last_event_id(value: str | None, request_id: str) -> int:
         raise ValueError("Last-Event-ID position is not an integer") from None
 
 
+def ends_answer(event: Event) -> bool:
+    """A completion ends an answer; so does a blocking output verdict (the stream is cut)."""
+    return isinstance(event, Completion) or (isinstance(event, SafetyVerdict) and event.blocked)
+
+
 async def replay(bootstrap: str, request_id: str, *, idle_timeout_s: float = 600.0
                  ) -> AsyncIterator[list[Event]]:
     """Every event of `request_id` from the log, in order, then live until its Completion.
@@ -86,13 +91,13 @@ async def replay(bootstrap: str, request_id: str, *, idle_timeout_s: float = 600
                 if record.key != key:
                     continue
                 try:
-                    out.append(decode(record.value or b"", TokenChunk, Completion))
+                    out.append(decode(record.value or b"", *TOKENS.events))
                 except DecodeError:
                     continue
             if out:
                 last = time.monotonic()
                 yield out
-                if any(isinstance(e, Completion) for e in out):
+                if any(ends_answer(e) for e in out):
                     return
             else:
                 if time.monotonic() - last >= idle_timeout_s:
