@@ -1,5 +1,5 @@
 # The two commands of the README. Both are idempotent and set everything up on first use.
-.PHONY: run test setup install-services stop
+.PHONY: run test setup install-services stop status
 
 TS := .venv/bin/tokenstream
 
@@ -9,15 +9,17 @@ setup:
 install-services: setup
 	@$(TS) stack install
 
-## make run: the local system (stack and topics today; each role joins as it lands)
+## make run: the whole system locally (Kafka, Redis, Weaviate, topics, processors, a worker, the gateway)
 run: install-services
-	@$(TS) stack up
-	@$(TS) topics apply
-	@$(TS) stack status
+	@$(TS) system up
+	@$(TS) system status
 
 ## make test: the whole suite against a real Kafka, Redis and Weaviate it starts on free ports
 test: install-services
 	.venv/bin/python -m pytest -ra $(PYTEST_ARGS)
 
 stop:
-	@$(TS) stack down
+	@$(TS) system down
+
+status:
+	@$(TS) system status

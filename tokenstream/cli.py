@@ -57,6 +57,48 @@ def stack_status() -> None:
     console.print(table)
 
 
+system_app = typer.Typer(help="The whole system locally: the stack, the topics and every role.",
+                         no_args_is_help=True)
+app.add_typer(system_app, name="system")
+
+
+def _roles():
+    from tokenstream.stack.roles import local_roles
+
+    cfg = settings()
+    return local_roles(Stack.default().folders, cfg.models[0], cfg.gateway_port, cfg.worker_metrics_port)
+
+
+@system_app.command("up")
+def system_up() -> None:
+    """Stack, topics, processors, a worker and the gateway; harmless when already up."""
+    stack_up()
+    topics_apply(None)
+    for role in _roles():
+        role.start(_say)
+    port = settings().gateway_port
+    _say(f"\n[bold]chat page:[/] http://127.0.0.1:{port}   [bold]OpenAI base URL:[/] http://127.0.0.1:{port}/v1")
+    _say("logs: " + str(Stack.default().kafka.log_dir) + "   stop: make stop (or tokenstream system down)")
+
+
+@system_app.command("down")
+def system_down() -> None:
+    """Stop every role, then the stack (data is kept)."""
+    for role in reversed(_roles()):
+        role.stop(_say)
+    stack_down()
+
+
+@system_app.command("status")
+def system_status() -> None:
+    """A table of the stack's services and the roles."""
+    table = Table("process", "state", "pid", "address", "log")
+    for s in [*Stack.default().status(), *(r.status() for r in _roles())]:
+        state = "[green]ready[/]" if s.ready else ("[yellow]starting[/]" if s.running else "[red]stopped[/]")
+        table.add_row(s.name, state, str(s.pid or "-"), s.address, str(s.log))
+    console.print(table)
+
+
 def _specs(models: list[str] | None):
     from topics.registry import all_topics
 

@@ -36,6 +36,8 @@ class Settings(BaseSettings):
                             description="downloaded Kafka jars and the built Weaviate binary")
 
     models: list[str] = ["smollm2"]
+    gateway_port: int = Field(8000, description="port of the gateway `system up` starts")
+    worker_metrics_port: int = Field(9400, description="Prometheus port of the worker `system up` starts")
     model_paths: dict[str, Path] = Field(
         default_factory=dict, description="served model name -> local Hugging Face folder (JSON object)")
 

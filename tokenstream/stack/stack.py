@@ -60,6 +60,10 @@ class Stack:
     def status(self) -> list[Status]:
         return [s.status() for s in self.services]
 
+    @property
+    def folders(self) -> tuple[Path, Path, Path, Path]:
+        return self.kafka.data_dir.parent, self.kafka.run_dir, self.kafka.log_dir, self.kafka.cache_dir
+
     def environment(self) -> dict[str, str]:
         """TOKENSTREAM_* variables that point a role at this stack."""
         return {

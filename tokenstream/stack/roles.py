@@ -1,0 +1,64 @@
+"""The tokenstream roles as local background processes, managed like the stack's services.
+
+`tokenstream system up` starts the stack, applies the topics, then these: the three
+processors, one worker and one gateway, each with a pid file and a log in the stack's folders.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from tokenstream.stack.service import Service
+
+
+class Role(Service):
+    """One `tokenstream <args>` process. Ready when `probe_url` answers 200, or after `settle_s` alive."""
+
+    ready_timeout_s = 300.0  # a first worker start converts SmolLM2 to safetensors
+    stop_timeout_s = 20.0
+
+    def __init__(self, name: str, args: list[str], folders: tuple[Path, Path, Path, Path], *,
+                 probe_url: str | None = None, settle_s: float = 3.0) -> None:
+        self.name = name
+        super().__init__(*folders)
+        self.args, self.probe_url, self.settle_s = args, probe_url, settle_s
+        self._started = 0.0
+
+    @property
+    def address(self) -> str:
+        return self.probe_url or " ".join(self.args)
+
+    def install(self, say) -> None:
+        pass
+
+    def prepare(self) -> None:
+        self._started = time.monotonic()
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "tokenstream.cli", *self.args]
+
+    def is_ready(self) -> bool:
+        if self.probe_url is None:
+            return self.pid() is not None and time.monotonic() - self._started >= self.settle_s
+        try:
+            with urllib.request.urlopen(self.probe_url, timeout=1) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+
+def local_roles(folders: tuple[Path, Path, Path, Path], model: str, gateway_port: int,
+                worker_metrics_port: int) -> list[Role]:
+    """What `make run` runs beside the stack, in start order."""
+    return [
+        Role("conversation", ["processor", "conversation"], folders),
+        Role("safety", ["processor", "safety"], folders, settle_s=5.0),
+        Role("router", ["processor", "router"], folders),
+        Role("worker", ["worker", "--model", model, "--metrics-port", str(worker_metrics_port)], folders,
+             probe_url=f"http://127.0.0.1:{worker_metrics_port}/metrics"),
+        Role("gateway", ["gateway", "--port", str(gateway_port)], folders,
+             probe_url=f"http://127.0.0.1:{gateway_port}/health/ready"),
+    ]
