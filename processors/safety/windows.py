@@ -12,7 +12,8 @@ from schemas import OutputWindow, TokenChunk
 class WindowSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TOKENSTREAM_SAFETY_WINDOW_", extra="ignore")
 
-    every_tokens: int = Field(16, ge=1, description="judge the window after this many new tokens")
+    every_tokens: int = Field(32, ge=1, description="judge the window after this many new tokens "
+                                                    "(one judgement costs ~30-120 ms of CPU)")
     overlap_chars: int = Field(200, ge=0, description="text kept from the last window, so a phrase cut "
                                                       "at a boundary is still seen whole")
     max_chars: int = Field(2000, ge=64, description="longest text held per answer")
