@@ -14,15 +14,11 @@ import asyncio
 import logging
 import math
 import time
-from collections import deque
-from dataclasses import dataclass, field
-
-from aiokafka import AIOKafkaConsumer
-from aiokafka.admin import AIOKafkaAdminClient
-from aiokafka.structs import TopicPartition
+from dataclasses import dataclass
 
 from gateway.metrics import Metrics
 from gateway.openai_api import overloaded, unavailable
+from producers.lag import LagSampler
 from topics import inference_topic
 
 log = logging.getLogger(__name__)
@@ -34,8 +30,6 @@ class ModelLoad:
     lag: int = 0
     rate: float = 0.0  # requests per second taken by the worker group
     admitted_since_sample: int = 0
-    samples: deque[tuple[float, int]] = field(default_factory=deque)  # (time, committed total)
-    baseline: dict[int, int] = field(default_factory=dict)  # end offset when first seen, per partition
     last_ok: float = 0.0
 
 
@@ -57,8 +51,7 @@ class Admission:
         self.budget_s, self.poll_s, self.window_s = budget_s, poll_s, window_s
         self.min_rate, self.stale_s = min_rate, stale_s
         self.loads = {m: ModelLoad(m) for m in models}
-        self._admin: AIOKafkaAdminClient | None = None
-        self._consumer: AIOKafkaConsumer | None = None
+        self.sampler = LagSampler(bootstrap, window_s=window_s)
 
     # ------------------------------------------------------------------ decisions
 
@@ -99,64 +92,14 @@ class Admission:
                 raise
             except Exception as exc:  # broker down or restarting: keep trying, stay stale
                 log.warning("admission sample failed: %s", exc)
-                await self._reset()
             await asyncio.sleep(self.poll_s)
 
     async def close(self) -> None:
-        await self._reset()
-
-    async def _reset(self) -> None:
-        for client in (self._consumer, self._admin):
-            if client is not None:
-                try:
-                    await (client.stop() if isinstance(client, AIOKafkaConsumer) else client.close())
-                except Exception:  # noqa: BLE001
-                    pass
-        self._admin = self._consumer = None
-
-    async def _clients(self) -> tuple[AIOKafkaAdminClient, AIOKafkaConsumer]:
-        if self._admin is None or self._consumer is None:
-            await self._reset()
-            admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap, request_timeout_ms=5000)
-            await admin.start()
-            self._admin = admin
-            consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, group_id=None,
-                                        request_timeout_ms=5000, enable_auto_commit=False)
-            await consumer.start()
-            self._consumer = consumer
-        return self._admin, self._consumer
+        await self.sampler.close()
 
     async def _sample_all(self) -> None:
-        admin, consumer = await self._clients()
         for load in self.loads.values():
-            await asyncio.wait_for(self._sample(admin, consumer, load), timeout=5)
-
-    async def _sample(self, admin: AIOKafkaAdminClient, consumer: AIOKafkaConsumer, load: ModelLoad) -> None:
-        topic = inference_topic(load.model).name
-        partitions = consumer.partitions_for_topic(topic)
-        if not partitions:
-            await consumer._client.force_metadata_update()  # noqa: SLF001 - new topic
-            partitions = consumer.partitions_for_topic(topic)
-        now = time.monotonic()
-        if not partitions:  # topic not created yet: nothing can be queued
-            load.lag, load.admitted_since_sample, load.last_ok = 0, 0, now
-            return
-        tps = [TopicPartition(topic, p) for p in sorted(partitions)]
-        ends = await consumer.end_offsets(tps)
-        committed = await admin.list_consumer_group_offsets(f"worker.{load.model}", partitions=tps)
-        lag = done = 0
-        for tp in tps:
-            end = ends[tp]
-            base = load.baseline.setdefault(tp.partition, end)
-            meta = committed.get(tp)
-            at = meta.offset if meta is not None and meta.offset >= 0 else base
-            lag += max(0, end - at)
-            done += at
-        load.samples.append((now, done))
-        while len(load.samples) > 2 and now - load.samples[0][0] > self.window_s:
-            load.samples.popleft()
-        t0, d0 = load.samples[0]
-        load.rate = (done - d0) / (now - t0) if now > t0 else 0.0
-        load.lag, load.admitted_since_sample, load.last_ok = lag, 0, now
-        self.metrics.lag.labels(load.model).set(lag)
-        self.metrics.drain_rate.labels(load.model).set(load.rate)
+            sample = await self.sampler.sample(f"worker.{load.model}", inference_topic(load.model).name)
+            load.lag, load.rate, load.admitted_since_sample, load.last_ok = sample.lag, sample.rate, 0, time.monotonic()
+            self.metrics.lag.labels(load.model).set(load.lag)
+            self.metrics.drain_rate.labels(load.model).set(load.rate)

@@ -10,6 +10,7 @@ so history written before the group existed is not taken for a backlog.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -37,8 +38,8 @@ class Load:
 class LagSampler:
     """Keeps one admin client and one group-less consumer; `sample` refreshes one group's Load."""
 
-    def __init__(self, bootstrap: str, window_s: float = 10.0) -> None:
-        self.bootstrap, self.window_s = bootstrap, window_s
+    def __init__(self, bootstrap: str, window_s: float = 10.0, timeout_s: float = 5.0) -> None:
+        self.bootstrap, self.window_s, self.timeout_s = bootstrap, window_s, timeout_s
         self.loads: dict[tuple[str, str], Load] = {}
         self._admin: AIOKafkaAdminClient | None = None
         self._consumer: AIOKafkaConsumer | None = None
@@ -62,25 +63,33 @@ class LagSampler:
             await self._consumer.start()
         return self._admin, self._consumer
 
+    async def _read(self, topic: str, group: str) -> tuple[list[TopicPartition], dict, dict]:
+        """The topic's partitions, their end offsets and the group's committed offsets."""
+        admin, consumer = await self._clients()
+        partitions = consumer.partitions_for_topic(topic)
+        if not partitions:
+            await consumer._client.force_metadata_update()  # noqa: SLF001 - a topic created since
+            partitions = consumer.partitions_for_topic(topic)
+        if not partitions:
+            return [], {}, {}
+        tps = [TopicPartition(topic, p) for p in sorted(partitions)]
+        ends = await consumer.end_offsets(tps)
+        committed = await admin.list_consumer_group_offsets(group, partitions=tps)
+        return tps, ends, committed
+
     async def sample(self, group: str, topic: str) -> Load:
         """Refresh and return the Load of `group` on `topic` (raises when the broker does not answer)."""
         load = self.loads.setdefault((group, topic), Load(group, topic))
         try:
-            admin, consumer = await self._clients()
-            partitions = consumer.partitions_for_topic(topic)
-            if not partitions:
-                await consumer._client.force_metadata_update()  # noqa: SLF001 - a topic created since
-                partitions = consumer.partitions_for_topic(topic)
-            now = time.monotonic()
-            if not partitions:
-                load.lag, load.partitions, load.sampled_at = 0, 0, now
-                return load
-            tps = [TopicPartition(topic, p) for p in sorted(partitions)]
-            ends = await consumer.end_offsets(tps)
-            committed = await admin.list_consumer_group_offsets(group, partitions=tps)
-        except Exception:
+            async with asyncio.timeout(self.timeout_s):
+                tps, ends, committed = await self._read(topic, group)
+        except BaseException:  # a broker that is down, restarting or too slow: start afresh next time
             await self.close()
             raise
+        now = time.monotonic()
+        if not tps:
+            load.lag, load.partitions, load.sampled_at = 0, 0, now
+            return load
         lag = done = 0
         for tp in tps:
             base = load.baseline.setdefault(tp.partition, ends[tp])
