@@ -1,0 +1,116 @@
+"""The processors' pure decisions: history merging, trimming with the real tokenizer, routing, windows."""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+
+import pytest
+
+from processors.conversation.history import bounded, carries_full_history, merge, with_answer
+from processors.conversation.presets import apply_preset, load_presets
+from processors.conversation.config import DEFAULT_PRESETS
+from processors.conversation.window import PromptTooLong, chat_template_counter, trim
+from processors.router.config import Route
+from processors.router.policy import decide, weighted_pick
+from processors.safety.windows import WindowSettings, due, fold, judged
+from schemas import ChatMessage, Completion, OutputWindow, SamplingParams, TokenChunk
+from tokenstream.models import load_tokenizer
+
+
+def user(text: str) -> ChatMessage:
+    return ChatMessage(role="user", content=text)
+
+
+def bot(text: str) -> ChatMessage:
+    return ChatMessage(role="assistant", content=text)
+
+
+SYSTEM = ChatMessage(role="system", content="Be brief.")
+
+
+def test_new_turn_is_appended_to_the_stored_history():
+    history = [SYSTEM, user("a"), bot("b")]
+    assert merge(history, [user("c")]) == [SYSTEM, user("a"), bot("b"), user("c")]
+    new_system = ChatMessage(role="system", content="Be verbose.")
+    assert merge(history, [new_system, user("c")]) == [new_system, user("a"), bot("b"), user("c")]
+
+
+def test_a_full_history_replaces_what_is_stored():
+    full = [user("x"), bot("y"), user("z")]
+    assert carries_full_history(full) and not carries_full_history([SYSTEM, user("z")])
+    assert merge([SYSTEM, user("a"), bot("b")], full) == full
+
+
+def test_an_answer_is_appended_or_the_unanswered_turn_dropped():
+    done = Completion(request_id="r", seq=3, finish_reason="stop", text="hi")
+    assert with_answer([user("a")], done) == [user("a"), bot("hi")]
+    empty = Completion(request_id="r", seq=0, finish_reason="error")
+    assert with_answer([SYSTEM, user("a")], empty) == [SYSTEM]
+    assert bounded([SYSTEM, *[user(str(i)) for i in range(10)]], 3) == [SYSTEM, user("7"), user("8"), user("9")]
+
+
+def test_presets_set_system_prompt_and_sampling():
+    presets = load_presets(DEFAULT_PRESETS)
+    messages, model, sampling = apply_preset(presets["coder"], [SYSTEM, user("sort a list")], "smollm2",
+                                             SamplingParams(temperature=1.0))
+    assert messages[0].role == "system" and "Python" in messages[0].content and messages[1:] == [user("sort a list")]
+    assert model == "smollm2" and sampling.temperature == 0.0 and sampling.max_tokens == 512
+
+
+@pytest.fixture(scope="module")
+def count():
+    return chat_template_counter(load_tokenizer("smollm2"))
+
+
+def test_trim_keeps_system_and_newest_turns_within_budget(count):
+    turns = []
+    for i in range(20):
+        turns += [user(f"question number {i} about something"), bot(f"answer number {i} " * 5)]
+    messages = [SYSTEM, *turns, user("last")]
+    full = count(messages)
+    kept, dropped = trim(messages, count, full // 2)
+    assert count(kept) <= full // 2 and dropped > 0
+    assert kept[0] == SYSTEM and kept[-1] == user("last") and kept[1].role == "user"
+    assert kept[1:] == messages[1 + dropped:]
+    assert count([SYSTEM, *messages[1 + dropped - 2:]]) > full // 2  # the cut is as late as it must be
+    assert trim(messages, count, full) == (messages, 0)
+
+
+def test_trim_refuses_when_even_the_newest_message_does_not_fit(count):
+    with pytest.raises(PromptTooLong):
+        trim([SYSTEM, user("word " * 500)], count, 50)
+
+
+def test_weighted_pick_is_deterministic_and_follows_the_weights():
+    weights = {"stable": 0.9, "canary": 0.1}
+    ids = [uuid.uuid4().hex for _ in range(4000)]
+    picks = Counter(weighted_pick(i, weights) for i in ids)
+    assert 0.08 < picks["canary"] / len(ids) < 0.12
+    assert [weighted_pick(i, weights) for i in ids[:50]] == [weighted_pick(i, weights) for i in ids[:50]]
+    assert {weighted_pick(i, {"only": 1.0, "off": 0.0}) for i in ids[:100]} == {"only"}
+
+
+def test_decide_tier_first_then_weights_then_overflow():
+    route = Route(weights={"big": 1.0}, fallback="small", tiers={"free": "small"})
+    assert decide("r", "big", route, "free", {}, 5).target == "small"
+    assert decide("r", "big", route, "standard", {"big": 1, "small": 1}, 5).reason == "weights"
+    over = decide("r", "big", route, "standard", {"big": 50, "small": 1}, 5)
+    assert (over.target, over.reason) == ("small", "overflow")
+    both = decide("r", "big", route, "standard", {"big": 50, "small": 50}, 5)
+    assert both.target == "big"  # the fallback is no better: stay
+    assert decide("r", "m", None, "standard", {}, 5).target == "m"
+
+
+def test_output_window_folds_each_chunk_once_and_judges_every_n_tokens():
+    cfg = WindowSettings(every_tokens=4, overlap_chars=5)
+    w = OutputWindow(request_id="r")
+    for seq, text in enumerate(["ab", "cd", "ef"]):
+        w = fold(w, TokenChunk(request_id="r", seq=seq, text=text, token_ids=[1]), cfg)
+    assert fold(w, TokenChunk(request_id="r", seq=1, text="cd", token_ids=[1]), cfg) is None  # replay
+    assert not due(w, cfg) and due(w, cfg, final=True)
+    w = fold(w, TokenChunk(request_id="r", seq=3, text="gh", token_ids=[1]), cfg)
+    assert due(w, cfg) and w.text == "abcdefgh"
+    after = judged(w, cfg, blocked=False)
+    assert after.text == "defgh" and after.pending_tokens == 0
+    assert not due(judged(w, cfg, blocked=True), cfg, final=True)
