@@ -164,7 +164,8 @@ def run_static(model, tok, work: list[Work], bpt: int, eos: set[int], batch: int
     return res
 
 
-async def run_worker_bench(loaded, work: list[Work], bootstrap: str, max_running: int) -> Result:
+async def run_worker_bench(loaded, work: list[Work], bootstrap: str, max_running: int,
+                           prefill_chunk: int) -> Result:
     import asyncio
 
     from aiokafka import AIOKafkaConsumer
@@ -177,7 +178,7 @@ async def run_worker_bench(loaded, work: list[Work], bootstrap: str, max_running
     from topics import TOKENS, inference_topic
 
     res = Result("worker via Kafka")
-    cfg = WorkerConfig(model="smollm2-bench", max_running=max_running, max_waiting=64, prefill_chunk=256,
+    cfg = WorkerConfig(model="smollm2-bench", max_running=max_running, max_waiting=64, prefill_chunk=prefill_chunk,
                        kv_memory_gb=1.0, worker_id="bench")
     stop, ready = asyncio.Event(), asyncio.Event()
     holder = {}
@@ -259,11 +260,13 @@ def main(
     rate: float = typer.Option(2.0, help="mean arrivals per second (Poisson)"),
     seed: int = typer.Option(0, help="workload seed"),
     max_running: int = typer.Option(32, help="worker batch limit"),
+    prefill_chunk: int = typer.Option(256, help="worker: most prompt tokens prefilled per step"),
     out: Path = typer.Option(RESULTS, help="where the JSON figures go"),
 ) -> None:
     """Sequential vs static batching vs the Kafka worker on SmolLM2: throughput, TTFT, ITL, memory."""
     import asyncio
     import logging
+    import os
     import tempfile
 
     import torch
@@ -275,6 +278,7 @@ def main(
     from tokenstream.stack import Stack
 
     console = Console()
+    load_before = os.getloadavg()[0]
     logging.getLogger("aiokafka").setLevel(logging.ERROR)
     loaded = load("smollm2")
     model, tok = loaded.model, loaded.tokenizer
@@ -297,7 +301,8 @@ def main(
         stack = Stack.ephemeral(Path(tmp))
         stack.kafka.start(lambda m: console.print(m, highlight=False))
         try:
-            results.append(asyncio.run(run_worker_bench(loaded, work, stack.kafka.address, max_running)))
+            results.append(asyncio.run(run_worker_bench(loaded, work, stack.kafka.address, max_running,
+                                                           prefill_chunk)))
         finally:
             stack.kafka.stop(lambda m: None)
     summaries = {r.name: r.summary() for r in results}
@@ -318,6 +323,8 @@ def main(
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"workload": {"requests": len(work), "rate_per_s": rate, "seed": seed,
                                             "output_tokens": "16-64 (greedy)", "device": loaded.device,
+                                            "worker_max_running": max_running, "worker_prefill_chunk": prefill_chunk,
+                                            "load_avg_1m_before_after": [load_before, os.getloadavg()[0]],
                                             "torch_threads": torch.get_num_threads(),
                                             "requests_detail": [asdict(w) | {"prompt_ids": len(w.prompt_ids)}
                                                                 for w in work]},
