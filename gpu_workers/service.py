@@ -63,7 +63,7 @@ class Worker:
         self.tracker = OffsetTracker()
         self.takeover_below: dict[TopicPartition, int] = {}
         self.owned: dict[str, tuple[TopicPartition, int, InferenceRequest, Sequence]] = {}
-        self.generation = 0
+        self.epoch: dict[TopicPartition, int] = {}  # bumped when a partition is revoked
         self.step_lock = asyncio.Lock()
         self.commit_lock = asyncio.Lock()
         self.work = asyncio.Event()
@@ -114,7 +114,8 @@ class Worker:
 
     async def revoked(self, tps: set[TopicPartition]) -> None:
         """Hand partitions over cleanly: stop their requests, finish the step, flush what was written."""
-        self.generation += 1
+        for tp in tps:
+            self.epoch[tp] = self.epoch.get(tp, 0) + 1
         lost = [rid for rid, (tp, *_) in self.owned.items() if tp in tps]
         for rid in lost:
             self.engine.abort(self.owned[rid][3])
@@ -142,12 +143,12 @@ class Worker:
             if paused:
                 self.consumer.resume(*self.consumer.assignment())
                 paused = False
-            generation = self.generation
+            epochs = dict(self.epoch)
             batches = await self.consumer.getmany(timeout_ms=100, max_records=room)
             for tp, records in batches.items():
                 for rec in records:
-                    if generation != self.generation or tp not in self.consumer.assignment():
-                        break  # fetched before a rebalance: the new assignment re-delivers it
+                    if self.epoch.get(tp, 0) != epochs.get(tp, 0) or tp not in self.consumer.assignment():
+                        break  # revoked since the fetch: whoever owns it now re-reads from the commit
                     await self._accept(tp, rec)
             self.work.set()
 
