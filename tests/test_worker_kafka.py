@@ -234,3 +234,37 @@ async def test_kill9_mid_stream_second_worker_finishes_gap_free(bootstrap, uniqu
         assert "takeover" in roles.log(b)
     finally:
         await producer.stop()
+
+
+@pytest.mark.slow
+async def test_worker_joining_mid_stream_hands_over_without_gap_or_duplicate(bootstrap, unique, roles, tiny_dir,
+                                                                             tiny_loaded):
+    model = f"tiny-{unique}"
+    await apply([inference_topic(model), TOKENS, CONTROL], bootstrap)
+    args = ["worker", "--model", model, "--model-path", str(tiny_dir), "--step-delay", "0.05"]
+    a = roles.start(*args, "--worker-id", "A", name="worker-A")
+    await asyncio.to_thread(wait_for_log, roles, a, "worker ready")
+    producer = await start_producer(bootstrap)
+    try:
+        async with TokenReader(bootstrap) as reader:
+            reqs = [request(model, f"question {i}", 300) for i in range(6)]
+            for r in reqs:
+                await publish(producer, inference_topic(model), r)
+            rids = [r.request_id for r in reqs]
+            await reader.until(lambda rd: all(len(rd.chunks(x)) >= 5 for x in rids), timeout=90)
+            b = roles.start(*args, "--worker-id", "B", name="worker-B")  # rebalance while A streams
+            await reader.until(lambda rd: rd.all_complete(rids), timeout=150)
+        for r in reqs:
+            done = assert_gap_free(reader, r.request_id)
+            ids = [t for c in reader.chunks(r.request_id) for t in c.token_ids]
+            assert done.usage.completion_tokens == len(ids)
+            text = "".join(c.text for c in reader.chunks(r.request_id))
+            assert text == tiny_loaded.tokenizer.decode(ids, skip_special_tokens=True)
+        handed_over = [x for x in rids if {c.worker_id for c in reader.chunks(x)} == {"A", "B"}]
+        assert handed_over, "no request moved from A to B mid-stream"
+        for x in handed_over:  # A...A then B...B, and B completed it
+            workers = [c.worker_id for c in reader.chunks(x)]
+            assert workers == sorted(workers) and reader.completion(x).worker_id == "B"
+        assert "gave up" in roles.log(a) and "worker ready" in roles.log(b)
+    finally:
+        await producer.stop()
