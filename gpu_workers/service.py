@@ -15,6 +15,7 @@ import logging
 import os
 import socket
 import time
+from collections import OrderedDict
 
 from aiokafka import ConsumerRebalanceListener
 from aiokafka.errors import KafkaError
@@ -28,6 +29,8 @@ from gpu_workers.recovery import TokenLog
 from producers import dead_letter, decode_record, publish, start_consumer, start_producer
 from schemas import Cancel, Completion, DecodeError, InferenceRequest, Timings, TokenChunk, Usage, encode
 from topics import CONTROL, TOKENS, inference_topic
+
+COMPLETED_KEPT = 10_000  # request ids remembered as done, to drop a duplicate of one
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +66,9 @@ class Worker:
         self.tracker = OffsetTracker()
         self.takeover_below: dict[TopicPartition, int] = {}
         self.owned: dict[str, tuple[TopicPartition, int, InferenceRequest, Sequence]] = {}
+        # Request ids this worker completed lately: an upstream processor that re-emits a request
+        # after a crash (see processors/effects.py) must not have it generated twice.
+        self.completed: OrderedDict[str, None] = OrderedDict()
         self.epoch: dict[TopicPartition, int] = {}  # bumped when a partition is revoked
         self.step_lock = asyncio.Lock()
         self.commit_lock = asyncio.Lock()
@@ -162,6 +168,9 @@ class Worker:
             return
         if request.request_id in self.owned:
             return  # a duplicate of a request this worker is running
+        if request.request_id in self.completed:
+            await self._done(tp, rec.offset)  # a duplicate of a request this worker has completed
+            return
         s = request.sampling
         seq = Sequence(request.request_id, prompt_ids(self.engine.tokenizer, request), max_tokens=s.max_tokens,
                        temperature=s.temperature, top_p=s.top_p, seed=s.seed, stop=list(s.stop),
@@ -232,6 +241,7 @@ class Worker:
                 done = Completion(
                     request_id=rid, conversation_id=request.conversation_id, tenant=request.tenant,
                     seq=out.completion_seq, finish_reason=out.finish_reason, error=out.error,
+                    text=seq.emitted_text,
                     usage=Usage(prompt_tokens=len(seq.prompt_ids), completion_tokens=len(seq.generated)),
                     timings=Timings(queue_s=queue, prefill_s=prefill, decode_s=decode),
                     dropped_messages=request.dropped_messages, worker_id=self.worker_id)
@@ -239,6 +249,9 @@ class Worker:
                                                   partition=request.reply_partition,
                                                   headers=[("event-type", b"completion")])
                 self.owned.pop(rid, None)
+                self.completed[rid] = None
+                while len(self.completed) > COMPLETED_KEPT:
+                    self.completed.popitem(last=False)
                 task = asyncio.create_task(self._after_delivery(future, tp, offset))
                 self.pending_completions.add(task)
                 task.add_done_callback(self.pending_completions.discard)

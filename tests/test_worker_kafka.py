@@ -93,6 +93,8 @@ def assert_gap_free(reader: TokenReader, rid: str) -> Completion:
     assert seqs == list(range(len(events))), seqs
     completions = [e for e in events if isinstance(e, Completion)]
     assert len(completions) == 1 and events[-1] is completions[0]
+    # the completion carries the whole answer, across a takeover too
+    assert completions[0].text == "".join(e.text for e in events[:-1])
     return completions[0]
 
 
@@ -150,6 +152,20 @@ async def test_worker_streams_commits_and_exports_metrics(bootstrap, unique, tin
             assert name in body
         line = next(x for x in body.splitlines() if x.startswith("vllm:e2e_request_latency_seconds_count"))
         assert float(line.split()[-1]) == 6
+
+        # an upstream processor re-emitting a request after a crash: it is not generated again
+        async with TokenReader(bootstrap) as reader:
+            again = reqs[0]
+            await publish(producer, inference_topic(model), again)
+            marker = request(model, "after the duplicate", max_tokens=3)
+            await publish(producer, inference_topic(model), marker)
+            await reader.until(lambda rd: rd.completion(marker.request_id) is not None)
+            deadline = time.monotonic() + 10
+            while await committed(bootstrap, model) < len(reqs) + 2:  # the duplicate was consumed too
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.2)
+            await asyncio.sleep(0.5)
+            assert reader.events[again.request_id] == []
     finally:
         stop.set()
         await task
