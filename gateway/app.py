@@ -317,11 +317,10 @@ def create_app(cfg: GatewaySettings, bootstrap: str, redis_url: str | None = Non
         started = time.monotonic()
         created_at = time.time()
         rid = new_request_id(partition, created_at)
-        extra = body.model_extra or {}
-        conversation = str(extra.get("conversation_id") or rid)
-        event = ChatRequest(request_id=rid, conversation_id=conversation, created_at=created_at,
+        event = ChatRequest(request_id=rid, conversation_id=body.conversation_id or rid, created_at=created_at,
                             tenant=request.headers.get("x-tenant", "default"), model=body.model,
                             messages=messages, sampling=sampling, stream=body.stream, user=body.user,
+                            assistant=body.assistant,
                             reply_partition=partition, gateway_id=cfg.instance_id)
         fanout = gw.fanout
         stream = fanout.subscribe(rid)
@@ -329,7 +328,7 @@ def create_app(cfg: GatewaySettings, bootstrap: str, redis_url: str | None = Non
         include_usage = body.include_usage()
         # the write to the pipeline and the two Redis notes go out together
         written, _, generation = await asyncio.gather(
-            asyncio.wait_for(publish(gw.producer, CHAT_REQUESTS, event, key=conversation), timeout=10),
+            asyncio.wait_for(publish(gw.producer, CHAT_REQUESTS, event, key=event.conversation_id), timeout=10),
             gw.remember(rid, {"model": body.model, "created": created, "include_usage": include_usage}),
             gw.canceller.attach(rid), return_exceptions=True)
         if isinstance(written, BaseException) or isinstance(generation, BaseException):

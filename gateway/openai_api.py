@@ -54,6 +54,11 @@ class ChatCompletionRequest(BaseModel):
     seed: int | None = None
     user: str | None = None
     n: int | None = Field(None, ge=1, le=1)
+    # tokenstream extensions (the SDK sends them with extra_body=...):
+    conversation_id: str | None = Field(None, min_length=1, max_length=200,
+                                        description="continue a stored conversation: send only the new message")
+    assistant: str | None = Field(None, min_length=1, description="an assistant preset: system prompt, "
+                                                                  "model and sampling settings")
 
     @field_validator("stop")
     @classmethod

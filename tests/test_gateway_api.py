@@ -66,6 +66,15 @@ async def test_non_streaming(client, pipeline):
     assert sent.user == "alice" and sent.sampling.temperature == 0 and sent.sampling.seed == 7
     assert sent.sampling.top_p == 0.5 and sent.model == pipeline.model
     assert [m.role for m in sent.messages] == ["system", "user"]
+    assert sent.conversation_id == rid and sent.assistant is None  # a new conversation of its own
+
+
+async def test_conversation_and_assistant_extensions(client, pipeline):
+    done = await client.chat.completions.create(
+        model=pipeline.model, messages=ask(), extra_body={"conversation_id": "conv-42", "assistant": "coder"},
+        extra_headers={"x-tenant": "acme"})
+    sent = pipeline.requests[done.id.removeprefix("chatcmpl-")]
+    assert (sent.conversation_id, sent.assistant, sent.tenant) == ("conv-42", "coder", "acme")
 
 
 async def test_streaming(client, pipeline):
