@@ -260,6 +260,18 @@ async def commit_offsets(bootstrap: str, group: str, offsets: dict[TopicPartitio
         await consumer.stop()
 
 
+async def where_is(request_ids: set[str]) -> dict[str, list[str]]:
+    """For a failure message: the pipeline topics each request reached."""
+    found: dict[str, list[str]] = {r: [] for r in request_ids}
+    for spec in (CHAT_REQUESTS, PREPARED, SCREENED):
+        async with Tap(spec, from_beginning=True) as tap:
+            await asyncio.sleep(3.0)
+            for event, partition in tap.events:
+                if event.request_id in found:
+                    found[event.request_id].append(f"{spec.name}[{partition}]")
+    return found
+
+
 def route_cli(*args: str) -> str:
     out = subprocess.run([sys.executable, "-m", "tokenstream.cli", "route", *args], capture_output=True,
                          text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
@@ -318,7 +330,11 @@ async def test_kill9_of_each_processor_loses_and_duplicates_nothing(processors):
                     processors.kill9(name)
                     processors.start(name)
                 await asyncio.sleep(0.05)
-            await inference.wait_for(lambda e: e.request_id in set(ids), count=n, timeout=180)
+            try:
+                await inference.wait_for(lambda e: e.request_id in set(ids), count=n, timeout=120)
+            except AssertionError:
+                missing = set(ids) - {e.request_id for e, _ in inference.events}
+                raise AssertionError(f"lost {missing}: {await where_is(missing)}") from None
             await asyncio.sleep(3.0)  # anything duplicated late would show up now
         finally:
             await producer.stop()
