@@ -13,18 +13,18 @@ LogLevel = typer.Option("warn", help="faust log level: crit, error, warn, info, 
 
 def conversation(loglevel: str = LogLevel) -> None:
     """History, assistant presets and context-window trimming: ts.chat.requests -> ts.requests.prepared."""
-    from processors.conversation.agent import app
+    from processors.conversation.agent import app, warm_up
     from processors.faust_app import run
 
-    run(app, loglevel)
+    run(app, loglevel, warm_up)
 
 
 def safety(loglevel: str = LogLevel) -> None:
     """Input screening and streaming output windows: ts.requests.prepared -> ts.requests.screened."""
     from processors.faust_app import run
-    from processors.safety.agent import app
+    from processors.safety.agent import app, warm_up
 
-    run(app, loglevel)
+    run(app, loglevel, warm_up)
 
 
 def router(loglevel: str = LogLevel) -> None:

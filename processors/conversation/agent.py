@@ -16,7 +16,8 @@ from processors.conversation.presets import apply_preset, load_presets
 from processors.conversation.window import PromptTooLong, chat_template_counter, trim
 from processors.effects import Ledger
 from processors.faust_app import get, make_app, put, send, table, topic, trace_of, typed
-from schemas import ChatRequest, Completion, ConversationHistory, InferenceRequest
+from schemas import ChatMessage, ChatRequest, Completion, ConversationHistory, InferenceRequest
+from tokenstream.config import settings
 from tokenstream.models import load_tokenizer
 from topics import CHAT_REQUESTS, CONVERSATION_TURNS, CONVERSATIONS, DEAD_LETTER, PREPARED, TOKENS
 
@@ -42,6 +43,12 @@ def _counter(model: str):
         return chat_template_counter(load_tokenizer(name))
     except ValueError:
         return chat_template_counter(load_tokenizer("smollm2"))
+
+
+def warm_up() -> None:
+    """Load the tokenizers before consuming (see processors.faust_app.run for why)."""
+    for model in {"smollm2", *settings().models, *cfg.tokenizer_by_model}:
+        _counter(model)([ChatMessage(role="user", content="warm-up")])
 
 
 async def _refuse(request: ChatRequest, reason: str, trace) -> None:

@@ -38,9 +38,9 @@ def classifier() -> SafetyClassifier:
     return _classifier
 
 
-@app.task
-async def load_classifier() -> None:
-    await asyncio.to_thread(classifier)  # at start, not on the first request
+def warm_up() -> None:
+    """Load the classifier and run it once before consuming (see processors.faust_app.run for why)."""
+    classifier().judge(["warm-up"])
 
 
 async def judge(text: str) -> Judgement:
