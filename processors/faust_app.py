@@ -116,10 +116,11 @@ class _NoReadOffsets(dict):
     (meant to skip records re-fetched after a seek) and treats a jump in offsets as a gap that
     may be committed. Right after a processor restarts, records fetched while faust resumes the
     partitions and seeks them to their committed offsets were marked read without reaching the
-    agent, then dropped when fetched again: requests lost after a kill -9 (found by
-    tests/test_processors.py under load). Our inputs have no offset gaps (no transactions, no
-    compaction) and every agent is idempotent by request id (processors.effects.Ledger, table
-    rows, seq numbers), so delivering a re-fetched record again is harmless and the cheap fix.
+    agent, then dropped when fetched again: requests lost after a kill -9 (seen in faust's debug
+    log while tests/test_processors.py ran under load). Our inputs have no offset gaps (no
+    transactions, no compaction) and every agent is idempotent by request id
+    (processors.effects.Ledger, table rows, seq numbers), so delivering a re-fetched record again
+    is harmless. This closes that path only; see the README's known issues for what remains.
     """
 
     def __getitem__(self, tp):
