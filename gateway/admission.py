@@ -46,9 +46,8 @@ class Admission:
     def __init__(self, bootstrap: str, models: list[str], metrics: Metrics, *, budget_s: float,
                  poll_s: float = 0.5, window_s: float = 10.0, min_rate: float = 1.0,
                  stale_s: float = 5.0) -> None:
-        self.bootstrap = bootstrap
         self.metrics = metrics
-        self.budget_s, self.poll_s, self.window_s = budget_s, poll_s, window_s
+        self.budget_s, self.poll_s = budget_s, poll_s
         self.min_rate, self.stale_s = min_rate, stale_s
         self.loads = {m: ModelLoad(m) for m in models}
         self.sampler = LagSampler(bootstrap, window_s=window_s)

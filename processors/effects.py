@@ -14,6 +14,8 @@ only when the output's *partition number* next commits input offsets, so a re-ke
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 import redis.asyncio as aioredis
 
 from tokenstream.config import settings
@@ -29,8 +31,15 @@ class Ledger:
     def _key(self, effect: str, request_id: str) -> str:
         return f"ts:done:{self.role}:{effect}:{request_id}"
 
-    async def done(self, effect: str, request_id: str) -> bool:
-        return bool(await self._redis.exists(self._key(effect, request_id)))
+    async def once(self, effect: str, request_id: str, emit: Callable[[], Awaitable[object]]) -> bool:
+        """Await `emit()` unless `effect` is already done for `request_id`; False when it was.
 
-    async def record(self, effect: str, request_id: str) -> None:
-        await self._redis.set(self._key(effect, request_id), 1, ex=TTL_S)
+        `emit` returns once the broker has acknowledged what it wrote; only then is the effect
+        recorded, so a crash in between re-emits rather than loses.
+        """
+        key = self._key(effect, request_id)
+        if await self._redis.exists(key):
+            return False
+        await emit()
+        await self._redis.set(key, 1, ex=TTL_S)
+        return True

@@ -50,8 +50,12 @@ def stack_down() -> None:
 @stack_app.command("status")
 def stack_status() -> None:
     """A table of the local services."""
-    table = Table("service", "state", "pid", "address", "log")
-    for s in Stack.default().status():
+    _print_status("service", Stack.default().status())
+
+
+def _print_status(kind: str, statuses) -> None:
+    table = Table(kind, "state", "pid", "address", "log")
+    for s in statuses:
         state = "[green]ready[/]" if s.ready else ("[yellow]starting[/]" if s.running else "[red]stopped[/]")
         table.add_row(s.name, state, str(s.pid or "-"), s.address, str(s.log))
     console.print(table)
@@ -92,11 +96,7 @@ def system_down() -> None:
 @system_app.command("status")
 def system_status() -> None:
     """A table of the stack's services and the roles."""
-    table = Table("process", "state", "pid", "address", "log")
-    for s in [*Stack.default().status(), *(r.status() for r in _roles())]:
-        state = "[green]ready[/]" if s.ready else ("[yellow]starting[/]" if s.running else "[red]stopped[/]")
-        table.add_row(s.name, state, str(s.pid or "-"), s.address, str(s.log))
-    console.print(table)
+    _print_status("process", [*Stack.default().status(), *(r.status() for r in _roles())])
 
 
 def _specs(models: list[str] | None):

@@ -77,14 +77,13 @@ async def _prepare(request: ChatRequest, state: ConversationHistory, trace) -> b
         return False
     state.messages = bounded(messages, cfg.max_history_messages)
     state.pending_request_id, state.pending_since = request.request_id, time.time()
-    if await ledger.done("prepared", request.request_id):
-        return True  # emitted before a restart: only the table row needed rebuilding
-    await send(prepared_out, PREPARED, InferenceRequest(
+    prepared = InferenceRequest(
         request_id=request.request_id, conversation_id=request.conversation_id, tenant=request.tenant,
         model=model, messages=prompt, sampling=sampling, reply_partition=request.reply_partition,
-        dropped_messages=dropped, admitted_at=request.created_at,
-    ), key=request.request_id, trace=trace)
-    await ledger.record("prepared", request.request_id)
+        dropped_messages=dropped, admitted_at=request.created_at)
+    # after a restart the request may have been emitted already: then only the table row is rebuilt
+    await ledger.once("prepared", request.request_id,
+                      lambda: send(prepared_out, PREPARED, prepared, key=request.request_id, trace=trace))
     return True
 
 

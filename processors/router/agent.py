@@ -20,7 +20,7 @@ from processors.router.policy import decide
 from producers import start_consumer
 from producers.consume import caught_up
 from producers.lag import LagSampler
-from schemas import Completion, DecodeError, RouteUpdate, decode
+from schemas import Completion, DecodeError, InferenceRequest, RouteUpdate, decode
 from tokenstream.config import settings
 from topics import DEAD_LETTER, ROUTES, SCREENED, TOKENS, inference_topic
 
@@ -100,22 +100,23 @@ async def exists(target: str) -> bool:
 async def route(stream):
     await routes_ready.wait()
     async for request, raw in typed(stream, {SCREENED.name: SCREENED}, dead_letters):
-        if await ledger.done("routed", request.request_id):
-            continue  # routed before a restart
-        tier = cfg.tenant_tiers.get(request.tenant, cfg.default_tier)
-        decision = decide(request.request_id, request.model, routes.get(request.model), tier, waits(),
-                          cfg.wait_budget_s)
-        spec = inference_topic(decision.target)
-        trace = trace_of(raw)
-        if not await exists(decision.target):
-            await send(tokens_out, TOKENS, Completion(
-                request_id=request.request_id, conversation_id=request.conversation_id, tenant=request.tenant,
-                seq=0, finish_reason="error", error=f"no worker group serves model {decision.target!r}",
-            ), key=request.request_id, partition=request.reply_partition, trace=trace)
-            await ledger.record("routed", request.request_id)
-            continue
-        out = _outputs.get(spec.name) or _outputs.setdefault(spec.name, topic(app, spec))
-        routed = msgspec.structs.replace(request, model=decision.target)
-        await send(out, spec, routed, key=request.request_id, trace=trace)
-        await ledger.record("routed", request.request_id)
-        log.debug("routed %s: %s -> %s (%s)", request.request_id, request.model, decision.target, decision.reason)
+        # a request routed before a restart is not routed again
+        await ledger.once("routed", request.request_id, lambda: forward(request, trace_of(raw)))
+
+
+async def forward(request: InferenceRequest, trace) -> None:
+    """Send the request to its target's worker topic, or end it with an error if none serves it."""
+    tier = cfg.tenant_tiers.get(request.tenant, cfg.default_tier)
+    decision = decide(request.request_id, request.model, routes.get(request.model), tier, waits(),
+                      cfg.wait_budget_s)
+    if not await exists(decision.target):
+        await send(tokens_out, TOKENS, Completion(
+            request_id=request.request_id, conversation_id=request.conversation_id, tenant=request.tenant,
+            seq=0, finish_reason="error", error=f"no worker group serves model {decision.target!r}",
+        ), key=request.request_id, partition=request.reply_partition, trace=trace)
+        return
+    spec = inference_topic(decision.target)
+    out = _outputs.get(spec.name) or _outputs.setdefault(spec.name, topic(app, spec))
+    await send(out, spec, msgspec.structs.replace(request, model=decision.target), key=request.request_id,
+               trace=trace)
+    log.debug("routed %s: %s -> %s (%s)", request.request_id, request.model, decision.target, decision.reason)

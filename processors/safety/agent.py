@@ -57,18 +57,20 @@ def verdict(of, judgement: Judgement, stage: str, window_end_seq: int = -1) -> S
 @app.agent(prepared_in)
 async def screen_inputs(stream):
     async for request, raw in typed(stream, {PREPARED.name: PREPARED}, dead_letters):
-        if await ledger.done("input", request.request_id):
-            continue  # judged and forwarded before a restart
-        trace = trace_of(raw)
-        newest = next((m.content for m in reversed(request.messages) if m.role == "user"), "")
-        result = await judge(newest)
-        await send(verdicts_out, VERDICTS, verdict(request, result, "input"), key=request.request_id, trace=trace)
-        if result.blocked:
-            log.info("input of %s blocked: %s", request.request_id, ", ".join(result.categories))
-            await refuse(request, result, trace)
-        else:
-            await send(screened_out, SCREENED, request, key=request.request_id, trace=trace)
-        await ledger.record("input", request.request_id)
+        # a request judged and forwarded before a restart is not judged again
+        await ledger.once("input", request.request_id, lambda: screen(request, trace_of(raw)))
+
+
+async def screen(request: InferenceRequest, trace) -> None:
+    """Judge the newest user message; forward the request, or refuse it where its client listens."""
+    newest = next((m.content for m in reversed(request.messages) if m.role == "user"), "")
+    result = await judge(newest)
+    await send(verdicts_out, VERDICTS, verdict(request, result, "input"), key=request.request_id, trace=trace)
+    if result.blocked:
+        log.info("input of %s blocked: %s", request.request_id, ", ".join(result.categories))
+        await refuse(request, result, trace)
+    else:
+        await send(screened_out, SCREENED, request, key=request.request_id, trace=trace)
 
 
 async def refuse(request: InferenceRequest, result: Judgement, trace) -> None:
@@ -97,9 +99,9 @@ async def watch_outputs(stream):
             trace = trace_of(raw)
             await send(verdicts_out, VERDICTS, verdict(event, result, "output", window.last_seq),
                        key=event.request_id, trace=trace)
-            if result.blocked and not await ledger.done("block", event.request_id):
-                await block_output(event, result, window, raw.message.partition, trace)
-                await ledger.record("block", event.request_id)
+            if result.blocked:
+                await ledger.once("block", event.request_id,
+                                  lambda: block_output(event, result, window, raw.message.partition, trace))
             window = judged(window, windows_cfg, result.blocked)
         put(windows_table, event.request_id, None if final else window)
 
