@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Callable
 import faust
 from faust.types import EventT
 
+from processors.delivery import at_least_once
 from schemas import DeadLetter, DecodeError, Event, TraceContext, decode, encode
 from tokenstream.config import settings
 from topics import DEAD_LETTER, TopicSpec
@@ -109,27 +110,6 @@ def put(tbl: faust.Table, key: str, value: Event | None) -> None:
         tbl[key.encode()] = encode(value)
 
 
-class _NoReadOffsets(dict):
-    """Replaces faust's per-partition "last read offset", so every fetched record is delivered.
-
-    faust drops a fetched record whose offset is below the last one it read for the partition
-    (meant to skip records re-fetched after a seek) and treats a jump in offsets as a gap that
-    may be committed. Right after a processor restarts, records fetched while faust resumes the
-    partitions and seeks them to their committed offsets were marked read without reaching the
-    agent, then dropped when fetched again: requests lost after a kill -9 (seen in faust's debug
-    log while tests/test_processors.py ran under load). Our inputs have no offset gaps (no
-    transactions, no compaction) and every agent is idempotent by request id
-    (processors.effects.Ledger, table rows, seq numbers), so delivering a re-fetched record again
-    is harmless. This closes that path only; see the README's known issues for what remains.
-    """
-
-    def __getitem__(self, tp):
-        return None
-
-    def __setitem__(self, tp, offset) -> None:
-        pass
-
-
 def run(app: faust.App, loglevel: str = "warn", warm_up: Callable[[], object] | None = None) -> None:
     """Run the app's worker in this process until SIGTERM/SIGINT (what `tokenstream processor X` does).
 
@@ -143,5 +123,5 @@ def run(app: faust.App, loglevel: str = "warn", warm_up: Callable[[], object] | 
         started = time.monotonic()
         warm_up()
         log.info("%s warmed up in %.1fs", app.conf.id, time.monotonic() - started)
-    app.consumer._read_offset = _NoReadOffsets()  # noqa: SLF001 - see _NoReadOffsets
+    at_least_once(app)
     Worker(app, loglevel=loglevel, quiet=True).execute_from_commandline()

@@ -315,9 +315,6 @@ async def test_canary_weights_change_at_run_time_and_roll_back(processors):
     assert "canary-x" in route_cli("show")
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "known defect (README, Known issues): under load a processor restarted after kill -9 can "
-    "leave some fetched requests unprocessed; it passes alone, fails in the whole suite"))
 async def test_kill9_of_each_processor_loses_and_duplicates_nothing(processors):
     n = 60
     ids = [rid() for _ in range(n)]

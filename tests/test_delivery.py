@@ -1,0 +1,130 @@
+"""processors.delivery at unit level: what faust throws away around a rebalance is fetched again.
+
+The consumer thread is replaced by a recorder of seeks (no broker needed); each test also runs
+stock faust on the same input to show the hole being closed. The end-to-end proof against the
+real broker is the kill -9 test in tests/test_processors.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import faust
+from faust.events import Event
+from faust.types import TP
+from faust.types.tuples import Message
+
+from processors.delivery import at_least_once
+
+PREPARED = "ts.requests.prepared"
+
+
+class FakeKafka:
+    """Stands in for the aiokafka consumer: committed offsets in, seeks recorded."""
+
+    def __init__(self, committed: dict[TP, int | None]) -> None:
+        self.committed = committed
+        self.seeks: list[tuple[TP, int]] = []
+
+    async def seek_to_committed(self) -> dict[TP, int | None]:
+        # as aiokafka does: no seek for a partition whose committed offset is None or 0
+        self.seeks += [(tp, offset) for tp, offset in self.committed.items() if offset]
+        return dict(self.committed)
+
+    def seek(self, tp: TP, offset: int) -> None:
+        self.seeks.append((tp, offset))
+
+
+class FakeThread:
+    """Stands in for faust's consumer thread (the part processors.delivery calls)."""
+
+    def __init__(self, assigned: set[TP], committed: dict[TP, int | None] | None = None) -> None:
+        self.assigned = assigned
+        self.kafka = FakeKafka(committed or {})
+
+    def assignment(self) -> set[TP]:
+        return self.assigned
+
+    def seek(self, tp: TP, offset: int) -> None:
+        self.kafka.seek(tp, offset)
+
+    def _ensure_consumer(self) -> FakeKafka:
+        return self.kafka
+
+    async def seek_to_committed(self) -> dict[TP, int | None]:
+        return await self.kafka.seek_to_committed()
+
+    async def call_thread(self, fun, *args):
+        return await fun(*args)
+
+
+def make(thread: FakeThread, *, hardened: bool) -> faust.App:
+    app = faust.App(f"test-{uuid.uuid4().hex[:8]}", broker="kafka://127.0.0.1:1")
+    app.consumer._thread = thread
+    if hardened:
+        at_least_once(app)
+    return app
+
+
+def event(app: faust.App, tp: TP, offset: int) -> Event:
+    message = Message(tp.topic, tp.partition, offset, 0.0, 0, [], b"k", b"v", None, tp=tp)
+    return Event(app, b"k", b"v", [], message)
+
+
+def queued_then_resumed(hardened: bool) -> tuple[faust.App, FakeThread]:
+    """Records 7 and 8 of an assigned partition (and 2 of one no longer assigned) sit in an
+    agent's queue when flow control resumes at the end of a rebalance."""
+    mine, gone = TP(PREPARED, 3), TP(PREPARED, 5)
+    thread = FakeThread(assigned={mine})
+    app = make(thread, hardened=hardened)
+    queue = app.topic(PREPARED).queue
+    for tp, offset in ((mine, 7), (mine, 8), (gone, 2)):
+        queue.put_nowait(event(app, tp, offset))
+    app.flow_control.suspend()
+    app.flow_control.resume()
+    assert queue.empty()  # resume empties the agents' queues (mode's FlowControlEvent)
+    return app, thread
+
+
+def test_records_emptied_from_the_queues_on_resume_are_fetched_again():
+    _, thread = queued_then_resumed(hardened=True)
+    assert thread.kafka.seeks == [(TP(PREPARED, 3), 7)]  # the oldest discarded, assigned only
+
+
+def test_stock_faust_loses_the_records_emptied_on_resume():
+    _, thread = queued_then_resumed(hardened=False)
+    assert thread.kafka.seeks == []  # nothing would fetch 7 and 8 again
+
+
+def rewound(hardened: bool) -> list[tuple[TP, int]]:
+    none, zero, five = TP(PREPARED, 0), TP(PREPARED, 1), TP(PREPARED, 2)
+    changelog = TP("ts-safety-windows-changelog", 0)
+    thread = FakeThread(assigned={none, zero, five, changelog},
+                        committed={none: None, zero: 0, five: 5, changelog: None})
+    app = make(thread, hardened=hardened)
+    app.topics._acking_topics.add(PREPARED)  # what subscribing the agent does
+    asyncio.run(app.consumer.perform_seek())
+    return sorted(thread.kafka.seeks)
+
+
+def test_partitions_without_a_committed_offset_are_rewound_too():
+    assert rewound(hardened=True) == [(TP(PREPARED, 0), 0), (TP(PREPARED, 1), 0), (TP(PREPARED, 2), 5)]
+
+
+def test_stock_seek_to_committed_skips_partitions_without_a_commit():
+    assert rewound(hardened=False) == [(TP(PREPARED, 2), 5)]
+
+
+def first_commit(hardened: bool, acked: list[int]) -> int | None:
+    tp = TP(PREPARED, 4)
+    app = make(FakeThread(assigned={tp}), hardened=hardened)
+    app.consumer._committed_offset[tp] = 3  # the next record to process is 3
+    app.consumer._acked[tp] = list(acked)
+    return app.consumer._new_offset(tp)
+
+
+def test_no_commit_past_a_record_that_was_not_processed():
+    assert first_commit(hardened=True, acked=[4, 5]) is None
+    assert first_commit(hardened=True, acked=[3, 4, 5]) == 6
+    assert first_commit(hardened=False, acked=[4, 5]) == 6  # stock faust skips record 3
