@@ -128,3 +128,22 @@ def test_no_commit_past_a_record_that_was_not_processed():
     assert first_commit(hardened=True, acked=[4, 5]) is None
     assert first_commit(hardened=True, acked=[3, 4, 5]) == 6
     assert first_commit(hardened=False, acked=[4, 5]) == 6  # stock faust skips record 3
+
+
+def ack(hardened: bool, *, during_rebalance: bool) -> list[int]:
+    tp = TP(PREPARED, 6)
+    app = make(FakeThread(assigned={tp}), hardened=hardened)
+    app.topics._acking_topics.add(PREPARED)
+    message = Message(PREPARED, 6, 9, 0.0, 0, [], b"k", b"v", None, tp=tp,
+                      generation_id=app.consumer_generation_id)
+    app.flow_control.resume()  # a running app (flow control starts suspended)
+    if during_rebalance:
+        app.flow_control.suspend()  # what faust does when partitions are revoked
+    app.consumer.ack(message)
+    return list(app.consumer._acked[tp])
+
+
+def test_a_record_skipped_during_a_rebalance_is_not_acknowledged():
+    assert ack(hardened=True, during_rebalance=True) == []
+    assert ack(hardened=True, during_rebalance=False) == [9]
+    assert ack(hardened=False, during_rebalance=True) == [9]  # stock faust would commit it
