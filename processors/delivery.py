@@ -61,10 +61,11 @@ def refetch_discarded(app: faust.App) -> None:
                 if message is not None:
                     oldest[message.tp] = min(message.offset, oldest.get(message.tp, message.offset))
         resume()
-        assigned = consumer.assignment() if oldest else set()
-        if oldest:
-            log.info("fetching again what flow control discarded: %s",
-                     ", ".join(f"{tp.topic}[{tp.partition}]@{offset}" for tp, offset in sorted(oldest.items())))
+        if not oldest:
+            return
+        log.info("fetching again what flow control discarded: %s",
+                 ", ".join(f"{tp.topic}[{tp.partition}]@{offset}" for tp, offset in sorted(oldest.items())))
+        assigned = consumer.assignment()
         for tp, offset in oldest.items():
             if tp in assigned:
                 # synchronously, as faust's own Consumer.seek does: no record of this partition

@@ -67,9 +67,13 @@ def make(thread: FakeThread, *, hardened: bool) -> faust.App:
     return app
 
 
+def message(app: faust.App, tp: TP, offset: int) -> Message:
+    return Message(tp.topic, tp.partition, offset, 0.0, 0, [], b"k", b"v", None, tp=tp,
+                   generation_id=app.consumer_generation_id)
+
+
 def event(app: faust.App, tp: TP, offset: int) -> Event:
-    message = Message(tp.topic, tp.partition, offset, 0.0, 0, [], b"k", b"v", None, tp=tp)
-    return Event(app, b"k", b"v", [], message)
+    return Event(app, b"k", b"v", [], message(app, tp, offset))
 
 
 def queued_then_resumed(hardened: bool) -> tuple[faust.App, FakeThread]:
@@ -134,12 +138,10 @@ def ack(hardened: bool, *, during_rebalance: bool) -> list[int]:
     tp = TP(PREPARED, 6)
     app = make(FakeThread(assigned={tp}), hardened=hardened)
     app.topics._acking_topics.add(PREPARED)
-    message = Message(PREPARED, 6, 9, 0.0, 0, [], b"k", b"v", None, tp=tp,
-                      generation_id=app.consumer_generation_id)
     app.flow_control.resume()  # a running app (flow control starts suspended)
     if during_rebalance:
         app.flow_control.suspend()  # what faust does when partitions are revoked
-    app.consumer.ack(message)
+    app.consumer.ack(message(app, tp, 9))
     return list(app.consumer._acked[tp])
 
 

@@ -262,13 +262,17 @@ async def commit_offsets(bootstrap: str, group: str, offsets: dict[TopicPartitio
 
 async def where_is(request_ids: set[str]) -> dict[str, list[str]]:
     """For a failure message: the pipeline topics each request reached."""
-    found: dict[str, list[str]] = {r: [] for r in request_ids}
-    for spec in (CHAT_REQUESTS, PREPARED, VERDICTS, SCREENED, TOKENS):
+    async def read(spec):
         async with Tap(spec, from_beginning=True) as tap:
             await asyncio.sleep(3.0)
-            for event, partition in tap.events:
-                if event.request_id in found:
-                    found[event.request_id].append(f"{spec.name}[{partition}] {event!r:.300}")
+            return [(spec, event, partition) for event, partition in tap.events]
+
+    found: dict[str, list[str]] = {r: [] for r in request_ids}
+    topics = (CHAT_REQUESTS, PREPARED, VERDICTS, SCREENED, TOKENS)
+    for events in await asyncio.gather(*(read(spec) for spec in topics)):  # in pipeline order
+        for spec, event, partition in events:
+            if event.request_id in found:
+                found[event.request_id].append(f"{spec.name}[{partition}] {event!r:.300}")
     return found
 
 
