@@ -1,0 +1,104 @@
+"""Delivering an answer to its client: an SSE stream of chunks, or one collected JSON body.
+
+Both read batches of token events (live from the fan-out, or replayed from the log) and end
+the request's attachment: released when the answer was delivered in full, detached (cancelled
+after the grace period unless resumed) when the client left early.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from sse_starlette import EventSourceResponse, ServerSentEvent
+
+from gateway import openai_api as api
+from gateway.framing import Framer, content_filtered
+from gateway.pipeline import Gateway
+from schemas import Completion, Event, SafetyVerdict, TokenChunk
+
+
+def sse_response(gw: Gateway, framer: Framer, source: AsyncIterator[list[Event]], generation: int,
+                 started: float, cleanup: Callable[[], None]) -> EventSourceResponse:
+    """Stream `source` as OpenAI chunks; `started` (monotonic) is the admission time for TTFT, or 0."""
+    async def frames():
+        observed = False
+        try:
+            for frame in framer.start():
+                yield frame
+            async for batch in source:
+                out = framer.frames(batch)
+                if framer.first_token_at is not None and started and not observed:
+                    gw.metrics.ttft.observe(framer.first_token_at - started)
+                    observed = True
+                for frame in out:
+                    yield frame
+                if framer.done:
+                    return
+            if not framer.done:  # timed out waiting for the pipeline
+                yield ServerSentEvent(json.dumps(api.error_body(
+                    "timed out waiting for the model", "server_error", None, "timeout")))
+                framer.done = True
+        finally:
+            cleanup()
+            with contextlib.suppress(Exception):
+                await source.aclose()  # type: ignore[attr-defined]
+            if framer.done:
+                gw.canceller.release(framer.rid)
+            else:
+                gw.canceller.detached(framer.rid, generation)
+
+    return EventSourceResponse(frames(), ping=gw.cfg.ping_s, headers={"Cache-Control": "no-cache",
+                                                                      "X-Accel-Buffering": "no"})
+
+
+async def collect(gw: Gateway, rid: str, model_name: str, created: int, source: AsyncIterator[list[Event]],
+                  generation: int, request: Request, cleanup: Callable[[], None]) -> JSONResponse:
+    """Wait for the whole answer and return it as one `chat.completion` body."""
+    text: list[str] = []
+    next_seq = 0
+
+    async def gather() -> Completion | None:
+        nonlocal next_seq
+        async for batch in source:
+            for ev in batch:
+                if isinstance(ev, TokenChunk):
+                    if ev.seq >= next_seq:
+                        text.append(ev.text)
+                        next_seq = ev.seq + 1
+                elif isinstance(ev, Completion):
+                    return ev
+                elif isinstance(ev, SafetyVerdict) and ev.blocked:
+                    return content_filtered(ev, next_seq)
+        return None
+
+    async def watch_disconnect() -> None:
+        while not await request.is_disconnected():
+            await asyncio.sleep(0.5)
+
+    gather_task = asyncio.ensure_future(gather())
+    watch_task = asyncio.ensure_future(watch_disconnect())
+    try:
+        await asyncio.wait({gather_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+        if not gather_task.done():  # the client left: nobody can resume a non-streamed answer
+            gather_task.cancel()
+            gw.canceller.detached(rid, generation, grace_s=0)
+            return JSONResponse({}, status_code=499)
+        done = gather_task.result()
+    finally:
+        watch_task.cancel()
+        cleanup()
+    if done is None:
+        gw.canceller.detached(rid, generation, grace_s=0)
+        raise api.APIError(504, "timed out waiting for the model", "server_error", code="timeout")
+    gw.canceller.release(rid)
+    if done.finish_reason == "error":
+        raise api.APIError(500, done.error or "generation failed", "server_error", code="generation_error")
+    return JSONResponse(api.completion_body(
+        api.completion_id(rid), created, model_name, "".join(text),
+        api.finish_reason_for_client(done.finish_reason), done.usage.prompt_tokens,
+        done.usage.completion_tokens))

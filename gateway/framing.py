@@ -1,0 +1,102 @@
+"""Token events -> OpenAI chat completion chunks with resumable SSE ids."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from sse_starlette import ServerSentEvent
+
+from gateway import openai_api as api
+from gateway.resume import event_id
+from schemas import Completion, Event, SafetyVerdict, TokenChunk
+
+
+def content_filtered(verdict: SafetyVerdict, seq: int) -> Completion:
+    """A blocking output verdict ends the answer like a completion with finish_reason content_filter.
+
+    `seq` is one past the highest chunk seq before the verdict in the log, so the finish frame
+    gets the same SSE id live and on a resume.
+    """
+    return Completion(request_id=verdict.request_id, conversation_id=verdict.conversation_id,
+                      tenant=verdict.tenant, seq=seq, finish_reason="content_filter",
+                      error="output flagged: " + ", ".join(verdict.categories))
+
+
+class Framer:
+    """Turns a request's token events into OpenAI chunk frames with resumable SSE ids."""
+
+    def __init__(self, request_id: str, model: str, created: int, include_usage: bool, last_seen: int) -> None:
+        self.rid = request_id
+        self.cid = api.completion_id(request_id)
+        self.model, self.created, self.include_usage = model, created, include_usage
+        self.last = last_seen  # highest position the client has
+        self.next_seq = max(0, last_seen + 1) if last_seen >= 0 else 0
+        self.done = False
+        self.first_token_at: float | None = None
+        self.max_chunk_seq = -1  # highest chunk seq met in log order, delivered or not
+
+    def _data(self, body: dict) -> str:
+        return json.dumps(body, separators=(",", ":"))
+
+    def start(self) -> list[ServerSentEvent]:
+        if self.last >= -1:
+            return []
+        self.last = -1
+        return [ServerSentEvent(self._data(api.chunk(self.cid, self.created, self.model, role="assistant",
+                                                     content="", include_usage=self.include_usage)),
+                                id=event_id(self.rid, -1))]
+
+    def frames(self, events: list[Event]) -> list[ServerSentEvent]:
+        out: list[ServerSentEvent] = []
+        text: list[str] = []
+        upto = None
+        for ev in events:
+            if self.done:
+                break
+            if isinstance(ev, SafetyVerdict):
+                if not ev.blocked:
+                    continue
+                ev = content_filtered(ev, self.max_chunk_seq + 1)
+            if isinstance(ev, TokenChunk):
+                self.max_chunk_seq = max(self.max_chunk_seq, ev.seq)
+                if ev.seq < self.next_seq:
+                    continue  # duplicate
+                self.next_seq = ev.seq + 1
+                if ev.seq <= self.last:
+                    continue
+                text.append(ev.text)
+                upto = ev.seq
+            elif isinstance(ev, Completion):
+                if upto is not None:  # text before the completion: one coalesced frame
+                    out.append(self._text_frame("".join(text), upto))
+                    text, upto = [], None
+                out += self._completion_frames(ev)
+                self.done = True
+        if upto is not None:
+            out.append(self._text_frame("".join(text), upto))
+        return out
+
+    def _text_frame(self, text: str, seq: int) -> ServerSentEvent:
+        self.last = seq
+        if self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+        body = api.chunk(self.cid, self.created, self.model, content=text, include_usage=self.include_usage)
+        return ServerSentEvent(self._data(body), id=event_id(self.rid, seq))
+
+    def _completion_frames(self, c: Completion) -> list[ServerSentEvent]:
+        frames: list[tuple[int, str]] = []
+        if c.finish_reason == "error":
+            err = api.error_body(c.error or "generation failed", "server_error", None, "generation_error")
+            frames.append((c.seq, self._data(err)))
+        else:
+            frames.append((c.seq, self._data(api.chunk(
+                self.cid, self.created, self.model, finish_reason=api.finish_reason_for_client(c.finish_reason),
+                include_usage=self.include_usage))))
+            if self.include_usage:
+                frames.append((c.seq + 1, self._data(api.usage_chunk(
+                    self.cid, self.created, self.model, c.usage.prompt_tokens, c.usage.completion_tokens))))
+        frames.append((c.seq + 2, "[DONE]"))
+        out = [ServerSentEvent(data, id=event_id(self.rid, pos)) for pos, data in frames if pos > self.last]
+        self.last = max(self.last, c.seq + 2)
+        return out

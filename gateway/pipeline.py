@@ -1,0 +1,118 @@
+"""One gateway instance's connections to the pipeline: producer, tokens fan-out, admission, cancels.
+
+Connects in the background and reconnects when the broker goes away; `ready` says whether a
+request can be handed to the pipeline now. Routes reach it through `gateway.deps.pipeline`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+
+from gateway.admission import Admission
+from gateway.cancel import Canceller
+from gateway.config import GatewaySettings
+from gateway.fanout import Fanout
+from gateway.metrics import Metrics
+from producers import start_consumer, start_producer
+from topics import TOKENS
+
+log = logging.getLogger(__name__)
+META_TTL_S = 24 * 3600
+
+
+class Gateway:
+    """Connections to the broker and the per-instance machinery; connects in the background."""
+
+    def __init__(self, cfg: GatewaySettings, bootstrap: str, redis_url: str | None) -> None:
+        self.cfg = cfg
+        self.bootstrap = bootstrap
+        self.metrics = Metrics()
+        self.admission = Admission(bootstrap, cfg.models, self.metrics, budget_s=cfg.admission_budget_s,
+                                   poll_s=cfg.admission_poll_s, window_s=cfg.admission_window_s,
+                                   min_rate=cfg.admission_min_rate, stale_s=cfg.broker_stale_s)
+        self.canceller = Canceller(redis_url, cfg.cancel_grace_s, self.metrics)
+        self.redis = self.canceller._redis  # noqa: SLF001 - one connection pool for both uses
+        self.producer = None
+        self.fanout: Fanout | None = None
+        self.partitions: list[int] = []
+        self._next = itertools.count()
+        self._tasks: list[asyncio.Task] = []
+
+    @property
+    def ready(self) -> bool:
+        return self.fanout is not None and self.admission.healthy()
+
+    async def start(self) -> None:
+        self._tasks.append(asyncio.create_task(self._connect(), name="gateway-connect"))
+        self._tasks.append(asyncio.create_task(self.admission.run(), name="gateway-admission"))
+
+    async def _connect(self) -> None:
+        while True:
+            consumer = None
+            try:
+                self.producer = self.producer or await start_producer(self.bootstrap, linger_ms=1,
+                                                                      request_timeout_ms=10_000)
+                self.canceller.producer = self.producer
+                consumer = await start_consumer(group=None, bootstrap=self.bootstrap, fetch_max_wait_ms=100)
+                total = consumer.partitions_for_topic(TOKENS.name)
+                if not total:
+                    await consumer._client.force_metadata_update()  # noqa: SLF001
+                    total = consumer.partitions_for_topic(TOKENS.name)
+                if not total:
+                    raise RuntimeError(f"topic {TOKENS.name} does not exist (run `tokenstream topics apply`)")
+                self.partitions = self.cfg.owned_partitions(len(total))
+                if not self.partitions:
+                    raise RuntimeError("this instance owns no tokens partition")
+                fanout = Fanout(consumer, self.partitions, self.metrics, self.cfg.buffer_events,
+                                self.cfg.coalesce_chars)
+                await fanout.start()
+                self.fanout = fanout
+                log.info("gateway %s owns tokens partitions %s", self.cfg.instance_id, self.partitions)
+                await fanout.run()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                log.warning("gateway not connected to the pipeline: %s", exc)
+                self.fanout = None
+                if consumer is not None:
+                    with contextlib.suppress(Exception):
+                        await consumer.stop()
+                await asyncio.sleep(1.0)
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(BaseException):
+                await task
+        await self.admission.close()
+        await self.canceller.close()
+        if self.fanout is not None:
+            with contextlib.suppress(Exception):
+                await self.fanout.consumer.stop()
+        if self.producer is not None:
+            with contextlib.suppress(Exception):
+                await self.producer.stop()
+
+    def reply_partition(self) -> int:
+        return self.partitions[next(self._next) % len(self.partitions)]
+
+    async def remember(self, request_id: str, meta: dict) -> None:
+        """What a resume elsewhere needs to rebuild chunks (model, usage option)."""
+        if self.redis is not None:
+            with contextlib.suppress(Exception):
+                await self.redis.set(f"ts:gateway:req:{request_id}", json.dumps(meta), ex=META_TTL_S)
+
+    async def recall(self, request_id: str) -> dict | None:
+        """The notes of an admitted request; {} when Redis cannot say, None when it never was admitted."""
+        if self.redis is not None:
+            try:
+                raw = await self.redis.get(f"ts:gateway:req:{request_id}")
+            except Exception:  # noqa: BLE001 - without Redis, the log alone serves the resume
+                return {}
+            return json.loads(raw) if raw else None
+        return {}

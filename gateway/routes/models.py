@@ -1,0 +1,27 @@
+"""GET /v1/models and /v1/models/{name}."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends
+
+from gateway import openai_api as api
+from gateway.deps import pipeline
+from gateway.pipeline import Gateway
+
+router = APIRouter(prefix="/v1")
+
+
+def model_entry(name: str) -> dict:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "tokenstream"}
+
+
+@router.get("/models")
+async def list_models(gw: Gateway = Depends(pipeline)) -> dict:
+    return {"object": "list", "data": [model_entry(name) for name in gw.cfg.models]}
+
+
+@router.get("/models/{name}")
+async def get_model(name: str, gw: Gateway = Depends(pipeline)) -> dict:
+    if name not in gw.cfg.models:
+        raise api.model_not_found(name)
+    return model_entry(name)
