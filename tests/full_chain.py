@@ -1,0 +1,92 @@
+"""The whole system for a test module: the three real processors, a real SmolLM2 worker and two
+gateway instances, as `tokenstream ...` processes against the session's Kafka, Redis and Weaviate.
+
+    SDK -> gateway -> ts.chat.requests -> conversation -> ts.requests.prepared -> safety
+        -> ts.requests.screened -> router -> ts.inference.smollm2 -> worker -> ts.tokens -> gateway
+
+No role is stood in for: what these tests see is what a client of `make run` sees.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+import httpx
+import openai
+
+from tests.conftest import Roles
+from tests.gateway_support import free_port, start_gateway
+from topics.admin import apply
+from topics.registry import all_topics
+
+MODEL = "smollm2"
+
+
+@dataclass
+class System:
+    roles: Roles
+    gateways: list[str] = field(default_factory=list)
+    worker_metrics: str = ""
+    procs: dict[str, object] = field(default_factory=dict)
+
+    @classmethod
+    def start(cls, stack, log_dir, *, processor_env: dict[str, str] | None = None,
+              gateway_env: dict[str, str] | None = None, worker_args: tuple[str, ...] = ()) -> System:
+        asyncio.run(apply(all_topics([MODEL]), stack.kafka.address))
+        system = cls(Roles(stack, log_dir))
+        for name in ("conversation", "safety", "router"):
+            system.procs[name] = system.roles.start("processor", name, "--loglevel", "info",
+                                                    env=processor_env, name=f"processor-{name}")
+        port = free_port()
+        system.worker_metrics = f"http://127.0.0.1:{port}/metrics"
+        system.procs["worker"] = system.roles.start("worker", "--model", MODEL, "--metrics-port", str(port),
+                                                    *worker_args, name="worker")
+        for index in range(2):
+            url, proc = start_gateway(system.roles, [MODEL], index=index, count=2, env=gateway_env,
+                                      timeout=120)
+            system.gateways.append(url)
+            system.procs[f"gateway-{index}"] = proc
+        system.wait_worker()
+        return system
+
+    def wait_worker(self, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            worker = self.procs["worker"]
+            assert worker.poll() is None, self.roles.log(worker)[-3000:]
+            try:
+                with urllib.request.urlopen(self.worker_metrics, timeout=2):
+                    return
+            except OSError:
+                assert time.monotonic() < deadline, "worker not ready:\n" + self.roles.log(worker)[-3000:]
+                time.sleep(0.5)
+
+    def worker_gauge(self, name: str) -> float:
+        for line in httpx.get(self.worker_metrics, timeout=5).text.splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                return float(line.rsplit(" ", 1)[1])
+        return -1.0
+
+    def client(self, gateway: int = 0, **kw) -> openai.AsyncOpenAI:
+        """The official SDK, unchanged, pointed at one gateway instance."""
+        return openai.AsyncOpenAI(base_url=self.gateways[gateway] + "/v1", api_key="unused", max_retries=0,
+                                  timeout=kw.pop("timeout", 180), **kw)
+
+    def http(self, **kw) -> httpx.AsyncClient:
+        return httpx.AsyncClient(timeout=kw.pop("timeout", 180), **kw)
+
+    def stop(self) -> None:
+        self.roles.stop_all()
+
+
+def greedy(**kw) -> dict:
+    """Deterministic sampling: the same answer on every run and every worker."""
+    return {"model": MODEL, "temperature": 0, **kw}
+
+
+def jsonl(data: str) -> dict:
+    return json.loads(data)
