@@ -85,7 +85,9 @@ async def _run(streams: int, rate: float, tokens: int, light_requests: int) -> d
         port = free_port()
         env = {**os.environ, **stack.environment(), "PYTHONUNBUFFERED": "1",
                "TOKENSTREAM_GATEWAY_MODELS": json.dumps([MODEL]),
-               "TOKENSTREAM_GATEWAY_ADMISSION_BUDGET_S": "100000"}
+               "TOKENSTREAM_GATEWAY_ADMISSION_BUDGET_S": "100000",
+               # the synthetic worker stands in for the processors too: no input verdicts come
+               "TOKENSTREAM_GATEWAY_SCREENING": "serial"}
         log = open(tmp / "gateway.log", "wb")
         gateway = subprocess.Popen([sys.executable, "-m", "tokenstream.cli", "gateway", "--port", str(port)],
                                    env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 from functools import lru_cache
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -29,6 +30,10 @@ class GatewaySettings(BaseSettings):
     reply_partitions: list[int] | None = None
 
     models: list[str] = ["smollm2"]
+
+    # When the input safety check runs (schemas.Screening): "parallel" overlaps it with queueing and
+    # prefill and holds the answer back until the verdict; "serial" judges before routing.
+    screening: Literal["serial", "parallel"] = "parallel"
 
     # Per-connection buffer: at most buffer_events pending events; when full, new text is
     # merged into the last pending chunk up to coalesce_chars, then the partition is paused.

@@ -1,5 +1,6 @@
 """The whole system for a test module: the three real processors, a real SmolLM2 worker and two
-gateway instances, as `tokenstream ...` processes against the session's Kafka, Redis and Weaviate.
+gateway instances (the first screens input in parallel with generation, the second in series),
+as `tokenstream ...` processes against the session's Kafka, Redis and Weaviate.
 
     SDK -> gateway -> ts.chat.requests -> conversation -> ts.requests.prepared -> safety
         -> ts.requests.screened -> router -> ts.inference.smollm2 -> worker -> ts.tokens -> gateway
@@ -24,6 +25,7 @@ from topics.admin import apply
 from topics.registry import all_topics
 
 MODEL = "smollm2"
+SCREENING = ("parallel", "serial")  # of gateway 0 and gateway 1
 
 
 @dataclass
@@ -46,8 +48,8 @@ class System:
         system.procs["worker"] = system.roles.start("worker", "--model", MODEL, "--metrics-port", str(port),
                                                     *worker_args, name="worker")
         for index in range(2):
-            url, proc = start_gateway(system.roles, [MODEL], index=index, count=2, env=gateway_env,
-                                      timeout=120)
+            env = {"TOKENSTREAM_GATEWAY_SCREENING": SCREENING[index], **(gateway_env or {})}
+            url, proc = start_gateway(system.roles, [MODEL], index=index, count=2, env=env, timeout=120)
             system.gateways.append(url)
             system.procs[f"gateway-{index}"] = proc
         system.wait_worker()

@@ -222,7 +222,9 @@ def start_gateway(roles, models: list[str], *, index: int = 0, count: int = 1, e
     proc = roles.start("gateway", "--port", str(port), "--instance-index", str(index),
                        "--instance-count", str(count), name=f"gateway-{index}-{port}",
                        env={"TOKENSTREAM_GATEWAY_MODELS": json.dumps(models),
-                            "TOKENSTREAM_GATEWAY_INSTANCE_ID": f"gw{index}-{port}", **(env or {})})
+                            "TOKENSTREAM_GATEWAY_INSTANCE_ID": f"gw{index}-{port}",
+                            # FakePipeline writes no input verdicts: it plays the serial order
+                            "TOKENSTREAM_GATEWAY_SCREENING": "serial", **(env or {})})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     while True:

@@ -14,11 +14,11 @@ import uuid
 
 import pytest
 
-from schemas import InferenceRequest, SafetyVerdict
-from tests.full_chain import MODEL, System, greedy
+from schemas import REFUSAL, InferenceRequest, SafetyVerdict
+from tests.full_chain import MODEL, SCREENING, System, greedy
 from tests.gateway_support import content_of, sse
 from tests.kafka_support import Tap
-from topics import PREPARED, SCREENED, VERDICTS, inference_topic
+from topics import CONTROL, PREPARED, SCREENED, VERDICTS, inference_topic
 
 pytestmark = pytest.mark.slow
 
@@ -42,8 +42,9 @@ def rid_of(completion_id: str) -> str:
     return completion_id.removeprefix("chatcmpl-")
 
 
-async def test_stream_and_json_answers_agree_through_every_hop(system: System):
-    client = system.client(0)
+@pytest.mark.parametrize("gateway", [0, 1], ids=SCREENING)
+async def test_stream_and_json_answers_agree_through_every_hop(system: System, gateway: int):
+    client = system.client(gateway)
     messages = [{"role": "user", "content": "Name three colours of the rainbow."}]
     async with Tap(PREPARED) as prepared, Tap(SCREENED) as screened, Tap(inference_topic(MODEL)) as queued:
         stream = await client.chat.completions.create(messages=messages, stream=True, max_tokens=24,
@@ -51,9 +52,12 @@ async def test_stream_and_json_answers_agree_through_every_hop(system: System):
         chunks = [c async for c in stream]
         whole = await client.chat.completions.create(messages=messages, max_tokens=24, **greedy())
         rid = rid_of(chunks[0].id)
-        for tap in (prepared, screened, queued):  # each hop carried the streamed request exactly once
+        hops = (prepared, screened, queued) if SCREENING[gateway] == "serial" else (prepared, queued)
+        for tap in hops:  # each hop carried the streamed request exactly once
             await tap.wait_for(of(rid), timeout=30)
             assert len(tap.matching(of(rid))) == 1, tap.spec.name
+        if SCREENING[gateway] == "parallel":
+            assert screened.matching(of(rid)) == []  # routed straight from ts.requests.prepared
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text and text == whole.choices[0].message.content
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
@@ -108,18 +112,27 @@ async def test_cancel_ends_the_stream_and_frees_the_worker_slot(system: System):
         await asyncio.sleep(0.2)
 
 
-async def test_harmful_input_is_refused_and_never_reaches_the_worker(system: System):
-    async with Tap(VERDICTS) as verdicts, Tap(inference_topic(MODEL)) as queued:
-        stream = await system.client(0).chat.completions.create(
-            messages=[{"role": "user", "content": HARMFUL}], stream=True, max_tokens=32, **greedy())
+@pytest.mark.parametrize("gateway", [0, 1], ids=SCREENING)
+async def test_harmful_input_is_refused_and_no_generated_token_reaches_the_client(system: System, gateway: int):
+    async with Tap(VERDICTS) as verdicts, Tap(inference_topic(MODEL)) as queued, Tap(CONTROL) as control:
+        stream = await system.client(gateway).chat.completions.create(
+            messages=[{"role": "user", "content": HARMFUL}], stream=True, max_tokens=300, **greedy())
         chunks = [c async for c in stream]
         rid = rid_of(chunks[0].id)
         [verdict] = await verdicts.wait_for(lambda e: isinstance(e, SafetyVerdict) and e.request_id == rid)
-        await asyncio.sleep(1.0)  # give a wrongly forwarded request time to show up before asserting none did
-        assert queued.matching(of(rid)) == []
+        if SCREENING[gateway] == "serial":
+            await asyncio.sleep(1.0)  # time for a wrongly forwarded request to show up before asserting none did
+            assert queued.matching(of(rid)) == []
+        else:  # generated meanwhile, then cancelled by the verdict
+            [cancel] = await control.wait_for(of(rid))
+            assert cancel.reason == "content_filter"
     assert verdict.stage == "input" and verdict.blocked and "violence" in verdict.categories
     assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["content_filter"]
-    assert "can't help" in "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == REFUSAL
+    deadline = time.monotonic() + 20
+    while await asyncio.to_thread(system.worker_gauge, "vllm:num_requests_running") != 0:
+        assert time.monotonic() < deadline, "the worker kept generating a refused request"
+        await asyncio.sleep(0.2)
 
 
 async def test_harmful_output_is_cut_with_content_filter(system: System):

@@ -73,3 +73,32 @@ def test_framer_reports_generation_errors_in_band():
     f = Framer("rid", "m", 0, False, NOTHING_SEEN)
     out = f.frames([chunk(0), Completion(request_id="r", seq=1, finish_reason="error", error="boom")])
     assert json.loads(out[1].data)["error"]["message"] == "boom" and out[-1].data == "[DONE]"
+
+
+async def _events(*batches):
+    for batch in batches:
+        yield list(batch)
+
+
+async def _drain(source) -> list:
+    return [e for batch in [b async for b in source] for e in batch]
+
+
+async def test_parallel_screening_holds_the_answer_until_the_input_verdict():
+    from gateway.screening import held_until_screened
+    from schemas import REFUSAL, SafetyVerdict
+
+    passed = SafetyVerdict(request_id="r", stage="input", blocked=False)
+    out = await _drain(held_until_screened(_events([chunk(0, "a"), chunk(1, "b")], [passed, chunk(2, "c")],
+                                                   [Completion(request_id="r", seq=3, finish_reason="stop")])))
+    assert [(type(e).__name__, e.seq) for e in out] == [("TokenChunk", 0), ("TokenChunk", 1), ("TokenChunk", 2),
+                                                        ("Completion", 3)]
+
+    blocked = SafetyVerdict(request_id="r", stage="input", blocked=True, categories=["violence"])
+    out = await _drain(held_until_screened(_events([chunk(0, "harm")], [chunk(1, "ful"), blocked, chunk(2)])))
+    assert [e.text for e in out] == [REFUSAL, REFUSAL]  # the refusal chunk, then its completion
+    assert out[1].finish_reason == "content_filter" and out[1].seq == 1 and "violence" in out[1].error
+
+    failed = Completion(request_id="r", seq=1, finish_reason="error", error="prompt too long")
+    out = await _drain(held_until_screened(_events([chunk(0, "never judged")], [failed])))
+    assert out == [failed]

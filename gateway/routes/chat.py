@@ -15,6 +15,7 @@ from gateway.deps import pipeline
 from gateway.framing import Framer
 from gateway.pipeline import Gateway
 from gateway.resume import NOTHING_SEEN, new_request_id
+from gateway.screening import held_until_screened
 from producers import publish
 from schemas import ChatMessage, ChatRequest, Event, SamplingParams
 from topics import CHAT_REQUESTS
@@ -75,7 +76,8 @@ async def _chat(gw: Gateway, body: api.ChatCompletionRequest, request: Request):
     event = ChatRequest(request_id=rid, conversation_id=body.conversation_id or rid, created_at=created_at,
                         tenant=request.headers.get("x-tenant", "default"), model=body.model,
                         messages=messages, sampling=sampling, stream=body.stream, user=body.user,
-                        assistant=body.assistant, reply_partition=partition, gateway_id=gw.cfg.instance_id)
+                        assistant=body.assistant, reply_partition=partition, gateway_id=gw.cfg.instance_id,
+                        screening=gw.cfg.screening)
     fanout = gw.fanout
     stream = fanout.subscribe(rid)
     created = int(created_at)
@@ -83,7 +85,8 @@ async def _chat(gw: Gateway, body: api.ChatCompletionRequest, request: Request):
     # the write to the pipeline and the two Redis notes go out together
     written, _, generation = await asyncio.gather(
         asyncio.wait_for(publish(gw.producer, CHAT_REQUESTS, event, key=event.conversation_id), timeout=10),
-        gw.remember(rid, {"model": body.model, "created": created, "include_usage": include_usage}),
+        gw.remember(rid, {"model": body.model, "created": created, "include_usage": include_usage,
+                         "screening": gw.cfg.screening}),
         gw.canceller.attach(rid), return_exceptions=True)
     if isinstance(written, BaseException) or isinstance(generation, BaseException):
         fanout.unsubscribe(rid)
@@ -98,8 +101,9 @@ async def _chat(gw: Gateway, body: api.ChatCompletionRequest, request: Request):
                 return
             yield batch
 
+    source = held_until_screened(live()) if gw.cfg.screening == "parallel" else live()
     if body.stream:
         framer = Framer(rid, body.model, created, include_usage, NOTHING_SEEN)
-        return sse_response(gw, framer, live(), generation, started, cleanup=lambda: fanout.unsubscribe(rid))
-    return await collect(gw, rid, body.model, created, live(), generation, request,
+        return sse_response(gw, framer, source, generation, started, cleanup=lambda: fanout.unsubscribe(rid))
+    return await collect(gw, rid, body.model, created, source, generation, request,
                          cleanup=lambda: fanout.unsubscribe(rid))

@@ -10,6 +10,7 @@ from gateway.deps import pipeline
 from gateway.framing import Framer
 from gateway.pipeline import Gateway
 from gateway.resume import parse_last_event_id, parse_request_id, replay
+from gateway.screening import held_until_screened
 
 router = APIRouter(prefix="/v1/chat/completions")
 
@@ -45,6 +46,8 @@ async def resume(completion: str, last_event_id: str | None = Header(None),
     generation = await gw.canceller.attach(rid)
     gw.metrics.resumes.inc()
     source = replay(gw.bootstrap, rid, idle_timeout_s=gw.cfg.request_timeout_s)
+    if meta.get("screening") == "parallel":
+        source = held_until_screened(source)
     return sse_response(gw, framer, source, generation, 0.0, cleanup=lambda: None)
 
 

@@ -80,7 +80,7 @@ async def _prepare(request: ChatRequest, state: ConversationHistory, trace) -> b
     prepared = InferenceRequest(
         request_id=request.request_id, conversation_id=request.conversation_id, tenant=request.tenant,
         model=model, messages=prompt, sampling=sampling, reply_partition=request.reply_partition,
-        dropped_messages=dropped, admitted_at=request.created_at)
+        dropped_messages=dropped, admitted_at=request.created_at, screening=request.screening)
     # after a restart the request may have been emitted already: then only the table row is rebuilt
     await ledger.once("prepared", request.request_id,
                       lambda: send(prepared_out, PREPARED, prepared, key=request.request_id, trace=trace))

@@ -1,4 +1,4 @@
-"""The router: ts.requests.screened -> ts.inference.<target>.
+"""The router: ts.requests.screened (and ts.requests.prepared, screened in parallel) -> ts.inference.<target>.
 
 Routes come from configuration, overlaid by RouteUpdate events on the compacted ts.routes
 topic (read whole at start, then followed), so canary weights change at run time and a
@@ -22,14 +22,18 @@ from producers.consume import caught_up
 from producers.lag import LagSampler
 from schemas import Completion, DecodeError, InferenceRequest, RouteUpdate, decode
 from tokenstream.config import settings
-from topics import DEAD_LETTER, ROUTES, SCREENED, TOKENS, inference_topic
+from topics import DEAD_LETTER, PREPARED, ROUTES, SCREENED, TOKENS, inference_topic
 
 log = logging.getLogger(__name__)
 
 cfg = RouterSettings()
 app = make_app("router")
 ledger = Ledger("router")
-screened_in, tokens_out, dead_letters = topic(app, SCREENED), topic(app, TOKENS), topic(app, DEAD_LETTER)
+# Requests screened in series arrive on ts.requests.screened once safety passed them; requests
+# screened in parallel are taken from ts.requests.prepared at once (safety judges them meanwhile).
+inbox = app.topic(SCREENED.name, PREPARED.name, key_type=bytes, value_type=bytes, key_serializer="raw",
+                  value_serializer="raw")
+tokens_out, dead_letters = topic(app, TOKENS), topic(app, DEAD_LETTER)
 routes: dict[str, Route] = dict(cfg.routes)  # a cache of config + ts.routes, rebuilt at every start
 routes_ready = asyncio.Event()
 sampler = LagSampler(settings().kafka_bootstrap)
@@ -96,10 +100,12 @@ async def exists(target: str) -> bool:
     return load.partitions > 0
 
 
-@app.agent(screened_in)
+@app.agent(inbox)
 async def route(stream):
     await routes_ready.wait()
-    async for request, raw in typed(stream, {SCREENED.name: SCREENED}, dead_letters):
+    async for request, raw in typed(stream, {SCREENED.name: SCREENED, PREPARED.name: PREPARED}, dead_letters):
+        if raw.message.topic == PREPARED.name and request.screening != "parallel":
+            continue  # screened in series: it comes back on ts.requests.screened if it passes
         # a request routed before a restart is not routed again
         await ledger.once("routed", request.request_id, lambda: forward(request, trace_of(raw)))
 

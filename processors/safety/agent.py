@@ -1,6 +1,8 @@
 """The safety processor: judges each request's input before inference and each answer as it streams.
 
-    inputs:  ts.requests.prepared -> ts.requests.screened, or a refusal (content_filter) on ts.tokens
+    inputs:  ts.requests.prepared -> ts.requests.screened, or a refusal (content_filter) on ts.tokens;
+             a request screened in parallel (the router forwarded it already) gets its verdict in band
+             on its tokens partition instead, and a Cancel to ts.control when blocked
     outputs: ts.tokens windows    -> verdicts; a block also goes in band to the answer's tokens
              partition (the gateway cuts the stream) and a Cancel to ts.control (the worker stops)
 Every verdict, allowed or not, is written to ts.safety.verdicts with the policy version.
@@ -15,11 +17,10 @@ from processors.effects import Ledger
 from processors.faust_app import get, make_app, put, send, table, topic, trace_of, typed
 from processors.safety.classifier import Judgement, SafetyClassifier
 from processors.safety.windows import WindowSettings, due, fold, judged
-from schemas import Cancel, Completion, InferenceRequest, OutputWindow, SafetyVerdict, TokenChunk
+from schemas import REFUSAL, Cancel, Completion, InferenceRequest, OutputWindow, SafetyVerdict, TokenChunk
 from topics import CONTROL, DEAD_LETTER, PREPARED, SAFETY_WINDOWS, SCREENED, TOKENS, VERDICTS
 
 log = logging.getLogger(__name__)
-REFUSAL = "I can't help with that request."
 
 windows_cfg = WindowSettings()
 app = make_app("safety")
@@ -62,11 +63,25 @@ async def screen_inputs(stream):
 
 
 async def screen(request: InferenceRequest, trace) -> None:
-    """Judge the newest user message; forward the request, or refuse it where its client listens."""
+    """Judge the newest user message; forward the request, or refuse it where its client listens.
+
+    In parallel screening the request is being generated already: the verdict goes in band to its
+    tokens partition, where the gateway holds the answer until it arrives, and a block cancels it.
+    """
     newest = next((m.content for m in reversed(request.messages) if m.role == "user"), "")
     result = await judge(newest)
-    await send(verdicts_out, VERDICTS, verdict(request, result, "input"), key=request.request_id, trace=trace)
-    if result.blocked:
+    judged_input = verdict(request, result, "input")
+    await send(verdicts_out, VERDICTS, judged_input, key=request.request_id, trace=trace)
+    if request.screening == "parallel":
+        await send(tokens_out, TOKENS, judged_input, key=request.request_id, partition=request.reply_partition,
+                   trace=trace)
+        if result.blocked:
+            log.info("input of %s blocked while generating: %s", request.request_id, ", ".join(result.categories))
+            await send(control_out, CONTROL, Cancel(request_id=request.request_id,
+                                                    conversation_id=request.conversation_id,
+                                                    tenant=request.tenant, reason="content_filter"),
+                       key=request.request_id, trace=trace)
+    elif result.blocked:
         log.info("input of %s blocked: %s", request.request_id, ", ".join(result.categories))
         await refuse(request, result, trace)
     else:
