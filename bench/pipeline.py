@@ -14,8 +14,9 @@ For each request:
                  three processors with the input classifier, fan-out and SSE)
 and each hop's share from the broker's record timestamps (all processes share this host's clock):
 gateway (sent -> ts.chat.requests), conversation (-> ts.requests.prepared), safety
-(-> ts.requests.screened, serial only), router (-> ts.inference.<model>), worker (-> first
-ts.tokens record) and delivery (-> the client). Results go to bench/results/pipeline.json.
+(-> ts.requests.screened, serial only), router (-> ts.inference.<model>), fetch (-> received by
+the worker, from Completion.timings.pipeline_s), engine (the worker's own TTFT), publish (-> the
+first ts.tokens record) and delivery (-> the client). Results go to bench/results/pipeline.json.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
+import time
 from pathlib import Path
 
 import typer
@@ -30,7 +33,8 @@ import typer
 RESULTS = Path(__file__).parent / "results" / "pipeline.json"
 MODEL = "smollm2"
 MODES = ("serial", "parallel")
-HOPS = ("gateway", "conversation", "safety", "router", "worker", "delivery")
+HOPS = ("gateway", "conversation", "safety", "router", "fetch", "engine", "publish", "delivery")
+ID_RE = re.compile(rb"id: ([0-9a-f]{16}p\d+t\d+):(-?\d+)\r?\n")
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -58,22 +62,24 @@ def main(
 async def _run(requests: int, max_tokens: int) -> dict:
     import tempfile
 
-    from bench.system import LocalSystem
+    from tokenstream.stack.local import LocalSystem
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-pipeline-"))
     async with LocalSystem(tmp, MODEL, gateways={mode: {"TOKENSTREAM_GATEWAY_SCREENING": mode}
                                                  for mode in MODES}) as system:
-        timeline = await system.timeline()
+        timeline = await Timeline(system.stack.kafka.address, MODEL).start()
         samples: dict[str, list[dict]] = {mode: [] for mode in MODES}
         warm = 3
         for i in range(warm + requests):
             for mode in MODES:
-                rid, sent, first = await system.stream_one(mode, f"Say the number {i} in words.", max_tokens)
+                rid, sent, first = await stream_one(system.ports[mode], f"Say the number {i} in words.",
+                                                    max_tokens)
                 if i >= warm:
                     samples[mode].append({"rid": rid, "sent": sent, "first": first})
-            print(f"\rrequests: {(i + 1) * len(MODES)}/{(warm + requests) * len(MODES)}", end="", flush=True)
-        print()
+            if (i + 1) % 10 == 0:
+                print(f"requests: {(i + 1) * len(MODES)}/{(warm + requests) * len(MODES)}", flush=True)
         await timeline.settle([s["rid"] for ms in samples.values() for s in ms])
+        await timeline.stop()
         by_mode = {mode: _summarise(samples[mode], timeline) for mode in MODES}
     return {
         "command": f"tokenstream bench pipeline --requests {requests} --max-tokens {max_tokens}",
@@ -85,27 +91,117 @@ async def _run(requests: int, max_tokens: int) -> dict:
     }
 
 
-def _summarise(samples: list[dict], timeline) -> dict:
+async def stream_one(port: int, prompt: str, max_tokens: int) -> tuple[str, float, float | None]:
+    """One streamed greedy request over a raw socket: (request id, sent at, first content at)."""
+    import asyncio
+
+    body = json.dumps({"model": MODEL, "stream": True, "max_tokens": max_tokens, "temperature": 0,
+                       "messages": [{"role": "user", "content": prompt}]}).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.0\r\nHost: 127.0.0.1:{port}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    sent = time.time()
+    writer.write(head + body)
+    buf, rid, first = b"", "", None
+    while first is None:
+        data = await reader.read(65536)
+        if not data:
+            break
+        buf += data
+        for m in ID_RE.finditer(buf):
+            rid = m.group(1).decode()
+            if int(m.group(2)) >= 0:
+                first = time.time()
+                break
+    while await reader.read(65536):
+        pass
+    writer.close()
+    return rid, sent, first
+
+
+class Timeline:
+    """When each request's events reached the broker: record timestamps of every hop's topic."""
+
+    def __init__(self, bootstrap: str, model: str) -> None:
+        from topics import CHAT_REQUESTS, PREPARED, SCREENED, TOKENS, inference_topic
+
+        self.bootstrap = bootstrap
+        self.marks: dict[str, dict] = {}
+        self.topics = {CHAT_REQUESTS.name: "chat", PREPARED.name: "prepared", SCREENED.name: "screened",
+                       inference_topic(model).name: "inference", TOKENS.name: "tokens"}
+
+    async def start(self) -> Timeline:
+        from aiokafka.structs import TopicPartition
+
+        from producers import start_consumer
+
+        self.consumer = await start_consumer(group=None, bootstrap=self.bootstrap, fetch_max_wait_ms=50)
+        from topics.registry import spec_for
+
+        tps = [TopicPartition(t, p) for t in self.topics for p in range(spec_for(t).partitions)]
+        self.consumer.assign(tps)
+        await self.consumer.seek_to_end(*tps)
+        for tp in tps:
+            await self.consumer.position(tp)
+        self._task = asyncio.create_task(self._run())
+        return self
+
+    async def _run(self) -> None:
+        from producers.publish import decode_record
+        from schemas import Completion, TokenChunk
+        from topics.registry import spec_for
+
+        while True:
+            for tp, records in (await self.consumer.getmany(timeout_ms=100)).items():
+                spec = spec_for(tp.topic)
+                for record in records:
+                    try:
+                        event = decode_record(record, spec)
+                    except Exception:  # noqa: BLE001 - not ours to judge here
+                        continue
+                    marks = self.marks.setdefault(event.request_id, {})
+                    name = self.topics[tp.topic]
+                    if name == "tokens":
+                        if isinstance(event, TokenChunk) and "first_token" not in marks:
+                            marks["first_token"] = record.timestamp / 1000
+                        elif isinstance(event, Completion):
+                            marks["completion"] = event
+                    else:
+                        marks.setdefault(name, record.timestamp / 1000)
+
+    async def settle(self, rids: list[str], timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while any("completion" not in self.marks.get(r, {}) for r in rids) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+
+    async def stop(self) -> None:
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        await self.consumer.stop()
+
+
+def _summarise(samples: list[dict], timeline: Timeline) -> dict:
     client, worker, overhead = [], [], []
     hops: dict[str, list[float]] = {h: [] for h in HOPS}
     for s in samples:
         marks = timeline.marks.get(s["rid"], {})
         done = marks.get("completion")
-        if s["first"] is None or done is None:
+        if s["first"] is None or done is None or "first_token" not in marks:
             continue
         own = done.timings.queue_s + done.timings.prefill_s
         ttft = s["first"] - s["sent"]
         client.append(ttft * 1000)
         worker.append(own * 1000)
         overhead.append((ttft - own) * 1000)
-        points = [("gateway", "chat"), ("conversation", "prepared"), ("safety", "screened"),
-                  ("router", "inference"), ("worker", "first_token")]
+        received = marks["chat"] + done.timings.pipeline_s  # the worker's receipt (gateway clock + its share)
+        points = [("gateway", marks.get("chat")), ("conversation", marks.get("prepared")),
+                  ("safety", marks.get("screened")), ("router", marks.get("inference")), ("fetch", received),
+                  ("engine", received + own), ("publish", marks["first_token"]), ("delivery", s["first"])]
         last = s["sent"]
-        for hop, mark in points:
-            if mark in marks:
-                hops[hop].append((marks[mark] - last) * 1000)
-                last = marks[mark]
-        hops["delivery"].append((s["first"] - last) * 1000)
+        for hop, at in points:
+            if at is not None:
+                hops[hop].append((at - last) * 1000)
+                last = at
     return {
         "requests": len(overhead),
         "client_ttft_ms": {"p50": pct(client, 50), "p99": pct(client, 99)},
@@ -120,17 +216,19 @@ def _table(r: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table("screening", "requests", "client TTFT p50/p99", "worker TTFT p50/p99",
-                  "overhead p50/p90/p99 ms", *(f"{h} p50" for h in HOPS),
-                  title="pipeline overhead (client TTFT - worker TTFT), ms")
+    console = Console(width=120)
+    table = Table("screening", "requests", "client TTFT p50 / p99", "worker TTFT p50 / p99",
+                  "overhead p50 / p90 / p99", title="pipeline overhead = client TTFT - worker TTFT (ms)")
     for mode, m in r["modes"].items():
         o = m["overhead_ms"]
-        table.add_row(mode, str(m["requests"]),
-                      f"{m['client_ttft_ms']['p50']} / {m['client_ttft_ms']['p99']}",
+        table.add_row(mode, str(m["requests"]), f"{m['client_ttft_ms']['p50']} / {m['client_ttft_ms']['p99']}",
                       f"{m['worker_ttft_ms']['p50']} / {m['worker_ttft_ms']['p99']}",
-                      f"{o['p50']} / {o['p90']} / {o['p99']}",
-                      *(str(m["hop_p50_ms"].get(h, "-")) for h in HOPS))
-    Console().print(table)
+                      f"{o['p50']} / {o['p90']} / {o['p99']}")
+    console.print(table)
+    hops = Table("screening", *HOPS, title="time to first token by hop, p50 (ms)")
+    for mode, m in r["modes"].items():
+        hops.add_row(mode, *(str(m["hop_p50_ms"].get(h, "-")) for h in HOPS))
+    console.print(hops)
     s, p = r["modes"]["serial"]["overhead_ms"], r["modes"]["parallel"]["overhead_ms"]
     if s["p50"] and p["p50"]:
         print(f"parallel / serial overhead: p50 {p['p50'] / s['p50']:.2f}x, p99 {p['p99'] / s['p99']:.2f}x "

@@ -150,6 +150,7 @@ app.add_typer(processor_app, name="processor")
 ROLE_COMMANDS = {
     (app, "worker"): "gpu_workers.cli:worker",
     (app, "gateway"): "gateway.cli:gateway",
+    (app, "chaos"): "tokenstream.chaos.cli:chaos",
     (bench_app, "worker"): "bench.worker:main",
     (bench_app, "gateway"): "bench.gateway:main",
     (bench_app, "safety"): "bench.safety:main",

@@ -1,0 +1,1 @@
+"""`tokenstream chaos`: a fault drill against the whole system under load (see `drill.py`)."""

@@ -1,0 +1,171 @@
+"""The fault drill: steady streaming load on the whole system while processes die and the broker restarts.
+
+Every role runs with two processes (`instances=2`) and two gateway instances; `clients` users
+stream greedy answers one after another, resuming on any gateway when their connection drops.
+A supervisor starts again every process that exits (with back-off). Every `every_s` seconds one
+fault is injected, in turn:
+  kill     kill -9 one process of a role (the roles in turn, a random instance);
+  broker   stop the broker (SIGTERM) and start it again;
+  stall    the next request's client stops reading for `stall_s` seconds mid-answer.
+Afterwards every admitted request must have ended for its client with exactly the text the log
+holds (no token lost or repeated, checked by the client and against ts.tokens), every group's
+lag must return to zero, and no worker may still be generating.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from tokenstream.chaos.clients import Client, Outcome
+from tokenstream.chaos.verify import Verdict, drained, judge, read_answers
+
+ROLES = ("conversation", "safety", "router", "worker", "gateway")
+
+
+@dataclass
+class Fault:
+    kind: str
+    target: str
+    at: float
+    ended_at: float = 0.0  # when the fault was over (the broker back); recovery counts from here
+    recovered_at: float | None = None
+
+    @property
+    def recovery_s(self) -> float | None:
+        return None if self.recovered_at is None else self.recovered_at - self.ended_at
+
+
+@dataclass
+class Report:
+    seconds: float
+    faults: list[Fault] = field(default_factory=list)
+    verdict: Verdict = field(default_factory=Verdict)
+    refused: int = 0
+    unacknowledged: int = 0
+    resumes: int = 0
+    lag_left: dict[str, int] = field(default_factory=dict)
+    running_left: float = 0.0
+    logs: str = ""
+
+    @property
+    def ok(self) -> bool:
+        v = self.verdict
+        return (v.admitted > 0 and not (v.lost or v.unfinished or v.duplicates) and not any(self.lag_left.values())
+                and self.running_left == 0 and all(f.recovered_at is not None for f in self.faults))
+
+
+async def run(minutes: float, *, clients: int = 3, every_s: float = 20.0, stall_s: float = 8.0, max_tokens: int = 24, deadline_s: float = 120.0,
+              kinds: tuple[str, ...] = ("kill", "kill", "kill", "kill", "kill", "broker", "stall"),
+              root: Path | None = None, say=print) -> Report:
+    from tokenstream.stack.local import LocalSystem
+
+    root = root or Path(tempfile.mkdtemp(prefix="chaos-"))
+    gateways = {"a": {"TOKENSTREAM_GATEWAY_CANCEL_GRACE_S": "30"},
+                "b": {"TOKENSTREAM_GATEWAY_CANCEL_GRACE_S": "30"}}
+    async with LocalSystem(root, "smollm2", gateways, instances=2) as system:
+        started = time.time()
+        users = [Client([system.url(g) for g in gateways], "smollm2", max_tokens=max_tokens,
+                        deadline_s=deadline_s) for _ in range(clients)]
+        outcomes: list[Outcome] = []
+        stop = asyncio.Event()
+        say(f"chaos: {clients} clients, a fault every {every_s:.0f} s for {minutes:g} min (logs in {root})")
+        supervisor_stop = asyncio.Event()
+        supervisor = asyncio.create_task(system.supervise(supervisor_stop))
+        loads = [asyncio.create_task(_user(u, i, outcomes, stop)) for i, u in enumerate(users)]
+        faults = await _inject(system, users, minutes * 60, every_s, stall_s, kinds, say)
+        stop.set()
+        await asyncio.gather(*loads)
+        _recoveries(faults, outcomes)
+        say(f"chaos: load stopped after {time.time() - started:.0f} s; checking the log and the lag")
+        answers = await read_answers(system.stack.kafka.address, {o.rid for o in outcomes}, started - 5)
+        report = Report(time.time() - started, faults, judge(outcomes, answers),
+                        refused=sum(u.refused for u in users), unacknowledged=sum(u.unacknowledged for u in users),
+                        resumes=sum(o.resumes for o in outcomes), logs=str(root))
+        report.lag_left = await drained(system.stack.kafka.address, _groups(), timeout=90)
+        report.running_left = await _running(system)
+        supervisor_stop.set()
+        await supervisor
+        return report
+
+
+async def _user(client: Client, index: int, outcomes: list[Outcome], stop: asyncio.Event) -> None:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(60, connect=5)) as http:
+        for n in itertools.count():
+            if stop.is_set():
+                return
+            outcome = await client.request(http, f"User {index}, question {n}: name a fruit and a colour.")
+            if outcome is None:
+                await asyncio.sleep(0.5)  # refused: back off a little, like a client honouring Retry-After
+            else:
+                outcomes.append(outcome)
+
+
+async def _inject(system, users: list[Client], seconds: float, every_s: float, stall_s: float,
+                  kinds: tuple[str, ...], say) -> list[Fault]:
+    faults: list[Fault] = []
+    roles = itertools.cycle(ROLES)
+    kinds_cycle = itertools.cycle(kinds)
+    end = time.monotonic() + seconds
+    while time.monotonic() + every_s <= end:
+        await asyncio.sleep(every_s)
+        kind = next(kinds_cycle)
+        if kind == "kill":
+            proc = random.choice(system.of_role(next(roles)))
+            fault = Fault("kill -9", proc.name, time.time())
+            system.kill9(proc.name)  # the supervisor starts it again
+        elif kind == "broker":
+            fault = Fault("broker restart", "kafka", time.time())
+            await asyncio.to_thread(system.stack.kafka.stop, lambda m: None)
+            await asyncio.to_thread(system.stack.kafka.start, lambda m: None)
+        else:
+            victim = random.choice(users)
+            victim.stall_next_s = stall_s
+            fault = Fault("client stall", f"{stall_s:.0f} s", time.time())
+        fault.ended_at = time.time()
+        faults.append(fault)
+        say(f"chaos: {fault.kind} {fault.target} at +{fault.at - faults[0].at:.0f} s")
+    await asyncio.sleep(min(every_s, 15))  # let the last fault's requests finish under load
+    return faults
+
+
+def _recoveries(faults: list[Fault], outcomes: list[Outcome]) -> None:
+    """A fault is recovered from when a request sent after it ended has been answered in full."""
+    for fault in faults:
+        done = [o.finished_at for o in outcomes if o.done and o.sent >= fault.ended_at and o.finished_at]
+        fault.recovered_at = min(done) if done else None
+
+
+def _groups() -> list[tuple[str, str]]:
+    from topics import CHAT_REQUESTS, CONVERSATION_TURNS, PREPARED, SCREENED, TOKENS, inference_topic
+
+    return [("ts-conversation", CHAT_REQUESTS.name), ("ts-conversation", CONVERSATION_TURNS.name),
+            ("ts-conversation", TOKENS.name), ("ts-safety", PREPARED.name), ("ts-safety", TOKENS.name),
+            ("ts-router", SCREENED.name), ("ts-router", PREPARED.name),
+            ("worker.smollm2", inference_topic("smollm2").name)]
+
+
+async def _running(system, timeout: float = 30.0) -> float:
+    """Requests the workers are still generating, once it reaches 0 or after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        total = 0.0
+        for proc in system.of_role("worker"):
+            try:
+                text = (await asyncio.to_thread(httpx.get, proc.probe, timeout=5)).text
+            except httpx.HTTPError:
+                total += 1  # a worker that does not answer may still hold requests
+                continue
+            for line in text.splitlines():
+                if line.startswith("vllm:num_requests_running"):
+                    total += float(line.rsplit(" ", 1)[1])
+        if total == 0 or time.monotonic() > deadline:
+            return total
+        await asyncio.sleep(1.0)
