@@ -120,8 +120,16 @@ def topics_apply(model: list[str] = typer.Option(None, help="models to serve (de
 
 
 @topics_app.command("describe")
-def topics_describe(model: list[str] = typer.Option(None, help="models served")) -> None:
+def topics_describe(model: list[str] = typer.Option(None, help="models served"),
+                    flow: bool = typer.Option(False, "--flow", help="the way of a request: who writes and "
+                                              "reads each topic (from the registry; no broker needed)")) -> None:
     """Partitions, configs and end offsets of every registered topic."""
+    if flow:
+        from tokenstream.flowmap import flow_table
+        from topics.registry import flow as flow_order
+
+        console.print(flow_table(flow_order(model or settings().models)))
+        return
     from topics.admin import describe
 
     specs = {s.name: s for s in _specs(model)}

@@ -20,7 +20,9 @@ from topics.registry import (
     VERDICTS,
     TopicSpec,
     inference_topic,
+    processor_group,
     spec_for,
+    worker_group,
 )
 
 __all__ = [
@@ -40,5 +42,7 @@ __all__ = [
     "VERDICTS",
     "TopicSpec",
     "inference_topic",
+    "processor_group",
     "spec_for",
+    "worker_group",
 ]
