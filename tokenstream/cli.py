@@ -167,6 +167,21 @@ ROLE_COMMANDS = {
 }
 
 
+# Tools for auditors and operators, each a typer app in its own module.
+TOOL_APPS = {
+    "audit": "audit.cli:app",
+    "ops": "tokenstream.ops.cli:app",
+}
+
+
+def _register_tools() -> None:
+    import importlib
+
+    for name, target in TOOL_APPS.items():
+        module, attr = target.split(":")
+        app.add_typer(getattr(importlib.import_module(module), attr), name=name)
+
+
 def _register_route_commands() -> None:
     import importlib.util
 
@@ -191,6 +206,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _register_roles()
     _register_route_commands()
+    _register_tools()
     app()
 
 

@@ -7,6 +7,7 @@ and `tokenstream ops` are built on.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -24,6 +25,7 @@ from schemas import (
     TokenChunk,
     ToolCall,
     ToolResult,
+    Transcript,
 )
 
 DAY_MS = 24 * 3600 * 1000
@@ -210,6 +212,17 @@ DEAD_LETTER = TopicSpec(
     writers=(Writer("any role", "a record it cannot decode or handle, before committing past it"),),
     readers=(AUDITOR,),
 )
+#: How long the transcripts topic keeps the final record of each request (the per-token topic
+#: keeps one day). TOKENSTREAM_AUDIT_RETENTION_DAYS changes it; `topics apply` applies it.
+TRANSCRIPT_RETENTION_DAYS = float(os.environ.get("TOKENSTREAM_AUDIT_RETENTION_DAYS", "365"))
+TRANSCRIPTS = TopicSpec(
+    "ts.audit.transcripts", 12, "conversation_id", (Transcript,),
+    "the final record of each request (question and whole answer), kept for audits",
+    _retained(TRANSCRIPT_RETENTION_DAYS),
+    writers=(Writer("conversation processor (history)", "once per answer, when it appends the answer "
+                    "to the conversation's history"),),
+    readers=(AUDITOR,),
+)
 
 INFERENCE_PARTITIONS = 12
 INFERENCE_RETENTION_DAYS = 7
@@ -233,7 +246,7 @@ def inference_topic(model: str) -> TopicSpec:
 
 REGISTRY: tuple[TopicSpec, ...] = (
     CHAT_REQUESTS, PREPARED, SCREENED, TOKENS, CONTROL, VERDICTS, TOOL_CALLS, TOOL_RESULTS,
-    CONVERSATION_TURNS, CONVERSATIONS, SAFETY_WINDOWS, ROUTES, DEAD_LETTER,
+    CONVERSATION_TURNS, CONVERSATIONS, SAFETY_WINDOWS, ROUTES, DEAD_LETTER, TRANSCRIPTS,
 )
 
 
@@ -255,7 +268,7 @@ def all_topics(models: list[str]) -> list[TopicSpec]:
 FLOW: tuple[str, ...] = (
     CHAT_REQUESTS.name, CONVERSATIONS.name, PREPARED.name, VERDICTS.name, SCREENED.name,
     ROUTES.name, "ts.inference.<model>", TOOL_CALLS.name, TOOL_RESULTS.name, TOKENS.name,
-    SAFETY_WINDOWS.name, CONTROL.name, CONVERSATION_TURNS.name, DEAD_LETTER.name,
+    SAFETY_WINDOWS.name, CONTROL.name, CONVERSATION_TURNS.name, TRANSCRIPTS.name, DEAD_LETTER.name,
 )
 
 

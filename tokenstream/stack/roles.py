@@ -6,6 +6,7 @@ processors, one worker and one gateway, each with a pid file and a log in the st
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 import urllib.request
@@ -34,8 +35,20 @@ class Role(Service):
     def install(self, say) -> None:
         pass
 
+    @property
+    def args_file(self) -> Path:
+        return self.run_dir / f"{self.name}.args"
+
+    def recorded_args(self) -> list[str] | None:
+        """The arguments the running process was started with (None when unknown)."""
+        try:
+            return json.loads(self.args_file.read_text())
+        except (OSError, ValueError):
+            return None
+
     def prepare(self) -> None:
         self._started = time.monotonic()
+        self.args_file.write_text(json.dumps(self.args))
 
     def command(self) -> list[str]:
         return [sys.executable, "-m", "tokenstream.cli", *self.args]
