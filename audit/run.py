@@ -22,11 +22,11 @@ from audit.sources import (
     admitted_ms,
     audited,
     keyed_by_conversation,
-    partition_counts,
     partition_of,
     request_partitions,
 )
 from schemas import DecodeError, Event, decode
+from topics.admin import partition_counts
 from topics.registry import FLOW, TopicSpec
 
 #: offsets_for_times starts this much before a request's admission (clock skew between hosts).

@@ -8,7 +8,6 @@ partitioner (murmur2 of the key, as Kafka's Java client and aiokafka compute it)
 
 from __future__ import annotations
 
-from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.partitioner import murmur2
 
 from schemas.ids import parse_request_id
@@ -23,17 +22,6 @@ def audited(existing: list[str]) -> list[TopicSpec]:
     specs += [inference_topic(n.removeprefix(INFERENCE_PREFIX)) for n in sorted(existing)
               if n.startswith(INFERENCE_PREFIX)]
     return [s for s in specs if s.name in set(existing)]
-
-
-async def partition_counts(bootstrap: str) -> dict[str, int]:
-    """Every topic on the broker with its partition count (what the cluster has, not what was planned)."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=30_000)
-    await admin.start()
-    try:
-        names = await admin.list_topics()
-        return {t["topic"]: len(t["partitions"]) for t in await admin.describe_topics(names) if t["partitions"]}
-    finally:
-        await admin.close()
 
 
 def partition_of(key: str, partitions: int) -> int:

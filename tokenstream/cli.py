@@ -67,10 +67,12 @@ app.add_typer(system_app, name="system")
 
 
 def _roles():
-    from tokenstream.stack.roles import local_roles
+    """Every role process wanted locally (one of each unless `tokenstream ops scale` said otherwise)."""
+    from tokenstream.stack.scale import Wanted, instances
 
-    cfg = settings()
-    return local_roles(Stack.default().folders, cfg.models[0], cfg.gateway_port, cfg.worker_metrics_port)
+    cfg, stack = settings(), Stack.default()
+    return instances(stack.folders, cfg.models, cfg.gateway_port, cfg.worker_metrics_port,
+                     Wanted.load(stack.kafka.run_dir))
 
 
 @system_app.command("up")
@@ -143,6 +145,32 @@ def topics_describe(model: list[str] = typer.Option(None, help="models served"),
                       ", ".join(e.__name__ for e in spec.events), configs, f"{info.end_offsets:,}")
     for name in specs.keys() - found:
         table.add_row(name, "[red]missing[/]", specs[name].key, "", "run `tokenstream topics apply`", "")
+    console.print(table)
+
+
+@topics_app.command("grow")
+def topics_grow(topic: str, partitions: int = typer.Option(..., help="the new partition count"),
+                yes: bool = typer.Option(False, "--yes", help="also grow topics holding table state by key")) -> None:
+    """Grow a topic's partitions, and those of every topic co-partitioned with it, together."""
+    from topics.admin import grow
+    from topics.registry import KEYED_STATE, co_partitioned
+
+    names = co_partitioned(topic)
+    keyed = sorted(KEYED_STATE & set(names))
+    if keyed and not yes:
+        console.print(f"[red]refused:[/] growing {', '.join(names)} moves existing keys of {', '.join(keyed)} to "
+                      "other partitions, so processors no longer find rows (conversation histories) where their "
+                      "next events arrive. Stop the processors, grow with --yes, and accept that history rows "
+                      "start afresh; see the README.", highlight=False)
+        raise typer.Exit(2)
+    try:
+        changes = asyncio.run(grow(names, partitions, settings().kafka_bootstrap))
+    except (ValueError, RuntimeError) as exc:
+        console.print(f"[red]{exc}[/]", highlight=False)
+        raise typer.Exit(2) from None
+    table = Table("topic", "action", "detail", title="grown together" if len(names) > 1 else None)
+    for c in changes:
+        table.add_row(c.topic, c.action, c.detail)
     console.print(table)
 
 

@@ -282,3 +282,22 @@ def flow(models: list[str]) -> list[TopicSpec]:
             out.append(spec_for(name))
     listed = {s.name for s in out}
     return out + [s for s in REGISTRY if s.name not in listed]
+
+
+#: Topics whose partitions must stay equal in number: one consumer joins them partition by
+#: partition (a faust agent and the changelog of its table). `topics grow` grows them together.
+CO_PARTITIONED: tuple[tuple[str, ...], ...] = (
+    (CHAT_REQUESTS.name, CONVERSATION_TURNS.name, CONVERSATIONS.name),
+    (TOKENS.name, SAFETY_WINDOWS.name),
+)
+#: Topics holding table rows by key: growing them moves existing keys to other partitions, so a
+#: row (a conversation's history) is not found where its next event arrives.
+KEYED_STATE = frozenset({CONVERSATIONS.name, SAFETY_WINDOWS.name})
+
+
+def co_partitioned(name: str) -> tuple[str, ...]:
+    """`name` and every topic that must keep its partition count."""
+    for group in CO_PARTITIONED:
+        if name in group:
+            return group
+    return (name,)

@@ -17,6 +17,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.coordinator.protocol import ConsumerProtocolMemberAssignment
 from aiokafka.structs import TopicPartition
 
+from topics.admin import partition_counts
 from topics.registry import TopicSpec
 
 
@@ -63,7 +64,7 @@ async def _group_states(admin: AIOKafkaAdminClient, groups: list[str]) -> dict[s
                 for topic, partitions in assignment.assignment:
                     for p in partitions:
                         owners[TopicPartition(topic, p)] = m["client_id"]
-            out[g["group"]] = GroupState(g["group"], g["group_state"], len(g["members"]), owners)
+            out[g["group"]] = GroupState(g["group"], g["state"], len(g["members"]), owners)
     return out
 
 
@@ -75,13 +76,13 @@ async def sample(bootstrap: str, specs: list[TopicSpec], interval_s: float = 2.0
     await admin.start()
     await consumer.start()
     try:
-        existing = set(await consumer.topics())
-        pairs = [(group, spec) for spec in specs if spec.name in existing for group in spec.groups]
+        counts = await partition_counts(bootstrap)
+        pairs = [(group, spec) for spec in specs if spec.name in counts for group in spec.groups]
 
         async def read() -> list[PartitionLag]:
             rows = []
             for group, spec in pairs:
-                tps = [TopicPartition(spec.name, p) for p in sorted(consumer.partitions_for_topic(spec.name) or ())]
+                tps = [TopicPartition(spec.name, p) for p in range(counts[spec.name])]
                 ends = await consumer.end_offsets(tps)
                 committed = await admin.list_consumer_group_offsets(group, partitions=tps)
                 for tp in tps:
