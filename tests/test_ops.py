@@ -132,3 +132,23 @@ async def test_topics_grow_grows_co_partitioned_topics_together_and_guards_keyed
     assert (await partition_counts(bootstrap))[spec.name] == 14
     shrink = await asyncio.to_thread(cli, "topics", "grow", spec.name, "--partitions", "13")
     assert shrink.returncode == 2 and "cannot shrink" in shrink.stdout
+
+
+async def test_ops_probe_says_whether_this_hosts_member_holds_partitions(bootstrap):
+    model = f"probe-{uuid.uuid4().hex[:6]}"
+    spec, group = inference_topic(model), worker_group(model)
+    await apply([spec], bootstrap)
+    absent = await asyncio.to_thread(cli, "ops", "probe", "--group", group, "--host", "127.0.0.1")
+    assert absent.returncode == 1, absent.stdout  # no members (or, on a fresh broker, no coordinator yet)
+    consumer = await start_consumer(spec, group=group, bootstrap=bootstrap)
+    try:
+        deadline = time.monotonic() + 60
+        while not consumer.assignment() and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        ready = await asyncio.to_thread(cli, "ops", "probe", "--group", group, "--host", "127.0.0.1")
+        assert ready.returncode == 0, ready.stdout + ready.stderr
+        assert "holds 12 partition(s)" in ready.stdout
+        elsewhere = await asyncio.to_thread(cli, "ops", "probe", "--group", group, "--host", "10.9.9.9")
+        assert elsewhere.returncode == 1 and "no member" in elsewhere.stdout
+    finally:
+        await consumer.stop()

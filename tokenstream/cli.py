@@ -148,6 +148,20 @@ def topics_describe(model: list[str] = typer.Option(None, help="models served"),
     console.print(table)
 
 
+@topics_app.command("export")
+def topics_export(fmt: str = typer.Option("strimzi", "--format", help="strimzi: KafkaTopic resources"),
+                  model: list[str] = typer.Option(None, help="models served (default: TOKENSTREAM_MODELS)"),
+                  cluster: str = typer.Option("tokenstream", help="the Strimzi Kafka cluster's name"),
+                  replicas: int = typer.Option(3, help="replication factor in the cluster")) -> None:
+    """Print the registry as Kubernetes resources (YAML), for the Strimzi Topic Operator."""
+    from topics.export import strimzi_topics, to_yaml
+
+    if fmt != "strimzi":
+        console.print(f"[red]unknown format {fmt!r}: the one supported is strimzi[/]")
+        raise typer.Exit(2)
+    typer.echo(to_yaml(strimzi_topics(_specs(model), cluster, replicas)), nl=False)
+
+
 @topics_app.command("grow")
 def topics_grow(topic: str, partitions: int = typer.Option(..., help="the new partition count"),
                 yes: bool = typer.Option(False, "--yes", help="also grow topics holding table state by key")) -> None:

@@ -58,6 +58,24 @@ def lag(model: list[str] = typer.Option(None, help="models served (default: TOKE
     console.print(table)
 
 
+@app.command("probe")
+def probe(group: str = typer.Option(..., help="the consumer group this process joins"),
+          host: str = typer.Option(None, help="this process's address as the broker sees it (default: "
+                                   "this host's address)")) -> None:
+    """Exit 0 when a member of GROUP on this host holds a partition: a processor pod's readiness."""
+    import socket
+
+    from tokenstream.ops.lag import member_of
+
+    host = host or socket.gethostbyname(socket.gethostname())
+    try:
+        ok, why = asyncio.run(member_of(settings().kafka_bootstrap, group, host))
+    except Exception as exc:  # noqa: BLE001 - no broker or no coordinator yet: not ready
+        ok, why = False, f"the broker could not say ({type(exc).__name__}: {exc})"
+    typer.echo(why)
+    raise typer.Exit(0 if ok else 1)
+
+
 def _local():
     """The local stack's run folder, the wanted counts and a supervisor over them."""
     from tokenstream.stack import Stack

@@ -46,6 +46,7 @@ class GroupState:
     state: str
     members: int
     owners: dict[TopicPartition, str]
+    hosts: dict[str, int]  # member host (as the broker sees it) -> partitions it holds
 
 
 async def _group_states(admin: AIOKafkaAdminClient, groups: list[str]) -> dict[str, GroupState]:
@@ -53,7 +54,10 @@ async def _group_states(admin: AIOKafkaAdminClient, groups: list[str]) -> dict[s
     for response in await admin.describe_consumer_groups(groups):
         for g in response.to_object()["groups"]:
             owners: dict[TopicPartition, str] = {}
+            hosts: dict[str, int] = {}
             for m in g["members"]:
+                host = m["client_host"].lstrip("/")
+                hosts.setdefault(host, 0)
                 raw = m.get("member_assignment") or b""
                 if not raw:
                     continue
@@ -62,9 +66,10 @@ async def _group_states(admin: AIOKafkaAdminClient, groups: list[str]) -> dict[s
                 except Exception:  # noqa: BLE001 - a non-consumer protocol: no partitions to show
                     continue
                 for topic, partitions in assignment.assignment:
+                    hosts[host] += len(partitions)
                     for p in partitions:
                         owners[TopicPartition(topic, p)] = m["client_id"]
-            out[g["group"]] = GroupState(g["group"], g["state"], len(g["members"]), owners)
+            out[g["group"]] = GroupState(g["group"], g["state"], len(g["members"]), owners, hosts)
     return out
 
 
@@ -104,3 +109,21 @@ async def sample(bootstrap: str, specs: list[TopicSpec], interval_s: float = 2.0
     finally:
         await consumer.stop()
         await admin.close()
+
+
+async def member_of(bootstrap: str, group: str, host: str) -> tuple[bool, str]:
+    """Whether a member of `group` on `host` holds at least one partition (a pod's readiness)."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=5_000)
+    await admin.start()
+    try:
+        state = (await _group_states(admin, [group])).get(group)
+    finally:
+        await admin.close()
+    if state is None or not state.members:
+        return False, f"group {group} has no members"
+    held = state.hosts.get(host)
+    if held is None:
+        return False, f"no member of {group} on {host} (members on {', '.join(sorted(state.hosts))})"
+    if not held:
+        return False, f"the member of {group} on {host} holds no partition (group {state.state})"
+    return True, f"member of {group} on {host} holds {held} partition(s)"
