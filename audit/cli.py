@@ -13,6 +13,7 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
+from rich.table import Table
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from audit.report import Exporter, Summary, timeline
@@ -117,6 +118,59 @@ def range_(since: str = typer.Option(..., help="ISO 8601 time or a duration back
     outcome = _run(lambda a: a.range(since_ms, until_ms, keep), export, tenant, horizon)
     summary.print(console)
     _finish(outcome)
+
+
+@app.command("rescreen")
+def rescreen(policy: str = typer.Option(..., help="a policy name from the policies file (e.g. strict)"),
+             since: str = typer.Option(..., help="ISO 8601 time or a duration back from now (15m, 2h, 7d)"),
+             until: str = typer.Option(None, help="default: now"), tenant: str = Tenant,
+             policies: Path = typer.Option(None, help="policies file (default processors/safety/policies.json)"),
+             horizon: float = Horizon) -> None:
+    """Re-judge stored inputs and answers under another safety policy, into its own verdict topic."""
+    from audit.rescreen import Rescreener, commit_progress, group_of
+    from processors.safety.classifier import SafetyClassifier
+    from processors.safety.policies import POLICIES_FILE, named_policy
+    from producers import start_producer
+
+    try:
+        chosen = named_policy(policy, policies or POLICIES_FILE)
+    except (KeyError, ValueError) as exc:
+        raise typer.BadParameter(str(exc.args[0] if exc.args else exc)) from None
+    since_ms = parse_time(since)
+    until_ms = parse_time(until) if until else int(dt.datetime.now(dt.UTC).timestamp() * 1000)
+    errors.print(f"loading the safety classifier under policy {policy} ({chosen.version})", highlight=False)
+    classifier = SafetyClassifier.load(policy=chosen)
+    bootstrap = settings().kafka_bootstrap
+    holder = {}
+
+    async def make(auditor):
+        producer = await start_producer(bootstrap)
+        try:
+            screener = holder["screener"] = Rescreener(classifier, producer)
+            outcome = await auditor.range(since_ms, until_ms, screener.add)
+            await screener.flush()
+            await commit_progress(auditor, bootstrap, policy)
+            return outcome
+        finally:
+            await producer.stop()
+
+    outcome = _run(make, None, tenant, horizon)
+    report = holder["screener"].report
+    table = Table("stage", "judged", f"blocked under {report.policy_version}", "newly blocked", "newly allowed",
+                  title=f"rescreen of {report.requests} request(s) under {policy} ({report.policy_version})")
+    for stage, st in report.stages.items():
+        table.add_row(stage, str(st.judged), str(st.blocked_now), str(sum(st.newly_blocked.values())),
+                      str(sum(st.newly_allowed.values())))
+    console.print(table)
+    changes = Table("stage", "change", "category", "requests", "examples", title="what would change")
+    for stage, st in report.stages.items():
+        for change, counts in (("newly blocked", st.newly_blocked), ("newly allowed", st.newly_allowed)):
+            for category, n in counts.most_common():
+                examples = "\n".join(f"{rid}: {text!r}" for rid, text in st.examples.get((change, category), []))
+                changes.add_row(stage, change, category, str(n), examples)
+    console.print(changes)
+    console.print(f"{report.written} verdict(s) written to ts.audit.rescreen.verdicts; offsets committed in group "
+                  f"{group_of(policy)}; {outcome.records:,} records read", highlight=False)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -28,7 +28,7 @@ from schemas import (
     ToolResult,
     Transcript,
 )
-from topics import TOKENS, TRANSCRIPTS
+from topics import PREPARED, TOKENS, TRANSCRIPTS, VERDICTS
 
 TEXT_SHOWN = 80  # characters of a message or a text run shown in a timeline row
 
@@ -68,6 +68,9 @@ class Audit:
     transcript: Transcript | None = None
     events: int = 0
     open_ok: bool = False  # no completion yet, but the request may still be running
+    input_text: str = ""  # the newest user message, as the safety processor judged it
+    live_input: SafetyVerdict | None = None  # the live input verdict (ts.safety.verdicts)
+    live_output: SafetyVerdict | None = None  # the first blocking live output verdict, if any
     _run: list = field(default_factory=list)  # token chunks not yet folded into a row
 
     # ------------------------------------------------------------------ folding
@@ -117,13 +120,19 @@ class Audit:
             newest = next((m.content for m in reversed(event.messages) if m.role == "user"), "")
             return f"model {event.model}, {len(event.messages)} message(s), user: {_short(newest)!r}"
         if isinstance(event, InferenceRequest):
+            if topic == PREPARED.name:
+                self.input_text = next((m.content for m in reversed(event.messages) if m.role == "user"), "")
             if topic.startswith("ts.inference."):
                 self.reached_worker = True
                 self.model = event.model
             return f"model {event.model}, {len(event.messages)} message(s)" + (
                 f", {event.dropped_messages} dropped" if event.dropped_messages else "")
         if isinstance(event, SafetyVerdict):
-            if event.blocked and event.stage == "input":
+            if topic == VERDICTS.name and event.stage == "input":
+                self.live_input = event
+            if topic == VERDICTS.name and event.stage == "output" and event.blocked and self.live_output is None:
+                self.live_output = event
+            if event.blocked and event.stage == "input" and topic in (VERDICTS.name, TOKENS.name):
                 self.input_blocked = True
             if event.blocked and event.stage == "output" and topic == TOKENS.name:
                 self.output_blocked = True
@@ -165,6 +174,15 @@ class Audit:
     @property
     def completed(self) -> bool:
         return bool(self.completions)
+
+    @property
+    def answer(self) -> str:
+        """The whole answer the model generated (what an output policy judges), '' when none."""
+        if self.completions and self.completions[0].text:
+            return self.completions[0].text
+        if self.transcript is not None:
+            return self.transcript.answer.text
+        return "".join(self.client_text)
 
     @property
     def text(self) -> str:

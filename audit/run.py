@@ -8,8 +8,9 @@ only the requests still in flight at the scan's current time.
 
 from __future__ import annotations
 
+import inspect
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -109,8 +110,9 @@ class Auditor:
         spans = await self._spans(tps, first - CLOCK_MARGIN_MS, last + int(self.opts.horizon_s * 1000))
         return await self._fold(spans, wanted=lambda rid, ts: rid in found, keep_all=True)
 
-    async def range(self, since_ms: int, until_ms: int, keep: Callable[[Audit], None]) -> Outcome:
-        """Every request admitted in [since, until): each finished audit goes to `keep`, not kept here."""
+    async def range(self, since_ms: int, until_ms: int, keep: Callable[[Audit], None | Awaitable[None]]) -> Outcome:
+        """Every request admitted in [since, until): each finished audit goes to `keep` (a function or
+        a coroutine function), not kept here."""
         tps = [TopicPartition(n, p) for n in self.specs for p in range(self.partitions[n])]
         spans = await self._spans(tps, since_ms - CLOCK_MARGIN_MS, until_ms + int(self.opts.horizon_s * 1000))
         seen: dict[str, bool] = {}
@@ -132,7 +134,9 @@ class Auditor:
 
     async def _spans(self, tps: list[TopicPartition], since_ms: int | None, until_ms: int | None) -> list[Span]:
         now = int(time.time() * 1000)
-        return await spans_between(self.consumer, tps, since_ms, until_ms if until_ms and until_ms < now else None)
+        self.last_spans = await spans_between(self.consumer, tps, since_ms,
+                                              until_ms if until_ms and until_ms < now else None)
+        return self.last_spans
 
     def _decode(self, record: ConsumerRecord) -> Event | None:
         try:
@@ -149,7 +153,8 @@ class Auditor:
         return out
 
     async def _fold(self, spans: list[Span], *, wanted: Callable[[str, int], bool], keep_all: bool,
-                    sink: Callable[[Audit], None] | None = None, forget: dict | None = None) -> Outcome:
+                    sink: Callable[[Audit], None | Awaitable[None]] | None = None,
+                    forget: dict | None = None) -> Outcome:
         outcome = Outcome()
         total = sum(s.size for s in spans)
         live: dict[str, Audit] = {}
@@ -162,7 +167,7 @@ class Auditor:
             read += n
             self.opts.progress(read, total)
 
-        def close(audit: Audit) -> None:
+        async def close(audit: Audit) -> None:
             audit.finish()
             if self.opts.tenant is not None and audit.tenant != self.opts.tenant:
                 return
@@ -174,7 +179,9 @@ class Auditor:
             if keep_all:
                 outcome.audits.append(audit)
             if sink is not None:
-                sink(audit)
+                result = sink(audit)
+                if inspect.isawaitable(result):
+                    await result
 
         since_sweep = 0
         async for record in merged(self.consumer, spans, self.order, progress):
@@ -197,10 +204,10 @@ class Auditor:
             if not keep_all and since_sweep >= 1000:  # finish requests that can have nothing more
                 since_sweep = 0
                 for done in [a for a in live.values() if record.timestamp - a.last_ms > horizon_ms]:
-                    close(live.pop(done.request_id))
+                    await close(live.pop(done.request_id))
                     if forget is not None and len(forget) > 100_000:
                         forget.clear()
         for audit in live.values():
-            close(audit)
+            await close(audit)
         outcome.undecodable = undecodable
         return outcome

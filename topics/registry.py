@@ -223,6 +223,16 @@ TRANSCRIPTS = TopicSpec(
                     "to the conversation's history"),),
     readers=(AUDITOR,),
 )
+RESCREEN_GROUP_PREFIX = "ts-audit-rescreen."
+RESCREENED = TopicSpec(
+    "ts.audit.rescreen.verdicts", 12, "request_id", (SafetyVerdict,),
+    "verdicts of stored requests and answers re-judged under another safety policy (never the live ones)",
+    _retained(TRANSCRIPT_RETENTION_DAYS),
+    writers=(Writer("auditor (`tokenstream audit rescreen`)", "one verdict per stored input and answer, "
+                    "stamped with the policy version it was judged under; the offsets it re-judged are "
+                    "committed in group ts-audit-rescreen.<policy>"),),
+    readers=(AUDITOR,),
+)
 
 INFERENCE_PARTITIONS = 12
 INFERENCE_RETENTION_DAYS = 7
@@ -246,7 +256,7 @@ def inference_topic(model: str) -> TopicSpec:
 
 REGISTRY: tuple[TopicSpec, ...] = (
     CHAT_REQUESTS, PREPARED, SCREENED, TOKENS, CONTROL, VERDICTS, TOOL_CALLS, TOOL_RESULTS,
-    CONVERSATION_TURNS, CONVERSATIONS, SAFETY_WINDOWS, ROUTES, DEAD_LETTER, TRANSCRIPTS,
+    CONVERSATION_TURNS, CONVERSATIONS, SAFETY_WINDOWS, ROUTES, DEAD_LETTER, TRANSCRIPTS, RESCREENED,
 )
 
 
@@ -268,7 +278,8 @@ def all_topics(models: list[str]) -> list[TopicSpec]:
 FLOW: tuple[str, ...] = (
     CHAT_REQUESTS.name, CONVERSATIONS.name, PREPARED.name, VERDICTS.name, SCREENED.name,
     ROUTES.name, "ts.inference.<model>", TOOL_CALLS.name, TOOL_RESULTS.name, TOKENS.name,
-    SAFETY_WINDOWS.name, CONTROL.name, CONVERSATION_TURNS.name, TRANSCRIPTS.name, DEAD_LETTER.name,
+    SAFETY_WINDOWS.name, CONTROL.name, CONVERSATION_TURNS.name, TRANSCRIPTS.name, RESCREENED.name,
+    DEAD_LETTER.name,
 )
 
 
