@@ -60,7 +60,7 @@ def topics_ready(stack):
 
 def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "tokenstream.cli", "audit", *args], capture_output=True,
-                          text=True, timeout=180, env={**os.environ, "COLUMNS": "220", **(env or {})})
+                          text=True, timeout=300, env={**os.environ, "COLUMNS": "220", **(env or {})})
 
 
 async def play(producer, *, conversation: str, tenant: str, kind: str = "ok", partition: int = 3,
@@ -206,10 +206,10 @@ async def test_the_conversation_processor_writes_each_answers_final_record(topic
             ids = dict(request_id=rid, conversation_id=conv, tenant="t-proc")
             await publish(producer, CHAT_REQUESTS, ChatRequest(**ids, model="smollm2", reply_partition=4, messages=[
                 ChatMessage(role="user", content="Name a colour.")]), key=conv)
-            await prepared.wait_for(lambda e: e.request_id == rid, timeout=180)
+            await prepared.wait_for(lambda e: e.request_id == rid, timeout=300)
             await publish(producer, TOKENS, TokenChunk(**ids, seq=0, text="Blue."), partition=4)
             await publish(producer, TOKENS, Completion(**ids, seq=1, finish_reason="stop", text="Blue."), partition=4)
-            [record] = await transcripts.wait_for(lambda e: e.request_id == rid, timeout=60)
+            [record] = await transcripts.wait_for(lambda e: e.request_id == rid, timeout=180)
     finally:
         await producer.stop()
     assert [m.content for m in record.question] == ["Name a colour."]
