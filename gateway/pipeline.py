@@ -18,10 +18,10 @@ from gateway.config import GatewaySettings
 from gateway.fanout import Fanout
 from gateway.metrics import Metrics
 from producers import start_consumer, start_producer
+from schemas.keys import GATEWAY_META_TTL_S as META_TTL_S, gateway_request
 from topics import TOKENS
 
 log = logging.getLogger(__name__)
-META_TTL_S = 24 * 3600
 
 
 class Gateway:
@@ -105,13 +105,13 @@ class Gateway:
         """What a resume elsewhere needs to rebuild chunks (model, usage option)."""
         if self.redis is not None:
             with contextlib.suppress(Exception):
-                await self.redis.set(f"ts:gateway:req:{request_id}", json.dumps(meta), ex=META_TTL_S)
+                await self.redis.set(gateway_request(request_id), json.dumps(meta), ex=META_TTL_S)
 
     async def recall(self, request_id: str) -> dict | None:
         """The notes of an admitted request; {} when Redis cannot say, None when it never was admitted."""
         if self.redis is not None:
             try:
-                raw = await self.redis.get(f"ts:gateway:req:{request_id}")
+                raw = await self.redis.get(gateway_request(request_id))
             except Exception:  # noqa: BLE001 - without Redis, the log alone serves the resume
                 return {}
             return json.loads(raw) if raw else None

@@ -1,47 +1,26 @@
-"""Resumable streams: self-describing request ids, SSE event ids, and replay from the log.
+"""Resumable streams: SSE event ids and replay from the log.
 
-A request id names its reply partition and admission time, `<16 hex>p<partition>t<ms>`, so
-any gateway instance can find the request's events in the tokens topic without shared
-state: the topic stamps records with LogAppendTime, so offsets_for_times(admission time)
-is at or before the request's first event. SSE ids are `<request_id>:<position>`;
-positions are the event seqs (the role chunk is -1; the completion at seq c gives the
-finish chunk c, the usage chunk c+1 and [DONE] c+2), so a client that saw position n
-gets exactly the frames after n.
+The request id and SSE event id formats are contracts in `schemas.ids`: a request id names
+its reply partition and admission time, so any gateway instance finds the request's events
+in the tokens topic without shared state, and a client that saw position n gets exactly
+the frames after n.
 """
 
 from __future__ import annotations
 
-import re
 import time
-import secrets
 from collections.abc import AsyncIterator
 
 from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import TopicPartition
 
 from schemas import Completion, DecodeError, Event, SafetyVerdict, decode
+from schemas.ids import event_id, new_request_id, parse_request_id  # noqa: F401 - re-exported
 from topics import TOKENS
 
-_ID = re.compile(r"^[0-9a-f]{16}p(\d+)t(\d+)$")
 NOTHING_SEEN = -2
 #: offsets_for_times starts this much before admission (clock differences between hosts).
 CLOCK_MARGIN_MS = 5_000
-
-
-def new_request_id(partition: int, created_at: float) -> str:
-    return f"{secrets.token_hex(8)}p{partition}t{int(created_at * 1000)}"
-
-
-def parse_request_id(request_id: str) -> tuple[int, int]:
-    """(reply partition, admission time in ms), or ValueError for an id this gateway did not make."""
-    m = _ID.match(request_id)
-    if not m:
-        raise ValueError(f"not a tokenstream request id: {request_id!r}")
-    return int(m.group(1)), int(m.group(2))
-
-
-def event_id(request_id: str, position: int) -> str:
-    return f"{request_id}:{position}"
 
 
 def parse_last_event_id(value: str | None, request_id: str) -> int:

@@ -28,7 +28,8 @@ from gpu_workers.offsets import OffsetTracker
 from gpu_workers.recovery import TokenLog
 from producers import dead_letter, decode_record, publish, start_consumer, start_producer
 from schemas import Cancel, Completion, DecodeError, InferenceRequest, Timings, TokenChunk, Usage, encode
-from topics import CONTROL, TOKENS, inference_topic
+from schemas.headers import EVENT_TYPE
+from topics import CONTROL, TOKENS, inference_topic, worker_group
 
 COMPLETED_KEPT = 10_000  # request ids remembered as done, to drop a duplicate of one
 
@@ -62,7 +63,7 @@ class Worker:
         self.bootstrap = bootstrap
         self.worker_id = cfg.worker_id or f"{socket.gethostname()}-{os.getpid()}"
         self.spec = inference_topic(cfg.model)
-        self.group = f"worker.{cfg.model}"
+        self.group = worker_group(cfg.model)
         self.tracker = OffsetTracker()
         self.takeover_below: dict[TopicPartition, int] = {}
         self.owned: dict[str, tuple[TopicPartition, int, InferenceRequest, Sequence]] = {}
@@ -248,7 +249,7 @@ class Worker:
                     dropped_messages=request.dropped_messages, worker_id=self.worker_id)
                 future = await self.producer.send(TOKENS.name, encode(done), key=rid.encode(),
                                                   partition=request.reply_partition,
-                                                  headers=[("event-type", b"completion")])
+                                                  headers=[(EVENT_TYPE, b"completion")])
                 self.owned.pop(rid, None)
                 self.completed[rid] = None
                 while len(self.completed) > COMPLETED_KEPT:

@@ -18,9 +18,9 @@ from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
 
+from schemas.keys import EFFECT_TTL_S as TTL_S, effect_done
 from tokenstream.config import settings
 
-TTL_S = 7 * 24 * 3600  # as long as the input topics keep their events
 
 
 class Ledger:
@@ -29,7 +29,7 @@ class Ledger:
         self._redis = aioredis.Redis.from_url(url or settings().redis_url)
 
     def _key(self, effect: str, request_id: str) -> str:
-        return f"ts:done:{self.role}:{effect}:{request_id}"
+        return effect_done(self.role, effect, request_id)
 
     async def once(self, effect: str, request_id: str, emit: Callable[[], Awaitable[object]]) -> bool:
         """Await `emit()` unless `effect` is already done for `request_id`; False when it was.

@@ -11,11 +11,11 @@ from faust.types import EventT
 
 from processors.delivery import at_least_once
 from schemas import DeadLetter, DecodeError, Event, TraceContext, decode, encode
+from schemas.headers import EVENT_TYPE as TYPE_HEADER
 from tokenstream.config import settings
-from topics import DEAD_LETTER, TopicSpec
+from topics import DEAD_LETTER, TopicSpec, processor_group
 
 log = logging.getLogger(__name__)
-TYPE_HEADER = "event-type"
 
 
 def make_app(role: str, **overrides) -> faust.App:
@@ -41,7 +41,7 @@ def make_app(role: str, **overrides) -> faust.App:
         stream_wait_empty=False,
     )
     options.update(overrides)
-    return faust.App(f"ts-{role}", **options)
+    return faust.App(processor_group(role), **options)
 
 
 def topic(app: faust.App, spec: TopicSpec) -> faust.TopicT:

@@ -8,9 +8,9 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.structs import ConsumerRecord, RecordMetadata
 
 from schemas import Event, TraceContext, decode, encode
+from schemas.headers import EVENT_TYPE as TYPE_HEADER
 from topics import TopicSpec
 
-TYPE_HEADER = "event-type"
 
 
 def _headers(event: Event, trace: TraceContext | None) -> list[tuple[str, bytes]]:

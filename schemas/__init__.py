@@ -5,11 +5,12 @@ Read this package and `topics/` to follow a request end to end:
     ChatRequest -> InferenceRequest -> TokenChunk* -> Completion
                        |                  |
                  SafetyVerdict       ToolCall -> ToolResult
-    Cancel (control), DeadLetter (anything undecodable)
+    Cancel (control), DeadLetter (anything undecodable), Transcript (the audit record)
 
 All events are msgspec Structs, encoded as JSON by `schemas.codec`.
 """
 
+from schemas.audit import Transcript
 from schemas.base import SCHEMA_VERSION, Event
 from schemas.codec import (
     DecodeError,
@@ -40,6 +41,7 @@ ALL_EVENTS: tuple[type[Event], ...] = (
     ConversationHistory,
     OutputWindow,
     DeadLetter,
+    Transcript,
 )
 
 __all__ = [
@@ -67,6 +69,7 @@ __all__ = [
     "ToolCall",
     "ToolResult",
     "TraceContext",
+    "Transcript",
     "UnsupportedVersion",
     "Usage",
     "decode",

@@ -7,8 +7,10 @@ import secrets
 
 import msgspec
 
+from schemas.headers import TRACEPARENT
+
 _TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
-HEADER = "traceparent"
+HEADER = TRACEPARENT
 
 
 class TraceContext(msgspec.Struct, frozen=True):

@@ -67,10 +67,12 @@ app.add_typer(system_app, name="system")
 
 
 def _roles():
-    from tokenstream.stack.roles import local_roles
+    """Every role process wanted locally (one of each unless `tokenstream ops scale` said otherwise)."""
+    from tokenstream.stack.scale import Wanted, instances
 
-    cfg = settings()
-    return local_roles(Stack.default().folders, cfg.models[0], cfg.gateway_port, cfg.worker_metrics_port)
+    cfg, stack = settings(), Stack.default()
+    return instances(stack.folders, cfg.models, cfg.gateway_port, cfg.worker_metrics_port,
+                     Wanted.load(stack.kafka.run_dir))
 
 
 @system_app.command("up")
@@ -120,8 +122,16 @@ def topics_apply(model: list[str] = typer.Option(None, help="models to serve (de
 
 
 @topics_app.command("describe")
-def topics_describe(model: list[str] = typer.Option(None, help="models served")) -> None:
+def topics_describe(model: list[str] = typer.Option(None, help="models served"),
+                    flow: bool = typer.Option(False, "--flow", help="the way of a request: who writes and "
+                                              "reads each topic (from the registry; no broker needed)")) -> None:
     """Partitions, configs and end offsets of every registered topic."""
+    if flow:
+        from tokenstream.flowmap import flow_table
+        from topics.registry import flow as flow_order
+
+        console.print(flow_table(flow_order(model or settings().models)))
+        return
     from topics.admin import describe
 
     specs = {s.name: s for s in _specs(model)}
@@ -135,6 +145,46 @@ def topics_describe(model: list[str] = typer.Option(None, help="models served"))
                       ", ".join(e.__name__ for e in spec.events), configs, f"{info.end_offsets:,}")
     for name in specs.keys() - found:
         table.add_row(name, "[red]missing[/]", specs[name].key, "", "run `tokenstream topics apply`", "")
+    console.print(table)
+
+
+@topics_app.command("export")
+def topics_export(fmt: str = typer.Option("strimzi", "--format", help="strimzi: KafkaTopic resources"),
+                  model: list[str] = typer.Option(None, help="models served (default: TOKENSTREAM_MODELS)"),
+                  cluster: str = typer.Option("tokenstream", help="the Strimzi Kafka cluster's name"),
+                  replicas: int = typer.Option(3, help="replication factor in the cluster")) -> None:
+    """Print the registry as Kubernetes resources (YAML), for the Strimzi Topic Operator."""
+    from topics.export import strimzi_topics, to_yaml
+
+    if fmt != "strimzi":
+        console.print(f"[red]unknown format {fmt!r}: the one supported is strimzi[/]")
+        raise typer.Exit(2)
+    typer.echo(to_yaml(strimzi_topics(_specs(model), cluster, replicas)), nl=False)
+
+
+@topics_app.command("grow")
+def topics_grow(topic: str, partitions: int = typer.Option(..., help="the new partition count"),
+                yes: bool = typer.Option(False, "--yes", help="also grow topics holding table state by key")) -> None:
+    """Grow a topic's partitions, and those of every topic co-partitioned with it, together."""
+    from topics.admin import grow
+    from topics.registry import KEYED_STATE, co_partitioned
+
+    names = co_partitioned(topic)
+    keyed = sorted(KEYED_STATE & set(names))
+    if keyed and not yes:
+        console.print(f"[red]refused:[/] growing {', '.join(names)} moves existing keys of {', '.join(keyed)} to "
+                      "other partitions, so processors no longer find rows (conversation histories) where their "
+                      "next events arrive. Stop the processors, grow with --yes, and accept that history rows "
+                      "start afresh; see the README.", highlight=False)
+        raise typer.Exit(2)
+    try:
+        changes = asyncio.run(grow(names, partitions, settings().kafka_bootstrap))
+    except (ValueError, RuntimeError) as exc:
+        console.print(f"[red]{exc}[/]", highlight=False)
+        raise typer.Exit(2) from None
+    table = Table("topic", "action", "detail", title="grown together" if len(names) > 1 else None)
+    for c in changes:
+        table.add_row(c.topic, c.action, c.detail)
     console.print(table)
 
 
@@ -155,10 +205,26 @@ ROLE_COMMANDS = {
     (bench_app, "gateway"): "bench.gateway:main",
     (bench_app, "safety"): "bench.safety:main",
     (bench_app, "pipeline"): "bench.pipeline:main",
+    (app, "plan"): "tokenstream.plan_cli:plan_command",
     (processor_app, "conversation"): "processors.cli:conversation",
     (processor_app, "safety"): "processors.cli:safety",
     (processor_app, "router"): "processors.cli:router",
 }
+
+
+# Tools for auditors and operators, each a typer app in its own module.
+TOOL_APPS = {
+    "audit": "audit.cli:app",
+    "ops": "tokenstream.ops.cli:app",
+}
+
+
+def _register_tools() -> None:
+    import importlib
+
+    for name, target in TOOL_APPS.items():
+        module, attr = target.split(":")
+        app.add_typer(getattr(importlib.import_module(module), attr), name=name)
 
 
 def _register_route_commands() -> None:
@@ -185,6 +251,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _register_roles()
     _register_route_commands()
+    _register_tools()
     app()
 
 

@@ -122,6 +122,16 @@ async def _partition_counts(admin: AIOKafkaAdminClient, names: list[str]) -> dic
     return {t["topic"]: len(t["partitions"]) for t in await admin.describe_topics(names)}
 
 
+async def partition_counts(bootstrap: str) -> dict[str, int]:
+    """Every topic on the broker with its partition count (what the cluster has, not what was planned)."""
+    admin = _admin(bootstrap)
+    await admin.start()
+    try:
+        return {n: c for n, c in (await _partition_counts(admin, await admin.list_topics())).items() if c}
+    finally:
+        await admin.close()
+
+
 async def describe(names: list[str], bootstrap: str) -> list[TopicInfo]:
     admin = _admin(bootstrap)
     await admin.start()
@@ -140,4 +150,28 @@ async def describe(names: list[str], bootstrap: str) -> list[TopicInfo]:
         ]
     finally:
         await consumer.stop()
+        await admin.close()
+
+
+async def grow(names: tuple[str, ...], partitions: int, bootstrap: str) -> list[Change]:
+    """Grow every topic of `names` to `partitions` (Kafka cannot shrink; equal counts are left alone)."""
+    admin = _admin(bootstrap)
+    await admin.start()
+    try:
+        counts = await _partition_counts(admin, list(names))
+        missing = [n for n in names if not counts.get(n)]
+        if missing:
+            raise RuntimeError(f"no such topic: {', '.join(missing)} (run `tokenstream topics apply`)")
+        smaller = [n for n in names if counts[n] > partitions]
+        if smaller:
+            raise ValueError(f"{', '.join(smaller)} already have more than {partitions} partitions "
+                             "(Kafka cannot shrink a topic)")
+        grown = {n: NewPartitions(partitions) for n in names if counts[n] < partitions}
+        if grown:
+            await admin.create_partitions(grown)
+            await _wait_for_leaders(admin, list(grown))
+        return [Change(n, "updated" if n in grown else "unchanged",
+                       f"partitions {counts[n]}->{partitions}" if n in grown else f"{counts[n]} partitions")
+                for n in names]
+    finally:
         await admin.close()

@@ -16,10 +16,10 @@ from processors.conversation.presets import apply_preset, load_presets
 from processors.conversation.window import PromptTooLong, chat_template_counter, trim
 from processors.effects import Ledger
 from processors.faust_app import get, make_app, put, send, table, topic, trace_of, typed
-from schemas import ChatMessage, ChatRequest, Completion, ConversationHistory, InferenceRequest
+from schemas import ChatMessage, ChatRequest, Completion, ConversationHistory, InferenceRequest, Transcript
 from tokenstream.config import settings
 from tokenstream.models import load_tokenizer
-from topics import CHAT_REQUESTS, CONVERSATION_TURNS, CONVERSATIONS, DEAD_LETTER, PREPARED, TOKENS
+from topics import CHAT_REQUESTS, CONVERSATION_TURNS, CONVERSATIONS, DEAD_LETTER, PREPARED, TOKENS, TRANSCRIPTS
 
 log = logging.getLogger(__name__)
 SEEN_KEPT = 64  # request ids remembered per conversation, to drop a request delivered twice
@@ -35,6 +35,7 @@ prepared_out = topic(app, PREPARED)
 turns_out = topic(app, CONVERSATION_TURNS)
 tokens_out = topic(app, TOKENS)
 dead_letters = topic(app, DEAD_LETTER)
+transcripts_out = topic(app, TRANSCRIPTS)
 
 
 def _counter(model: str):
@@ -99,12 +100,28 @@ async def _on_request(request: ChatRequest, state: ConversationHistory, trace) -
 
 
 async def _on_answer(done: Completion, state: ConversationHistory, trace) -> None:
+    await _record(done, state, trace)
     if done.request_id != state.pending_request_id:
         return  # an answer to a request this history no longer waits for
     state.messages = with_answer(state.messages, done)
     state.pending_request_id = None
     while state.parked and state.pending_request_id is None:
         await _prepare(state.parked.pop(0), state, trace)
+
+
+async def _record(done: Completion, state: ConversationHistory, trace) -> None:
+    """The request's final record for auditors: the turn it added and its whole answer, once."""
+    question: list[ChatMessage] = []
+    if done.request_id == state.pending_request_id:
+        for message in reversed(state.messages):
+            if message.role == "assistant":
+                break
+            if message.role != "system":
+                question.insert(0, message)
+    record = Transcript(request_id=done.request_id, conversation_id=done.conversation_id, tenant=done.tenant,
+                        question=question, answer=done)
+    await ledger.once("transcript", done.request_id,
+                      lambda: send(transcripts_out, TRANSCRIPTS, record, key=done.conversation_id, trace=trace))
 
 
 @app.agent(inbox)

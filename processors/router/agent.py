@@ -22,7 +22,7 @@ from producers.consume import caught_up
 from producers.lag import LagSampler
 from schemas import Completion, DecodeError, InferenceRequest, RouteUpdate, decode
 from tokenstream.config import settings
-from topics import DEAD_LETTER, PREPARED, ROUTES, SCREENED, TOKENS, inference_topic
+from topics import DEAD_LETTER, PREPARED, ROUTES, SCREENED, TOKENS, inference_topic, worker_group
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ async def sample_loads() -> None:
     while True:
         for target in targets():
             try:
-                await sampler.sample(f"worker.{target}", inference_topic(target).name)
+                await sampler.sample(worker_group(target), inference_topic(target).name)
             except Exception as exc:  # noqa: BLE001 - the broker may be restarting
                 log.warning("lag sample of %s failed: %s", target, exc)
         await asyncio.sleep(cfg.poll_s)
@@ -94,9 +94,9 @@ def waits() -> dict[str, float]:
 
 
 async def exists(target: str) -> bool:
-    load = sampler.loads.get((f"worker.{target}", inference_topic(target).name))
+    load = sampler.loads.get((worker_group(target), inference_topic(target).name))
     if load is None or load.partitions == 0:
-        load = await sampler.sample(f"worker.{target}", inference_topic(target).name)
+        load = await sampler.sample(worker_group(target), inference_topic(target).name)
     return load.partitions > 0
 
 

@@ -1,11 +1,13 @@
 """The tokenstream roles as local background processes, managed like the stack's services.
 
 `tokenstream system up` starts the stack, applies the topics, then these: the three
-processors, one worker and one gateway, each with a pid file and a log in the stack's folders.
+processors, workers and gateways (one of each unless `tokenstream ops scale` asked for more, see
+tokenstream/stack/scale.py), each with a pid file and a log in the stack's folders.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 import urllib.request
@@ -34,8 +36,20 @@ class Role(Service):
     def install(self, say) -> None:
         pass
 
+    @property
+    def args_file(self) -> Path:
+        return self.run_dir / f"{self.name}.args"
+
+    def recorded_args(self) -> list[str] | None:
+        """The arguments the running process was started with (None when unknown)."""
+        try:
+            return json.loads(self.args_file.read_text())
+        except (OSError, ValueError):
+            return None
+
     def prepare(self) -> None:
         self._started = time.monotonic()
+        self.args_file.write_text(json.dumps(self.args))
 
     def command(self) -> list[str]:
         return [sys.executable, "-m", "tokenstream.cli", *self.args]
@@ -48,17 +62,3 @@ class Role(Service):
                 return response.status == 200
         except OSError:
             return False
-
-
-def local_roles(folders: tuple[Path, Path, Path, Path], model: str, gateway_port: int,
-                worker_metrics_port: int) -> list[Role]:
-    """What `make run` runs beside the stack, in start order."""
-    return [
-        Role("conversation", ["processor", "conversation"], folders),
-        Role("safety", ["processor", "safety"], folders, settle_s=5.0),
-        Role("router", ["processor", "router"], folders),
-        Role("worker", ["worker", "--model", model, "--metrics-port", str(worker_metrics_port)], folders,
-             probe_url=f"http://127.0.0.1:{worker_metrics_port}/metrics"),
-        Role("gateway", ["gateway", "--port", str(gateway_port)], folders,
-             probe_url=f"http://127.0.0.1:{gateway_port}/health/ready"),
-    ]

@@ -114,10 +114,14 @@ class Service(ABC):
         return Status(self.name, pid is not None, pid is not None and self.is_ready(), pid,
                       self.address, self.log_file)
 
-    def start(self, say=print) -> bool:
-        """Start unless already running. Returns True when this call started it."""
+    def start(self, say=print, wait: bool = True) -> bool:
+        """Start unless already running. Returns True when this call started it.
+
+        wait=False returns once the process is launched (a supervisor probes it later).
+        """
         if self.pid() is not None:
-            self.wait_ready()
+            if wait:
+                self.wait_ready()
             say(f"{self.name}: already running at {self.address}")
             return False
         for folder in (self.data_dir, self.run_dir, self.log_dir):
@@ -131,6 +135,8 @@ class Service(ABC):
             )
         self.pid_file.write_text(str(proc.pid))
         say(f"{self.name}: starting (pid {proc.pid}, log {self.log_file})")
+        if not wait:
+            return True
         try:
             self.wait_ready(proc)
         except ServiceError:

@@ -1,0 +1,241 @@
+"""One request's events folded into an audit: timeline rows, the text the client saw, the gap check.
+
+The client's text follows the gateway's rule (gateway/app.py Framer): token chunks on the tokens
+topic in log order, a seq at or below one already taken dropped, until the Completion or a
+blocking output verdict in band. The gap check holds when:
+
+    seq        the chunks' seqs are 0..n-1 with no hole, and the Completion's seq is n
+    completion exactly one Completion on the tokens topic (none yet: the request is open)
+    block      after a block nothing more reached the client: a blocked input never reached a
+               worker; a blocked output was followed by a Cancel to the workers
+    tools      every ToolCall has a ToolResult with its call_id
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from schemas import (
+    Cancel,
+    ChatRequest,
+    Completion,
+    DeadLetter,
+    Event,
+    InferenceRequest,
+    SafetyVerdict,
+    TokenChunk,
+    ToolCall,
+    ToolResult,
+    Transcript,
+)
+from topics import PREPARED, TOKENS, TRANSCRIPTS, VERDICTS
+
+TEXT_SHOWN = 80  # characters of a message or a text run shown in a timeline row
+
+
+@dataclass
+class Row:
+    timestamp: int  # ms
+    topic: str
+    where: str  # partition@offset (or a range of offsets for folded chunks)
+    kind: str
+    detail: str
+
+
+@dataclass
+class Audit:
+    request_id: str
+    conversation_id: str = ""
+    tenant: str = ""
+    model: str = ""
+    first_ms: int = 0
+    last_ms: int = 0
+    rows: list[Row] = field(default_factory=list)
+    client_text: list[str] = field(default_factory=list)
+    client_done: bool = False
+    next_seq: int = 0
+    seqs: set[int] = field(default_factory=set)
+    duplicates: int = 0
+    withheld: int = 0  # chunks written after the client's stream ended (block, cancel)
+    completions: list[Completion] = field(default_factory=list)
+    input_blocked: bool = False
+    output_blocked: bool = False
+    reached_worker: bool = False
+    cancelled_after_block: bool = False
+    tool_calls: dict[str, str] = field(default_factory=dict)
+    tool_results: set[str] = field(default_factory=set)
+    dead_letters: int = 0
+    transcript: Transcript | None = None
+    events: int = 0
+    open_ok: bool = False  # no completion yet, but the request may still be running
+    input_text: str = ""  # the newest user message, as the safety processor judged it
+    live_input: SafetyVerdict | None = None  # the live input verdict (ts.safety.verdicts)
+    live_output: SafetyVerdict | None = None  # the first blocking live output verdict, if any
+    _run: list = field(default_factory=list)  # token chunks not yet folded into a row
+
+    # ------------------------------------------------------------------ folding
+
+    def add(self, topic: str, partition: int, offset: int, timestamp: int, event: Event) -> None:
+        self.events += 1
+        self.first_ms = timestamp if not self.first_ms else min(self.first_ms, timestamp)
+        self.last_ms = max(self.last_ms, timestamp)
+        self.conversation_id = self.conversation_id or event.conversation_id
+        self.tenant = self.tenant or event.tenant
+        if isinstance(event, TokenChunk) and topic == TOKENS.name:
+            self._chunk(partition, offset, timestamp, event)
+            return
+        self._flush()
+        detail = self._describe(topic, event)
+        self.rows.append(Row(timestamp, topic, f"{partition}@{offset}", type(event).__struct_config__.tag,
+                             detail))
+
+    def _chunk(self, partition: int, offset: int, timestamp: int, chunk: TokenChunk) -> None:
+        if chunk.seq in self.seqs:
+            self.duplicates += 1
+        self.seqs.add(chunk.seq)
+        if chunk.worker_id:
+            self.reached_worker = True
+        if self.client_done:
+            self.withheld += 1
+        elif chunk.seq >= self.next_seq:
+            self.client_text.append(chunk.text)
+            self.next_seq = chunk.seq + 1
+        self._run.append((partition, offset, timestamp, chunk))
+
+    def _flush(self) -> None:
+        if not self._run:
+            return
+        partition, first, ts, head = self._run[0]
+        last = self._run[-1]
+        text = "".join(c.text for *_, c in self._run)
+        span = f"seq {head.seq}" if len(self._run) == 1 else f"seq {head.seq}..{last[3].seq} ({len(self._run)})"
+        self.rows.append(Row(ts, TOKENS.name, f"{partition}@{first}" + (f"..{last[1]}" if len(self._run) > 1
+                                                                          else ""),
+                             "token_chunks", f"{span} {_short(text)!r}"))
+        self._run.clear()
+
+    def _describe(self, topic: str, event: Event) -> str:
+        if isinstance(event, ChatRequest):
+            self.model = self.model or event.model
+            newest = next((m.content for m in reversed(event.messages) if m.role == "user"), "")
+            return f"model {event.model}, {len(event.messages)} message(s), user: {_short(newest)!r}"
+        if isinstance(event, InferenceRequest):
+            if topic == PREPARED.name:
+                self.input_text = next((m.content for m in reversed(event.messages) if m.role == "user"), "")
+            if topic.startswith("ts.inference."):
+                self.reached_worker = True
+                self.model = event.model
+            return f"model {event.model}, {len(event.messages)} message(s)" + (
+                f", {event.dropped_messages} dropped" if event.dropped_messages else "")
+        if isinstance(event, SafetyVerdict):
+            if topic == VERDICTS.name and event.stage == "input":
+                self.live_input = event
+            if topic == VERDICTS.name and event.stage == "output" and event.blocked and self.live_output is None:
+                self.live_output = event
+            if event.blocked and event.stage == "input" and topic in (VERDICTS.name, TOKENS.name):
+                self.input_blocked = True
+            if event.blocked and event.stage == "output" and topic == TOKENS.name:
+                self.output_blocked = True
+                self.client_done = True
+            state = "BLOCKED" if event.blocked else "allowed"
+            where = f" up to seq {event.window_end_seq}" if event.stage == "output" else ""
+            cats = f" ({', '.join(event.categories)})" if event.categories else ""
+            return f"{event.stage}{where}: {state}{cats}, policy {event.policy_version or '-'}"
+        if isinstance(event, Completion):
+            if topic == TOKENS.name:
+                self.completions.append(event)
+                self.client_done = True
+            return (f"seq {event.seq}, {event.finish_reason}, {event.usage.completion_tokens} tokens"
+                    + (f", {event.error}" if event.error else "") + (f", {event.worker_id}" if event.worker_id else ""))
+        if isinstance(event, Cancel):
+            if self.output_blocked:
+                self.cancelled_after_block = True
+            return event.reason
+        if isinstance(event, ToolCall):
+            self.tool_calls[event.call_id] = event.name
+            return f"{event.call_id} {event.name}({_short(event.arguments)})"
+        if isinstance(event, ToolResult):
+            self.tool_results.add(event.call_id)
+            return f"{event.call_id} {event.name}: {'ok' if event.ok else 'failed'} {_short(event.output or event.error or '')}"
+        if isinstance(event, DeadLetter):
+            self.dead_letters += 1
+            return f"{event.error_type} from {event.source_topic}[{event.source_partition}]@{event.source_offset}: {_short(event.reason)}"
+        if isinstance(event, Transcript) and topic == TRANSCRIPTS.name:
+            self.transcript = event
+            return f"final record: {event.answer.finish_reason}, {len(event.answer.text)} chars"
+        return ""
+
+    def finish(self) -> Audit:
+        self._flush()
+        return self
+
+    # --------------------------------------------------------------- results
+
+    @property
+    def completed(self) -> bool:
+        return bool(self.completions)
+
+    @property
+    def answer(self) -> str:
+        """The whole answer the model generated (what an output policy judges), '' when none."""
+        if self.completions and self.completions[0].text:
+            return self.completions[0].text
+        if self.transcript is not None:
+            return self.transcript.answer.text
+        return "".join(self.client_text)
+
+    @property
+    def text(self) -> str:
+        """What the client saw (from the transcript's answer when the tokens have expired)."""
+        if self.client_text or self.completions or self.transcript is None:
+            return "".join(self.client_text)
+        return self.transcript.answer.text
+
+    @property
+    def finish_reason(self) -> str:
+        if self.output_blocked:
+            return "content_filter"
+        if self.completions:
+            return self.completions[0].finish_reason
+        return self.transcript.answer.finish_reason if self.transcript else ""
+
+    def problems(self, open_ok: bool = False) -> list[str]:
+        """What the gap check found; [] when every rule holds. `open_ok`: no completion is no problem."""
+        found = []
+        if self.seqs:
+            top = max(self.seqs)
+            holes = sorted(set(range(top + 1)) - self.seqs)
+            if holes:
+                found.append(f"token seq gap: missing {_ranges(holes)}")
+        if len(self.completions) > 1:
+            found.append(f"{len(self.completions)} completions")
+        elif not self.completions and not self.transcript and not open_ok:
+            found.append("no completion")
+        for done in self.completions[:1]:
+            want = max(self.seqs) + 1 if self.seqs else done.seq
+            if done.seq != want:
+                found.append(f"completion seq {done.seq}, expected {want}")
+        if self.input_blocked and self.reached_worker:
+            found.append("blocked input reached a worker")
+        if self.output_blocked and not self.cancelled_after_block:
+            found.append("blocked output not followed by a cancel")
+        unanswered = sorted(set(self.tool_calls) - self.tool_results)
+        if unanswered:
+            found.append("tool calls without a result: " + ", ".join(unanswered))
+        return found
+
+
+def _short(text: str, most: int = TEXT_SHOWN) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= most else text[: most - 1] + "…"
+
+
+def _ranges(values: list[int]) -> str:
+    out, start = [], None
+    for i, v in enumerate(values):
+        if start is None:
+            start = v
+        if i + 1 == len(values) or values[i + 1] != v + 1:
+            out.append(str(start) if start == v else f"{start}-{v}")
+            start = None
+    return ", ".join(out)

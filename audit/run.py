@@ -1,0 +1,213 @@
+"""The three audits: one request, one conversation, every request admitted in a time range.
+
+Each builds spans (topic-partition, start and stop offsets found by time) from the registry,
+reads them merged in time order (audit.scan), folds each request's events (audit.fold) and
+hands every finished request to a sink as soon as nothing more of it can come, so memory holds
+only the requests still in flight at the scan's current time.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import msgspec
+from aiokafka import AIOKafkaConsumer
+from aiokafka.structs import ConsumerRecord, TopicPartition
+
+from audit.fold import Audit
+from audit.scan import Span, merged, spans_between
+from audit.sources import (
+    admitted_ms,
+    audited,
+    keyed_by_conversation,
+    partition_of,
+    request_partitions,
+)
+from schemas import DecodeError, Event, decode
+from topics.admin import partition_counts
+from topics.registry import FLOW, TopicSpec
+
+#: offsets_for_times starts this much before a request's admission (clock skew between hosts).
+CLOCK_MARGIN_MS = 5_000
+
+
+@dataclass
+class Options:
+    bootstrap: str
+    tenant: str | None = None
+    horizon_s: float = 600.0  # how long after admission a request may still write events
+    export: Callable[[dict], None] | None = None  # one JSON-able record per event kept
+    progress: Callable[[int, int], None] = lambda done, total: None  # records read, records planned
+
+
+@dataclass
+class Outcome:
+    audits: list[Audit] = field(default_factory=list)  # kept in full (request, conversation)
+    requests: int = 0
+    failed: int = 0
+    open: int = 0
+    records: int = 0
+    undecodable: int = 0
+
+
+def _order(specs: list[TopicSpec]) -> dict[str, int]:
+    flow = {name: i for i, name in enumerate(FLOW)}
+    return {s.name: flow.get("ts.inference.<model>" if s.name.startswith("ts.inference.") else s.name, 50)
+            for s in specs}
+
+
+class Auditor:
+    """One group-less consumer over the broker; `request`, `conversation` and `range` share it."""
+
+    def __init__(self, opts: Options) -> None:
+        self.opts = opts
+
+    async def __aenter__(self) -> Auditor:
+        self.consumer = AIOKafkaConsumer(bootstrap_servers=self.opts.bootstrap, group_id=None,
+                                         enable_auto_commit=False, isolation_level="read_committed",
+                                         max_partition_fetch_bytes=4 * 1024 * 1024, fetch_max_wait_ms=100)
+        await self.consumer.start()
+        counts = await partition_counts(self.opts.bootstrap)
+        self.specs = {s.name: s for s in audited(list(counts))}
+        self.partitions = {n: counts[n] for n in self.specs}
+        self.order = _order(list(self.specs.values()))
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.consumer.stop()
+
+    # ------------------------------------------------------------------ the three audits
+
+    async def request(self, request_id: str, since_ms: int | None = None) -> Outcome:
+        at = admitted_ms(request_id) or since_ms
+        if at is None:
+            raise ValueError(f"{request_id!r} is not a gateway request id: give --since")
+        tps = [TopicPartition(n, p) for n, spec in self.specs.items()
+               for p in request_partitions(spec, request_id, self.partitions[n])]
+        spans = await self._spans(tps, at - CLOCK_MARGIN_MS, at + int(self.opts.horizon_s * 1000))
+        return await self._fold(spans, wanted=lambda rid, ts: rid == request_id, keep_all=True)
+
+    async def conversation(self, conversation_id: str, since_ms: int | None, until_ms: int | None) -> Outcome:
+        """First the conversation's requests (its keyed topics hold them in one partition each), then
+        every event of those requests."""
+        since = since_ms if since_ms is not None else admitted_ms(conversation_id)
+        if since is None:
+            raise ValueError("give --since for a conversation whose id is not a request id")
+        tps = [TopicPartition(n, partition_of(conversation_id, self.partitions[n]))
+               for n, spec in self.specs.items() if keyed_by_conversation(spec)]
+        found: dict[str, int] = {}
+        for record, event in await self._collect(await self._spans(tps, since - CLOCK_MARGIN_MS, until_ms)):
+            if event.conversation_id == conversation_id and self._tenant_ok(event):
+                found.setdefault(event.request_id, record.timestamp)
+        if not found:
+            return Outcome()
+        times = [admitted_ms(r) or t for r, t in found.items()]
+        first, last = min(times), max(times)
+        tps = [TopicPartition(n, p) for n in self.specs for p in range(self.partitions[n])]
+        spans = await self._spans(tps, first - CLOCK_MARGIN_MS, last + int(self.opts.horizon_s * 1000))
+        return await self._fold(spans, wanted=lambda rid, ts: rid in found, keep_all=True)
+
+    async def range(self, since_ms: int, until_ms: int, keep: Callable[[Audit], None | Awaitable[None]]) -> Outcome:
+        """Every request admitted in [since, until): each finished audit goes to `keep` (a function or
+        a coroutine function), not kept here."""
+        tps = [TopicPartition(n, p) for n in self.specs for p in range(self.partitions[n])]
+        spans = await self._spans(tps, since_ms - CLOCK_MARGIN_MS, until_ms + int(self.opts.horizon_s * 1000))
+        seen: dict[str, bool] = {}
+
+        def wanted(rid: str, ts: int) -> bool:
+            if rid not in seen:
+                at = admitted_ms(rid)
+                seen[rid] = since_ms <= (at if at is not None else ts) < until_ms
+            return seen[rid]
+
+        outcome = await self._fold(spans, wanted=wanted, keep_all=False, sink=keep,
+                                   forget=seen)
+        return outcome
+
+    # ------------------------------------------------------------------ the machinery
+
+    def _tenant_ok(self, event: Event) -> bool:
+        return self.opts.tenant is None or event.tenant == self.opts.tenant
+
+    async def _spans(self, tps: list[TopicPartition], since_ms: int | None, until_ms: int | None) -> list[Span]:
+        now = int(time.time() * 1000)
+        self.last_spans = await spans_between(self.consumer, tps, since_ms,
+                                              until_ms if until_ms and until_ms < now else None)
+        return self.last_spans
+
+    def _decode(self, record: ConsumerRecord) -> Event | None:
+        try:
+            return decode(record.value or b"", *self.specs[record.topic].events)
+        except DecodeError:
+            return None
+
+    async def _collect(self, spans: list[Span]) -> list[tuple[ConsumerRecord, Event]]:
+        out = []
+        async for record in merged(self.consumer, spans, self.order):
+            event = self._decode(record)
+            if event is not None:
+                out.append((record, event))
+        return out
+
+    async def _fold(self, spans: list[Span], *, wanted: Callable[[str, int], bool], keep_all: bool,
+                    sink: Callable[[Audit], None | Awaitable[None]] | None = None,
+                    forget: dict | None = None) -> Outcome:
+        outcome = Outcome()
+        total = sum(s.size for s in spans)
+        live: dict[str, Audit] = {}
+        horizon_ms = int(self.opts.horizon_s * 1000)
+        read = 0
+        undecodable = 0
+
+        def progress(n: int) -> None:
+            nonlocal read
+            read += n
+            self.opts.progress(read, total)
+
+        async def close(audit: Audit) -> None:
+            audit.finish()
+            if self.opts.tenant is not None and audit.tenant != self.opts.tenant:
+                return
+            open_ok = not audit.completed and time.time() * 1000 - audit.last_ms < horizon_ms
+            outcome.requests += 1
+            outcome.open += open_ok and not audit.completed
+            outcome.failed += bool(audit.problems(open_ok=open_ok))
+            audit.open_ok = open_ok
+            if keep_all:
+                outcome.audits.append(audit)
+            if sink is not None:
+                result = sink(audit)
+                if inspect.isawaitable(result):
+                    await result
+
+        since_sweep = 0
+        async for record in merged(self.consumer, spans, self.order, progress):
+            outcome.records += 1
+            event = self._decode(record)
+            if event is None:
+                undecodable += 1
+                continue
+            rid = event.request_id
+            if not wanted(rid, record.timestamp):
+                continue
+            audit = live.get(rid)
+            if audit is None:
+                audit = live[rid] = Audit(rid)
+            audit.add(record.topic, record.partition, record.offset, record.timestamp, event)
+            if self.opts.export is not None and self._tenant_ok(event):
+                self.opts.export({"topic": record.topic, "partition": record.partition, "offset": record.offset,
+                                  "timestamp": record.timestamp, "event": msgspec.to_builtins(event)})
+            since_sweep += 1
+            if not keep_all and since_sweep >= 1000:  # finish requests that can have nothing more
+                since_sweep = 0
+                for done in [a for a in live.values() if record.timestamp - a.last_ms > horizon_ms]:
+                    await close(live.pop(done.request_id))
+                    if forget is not None and len(forget) > 100_000:
+                        forget.clear()
+        for audit in live.values():
+            await close(audit)
+        outcome.undecodable = undecodable
+        return outcome

@@ -1,0 +1,34 @@
+"""Identifier formats every role relies on.
+
+A request id names its reply partition and admission time, `<16 hex>p<partition>t<ms>`: any
+gateway instance finds the request's events in the tokens topic without shared state (the
+topic stamps records with LogAppendTime, so offsets_for_times(admission time) is at or before
+the request's first event), and an auditor finds where and when to start reading.
+
+An SSE event id is `<request_id>:<position>`; positions are the token event seqs (the role
+chunk is -1; the completion at seq c gives the finish chunk c, the usage chunk c+1 and
+[DONE] c+2).
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+
+REQUEST_ID = re.compile(r"^[0-9a-f]{16}p(\d+)t(\d+)$")
+
+
+def new_request_id(partition: int, created_at: float) -> str:
+    return f"{secrets.token_hex(8)}p{partition}t{int(created_at * 1000)}"
+
+
+def parse_request_id(request_id: str) -> tuple[int, int]:
+    """(reply partition, admission time in ms), or ValueError for an id no gateway made."""
+    m = REQUEST_ID.match(request_id)
+    if not m:
+        raise ValueError(f"not a tokenstream request id: {request_id!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def event_id(request_id: str, position: int) -> str:
+    return f"{request_id}:{position}"

@@ -1,0 +1,219 @@
+"""`tokenstream audit` against the real broker.
+
+The run is written with the real event types through `producers` (what each role writes, where
+it writes it); one test drives the real conversation processor, the writer of the transcripts
+topic. A corrupted run (a token seq missing) must fail the gap check with a clear report.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from audit.run import Auditor, Options
+from producers import publish, start_producer
+from schemas import (
+    Cancel,
+    ChatMessage,
+    ChatRequest,
+    Completion,
+    InferenceRequest,
+    SafetyVerdict,
+    TokenChunk,
+    ToolCall,
+    ToolResult,
+    Usage,
+)
+from schemas.ids import new_request_id
+from tests.kafka_support import Tap
+from topics import (
+    CHAT_REQUESTS,
+    CONTROL,
+    PREPARED,
+    SCREENED,
+    TOKENS,
+    TOOL_CALLS,
+    TOOL_RESULTS,
+    TRANSCRIPTS,
+    VERDICTS,
+    inference_topic,
+)
+from topics.admin import apply
+from topics.registry import all_topics
+
+MODEL = "audit-model"
+WORDS = ["The ", "sky ", "is ", "blue ", "today."]
+
+
+@pytest.fixture(scope="module")
+def topics_ready(stack):
+    asyncio.run(apply(all_topics([MODEL]), stack.kafka.address))
+    return stack
+
+
+def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tokenstream.cli", "audit", *args], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "COLUMNS": "220", **(env or {})})
+
+
+async def play(producer, *, conversation: str, tenant: str, kind: str = "ok", partition: int = 3,
+               missing_seq: int | None = None) -> str:
+    """Write one request's events as the roles do; `kind`: ok | input_blocked | output_blocked | tool."""
+    rid = new_request_id(partition, time.time())
+    ids = dict(request_id=rid, conversation_id=conversation, tenant=tenant)
+    question = [ChatMessage(role="user", content=f"What colour is the sky? ({kind})")]
+    await publish(producer, CHAT_REQUESTS, ChatRequest(**ids, model=MODEL, messages=question,
+                                                       reply_partition=partition), key=conversation)
+    prepared = InferenceRequest(**ids, model=MODEL, messages=question, reply_partition=partition)
+    await publish(producer, PREPARED, prepared)
+    blocked = kind == "input_blocked"
+    await publish(producer, VERDICTS, SafetyVerdict(**ids, stage="input", blocked=blocked,
+                                                    categories=["violence"] if blocked else [],
+                                                    policy_version="test-1"))
+    on_tokens = dict(partition=partition)
+    if blocked:
+        await publish(producer, TOKENS, TokenChunk(**ids, seq=0, text="I can't help with that request."),
+                      **on_tokens)
+        await publish(producer, TOKENS, Completion(**ids, seq=1, finish_reason="content_filter",
+                                                   text="I can't help with that request."), **on_tokens)
+        return rid
+    await publish(producer, SCREENED, prepared)
+    await publish(producer, inference_topic(MODEL), prepared)
+    seq = 0
+    for i, word in enumerate(WORDS):
+        if kind == "tool" and i == 2:
+            await publish(producer, TOOL_CALLS, ToolCall(**ids, call_id="call-1", name="weather",
+                                                         arguments='{"city":"Oslo"}'))
+            await publish(producer, TOOL_RESULTS, ToolResult(**ids, call_id="call-1", name="weather", ok=True,
+                                                             output="sunny"))
+        if kind == "output_blocked" and i == 3:
+            await publish(producer, TOKENS, SafetyVerdict(**ids, stage="output", blocked=True,
+                                                          categories=["violence"], window_end_seq=2,
+                                                          policy_version="test-1"), **on_tokens)
+            await publish(producer, CONTROL, Cancel(**ids, reason="content_filter"))
+        if seq != missing_seq:
+            await publish(producer, TOKENS, TokenChunk(**ids, seq=seq, text=word, worker_id="w1"), **on_tokens)
+        seq += 1
+    reason = "cancelled" if kind == "output_blocked" else "stop"
+    await publish(producer, TOKENS, Completion(**ids, seq=seq, finish_reason=reason, text="".join(WORDS),
+                                               usage=Usage(prompt_tokens=7, completion_tokens=seq),
+                                               worker_id="w1"), **on_tokens)
+    return rid
+
+
+async def audit_of(bootstrap: str, rid: str):
+    async with Auditor(Options(bootstrap, horizon_s=30)) as auditor:
+        [audit] = (await auditor.request(rid)).audits
+    return audit
+
+
+async def test_each_kind_of_request_replays_with_the_text_its_client_saw(topics_ready, bootstrap):
+    producer = await start_producer(bootstrap)
+    try:
+        conv, tenant = f"conv-{uuid.uuid4().hex[:8]}", "t-" + uuid.uuid4().hex[:6]
+        rids = {kind: await play(producer, conversation=conv, tenant=tenant, kind=kind)
+                for kind in ("ok", "input_blocked", "output_blocked", "tool")}
+    finally:
+        await producer.stop()
+    ok = await audit_of(bootstrap, rids["ok"])
+    assert ok.text == "".join(WORDS) and ok.finish_reason == "stop" and ok.problems() == []
+    assert [r.topic for r in ok.rows][:5] == [CHAT_REQUESTS.name, PREPARED.name, VERDICTS.name, SCREENED.name,
+                                              inference_topic(MODEL).name]
+    refused = await audit_of(bootstrap, rids["input_blocked"])
+    assert refused.text == "I can't help with that request." and refused.finish_reason == "content_filter"
+    assert refused.problems() == [] and not refused.reached_worker
+    cut = await audit_of(bootstrap, rids["output_blocked"])
+    assert cut.text == "The sky is " and cut.finish_reason == "content_filter"
+    assert cut.withheld == 2 and cut.problems() == []
+    tool = await audit_of(bootstrap, rids["tool"])
+    assert tool.tool_calls == {"call-1": "weather"} and tool.problems() == []
+    assert tool.text == "".join(WORDS)
+
+
+async def test_the_conversation_audit_finds_every_request_and_exports_json_lines(topics_ready, bootstrap, tmp_path):
+    producer = await start_producer(bootstrap)
+    try:
+        tenant = "t-" + uuid.uuid4().hex[:6]
+        conv = new_request_id(0, time.time())  # the gateway names a new conversation after its first request
+        rids = [await play(producer, conversation=conv, tenant=tenant, kind=k) for k in ("ok", "output_blocked")]
+    finally:
+        await producer.stop()
+    export = tmp_path / "conv.jsonl"
+    out = cli("conversation", conv, "--export", str(export), "--horizon", "30")
+    assert out.returncode == 0, out.stdout + out.stderr
+    for rid in rids:
+        assert rid in out.stdout
+    assert "The sky is" in out.stdout and "2 request(s), 0 failing" in out.stdout
+    lines = [json.loads(line) for line in export.read_text().splitlines()]
+    assert {line["event"]["request_id"] for line in lines} == set(rids)
+    assert all({"topic", "partition", "offset", "timestamp", "event"} <= line.keys() for line in lines)
+    assert sum(line["event"]["type"] == "completion" and line["topic"] == TOKENS.name for line in lines) == 2
+
+
+async def test_a_missing_seq_fails_the_gap_check_with_a_clear_report(topics_ready, bootstrap):
+    producer = await start_producer(bootstrap)
+    try:
+        rid = await play(producer, conversation=f"conv-{uuid.uuid4().hex[:8]}", tenant="t", missing_seq=2)
+    finally:
+        await producer.stop()
+    out = cli("request", rid, "--horizon", "30")
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "token seq gap: missing 2" in out.stdout and "FAIL" in out.stdout
+
+
+async def test_range_finds_exactly_the_requests_admitted_in_the_window(topics_ready, bootstrap):
+    tenant = "t-" + uuid.uuid4().hex[:6]
+    producer = await start_producer(bootstrap)
+    try:
+        before = [await play(producer, conversation=f"c-{i}", tenant=tenant) for i in range(2)]
+        since = int(time.time() * 1000) + 1
+        while time.time() * 1000 <= since:
+            await asyncio.sleep(0.001)
+        inside = [await play(producer, conversation=f"c-{i}", tenant=tenant, kind=k)
+                  for i, k in enumerate(("ok", "input_blocked", "tool"))]
+        until = int(time.time() * 1000) + 1
+        while time.time() * 1000 <= until:
+            await asyncio.sleep(0.001)
+        after = [await play(producer, conversation="c-9", tenant=tenant)]
+    finally:
+        await producer.stop()
+    found = []
+    async with Auditor(Options(bootstrap, tenant=tenant, horizon_s=30)) as auditor:
+        outcome = await auditor.range(since, until, found.append)
+    assert sorted(a.request_id for a in found) == sorted(inside)
+    assert outcome.failed == 0 and not set(before + after) & {a.request_id for a in found}
+    iso = lambda ms: time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ms / 1000)) + f".{ms % 1000:03d}"  # noqa: E731
+    out = cli("range", "--since", iso(since), "--until", iso(until), "--tenant", tenant, "--horizon", "30")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "3 request(s), 0 failing" in out.stdout
+
+
+async def test_the_conversation_processor_writes_each_answers_final_record(topics_ready, bootstrap, roles):
+    """The transcripts topic (long retention) is written by the real conversation processor."""
+    roles.start("processor", "conversation", name="processor-conversation")
+    conv = new_request_id(1, time.time())
+    producer = await start_producer(bootstrap)
+    try:
+        async with Tap(PREPARED) as prepared, Tap(TRANSCRIPTS) as transcripts:
+            rid = new_request_id(4, time.time())
+            ids = dict(request_id=rid, conversation_id=conv, tenant="t-proc")
+            await publish(producer, CHAT_REQUESTS, ChatRequest(**ids, model="smollm2", reply_partition=4, messages=[
+                ChatMessage(role="user", content="Name a colour.")]), key=conv)
+            await prepared.wait_for(lambda e: e.request_id == rid, timeout=300)
+            await publish(producer, TOKENS, TokenChunk(**ids, seq=0, text="Blue."), partition=4)
+            await publish(producer, TOKENS, Completion(**ids, seq=1, finish_reason="stop", text="Blue."), partition=4)
+            [record] = await transcripts.wait_for(lambda e: e.request_id == rid, timeout=180)
+    finally:
+        await producer.stop()
+    assert [m.content for m in record.question] == ["Name a colour."]
+    assert record.answer.text == "Blue." and record.conversation_id == conv
+    out = cli("request", rid, "--horizon", "30")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert TRANSCRIPTS.name in out.stdout and "final record: stop" in out.stdout

@@ -1,0 +1,26 @@
+"""The fault drill in its reduced form (`tokenstream chaos` runs it for longer): two processes of every
+role and two gateways under streaming load, on a stack of its own (its broker is restarted); each role
+is killed -9 once and the broker restarted once.
+Every admitted request must end for its client with exactly the text ts.tokens holds, every group
+must drain, and nothing may be left generating."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenstream.chaos.cli import as_dict
+from tokenstream.chaos.drill import run
+
+pytestmark = pytest.mark.slow
+
+
+async def test_kill_each_role_and_restart_the_broker_under_load(tmp_path):
+    report = await run(1.2, clients=2, every_s=11, max_tokens=16, kinds=("kill",) * 5 + ("broker",),
+                       root=tmp_path)
+    summary = as_dict(report)
+    assert [f["kind"] for f in summary["faults"]] == ["kill -9"] * 5 + ["broker restart"], summary
+    assert summary["requests"]["admitted"] >= 10, summary
+    assert summary["lost"] == [] and summary["duplicated"] == [] and summary["unfinished"] == [], summary
+    assert not any(summary["lag_left"].values()), summary
+    assert summary["running_left"] == 0, summary
+    assert all(f["recovery_s"] is not None for f in summary["faults"]), summary

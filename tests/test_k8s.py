@@ -1,0 +1,146 @@
+"""deploy/k8s validated offline: built-in kinds against the Kubernetes schemas (kubernetes-validate),
+KEDA, Strimzi and prometheus-operator resources against their CRDs' structure; the KafkaTopic
+resources equal what the registry generates; the dashboard and alerts name metrics that exist."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from tests.k8s_crds import SCHEMAS
+from topics import inference_topic
+from topics.export import strimzi_topics, to_yaml
+from topics.registry import all_topics, worker_group
+
+ROOT = Path(__file__).resolve().parent.parent
+K8S = ROOT / "deploy" / "k8s"
+KUBERNETES_VERSION = "1.32"
+#: metrics of the Strimzi Kafka Exporter the alerts and dashboard use beside tokenstream's own
+EXPORTER_METRICS = {"kafka_consumergroup_lag", "kafka_topic_partition_current_offset"}
+
+
+def build(folder: Path) -> list[dict]:
+    """The resources of a kustomization (resources and configMapGenerator files; what these use)."""
+    spec = yaml.safe_load((folder / "kustomization.yaml").read_text())
+    out: list[dict] = []
+    for entry in spec.get("resources", []):
+        path = folder / entry
+        if path.is_dir():
+            out += build(path)
+        else:
+            out += [d for d in yaml.safe_load_all(path.read_text()) if d]
+    for gen in spec.get("configMapGenerator", []):
+        data = {Path(f).name: (folder / f).read_text() for f in gen["files"]}
+        out.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": gen["name"]}, "data": data})
+    return out
+
+
+FOLDERS = [K8S / "base", K8S / "overlays" / "canary", K8S / "monitoring"]
+
+
+@pytest.mark.parametrize("folder", FOLDERS, ids=lambda p: p.name)
+def test_every_manifest_validates_against_its_schema(folder):
+    resources = build(folder)
+    assert resources
+    for res in resources:
+        key = (res["apiVersion"], res["kind"])
+        if key in SCHEMAS:
+            jsonschema.validate(res, SCHEMAS[key])
+        else:
+            kubernetes_validate.validate(res, KUBERNETES_VERSION, strict=True)
+
+
+def test_a_broken_manifest_is_caught():
+    [deployment] = [r for r in build(K8S / "base") if r["metadata"]["name"] == "worker-smollm2"
+                    and r["kind"] == "Deployment"]
+    deployment["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]["port"] = ["metrics"]
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, KUBERNETES_VERSION, strict=True)
+    [scaled] = [r for r in build(K8S / "base") if r["kind"] == "ScaledObject"]
+    del scaled["spec"]["triggers"][0]["metadata"]["consumerGroup"]
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(scaled, SCHEMAS[("keda.sh/v1alpha1", "ScaledObject")])
+
+
+def test_the_kafka_topics_are_what_the_registry_generates():
+    env_free = os.environ.get("TOKENSTREAM_AUDIT_RETENTION_DAYS") is None
+    assert env_free, "the committed resources use the default audit retention"
+    assert (K8S / "base" / "kafkatopics.yaml").read_text() == to_yaml(
+        strimzi_topics(all_topics(["smollm2"]), "tokenstream", 3))
+    assert (K8S / "overlays" / "canary" / "kafkatopic-smollm2-v2.yaml").read_text() == to_yaml(
+        strimzi_topics([inference_topic("smollm2-v2")], "tokenstream", 3))
+    out = subprocess.run([sys.executable, "-m", "tokenstream.cli", "topics", "export", "--format", "strimzi",
+                          "--model", "smollm2"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout == (K8S / "base" / "kafkatopics.yaml").read_text()
+
+
+@pytest.mark.parametrize("folder", [K8S / "base", K8S / "overlays" / "canary"], ids=lambda p: p.name)
+def test_each_worker_group_scales_on_its_own_lag_within_its_partitions(folder):
+    resources = build(folder)
+    deployments = {r["metadata"]["name"]: r for r in resources if r["kind"] == "Deployment"}
+    topics = {r["spec"].get("topicName", r["metadata"]["name"]): r for r in resources if r["kind"] == "KafkaTopic"}
+    scaled = [r for r in resources if r["kind"] == "ScaledObject"]
+    workers = [d for d in deployments.values() if d["metadata"]["labels"]["app.kubernetes.io/component"] == "worker"]
+    assert workers and len(scaled) == len(workers)
+    for obj in scaled:
+        target = deployments[obj["spec"]["scaleTargetRef"]["name"]]
+        model = target["metadata"]["labels"]["tokenstream.io/model"]
+        [trigger] = obj["spec"]["triggers"]
+        assert trigger["metadata"]["consumerGroup"] == worker_group(model)
+        assert trigger["metadata"]["topic"] == inference_topic(model).name
+        assert obj["spec"]["maxReplicaCount"] <= topics[inference_topic(model).name]["spec"]["partitions"]
+        args = target["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert args[:3] == ["worker", "--model", model]
+        assert target["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+
+
+def test_every_role_has_probes():
+    for res in build(K8S / "base"):
+        if res["kind"] in ("Deployment", "StatefulSet"):
+            [container] = res["spec"]["template"]["spec"]["containers"]
+            assert "readinessProbe" in container and "livenessProbe" in container, res["metadata"]["name"]
+
+
+def _metric_names() -> set[str]:
+    text = "".join((ROOT / f).read_text() for f in ("gateway/metrics.py", "gpu_workers/metrics.py"))
+    return set(re.findall(r'(?:Counter|Gauge|Histogram|Summary)\(\s*"([a-z_:]+)"', text))
+
+
+def _used_metrics(expr: str) -> set[str]:
+    names = set(re.findall(r"([a-z_][a-z0-9_:]*)(?=\{|\[)", expr))
+    return {re.sub(r"_(bucket|count|sum)$", "", n) for n in names}
+
+
+def test_alerts_and_dashboard_name_metrics_that_exist():
+    known = _metric_names() | EXPORTER_METRICS
+    assert "gateway_ttft_seconds" in known and "vllm:inter_token_latency_seconds" in known
+    [rule] = [r for r in build(K8S / "monitoring") if r["kind"] == "PrometheusRule"]
+    exprs = [x["expr"] for g in rule["spec"]["groups"] for x in g["rules"]]
+    [board] = [r for r in build(K8S / "monitoring") if r["kind"] == "ConfigMap"]
+    dashboard = json.loads(board["data"]["tokenstream-dashboard.json"])
+    exprs += [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    for expr in exprs:
+        unknown = _used_metrics(expr) - known
+        assert not unknown, f"{expr}: unknown metrics {unknown}"
+    covered = " ".join(exprs)
+    for concern in ("gateway_ttft_seconds", "inter_token_latency", "consumergroup_lag", '"429"', "ts.deadletter"):
+        assert concern in covered
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed: the loader above is used alone")
+@pytest.mark.parametrize("folder", FOLDERS, ids=lambda p: p.name)
+def test_kustomize_builds_what_the_loader_reads(folder):
+    out = subprocess.run(["kubectl", "kustomize", str(folder)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    built = {(d["kind"], d["metadata"]["name"]) for d in yaml.safe_load_all(out.stdout) if d}
+    assert built == {(r["kind"], r["metadata"]["name"]) for r in build(folder)}

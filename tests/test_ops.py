@@ -1,0 +1,154 @@
+"""Operators' tools against the real broker: lag per group, local scaling with a supervisor that
+restarts a crashed processor, the partition ceiling, and growing co-partitioned topics."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from aiokafka.structs import OffsetAndMetadata, TopicPartition
+
+from producers import publish, start_consumer, start_producer
+from schemas import ChatMessage, InferenceRequest
+from tokenstream.stack.scale import (
+    ScaleError,
+    Supervisor,
+    Wanted,
+    check_ceiling,
+    instances,
+    parse_targets,
+)
+from topics import inference_topic, worker_group
+from topics.admin import apply, partition_counts
+from topics.registry import all_topics, co_partitioned
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tokenstream.cli", *args], capture_output=True, text=True,
+                          timeout=180, env={**os.environ, "COLUMNS": "220"})
+
+
+def folders(root: Path) -> tuple[Path, Path, Path, Path]:
+    return root / "data", root / "run", root / "logs", root / "cache"
+
+
+def test_targets_parse_and_the_partition_ceiling_is_refused_clearly():
+    assert parse_targets(["worker=2", "safety=3", "worker:other=1"], "smollm2") == {
+        "worker": 2, "safety": 3, "worker:other": 1}
+    with pytest.raises(ScaleError, match="ROLE=N"):
+        parse_targets(["painter=2"], "smollm2")
+    with pytest.raises(ScaleError, match="ts.inference.smollm2 has 12 partitions, so at most 12 worker"):
+        check_ceiling({"worker": 13}, {"ts.inference.smollm2": 12}.get, "smollm2")
+    check_ceiling({"worker": 12}, {"ts.inference.smollm2": 12}.get, "smollm2")
+
+
+def test_instances_get_their_own_names_ports_and_gateway_partitions(tmp_path):
+    wanted = Wanted(tmp_path / "scale.json", {"worker": 2, "gateway": 2, "router": 0})
+    roles = {r.name: r for r in instances(folders(tmp_path), ["smollm2"], 8000, 9400, wanted)}
+    assert set(roles) == {"conversation", "safety", "worker", "worker-2", "gateway", "gateway-2"}
+    assert roles["worker-2"].args[-1] == "9401" and roles["worker"].args[-1] == "9400"
+    assert roles["gateway-2"].args == ["gateway", "--port", "8001", "--instance-index", "1", "--instance-count", "2"]
+
+
+async def test_ops_lag_shows_a_groups_lag_per_partition(bootstrap):
+    model = f"lag-{uuid.uuid4().hex[:6]}"
+    spec, group = inference_topic(model), worker_group(model)
+    await apply([spec], bootstrap)
+    tps = [TopicPartition(spec.name, p) for p in range(spec.partitions)]
+    consumer = await start_consumer(group=group, bootstrap=bootstrap)
+    consumer.assign(tps)
+    await consumer.commit({tp: OffsetAndMetadata(0, "") for tp in tps})
+    producer = await start_producer(bootstrap)
+    try:
+        for i in range(7):
+            await publish(producer, spec, InferenceRequest(request_id=f"r{i}", model=model,
+                                                           messages=[ChatMessage(role="user", content="x")]),
+                          partition=2)
+    finally:
+        await producer.stop()
+        await consumer.stop()
+    out = await asyncio.to_thread(cli, "ops", "lag", "--model", model, "--group", group, "--interval", "0.5")
+    assert out.returncode == 0, out.stderr
+    rows = [[cell.strip() for cell in line.split("│")[1:-1]] for line in out.stdout.splitlines()
+            if line.startswith("│") and spec.name in line]
+    # the partitions table: group, topic, partition, committed, end, lag, owner, drain/s, est. wait
+    assert [group, spec.name, "2", "0", "7", "7", "-", "0.0", "stalled"] in rows, out.stdout
+    assert len([r for r in rows if len(r) == 9]) == 1  # only the partition with lag is listed
+
+
+def test_supervisor_scales_a_processor_restarts_it_after_a_crash_and_scales_down(stack, tmp_path):
+    asyncio.run(apply(all_topics(["smollm2"]), stack.kafka.address))
+    run_dir = tmp_path / "run"
+    wanted = Wanted.load(run_dir)
+    wanted.counts = {"conversation": 0, "safety": 0, "worker": 0, "gateway": 0, "router": 2}
+    wanted.save()
+    said: list[str] = []
+    sup = Supervisor(run_dir, lambda: instances(folders(tmp_path), ["smollm2"], 18000, 19400, Wanted.load(run_dir)),
+                     said.append)
+    try:
+        assert sorted(sup.reconcile(wait=True)) == ["started router", "started router-2"]
+        roles = {r.name: r for r in sup.make()}
+        old = roles["router-2"].pid()
+        os.killpg(old, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while roles["router-2"].pid() in (None, old) and time.monotonic() < deadline:
+            sup.reconcile(wait=False)
+            time.sleep(0.2)
+        assert roles["router-2"].pid() not in (None, old), said
+        assert any("router-2: exited; restart in 1s (restart 1)" in s for s in said)
+        wanted = Wanted.load(run_dir)
+        wanted.counts["router"] = 1
+        wanted.save()
+        assert sup.reconcile(wait=True) == ["stopped router-2"]
+        assert roles["router"].pid() is not None and roles["router-2"].pid() is None
+    finally:
+        for role in sup.make():
+            role.stop(lambda _m: None)
+        for name in ("router-2",):
+            pid_file = run_dir / f"{name}.pid"
+            if pid_file.exists():
+                os.killpg(int(pid_file.read_text()), signal.SIGKILL)
+
+
+async def test_topics_grow_grows_co_partitioned_topics_together_and_guards_keyed_state(bootstrap):
+    assert co_partitioned("ts.chat.requests") == ("ts.chat.requests", "ts.conversation.turns",
+                                                  "ts-conversation-history-changelog")
+    assert co_partitioned("ts.tokens") == ("ts.tokens", "ts-safety-windows-changelog")
+    await apply(all_topics(["smollm2"]), bootstrap)
+    refused = await asyncio.to_thread(cli, "topics", "grow", "ts.chat.requests", "--partitions", "16")
+    assert refused.returncode == 2 and "refused" in refused.stdout
+    assert (await partition_counts(bootstrap))["ts.chat.requests"] == 12
+    spec = inference_topic(f"grow-{uuid.uuid4().hex[:6]}")
+    await apply([spec], bootstrap)
+    grown = await asyncio.to_thread(cli, "topics", "grow", spec.name, "--partitions", "14")
+    assert grown.returncode == 0, grown.stdout + grown.stderr
+    assert (await partition_counts(bootstrap))[spec.name] == 14
+    shrink = await asyncio.to_thread(cli, "topics", "grow", spec.name, "--partitions", "13")
+    assert shrink.returncode == 2 and "cannot shrink" in shrink.stdout
+
+
+async def test_ops_probe_says_whether_this_hosts_member_holds_partitions(bootstrap):
+    model = f"probe-{uuid.uuid4().hex[:6]}"
+    spec, group = inference_topic(model), worker_group(model)
+    await apply([spec], bootstrap)
+    absent = await asyncio.to_thread(cli, "ops", "probe", "--group", group, "--host", "127.0.0.1")
+    assert absent.returncode == 1, absent.stdout  # no members (or, on a fresh broker, no coordinator yet)
+    consumer = await start_consumer(spec, group=group, bootstrap=bootstrap)
+    try:
+        deadline = time.monotonic() + 60
+        while not consumer.assignment() and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        ready = await asyncio.to_thread(cli, "ops", "probe", "--group", group, "--host", "127.0.0.1")
+        assert ready.returncode == 0, ready.stdout + ready.stderr
+        assert "holds 12 partition(s)" in ready.stdout
+        elsewhere = await asyncio.to_thread(cli, "ops", "probe", "--group", group, "--host", "10.9.9.9")
+        assert elsewhere.returncode == 1 and "no member" in elsewhere.stdout
+    finally:
+        await consumer.stop()

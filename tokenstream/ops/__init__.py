@@ -1,0 +1,1 @@
+"""Operator tools built on the topic registry: consumer-group lag (`tokenstream ops lag`)."""
