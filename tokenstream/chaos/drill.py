@@ -144,12 +144,10 @@ def _recoveries(faults: list[Fault], outcomes: list[Outcome]) -> None:
 
 
 def _groups() -> list[tuple[str, str]]:
-    from topics import CHAT_REQUESTS, CONVERSATION_TURNS, PREPARED, SCREENED, TOKENS, inference_topic
+    """Every (consumer group, topic) the registry names for a system serving smollm2."""
+    from topics.registry import all_topics
 
-    return [("ts-conversation", CHAT_REQUESTS.name), ("ts-conversation", CONVERSATION_TURNS.name),
-            ("ts-conversation", TOKENS.name), ("ts-safety", PREPARED.name), ("ts-safety", TOKENS.name),
-            ("ts-router", SCREENED.name), ("ts-router", PREPARED.name),
-            ("worker.smollm2", inference_topic("smollm2").name)]
+    return [(group, spec.name) for spec in all_topics(["smollm2"]) for group in spec.groups]
 
 
 async def _running(system, timeout: float = 30.0) -> float:
