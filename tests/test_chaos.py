@@ -14,6 +14,7 @@ from tokenstream.chaos.drill import run
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.timeout(1200)  # start-up of ten processes, 70 s of load, then the checks
 async def test_kill_each_role_and_restart_the_broker_under_load(tmp_path):
     report = await run(1.2, clients=2, every_s=11, max_tokens=16, kinds=("kill",) * 5 + ("broker",),
                        root=tmp_path)

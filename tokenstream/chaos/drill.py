@@ -82,6 +82,7 @@ async def run(minutes: float, *, clients: int = 3, every_s: float = 20.0, stall_
         loads = [asyncio.create_task(_user(u, i, outcomes, stop)) for i, u in enumerate(users)]
         faults = await _inject(system, users, minutes * 60, every_s, stall_s, kinds, say)
         stop.set()
+        say("chaos: faults done; waiting for the requests in flight to end")
         await asyncio.gather(*loads)
         _recoveries(faults, outcomes)
         say(f"chaos: load stopped after {time.time() - started:.0f} s; checking the log and the lag")
@@ -131,7 +132,8 @@ async def _inject(system, users: list[Client], seconds: float, every_s: float, s
             fault = Fault("client stall", f"{stall_s:.0f} s", time.time())
         fault.ended_at = time.time()
         faults.append(fault)
-        say(f"chaos: {fault.kind} {fault.target} at +{fault.at - faults[0].at:.0f} s")
+        lasted = f" (over after {fault.ended_at - fault.at:.0f} s)" if fault.ended_at - fault.at >= 1 else ""
+        say(f"chaos: {fault.kind} {fault.target} at +{fault.at - faults[0].at:.0f} s{lasted}")
     await asyncio.sleep(min(every_s, 15))  # let the last fault's requests finish under load
     return faults
 
