@@ -19,15 +19,15 @@ little CPU next to the gateway. Results go to bench/results/gateway.json.
 from __future__ import annotations
 
 import json
-import re
 import time
 from pathlib import Path
 
 import typer
 
+from bench.rawhttp import ID_RE, chat_post, first_token
+
 RESULTS = Path(__file__).parent / "results" / "gateway.json"
 MODEL = "bench-synthetic"
-ID_RE = re.compile(rb"id: ([0-9a-f]{16}p\d+t\d+):(-?\d+)\r?\n")
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -208,35 +208,15 @@ class SyntheticWorker:
 
 
 def _post(port: int, prompt: str) -> bytes:
-    body = json.dumps({"model": MODEL, "stream": True, "max_tokens": 64,
-                       "messages": [{"role": "user", "content": prompt}]}).encode()
-    return (f"POST /v1/chat/completions HTTP/1.0\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    return chat_post(port, {"model": MODEL, "stream": True, "max_tokens": 64,
+                            "messages": [{"role": "user", "content": prompt}]})
 
 
 async def _light(port: int, worker: SyntheticWorker, n: int) -> dict:
-    import asyncio
-
     worker.auto_answer = True
     client_ttft, worker_ttft, overhead, inbound, outbound = [], [], [], [], []
     for i in range(n + 10):  # the first 10 warm up connections and code paths
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        t0 = time.time()
-        writer.write(_post(port, f"light {i}"))
-        buf, rid, first = b"", None, None
-        while first is None:
-            data = await reader.read(65536)
-            if not data:
-                break
-            buf += data
-            for m in ID_RE.finditer(buf):
-                rid = m.group(1).decode()
-                if int(m.group(2)) >= 0:
-                    first = time.time()
-                    break
-        while await reader.read(65536):
-            pass
-        writer.close()
+        rid, t0, first = await first_token(port, _post(port, f"light {i}"))
         if i < 10 or first is None or rid not in worker.first_written:
             continue
         client = first - t0

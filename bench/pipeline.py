@@ -21,20 +21,21 @@ first ts.tokens record) and delivery (-> the client). Results go to bench/result
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import platform
-import re
 import time
 from pathlib import Path
 
 import typer
 
+from bench.rawhttp import chat_post, first_token
+
 RESULTS = Path(__file__).parent / "results" / "pipeline.json"
 MODEL = "smollm2"
 MODES = ("serial", "parallel")
 HOPS = ("gateway", "conversation", "safety", "router", "fetch", "engine", "publish", "delivery")
-ID_RE = re.compile(rb"id: ([0-9a-f]{16}p\d+t\d+):(-?\d+)\r?\n")
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -72,8 +73,10 @@ async def _run(requests: int, max_tokens: int) -> dict:
         warm = 3
         for i in range(warm + requests):
             for mode in MODES:
-                rid, sent, first = await stream_one(system.ports[mode], f"Say the number {i} in words.",
-                                                    max_tokens)
+                port = system.ports[mode]
+                rid, sent, first = await first_token(port, chat_post(port, {
+                    "model": MODEL, "stream": True, "max_tokens": max_tokens, "temperature": 0,
+                    "messages": [{"role": "user", "content": f"Say the number {i} in words."}]}))
                 if i >= warm:
                     samples[mode].append({"rid": rid, "sent": sent, "first": first})
             if (i + 1) % 10 == 0:
@@ -89,34 +92,6 @@ async def _run(requests: int, max_tokens: int) -> dict:
         "modes": by_mode,
         "targets": {"overhead_p50_ms": 30, "overhead_p99_ms": 100},
     }
-
-
-async def stream_one(port: int, prompt: str, max_tokens: int) -> tuple[str, float, float | None]:
-    """One streamed greedy request over a raw socket: (request id, sent at, first content at)."""
-    import asyncio
-
-    body = json.dumps({"model": MODEL, "stream": True, "max_tokens": max_tokens, "temperature": 0,
-                       "messages": [{"role": "user", "content": prompt}]}).encode()
-    head = (f"POST /v1/chat/completions HTTP/1.0\r\nHost: 127.0.0.1:{port}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    sent = time.time()
-    writer.write(head + body)
-    buf, rid, first = b"", "", None
-    while first is None:
-        data = await reader.read(65536)
-        if not data:
-            break
-        buf += data
-        for m in ID_RE.finditer(buf):
-            rid = m.group(1).decode()
-            if int(m.group(2)) >= 0:
-                first = time.time()
-                break
-    while await reader.read(65536):
-        pass
-    writer.close()
-    return rid, sent, first
 
 
 class Timeline:
