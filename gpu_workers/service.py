@@ -167,7 +167,10 @@ class Worker:
             await self._done(tp, rec.offset)
             return
         if request.request_id in self.owned:
-            return  # a duplicate of a request this worker is running
+            # a duplicate of a request this worker is running: the original's offset holds the
+            # partition's commits back until it completes, so this one is done at once
+            await self._done(tp, rec.offset)
+            return
         if request.request_id in self.completed:
             await self._done(tp, rec.offset)  # a duplicate of a request this worker has completed
             return
@@ -285,7 +288,8 @@ async def run_worker(cfg: WorkerConfig, stop: asyncio.Event | None = None, *, lo
     from gpu_workers.kv_cache import PagedKVCache
     from gpu_workers.model_loader import load
     from tokenstream.config import settings
-    from topics.admin import apply
+    from tokenstream.models import context_length
+    from topics.admin import require
 
     stop = stop or asyncio.Event()
     bootstrap = bootstrap or settings().kafka_bootstrap
@@ -296,14 +300,22 @@ async def run_worker(cfg: WorkerConfig, stop: asyncio.Event | None = None, *, lo
     metrics = WorkerMetrics(cfg.model)
     if cfg.metrics_port:
         metrics.serve(cfg.metrics_port)
+    context = (cfg.max_model_len or context_length(cfg.model, cfg.model_path)
+               or loaded.model.config.max_position_embeddings)
+    if cache.capacity_tokens < context:
+        log.warning("worker: the KV pool holds %d tokens, less than the %d-token context: longer prompts "
+                    "are refused here although the conversation processor lets them through",
+                    cache.capacity_tokens, context)
     engine = Engine(loaded.model, loaded.tokenizer, cache, max_running=cfg.max_running,
-                    prefill_chunk=cfg.prefill_chunk, max_model_len=cfg.max_model_len, metrics=metrics)
+                    prefill_chunk=cfg.prefill_chunk, max_model_len=context, metrics=metrics)
     log.info("worker: device=%s model=%s (%s, %.1fM params) dtype=%s quantization=%s "
-             "kv budget=%d pages x %d tokens = %d tokens (%.1f MiB) max_running=%d prefill_chunk=%d metrics=%s",
+             "kv budget=%d pages x %d tokens = %d tokens (%.1f MiB) context=%d max_running=%d prefill_chunk=%d "
+             "metrics=%s",
              loaded.device, cfg.model, loaded.source, loaded.params / 1e6, loaded.dtype, loaded.quantization,
              cache.allocator.num_blocks, cache.block_size, cache.capacity_tokens, cache.nbytes() / 2**20,
-             cfg.max_running, cfg.prefill_chunk, cfg.metrics_port or "off")
-    await apply([inference_topic(cfg.model), TOKENS, CONTROL], bootstrap)
+             engine.max_model_len, cfg.max_running, cfg.prefill_chunk, cfg.metrics_port or "off")
+    # only checked: topics are the operator's (`tokenstream topics apply`), a worker never rewrites them
+    await require([inference_topic(cfg.model), TOKENS, CONTROL], bootstrap)
     worker = Worker(cfg, engine, metrics, bootstrap)
     if on_ready is not None:
         asyncio.get_running_loop().create_task(_when_ready(worker, on_ready))

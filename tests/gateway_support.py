@@ -237,6 +237,22 @@ def start_gateway(roles, models: list[str], *, index: int = 0, count: int = 1, e
             time.sleep(0.2)
 
 
+def client(base_url: str, **kwargs):
+    """An httpx.AsyncClient for a gateway: every test that calls the gateway over HTTP builds it here,
+    so that what a request needs besides its body (headers such as credentials) is set in one place."""
+    import httpx
+
+    return httpx.AsyncClient(base_url=base_url, timeout=kwargs.pop("timeout", 30), **kwargs)
+
+
+def openai_client(base_url: str, **kwargs):
+    """The official SDK's async client for a gateway (`base_url` without /v1); see `client`."""
+    import openai
+
+    return openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused",
+                              max_retries=kwargs.pop("max_retries", 0), timeout=kwargs.pop("timeout", 30), **kwargs)
+
+
 def rss_bytes(pid: int) -> int:
     import psutil
 

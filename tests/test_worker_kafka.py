@@ -109,6 +109,7 @@ async def committed(bootstrap: str, model: str) -> int:
 
 
 async def start_inprocess(cfg: WorkerConfig, loaded, bootstrap: str):
+    await apply([inference_topic(cfg.model), TOKENS, CONTROL], bootstrap)  # the operator's step
     stop, ready = asyncio.Event(), asyncio.Event()
     task = asyncio.create_task(run_worker(cfg, stop, loaded=loaded, bootstrap=bootstrap,
                                           on_ready=lambda w: ready.set()))
@@ -283,4 +284,27 @@ async def test_worker_joining_mid_stream_hands_over_without_gap_or_duplicate(boo
             assert workers == sorted(workers) and reader.completion(x).worker_id == "B"
         assert "gave up" in roles.log(a) and "worker ready" in roles.log(b)
     finally:
+        await producer.stop()
+
+
+async def test_a_duplicate_arriving_while_the_original_runs_is_committed(bootstrap, unique, tiny_loaded):
+    """The duplicate a processor may re-emit (README, known issues) must not hold its partition's commits."""
+    model = f"tiny-{unique}"
+    cfg = WorkerConfig(model=model, max_running=4, worker_id="w-dup", step_delay_s=0.05)
+    stop, task = await start_inprocess(cfg, tiny_loaded, bootstrap)
+    producer = await start_producer(bootstrap)
+    try:
+        async with TokenReader(bootstrap) as reader:
+            original = request(model, "Count slowly to sixty", max_tokens=60)  # 3 s at 0.05 s a step
+            await publish(producer, inference_topic(model), original)
+            await publish(producer, inference_topic(model), original)  # same key: same partition, just behind
+            await reader.until(lambda rd: rd.completion(original.request_id) is not None)
+        assert_gap_free(reader, original.request_id)
+        deadline = time.monotonic() + 15
+        while await committed(bootstrap, model) < 2:  # both records, the duplicate included
+            assert time.monotonic() < deadline, "the duplicate's offset was left in flight"
+            await asyncio.sleep(0.2)
+    finally:
+        stop.set()
+        await task
         await producer.stop()

@@ -40,6 +40,12 @@ class Settings(BaseSettings):
     worker_metrics_port: int = Field(9400, description="Prometheus port of the worker `system up` starts")
     model_paths: dict[str, Path] = Field(
         default_factory=dict, description="served model name -> local Hugging Face folder (JSON object)")
+    context_tokens: dict[str, int] = Field(
+        default_factory=dict, description="served model name -> context window in tokens, overriding the "
+                                          "model's own (JSON object); read through tokenstream.models")
+    presets_file: Path = Field(Path(__file__).with_name("presets.json"),
+                               description="assistant presets (JSON object: name -> preset), read by the "
+                                           "gateway (404 for an unknown one) and the conversation processor")
 
 
 @lru_cache
