@@ -151,47 +151,61 @@ class Worker:
                 paused = False
             epochs = dict(self.epoch)
             batches = await self.consumer.getmany(timeout_ms=100, max_records=room)
+            fetched = []
             for tp, records in batches.items():
                 for rec in records:
                     if self.epoch.get(tp, 0) != epochs.get(tp, 0) or tp not in self.consumer.assignment():
                         break  # revoked since the fetch: whoever owns it now re-reads from the commit
-                    await self._accept(tp, rec)
+                    fetched.append((tp, rec))
+            if fetched:
+                await self._accept(fetched, epochs)
             self.work.set()
 
-    async def _accept(self, tp: TopicPartition, rec) -> None:
-        self.tracker.add(tp, rec.offset)
-        try:
-            request = decode_record(rec, self.spec)
-        except DecodeError as exc:
-            await dead_letter(self.producer, rec, exc, group=self.group)
-            await self._done(tp, rec.offset)
-            return
-        if request.request_id in self.owned:
-            # a duplicate of a request this worker is running: the original's offset holds the
-            # partition's commits back until it completes, so this one is done at once
-            await self._done(tp, rec.offset)
-            return
-        if request.request_id in self.completed:
-            await self._done(tp, rec.offset)  # a duplicate of a request this worker has completed
-            return
-        s = request.sampling
-        seq = Sequence(request.request_id, prompt_ids(self.engine.tokenizer, request), max_tokens=s.max_tokens,
-                       temperature=s.temperature, top_p=s.top_p, seed=s.seed, stop=list(s.stop),
-                       arrival=min(time.time(), request.admitted_at or request.created_at), tag=(tp, rec.offset))
-        if rec.offset < self.takeover_below.get(tp, -1):
-            emitted = await self.tokens.emitted(request.request_id, request.reply_partition,
-                                                request.created_at - self.cfg.takeover_margin_s)
-            if emitted.completion is not None:
+    async def _accept(self, fetched: list, epochs: dict[TopicPartition, int]) -> None:
+        """Start the fetched requests; those a previous owner may have started resume where it stopped,
+        all looked up in one read of the tokens topic (a takeover of a whole batch costs one scan)."""
+        taken: list[tuple[TopicPartition, int, InferenceRequest]] = []
+        seen: set[str] = set()
+        for tp, rec in fetched:
+            if self.epoch.get(tp, 0) != epochs.get(tp, 0):
+                continue  # revoked meanwhile
+            self.tracker.add(tp, rec.offset)
+            try:
+                request = decode_record(rec, self.spec)
+            except DecodeError as exc:
+                await dead_letter(self.producer, rec, exc, group=self.group)
                 await self._done(tp, rec.offset)
-                return
-            if emitted.chunks:
+                continue
+            rid = request.request_id
+            if rid in self.owned or rid in self.completed or rid in seen:
+                # a duplicate of a request this worker runs or has completed: done at once (a running
+                # original's offset holds the partition's commits back until it completes)
+                await self._done(tp, rec.offset)
+                continue
+            seen.add(rid)
+            taken.append((tp, rec.offset, request))
+        resumed = [(r.request_id, r.reply_partition, r.created_at - self.cfg.takeover_margin_s)
+                   for tp, offset, r in taken if offset < self.takeover_below.get(tp, -1)]
+        emitted = await self.tokens.emitted(resumed) if resumed else {}
+        for tp, offset, request in taken:
+            if self.epoch.get(tp, 0) != epochs.get(tp, 0):
+                continue  # revoked during the read: the new owner takes it from the commit
+            s = request.sampling
+            seq = Sequence(request.request_id, prompt_ids(self.engine.tokenizer, request), max_tokens=s.max_tokens,
+                           temperature=s.temperature, top_p=s.top_p, seed=s.seed, stop=list(s.stop),
+                           arrival=min(time.time(), request.admitted_at or request.created_at), tag=(tp, offset))
+            before = emitted.get(request.request_id)
+            if before is not None and before.completion is not None:
+                await self._done(tp, offset)
+                continue
+            if before is not None and before.chunks:
                 self.metrics.takeovers.labels(self.cfg.model).inc()
-                seq.generated = emitted.token_ids
+                seq.generated = before.token_ids
                 seq.resumed = len(seq.generated)
-                seq.emitted_text = emitted.text
-                seq.next_seq = len(emitted.chunks)
-        self.owned[request.request_id] = (tp, rec.offset, request, seq)
-        self.engine.add(seq)
+                seq.emitted_text = before.text
+                seq.next_seq = len(before.chunks)
+            self.owned[request.request_id] = (tp, offset, request, seq)
+            self.engine.add(seq)
 
     async def _cancels(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
