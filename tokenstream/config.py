@@ -24,6 +24,8 @@ class Settings(BaseSettings):
                                               "(default: the bootstrap port + 1)")
     kafka_replication: int = Field(1, ge=1, description="replication factor of created topics")
     redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_outage_s: float = Field(30.0, gt=0, description="how long a role retries an unreachable Redis "
+                                  "(back-off, input held) before it exits for its supervisor to restart it")
     weaviate_host: str = "127.0.0.1"
     weaviate_http_port: int = 8080
     weaviate_grpc_port: int = 50051
