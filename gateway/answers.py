@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from gateway import openai_api as api
+from gateway.fanout import SlowReader
 from gateway.framing import Framer, content_filtered
 from gateway.pipeline import Gateway
 from schemas import Completion, Event, SafetyVerdict, TokenChunk
@@ -26,28 +27,38 @@ def sse_response(gw: Gateway, framer: Framer, source: AsyncIterator[list[Event]]
                  started: float, cleanup: Callable[[], None]) -> EventSourceResponse:
     """Stream `source` as OpenAI chunks; `started` (monotonic) is the admission time for TTFT, or 0."""
     async def frames():
-        observed = False
+        observed = timed_out = False
         try:
             for frame in framer.start():
                 yield frame
-            async for batch in source:
-                out = framer.frames(batch)
-                if framer.first_token_at is not None and started and not observed:
-                    gw.metrics.ttft.observe(framer.first_token_at - started)
-                    observed = True
-                for frame in out:
-                    yield frame
-                if framer.done:
-                    return
-            if not framer.done:  # timed out waiting for the pipeline
+            try:
+                async for batch in source:
+                    out = framer.frames(batch)
+                    if framer.first_token_at is not None and started and not observed:
+                        gw.metrics.ttft.observe(framer.first_token_at - started)
+                        observed = True
+                    for frame in out:
+                        yield frame
+                    if framer.done:
+                        return
+            except SlowReader:  # dropped for holding up others: the client resumes at its own pace
                 yield ServerSentEvent(json.dumps(api.error_body(
-                    "timed out waiting for the model", "server_error", None, "timeout")))
-                framer.done = True
+                    "This stream fell too far behind and was ended; resume it with GET "
+                    f"/v1/chat/completions/{framer.cid}/stream and the Last-Event-ID header.",
+                    "server_error", None, "slow_reader")))
+                return
+            if not framer.done:  # no progress within the deadline: the client hears why, the work stops
+                timed_out = True
+                yield ServerSentEvent(json.dumps(api.error_body(
+                    f"The model made no progress for {gw.cfg.progress_timeout_s:.0f}s; the request was cancelled. "
+                    "Please retry.", "server_error", None, "timeout")))
         finally:
             cleanup()
             with contextlib.suppress(Exception):
                 await source.aclose()  # type: ignore[attr-defined]
-            if framer.done:
+            if timed_out:
+                gw.canceller.no_progress(framer.rid, generation)
+            elif framer.done:
                 gw.canceller.release(framer.rid)
             else:
                 gw.canceller.detached(framer.rid, generation)
@@ -93,11 +104,12 @@ async def collect(gw: Gateway, rid: str, model_name: str, created: int, source: 
         watch_task.cancel()
         cleanup()
     if done is None:
-        gw.canceller.detached(rid, generation, grace_s=0)
-        raise api.APIError(504, "timed out waiting for the model", "server_error", code="timeout")
+        gw.canceller.no_progress(rid, generation)
+        raise api.APIError(504, f"The model made no progress for {gw.cfg.progress_timeout_s:.0f}s; the request "
+                                "was cancelled. Please retry.", "server_error", code="timeout")
     gw.canceller.release(rid)
     if done.finish_reason == "error":
-        raise api.APIError(500, done.error or "generation failed", "server_error", code="generation_error")
+        raise api.refusal(done)
     return JSONResponse(api.completion_body(
         api.completion_id(rid), created, model_name, "".join(text),
         api.finish_reason_for_client(done.finish_reason), done.usage.prompt_tokens,

@@ -15,9 +15,11 @@ import contextlib
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
 
 from gateway import openai_api as api
 from gateway.config import GatewaySettings
+from gateway.limits import BodyLimits
 from gateway.pipeline import Gateway
 from gateway.routes import ROUTERS
 
@@ -37,6 +39,9 @@ def create_app(cfg: GatewaySettings, bootstrap: str, redis_url: str | None = Non
     app.state.gateway = gw
     app.add_exception_handler(RequestValidationError, api.validation_error_handler)
     app.add_exception_handler(api.APIError, api.api_error_handler)
+    app.add_exception_handler(HTTPException, api.http_error_handler)
+    app.add_exception_handler(Exception, api.unexpected_error_handler)
+    app.add_middleware(BodyLimits, max_body_bytes=cfg.max_body_bytes)
     for router in ROUTERS:
         app.include_router(router)
     return app

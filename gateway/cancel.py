@@ -67,18 +67,26 @@ class Canceller:
         """The answer was delivered in full: nothing to cancel, forget the local generation."""
         self._local.pop(request_id, None)
 
-    def detached(self, request_id: str, generation: int, *, grace_s: float | None = None) -> None:
+    def detached(self, request_id: str, generation: int, *, grace_s: float | None = None,
+                 reason: str = "client_disconnected") -> None:
         """The connection of `generation` dropped before the end: cancel unless resumed in time."""
         task = asyncio.get_running_loop().create_task(
-            self._cancel_later(request_id, generation, self.grace_s if grace_s is None else grace_s))
+            self._cancel_later(request_id, generation, self.grace_s if grace_s is None else grace_s, reason))
         self._timers.add(task)
         task.add_done_callback(self._timers.discard)
 
-    async def _cancel_later(self, request_id: str, generation: int, grace_s: float) -> None:
+    async def _cancel_later(self, request_id: str, generation: int, grace_s: float, reason: str) -> None:
         await asyncio.sleep(grace_s)
         if await self._generation(request_id) != generation:
             return  # resumed somewhere
-        await self.cancel(request_id, "client_disconnected")
+        try:
+            await self.cancel(request_id, reason)
+        except Exception as exc:  # noqa: BLE001 - the broker is away: the worker's own limits end it
+            log.warning("could not cancel %s (%s): %s", request_id, reason, exc)
+
+    def no_progress(self, request_id: str, generation: int) -> None:
+        """Nothing arrived for the request within the deadline: cancel it now."""
+        self.detached(request_id, generation, grace_s=0, reason="deadline")
 
     async def cancel(self, request_id: str, reason: str) -> None:
         if self.producer is None:

@@ -39,6 +39,13 @@ class GatewaySettings(BaseSettings):
     # merged into the last pending chunk up to coalesce_chars, then the partition is paused.
     buffer_events: int = Field(64, ge=2)
     coalesce_chars: int = Field(4096, ge=16)
+    # A client whose full buffer keeps its partition paused this long is dropped (its stream ends
+    # with an error event; it resumes from the log with Last-Event-ID), so others on it go on.
+    slow_reader_s: float = Field(30.0, gt=0)
+
+    # Largest request body accepted (413 beyond): below the broker's message size (1 MiB by default),
+    # since the request is written to the pipeline as one event.
+    max_body_bytes: int = Field(512 * 1024, ge=1024, le=900 * 1024)
 
     # Connections waiting on tokens at once; beyond this, 429 (a hard cap next to the lag check).
     max_active_streams: int = Field(20_000, ge=1)
@@ -54,8 +61,9 @@ class GatewaySettings(BaseSettings):
 
     # A disconnected stream is cancelled unless some client resumes it within this time.
     cancel_grace_s: float = Field(5.0, ge=0)
-    # Upper bound on one request (non-streaming wait, streaming without events).
-    request_timeout_s: float = Field(600.0, gt=0)
+    # A request that makes no progress (no event from the pipeline) for this long is ended for its
+    # client (an error event on a stream, 504 otherwise) and cancelled, instead of hanging.
+    progress_timeout_s: float = Field(60.0, gt=0)
     # SSE keep-alive comment interval.
     ping_s: float = Field(15.0, gt=0)
 

@@ -7,6 +7,9 @@ Stream. A Stream that is full merges new text into its last pending chunk (a slo
 gets fewer, larger chunks); when even that is exhausted, the fanout parks the rest of the
 fetched records of that partition (one fetch response at most) and pauses the partition
 until the client has drained its buffer; then it delivers the parked records and resumes.
+A client that keeps its partition paused longer than `slow_reader_s` holds up every other
+stream on it: its Stream is dropped instead (its connection ends with an error event, and the
+client resumes from the log with Last-Event-ID, at its own pace), and the partition resumes.
 """
 
 from __future__ import annotations
@@ -27,6 +30,10 @@ from topics import TOKENS
 log = logging.getLogger(__name__)
 
 
+class SlowReader(Exception):
+    """The stream was dropped because its reader fell too far behind; it can resume from the log."""
+
+
 class Stream:
     """The pending events of one connection: at most `capacity` events, never more."""
 
@@ -38,6 +45,7 @@ class Stream:
         self.items: deque[Event] = deque()
         self.blocked_on: TopicPartition | None = None
         self.coalesced = 0
+        self.dropped = False
         self._ready = asyncio.Event()
         self._on_drain = on_drain
 
@@ -58,13 +66,20 @@ class Stream:
         return False
 
     async def take(self, timeout: float | None = None) -> list[Event]:
-        """Every pending event (at least one), or [] after `timeout` seconds without any."""
+        """Every pending event (at least one), or [] after `timeout` seconds without any.
+
+        Raises SlowReader once the stream was dropped and what it still held was taken.
+        """
         if not self.items:
+            if self.dropped:
+                raise SlowReader(self.request_id)
             self._ready.clear()
             try:
                 await asyncio.wait_for(self._ready.wait(), timeout)
             except TimeoutError:
                 return []
+            if self.dropped and not self.items:
+                raise SlowReader(self.request_id)
         batch = list(self.items)
         self.items.clear()
         self._ready.clear()
@@ -75,8 +90,9 @@ class Stream:
 
 class Fanout:
     def __init__(self, consumer: AIOKafkaConsumer, partitions: list[int], metrics: Metrics,
-                 capacity: int = 64, coalesce_chars: int = 4096) -> None:
+                 capacity: int = 64, coalesce_chars: int = 4096, slow_reader_s: float = 30.0) -> None:
         self.consumer = consumer
+        self.slow_reader_s = slow_reader_s
         self.partitions = [TopicPartition(TOKENS.name, p) for p in partitions]
         self.metrics = metrics
         self.capacity = capacity
@@ -85,6 +101,7 @@ class Fanout:
         # Records fetched but not yet delivered because a stream was full, per paused partition.
         # At most one fetch response each (max_partition_fetch_bytes): bounded.
         self.parked: dict[TopicPartition, deque[ConsumerRecord]] = {}
+        self.paused_at: dict[TopicPartition, float] = {}
         self.last_poll = 0.0
         self._counters = {tp.partition: metrics.token_events.labels(str(tp.partition)) for tp in self.partitions}
 
@@ -114,8 +131,26 @@ class Fanout:
             return
         if self._deliver(tp, records):
             del self.parked[tp]
+            self.paused_at.pop(tp, None)
             self.consumer.resume(tp)
             self.metrics.paused.set(len(self.parked))
+
+    def _drop_slow_readers(self, now: float) -> None:
+        """Drop the stream that has kept a partition paused for longer than `slow_reader_s`."""
+        for tp, since in list(self.paused_at.items()):
+            if now - since < self.slow_reader_s:
+                continue
+            blocking = next((s for s in self.streams.values() if s.blocked_on == tp), None)
+            if blocking is None:
+                continue
+            log.warning("dropping stream %s: its reader kept partition %d paused for %.0fs",
+                        blocking.request_id, tp.partition, now - since)
+            self.metrics.slow_readers.inc()
+            blocking.dropped = True
+            blocking._ready.set()  # noqa: SLF001 - wakes its reader, which ends the connection
+            self.unsubscribe(blocking.request_id)  # delivers the parked records, resumes
+            if tp in self.paused_at:  # blocked again at once, by another stream: its own clock starts now
+                self.paused_at[tp] = now
 
     def _deliver(self, tp: TopicPartition, records: deque[ConsumerRecord]) -> bool:
         """Route records in order; on a full stream, park the rest and pause. True when all went."""
@@ -144,6 +179,8 @@ class Fanout:
         while True:
             batches = await self.consumer.getmany(timeout_ms=200, max_records=2000)
             self.last_poll = loop.time()
+            if self.paused_at:
+                self._drop_slow_readers(self.last_poll)
             for tp, records in batches.items():
                 self._counters[tp.partition].inc(len(records))
                 pending = deque(records)
@@ -152,6 +189,7 @@ class Fanout:
                     continue
                 if not self._deliver(tp, pending):
                     self.parked[tp] = pending
+                    self.paused_at[tp] = self.last_poll
                     self.consumer.pause(tp)
                     self.metrics.pauses.inc()
                     self.metrics.paused.set(len(self.parked))

@@ -87,7 +87,8 @@ class Framer:
     def _completion_frames(self, c: Completion) -> list[ServerSentEvent]:
         frames: list[tuple[int, str]] = []
         if c.finish_reason == "error":
-            err = api.error_body(c.error or "generation failed", "server_error", None, "generation_error")
+            refused = api.refusal(c)
+            err = api.error_body(refused.message, refused.type, refused.param, refused.code)
             frames.append((c.seq, self._data(err)))
         else:
             frames.append((c.seq, self._data(api.chunk(

@@ -28,6 +28,9 @@ class Metrics:
         self.pauses = Counter("gateway_partition_pauses_total",
                               "times a tokens partition was paused because a client buffer was full",
                               registry=r)
+        self.slow_readers = Counter("gateway_slow_readers_dropped_total",
+                                    "streams ended because their reader kept a partition paused too long",
+                                    registry=r)
         self.paused = Gauge("gateway_paused_partitions", "tokens partitions paused now", registry=r)
         self.cancels = Counter("gateway_cancels_total", "cancel events written", ["reason"], registry=r)
         self.resumes = Counter("gateway_resumes_total", "streams resumed with Last-Event-ID", registry=r)

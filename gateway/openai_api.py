@@ -9,6 +9,15 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from starlette.exceptions import HTTPException
+
+# Limits on one request (the body itself is bounded by GatewaySettings.max_body_bytes).
+MAX_MESSAGES = 1024
+MAX_STOP = 4
+MAX_STOP_CHARS = 256
+MAX_NAME_CHARS = 256
+MAX_TOKENS = 2**31 - 1  # the model's context refuses far less (routes/chat.py); this keeps events encodable
+INT64 = 2**63 - 1
 
 
 class TextPart(BaseModel):
@@ -21,8 +30,8 @@ class Message(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
-    name: str | None = None
-    tool_call_id: str | None = None
+    name: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    tool_call_id: str | None = Field(None, max_length=MAX_NAME_CHARS)
 
     def text(self) -> str:
         if self.content is None:
@@ -42,29 +51,40 @@ class ChatCompletionRequest(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    model: str = Field(min_length=1)
-    messages: list[Message] = Field(min_length=1)
+    model: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
+    messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     stop: str | list[str] | None = None
-    seed: int | None = None
-    user: str | None = None
+    seed: int | None = Field(None, ge=-INT64 - 1, le=INT64)
+    user: str | None = Field(None, max_length=MAX_NAME_CHARS)
     n: int | None = Field(None, ge=1, le=1)
     # tokenstream extensions (the SDK sends them with extra_body=...):
     conversation_id: str | None = Field(None, min_length=1, max_length=200,
                                         description="continue a stored conversation: send only the new message")
-    assistant: str | None = Field(None, min_length=1, description="an assistant preset: system prompt, "
+    assistant: str | None = Field(None, min_length=1, max_length=MAX_NAME_CHARS, description="an assistant preset: system prompt, "
                                                                   "model and sampling settings")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        where = lone_surrogate(data)
+        if where is not None:
+            raise ValueError(f"{where or 'the body'} holds a lone UTF-16 surrogate (not valid Unicode text)")
+        return data
 
     @field_validator("stop")
     @classmethod
     def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(v, list) and len(v) > 4:
-            raise ValueError("at most 4 stop sequences")
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences")
+        if any(not 0 < len(x) <= MAX_STOP_CHARS for x in stops):
+            raise ValueError(f"each stop sequence must have 1 to {MAX_STOP_CHARS} characters")
         return v
 
     @model_validator(mode="after")
@@ -80,6 +100,29 @@ class ChatCompletionRequest(BaseModel):
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+
+def lone_surrogate(data: Any) -> str | None:
+    """The path of the first string in `data` that cannot be UTF-8 (a lone surrogate), else None.
+
+    JSON's \\ud800 escapes decode to such strings; they could not be written to the pipeline.
+    Iterative, so a deeply nested body cannot exhaust the stack.
+    """
+    todo: list[tuple[str, Any]] = [("", data)]
+    while todo:
+        path, item = todo.pop()
+        if isinstance(item, str):
+            if not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    return path
+        elif isinstance(item, dict):
+            todo += [(f"{path}.{k}" if path else str(k), v) for k, v in item.items()]
+            todo += [(path, k) for k in item]
+        elif isinstance(item, list):
+            todo += [(f"{path}.{i}" if path else str(i), v) for i, v in enumerate(item)]
+    return None
 
 
 # ----------------------------------------------------------------- responses (plain dicts: fast)
@@ -178,6 +221,19 @@ def unavailable(message: str) -> APIError:
                     headers={"Retry-After": "5"})
 
 
+# Completion.error_code -> (status, param) of a request the pipeline refused for the client's fault
+CLIENT_ERRORS = {"context_length_exceeded": (400, "messages"), "preset_not_found": (404, "assistant")}
+
+
+def refusal(done) -> APIError:
+    """The error a Completion with finish_reason "error" stands for: 4xx when the client's fault."""
+    if done.error_code in CLIENT_ERRORS:
+        status, param = CLIENT_ERRORS[done.error_code]
+        return APIError(status, done.error or done.error_code, "invalid_request_error", param=param,
+                        code=done.error_code)
+    return APIError(500, done.error or "generation failed", "server_error", code="generation_error")
+
+
 def not_found(message: str) -> APIError:
     return APIError(404, message, "invalid_request_error", code="not_found")
 
@@ -185,6 +241,11 @@ def not_found(message: str) -> APIError:
 async def validation_error_handler(_: Request, exc: RequestValidationError) -> JSONResponse:
     errors = exc.errors()
     first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        where = first.get("loc", ("body", "?"))[-1]
+        why = (first.get("ctx") or {}).get("error", "invalid JSON")
+        return JSONResponse(error_body(f"We could not parse the JSON body of your request: {why} (at byte {where}).",
+                                       "invalid_request_error", None, "invalid_json"), status_code=400)
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
     msg = first.get("msg", "invalid request")
@@ -194,3 +255,26 @@ async def validation_error_handler(_: Request, exc: RequestValidationError) -> J
 
 async def api_error_handler(_: Request, exc: APIError) -> JSONResponse:
     return exc.response()
+
+
+async def http_error_handler(request: Request, exc: HTTPException) -> JSONResponse:
+    """Starlette's own errors (unknown path, wrong method, unparsable body) in OpenAI's shape."""
+    method, path = request.method, request.url.path
+    if exc.status_code == 404:
+        message, code = f"Invalid URL ({method} {path}).", "not_found"
+    elif exc.status_code == 405:
+        message, code = f"Method {method} is not allowed on {path}.", "method_not_allowed"
+    elif exc.status_code == 400:
+        message, code = ("We could not parse the JSON body of your request: it must be valid UTF-8 JSON "
+                         "(nested at most a few hundred levels deep)."), "invalid_json"
+    else:
+        message, code = str(exc.detail), None
+    type_ = "server_error" if exc.status_code >= 500 else "invalid_request_error"
+    return JSONResponse(error_body(message, type_, None, code), status_code=exc.status_code,
+                        headers=getattr(exc, "headers", None))
+
+
+async def unexpected_error_handler(_: Request, exc: Exception) -> JSONResponse:
+    """A bug: still OpenAI's shape, so clients can show it."""
+    return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error", None, "internal_error"),
+                        status_code=500)

@@ -68,7 +68,7 @@ class Gateway:
                 if not self.partitions:
                     raise RuntimeError("this instance owns no tokens partition")
                 fanout = Fanout(consumer, self.partitions, self.metrics, self.cfg.buffer_events,
-                                self.cfg.coalesce_chars)
+                                self.cfg.coalesce_chars, self.cfg.slow_reader_s)
                 await fanout.start()
                 self.fanout = fanout
                 log.info("gateway %s owns tokens partitions %s", self.cfg.instance_id, self.partitions)

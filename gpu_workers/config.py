@@ -27,7 +27,8 @@ class WorkerConfig(BaseSettings):
     max_running: int = Field(32, ge=1, description="most requests decoding in one batch")
     max_waiting: int = Field(32, ge=1, description="queued requests before the worker pauses fetching")
     prefill_chunk: int = Field(256, ge=1, description="most prompt tokens prefilled in one step")
-    max_model_len: int = Field(2048, ge=16, description="longest prompt + output, in tokens")
+    max_model_len: int | None = Field(None, ge=16, description="longest prompt + output, in tokens (default: "
+                                      "the model's context, tokenstream.models.context_length)")
 
     worker_id: str = ""
     metrics_port: int | None = Field(None, description="Prometheus endpoint port (None: no endpoint)")

@@ -1,10 +1,11 @@
 """Taking a request over: what did the previous worker already emit for it?
 
-The tokens topic is the record of truth. For a request re-delivered after a rebalance the
-worker reads partition `reply_partition` of the tokens topic from shortly before the request
-was created (offsets_for_times; the topic uses LogAppendTime) up to its current end, keeps
-the events keyed by the request id, and returns the longest gap-free run of chunks from seq 0
-and the completion, if one was written.
+The tokens topic is the record of truth. For requests re-delivered after a rebalance the
+worker reads their `reply_partition`s of the tokens topic from shortly before the earliest
+of them was created (offsets_for_times; the topic uses LogAppendTime) up to the current end,
+keeps the events keyed by their request ids, and returns for each the longest gap-free run of
+chunks from seq 0 and the completion, if one was written. All requests fetched together are
+looked up in one such read.
 """
 
 from __future__ import annotations
@@ -54,46 +55,57 @@ class TokenLog:
         if self._consumer is not None:
             await self._consumer.stop()
 
-    async def emitted(self, request_id: str, partition: int, since: float) -> Emitted:
-        async with self._lock:
-            return await self._scan(request_id, partition, since)
+    async def emitted(self, wanted: list[tuple[str, int, float]]) -> dict[str, Emitted]:
+        """What was emitted for each (request id, reply partition, created_at less a margin).
 
-    async def _scan(self, request_id: str, partition: int, since: float) -> Emitted:
+        One read for all of them: every reply partition concerned is read once, from the
+        earliest `since` among its requests to its end, so taking over a whole batch of
+        requests costs one scan, not one per request.
+        """
+        async with self._lock:
+            return await self._scan(wanted)
+
+    async def _scan(self, wanted: list[tuple[str, int, float]]) -> dict[str, Emitted]:
         consumer = self._consumer
         assert consumer is not None
-        tp = TopicPartition(TOKENS.name, partition)
-        consumer.assign([tp])
-        end = (await consumer.end_offsets([tp]))[tp]
-        found = (await consumer.offsets_for_times({tp: max(0, int(since * 1000))}))[tp]
-        if found is None:
-            return Emitted()
-        consumer.seek(tp, found.offset)
-        key = request_id.encode()
-        by_seq: dict[int, TokenChunk] = {}
-        result = Emitted()
-        position = found.offset
-        while position < end:
-            batch = await consumer.getmany(tp, timeout_ms=500)
-            records = batch.get(tp, [])
-            if not records:
-                position = await consumer.position(tp)
-                continue
-            for rec in records:
-                position = rec.offset + 1
-                if rec.key != key or rec.offset >= end:
-                    continue
-                try:
-                    event = decode_record(rec, TOKENS)
-                except DecodeError:
-                    continue
-                if isinstance(event, Completion):
-                    result.completion = event
-                elif isinstance(event, TokenChunk):
-                    by_seq.setdefault(event.seq, event)
-        n = 0
-        while n in by_seq:
-            result.chunks.append(by_seq[n])
-            n += 1
-        log.info("takeover %s: %d chunks already emitted%s", request_id, n,
-                 ", completion found" if result.completion else "")
+        since: dict[TopicPartition, float] = {}
+        for _, partition, at in wanted:
+            tp = TopicPartition(TOKENS.name, partition)
+            since[tp] = min(at, since.get(tp, at))
+        keys = {rid.encode() for rid, _, _ in wanted}
+        consumer.assign(list(since))
+        ends = await consumer.end_offsets(list(since))
+        starts = await consumer.offsets_for_times({tp: max(0, int(at * 1000)) for tp, at in since.items()})
+        todo = {tp: ends[tp] for tp, found in starts.items() if found is not None and found.offset < ends[tp]}
+        for tp in todo:
+            consumer.seek(tp, starts[tp].offset)
+        by_seq: dict[bytes, dict[int, TokenChunk]] = {k: {} for k in keys}
+        completions: dict[bytes, Completion] = {}
+        while todo:
+            batches = await consumer.getmany(*todo, timeout_ms=500)
+            for tp, records in batches.items():
+                for rec in records:
+                    if rec.key not in keys or rec.offset >= todo.get(tp, -1):
+                        continue
+                    try:
+                        event = decode_record(rec, TOKENS)
+                    except DecodeError:
+                        continue
+                    if isinstance(event, Completion):
+                        completions[rec.key] = event
+                    elif isinstance(event, TokenChunk):
+                        by_seq[rec.key].setdefault(event.seq, event)
+            for tp in list(todo):
+                if await consumer.position(tp) >= todo[tp]:
+                    del todo[tp]
+        result: dict[str, Emitted] = {}
+        for key, chunks in by_seq.items():
+            emitted = result[key.decode()] = Emitted(completion=completions.get(key))
+            n = 0
+            while n in chunks:
+                emitted.chunks.append(chunks[n])
+                n += 1
+        resumed = sum(1 for e in result.values() if e.chunks)
+        log.info("takeover of %d requests: one read of %d tokens partitions, %d had chunks, %d completions found",
+                 len(result), len(since), resumed, len(completions))
         return result

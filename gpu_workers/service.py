@@ -28,8 +28,7 @@ from gpu_workers.offsets import OffsetTracker
 from gpu_workers.recovery import TokenLog
 from producers import dead_letter, decode_record, publish, start_consumer, start_producer
 from schemas import Cancel, Completion, DecodeError, InferenceRequest, Timings, TokenChunk, Usage, encode
-from schemas.headers import EVENT_TYPE
-from topics import CONTROL, TOKENS, inference_topic, worker_group
+from topics import CONTROL, TOKENS, inference_topic
 
 COMPLETED_KEPT = 10_000  # request ids remembered as done, to drop a duplicate of one
 
@@ -63,7 +62,7 @@ class Worker:
         self.bootstrap = bootstrap
         self.worker_id = cfg.worker_id or f"{socket.gethostname()}-{os.getpid()}"
         self.spec = inference_topic(cfg.model)
-        self.group = worker_group(cfg.model)
+        self.group = f"worker.{cfg.model}"
         self.tracker = OffsetTracker()
         self.takeover_below: dict[TopicPartition, int] = {}
         self.owned: dict[str, tuple[TopicPartition, int, InferenceRequest, Sequence]] = {}
@@ -152,44 +151,61 @@ class Worker:
                 paused = False
             epochs = dict(self.epoch)
             batches = await self.consumer.getmany(timeout_ms=100, max_records=room)
+            fetched = []
             for tp, records in batches.items():
                 for rec in records:
                     if self.epoch.get(tp, 0) != epochs.get(tp, 0) or tp not in self.consumer.assignment():
                         break  # revoked since the fetch: whoever owns it now re-reads from the commit
-                    await self._accept(tp, rec)
+                    fetched.append((tp, rec))
+            if fetched:
+                await self._accept(fetched, epochs)
             self.work.set()
 
-    async def _accept(self, tp: TopicPartition, rec) -> None:
-        self.tracker.add(tp, rec.offset)
-        try:
-            request = decode_record(rec, self.spec)
-        except DecodeError as exc:
-            await dead_letter(self.producer, rec, exc, group=self.group)
-            await self._done(tp, rec.offset)
-            return
-        if request.request_id in self.owned:
-            return  # a duplicate of a request this worker is running
-        if request.request_id in self.completed:
-            await self._done(tp, rec.offset)  # a duplicate of a request this worker has completed
-            return
-        s = request.sampling
-        seq = Sequence(request.request_id, prompt_ids(self.engine.tokenizer, request), max_tokens=s.max_tokens,
-                       temperature=s.temperature, top_p=s.top_p, seed=s.seed, stop=list(s.stop),
-                       arrival=time.time(), tag=(tp, rec.offset))
-        if rec.offset < self.takeover_below.get(tp, -1):
-            emitted = await self.tokens.emitted(request.request_id, request.reply_partition,
-                                                request.created_at - self.cfg.takeover_margin_s)
-            if emitted.completion is not None:
+    async def _accept(self, fetched: list, epochs: dict[TopicPartition, int]) -> None:
+        """Start the fetched requests; those a previous owner may have started resume where it stopped,
+        all looked up in one read of the tokens topic (a takeover of a whole batch costs one scan)."""
+        taken: list[tuple[TopicPartition, int, InferenceRequest]] = []
+        seen: set[str] = set()
+        for tp, rec in fetched:
+            if self.epoch.get(tp, 0) != epochs.get(tp, 0):
+                continue  # revoked meanwhile
+            self.tracker.add(tp, rec.offset)
+            try:
+                request = decode_record(rec, self.spec)
+            except DecodeError as exc:
+                await dead_letter(self.producer, rec, exc, group=self.group)
                 await self._done(tp, rec.offset)
-                return
-            if emitted.chunks:
+                continue
+            rid = request.request_id
+            if rid in self.owned or rid in self.completed or rid in seen:
+                # a duplicate of a request this worker runs or has completed: done at once (a running
+                # original's offset holds the partition's commits back until it completes)
+                await self._done(tp, rec.offset)
+                continue
+            seen.add(rid)
+            taken.append((tp, rec.offset, request))
+        resumed = [(r.request_id, r.reply_partition, r.created_at - self.cfg.takeover_margin_s)
+                   for tp, offset, r in taken if offset < self.takeover_below.get(tp, -1)]
+        emitted = await self.tokens.emitted(resumed) if resumed else {}
+        for tp, offset, request in taken:
+            if self.epoch.get(tp, 0) != epochs.get(tp, 0):
+                continue  # revoked during the read: the new owner takes it from the commit
+            s = request.sampling
+            seq = Sequence(request.request_id, prompt_ids(self.engine.tokenizer, request), max_tokens=s.max_tokens,
+                           temperature=s.temperature, top_p=s.top_p, seed=s.seed, stop=list(s.stop),
+                           arrival=time.time(), tag=(tp, offset))
+            before = emitted.get(request.request_id)
+            if before is not None and before.completion is not None:
+                await self._done(tp, offset)
+                continue
+            if before is not None and before.chunks:
                 self.metrics.takeovers.labels(self.cfg.model).inc()
-                seq.generated = emitted.token_ids
+                seq.generated = before.token_ids
                 seq.resumed = len(seq.generated)
-                seq.emitted_text = emitted.text
-                seq.next_seq = len(emitted.chunks)
-        self.owned[request.request_id] = (tp, rec.offset, request, seq)
-        self.engine.add(seq)
+                seq.emitted_text = before.text
+                seq.next_seq = len(before.chunks)
+            self.owned[request.request_id] = (tp, offset, request, seq)
+            self.engine.add(seq)
 
     async def _cancels(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -249,7 +265,7 @@ class Worker:
                     dropped_messages=request.dropped_messages, worker_id=self.worker_id)
                 future = await self.producer.send(TOKENS.name, encode(done), key=rid.encode(),
                                                   partition=request.reply_partition,
-                                                  headers=[(EVENT_TYPE, b"completion")])
+                                                  headers=[("event-type", b"completion")])
                 self.owned.pop(rid, None)
                 self.completed[rid] = None
                 while len(self.completed) > COMPLETED_KEPT:
@@ -287,7 +303,8 @@ async def run_worker(cfg: WorkerConfig, stop: asyncio.Event | None = None, *, lo
     from gpu_workers.kv_cache import PagedKVCache
     from gpu_workers.model_loader import load
     from tokenstream.config import settings
-    from topics.admin import apply
+    from tokenstream.models import context_length
+    from topics.admin import require
 
     stop = stop or asyncio.Event()
     bootstrap = bootstrap or settings().kafka_bootstrap
@@ -298,14 +315,22 @@ async def run_worker(cfg: WorkerConfig, stop: asyncio.Event | None = None, *, lo
     metrics = WorkerMetrics(cfg.model)
     if cfg.metrics_port:
         metrics.serve(cfg.metrics_port)
+    context = (cfg.max_model_len or context_length(cfg.model, cfg.model_path)
+               or loaded.model.config.max_position_embeddings)
+    if cache.capacity_tokens < context:
+        log.warning("worker: the KV pool holds %d tokens, less than the %d-token context: longer prompts "
+                    "are refused here although the conversation processor lets them through",
+                    cache.capacity_tokens, context)
     engine = Engine(loaded.model, loaded.tokenizer, cache, max_running=cfg.max_running,
-                    prefill_chunk=cfg.prefill_chunk, max_model_len=cfg.max_model_len, metrics=metrics)
+                    prefill_chunk=cfg.prefill_chunk, max_model_len=context, metrics=metrics)
     log.info("worker: device=%s model=%s (%s, %.1fM params) dtype=%s quantization=%s "
-             "kv budget=%d pages x %d tokens = %d tokens (%.1f MiB) max_running=%d prefill_chunk=%d metrics=%s",
+             "kv budget=%d pages x %d tokens = %d tokens (%.1f MiB) context=%d max_running=%d prefill_chunk=%d "
+             "metrics=%s",
              loaded.device, cfg.model, loaded.source, loaded.params / 1e6, loaded.dtype, loaded.quantization,
              cache.allocator.num_blocks, cache.block_size, cache.capacity_tokens, cache.nbytes() / 2**20,
-             cfg.max_running, cfg.prefill_chunk, cfg.metrics_port or "off")
-    await apply([inference_topic(cfg.model), TOKENS, CONTROL], bootstrap)
+             engine.max_model_len, cfg.max_running, cfg.prefill_chunk, cfg.metrics_port or "off")
+    # only checked: topics are the operator's (`tokenstream topics apply`), a worker never rewrites them
+    await require([inference_topic(cfg.model), TOKENS, CONTROL], bootstrap)
     worker = Worker(cfg, engine, metrics, bootstrap)
     if on_ready is not None:
         asyncio.get_running_loop().create_task(_when_ready(worker, on_ready))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -41,7 +42,22 @@ def make_app(role: str, **overrides) -> faust.App:
         stream_wait_empty=False,
     )
     options.update(overrides)
-    return faust.App(processor_group(role), **options)
+    app = faust.App(processor_group(role), **options)
+    # faust would log "Agent ... Crashed" and go on as a live process that consumes nothing (and
+    # commit what came before the failing record). An agent that cannot go on ends the process
+    # instead, without committing: its supervisor restarts it and the record is read again.
+    app._on_agent_error = _exit_on_agent_crash  # noqa: SLF001 - read by app.agent() when agents are declared
+    return app
+
+
+EXIT_AGENT_CRASHED = 70
+
+
+async def _exit_on_agent_crash(agent, exc: BaseException) -> None:
+    log.critical("agent %s crashed (%s: %s): exiting with %d for the supervisor to restart this processor",
+                 getattr(agent, "name", agent), type(exc).__name__, exc, EXIT_AGENT_CRASHED)
+    logging.shutdown()
+    os._exit(EXIT_AGENT_CRASHED)
 
 
 def topic(app: faust.App, spec: TopicSpec) -> faust.TopicT:

@@ -239,6 +239,29 @@ def start_gateway(roles, models: list[str], *, index: int = 0, count: int = 1, e
             time.sleep(0.2)
 
 
+def headers() -> dict[str, str]:
+    """Headers every test request to a gateway carries (the one place to add credentials)."""
+    return {}
+
+
+def client(base_url: str, **kwargs):
+    """An httpx.AsyncClient for a gateway: every test that calls the gateway over HTTP builds it here
+    (or with `openai_client`, or passes `headers()`), so what a request needs besides its body is set
+    in one place."""
+    import httpx
+
+    return httpx.AsyncClient(base_url=base_url, timeout=kwargs.pop("timeout", 30),
+                             headers={**headers(), **kwargs.pop("headers", {})}, **kwargs)
+
+
+def openai_client(base_url: str, **kwargs):
+    """The official SDK's async client for a gateway (`base_url` without /v1); see `client`."""
+    import openai
+
+    return openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", default_headers=headers(),
+                              max_retries=kwargs.pop("max_retries", 0), timeout=kwargs.pop("timeout", 30), **kwargs)
+
+
 def rss_bytes(pid: int) -> int:
     import psutil
 

@@ -8,8 +8,7 @@ from collections import Counter
 import pytest
 
 from processors.conversation.history import bounded, carries_full_history, merge, with_answer
-from processors.conversation.presets import apply_preset, load_presets
-from processors.conversation.config import DEFAULT_PRESETS
+from processors.conversation.presets import apply_preset, presets as configured_presets
 from processors.conversation.window import PromptTooLong, chat_template_counter, trim
 from processors.router.config import Route
 from processors.router.policy import decide, weighted_pick
@@ -51,7 +50,7 @@ def test_an_answer_is_appended_or_the_unanswered_turn_dropped():
 
 
 def test_presets_set_system_prompt_and_sampling():
-    presets = load_presets(DEFAULT_PRESETS)
+    presets = configured_presets()
     messages, model, sampling = apply_preset(presets["coder"], [SYSTEM, user("sort a list")], "smollm2",
                                              SamplingParams(temperature=1.0))
     assert messages[0].role == "system" and "Python" in messages[0].content and messages[1:] == [user("sort a list")]

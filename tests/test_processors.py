@@ -56,7 +56,7 @@ class Processors:
     def __init__(self, roles) -> None:
         self.roles = roles
         self.env = {
-            "TOKENSTREAM_CONVERSATION_CONTEXT_TOKENS": str(WINDOW),
+            "TOKENSTREAM_CONTEXT_TOKENS": json.dumps({"smollm2": WINDOW}),
             "TOKENSTREAM_ROUTER_ROUTES": json.dumps(ROUTES),
             "TOKENSTREAM_ROUTER_WAIT_BUDGET_S": "2",
             "TOKENSTREAM_ROUTER_MIN_RATE": "1",
@@ -158,6 +158,32 @@ async def test_history_longer_than_the_window_is_trimmed_oldest_first(processors
     assert p.messages[1:] == turns[p.dropped_messages:]  # what is kept is the newest, unchanged
     # and nothing newer could have been kept: one more turn would not fit
     assert count([system, *turns[p.dropped_messages - 2:]]) > WINDOW - 64
+
+
+async def test_what_cannot_fit_the_window_is_refused_as_the_clients_fault(processors):
+    """Refusals name their reason (error_code) so that the gateway answers 4xx, not a retryable 5xx."""
+    too_long = ChatMessage(role="user", content=" ".join(f"w{i}" for i in range(WINDOW)))
+    cases = {
+        "context_length_exceeded": [dict(messages=[too_long]),
+                                    dict(messages=[ChatMessage(role="user", content="hi")],
+                                         sampling=SamplingParams(max_tokens=WINDOW + 1))],
+        "preset_not_found": [dict(messages=[ChatMessage(role="user", content="hi")], assistant="no-such-preset")],
+    }
+    async with Tap(TOKENS) as tokens, Tap(PREPARED) as prepared:
+        producer = await start_producer()
+        try:
+            sent = {code: [await chat(producer, f"conv-{rid()}", **kw) for kw in kws] for code, kws in cases.items()}
+            fine = await chat(producer, f"conv-{rid()}", [ChatMessage(role="user", content="hi")])
+            for code, requests in sent.items():
+                for request in requests:
+                    [done] = await tokens.wait_for(by_id(request.request_id), timeout=90)
+                    assert (done.finish_reason, done.error_code) == ("error", code), done
+                    assert tokens.matching(by_id(request.request_id)) == [done]
+            await prepared.wait_for(by_id(fine.request_id))  # the next request is served
+        finally:
+            await producer.stop()
+    refused = {r.request_id for rs in sent.values() for r in rs}
+    assert not prepared.matching(lambda e: e.request_id in refused)
 
 
 async def test_blocked_input_never_reaches_the_worker_topic(processors):

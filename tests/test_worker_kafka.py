@@ -109,6 +109,7 @@ async def committed(bootstrap: str, model: str) -> int:
 
 
 async def start_inprocess(cfg: WorkerConfig, loaded, bootstrap: str):
+    await apply([inference_topic(cfg.model), TOKENS, CONTROL], bootstrap)  # the operator's step
     stop, ready = asyncio.Event(), asyncio.Event()
     task = asyncio.create_task(run_worker(cfg, stop, loaded=loaded, bootstrap=bootstrap,
                                           on_ready=lambda w: ready.set()))
@@ -283,4 +284,77 @@ async def test_worker_joining_mid_stream_hands_over_without_gap_or_duplicate(boo
             assert workers == sorted(workers) and reader.completion(x).worker_id == "B"
         assert "gave up" in roles.log(a) and "worker ready" in roles.log(b)
     finally:
+        await producer.stop()
+
+
+async def test_a_duplicate_arriving_while_the_original_runs_is_committed(bootstrap, unique, tiny_loaded):
+    """The duplicate a processor may re-emit (README, known issues) must not hold its partition's commits."""
+    model = f"tiny-{unique}"
+    cfg = WorkerConfig(model=model, max_running=4, worker_id="w-dup", step_delay_s=0.05)
+    stop, task = await start_inprocess(cfg, tiny_loaded, bootstrap)
+    producer = await start_producer(bootstrap)
+    try:
+        async with TokenReader(bootstrap) as reader:
+            original = request(model, "Count slowly to sixty", max_tokens=60)  # 3 s at 0.05 s a step
+            await publish(producer, inference_topic(model), original)
+            await publish(producer, inference_topic(model), original)  # same key: same partition, just behind
+            await reader.until(lambda rd: rd.completion(original.request_id) is not None)
+        assert_gap_free(reader, original.request_id)
+        deadline = time.monotonic() + 15
+        while await committed(bootstrap, model) < 2:  # both records, the duplicate included
+            assert time.monotonic() < deadline, "the duplicate's offset was left in flight"
+            await asyncio.sleep(0.2)
+    finally:
+        stop.set()
+        await task
+        await producer.stop()
+
+
+@pytest.mark.slow
+async def test_takeover_of_32_in_flight_requests_resumes_them_together(bootstrap, unique, roles, tiny_dir,
+                                                                      tiny_loaded):
+    """A worker killed with 32 requests in flight: its successor emits the next token of every one of them
+    within 5 s of being assigned their partitions (one read of the tokens topic for all of them)."""
+    model = f"tiny-{unique}"
+    await apply([inference_topic(model), TOKENS, CONTROL], bootstrap)
+    a = roles.start("worker", "--model", model, "--model-path", str(tiny_dir), "--step-delay", "0.1",
+                    "--max-running", "32", "--worker-id", "A", name="worker-A")
+    await asyncio.to_thread(wait_for_log, roles, a, "worker ready")
+    producer = await start_producer(bootstrap)
+    stop = None
+    try:
+        async with TokenReader(bootstrap) as reader:
+            reqs = [request(model, f"in flight number {i}", 400) for i in range(32)]
+            for r in reqs:
+                await publish(producer, inference_topic(model), r)
+            rids = [r.request_id for r in reqs]
+            # a long history on the tokens partition, as in production: each lookup has thousands of events to read
+            await reader.until(lambda rd: all(len(rd.chunks(x)) >= 100 for x in rids), timeout=180)
+            os.killpg(a.pid, signal.SIGKILL)
+            assigned_at: list[float] = []
+            cfg = WorkerConfig(model=model, max_running=32, max_waiting=32, prefill_chunk=4096, worker_id="B")
+            stop, ready = asyncio.Event(), asyncio.Event()
+            task = asyncio.create_task(run_worker(cfg, stop, loaded=tiny_loaded, bootstrap=bootstrap,
+                                                  on_ready=lambda w: (assigned_at.append(time.monotonic()),
+                                                                      ready.set())))
+            first_by_b: dict[str, float] = {}
+
+            def resumed(rd) -> bool:
+                for x in rids:
+                    if x not in first_by_b and any(c.worker_id == "B" for c in rd.chunks(x)):
+                        first_by_b[x] = time.monotonic()
+                return len(first_by_b) == len(rids)
+
+            await reader.until(resumed, timeout=120)
+            slowest = max(first_by_b.values()) - assigned_at[0]
+            assert slowest < 5.0, f"the last of 32 taken-over requests resumed {slowest:.1f}s after assignment"
+            await reader.until(lambda rd: rd.all_complete(rids), timeout=120)
+        for x in rids:  # and each still one gap-free, duplicate-free sequence: A...A then B...B
+            assert_gap_free(reader, x)
+            workers = [c.worker_id for c in reader.chunks(x)]
+            assert workers[0] == "A" and workers == sorted(workers)
+    finally:
+        if stop is not None:
+            stop.set()
+            await task
         await producer.stop()

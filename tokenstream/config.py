@@ -24,6 +24,8 @@ class Settings(BaseSettings):
                                               "(default: the bootstrap port + 1)")
     kafka_replication: int = Field(1, ge=1, description="replication factor of created topics")
     redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_outage_s: float = Field(30.0, gt=0, description="how long a role retries an unreachable Redis "
+                                  "(back-off, input held) before it exits for its supervisor to restart it")
     weaviate_host: str = "127.0.0.1"
     weaviate_http_port: int = 8080
     weaviate_grpc_port: int = 50051
@@ -40,6 +42,12 @@ class Settings(BaseSettings):
     worker_metrics_port: int = Field(9400, description="Prometheus port of the worker `system up` starts")
     model_paths: dict[str, Path] = Field(
         default_factory=dict, description="served model name -> local Hugging Face folder (JSON object)")
+    context_tokens: dict[str, int] = Field(
+        default_factory=dict, description="served model name -> context window in tokens, overriding the "
+                                          "model's own (JSON object); read through tokenstream.models")
+    presets_file: Path = Field(Path(__file__).with_name("presets.json"),
+                               description="assistant presets (JSON object: name -> preset), read by the "
+                                           "gateway (404 for an unknown one) and the conversation processor")
 
 
 @lru_cache

@@ -68,3 +68,37 @@ def load_tokenizer(model: str):
         shutil.rmtree(tmp, ignore_errors=True)
     log.info("tokenizer: ready in %.1f s", time.perf_counter() - started)
     return tokenizer
+
+
+# SmolLM2-135M-Instruct's config.json: max_position_embeddings = 8192.
+SMOLLM2_CONTEXT = 8192
+
+
+def context_length(model: str, folder: Path | None = None) -> int | None:
+    """The context window of `model` in tokens: the one place every role reads it from.
+
+    TOKENSTREAM_CONTEXT_TOKENS overrides it per model; otherwise it is the model's own
+    `max_position_embeddings` (from `folder`, the configured folder, or SmolLM2's known config).
+    None for a name with no files and no override (a model this process knows nothing about).
+    """
+    import json
+
+    from tokenstream.config import settings
+
+    override = settings().context_tokens.get(model)
+    if override is not None:
+        return override
+    if folder is None:
+        try:
+            folder = model_folder(model)
+        except ValueError:
+            return None
+    if folder is None:
+        return SMOLLM2_CONTEXT
+    config = json.loads((Path(folder) / "config.json").read_text())
+    return int(config.get("max_position_embeddings") or config.get("max_seq_len") or SMOLLM2_CONTEXT)
+
+
+def prompt_budget(context: int, max_tokens: int) -> int:
+    """Tokens a prompt may take: the context less the answer's room (at most half the context)."""
+    return context - min(max_tokens, context // 2)

@@ -67,6 +67,34 @@ async def apply(specs: list[TopicSpec], bootstrap: str, replication: int = 1) ->
         await admin.close()
 
 
+class MissingTopics(RuntimeError):
+    """Topics a role needs are absent or have fewer partitions than the registry says."""
+
+
+async def require(specs: list[TopicSpec], bootstrap: str, timeout_s: float = 30.0) -> None:
+    """Check that `specs` exist with their partitions, reading metadata only (no admin rights).
+
+    Roles call this instead of `apply`: topic settings are the operator's, and a role of an older
+    release must never revert them. Raises MissingTopics naming what to run.
+    """
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False,
+                                request_timeout_ms=int(timeout_s * 1000))
+    await consumer.start()
+    try:
+        await consumer._client.force_metadata_update()  # noqa: SLF001 - the cluster's topics now
+        problems = []
+        for spec in specs:
+            partitions = consumer.partitions_for_topic(spec.name)
+            if not partitions:
+                problems.append(f"{spec.name} is missing")
+            elif len(partitions) < spec.partitions:
+                problems.append(f"{spec.name} has {len(partitions)} partitions, the registry {spec.partitions}")
+        if problems:
+            raise MissingTopics("; ".join(problems) + " (run `tokenstream topics apply`)")
+    finally:
+        await consumer.stop()
+
+
 async def _reconcile(admin: AIOKafkaAdminClient, spec: TopicSpec, configs: dict[str, str],
                      partitions: int) -> Change:
     details = []

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Depends, Request
 
+from gateway import context
 from gateway import openai_api as api
 from gateway.answers import collect, sse_response
 from gateway.deps import pipeline
@@ -18,6 +19,7 @@ from gateway.resume import NOTHING_SEEN, new_request_id
 from gateway.screening import held_until_screened
 from producers import publish
 from schemas import ChatMessage, ChatRequest, Event, SamplingParams
+from tokenstream.presets import presets
 from topics import CHAT_REQUESTS
 
 DEFAULT_MAX_TOKENS = 256
@@ -65,8 +67,13 @@ def admit(gw: Gateway, model: str) -> None:
 async def _chat(gw: Gateway, body: api.ChatCompletionRequest, request: Request):
     if body.model not in gw.cfg.models:
         raise api.model_not_found(body.model)
+    if body.assistant is not None and body.assistant not in presets():
+        raise api.APIError(404, f"The assistant preset `{body.assistant}` does not exist.", "invalid_request_error",
+                           param="assistant", code="preset_not_found")
     sampling = sampling_of(body)
     messages = messages_of(body)
+    await context.check(body.model, messages, sampling.max_tokens,
+                        "max_completion_tokens" if body.max_completion_tokens else "max_tokens")
     admit(gw, body.model)
 
     partition = gw.reply_partition()
@@ -96,7 +103,7 @@ async def _chat(gw: Gateway, body: api.ChatCompletionRequest, request: Request):
 
     async def live() -> AsyncIterator[list[Event]]:
         while True:
-            batch = await stream.take(gw.cfg.request_timeout_s)
+            batch = await stream.take(gw.cfg.progress_timeout_s)
             if not batch:
                 return
             yield batch

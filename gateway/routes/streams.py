@@ -45,7 +45,7 @@ async def resume(completion: str, last_event_id: str | None = Header(None),
                     usage, last)
     generation = await gw.canceller.attach(rid)
     gw.metrics.resumes.inc()
-    source = replay(gw.bootstrap, rid, idle_timeout_s=gw.cfg.request_timeout_s)
+    source = replay(gw.bootstrap, rid, idle_timeout_s=gw.cfg.progress_timeout_s)
     if meta.get("screening") == "parallel":
         source = held_until_screened(source)
     return sse_response(gw, framer, source, generation, 0.0, cleanup=lambda: None)

@@ -12,13 +12,13 @@ import time
 
 from processors.conversation.config import ConversationSettings
 from processors.conversation.history import bounded, carries_full_history, merge, with_answer
-from processors.conversation.presets import apply_preset, load_presets
+from processors.conversation.presets import apply_preset, presets
 from processors.conversation.window import PromptTooLong, chat_template_counter, trim
 from processors.effects import Ledger
 from processors.faust_app import get, make_app, put, send, table, topic, trace_of, typed
 from schemas import ChatMessage, ChatRequest, Completion, ConversationHistory, InferenceRequest, Transcript
 from tokenstream.config import settings
-from tokenstream.models import load_tokenizer
+from tokenstream.models import load_tokenizer, prompt_budget
 from topics import CHAT_REQUESTS, CONVERSATION_TURNS, CONVERSATIONS, DEAD_LETTER, PREPARED, TOKENS, TRANSCRIPTS
 
 log = logging.getLogger(__name__)
@@ -52,11 +52,11 @@ def warm_up() -> None:
         _counter(model)([ChatMessage(role="user", content="warm-up")])
 
 
-async def _refuse(request: ChatRequest, reason: str, trace) -> None:
+async def _refuse(request: ChatRequest, reason: str, trace, code: str) -> None:
     """End a request that cannot be prepared, on the tokens partition its client listens to."""
     await send(tokens_out, TOKENS, Completion(
         request_id=request.request_id, conversation_id=request.conversation_id, tenant=request.tenant,
-        seq=0, finish_reason="error", error=reason), key=request.request_id,
+        seq=0, finish_reason="error", error=reason, error_code=code), key=request.request_id,
         partition=request.reply_partition, trace=trace)
 
 
@@ -64,17 +64,20 @@ async def _prepare(request: ChatRequest, state: ConversationHistory, trace) -> b
     """Emit the inference request for `request`; False when it was refused instead."""
     messages, model, sampling = merge(state.messages, request.messages), request.model, request.sampling
     if request.assistant:
-        preset = load_presets(cfg.presets_file).get(request.assistant)
+        preset = presets().get(request.assistant)
         if preset is None:
-            await _refuse(request, f"unknown assistant preset {request.assistant!r}", trace)
+            await _refuse(request, f"unknown assistant preset {request.assistant!r}", trace, "preset_not_found")
             return False
         messages, model, sampling = apply_preset(preset, messages, model, sampling)
     window = cfg.window_for(model)
-    budget = window - min(sampling.max_tokens, window // 2)
+    if sampling.max_tokens > window:
+        await _refuse(request, f"max_tokens {sampling.max_tokens} exceeds the model's context of {window} tokens",
+                      trace, "context_length_exceeded")
+        return False
     try:
-        prompt, dropped = trim(messages, _counter(model), budget)
+        prompt, dropped = trim(messages, _counter(model), prompt_budget(window, sampling.max_tokens))
     except PromptTooLong as exc:
-        await _refuse(request, f"{exc} (context window {window} tokens)", trace)
+        await _refuse(request, f"{exc} (context window {window} tokens)", trace, "context_length_exceeded")
         return False
     state.messages = bounded(messages, cfg.max_history_messages)
     state.pending_request_id, state.pending_since = request.request_id, time.time()

@@ -1,25 +1,13 @@
-"""Assistant presets (like custom GPTs): a named system prompt with model and sampling settings."""
+"""Applying an assistant preset (defined in tokenstream.presets, shared with the gateway)."""
 
 from __future__ import annotations
-
-import json
-from functools import lru_cache
-from pathlib import Path
 
 import msgspec
 
 from schemas import ChatMessage, SamplingParams
+from tokenstream.presets import Preset, load_presets, presets
 
-
-class Preset(msgspec.Struct, kw_only=True):
-    system: str
-    model: str | None = None
-    sampling: dict[str, object] = msgspec.field(default_factory=dict)
-
-
-@lru_cache(maxsize=4)
-def load_presets(path: Path) -> dict[str, Preset]:
-    return msgspec.convert(json.loads(Path(path).read_text()), dict[str, Preset])
+__all__ = ["Preset", "apply_preset", "load_presets", "presets"]
 
 
 def apply_preset(preset: Preset, messages: list[ChatMessage], model: str,

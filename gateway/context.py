@@ -1,0 +1,60 @@
+"""Refusing, before anything is queued, what cannot fit the model's context window.
+
+The context comes from `tokenstream.models.context_length` (the figure the conversation processor
+trims to and the worker enforces). The processor keeps what fits by dropping older turns; what it
+cannot fix is the newest message alone (with the system prompt) being too long, or `max_tokens`
+beyond the context: those are refused here with 400 instead of travelling the pipeline to an error.
+Counting tokens costs a tokenizer pass, so it runs only when the byte length cannot rule it out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from functools import lru_cache
+
+from gateway import openai_api as api
+from schemas import ChatMessage
+from tokenstream.models import context_length, load_tokenizer, prompt_budget
+
+# Tokens of chat-template markup per message and per prompt (role tags, a default system prompt):
+# generous, since byte-level BPE never makes more tokens than bytes of text.
+PER_MESSAGE = 16
+PER_PROMPT = 64
+
+
+@lru_cache(maxsize=64)
+def window(model: str) -> int | None:
+    try:
+        return context_length(model)
+    except (OSError, ValueError):
+        return None
+
+
+def _count(model: str, messages: list[ChatMessage]) -> int:
+    tokenizer = load_tokenizer(model)
+    rendered = [{"role": m.role, "content": m.content} for m in messages]
+    ids = tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return len(ids)
+
+
+async def check(model: str, messages: list[ChatMessage], max_tokens: int, max_tokens_param: str) -> None:
+    """Raise a 400 when `max_tokens`, or the newest message with the system prompt, cannot fit."""
+    context = window(model)
+    if context is None:
+        return  # a model this gateway has no files for: the processor and the worker decide
+    if max_tokens > context:
+        raise api.APIError(400, f"{max_tokens_param} is too large: {max_tokens}. This model's context holds "
+                                f"{context} tokens, prompt and answer together.", "invalid_request_error",
+                           param=max_tokens_param, code="invalid_value")
+    budget = prompt_budget(context, max_tokens)
+    kept = [m for m in messages if m.role == "system"] + [messages[-1]]
+    if sum(len(m.content.encode()) + PER_MESSAGE for m in kept) + PER_PROMPT <= budget:
+        return
+    tokens = await asyncio.to_thread(_count, model, kept)
+    if tokens > budget:
+        raise api.APIError(400, f"This model's maximum context length is {context} tokens. However, the newest "
+                                f"message with the system prompt takes {tokens} tokens and the answer "
+                                f"{min(max_tokens, context // 2)}. Please shorten the message.",
+                           "invalid_request_error", param="messages", code="context_length_exceeded")

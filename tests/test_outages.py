@@ -1,0 +1,93 @@
+"""Dependency outages under a running processor: Redis killed and started again.
+
+The real conversation processor (`tokenstream processor conversation`, a process) against the
+test stack's real Kafka and Redis. Its per-request ledger lives in Redis:
+
+- a short outage (3 s) is ridden out: the request that arrived meanwhile is held and prepared once
+  Redis is back, and the next one within 10 s;
+- an outage longer than TOKENSTREAM_REDIS_OUTAGE_S ends the process (exit code 70, instead of a
+  live process whose agent has crashed), and a restarted processor prepares what was held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import pytest
+
+from producers import publish, start_producer
+from schemas import ChatMessage, ChatRequest
+from tests.kafka_support import Tap
+from topics import CHAT_REQUESTS, PREPARED
+from topics.admin import apply
+from topics.registry import all_topics
+
+pytestmark = pytest.mark.slow
+EXIT_AGENT_CRASHED = 70
+
+
+def chat_request() -> ChatRequest:
+    rid = uuid.uuid4().hex[:16]
+    return ChatRequest(request_id=rid, conversation_id=f"conv-{rid}", model="smollm2", reply_partition=2,
+                       messages=[ChatMessage(role="user", content="Is anyone there?")])
+
+
+async def send(producer, request: ChatRequest) -> ChatRequest:
+    await publish(producer, CHAT_REQUESTS, request, key=request.conversation_id)
+    return request
+
+
+def by_id(request: ChatRequest):
+    return lambda e: e.request_id == request.request_id
+
+
+def start_conversation(roles, **env):
+    return roles.start("processor", "conversation", "--loglevel", "info", env=env, name="processor-conversation")
+
+
+async def test_a_short_redis_outage_is_ridden_out(stack, roles):
+    await apply(all_topics(["smollm2"]), stack.kafka.address)
+    proc = start_conversation(roles)
+    producer = await start_producer()
+    try:
+        async with Tap(PREPARED) as prepared:
+            warm = await send(producer, chat_request())
+            await prepared.wait_for(by_id(warm), timeout=180)
+            await asyncio.to_thread(stack.redis.stop, lambda _m: None)
+            during = await send(producer, chat_request())
+            await asyncio.sleep(3)  # the outage
+            await asyncio.to_thread(stack.redis.start, lambda _m: None)
+            back = time.monotonic()
+            after = await send(producer, chat_request())
+            await prepared.wait_for(by_id(during), timeout=15)
+            await prepared.wait_for(by_id(after), timeout=15)
+            assert time.monotonic() - back < 10, "requests after the outage were not served within 10 s"
+        assert proc.poll() is None, roles.log(proc)[-3000:]
+        assert "redis unreachable" in roles.log(proc) and "reachable again" in roles.log(proc)
+    finally:
+        await producer.stop()
+
+
+async def test_a_long_redis_outage_ends_the_process_and_a_restart_loses_nothing(stack, roles):
+    await apply(all_topics(["smollm2"]), stack.kafka.address)
+    proc = start_conversation(roles, TOKENSTREAM_REDIS_OUTAGE_S="2")
+    producer = await start_producer()
+    try:
+        async with Tap(PREPARED) as prepared:
+            warm = await send(producer, chat_request())
+            await prepared.wait_for(by_id(warm), timeout=180)
+            await asyncio.to_thread(stack.redis.stop, lambda _m: None)
+            held = await send(producer, chat_request())
+            deadline = time.monotonic() + 60
+            while proc.poll() is None:  # it gives up after 2 s of retrying, and exits
+                assert time.monotonic() < deadline, roles.log(proc)[-3000:]
+                await asyncio.sleep(0.2)
+            assert proc.returncode == EXIT_AGENT_CRASHED, roles.log(proc)[-3000:]
+            assert "exiting with 70" in roles.log(proc)
+            await asyncio.to_thread(stack.redis.start, lambda _m: None)
+            start_conversation(roles)  # what a supervisor does
+            await prepared.wait_for(by_id(held), timeout=180)
+    finally:
+        await producer.stop()

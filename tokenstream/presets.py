@@ -1,0 +1,31 @@
+"""Assistant presets (like custom GPTs): a named system prompt with model and sampling settings.
+
+Configuration shared by the gateway (which answers 404 for an unknown preset before anything is
+queued) and the conversation processor (which applies them); the file is TOKENSTREAM_PRESETS_FILE.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+
+import msgspec
+
+
+class Preset(msgspec.Struct, kw_only=True):
+    system: str
+    model: str | None = None
+    sampling: dict[str, object] = msgspec.field(default_factory=dict)
+
+
+@lru_cache(maxsize=4)
+def load_presets(path: Path) -> dict[str, Preset]:
+    return msgspec.convert(json.loads(Path(path).read_text()), dict[str, Preset])
+
+
+def presets() -> dict[str, Preset]:
+    """The configured presets (read once per process)."""
+    from tokenstream.config import settings
+
+    return load_presets(settings().presets_file)
