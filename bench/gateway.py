@@ -68,6 +68,7 @@ async def _run(streams: int, rate: float, tokens: int, light_requests: int) -> d
 
     import psutil
 
+    from tokenstream.keys import KeyStore
     from tokenstream.stack import Stack
     from tokenstream.stack.service import free_port
     from topics import CHAT_REQUESTS, CONTROL, TOKENS, inference_topic
@@ -99,12 +100,13 @@ async def _run(streams: int, rate: float, tokens: int, light_requests: int) -> d
         else:
             raise RuntimeError("gateway did not become ready: " + (tmp / "gateway.log").read_text())
         proc = psutil.Process(gateway.pid)
+        key, _ = KeyStore(stack.redis.address).create("bench", tier="paid", name="bench gateway")
         worker = await SyntheticWorker(bootstrap).start()
         try:
             say("(b) light load: TTFT overhead")
-            light = await _light(port, worker, light_requests)
+            light = await _light(port, key, worker, light_requests)
             say(f"(a) fan-out: {streams} streams, {tokens} tokens at {rate}/s each")
-            fan = await _fanout(port, worker, proc, streams, rate, tokens)
+            fan = await _fanout(port, key, worker, proc, streams, rate, tokens)
         finally:
             await worker.stop()
         return {
@@ -205,14 +207,14 @@ class SyntheticWorker:
         return created
 
 
-def _post(port: int, prompt: str) -> bytes:
+def _post(port: int, prompt: str, key: str) -> bytes:
     body = json.dumps({"model": MODEL, "stream": True, "max_tokens": 64,
                        "messages": [{"role": "user", "content": prompt}]}).encode()
     return (f"POST /v1/chat/completions HTTP/1.0\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+            f"Authorization: Bearer {key}\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
 
 
-async def _light(port: int, worker: SyntheticWorker, n: int) -> dict:
+async def _light(port: int, key: str, worker: SyntheticWorker, n: int) -> dict:
     import asyncio
 
     worker.auto_answer = True
@@ -220,7 +222,7 @@ async def _light(port: int, worker: SyntheticWorker, n: int) -> dict:
     for i in range(n + 10):  # the first 10 warm up connections and code paths
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         t0 = time.time()
-        writer.write(_post(port, f"light {i}"))
+        writer.write(_post(port, f"light {i}", key))
         buf, rid, first = b"", None, None
         while first is None:
             data = await reader.read(65536)
@@ -256,7 +258,8 @@ async def _light(port: int, worker: SyntheticWorker, n: int) -> dict:
     }
 
 
-async def _fanout(port: int, worker: SyntheticWorker, proc, streams: int, rate: float, tokens: int) -> dict:
+async def _fanout(port: int, key: str, worker: SyntheticWorker, proc, streams: int, rate: float,
+                  tokens: int) -> dict:
     import asyncio
 
     received: dict[str, dict[int, float]] = {}
@@ -271,7 +274,7 @@ async def _fanout(port: int, worker: SyntheticWorker, proc, streams: int, rate: 
         except OSError:
             errors += 1
             return
-        writer.write(_post(port, f"stream {i}"))
+        writer.write(_post(port, f"stream {i}", key))
         tail = b""
         while True:
             data = await reader.read(65536)

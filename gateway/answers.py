@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -22,9 +22,17 @@ from gateway.pipeline import Gateway
 from schemas import Completion, Event, SafetyVerdict, TokenChunk
 
 
+Settle = Callable[[Completion, list[str]], Awaitable[None]]  # the completion, the texts delivered
+
+
 def sse_response(gw: Gateway, framer: Framer, source: AsyncIterator[list[Event]], generation: int,
-                 started: float, cleanup: Callable[[], None]) -> EventSourceResponse:
-    """Stream `source` as OpenAI chunks; `started` (monotonic) is the admission time for TTFT, or 0."""
+                 started: float, cleanup: Callable[[], None], *, settle: Settle | None = None,
+                 headers: dict[str, str] | None = None) -> EventSourceResponse:
+    """Stream `source` as OpenAI chunks; `started` (monotonic) is the admission time for TTFT, or 0.
+
+    `settle` runs (in the background) with the completion and the texts sent once the answer has ended;
+    `headers` go on the response (rate limit headers).
+    """
     async def frames():
         observed = False
         try:
@@ -47,17 +55,20 @@ def sse_response(gw: Gateway, framer: Framer, source: AsyncIterator[list[Event]]
             cleanup()
             with contextlib.suppress(Exception):
                 await source.aclose()  # type: ignore[attr-defined]
+            if framer.completion is not None and settle is not None:
+                gw.background(settle(framer.completion, framer.sent))
             if framer.done:
                 gw.canceller.release(framer.rid)
             else:
                 gw.canceller.detached(framer.rid, generation)
 
-    return EventSourceResponse(frames(), ping=gw.cfg.ping_s, headers={"Cache-Control": "no-cache",
-                                                                      "X-Accel-Buffering": "no"})
+    return EventSourceResponse(frames(), ping=gw.cfg.ping_s, headers={
+        "Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
 
 
 async def collect(gw: Gateway, rid: str, model_name: str, created: int, source: AsyncIterator[list[Event]],
-                  generation: int, request: Request, cleanup: Callable[[], None]) -> JSONResponse:
+                  generation: int, request: Request, cleanup: Callable[[], None], *, settle: Settle | None = None,
+                  headers: dict[str, str] | None = None) -> JSONResponse:
     """Wait for the whole answer and return it as one `chat.completion` body."""
     text: list[str] = []
     next_seq = 0
@@ -96,9 +107,11 @@ async def collect(gw: Gateway, rid: str, model_name: str, created: int, source: 
         gw.canceller.detached(rid, generation, grace_s=0)
         raise api.APIError(504, "timed out waiting for the model", "server_error", code="timeout")
     gw.canceller.release(rid)
+    if settle is not None:
+        gw.background(settle(done, text))
     if done.finish_reason == "error":
         raise api.APIError(500, done.error or "generation failed", "server_error", code="generation_error")
     return JSONResponse(api.completion_body(
         api.completion_id(rid), created, model_name, "".join(text),
         api.finish_reason_for_client(done.finish_reason), done.usage.prompt_tokens,
-        done.usage.completion_tokens))
+        done.usage.completion_tokens), headers=headers)

@@ -17,6 +17,7 @@ from aiokafka import AIOKafkaProducer
 from gateway.metrics import Metrics
 from producers import publish
 from schemas import Cancel
+from schemas import keys as K
 from topics import CONTROL
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ class Canceller:
 
     @staticmethod
     def _key(request_id: str) -> str:
-        return f"ts:gateway:attach:{request_id}"
+        return K.attachment(request_id)
 
     async def attach(self, request_id: str) -> int:
         """A connection now serves `request_id`: returns its generation."""

@@ -54,6 +54,10 @@ class GatewaySettings(BaseSettings):
     # SSE keep-alive comment interval.
     ping_s: float = Field(15.0, gt=0)
 
+    # Exact response cache (deterministic requests): entry lifetime and the longest answer stored.
+    exact_cache_ttl_s: float = Field(3600.0, gt=0)
+    exact_cache_max_chars: int = Field(32_768, ge=0)
+
     def owned_partitions(self, total: int) -> list[int]:
         if self.reply_partitions:
             return sorted(p for p in self.reply_partitions if 0 <= p < total)

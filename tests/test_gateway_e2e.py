@@ -15,7 +15,15 @@ import openai
 import pytest
 
 from tests.conftest import Roles
-from tests.gateway_support import FakePipeline, content_of, free_port, sse, start_gateway
+from tests.gateway_support import (
+    FakePipeline,
+    auth_headers,
+    content_of,
+    free_port,
+    sse,
+    start_gateway,
+    test_key,
+)
 
 pytestmark = pytest.mark.slow
 PROMPT = [{"role": "user", "content": "Tell me a story about a lighthouse keeper."}]
@@ -56,14 +64,14 @@ async def test_real_worker_resume_and_cancel(stack, bootstrap, tmp_path, tiny_mo
         a, _ = await asyncio.to_thread(start_gateway, roles, [model], index=0, count=2, env=env)
         b, _ = await asyncio.to_thread(start_gateway, roles, [model], index=1, count=2, env=env)
 
-        client = openai.AsyncOpenAI(base_url=b + "/v1", api_key="x", max_retries=0, timeout=120)
+        client = openai.AsyncOpenAI(base_url=b + "/v1", api_key=test_key(), max_retries=0, timeout=120)
         stream = await client.chat.completions.create(model=model, messages=PROMPT, temperature=0, max_tokens=40,
                                                       stream=True)
         greedy = "".join([c.choices[0].delta.content or "" async for c in stream])
         assert greedy
 
         request = {"model": model, "messages": PROMPT, "temperature": 0, "max_tokens": 40, "stream": True}
-        async with httpx.AsyncClient(timeout=120) as http:
+        async with httpx.AsyncClient(timeout=120, headers=auth_headers()) as http:
             first = []
             async with http.stream("POST", a + "/v1/chat/completions", json=request) as r:
                 async for event_id, data in sse(r):
@@ -79,7 +87,7 @@ async def test_real_worker_resume_and_cancel(stack, bootstrap, tmp_path, tiny_mo
 
         # a dropped stream: cancelled after the grace period, the worker's slot freed
         long = dict(request, max_tokens=400)
-        async with httpx.AsyncClient(timeout=120) as http:
+        async with httpx.AsyncClient(timeout=120, headers=auth_headers()) as http:
             async with http.stream("POST", a + "/v1/chat/completions", json=long) as r:
                 n = 0
                 async for _, data in sse(r):
@@ -93,7 +101,7 @@ async def test_real_worker_resume_and_cancel(stack, bootstrap, tmp_path, tiny_mo
         while await asyncio.to_thread(running, metrics_url) != 0:
             assert time.monotonic() < deadline, "the worker never freed the slot"
             await asyncio.sleep(0.2)
-        async with httpx.AsyncClient(timeout=60) as http:
+        async with httpx.AsyncClient(timeout=60, headers=auth_headers()) as http:
             async with http.stream("GET", f"{a}/v1/chat/completions/{cid}/stream?include_usage=true") as r:
                 events = [e async for e in sse(r)]
         usage = json.loads(events[-2][1])["usage"]

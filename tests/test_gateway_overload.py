@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from tests.conftest import Roles
-from tests.gateway_support import FakePipeline, metric, rss_bytes, start_gateway
+from tests.gateway_support import FakePipeline, metric, metrics_text, rss_bytes, start_gateway, test_key
 
 WORDS = " ".join(f"v{i}" for i in range(10))
 
@@ -43,7 +43,7 @@ def gateway(stack, pipeline, fast, tmp_path_factory):
 
 async def test_overload_gets_429_with_retry_after(gateway, pipeline):
     url, proc = gateway
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=test_key(), max_retries=0, timeout=60)
 
     async def one(i: int):
         try:
@@ -69,7 +69,7 @@ async def test_overload_gets_429_with_retry_after(gateway, pipeline):
     assert sum(1 for r in pipeline.requests.values() if r.model == pipeline.model) == len(admitted)
     assert metric(url, "gateway_admission_rejections_total") == len(rejected)
     assert 'gateway_admission_estimated_wait_seconds{model="' + pipeline.model in \
-        __import__("httpx").get(url + "/metrics").text
+        metrics_text(url)
     # memory stays flat across waves of overload (first wave warms up)
     assert max(rss[1:]) - rss[1] < 20 * 2**20, rss
 

@@ -106,7 +106,7 @@ async def route(stream):
 
 async def forward(request: InferenceRequest, trace) -> None:
     """Send the request to its target's worker topic, or end it with an error if none serves it."""
-    tier = cfg.tenant_tiers.get(request.tenant, cfg.default_tier)
+    tier = request.tier or cfg.tenant_tiers.get(request.tenant, cfg.default_tier)
     decision = decide(request.request_id, request.model, routes.get(request.model), tier, waits(),
                       cfg.wait_budget_s)
     if not await exists(decision.target):
