@@ -223,17 +223,21 @@ def new_key(tenant: str = "test", **options) -> str:
     return secret
 
 
-def test_key() -> str:
-    """The tests' default key (tenant `test`, paid, admin so it can read /metrics), one per stack."""
+def default_key() -> str:
+    """The tests' default key (tenant `test`, paid, admin so it can read /metrics), one per stack.
+
+    Its exact cache is off: tests that ask the same deterministic question twice expect two live
+    answers; the cache has tests of its own with keys that use it.
+    """
     url = os.environ["TOKENSTREAM_REDIS_URL"]
     if url not in _DEFAULT_KEYS:
-        _DEFAULT_KEYS[url] = new_key("test", tier="paid", admin=True, name="tests")
+        _DEFAULT_KEYS[url] = new_key("test", tier="paid", admin=True, name="tests", exact_cache=False)
     return _DEFAULT_KEYS[url]
 
 
 def auth_headers(key: str | None = None) -> dict[str, str]:
     """`Authorization: Bearer` for `key` (default: the tests' key): pass as headers= to httpx."""
-    return {"Authorization": f"Bearer {key or test_key()}"}
+    return {"Authorization": f"Bearer {key or default_key()}"}
 
 
 # ------------------------------------------------------------------ gateway processes

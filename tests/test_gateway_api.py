@@ -15,11 +15,11 @@ from tests.conftest import Roles
 from tests.gateway_support import (
     FakePipeline,
     auth_headers,
+    default_key,
     expected_answer,
     free_port,
     metric,
     start_gateway,
-    test_key,
 )
 
 PROMPT = "the quick brown fox jumps over the lazy dog"
@@ -42,7 +42,7 @@ def gateway(stack, pipeline, tmp_path_factory):
 
 @pytest.fixture
 def client(gateway):
-    return openai.AsyncOpenAI(base_url=gateway + "/v1", api_key=test_key(), max_retries=0, timeout=30)
+    return openai.AsyncOpenAI(base_url=gateway + "/v1", api_key=default_key(), max_retries=0, timeout=30)
 
 
 def ask(text: str = PROMPT):
@@ -165,7 +165,7 @@ def test_pipeline_down_is_503(stack, tmp_path):
     try:
         url, _ = start_gateway(roles, ["smollm2"], env={"TOKENSTREAM_KAFKA_BOOTSTRAP": dead}, wait_ready=False)
         assert httpx.get(url + "/health/ready").status_code == 503
-        client = openai.OpenAI(base_url=url + "/v1", api_key=test_key(), max_retries=0)
+        client = openai.OpenAI(base_url=url + "/v1", api_key=default_key(), max_retries=0)
         with pytest.raises(openai.InternalServerError) as info:
             client.chat.completions.create(model="smollm2", messages=ask())
         assert info.value.status_code == 503

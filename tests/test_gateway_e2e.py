@@ -19,10 +19,10 @@ from tests.gateway_support import (
     FakePipeline,
     auth_headers,
     content_of,
+    default_key,
     free_port,
     sse,
     start_gateway,
-    test_key,
 )
 
 pytestmark = pytest.mark.slow
@@ -64,7 +64,7 @@ async def test_real_worker_resume_and_cancel(stack, bootstrap, tmp_path, tiny_mo
         a, _ = await asyncio.to_thread(start_gateway, roles, [model], index=0, count=2, env=env)
         b, _ = await asyncio.to_thread(start_gateway, roles, [model], index=1, count=2, env=env)
 
-        client = openai.AsyncOpenAI(base_url=b + "/v1", api_key=test_key(), max_retries=0, timeout=120)
+        client = openai.AsyncOpenAI(base_url=b + "/v1", api_key=default_key(), max_retries=0, timeout=120)
         stream = await client.chat.completions.create(model=model, messages=PROMPT, temperature=0, max_tokens=40,
                                                       stream=True)
         greedy = "".join([c.choices[0].delta.content or "" async for c in stream])

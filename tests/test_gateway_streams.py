@@ -18,12 +18,12 @@ from tests.gateway_support import (
     FakePipeline,
     auth_headers,
     content_of,
+    default_key,
     expected_answer,
     metric,
     metrics_text,
     sse,
     start_gateway,
-    test_key,
 )
 
 LONG = " ".join(f"w{i}" for i in range(40))
@@ -54,7 +54,7 @@ def body(model: str, text: str, **extra) -> dict:
 
 async def test_each_instance_gets_only_its_partitions(gateways, pipeline):
     """Ten streams on each instance at once; each instance reads only its own tokens partitions."""
-    clients = [openai.AsyncOpenAI(base_url=u + "/v1", api_key=test_key(), max_retries=0) for u in gateways]
+    clients = [openai.AsyncOpenAI(base_url=u + "/v1", api_key=default_key(), max_retries=0) for u in gateways]
 
     async def one(i: int) -> tuple[int, str, str]:
         text = f"stream {i} " + " ".join(f"t{i}x{j}" for j in range(8))
@@ -108,7 +108,7 @@ async def test_resume_on_another_instance(gateways, pipeline):
     assert any(content_of(d) for _, d in rest) and any(content_of(d) for _, d in first)
 
     # the same request, uninterrupted and greedy, through the SDK on instance 1
-    client = openai.AsyncOpenAI(base_url=b + "/v1", api_key=test_key(), max_retries=0)
+    client = openai.AsyncOpenAI(base_url=b + "/v1", api_key=default_key(), max_retries=0)
     stream = await client.chat.completions.create(model=pipeline.model, temperature=0, stream=True,
                                                   messages=[{"role": "user", "content": LONG}])
     assert joined == "".join([c.choices[0].delta.content or "" async for c in stream])
@@ -122,7 +122,7 @@ async def test_resume_on_another_instance(gateways, pipeline):
 
 async def test_resume_from_the_start_and_after_the_end(gateways, pipeline):
     a, b = gateways
-    client = openai.AsyncOpenAI(base_url=a + "/v1", api_key=test_key(), max_retries=0)
+    client = openai.AsyncOpenAI(base_url=a + "/v1", api_key=default_key(), max_retries=0)
     done = await client.chat.completions.create(model=pipeline.model, messages=[
         {"role": "user", "content": "alpha beta gamma"}])
     async with httpx.AsyncClient(timeout=30, headers=auth_headers()) as http:
