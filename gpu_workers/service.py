@@ -174,7 +174,8 @@ class Worker:
         s = request.sampling
         seq = Sequence(request.request_id, prompt_ids(self.engine.tokenizer, request), max_tokens=s.max_tokens,
                        temperature=s.temperature, top_p=s.top_p, seed=s.seed, stop=list(s.stop),
-                       arrival=min(time.time(), request.admitted_at or request.created_at), tag=(tp, rec.offset))
+                       arrival=min(time.time(), request.admitted_at or request.created_at), tag=(tp, rec.offset),
+                       priority=request.priority)
         if rec.offset < self.takeover_below.get(tp, -1):
             emitted = await self.tokens.emitted(request.request_id, request.reply_partition,
                                                 request.created_at - self.cfg.takeover_margin_s)

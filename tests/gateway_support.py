@@ -119,6 +119,7 @@ class FakePipeline:
                         continue
                     self.requests[req.request_id] = req
                     inf = InferenceRequest(request_id=req.request_id, conversation_id=req.conversation_id,
+                                           tenant=req.tenant, tier=req.tier, priority=req.priority,
                                            model=req.model, messages=req.messages, sampling=req.sampling,
                                            reply_partition=req.reply_partition, admitted_at=time.time())
                     await publish(self._producer, self._topic, inf)

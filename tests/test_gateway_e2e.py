@@ -21,6 +21,7 @@ from tests.gateway_support import (
     content_of,
     default_key,
     free_port,
+    new_key,
     sse,
     start_gateway,
 )
@@ -44,9 +45,9 @@ def wait_for_log(roles, proc, text: str, timeout: float = 120) -> None:
         time.sleep(0.2)
 
 
-def running(metrics_url: str) -> float:
+def running(metrics_url: str, name: str = "vllm:num_requests_running") -> float:
     for line in httpx.get(metrics_url).text.splitlines():
-        if line.startswith("vllm:num_requests_running"):
+        if line.startswith(name):
             return float(line.rsplit(" ", 1)[1])
     return -1.0
 
@@ -110,3 +111,39 @@ async def test_real_worker_resume_and_cancel(stack, bootstrap, tmp_path, tiny_mo
     finally:
         await asyncio.to_thread(roles.stop_all)
         await processor.stop()
+
+
+async def test_a_paid_key_is_served_first_under_a_free_tier_flood(stack, bootstrap, tmp_path, tiny_model):
+    """One batch slot, twelve free-tier requests queued: the paid key's two requests are next."""
+    model = f"tiny-{uuid.uuid4().hex[:6]}"
+    processor = await FakePipeline(bootstrap, model, worker=False).start()
+    roles = Roles(stack, tmp_path)
+    metrics_port = free_port()
+    free, paid = new_key("flood", tier="free"), new_key("vip", tier="paid")
+    finished: dict[str, float] = {}
+    try:
+        worker = roles.start("worker", "--model", model, "--model-path", str(tiny_model), "--step-delay", "0.03",
+                             "--max-running", "1", "--metrics-port", str(metrics_port), name="worker")
+        await asyncio.to_thread(wait_for_log, roles, worker, "worker ready")
+        url, _ = await asyncio.to_thread(start_gateway, roles, [model])
+        request = {"model": model, "messages": PROMPT, "max_tokens": 16, "cache": False}
+
+        async def one(http: httpx.AsyncClient, name: str, key: str) -> None:
+            r = await http.post(url + "/v1/chat/completions", json=request, headers=auth_headers(key))
+            assert r.status_code == 200, r.text
+            finished[name] = time.monotonic()
+
+        async with httpx.AsyncClient(timeout=300) as http:
+            flood = [asyncio.create_task(one(http, f"free{i}", free)) for i in range(12)]
+            metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+            deadline = time.monotonic() + 60
+            while await asyncio.to_thread(running, metrics_url, "vllm:num_requests_waiting") < 8:
+                assert time.monotonic() < deadline, "the flood never queued at the worker"
+                await asyncio.sleep(0.05)
+            await asyncio.gather(*flood, one(http, "paid0", paid), one(http, "paid1", paid))
+    finally:
+        await asyncio.to_thread(roles.stop_all)
+        await processor.stop()
+    order = sorted(finished, key=finished.get)
+    # at most the running request and the one admitted meanwhile finish before them (FIFO: last)
+    assert order.index("paid0") <= 4 and order.index("paid1") <= 4, order
