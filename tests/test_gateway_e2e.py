@@ -125,7 +125,9 @@ async def test_a_paid_key_is_served_first_under_a_free_tier_flood(stack, bootstr
         worker = roles.start("worker", "--model", model, "--model-path", str(tiny_model), "--step-delay", "0.03",
                              "--max-running", "1", "--metrics-port", str(metrics_port), name="worker")
         await asyncio.to_thread(wait_for_log, roles, worker, "worker ready")
-        url, _ = await asyncio.to_thread(start_gateway, roles, [model])
+        # the flood is meant to queue at the worker: no early 429 from the gateway's admission
+        url, _ = await asyncio.to_thread(start_gateway, roles, [model],
+                                         env={"TOKENSTREAM_GATEWAY_ADMISSION_BUDGET_S": "1000"})
         request = {"model": model, "messages": PROMPT, "max_tokens": 16, "cache": False}
 
         async def one(http: httpx.AsyncClient, name: str, key: str) -> None:
