@@ -37,6 +37,9 @@ class Metrics:
                                            buckets=(.0002, .0005, .001, .002, .005, .01, .05), registry=r)
         self.rate_limited = Counter("gateway_rate_limited_total", "requests refused by a rate limit",
                                     ["kind"], registry=r)
+        self.semantic_lookup_seconds = Histogram(
+            "gateway_semantic_cache_lookup_seconds", "semantic cache: Weaviate query per eligible request",
+            buckets=(.001, .002, .005, .01, .025, .05, .1, .25), registry=r)
         self.cache = Counter("gateway_cache_total", "response cache lookups by result", ["cache", "result"],
                              registry=r)
 

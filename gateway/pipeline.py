@@ -19,9 +19,11 @@ from gateway.config import GatewaySettings
 from gateway.fanout import Fanout
 from gateway.metrics import Metrics
 from gateway.ratelimit import RateLimiter
+from gateway.semantic import SemanticCache
 from producers import start_consumer, start_producer
 from schemas import Completion
 from schemas import keys as K
+from tokenstream.config import settings
 from topics import TOKENS
 
 log = logging.getLogger(__name__)
@@ -42,6 +44,10 @@ class Gateway:
         self.redis = self.canceller._redis  # noqa: SLF001 - one connection pool for both uses
         self.limiter = RateLimiter(self.redis, self.metrics)
         self.exact_cache = ExactCache(self.redis, cfg.exact_cache_ttl_s, cfg.exact_cache_max_chars, self.metrics)
+        base = settings()
+        self.semantic_cache = SemanticCache(base.weaviate_host, base.weaviate_http_port, base.weaviate_grpc_port,
+                                            cfg.semantic_cache_threshold, cfg.semantic_cache_ttl_s,
+                                            cfg.exact_cache_max_chars, self.metrics)
         self._background: set[asyncio.Task] = set()
         self.producer = None
         self.fanout: Fanout | None = None
@@ -98,6 +104,7 @@ class Gateway:
                 await task
         await self.admission.close()
         await self.canceller.close()
+        await self.semantic_cache.close()
         if self.fanout is not None:
             with contextlib.suppress(Exception):
                 await self.fanout.consumer.stop()

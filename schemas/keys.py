@@ -22,6 +22,8 @@ TIER_PRIORITY = {"free": 0, "paid": 1, "enterprise": 2}
 TENANT_PATTERN = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 API_KEYS = "ts:apikeys"  # set of sha256 hex digests
+#: Weaviate collection of the semantic response cache (objects scoped by tenant, model, system message).
+SEMANTIC_CACHE_COLLECTION = "TokenstreamSemanticCache"
 
 
 def api_key(digest: str) -> str:

@@ -123,3 +123,45 @@ async def test_a_deterministic_request_asked_again_is_answered_from_the_cache(ga
         await asyncio.sleep(0.2)
     final = json.loads(hit[-2][1])["usage"]
     assert int(r.hget(usage_key, "cached")) == final["total_tokens"]
+
+
+async def test_a_near_duplicate_question_is_answered_from_the_semantic_cache(gateways, pipeline):
+    a, b = gateways
+    tenant = f"sem-{uuid.uuid4().hex[:6]}"
+    key = new_key(tenant, semantic_cache=True)
+    question = "What is the capital of France?"
+
+    async def ask_once(url: str, k: str, messages: list[dict]) -> httpx.Response:
+        r = await http.post(url + "/v1/chat/completions", headers=auth_headers(k),
+                            json={"model": pipeline.model, "messages": messages, "temperature": 0.8})
+        assert r.status_code == 200, r.text
+        return r
+
+    def user(text: str) -> list[dict]:
+        return [{"role": "user", "content": text}]
+
+    async with httpx.AsyncClient(timeout=120) as http:
+        first = await ask_once(a, key, user(question))  # the first one also loads the embedder
+        assert first.headers["x-tokenstream-cache"] == "miss"
+        deadline = time.monotonic() + 30
+        while True:  # stored once answered
+            near = await ask_once(b, key, user("What is the capital city of France?"))
+            if near.headers["x-tokenstream-cache"] == "semantic-hit":
+                break
+            assert time.monotonic() < deadline, "a near duplicate never hit"
+            await asyncio.sleep(0.3)
+        assert float(near.headers["x-tokenstream-cache-similarity"]) >= 0.9
+        assert near.headers["x-tokenstream-cached-request"] == first.json()["id"].removeprefix("chatcmpl-")
+        assert near.json()["choices"][0]["message"]["content"] == question  # the answer to the first question
+        assert near.json()["id"].removeprefix("chatcmpl-") not in pipeline.requests
+
+        # a different question, another tenant, another system message, or a conversation: never from it
+        assert (await ask_once(a, key, user("What is the capital of Germany?"))).headers["x-tokenstream-cache"] == "miss"
+        other = new_key(f"other-{tenant}", semantic_cache=True)
+        assert (await ask_once(a, other, user(question))).headers["x-tokenstream-cache"] == "miss"
+        system = [{"role": "system", "content": "Answer in French."}, *user(question)]
+        assert (await ask_once(a, key, system)).headers["x-tokenstream-cache"] == "miss"
+        history = [*user(question), {"role": "assistant", "content": "Paris."}, *user(question)]
+        assert "x-tokenstream-cache" not in (await ask_once(a, key, history)).headers
+        # a key that did not opt in
+        assert "x-tokenstream-cache" not in (await ask_once(a, new_key(tenant), user(question))).headers

@@ -211,3 +211,20 @@ async def test_tokens_per_minute_reserve_up_front_and_reconcile_at_completion(ga
     while int(r.get(bucket)) != (len(ok) + 1) * used:
         assert time.monotonic() < deadline, (int(r.get(bucket)), len(ok), used)
         await asyncio.sleep(0.2)
+
+
+def test_the_local_key_of_make_run_is_kept_and_replaced_when_revoked(stack, tmp_path):
+    from tokenstream.config import settings
+    from tokenstream.keys_cli import local_key
+
+    settings.cache_clear()
+    path = tmp_path / "local-api-key"
+    first = local_key(path)
+    assert first.startswith(K.KEY_PREFIX) and path.stat().st_mode & 0o777 == 0o600
+    assert local_key(path) == first  # reused while valid
+    store = KeyStore(os.environ["TOKENSTREAM_REDIS_URL"])
+    record = store.get(first)
+    assert (record.tenant, record.tier, record.admin) == ("local", "paid", True)
+    store.revoke(first)
+    second = local_key(path)
+    assert second != first and store.get(second).problem() is None

@@ -19,7 +19,8 @@ from gateway.framing import Framer
 from gateway.pipeline import Gateway
 from gateway.resume import NOTHING_SEEN, new_request_id
 from producers import publish
-from gateway.cache import Entry, cache_key, deterministic, hit_events
+from gateway.cache import Entry, hit_events
+from gateway.caching import look_up
 from gateway.ratelimit import estimate_prompt_tokens
 from schemas import ChatMessage, ChatRequest, Completion, Event, SamplingParams
 from schemas.keys import ApiKey, conversation_key
@@ -76,11 +77,8 @@ async def _chat(gw: Gateway, body: api.ChatCompletionRequest, request: Request, 
     messages = messages_of(body)
     admit(gw, body.model)
     ticket = await gw.limiter.take(key, estimate_prompt_tokens([m.content for m in messages]) + sampling.max_tokens)
-    ckey = None
-    if key.exact_cache and body.cache and not body.conversation_id and not body.assistant and deterministic(sampling):
-        ckey = cache_key(key.tenant, body.model, messages, sampling)
-        ticket.headers["x-tokenstream-cache"] = "miss"
-    cached = await gw.exact_cache.get(ckey) if ckey else None
+    caches = await look_up(gw, key, body, messages, sampling)
+    headers = {**ticket.headers, **caches.headers}
 
     partition = gw.reply_partition()
     started = time.monotonic()
@@ -94,8 +92,8 @@ async def _chat(gw: Gateway, body: api.ChatCompletionRequest, request: Request, 
     include_usage = body.include_usage()
     note = {"tenant": key.tenant, "model": body.model, "created": created, "include_usage": include_usage,
             **ticket.note()}
-    if cached is not None:
-        return await _from_cache(gw, body, request, event, note, ticket.headers, cached, started)
+    if caches.entry is not None:
+        return await _from_cache(gw, body, request, event, note, headers, caches.entry, started)
     fanout = gw.fanout
     stream = fanout.subscribe(rid)
     # the write to the pipeline and the two Redis notes go out together
@@ -112,10 +110,10 @@ async def _chat(gw: Gateway, body: api.ChatCompletionRequest, request: Request, 
 
     async def settle(done: Completion, sent: list[str]) -> None:
         await gw.settle(rid, note, done)
-        if ckey and not done.error:
-            await gw.exact_cache.put(ckey, Entry(chunks=sent, finish_reason=done.finish_reason, request_id=rid,
-                                                 prompt_tokens=done.usage.prompt_tokens,
-                                                 completion_tokens=done.usage.completion_tokens))
+        if not done.error:
+            await caches.store(gw, key.tenant, body.model, Entry(
+                chunks=sent, finish_reason=done.finish_reason, request_id=rid,
+                prompt_tokens=done.usage.prompt_tokens, completion_tokens=done.usage.completion_tokens))
 
     async def live() -> AsyncIterator[list[Event]]:
         while True:
@@ -127,9 +125,9 @@ async def _chat(gw: Gateway, body: api.ChatCompletionRequest, request: Request, 
     if body.stream:
         framer = Framer(rid, body.model, created, include_usage, NOTHING_SEEN)
         return sse_response(gw, framer, live(), generation, started, cleanup=lambda: fanout.unsubscribe(rid),
-                            settle=settle, headers=ticket.headers)
+                            settle=settle, headers=headers)
     return await collect(gw, rid, body.model, created, live(), generation, request,
-                         cleanup=lambda: fanout.unsubscribe(rid), settle=settle, headers=ticket.headers)
+                         cleanup=lambda: fanout.unsubscribe(rid), settle=settle, headers=headers)
 
 
 async def _from_cache(gw: Gateway, body: api.ChatCompletionRequest, request: Request, event: ChatRequest,
@@ -150,7 +148,7 @@ async def _from_cache(gw: Gateway, body: api.ChatCompletionRequest, request: Req
         raise api.unavailable(f"Could not write the cached answer to the log: {exc}") from None
     gw.background(_logged(asyncio.gather(*acks), rid))
     gw.metrics.requests.labels(body.model, "true" if body.stream else "false", "200").inc()
-    headers = {**headers, "x-tokenstream-cache": "hit", "x-tokenstream-cached-request": entry.request_id}
+    headers = {**headers, "x-tokenstream-cached-request": entry.request_id}
 
     async def settle(done: Completion, _: list[str]) -> None:
         await gw.settle(rid, note, done, cached=done.usage.total_tokens)
