@@ -42,7 +42,8 @@ async def principal(request: Request, gw: Gateway = Depends(pipeline)) -> K.ApiK
     record = K.ApiKey.from_redis(raw)
     problem = record.problem()
     if problem is not None:
-        raise invalid_key(f"The API key {record.key_id} has {'been revoked' if problem == 'revoked' else 'expired'}.")
+        state = "been revoked" if problem == "revoked" else "expired"
+        raise invalid_key(f"The API key {record.key_id} has {state}.")
     request.state.principal = record
     return record
 

@@ -80,8 +80,9 @@ def hit_events(entry: Entry, request: ChatRequest) -> list[Event]:
     """The token events of a cache hit for `request`: its chunks, then its completion."""
     ids = dict(request_id=request.request_id, conversation_id=request.conversation_id, tenant=request.tenant)
     worker = f"cache:{entry.request_id}"
-    events: list[Event] = [TokenChunk(**ids, seq=i, text=text, worker_id=worker) for i, text in enumerate(entry.chunks)]
-    events.append(Completion(**ids, seq=len(entry.chunks), finish_reason=entry.finish_reason, text="".join(entry.chunks),
-                             usage=Usage(prompt_tokens=entry.prompt_tokens, completion_tokens=entry.completion_tokens),
-                             worker_id=worker))
+    events: list[Event] = [TokenChunk(**ids, seq=i, text=text, worker_id=worker)
+                           for i, text in enumerate(entry.chunks)]
+    usage = Usage(prompt_tokens=entry.prompt_tokens, completion_tokens=entry.completion_tokens)
+    events.append(Completion(**ids, seq=len(entry.chunks), finish_reason=entry.finish_reason,
+                             text="".join(entry.chunks), usage=usage, worker_id=worker))
     return events

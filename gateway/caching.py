@@ -62,5 +62,6 @@ async def look_up(gw: Gateway, key: ApiKey, body: api.ChatCompletionRequest, mes
         hit = await gw.semantic_cache.lookup(key.tenant, body.model, turn[0], vector)
         if hit is not None:
             found.entry = hit.entry
-            found.headers.update({HEADER: "semantic-hit", "x-tokenstream-cache-similarity": f"{hit.similarity:.4f}"})
+            found.headers[HEADER] = "semantic-hit"
+            found.headers["x-tokenstream-cache-similarity"] = f"{hit.similarity:.4f}"
     return found

@@ -58,8 +58,9 @@ def list_keys() -> None:
         state = rec.problem() or "active"
         colour = {"active": "green", "revoked": "red", "expired": "yellow"}[state]
         caches = ",".join(n for n, on in (("exact", rec.exact_cache), ("semantic", rec.semantic_cache)) if on)
+        shared = f"{rec.tenant_rpm or '∞'}/{rec.tenant_tpm or '∞'}"
         table.add_row(rec.key_id, rec.tenant, rec.tier + (" admin" if rec.admin else ""), rec.name or "-",
-                      str(rec.rpm or "∞"), str(rec.tpm or "∞"), f"{rec.tenant_rpm or '∞'}/{rec.tenant_tpm or '∞'}",
+                      str(rec.rpm or "∞"), str(rec.tpm or "∞"), shared,
                       caches or "-", _when(rec.created_at), _when(rec.expires_at), f"[{colour}]{state}[/]")
     console.print(table)
 

@@ -76,7 +76,8 @@ async def _chat(gw: Gateway, body: api.ChatCompletionRequest, request: Request, 
     sampling = sampling_of(body)
     messages = messages_of(body)
     admit(gw, body.model)
-    ticket = await gw.limiter.take(key, estimate_prompt_tokens([m.content for m in messages]) + sampling.max_tokens)
+    reserve = estimate_prompt_tokens([m.content for m in messages]) + sampling.max_tokens
+    ticket = await gw.limiter.take(key, reserve)
     caches = await look_up(gw, key, body, messages, sampling)
     headers = {**ticket.headers, **caches.headers}
 
@@ -137,16 +138,11 @@ async def _from_cache(gw: Gateway, body: api.ChatCompletionRequest, request: Req
     The request (marked `cached_from`) and its answer's events are written to the log as well:
     an audit sees every answer, and a resume on any instance replays it like any other.
     """
-    rid, partition = event.request_id, event.reply_partition
+    rid = event.request_id
     events = hit_events(entry, event)
     _, generation = await asyncio.gather(gw.remember(rid, note), gw.canceller.attach(rid))
-    try:
-        acks = [await publish(gw.producer, CHAT_REQUESTS, msgspec.structs.replace(event, cached_from=entry.request_id),
-                              key=conversation_key(event.tenant, event.conversation_id), wait=False)]
-        acks += [await publish(gw.producer, TOKENS, ev, partition=partition, wait=False) for ev in events]
-    except Exception as exc:  # noqa: BLE001
-        raise api.unavailable(f"Could not write the cached answer to the log: {exc}") from None
-    gw.background(_logged(asyncio.gather(*acks), rid))
+    audit = msgspec.structs.replace(event, cached_from=entry.request_id)
+    gw.background(_write(gw, audit, events))  # while the answer goes out: a resume waits for it on the log
     gw.metrics.requests.labels(body.model, "true" if body.stream else "false", "200").inc()
     headers = {**headers, "x-tokenstream-cached-request": entry.request_id}
 
@@ -165,8 +161,13 @@ async def _from_cache(gw: Gateway, body: api.ChatCompletionRequest, request: Req
                          cleanup=lambda: None, settle=settle, headers=headers)
 
 
-async def _logged(acks, rid: str) -> None:
+async def _write(gw: Gateway, audit: ChatRequest, events: list[Event]) -> None:
+    """The cached answer's request and events onto the log (acks=all)."""
     try:
-        await acks
+        key = conversation_key(audit.tenant, audit.conversation_id)
+        acks = [await publish(gw.producer, CHAT_REQUESTS, audit, key=key, wait=False)]
+        for ev in events:
+            acks.append(await publish(gw.producer, TOKENS, ev, partition=audit.reply_partition, wait=False))
+        await asyncio.gather(*acks)
     except Exception as exc:  # noqa: BLE001
-        log.warning("cached answer %s not written to the log: %s", rid, exc)
+        log.warning("cached answer %s not written to the log: %s", audit.request_id, exc)
