@@ -32,7 +32,8 @@ async def pipeline(stack, bootstrap):
 @pytest.fixture(scope="module")
 def gateways(stack, pipeline, tmp_path_factory):
     roles = Roles(stack, tmp_path_factory.mktemp("gateway-keys"))
-    env = {"TOKENSTREAM_GATEWAY_CANCEL_GRACE_S": "30"}
+    # bursts here are meant for the rate limiter: the lag-based overload check stays out of the way
+    env = {"TOKENSTREAM_GATEWAY_CANCEL_GRACE_S": "30", "TOKENSTREAM_GATEWAY_ADMISSION_BUDGET_S": "1000"}
     a = start_gateway(roles, [pipeline.model], index=0, count=2, env=env)
     b = start_gateway(roles, [pipeline.model], index=1, count=2, env=env)
     yield a[0], b[0]
@@ -176,22 +177,22 @@ async def test_requests_per_minute_hold_across_two_gateways(gateways, pipeline):
 
 
 async def test_tokens_per_minute_reserve_up_front_and_reconcile_at_completion(gateways, pipeline):
-    tpm, max_tokens = 1000, 100
+    tpm, max_tokens, n = 2400, 100, 30
     key = new_key("tpm-tenant", tpm=tpm)
     await wait_for_fresh_minute(redis.Redis.from_url(os.environ["TOKENSTREAM_REDIS_URL"]))
     text = "[[repeat 10]] x y"  # 20 words at 50 ms: every answer is still running while the others arrive
     async with httpx.AsyncClient(timeout=60) as http:
         answers = await asyncio.gather(*(
             http.post(f"{gateways[i % 2]}/v1/chat/completions", headers=auth_headers(key),
-                      json=ask(pipeline.model, text, max_tokens=max_tokens)) for i in range(12)))
+                      json=ask(pipeline.model, text, max_tokens=max_tokens)) for i in range(n)))
         ok = [r for r in answers if r.status_code == 200]
         refused = [r for r in answers if r.status_code == 429]
         cost = tpm - int(max(ok, key=lambda r: int(r.headers["x-ratelimit-remaining-tokens"]))
                          .headers["x-ratelimit-remaining-tokens"])  # what the first admitted one took
         assert cost > max_tokens
-        assert len(ok) == tpm // cost and len(refused) == 12 - tpm // cost
+        assert len(ok) == tpm // cost and len(refused) == n - tpm // cost
         reserved = len(ok) * cost
-        assert tpm - cost < reserved <= tpm  # within one request of the limit, never above it
+        assert 0.95 * tpm <= reserved <= tpm  # within 5% of the limit, never above it
         assert refused[0].json()["error"]["type"] == "rate_limit_exceeded"
         # at completion the unused reservation comes back: the same request fits again
         used = ok[0].json()["usage"]["total_tokens"]
