@@ -24,7 +24,7 @@ from pathlib import Path
 
 import typer
 
-from bench.gateway import ID_RE, MODEL, SyntheticWorker, _pct
+from bench.gateway import ID_RE, MODEL, SyntheticWorker, _pct, synthetic_gateway
 
 RESULTS = Path(__file__).parent / "results" / "cache.json"
 
@@ -53,49 +53,24 @@ def main(
 
 
 async def _run(requests: int, limiter_calls: int, entries: int, lookups: int) -> dict:
-    import asyncio
     import os
     import platform
-    import subprocess
-    import sys
     import tempfile
-    import urllib.request
 
-    from tokenstream.keys import KeyStore
     from tokenstream.stack import Stack
-    from tokenstream.stack.service import free_port
-    from topics import CHAT_REQUESTS, CONTROL, TOKENS, inference_topic
-    from topics.admin import apply
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-cache-"))
     stack = Stack.ephemeral(tmp)
     say = lambda m: print(m, flush=True)  # noqa: E731
     stack.up(say)
-    gateway = None
     try:
-        await apply([CHAT_REQUESTS, TOKENS, CONTROL, inference_topic(MODEL)], stack.kafka.address)
-        port = free_port()
-        env = {**os.environ, **stack.environment(), "PYTHONUNBUFFERED": "1",
-               "TOKENSTREAM_GATEWAY_MODELS": json.dumps([MODEL]),
-               "TOKENSTREAM_GATEWAY_ADMISSION_BUDGET_S": "100000"}
-        with open(tmp / "gateway.log", "wb") as log:
-            gateway = subprocess.Popen([sys.executable, "-m", "tokenstream.cli", "gateway", "--port", str(port)],
-                                       env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        for _ in range(300):
+        async with synthetic_gateway(stack, tmp, "bench cache") as (_, port, key):
+            worker = await SyntheticWorker(stack.kafka.address).start()
             try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health/ready", timeout=1)
-                break
-            except Exception:  # noqa: BLE001
-                await asyncio.sleep(0.2)
-        else:
-            raise RuntimeError("gateway did not become ready: " + (tmp / "gateway.log").read_text())
-        key, _ = KeyStore(stack.redis.address).create("bench", tier="paid", name="bench cache")
-        worker = await SyntheticWorker(stack.kafka.address).start()
-        try:
-            say(f"(a) exact cache: {requests} misses, then the same {requests} as hits")
-            exact = await _exact(port, key, worker, requests)
-        finally:
-            await worker.stop()
+                say(f"(a) exact cache: {requests} misses, then the same {requests} as hits")
+                exact = await _exact(port, key, worker, requests)
+            finally:
+                await worker.stop()
         say(f"(b) rate limiter: {limiter_calls} round trips")
         limiter = await _limiter(stack.redis.address, limiter_calls)
         say(f"(c) semantic cache: {entries} entries, {lookups} lookups")
@@ -110,12 +85,6 @@ async def _run(requests: int, limiter_calls: int, entries: int, lookups: int) ->
             "targets": {"exact_hit_ttft_p50_ms": 20, "limiter_p50_ms": 2, "limiter_p99_ms": 2},
         }
     finally:
-        if gateway is not None:
-            gateway.terminate()
-            try:
-                gateway.wait(10)
-            except Exception:  # noqa: BLE001
-                gateway.kill()
         stack.down(say)
 
 

@@ -18,6 +18,7 @@ little CPU next to the gateway. Results go to bench/results/gateway.json.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
@@ -57,74 +58,84 @@ def main(
     print(f"written to {out}")
 
 
-async def _run(streams: int, rate: float, tokens: int, light_requests: int) -> dict:
+@contextlib.asynccontextmanager
+async def synthetic_gateway(stack, tmp: Path, key_name: str):
+    """A real `tokenstream gateway` process serving the synthetic model on a free port, and an
+    unlimited API key for it; yields (process, port, key) and stops the process at the end."""
     import asyncio
     import os
-    import platform
     import subprocess
     import sys
-    import tempfile
     import urllib.request
 
-    import psutil
-
     from tokenstream.keys import KeyStore
-    from tokenstream.stack import Stack
     from tokenstream.stack.service import free_port
     from topics import CHAT_REQUESTS, CONTROL, TOKENS, inference_topic
     from topics.admin import apply
+
+    await apply([CHAT_REQUESTS, TOKENS, CONTROL, inference_topic(MODEL)], stack.kafka.address)
+    port = free_port()
+    env = {**os.environ, **stack.environment(), "PYTHONUNBUFFERED": "1",
+           "TOKENSTREAM_GATEWAY_MODELS": json.dumps([MODEL]),
+           "TOKENSTREAM_GATEWAY_ADMISSION_BUDGET_S": "100000"}
+    with open(tmp / "gateway.log", "wb") as log:
+        gateway = subprocess.Popen([sys.executable, "-m", "tokenstream.cli", "gateway", "--port", str(port)],
+                                   env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        for _ in range(300):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health/ready", timeout=1)
+                break
+            except Exception:  # noqa: BLE001
+                await asyncio.sleep(0.2)
+        else:
+            raise RuntimeError("gateway did not become ready: " + (tmp / "gateway.log").read_text())
+        key, _ = KeyStore(stack.redis.address).create("bench", tier="paid", name=key_name)
+        yield gateway, port, key
+    finally:
+        gateway.terminate()
+        try:
+            gateway.wait(10)
+        except Exception:  # noqa: BLE001
+            gateway.kill()
+
+
+async def _run(streams: int, rate: float, tokens: int, light_requests: int) -> dict:
+    import os
+    import platform
+    import tempfile
+
+    import psutil
+
+    from tokenstream.stack import Stack
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
     stack = Stack.ephemeral(tmp)
     say = lambda m: print(m, flush=True)  # noqa: E731
     stack.kafka.start(say)
     stack.redis.start(say)
-    gateway = None
     try:
-        bootstrap = stack.kafka.address
-        await apply([CHAT_REQUESTS, TOKENS, CONTROL, inference_topic(MODEL)], bootstrap)
-        port = free_port()
-        env = {**os.environ, **stack.environment(), "PYTHONUNBUFFERED": "1",
-               "TOKENSTREAM_GATEWAY_MODELS": json.dumps([MODEL]),
-               "TOKENSTREAM_GATEWAY_ADMISSION_BUDGET_S": "100000"}
-        log = open(tmp / "gateway.log", "wb")
-        gateway = subprocess.Popen([sys.executable, "-m", "tokenstream.cli", "gateway", "--port", str(port)],
-                                   env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        url = f"http://127.0.0.1:{port}"
-        for _ in range(300):
+        async with synthetic_gateway(stack, tmp, "bench gateway") as (gateway, port, key):
+            bootstrap = stack.kafka.address
+            proc = psutil.Process(gateway.pid)
+            worker = await SyntheticWorker(bootstrap).start()
             try:
-                urllib.request.urlopen(url + "/health/ready", timeout=1)
-                break
-            except Exception:  # noqa: BLE001
-                await asyncio.sleep(0.2)
-        else:
-            raise RuntimeError("gateway did not become ready: " + (tmp / "gateway.log").read_text())
-        proc = psutil.Process(gateway.pid)
-        key, _ = KeyStore(stack.redis.address).create("bench", tier="paid", name="bench gateway")
-        worker = await SyntheticWorker(bootstrap).start()
-        try:
-            say("(b) light load: TTFT overhead")
-            light = await _light(port, key, worker, light_requests)
-            say(f"(a) fan-out: {streams} streams, {tokens} tokens at {rate}/s each")
-            fan = await _fanout(port, key, worker, proc, streams, rate, tokens)
-        finally:
-            await worker.stop()
-        return {
-            "command": f"tokenstream bench gateway --streams {streams} --rate {rate} --tokens {tokens} "
-                       f"--light-requests {light_requests}",
-            "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                        "load_average_1m_at_end": round(os.getloadavg()[0], 2),
-                        "note": "gateway, broker and load generator share this host (loopback)"},
-            "fanout": fan, "light_load": light,
-            "targets": {"overhead_p50_ms": 15, "overhead_p99_ms": 50},
-        }
+                say("(b) light load: TTFT overhead")
+                light = await _light(port, key, worker, light_requests)
+                say(f"(a) fan-out: {streams} streams, {tokens} tokens at {rate}/s each")
+                fan = await _fanout(port, key, worker, proc, streams, rate, tokens)
+            finally:
+                await worker.stop()
+            return {
+                "command": f"tokenstream bench gateway --streams {streams} --rate {rate} --tokens {tokens} "
+                           f"--light-requests {light_requests}",
+                "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                            "load_average_1m_at_end": round(os.getloadavg()[0], 2),
+                            "note": "gateway, broker and load generator share this host (loopback)"},
+                "fanout": fan, "light_load": light,
+                "targets": {"overhead_p50_ms": 15, "overhead_p99_ms": 50},
+            }
     finally:
-        if gateway is not None:
-            gateway.terminate()
-            try:
-                gateway.wait(10)
-            except Exception:  # noqa: BLE001
-                gateway.kill()
         stack.redis.stop(say)
         stack.kafka.stop(say)
 
