@@ -44,7 +44,6 @@ async def principal(request: Request, gw: Gateway = Depends(pipeline)) -> K.ApiK
     if problem is not None:
         state = "been revoked" if problem == "revoked" else "expired"
         raise invalid_key(f"The API key {record.key_id} has {state}.")
-    request.state.principal = record
     return record
 
 

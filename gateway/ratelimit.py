@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from gateway import openai_api as api
 from schemas import keys as K
 
-# KEYS: 4 bucket prefixes (key req, key tok, tenant req, tenant tok)
-# ARGV: 4 limits (0 = none), tokens to reserve, [1]=check only nothing
-# returns {admitted, failed index (0 if none), window, seconds to reset, used1..used4}
+# KEYS: 4 bucket prefixes (key requests, key tokens, tenant requests, tenant tokens)
+# ARGV: their 4 limits (0 = no limit: not counted), tokens to reserve
+# returns {admitted 0|1, index of the limit hit (0 if none), minute number, seconds to its end, used 1..4}
 TAKE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1])

@@ -14,14 +14,14 @@ from fastapi import APIRouter, Depends, Request
 from gateway import openai_api as api
 from gateway.answers import collect, sse_response
 from gateway.auth import principal
+from gateway.cache import Entry, hit_events
+from gateway.caching import look_up
 from gateway.deps import pipeline
 from gateway.framing import Framer
 from gateway.pipeline import Gateway
+from gateway.ratelimit import estimate_prompt_tokens
 from gateway.resume import NOTHING_SEEN, new_request_id
 from producers import publish
-from gateway.cache import Entry, hit_events
-from gateway.caching import look_up
-from gateway.ratelimit import estimate_prompt_tokens
 from schemas import ChatMessage, ChatRequest, Completion, Event, SamplingParams
 from schemas.keys import ApiKey, conversation_key
 from topics import CHAT_REQUESTS, TOKENS
