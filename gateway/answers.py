@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -23,9 +23,17 @@ from gateway.pipeline import Gateway
 from schemas import Completion, Event, SafetyVerdict, TokenChunk
 
 
+Settle = Callable[[Completion, list[str]], Awaitable[None]]  # the completion, the texts delivered
+
+
 def sse_response(gw: Gateway, framer: Framer, source: AsyncIterator[list[Event]], generation: int,
-                 started: float, cleanup: Callable[[], None]) -> EventSourceResponse:
-    """Stream `source` as OpenAI chunks; `started` (monotonic) is the admission time for TTFT, or 0."""
+                 started: float, cleanup: Callable[[], None], *, settle: Settle | None = None,
+                 headers: dict[str, str] | None = None) -> EventSourceResponse:
+    """Stream `source` as OpenAI chunks; `started` (monotonic) is the admission time for TTFT, or 0.
+
+    `settle` runs (in the background) with the completion and the texts sent once the answer has ended;
+    `headers` go on the response (rate limit headers).
+    """
     async def frames():
         observed = timed_out = False
         try:
@@ -56,6 +64,8 @@ def sse_response(gw: Gateway, framer: Framer, source: AsyncIterator[list[Event]]
             cleanup()
             with contextlib.suppress(Exception):
                 await source.aclose()  # type: ignore[attr-defined]
+            if framer.completion is not None and settle is not None:
+                gw.background(settle(framer.completion, framer.sent))
             if timed_out:
                 gw.canceller.no_progress(framer.rid, generation)
             elif framer.done:
@@ -63,12 +73,13 @@ def sse_response(gw: Gateway, framer: Framer, source: AsyncIterator[list[Event]]
             else:
                 gw.canceller.detached(framer.rid, generation)
 
-    return EventSourceResponse(frames(), ping=gw.cfg.ping_s, headers={"Cache-Control": "no-cache",
-                                                                      "X-Accel-Buffering": "no"})
+    return EventSourceResponse(frames(), ping=gw.cfg.ping_s, headers={
+        "Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
 
 
 async def collect(gw: Gateway, rid: str, model_name: str, created: int, source: AsyncIterator[list[Event]],
-                  generation: int, request: Request, cleanup: Callable[[], None]) -> JSONResponse:
+                  generation: int, request: Request, cleanup: Callable[[], None], *, settle: Settle | None = None,
+                  headers: dict[str, str] | None = None) -> JSONResponse:
     """Wait for the whole answer and return it as one `chat.completion` body."""
     text: list[str] = []
     next_seq = 0
@@ -108,9 +119,11 @@ async def collect(gw: Gateway, rid: str, model_name: str, created: int, source: 
         raise api.APIError(504, f"The model made no progress for {gw.cfg.progress_timeout_s:.0f}s; the request "
                                 "was cancelled. Please retry.", "server_error", code="timeout")
     gw.canceller.release(rid)
+    if settle is not None:
+        gw.background(settle(done, text))
     if done.finish_reason == "error":
         raise api.refusal(done)
     return JSONResponse(api.completion_body(
         api.completion_id(rid), created, model_name, "".join(text),
         api.finish_reason_for_client(done.finish_reason), done.usage.prompt_tokens,
-        done.usage.completion_tokens))
+        done.usage.completion_tokens), headers=headers)

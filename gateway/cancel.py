@@ -17,7 +17,8 @@ from aiokafka import AIOKafkaProducer
 from gateway.metrics import Metrics
 from producers import publish
 from schemas import Cancel
-from schemas.keys import GATEWAY_ATTACH_TTL_S as TTL_S, gateway_attachment
+from schemas import keys as K
+from schemas.keys import GATEWAY_ATTACH_TTL_S as TTL_S
 from topics import CONTROL
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ class Canceller:
 
     @staticmethod
     def _key(request_id: str) -> str:
-        return gateway_attachment(request_id)
+        return K.gateway_attachment(request_id)
 
     async def attach(self, request_id: str) -> int:
         """A connection now serves `request_id`: returns its generation."""

@@ -67,6 +67,13 @@ class GatewaySettings(BaseSettings):
     # SSE keep-alive comment interval.
     ping_s: float = Field(15.0, gt=0)
 
+    # Exact response cache (deterministic requests): entry lifetime and the longest answer stored.
+    exact_cache_ttl_s: float = Field(3600.0, gt=0)
+    exact_cache_max_chars: int = Field(32_768, ge=0)
+    # Semantic cache (opt-in per key): least cosine similarity of a hit, entry lifetime.
+    semantic_cache_threshold: float = Field(0.9, gt=0, le=1)
+    semantic_cache_ttl_s: float = Field(86_400.0, gt=0)
+
     def owned_partitions(self, total: int) -> list[int]:
         if self.reply_partitions:
             return sorted(p for p in self.reply_partitions if 0 <= p < total)

@@ -35,6 +35,8 @@ class Framer:
         self.done = False
         self.first_token_at: float | None = None
         self.max_chunk_seq = -1  # highest chunk seq met in log order, delivered or not
+        self.completion: Completion | None = None  # the event that ended the answer, once seen
+        self.sent: list[str] = []  # the text of each content frame sent
 
     def _data(self, body: dict) -> str:
         return json.dumps(body, separators=(",", ":"))
@@ -79,12 +81,14 @@ class Framer:
 
     def _text_frame(self, text: str, seq: int) -> ServerSentEvent:
         self.last = seq
+        self.sent.append(text)
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
         body = api.chunk(self.cid, self.created, self.model, content=text, include_usage=self.include_usage)
         return ServerSentEvent(self._data(body), id=event_id(self.rid, seq))
 
     def _completion_frames(self, c: Completion) -> list[ServerSentEvent]:
+        self.completion = c
         frames: list[tuple[int, str]] = []
         if c.finish_reason == "error":
             refused = api.refusal(c)

@@ -36,6 +36,15 @@ class Metrics:
         self.resumes = Counter("gateway_resumes_total", "streams resumed with Last-Event-ID", registry=r)
         self.ttft = Histogram("gateway_ttft_seconds", "time from request to first token sent",
                               buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30), registry=r)
+        self.ratelimit_seconds = Histogram("gateway_ratelimit_seconds", "rate limiter round trip per request",
+                                           buckets=(.0002, .0005, .001, .002, .005, .01, .05), registry=r)
+        self.rate_limited = Counter("gateway_rate_limited_total", "requests refused by a rate limit",
+                                    ["kind"], registry=r)
+        self.semantic_lookup_seconds = Histogram(
+            "gateway_semantic_cache_lookup_seconds", "semantic cache: Weaviate query per eligible request",
+            buckets=(.001, .002, .005, .01, .025, .05, .1, .25), registry=r)
+        self.cache = Counter("gateway_cache_total", "response cache lookups by result", ["cache", "result"],
+                             registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -68,6 +68,7 @@ class ChatCompletionRequest(BaseModel):
                                         description="continue a stored conversation: send only the new message")
     assistant: str | None = Field(None, min_length=1, max_length=MAX_NAME_CHARS, description="an assistant preset: system prompt, "
                                                                   "model and sampling settings")
+    cache: bool = Field(True, description="false: never answer this request from the response cache")
 
     @model_validator(mode="before")
     @classmethod

@@ -13,12 +13,18 @@ import json
 import logging
 
 from gateway.admission import Admission
+from gateway.cache import ExactCache
 from gateway.cancel import Canceller
 from gateway.config import GatewaySettings
 from gateway.fanout import Fanout
 from gateway.metrics import Metrics
+from gateway.ratelimit import RateLimiter
+from gateway.semantic import SemanticCache
 from producers import start_consumer, start_producer
-from schemas.keys import GATEWAY_META_TTL_S as META_TTL_S, gateway_request
+from schemas import Completion
+from schemas import keys as K
+from schemas.keys import GATEWAY_META_TTL_S as META_TTL_S
+from tokenstream.config import settings
 from topics import TOKENS
 
 log = logging.getLogger(__name__)
@@ -36,6 +42,13 @@ class Gateway:
                                    min_rate=cfg.admission_min_rate, stale_s=cfg.broker_stale_s)
         self.canceller = Canceller(redis_url, cfg.cancel_grace_s, self.metrics)
         self.redis = self.canceller._redis  # noqa: SLF001 - one connection pool for both uses
+        self.limiter = RateLimiter(self.redis, self.metrics)
+        self.exact_cache = ExactCache(self.redis, cfg.exact_cache_ttl_s, cfg.exact_cache_max_chars, self.metrics)
+        base = settings()
+        self.semantic_cache = SemanticCache(base.weaviate_host, base.weaviate_http_port, base.weaviate_grpc_port,
+                                            cfg.semantic_cache_threshold, cfg.semantic_cache_ttl_s,
+                                            cfg.exact_cache_max_chars, self.metrics)
+        self._background: set[asyncio.Task] = set()
         self.producer = None
         self.fanout: Fanout | None = None
         self.partitions: list[int] = []
@@ -91,6 +104,7 @@ class Gateway:
                 await task
         await self.admission.close()
         await self.canceller.close()
+        await self.semantic_cache.close()
         if self.fanout is not None:
             with contextlib.suppress(Exception):
                 await self.fanout.consumer.stop()
@@ -98,20 +112,31 @@ class Gateway:
             with contextlib.suppress(Exception):
                 await self.producer.stop()
 
+    def background(self, coro) -> None:
+        """Run `coro` without waiting for it (bookkeeping after an answer was delivered)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def settle(self, request_id: str, note: dict, done: Completion, cached: int = 0) -> None:
+        """An answer was delivered: its usage is counted and its unused token reservation given back."""
+        await self.limiter.settle(request_id, note, done.usage.prompt_tokens, done.usage.completion_tokens,
+                                  cached)
+
     def reply_partition(self) -> int:
         return self.partitions[next(self._next) % len(self.partitions)]
 
     async def remember(self, request_id: str, meta: dict) -> None:
-        """What a resume elsewhere needs to rebuild chunks (model, usage option)."""
+        """Who owns the request (tenant) and what a resume elsewhere needs to rebuild chunks (model, usage option)."""
         if self.redis is not None:
             with contextlib.suppress(Exception):
-                await self.redis.set(gateway_request(request_id), json.dumps(meta), ex=META_TTL_S)
+                await self.redis.set(K.gateway_request(request_id), json.dumps(meta), ex=META_TTL_S)
 
     async def recall(self, request_id: str) -> dict | None:
         """The notes of an admitted request; {} when Redis cannot say, None when it never was admitted."""
         if self.redis is not None:
             try:
-                raw = await self.redis.get(gateway_request(request_id))
+                raw = await self.redis.get(K.gateway_request(request_id))
             except Exception:  # noqa: BLE001 - without Redis, the log alone serves the resume
                 return {}
             return json.loads(raw) if raw else None

@@ -2,8 +2,9 @@
 
 Each `step()`:
   1. takes in new requests, cancellations and aborts (thread-safe queues fed by the service);
-  2. admits waiting requests FIFO while their worst-case pages (prompt + max_tokens) fit the KV
-     budget and the batch has room: load can never exhaust the pool, so nothing is preempted;
+  2. admits waiting requests by tier (gpu_workers/priority.py) while their worst-case pages
+     (prompt + max_tokens) fit the KV budget and the batch has room: load can never exhaust
+     the pool, so nothing is preempted;
   3. prefills at most `prefill_chunk` prompt tokens (chunked prefill: a long prompt is spread
      over several steps, so running streams get a token every step) and decodes one token for
      every running request, each as one batched forward over the paged cache;
@@ -20,6 +21,7 @@ import time
 import torch
 
 from gpu_workers.kv_cache import PagedKVCache, StepCache
+from gpu_workers.priority import enqueue
 from gpu_workers.sampling import new_seed, sample
 from gpu_workers.sequence import Output, Sequence
 
@@ -109,7 +111,7 @@ class Engine:
                 self._finish(seq, "length", outputs)
             else:
                 seq.max_tokens = min(seq.max_tokens, self.max_model_len - len(seq.prompt_ids))
-                self.waiting.append(seq)
+                enqueue(self.waiting, seq)
 
     def _take_cancels(self, outputs: list[Output]) -> None:
         while self._aborts:

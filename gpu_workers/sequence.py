@@ -23,6 +23,7 @@ class Sequence:
     emitted_text: str = ""
     next_seq: int = 0
     arrival: float = field(default_factory=time.time)
+    priority: int = 0  # higher tiers are admitted first (gpu_workers.priority)
     tag: Any = None  # the caller's handle (the Kafka record)
 
     blocks: list[int] = field(default_factory=list)

@@ -193,7 +193,7 @@ class Worker:
             s = request.sampling
             seq = Sequence(request.request_id, prompt_ids(self.engine.tokenizer, request), max_tokens=s.max_tokens,
                            temperature=s.temperature, top_p=s.top_p, seed=s.seed, stop=list(s.stop),
-                           arrival=time.time(), tag=(tp, offset))
+                           arrival=time.time(), tag=(tp, offset), priority=request.priority)
             before = emitted.get(request.request_id)
             if before is not None and before.completion is not None:
                 await self._done(tp, offset)

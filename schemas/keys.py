@@ -1,14 +1,47 @@
-"""Redis keys the roles share, with how long each lives.
+"""Contracts kept in Redis: the name of every Redis key tokenstream writes (with how long each
+lives), API key records, and the conversation key that scopes a history to its tenant.
 
-    ts:gateway:req:<request_id>              JSON notes a resume on any gateway needs (model,
-                                             created, include_usage); GATEWAY_META_TTL_S
+    ts:gateway:req:<request_id>              JSON notes a resume on any gateway needs (owner tenant,
+                                             model, created, include_usage); GATEWAY_META_TTL_S
     ts:gateway:attach:<request_id>           attachment generation of the connection serving the
                                              request (cancel after a disconnect); GATEWAY_ATTACH_TTL_S
     ts:done:<role>:<effect>:<request_id>     an effect a processor has emitted for the request
                                              (idempotence after a restart); EFFECT_TTL_S
+    ts:apikeys / ts:apikey:<sha256>          the set of API key digests / one key's record (hash)
+    ts:rl:<scope>:<ident>:<kind>:<minute>    one-minute rate-limit counters (requests, tokens)
+    ts:usage:<key_id>:<day>                  token counts of one key on one UTC day
+    ts:usage:settled:<request_id>            set once a request's usage was counted
+    ts:cache:exact:<sha256>                  a cached deterministic answer
+
+An API key is shown once, `sk-ts-<43 url-safe characters>`; Redis holds only its sha256
+(`key_id` below is the first 16 hex digits of it, safe to print and to log). Every record is
+a Redis hash under `api_key(sha256)`; `API_KEYS` is the set of the hashes, for listing.
 """
 
 from __future__ import annotations
+
+import hashlib
+import re
+import secrets
+import time
+
+import msgspec
+
+KEY_PREFIX = "sk-ts-"
+TIERS = ("free", "paid", "enterprise")
+#: Higher tiers are admitted first by the workers (larger number first); unknown tiers rank as free.
+TIER_PRIORITY = {"free": 0, "paid": 1, "enterprise": 2}
+TENANT_PATTERN = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+API_KEYS = "ts:apikeys"  # set of sha256 hex digests
+#: Weaviate collection of the semantic response cache (objects scoped by tenant, model, system message).
+SEMANTIC_CACHE_COLLECTION = "TokenstreamSemanticCache"
+
+
+def api_key(digest: str) -> str:
+    """Redis hash of one key's record (fields of `ApiKey`)."""
+    return f"ts:apikey:{digest}"
+
 
 GATEWAY_META_TTL_S = 24 * 3600
 GATEWAY_ATTACH_TTL_S = 24 * 3600
@@ -16,12 +49,99 @@ EFFECT_TTL_S = 7 * 24 * 3600  # as long as the processors' input topics keep the
 
 
 def gateway_request(request_id: str) -> str:
+    """What the gateway remembers of an admitted request: owner tenant, model, usage option."""
     return f"ts:gateway:req:{request_id}"
 
 
 def gateway_attachment(request_id: str) -> str:
+    """The generation of the connection currently serving a request (cancel after disconnect)."""
     return f"ts:gateway:attach:{request_id}"
 
 
 def effect_done(role: str, effect: str, request_id: str) -> str:
+    """An effect a processor has emitted for a request (processors.effects.Ledger)."""
     return f"ts:done:{role}:{effect}:{request_id}"
+
+
+def rate_bucket(scope: str, ident: str, kind: str) -> str:
+    """Prefix of a one-minute counter: scope key|tenant, kind requests|tokens; the limiter's script
+    appends `:<minute number of the Redis server's clock>`."""
+    return f"ts:rl:{scope}:{ident}:{kind}"
+
+
+def usage(key_id: str, day: str) -> str:
+    """Hash of token counts (prompt, cached, completion, requests) of one key on one UTC day (YYYY-MM-DD)."""
+    return f"ts:usage:{key_id}:{day}"
+
+
+def usage_settled(request_id: str) -> str:
+    """Set once a request's usage was counted (whichever gateway instance saw its completion)."""
+    return f"ts:usage:settled:{request_id}"
+
+
+def usage_day(when: float | None = None) -> str:
+    """The UTC day usage is counted under."""
+    return time.strftime("%Y-%m-%d", time.gmtime(time.time() if when is None else when))
+
+
+def exact_cache(digest: str) -> str:
+    """A cached deterministic answer, keyed by the sha256 of tenant, model, messages and sampling."""
+    return f"ts:cache:exact:{digest}"
+
+
+def conversation_key(tenant: str, conversation_id: str) -> str:
+    """The key of a conversation's history and of its chat requests on ts.chat.requests.
+
+    Tenants never contain ':' (TENANT_PATTERN), so the key is unambiguous and one tenant's
+    conversation id never names another tenant's history.
+    """
+    return f"{tenant}:{conversation_id}"
+
+
+def digest(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def new_secret() -> str:
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+class ApiKey(msgspec.Struct, kw_only=True):
+    """One API key's record. rpm/tpm 0 means unlimited; expires_at 0 means never."""
+
+    key_id: str
+    tenant: str
+    tier: str = "free"
+    name: str = ""
+    rpm: int = 0
+    tpm: int = 0
+    tenant_rpm: int = 0
+    tenant_tpm: int = 0
+    expires_at: float = 0.0
+    revoked_at: float = 0.0
+    created_at: float = 0.0
+    admin: bool = False  # may read /metrics
+    exact_cache: bool = True
+    semantic_cache: bool = False
+
+    def problem(self, now: float | None = None) -> str | None:
+        """Why this key may not be used now, or None."""
+        now = time.time() if now is None else now
+        if self.revoked_at:
+            return "revoked"
+        if self.expires_at and now >= self.expires_at:
+            return "expired"
+        return None
+
+    @property
+    def priority(self) -> int:
+        return TIER_PRIORITY.get(self.tier, 0)
+
+    def to_redis(self) -> dict[str, str]:
+        return {k: str(int(v) if isinstance(v, bool) else v) for k, v in msgspec.structs.asdict(self).items()}
+
+    @classmethod
+    def from_redis(cls, raw: dict) -> ApiKey:
+        fields = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+                  for k, v in raw.items()}
+        return msgspec.convert(fields, cls, strict=False)

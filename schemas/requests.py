@@ -44,7 +44,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class ChatRequest(Event, tag="chat_request"):
-    """Written by the gateway to the chat-requests topic, keyed by conversation_id.
+    """Written by the gateway to the chat-requests topic, keyed by
+    `schemas.keys.conversation_key(tenant, conversation_id)`.
 
     messages may hold the whole history (OpenAI style) or only the new turn; the
     conversation processor completes it from the stored history.
@@ -61,6 +62,11 @@ class ChatRequest(Event, tag="chat_request"):
     reply_partition: int = 0
     gateway_id: str = ""
     screening: Screening = "serial"
+    tier: str = ""  # of the API key (schemas.keys.TIERS); "" in events written before keys existed
+    priority: int = 0  # higher is admitted first by the workers (schemas.keys.TIER_PRIORITY)
+    # set when the gateway answered from its exact cache: written for the audit trail only, the
+    # answer (from the request named here) is on the tokens topic already; processors skip it
+    cached_from: str = ""
 
 
 class InferenceRequest(Event, tag="inference_request"):
@@ -77,3 +83,5 @@ class InferenceRequest(Event, tag="inference_request"):
     dropped_messages: int = 0
     admitted_at: float = 0.0
     screening: Screening = "serial"
+    tier: str = ""
+    priority: int = 0

@@ -115,10 +115,11 @@ class FakePipeline:
             for records in (await self._requests_in.getmany(timeout_ms=100)).values():
                 for record in records:
                     req = decode(record.value, ChatRequest)
-                    if req.model != self.model:
+                    if req.model != self.model or req.cached_from:  # like the conversation processor
                         continue
                     self.requests[req.request_id] = req
                     inf = InferenceRequest(request_id=req.request_id, conversation_id=req.conversation_id,
+                                           tenant=req.tenant, tier=req.tier, priority=req.priority,
                                            model=req.model, messages=req.messages, sampling=req.sampling,
                                            reply_partition=req.reply_partition, admitted_at=time.time())
                     await publish(self._producer, self._topic, inf)
@@ -207,6 +208,39 @@ async def _tail(bootstrap: str, topic: str):
     return consumer
 
 
+# ------------------------------------------------------------------ API keys
+
+_DEFAULT_KEYS: dict[str, str] = {}
+
+
+def new_key(tenant: str = "test", **options) -> str:
+    """A new API key, created through the real key store in the test stack's Redis.
+
+    `options` are those of `tokenstream keys create` (tier, rpm, tpm, expires, admin, ...).
+    """
+    from tokenstream.keys import KeyStore
+
+    secret, _ = KeyStore(os.environ["TOKENSTREAM_REDIS_URL"]).create(tenant, **options)
+    return secret
+
+
+def default_key() -> str:
+    """The tests' default key (tenant `test`, paid, admin so it can read /metrics), one per stack.
+
+    Its exact cache is off: tests that ask the same deterministic question twice expect two live
+    answers; the cache has tests of its own with keys that use it.
+    """
+    url = os.environ["TOKENSTREAM_REDIS_URL"]
+    if url not in _DEFAULT_KEYS:
+        _DEFAULT_KEYS[url] = new_key("test", tier="paid", admin=True, name="tests", exact_cache=False)
+    return _DEFAULT_KEYS[url]
+
+
+def auth_headers(key: str | None = None) -> dict[str, str]:
+    """`Authorization: Bearer` for `key` (default: the tests' key): pass as headers= to httpx."""
+    return {"Authorization": f"Bearer {key or default_key()}"}
+
+
 # ------------------------------------------------------------------ gateway processes
 
 def free_port() -> int:
@@ -270,12 +304,18 @@ def rss_bytes(pid: int) -> int:
 
 def metric(url: str, name: str, labels: str = "") -> float:
     """One sample of the gateway's /metrics (sum over label sets containing `labels`)."""
-    text = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
+    text = metrics_text(url)
     total = 0.0
     for line in text.splitlines():
         if line.startswith(name) and (line[len(name)] in " {") and labels in line:
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def metrics_text(url: str) -> str:
+    """The gateway's /metrics page (read with the tests' admin key)."""
+    request = urllib.request.Request(url + "/metrics", headers=auth_headers())
+    return urllib.request.urlopen(request, timeout=5).read().decode()
 
 
 def here() -> Path:

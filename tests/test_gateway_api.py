@@ -12,7 +12,15 @@ import openai
 import pytest
 
 from tests.conftest import Roles
-from tests.gateway_support import FakePipeline, expected_answer, free_port, metric, start_gateway
+from tests.gateway_support import (
+    FakePipeline,
+    auth_headers,
+    default_key,
+    expected_answer,
+    free_port,
+    metric,
+    start_gateway,
+)
 
 PROMPT = "the quick brown fox jumps over the lazy dog"
 
@@ -34,7 +42,7 @@ def gateway(stack, pipeline, tmp_path_factory):
 
 @pytest.fixture
 def client(gateway):
-    return openai.AsyncOpenAI(base_url=gateway + "/v1", api_key="unused", max_retries=0, timeout=30)
+    return openai.AsyncOpenAI(base_url=gateway + "/v1", api_key=default_key(), max_retries=0, timeout=30)
 
 
 def ask(text: str = PROMPT):
@@ -44,7 +52,7 @@ def ask(text: str = PROMPT):
 async def test_models_health_metrics(gateway, client, pipeline):
     models = await client.models.list()
     assert {m.id for m in models.data} == {pipeline.model, "smollm2"}
-    async with httpx.AsyncClient(base_url=gateway) as http:
+    async with httpx.AsyncClient(base_url=gateway, headers=auth_headers()) as http:
         assert (await http.get("/health/live")).status_code == 200
         ready = await http.get("/health/ready")
         assert ready.status_code == 200 and ready.json()["ready"] is True
@@ -74,7 +82,9 @@ async def test_conversation_and_assistant_extensions(client, pipeline):
         model=pipeline.model, messages=ask(), extra_body={"conversation_id": "conv-42", "assistant": "coder"},
         extra_headers={"x-tenant": "acme"})
     sent = pipeline.requests[done.id.removeprefix("chatcmpl-")]
-    assert (sent.conversation_id, sent.assistant, sent.tenant) == ("conv-42", "coder", "acme")
+    # the tenant and tier come from the API key; the x-tenant header decides nothing
+    assert (sent.conversation_id, sent.assistant, sent.tenant) == ("conv-42", "coder", "test")
+    assert (sent.tier, sent.priority) == ("paid", 1)
 
 
 async def test_streaming(client, pipeline):
@@ -155,7 +165,7 @@ def test_pipeline_down_is_503(stack, tmp_path):
     try:
         url, _ = start_gateway(roles, ["smollm2"], env={"TOKENSTREAM_KAFKA_BOOTSTRAP": dead}, wait_ready=False)
         assert httpx.get(url + "/health/ready").status_code == 503
-        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        client = openai.OpenAI(base_url=url + "/v1", api_key=default_key(), max_retries=0)
         with pytest.raises(openai.InternalServerError) as info:
             client.chat.completions.create(model="smollm2", messages=ask())
         assert info.value.status_code == 503

@@ -15,7 +15,14 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import Roles
-from tests.gateway_support import Chromium, FakePipeline, expected_answer, free_port, start_gateway
+from tests.gateway_support import (
+    Chromium,
+    FakePipeline,
+    default_key,
+    expected_answer,
+    free_port,
+    start_gateway,
+)
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 SCREENSHOT = Path(__file__).resolve().parent.parent / "bench" / "results" / "chat-page.png"
@@ -59,7 +66,14 @@ async def test_chat_page(stack, pipeline, browser, tmp_path):
         answers = "Array.from(document.querySelectorAll('.assistant')).map(d => d.firstChild.data)"
         await asyncio.to_thread(browser.call, "Page.enable")
         await asyncio.to_thread(browser.call, "Page.navigate", url=url + "/")
+        # no key yet: the page asks for one; once given, it is remembered across a reload
+        await wait_for("document.body.classList.contains('needs-key')")
+        await js(f"document.getElementById('apikey').value = {json.dumps(default_key())};"
+                 "document.getElementById('savekey').click()")
         await wait_for("document.body.dataset.state === 'idle' && document.getElementById('model').value")
+        await asyncio.to_thread(browser.call, "Page.reload")
+        await wait_for("document.body.dataset.state === 'idle' && document.getElementById('model').value"
+                       " && !document.body.classList.contains('needs-key')")
 
         # a streamed answer: tokens appear one by one before the answer completes
         turn1 = "hello from a real browser " + " ".join(f"w{i}" for i in range(12))

@@ -15,7 +15,16 @@ import openai
 import pytest
 
 from tests.conftest import Roles
-from tests.gateway_support import FakePipeline, content_of, free_port, sse, start_gateway
+from tests.gateway_support import (
+    FakePipeline,
+    auth_headers,
+    content_of,
+    default_key,
+    free_port,
+    new_key,
+    sse,
+    start_gateway,
+)
 
 pytestmark = pytest.mark.slow
 PROMPT = [{"role": "user", "content": "Tell me a story about a lighthouse keeper."}]
@@ -36,9 +45,9 @@ def wait_for_log(roles, proc, text: str, timeout: float = 120) -> None:
         time.sleep(0.2)
 
 
-def running(metrics_url: str) -> float:
+def running(metrics_url: str, name: str = "vllm:num_requests_running") -> float:
     for line in httpx.get(metrics_url).text.splitlines():
-        if line.startswith("vllm:num_requests_running"):
+        if line.startswith(name):
             return float(line.rsplit(" ", 1)[1])
     return -1.0
 
@@ -56,14 +65,14 @@ async def test_real_worker_resume_and_cancel(stack, bootstrap, tmp_path, tiny_mo
         a, _ = await asyncio.to_thread(start_gateway, roles, [model], index=0, count=2, env=env)
         b, _ = await asyncio.to_thread(start_gateway, roles, [model], index=1, count=2, env=env)
 
-        client = openai.AsyncOpenAI(base_url=b + "/v1", api_key="x", max_retries=0, timeout=120)
+        client = openai.AsyncOpenAI(base_url=b + "/v1", api_key=default_key(), max_retries=0, timeout=120)
         stream = await client.chat.completions.create(model=model, messages=PROMPT, temperature=0, max_tokens=40,
                                                       stream=True)
         greedy = "".join([c.choices[0].delta.content or "" async for c in stream])
         assert greedy
 
         request = {"model": model, "messages": PROMPT, "temperature": 0, "max_tokens": 40, "stream": True}
-        async with httpx.AsyncClient(timeout=120) as http:
+        async with httpx.AsyncClient(timeout=120, headers=auth_headers()) as http:
             first = []
             async with http.stream("POST", a + "/v1/chat/completions", json=request) as r:
                 async for event_id, data in sse(r):
@@ -79,7 +88,7 @@ async def test_real_worker_resume_and_cancel(stack, bootstrap, tmp_path, tiny_mo
 
         # a dropped stream: cancelled after the grace period, the worker's slot freed
         long = dict(request, max_tokens=400)
-        async with httpx.AsyncClient(timeout=120) as http:
+        async with httpx.AsyncClient(timeout=120, headers=auth_headers()) as http:
             async with http.stream("POST", a + "/v1/chat/completions", json=long) as r:
                 n = 0
                 async for _, data in sse(r):
@@ -93,7 +102,7 @@ async def test_real_worker_resume_and_cancel(stack, bootstrap, tmp_path, tiny_mo
         while await asyncio.to_thread(running, metrics_url) != 0:
             assert time.monotonic() < deadline, "the worker never freed the slot"
             await asyncio.sleep(0.2)
-        async with httpx.AsyncClient(timeout=60) as http:
+        async with httpx.AsyncClient(timeout=60, headers=auth_headers()) as http:
             async with http.stream("GET", f"{a}/v1/chat/completions/{cid}/stream?include_usage=true") as r:
                 events = [e async for e in sse(r)]
         usage = json.loads(events[-2][1])["usage"]
@@ -102,3 +111,41 @@ async def test_real_worker_resume_and_cancel(stack, bootstrap, tmp_path, tiny_mo
     finally:
         await asyncio.to_thread(roles.stop_all)
         await processor.stop()
+
+
+async def test_a_paid_key_is_served_first_under_a_free_tier_flood(stack, bootstrap, tmp_path, tiny_model):
+    """One batch slot, twelve free-tier requests queued: the paid key's two requests are next."""
+    model = f"tiny-{uuid.uuid4().hex[:6]}"
+    processor = await FakePipeline(bootstrap, model, worker=False).start()
+    roles = Roles(stack, tmp_path)
+    metrics_port = free_port()
+    free, paid = new_key("flood", tier="free"), new_key("vip", tier="paid")
+    finished: dict[str, float] = {}
+    try:
+        worker = roles.start("worker", "--model", model, "--model-path", str(tiny_model), "--step-delay", "0.03",
+                             "--max-running", "1", "--metrics-port", str(metrics_port), name="worker")
+        await asyncio.to_thread(wait_for_log, roles, worker, "worker ready")
+        # the flood is meant to queue at the worker: no early 429 from the gateway's admission
+        url, _ = await asyncio.to_thread(start_gateway, roles, [model],
+                                         env={"TOKENSTREAM_GATEWAY_ADMISSION_BUDGET_S": "1000"})
+        request = {"model": model, "messages": PROMPT, "max_tokens": 16, "cache": False}
+
+        async def one(http: httpx.AsyncClient, name: str, key: str) -> None:
+            r = await http.post(url + "/v1/chat/completions", json=request, headers=auth_headers(key))
+            assert r.status_code == 200, r.text
+            finished[name] = time.monotonic()
+
+        async with httpx.AsyncClient(timeout=300) as http:
+            flood = [asyncio.create_task(one(http, f"free{i}", free)) for i in range(12)]
+            metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+            deadline = time.monotonic() + 60
+            while await asyncio.to_thread(running, metrics_url, "vllm:num_requests_waiting") < 8:
+                assert time.monotonic() < deadline, "the flood never queued at the worker"
+                await asyncio.sleep(0.05)
+            await asyncio.gather(*flood, one(http, "paid0", paid), one(http, "paid1", paid))
+    finally:
+        await asyncio.to_thread(roles.stop_all)
+        await processor.stop()
+    order = sorted(finished, key=finished.get)
+    # at most the running request and the one admitted meanwhile finish before them (FIFO: last)
+    assert order.index("paid0") <= 4 and order.index("paid1") <= 4, order

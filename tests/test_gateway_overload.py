@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from tests.conftest import Roles
-from tests.gateway_support import FakePipeline, metric, rss_bytes, start_gateway
+from tests.gateway_support import FakePipeline, default_key, metric, metrics_text, rss_bytes, start_gateway
 
 WORDS = " ".join(f"v{i}" for i in range(10))
 
@@ -43,7 +43,7 @@ def gateway(stack, pipeline, fast, tmp_path_factory):
 
 async def test_overload_gets_429_with_retry_after(gateway, pipeline):
     url, proc = gateway
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=default_key(), max_retries=0, timeout=60)
 
     async def one(i: int):
         try:
@@ -69,7 +69,7 @@ async def test_overload_gets_429_with_retry_after(gateway, pipeline):
     assert sum(1 for r in pipeline.requests.values() if r.model == pipeline.model) == len(admitted)
     assert metric(url, "gateway_admission_rejections_total") == len(rejected)
     assert 'gateway_admission_estimated_wait_seconds{model="' + pipeline.model in \
-        __import__("httpx").get(url + "/metrics").text
+        metrics_text(url)
     # memory stays flat across waves of overload (first wave warms up)
     assert max(rss[1:]) - rss[1] < 20 * 2**20, rss
 
@@ -100,8 +100,9 @@ async def test_slow_client_gets_coalesced_chunks_and_partition_pauses(gateway, f
     sock.connect((host, int(port)))
     sock.setblocking(False)
     reader, writer = await asyncio.open_connection(sock=sock, limit=4096)  # reads stall too
-    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: " + str(len(payload)).encode() + b"\r\nConnection: close\r\n\r\n" + payload)
+    writer.write(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 f"Authorization: Bearer {default_key()}\r\nContent-Length: {len(payload)}\r\n"
+                 "Connection: close\r\n\r\n".encode() + payload)
     await writer.drain()
     body = await reader.read(2048)  # headers and the first events, then stall
     rss_before = rss_bytes(proc.pid)

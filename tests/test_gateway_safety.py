@@ -11,7 +11,7 @@ import pytest
 from producers import publish, start_producer
 from schemas import SafetyVerdict
 from tests.conftest import Roles
-from tests.gateway_support import FakePipeline, start_gateway
+from tests.gateway_support import FakePipeline, default_key, start_gateway
 from topics import TOKENS
 
 LONG = " ".join(f"word{i}" for i in range(60))
@@ -34,7 +34,7 @@ def gateway(stack, pipeline, tmp_path_factory):
 
 @pytest.mark.parametrize("stream", [True, False])
 async def test_output_verdict_cuts_the_answer_with_content_filter(gateway, pipeline, stream):
-    client = openai.AsyncOpenAI(base_url=gateway + "/v1", api_key="x", max_retries=0)
+    client = openai.AsyncOpenAI(base_url=gateway + "/v1", api_key=default_key(), max_retries=0)
     producer = await start_producer()
 
     async def cut_when_started() -> None:

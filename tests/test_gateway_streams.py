@@ -14,7 +14,17 @@ import openai
 import pytest
 
 from tests.conftest import Roles
-from tests.gateway_support import FakePipeline, content_of, expected_answer, metric, sse, start_gateway
+from tests.gateway_support import (
+    FakePipeline,
+    auth_headers,
+    content_of,
+    default_key,
+    expected_answer,
+    metric,
+    metrics_text,
+    sse,
+    start_gateway,
+)
 
 LONG = " ".join(f"w{i}" for i in range(40))
 GRACE = 1.0
@@ -44,7 +54,7 @@ def body(model: str, text: str, **extra) -> dict:
 
 async def test_each_instance_gets_only_its_partitions(gateways, pipeline):
     """Ten streams on each instance at once; each instance reads only its own tokens partitions."""
-    clients = [openai.AsyncOpenAI(base_url=u + "/v1", api_key="x", max_retries=0) for u in gateways]
+    clients = [openai.AsyncOpenAI(base_url=u + "/v1", api_key=default_key(), max_retries=0) for u in gateways]
 
     async def one(i: int) -> tuple[int, str, str]:
         text = f"stream {i} " + " ".join(f"t{i}x{j}" for j in range(8))
@@ -61,7 +71,7 @@ async def test_each_instance_gets_only_its_partitions(gateways, pipeline):
     for instance, cid, _ in results:
         assert pipeline.requests[cid.removeprefix("chatcmpl-")].reply_partition % 2 == instance
     for instance, url in enumerate(gateways):
-        text = httpx.get(url + "/metrics").text
+        text = metrics_text(url)
         parts = {int(p) for p in re.findall(r'gateway_token_events_total\{partition="(\d+)"\}', text)}
         assert parts == {p for p in range(12) if p % 2 == instance}
         assert metric(url, "gateway_token_events_total") > 0
@@ -73,7 +83,7 @@ async def test_resume_on_another_instance(gateways, pipeline):
     """Cut a stream on instance 0 midway, resume it on instance 1 with Last-Event-ID."""
     a, b = gateways
     first: list[tuple[str, str]] = []
-    async with httpx.AsyncClient(timeout=30) as http:
+    async with httpx.AsyncClient(timeout=30, headers=auth_headers()) as http:
         async with http.stream("POST", a + "/v1/chat/completions", json=body(pipeline.model, LONG)) as r:
             assert r.status_code == 200
             async for event_id, data in sse(r):
@@ -98,7 +108,7 @@ async def test_resume_on_another_instance(gateways, pipeline):
     assert any(content_of(d) for _, d in rest) and any(content_of(d) for _, d in first)
 
     # the same request, uninterrupted and greedy, through the SDK on instance 1
-    client = openai.AsyncOpenAI(base_url=b + "/v1", api_key="x", max_retries=0)
+    client = openai.AsyncOpenAI(base_url=b + "/v1", api_key=default_key(), max_retries=0)
     stream = await client.chat.completions.create(model=pipeline.model, temperature=0, stream=True,
                                                   messages=[{"role": "user", "content": LONG}])
     assert joined == "".join([c.choices[0].delta.content or "" async for c in stream])
@@ -112,10 +122,10 @@ async def test_resume_on_another_instance(gateways, pipeline):
 
 async def test_resume_from_the_start_and_after_the_end(gateways, pipeline):
     a, b = gateways
-    client = openai.AsyncOpenAI(base_url=a + "/v1", api_key="x", max_retries=0)
+    client = openai.AsyncOpenAI(base_url=a + "/v1", api_key=default_key(), max_retries=0)
     done = await client.chat.completions.create(model=pipeline.model, messages=[
         {"role": "user", "content": "alpha beta gamma"}])
-    async with httpx.AsyncClient(timeout=30) as http:
+    async with httpx.AsyncClient(timeout=30, headers=auth_headers()) as http:
         async with http.stream("GET", f"{b}/v1/chat/completions/{done.id}/stream") as r:
             events = [e async for e in sse(r)]
         assert "".join(content_of(d) for _, d in events) == "alpha beta gamma"
@@ -134,7 +144,7 @@ async def test_resume_from_the_start_and_after_the_end(gateways, pipeline):
 
 async def test_disconnect_cancels_after_grace_and_frees_the_slot(gateways, pipeline):
     a, _ = gateways
-    async with httpx.AsyncClient(timeout=30) as http:
+    async with httpx.AsyncClient(timeout=30, headers=auth_headers()) as http:
         async with http.stream("POST", a + "/v1/chat/completions", json=body(pipeline.model, LONG)) as r:
             n = 0
             async for _, data in sse(r):
@@ -155,7 +165,7 @@ async def test_disconnect_cancels_after_grace_and_frees_the_slot(gateways, pipel
 
 async def test_stop_route_cancels_now(gateways, pipeline):
     _, b = gateways
-    async with httpx.AsyncClient(timeout=30) as http:
+    async with httpx.AsyncClient(timeout=30, headers=auth_headers()) as http:
         async with http.stream("POST", b + "/v1/chat/completions", json=body(pipeline.model, LONG)) as r:
             got, finish = "", None
             async for _, data in sse(r):
@@ -175,7 +185,7 @@ async def test_stop_route_cancels_now(gateways, pipeline):
 async def test_non_streaming_client_that_leaves_is_cancelled(gateways, pipeline):
     a, _ = gateways
     before = set(pipeline.served)
-    async with httpx.AsyncClient(timeout=1.0) as http:
+    async with httpx.AsyncClient(timeout=1.0, headers=auth_headers()) as http:
         with pytest.raises(httpx.ReadTimeout):
             await http.post(a + "/v1/chat/completions", json=body(pipeline.model, LONG, stream=False))
     rid = next(iter(set(pipeline.served) - before))

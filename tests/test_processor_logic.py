@@ -101,6 +101,14 @@ def test_decide_tier_first_then_weights_then_overflow():
     assert decide("r", "m", None, "standard", {}, 5).target == "m"
 
 
+def test_overflow_keeps_the_fallbacks_last_room_for_higher_tiers():
+    route = Route(fallback="small")
+    waits = {"big": 50, "small": 3}  # primary over the 5 s budget, fallback more than half full
+    assert decide("r", "big", route, "paid", waits, 5, priority=1).target == "small"
+    assert decide("r", "big", route, "free", waits, 5, priority=0).target == "big"
+    assert decide("r", "big", route, "free", {"big": 50, "small": 1}, 5, priority=0).target == "small"
+
+
 def test_output_window_folds_each_chunk_once_and_judges_every_n_tokens():
     cfg = WindowSettings(every_tokens=4, overlap_chars=5)
     w = OutputWindow(request_id="r")

@@ -30,6 +30,7 @@ from schemas import (
     SamplingParams,
     TokenChunk,
 )
+from schemas.keys import conversation_key
 from tests.kafka_support import Tap
 from tokenstream.models import load_tokenizer
 from topics import CHAT_REQUESTS, CONTROL, PREPARED, SCREENED, TOKENS, VERDICTS, inference_topic
@@ -92,14 +93,14 @@ async def chat(producer, conversation: str, messages: list[ChatMessage], *, requ
                model: str = "smollm2", reply_partition: int = 5, **kw) -> ChatRequest:
     request = ChatRequest(request_id=request_id or rid(), conversation_id=conversation, model=model,
                           messages=messages, reply_partition=reply_partition, **kw)
-    await publish(producer, CHAT_REQUESTS, request, key=conversation)
+    await publish(producer, CHAT_REQUESTS, request, key=conversation_key(request.tenant, conversation))
     return request
 
 
 async def answer(producer, request: InferenceRequest, text: str) -> None:
     """Play the worker: the completion of `request` with `text`."""
     await publish(producer, TOKENS, Completion(request_id=request.request_id,
-                                               conversation_id=request.conversation_id, seq=1,
+                                               conversation_id=request.conversation_id, tenant=request.tenant, seq=1,
                                                finish_reason="stop", text=text),
                   partition=request.reply_partition)
 
@@ -133,6 +134,28 @@ async def test_third_turn_with_only_the_new_message_gets_the_full_history(proces
         ("system", "You are terse."), ("user", "Name a colour."), ("assistant", "Blue."),
         ("user", "Another one?"), ("assistant", "Green."), ("user", "And a third?")]
     assert p3.dropped_messages == 0 and p3.conversation_id == conv and p3.reply_partition == 5
+
+
+async def test_a_conversation_id_of_another_tenant_reaches_none_of_its_history(processors):
+    """Tenant B sending tenant A's conversation id starts a conversation of its own."""
+    conv = f"conv-{rid()}"
+    async with Tap(PREPARED) as prepared:
+        producer = await start_producer()
+        try:
+            a1 = await chat(producer, conv, [ChatMessage(role="user", content="My PIN is 4711.")], tenant="acme")
+            [p1] = await prepared.wait_for(by_id(a1.request_id), timeout=90)
+            await answer(producer, p1, "Noted.")
+            b1 = await chat(producer, conv, [ChatMessage(role="user", content="What is my PIN?")], tenant="mallory",
+                            tier="free", priority=0)
+            a2 = await chat(producer, conv, [ChatMessage(role="user", content="And again?")], tenant="acme",
+                            tier="paid", priority=1)
+            [pb] = await prepared.wait_for(by_id(b1.request_id))
+            [pa] = await prepared.wait_for(by_id(a2.request_id))
+        finally:
+            await producer.stop()
+    assert [m.content for m in pb.messages] == ["What is my PIN?"] and pb.tenant == "mallory"
+    assert [m.content for m in pa.messages] == ["My PIN is 4711.", "Noted.", "And again?"]
+    assert (pa.tier, pa.priority, pb.tier) == ("paid", 1, "free")  # the key's tier travels to the worker
 
 
 async def test_history_longer_than_the_window_is_trimmed_oldest_first(processors):

@@ -10,6 +10,8 @@ from rich.console import Console
 from rich.table import Table
 
 from tokenstream.config import settings
+from tokenstream.keys_cli import app as keys_app
+from tokenstream.keys_cli import local_key
 from tokenstream.stack import Stack
 
 app = typer.Typer(help="tokenstream: LLM serving as an event-driven pipeline over Apache Kafka.",
@@ -18,6 +20,7 @@ stack_app = typer.Typer(help="The local Kafka, Redis and Weaviate on loopback (n
 topics_app = typer.Typer(help="The topic registry, applied to and read from the cluster.", no_args_is_help=True)
 app.add_typer(stack_app, name="stack")
 app.add_typer(topics_app, name="topics")
+app.add_typer(keys_app, name="keys")
 
 console = Console()
 
@@ -83,7 +86,11 @@ def system_up() -> None:
     for role in _roles():
         role.start(_say)
     port = settings().gateway_port
+    key_file = settings().data_dir / "local-api-key"
+    key = local_key(key_file)
     _say(f"\n[bold]chat page:[/] http://127.0.0.1:{port}   [bold]OpenAI base URL:[/] http://127.0.0.1:{port}/v1")
+    _say(f"[bold]API key[/] (tenant local, paid, admin; kept in {key_file}): {key}")
+    _say(f"[bold]chat page, signed in:[/] http://127.0.0.1:{port}/#key={key}")
     _say("logs: " + str(Stack.default().kafka.log_dir) + "   stop: make stop (or tokenstream system down)")
 
 
@@ -206,6 +213,7 @@ ROLE_COMMANDS = {
     (bench_app, "safety"): "bench.safety:main",
     (bench_app, "pipeline"): "bench.pipeline:main",
     (app, "plan"): "tokenstream.plan_cli:plan_command",
+    (bench_app, "cache"): "bench.cache:main",
     (processor_app, "conversation"): "processors.cli:conversation",
     (processor_app, "safety"): "processors.cli:safety",
     (processor_app, "router"): "processors.cli:router",

@@ -107,7 +107,7 @@ AUDITOR = Reader("auditor (`tokenstream audit`)", None, "scan by time (offsets_f
 # min.insync.replicas=1 because the local stack has one broker; a production cluster
 # overrides it (and the replication factor) through TOKENSTREAM_KAFKA_REPLICATION.
 CHAT_REQUESTS = TopicSpec(
-    "ts.chat.requests", 12, "conversation_id", (ChatRequest,),
+    "ts.chat.requests", 12, "tenant:conversation_id", (ChatRequest,),
     "requests as the gateway admitted them; input to the conversation processor",
     _retained(7),
     writers=(Writer("gateway", "once per admitted request, before the client gets its first byte"),),
@@ -179,7 +179,7 @@ TOOL_RESULTS = TopicSpec(
     readers=(AUDITOR,),
 )
 CONVERSATION_TURNS = TopicSpec(
-    "ts.conversation.turns", 12, "conversation_id", (Completion,),
+    "ts.conversation.turns", 12, "tenant:conversation_id", (Completion,),
     "finished answers re-keyed by conversation, so the history table can append them",
     _retained(7),
     writers=(Writer("conversation processor (answers)", "every Completion on ts.tokens, re-keyed"),),
@@ -188,7 +188,7 @@ CONVERSATION_TURNS = TopicSpec(
 # Changelogs of the processors' faust tables. Faust names them <app id>-<table>-changelog;
 # they are listed here so that `topics apply` owns their partitions and configs.
 CONVERSATIONS = TopicSpec(
-    "ts-conversation-history-changelog", 12, "conversation_id", (ConversationHistory,),
+    "ts-conversation-history-changelog", 12, "tenant:conversation_id", (ConversationHistory,),
     "history of each conversation, the conversation processor's table (compacted)",
     {"cleanup.policy": "compact", "min.cleanable.dirty.ratio": "0.1", "segment.ms": str(DAY_MS)},
     writers=(Writer("conversation processor", "every change of a conversation's table row"),),

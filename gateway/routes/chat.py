@@ -4,33 +4,42 @@ and answer from the token events on this instance's partitions (SSE or one JSON 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 
+import msgspec
 from fastapi import APIRouter, Depends, Request
 
 from gateway import context
 from gateway import openai_api as api
 from gateway.answers import collect, sse_response
+from gateway.auth import principal
+from gateway.cache import Entry, hit_events
+from gateway.caching import look_up
 from gateway.deps import pipeline
 from gateway.framing import Framer
 from gateway.pipeline import Gateway
+from gateway.ratelimit import estimate_prompt_tokens
 from gateway.resume import NOTHING_SEEN, new_request_id
 from gateway.screening import held_until_screened
 from producers import publish
-from schemas import ChatMessage, ChatRequest, Event, SamplingParams
+from schemas import ChatMessage, ChatRequest, Completion, Event, SamplingParams
+from schemas.keys import ApiKey, conversation_key
 from tokenstream.presets import presets
-from topics import CHAT_REQUESTS
+from topics import CHAT_REQUESTS, TOKENS
 
+log = logging.getLogger(__name__)
 DEFAULT_MAX_TOKENS = 256
 router = APIRouter(prefix="/v1")
 
 
 @router.post("/chat/completions")
-async def chat_completions(body: api.ChatCompletionRequest, request: Request, gw: Gateway = Depends(pipeline)):
+async def chat_completions(body: api.ChatCompletionRequest, request: Request, gw: Gateway = Depends(pipeline),
+                           key: ApiKey = Depends(principal)):
     stream_label = "true" if body.stream else "false"
     try:
-        return await _chat(gw, body, request)
+        return await _chat(gw, body, request, key)
     except api.APIError as exc:
         gw.metrics.requests.labels(body.model, stream_label, str(exc.status)).inc()
         raise
@@ -64,7 +73,7 @@ def admit(gw: Gateway, model: str) -> None:
     gw.admission.admit(model)  # 429 / 503 from the worker group's lag
 
 
-async def _chat(gw: Gateway, body: api.ChatCompletionRequest, request: Request):
+async def _chat(gw: Gateway, body: api.ChatCompletionRequest, request: Request, key: ApiKey):
     if body.model not in gw.cfg.models:
         raise api.model_not_found(body.model)
     if body.assistant is not None and body.assistant not in presets():
@@ -75,31 +84,46 @@ async def _chat(gw: Gateway, body: api.ChatCompletionRequest, request: Request):
     await context.check(body.model, messages, sampling.max_tokens,
                         "max_completion_tokens" if body.max_completion_tokens else "max_tokens")
     admit(gw, body.model)
+    reserve = estimate_prompt_tokens([m.content for m in messages]) + sampling.max_tokens
+    ticket = await gw.limiter.take(key, reserve)
+    caches = await look_up(gw, key, body, messages, sampling)
+    headers = {**ticket.headers, **caches.headers}
 
     partition = gw.reply_partition()
     started = time.monotonic()
     created_at = time.time()
     rid = new_request_id(partition, created_at)
     event = ChatRequest(request_id=rid, conversation_id=body.conversation_id or rid, created_at=created_at,
-                        tenant=request.headers.get("x-tenant", "default"), model=body.model,
+                        tenant=key.tenant, tier=key.tier, priority=key.priority, model=body.model,
                         messages=messages, sampling=sampling, stream=body.stream, user=body.user,
                         assistant=body.assistant, reply_partition=partition, gateway_id=gw.cfg.instance_id,
                         screening=gw.cfg.screening)
-    fanout = gw.fanout
-    stream = fanout.subscribe(rid)
     created = int(created_at)
     include_usage = body.include_usage()
+    note = {"tenant": key.tenant, "model": body.model, "created": created, "include_usage": include_usage,
+            **ticket.note()}
+    if caches.entry is not None:
+        return await _from_cache(gw, body, request, event, note, headers, caches.entry, started)
+    fanout = gw.fanout
+    stream = fanout.subscribe(rid)
     # the write to the pipeline and the two Redis notes go out together
     written, _, generation = await asyncio.gather(
-        asyncio.wait_for(publish(gw.producer, CHAT_REQUESTS, event, key=event.conversation_id), timeout=10),
-        gw.remember(rid, {"model": body.model, "created": created, "include_usage": include_usage,
-                         "screening": gw.cfg.screening}),
+        asyncio.wait_for(publish(gw.producer, CHAT_REQUESTS, event,
+                                 key=conversation_key(key.tenant, event.conversation_id)), timeout=10),
+        gw.remember(rid, {**note, "screening": gw.cfg.screening}),  # a resume holds the answer like this one
         gw.canceller.attach(rid), return_exceptions=True)
     if isinstance(written, BaseException) or isinstance(generation, BaseException):
         fanout.unsubscribe(rid)
         exc = written if isinstance(written, BaseException) else generation
         raise api.unavailable(f"Could not hand the request to the pipeline: {exc or type(exc).__name__}")
     gw.metrics.requests.labels(body.model, "true" if body.stream else "false", "200").inc()
+
+    async def settle(done: Completion, sent: list[str]) -> None:
+        await gw.settle(rid, note, done)
+        if not done.error:
+            await caches.store(gw, key.tenant, body.model, Entry(
+                chunks=sent, finish_reason=done.finish_reason, request_id=rid,
+                prompt_tokens=done.usage.prompt_tokens, completion_tokens=done.usage.completion_tokens))
 
     async def live() -> AsyncIterator[list[Event]]:
         while True:
@@ -111,6 +135,49 @@ async def _chat(gw: Gateway, body: api.ChatCompletionRequest, request: Request):
     source = held_until_screened(live()) if gw.cfg.screening == "parallel" else live()
     if body.stream:
         framer = Framer(rid, body.model, created, include_usage, NOTHING_SEEN)
-        return sse_response(gw, framer, source, generation, started, cleanup=lambda: fanout.unsubscribe(rid))
+        return sse_response(gw, framer, source, generation, started, cleanup=lambda: fanout.unsubscribe(rid),
+                            settle=settle, headers=headers)
     return await collect(gw, rid, body.model, created, source, generation, request,
-                         cleanup=lambda: fanout.unsubscribe(rid))
+                         cleanup=lambda: fanout.unsubscribe(rid), settle=settle, headers=headers)
+
+
+async def _from_cache(gw: Gateway, body: api.ChatCompletionRequest, request: Request, event: ChatRequest,
+                      note: dict, headers: dict[str, str], entry: Entry, started: float):
+    """Answer from the exact cache, framed like a live answer under a request id of its own.
+
+    The request (marked `cached_from`) and its answer's events are written to the log as well:
+    an audit sees every answer, and a resume on any instance replays it like any other.
+    """
+    rid = event.request_id
+    events = hit_events(entry, event)
+    _, generation = await asyncio.gather(gw.remember(rid, note), gw.canceller.attach(rid))
+    audit = msgspec.structs.replace(event, cached_from=entry.request_id)
+    gw.background(_write(gw, audit, events))  # while the answer goes out: a resume waits for it on the log
+    gw.metrics.requests.labels(body.model, "true" if body.stream else "false", "200").inc()
+    headers = {**headers, "x-tokenstream-cached-request": entry.request_id}
+
+    async def settle(done: Completion, _: list[str]) -> None:
+        await gw.settle(rid, note, done, cached=done.usage.total_tokens)
+
+    async def source() -> AsyncIterator[list[Event]]:
+        for ev in events:
+            yield [ev]
+
+    if body.stream:
+        framer = Framer(rid, body.model, note["created"], note["include_usage"], NOTHING_SEEN)
+        return sse_response(gw, framer, source(), generation, started, cleanup=lambda: None, settle=settle,
+                            headers=headers)
+    return await collect(gw, rid, body.model, note["created"], source(), generation, request,
+                         cleanup=lambda: None, settle=settle, headers=headers)
+
+
+async def _write(gw: Gateway, audit: ChatRequest, events: list[Event]) -> None:
+    """The cached answer's request and events onto the log (acks=all)."""
+    try:
+        key = conversation_key(audit.tenant, audit.conversation_id)
+        acks = [await publish(gw.producer, CHAT_REQUESTS, audit, key=key, wait=False)]
+        for ev in events:
+            acks.append(await publish(gw.producer, TOKENS, ev, partition=audit.reply_partition, wait=False))
+        await asyncio.gather(*acks)
+    except Exception as exc:  # noqa: BLE001
+        log.warning("cached answer %s not written to the log: %s", audit.request_id, exc)

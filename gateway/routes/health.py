@@ -7,6 +7,7 @@ from pathlib import Path
 from fastapi import APIRouter, Depends
 from fastapi.responses import FileResponse, JSONResponse, Response
 
+from gateway.auth import admin
 from gateway.deps import pipeline
 from gateway.pipeline import Gateway
 
@@ -31,6 +32,7 @@ async def ready(gw: Gateway = Depends(pipeline)) -> JSONResponse:
     return JSONResponse(body, status_code=200 if gw.ready else 503)
 
 
-@router.get("/metrics")
+@router.get("/metrics", dependencies=[Depends(admin)])
 async def metrics(gw: Gateway = Depends(pipeline)) -> Response:
+    """Prometheus metrics, for an admin key only (scrape with `authorization: Bearer ...`)."""
     return Response(gw.metrics.render(), media_type="text/plain; version=0.0.4")

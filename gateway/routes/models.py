@@ -5,10 +5,11 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends
 
 from gateway import openai_api as api
+from gateway.auth import principal
 from gateway.deps import pipeline
 from gateway.pipeline import Gateway
 
-router = APIRouter(prefix="/v1")
+router = APIRouter(prefix="/v1", dependencies=[Depends(principal)])
 
 
 def model_entry(name: str) -> dict:

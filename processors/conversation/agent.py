@@ -1,6 +1,8 @@
 """The conversation processor: ts.chat.requests (+ finished answers) -> ts.requests.prepared.
 
-One agent reads both the chat requests and the answers re-keyed by conversation, so every
+One agent reads both the chat requests and the answers re-keyed by conversation (the table row
+and both topics' keys are `schemas.keys.conversation_key(tenant, conversation_id)`, so one
+tenant's conversation id never reaches another tenant's history), so every
 event of a conversation is handled on the same partition, in order, against the same
 table row. A second agent re-keys completions from ts.tokens to ts.conversation.turns.
 """
@@ -17,6 +19,7 @@ from processors.conversation.window import PromptTooLong, chat_template_counter,
 from processors.effects import Ledger
 from processors.faust_app import get, make_app, put, send, table, topic, trace_of, typed
 from schemas import ChatMessage, ChatRequest, Completion, ConversationHistory, InferenceRequest, Transcript
+from schemas.keys import conversation_key
 from tokenstream.config import settings
 from tokenstream.models import load_tokenizer, prompt_budget
 from topics import CHAT_REQUESTS, CONVERSATION_TURNS, CONVERSATIONS, DEAD_LETTER, PREPARED, TOKENS, TRANSCRIPTS
@@ -84,7 +87,8 @@ async def _prepare(request: ChatRequest, state: ConversationHistory, trace) -> b
     prepared = InferenceRequest(
         request_id=request.request_id, conversation_id=request.conversation_id, tenant=request.tenant,
         model=model, messages=prompt, sampling=sampling, reply_partition=request.reply_partition,
-        dropped_messages=dropped, admitted_at=request.created_at, screening=request.screening)
+        dropped_messages=dropped, admitted_at=request.created_at, screening=request.screening,
+        tier=request.tier, priority=request.priority)
     # after a restart the request may have been emitted already: then only the table row is rebuilt
     await ledger.once("prepared", request.request_id,
                       lambda: send(prepared_out, PREPARED, prepared, key=request.request_id, trace=trace))
@@ -92,6 +96,8 @@ async def _prepare(request: ChatRequest, state: ConversationHistory, trace) -> b
 
 
 async def _on_request(request: ChatRequest, state: ConversationHistory, trace) -> None:
+    if request.cached_from:
+        return  # answered from the gateway's cache; on the log for the audit only
     if request.request_id in state.seen_request_ids:
         return  # delivered twice upstream: already prepared
     state.seen_request_ids = [*state.seen_request_ids[-(SEEN_KEPT - 1):], request.request_id]
@@ -131,7 +137,7 @@ async def _record(done: Completion, state: ConversationHistory, trace) -> None:
 async def conversations(stream):
     specs = {CHAT_REQUESTS.name: CHAT_REQUESTS, CONVERSATION_TURNS.name: CONVERSATION_TURNS}
     async for event, raw in typed(stream, specs, dead_letters):
-        key = event.conversation_id or event.request_id
+        key = conversation_key(event.tenant, event.conversation_id or event.request_id)
         state = get(history_table, key, ConversationHistory) or ConversationHistory(
             request_id=event.request_id, conversation_id=key, tenant=event.tenant)
         if isinstance(event, ChatRequest):
@@ -147,4 +153,5 @@ async def answers(stream):
     """Completions, re-keyed by conversation so the history agent sees them in its partition."""
     async for event, raw in typed(stream, {TOKENS.name: TOKENS}, dead_letters):
         if isinstance(event, Completion) and event.conversation_id:
-            await send(turns_out, CONVERSATION_TURNS, event, key=event.conversation_id, trace=trace_of(raw))
+            await send(turns_out, CONVERSATION_TURNS, event, key=conversation_key(event.tenant, event.conversation_id),
+                       trace=trace_of(raw))

@@ -112,9 +112,9 @@ async def route(stream):
 
 async def forward(request: InferenceRequest, trace) -> None:
     """Send the request to its target's worker topic, or end it with an error if none serves it."""
-    tier = cfg.tenant_tiers.get(request.tenant, cfg.default_tier)
+    tier = request.tier or cfg.tenant_tiers.get(request.tenant, cfg.default_tier)
     decision = decide(request.request_id, request.model, routes.get(request.model), tier, waits(),
-                      cfg.wait_budget_s)
+                      cfg.wait_budget_s, request.priority)
     if not await exists(decision.target):
         await send(tokens_out, TOKENS, Completion(
             request_id=request.request_id, conversation_id=request.conversation_id, tenant=request.tenant,

@@ -33,15 +33,21 @@ def weighted_pick(request_id: str, weights: dict[str, float]) -> str:
     return max(weights, key=weights.get)  # float rounding at the very top
 
 
+#: A request of the lowest priority overflows to the fallback only while the fallback's own wait is
+#: under this share of the budget, so that under sustained load the fallback's room goes to higher tiers.
+LOW_PRIORITY_FALLBACK_SHARE = 0.5
+
+
 def decide(request_id: str, model: str, route: Route | None, tier: str,
-           waits: dict[str, float], budget_s: float) -> Decision:
+           waits: dict[str, float], budget_s: float, priority: int = 0) -> Decision:
     route = route or Route()
+    fallback_budget = budget_s if priority > 0 else budget_s * LOW_PRIORITY_FALLBACK_SHARE
     if tier in route.tiers:
         target, reason = route.tiers[tier], "tier"
     else:
         target, reason = weighted_pick(request_id, route.weights or {model: 1.0}), "weights"
     fallback = route.fallback
     if fallback and fallback != target and waits.get(target, 0.0) > budget_s \
-            and waits.get(fallback, 0.0) <= budget_s:
+            and waits.get(fallback, 0.0) <= fallback_budget:
         return Decision(fallback, "overflow")
     return Decision(target, reason)

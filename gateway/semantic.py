@@ -1,0 +1,144 @@
+"""The semantic response cache (Weaviate): a question close enough in meaning to one answered before
+gets that answer, with its similarity and the request id that produced it.
+
+Only where a replayed answer cannot be wrong for its context: the key opts in (`keys create
+--semantic-cache`), the request allows caches (`"cache": true`, the default), it is single-turn
+(an optional system message and one user message; no stored `conversation_id`, no `assistant`
+preset) and asks for no tools or response format. Entries are scoped by tenant, model and the exact
+system message; a hit needs a cosine similarity of at least `semantic_cache_threshold` between the
+user messages (all-MiniLM-L6-v2 embeddings, computed on the CPU in a thread) and an entry younger
+than `semantic_cache_ttl_s`. The embedder loads on the first eligible request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+from gateway.cache import Entry
+from schemas import ChatMessage
+from schemas.keys import SEMANTIC_CACHE_COLLECTION
+
+log = logging.getLogger(__name__)
+
+
+def single_turn(messages: list[ChatMessage]) -> tuple[str, str] | None:
+    """(system text, user text) of a single-turn request, or None."""
+    if len(messages) == 1 and messages[0].role == "user":
+        return "", messages[0].content
+    if len(messages) == 2 and messages[0].role == "system" and messages[1].role == "user":
+        return messages[0].content, messages[1].content
+    return None
+
+
+@dataclass
+class Hit:
+    entry: Entry
+    similarity: float
+
+
+class SemanticCache:
+    def __init__(self, host: str, http_port: int, grpc_port: int, threshold: float, ttl_s: float,
+                 max_chars: int, metrics) -> None:
+        self.host, self.http_port, self.grpc_port = host, http_port, grpc_port
+        self.threshold, self.ttl_s, self.max_chars, self.metrics = threshold, ttl_s, max_chars, metrics
+        self._client = None
+        self._lock = asyncio.Lock()
+        self._embedder = None
+
+    async def _collection(self):
+        async with self._lock:
+            if self._client is None:
+                import weaviate
+
+                client = weaviate.use_async_with_local(host=self.host, port=self.http_port,
+                                                       grpc_port=self.grpc_port)
+                await client.connect()
+                await self._ensure(client)
+                self._client = client
+        return self._client.collections.get(SEMANTIC_CACHE_COLLECTION)
+
+    @staticmethod
+    async def _ensure(client) -> None:
+        from weaviate.classes.config import Configure, DataType, Property, Tokenization, VectorDistances
+
+        if await client.collections.exists(SEMANTIC_CACHE_COLLECTION):
+            return
+        # whole-field tokenization: the scope filters compare exact values, not words
+        text = [Property(name=n, data_type=DataType.TEXT, tokenization=Tokenization.FIELD) for n in
+                ("tenant", "model", "system", "prompt", "chunks", "finish_reason", "request_id")]
+        numbers = [Property(name=n, data_type=DataType.NUMBER) for n in
+                   ("prompt_tokens", "completion_tokens", "created_at")]
+        try:
+            await client.collections.create(
+                SEMANTIC_CACHE_COLLECTION, properties=text + numbers,
+                vector_config=Configure.Vectors.self_provided(
+                    vector_index_config=Configure.VectorIndex.hnsw(distance_metric=VectorDistances.COSINE)))
+        except Exception:  # noqa: BLE001 - another gateway created it meanwhile
+            if not await client.collections.exists(SEMANTIC_CACHE_COLLECTION):
+                raise
+
+    async def embed(self, text: str) -> list[float]:
+        if self._embedder is None:
+            def load():
+                import transformers
+
+                transformers.utils.logging.disable_progress_bar()
+                from tokenstream.embeddings import sentence_embedder
+
+                return sentence_embedder()
+
+            self._embedder = await asyncio.to_thread(load)
+        return await asyncio.to_thread(self._embedder.embed, text)
+
+    async def lookup(self, tenant: str, model: str, system: str, vector: list[float]) -> Hit | None:
+        """The closest entry of this tenant, model and system message, if similar enough and fresh."""
+        from weaviate.classes.query import Filter, MetadataQuery
+
+        started = time.perf_counter()
+        try:
+            collection = await self._collection()
+            found = await collection.query.near_vector(
+                near_vector=vector, limit=1, distance=1 - self.threshold,
+                filters=(Filter.by_property("tenant").equal(tenant) & Filter.by_property("model").equal(model)
+                         & Filter.by_property("system").equal(system)
+                         & Filter.by_property("created_at").greater_than(time.time() - self.ttl_s)),
+                return_metadata=MetadataQuery(distance=True))
+        except Exception as exc:  # noqa: BLE001 - without Weaviate every request is a miss
+            log.warning("semantic cache lookup failed: %s", exc)
+            return None
+        finally:
+            self.metrics.semantic_lookup_seconds.observe(time.perf_counter() - started)
+        for obj in found.objects:
+            p = obj.properties
+            similarity = 1 - float(obj.metadata.distance)
+            if (p.get("tenant"), p.get("model"), p.get("system") or "") != (tenant, model, system) \
+                    or similarity < self.threshold:
+                continue
+            self.metrics.cache.labels("semantic", "hit").inc()
+            return Hit(Entry(chunks=json.loads(p["chunks"]), finish_reason=p["finish_reason"],
+                             prompt_tokens=int(p["prompt_tokens"]), completion_tokens=int(p["completion_tokens"]),
+                             request_id=p["request_id"]), similarity)
+        self.metrics.cache.labels("semantic", "miss").inc()
+        return None
+
+    async def store(self, tenant: str, model: str, system: str, prompt: str, vector: list[float],
+                    entry: Entry) -> None:
+        if entry.finish_reason not in ("stop", "length") or sum(len(c) for c in entry.chunks) > self.max_chars:
+            return
+        try:
+            collection = await self._collection()
+            await collection.data.insert(
+                {"tenant": tenant, "model": model, "system": system, "prompt": prompt,
+                 "chunks": json.dumps(entry.chunks), "finish_reason": entry.finish_reason,
+                 "request_id": entry.request_id, "prompt_tokens": entry.prompt_tokens,
+                 "completion_tokens": entry.completion_tokens, "created_at": time.time()}, vector=vector)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("semantic cache: could not store %s: %s", entry.request_id, exc)
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
