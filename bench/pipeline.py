@@ -76,7 +76,7 @@ async def _run(requests: int, max_tokens: int) -> dict:
                 port = system.ports[mode]
                 rid, sent, first = await first_token(port, chat_post(port, {
                     "model": MODEL, "stream": True, "max_tokens": max_tokens, "temperature": 0,
-                    "messages": [{"role": "user", "content": f"Say the number {i} in words."}]}))
+                    "messages": [{"role": "user", "content": f"Say the number {i} in words."}]}, key=system.key))
                 if i >= warm:
                     samples[mode].append({"rid": rid, "sent": sent, "first": first})
             if (i + 1) % 10 == 0:

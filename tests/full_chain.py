@@ -20,7 +20,7 @@ import httpx
 import openai
 
 from tests.conftest import Roles
-from tests.gateway_support import free_port, start_gateway
+from tests.gateway_support import free_port, headers, openai_client, start_gateway
 from topics.admin import apply
 from topics.registry import all_topics
 
@@ -74,12 +74,11 @@ class System:
         return -1.0
 
     def client(self, gateway: int = 0, **kw) -> openai.AsyncOpenAI:
-        """The official SDK, unchanged, pointed at one gateway instance."""
-        return openai.AsyncOpenAI(base_url=self.gateways[gateway] + "/v1", api_key="unused", max_retries=0,
-                                  timeout=kw.pop("timeout", 180), **kw)
+        """The official SDK, unchanged, pointed at one gateway instance (with the tests' API key)."""
+        return openai_client(self.gateways[gateway], timeout=kw.pop("timeout", 180), **kw)
 
     def http(self, **kw) -> httpx.AsyncClient:
-        return httpx.AsyncClient(timeout=kw.pop("timeout", 180), **kw)
+        return httpx.AsyncClient(timeout=kw.pop("timeout", 180), headers=headers(), **kw)
 
     def stop(self) -> None:
         self.roles.stop_all()

@@ -274,8 +274,8 @@ def start_gateway(roles, models: list[str], *, index: int = 0, count: int = 1, e
 
 
 def headers() -> dict[str, str]:
-    """Headers every test request to a gateway carries (the one place to add credentials)."""
-    return {}
+    """Headers every test request to a gateway carries: the tests' API key."""
+    return auth_headers()
 
 
 def client(base_url: str, **kwargs):

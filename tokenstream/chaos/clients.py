@@ -59,6 +59,7 @@ class Client:
     """One user: sends streaming requests one after another to a random gateway."""
 
     def __init__(self, gateways: list[str], model: str, *, max_tokens: int, deadline_s: float) -> None:
+        """`gateways` are base URLs; the caller's httpx client carries the API key."""
         self.gateways, self.model, self.max_tokens, self.deadline_s = gateways, model, max_tokens, deadline_s
         self.refused = 0  # not admitted (429/503, or no gateway answered): nothing to account for
         self.unacknowledged = 0  # the connection dropped before the request id arrived

@@ -79,7 +79,7 @@ async def run(minutes: float, *, clients: int = 3, every_s: float = 20.0, stall_
         say(f"chaos: {clients} clients, a fault every {every_s:.0f} s for {minutes:g} min (logs in {root})")
         supervisor_stop = asyncio.Event()
         supervisor = asyncio.create_task(system.supervise(supervisor_stop))
-        loads = [asyncio.create_task(_user(u, i, outcomes, stop)) for i, u in enumerate(users)]
+        loads = [asyncio.create_task(_user(u, i, outcomes, stop, system.key)) for i, u in enumerate(users)]
         faults = await _inject(system, users, minutes * 60, every_s, stall_s, kinds, say)
         stop.set()
         say("chaos: faults done; waiting for the requests in flight to end")
@@ -97,8 +97,9 @@ async def run(minutes: float, *, clients: int = 3, every_s: float = 20.0, stall_
         return report
 
 
-async def _user(client: Client, index: int, outcomes: list[Outcome], stop: asyncio.Event) -> None:
-    async with httpx.AsyncClient(timeout=httpx.Timeout(60, connect=5)) as http:
+async def _user(client: Client, index: int, outcomes: list[Outcome], stop: asyncio.Event, key: str) -> None:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(60, connect=5),
+                                 headers={"Authorization": f"Bearer {key}"}) as http:
         for n in itertools.count():
             if stop.is_set():
                 return

@@ -3,7 +3,8 @@
 `LocalSystem` starts Kafka and Redis on free ports, applies the topics, then `instances` processes
 of each processor and of the worker, and one gateway per entry of `gateways` (each with its own
 environment and its own share of the tokens partitions). Every process can be killed (-9) and
-started again with the same arguments; `supervise()` restarts any that exits, with back-off, as
+started again with the same arguments. `key` is an API key of tenant `local` (paid, no limits, exact
+cache off) for the clients of a benchmark or drill. `supervise()` restarts any that exits, with back-off, as
 a process supervisor (systemd, Kubernetes) would. Logs stay in the given folder.
 """
 
@@ -54,6 +55,7 @@ class LocalSystem:
         self.stack = Stack.ephemeral(root)
         self.procs: dict[str, Process] = {}
         self.ports: dict[str, int] = {}
+        self.key = ""
 
     def say(self, message: str) -> None:
         print(message, flush=True)
@@ -112,6 +114,10 @@ class LocalSystem:
 
         self.stack.kafka.start(self.say)
         self.stack.redis.start(self.say)
+        from tokenstream.keys import KeyStore
+
+        self.key, _ = KeyStore(self.stack.redis.address).create("local", tier="paid", name="local system",
+                                                                exact_cache=False)
         await apply(all_topics([self.model]), self.stack.kafka.address)
         for i in range(self.instances):
             for name in PROCESSORS:
