@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from gateway import openai_api as api
-from gateway.framing import Framer, content_filtered
+from gateway.framing import Framer, call_delta, content_filtered
 from gateway.pipeline import Gateway
 from schemas import Completion, Event, SafetyVerdict, TokenChunk
 
@@ -60,6 +60,7 @@ async def collect(gw: Gateway, rid: str, model_name: str, created: int, source: 
                   generation: int, request: Request, cleanup: Callable[[], None]) -> JSONResponse:
     """Wait for the whole answer and return it as one `chat.completion` body."""
     text: list[str] = []
+    calls: list[dict] = []  # OpenAI's message.tool_calls, assembled from the deltas
     next_seq = 0
 
     async def gather() -> Completion | None:
@@ -69,6 +70,11 @@ async def collect(gw: Gateway, rid: str, model_name: str, created: int, source: 
                 if isinstance(ev, TokenChunk):
                     if ev.seq >= next_seq:
                         text.append(ev.text)
+                        for d in ev.tool_calls:
+                            if d.id:
+                                calls.append(call_delta(d))
+                            else:
+                                calls[d.index]["function"]["arguments"] += d.arguments
                         next_seq = ev.seq + 1
                 elif isinstance(ev, Completion):
                     return ev
@@ -101,4 +107,4 @@ async def collect(gw: Gateway, rid: str, model_name: str, created: int, source: 
     return JSONResponse(api.completion_body(
         api.completion_id(rid), created, model_name, "".join(text),
         api.finish_reason_for_client(done.finish_reason), done.usage.prompt_tokens,
-        done.usage.completion_tokens))
+        done.usage.completion_tokens, tool_calls=calls))

@@ -9,7 +9,7 @@ from sse_starlette import ServerSentEvent
 
 from gateway import openai_api as api
 from gateway.resume import event_id
-from schemas import Completion, Event, SafetyVerdict, TokenChunk
+from schemas import Completion, Event, SafetyVerdict, TokenChunk, ToolCallDelta
 
 
 def content_filtered(verdict: SafetyVerdict, seq: int) -> Completion:
@@ -48,8 +48,12 @@ class Framer:
                                 id=event_id(self.rid, -1))]
 
     def frames(self, events: list[Event]) -> list[ServerSentEvent]:
+        """Frames for new events: consecutive text is coalesced into one frame, and so are argument
+        fragments of one call; a call's first delta (id, name, arguments "") is a frame of its own.
+        When one chunk's events make several frames only the last carries the SSE id, so a resume
+        from any id never skips part of a chunk."""
         out: list[ServerSentEvent] = []
-        text: list[str] = []
+        pending: list[dict] = []  # deltas not yet framed
         upto = None
         for ev in events:
             if self.done:
@@ -65,24 +69,31 @@ class Framer:
                 self.next_seq = ev.seq + 1
                 if ev.seq <= self.last:
                     continue
-                text.append(ev.text)
+                if ev.text:
+                    _add_text(pending, ev.text)
+                for call in ev.tool_calls:
+                    _add_call(pending, call)
                 upto = ev.seq
             elif isinstance(ev, Completion):
-                if upto is not None:  # text before the completion: one coalesced frame
-                    out.append(self._text_frame("".join(text), upto))
-                    text, upto = [], None
+                if upto is not None:  # text before the completion: framed first
+                    out += self._delta_frames(pending, upto)
+                    pending, upto = [], None
                 out += self._completion_frames(ev)
                 self.done = True
         if upto is not None:
-            out.append(self._text_frame("".join(text), upto))
+            out += self._delta_frames(pending, upto)
         return out
 
-    def _text_frame(self, text: str, seq: int) -> ServerSentEvent:
+    def _delta_frames(self, deltas: list[dict], seq: int) -> list[ServerSentEvent]:
         self.last = seq
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
-        body = api.chunk(self.cid, self.created, self.model, content=text, include_usage=self.include_usage)
-        return ServerSentEvent(self._data(body), id=event_id(self.rid, seq))
+        if not deltas:  # a chunk with nothing to show (e.g. the closing tag of a call): keep its position
+            deltas = [{"content": ""}]
+        return [ServerSentEvent(self._data(api.chunk(self.cid, self.created, self.model,
+                                                     include_usage=self.include_usage, **delta)),
+                                id=event_id(self.rid, seq) if i == len(deltas) - 1 else None)
+                for i, delta in enumerate(deltas)]
 
     def _completion_frames(self, c: Completion) -> list[ServerSentEvent]:
         frames: list[tuple[int, str]] = []
@@ -100,3 +111,26 @@ class Framer:
         out = [ServerSentEvent(data, id=event_id(self.rid, pos)) for pos, data in frames if pos > self.last]
         self.last = max(self.last, c.seq + 2)
         return out
+
+
+def call_delta(d: ToolCallDelta) -> dict:
+    """A ToolCallDelta in OpenAI's stream shape: the first of a call names it, later ones add arguments."""
+    if d.id:
+        return {"index": d.index, "id": d.id, "type": "function",
+                "function": {"name": d.name, "arguments": d.arguments}}
+    return {"index": d.index, "function": {"arguments": d.arguments}}
+
+
+def _add_text(pending: list[dict], text: str) -> None:
+    if pending and "content" in pending[-1]:
+        pending[-1]["content"] += text
+    else:
+        pending.append({"content": text})
+
+
+def _add_call(pending: list[dict], d: ToolCallDelta) -> None:
+    last = pending[-1]["tool_calls"][0] if pending and "tool_calls" in pending[-1] else None
+    if not d.id and last is not None and "id" not in last and last["index"] == d.index:
+        last["function"]["arguments"] += d.arguments
+    else:
+        pending.append({"tool_calls": [call_delta(d)]})

@@ -23,6 +23,15 @@ from schemas.conversation import ConversationHistory
 from schemas.deadletter import DeadLetter
 from schemas.requests import ChatMessage, ChatRequest, InferenceRequest, SamplingParams
 from schemas.safety import OutputWindow, SafetyVerdict
+from schemas.structured import (
+    FunctionCall,
+    FunctionSpec,
+    MessageToolCall,
+    OutputSpec,
+    ToolCallDelta,
+    ToolSpec,
+    call_id,
+)
 from schemas.tokens import Completion, FinishReason, Timings, TokenChunk, Usage
 from schemas.tools import ToolCall, ToolResult
 from schemas.tracing import TraceContext
@@ -66,6 +75,13 @@ __all__ = [
     "ToolResult",
     "TraceContext",
     "UnsupportedVersion",
+    "FunctionCall",
+    "FunctionSpec",
+    "MessageToolCall",
+    "OutputSpec",
+    "ToolCallDelta",
+    "ToolSpec",
+    "call_id",
     "Usage",
     "decode",
     "encode",

@@ -15,8 +15,9 @@ from gateway.deps import pipeline
 from gateway.framing import Framer
 from gateway.pipeline import Gateway
 from gateway.resume import NOTHING_SEEN, new_request_id
+from gateway.tool_params import BadField, check_tool_messages, output_spec
 from producers import publish
-from schemas import ChatMessage, ChatRequest, Event, SamplingParams
+from schemas import ChatMessage, ChatRequest, Event, FunctionCall, MessageToolCall, OutputSpec, SamplingParams
 from topics import CHAT_REQUESTS
 
 DEFAULT_MAX_TOKENS = 256
@@ -46,7 +47,18 @@ def sampling_of(body: api.ChatCompletionRequest) -> SamplingParams:
 
 def messages_of(body: api.ChatCompletionRequest) -> list[ChatMessage]:
     return [ChatMessage(role="system" if msg.role == "developer" else msg.role, content=msg.text(),
-                        name=msg.name, tool_call_id=msg.tool_call_id) for msg in body.messages]
+                        name=msg.name, tool_call_id=msg.tool_call_id,
+                        tool_calls=[MessageToolCall(id=c.id, function=FunctionCall(
+                            name=c.function.name, arguments=c.function.arguments)) for c in msg.tool_calls or []])
+            for msg in body.messages]
+
+
+def output_of(body: api.ChatCompletionRequest) -> OutputSpec:
+    try:
+        check_tool_messages(body.messages, continued=body.conversation_id is not None)
+        return output_spec(body.tools, body.tool_choice, body.parallel_tool_calls, body.response_format)
+    except BadField as exc:
+        raise api.invalid_request(str(exc), exc.param) from None
 
 
 def admit(gw: Gateway, model: str) -> None:
@@ -65,6 +77,7 @@ async def _chat(gw: Gateway, body: api.ChatCompletionRequest, request: Request):
     if body.model not in gw.cfg.models:
         raise api.model_not_found(body.model)
     sampling = sampling_of(body)
+    output = output_of(body)
     messages = messages_of(body)
     admit(gw, body.model)
 
@@ -74,7 +87,7 @@ async def _chat(gw: Gateway, body: api.ChatCompletionRequest, request: Request):
     rid = new_request_id(partition, created_at)
     event = ChatRequest(request_id=rid, conversation_id=body.conversation_id or rid, created_at=created_at,
                         tenant=request.headers.get("x-tenant", "default"), model=body.model,
-                        messages=messages, sampling=sampling, stream=body.stream, user=body.user,
+                        messages=messages, sampling=sampling, output=output, stream=body.stream, user=body.user,
                         assistant=body.assistant, reply_partition=partition, gateway_id=gw.cfg.instance_id)
     fanout = gw.fanout
     stream = fanout.subscribe(rid)
