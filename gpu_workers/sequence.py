@@ -24,6 +24,7 @@ class Sequence:
     next_seq: int = 0
     arrival: float = field(default_factory=time.time)
     tag: Any = None  # the caller's handle (the Kafka record)
+    grammar: Any = None  # gpu_workers.grammar.GrammarState of a constrained request (tools, response_format)
 
     blocks: list[int] = field(default_factory=list)
     computed: int = 0  # tokens whose keys/values are in the cache
