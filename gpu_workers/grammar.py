@@ -42,7 +42,7 @@ from schemas.structured import schema_key
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 EMPTY_OBJECT = {"type": "object", "properties": {}, "additionalProperties": False}
-LITERAL_KEYS = {"enum", "const", "default", "examples", "description", "title", "pattern", "format"}
+LITERAL_KEYS = {"enum", "const", "default", "examples", "description", "title", "pattern", "format", "allOf"}
 MAX_PARALLEL_CALLS = 4  # calls in one answer when parallel calls are allowed (a small model may repeat)
 
 
@@ -60,7 +60,8 @@ def closed(schema):
     if not isinstance(schema, dict):
         return schema
     out = {k: v if k in LITERAL_KEYS else closed(v) for k, v in schema.items()}
-    if "properties" in out and "additionalProperties" not in out:
+    combined = any(k in out for k in ("allOf", "anyOf", "oneOf", "$ref"))  # closing would change its meaning
+    if "properties" in out and "additionalProperties" not in out and not combined:
         out["additionalProperties"] = False
     return out
 
@@ -143,7 +144,7 @@ class Grammars:
         started = time.perf_counter()
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self.limits)
         if matcher.is_error():
-            raise GrammarError(matcher.get_error()[:500])
+            raise GrammarError(matcher.get_error().splitlines()[0][:300])
         self.compile_seconds = [*self.compile_seconds[-999:], time.perf_counter() - started]
         with self.lock:
             self.cache[key] = matcher

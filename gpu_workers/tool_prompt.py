@@ -19,7 +19,7 @@ import json
 from schemas import ChatMessage, OutputSpec
 from gpu_workers.grammar import CALL_CLOSE, CALL_OPEN
 
-DEFAULT_SYSTEM = "You are a helpful AI assistant."
+DEFAULT_SYSTEM = "You are a helpful assistant."
 
 
 def call_text(name: str, arguments: str) -> str:
@@ -33,9 +33,8 @@ def instructions(spec: OutputSpec) -> str:
         lines = "\n".join(json.dumps({"name": t.function.name, "description": t.function.description,
                                       "parameters": t.function.parameters or {"type": "object", "properties": {}}})
                           for t in tools)
-        parts.append("You can call these functions:\n<tools>\n" + lines + "\n</tools>\n"
-                     f"To call a function, answer with {CALL_OPEN}{{\"name\": <function name>, "
-                     f"\"arguments\": <arguments as a JSON object>}}{CALL_CLOSE}.")
+        parts.append("Functions you can call:\n<tools>\n" + lines + "\n</tools>\n"
+                     f"Call one as {CALL_OPEN}{{\"name\": ..., \"arguments\": {{...}}}}{CALL_CLOSE}")
     if spec.response_format == "json_schema":
         parts.append("Answer with JSON that follows this schema: " + json.dumps(spec.json_schema))
     elif spec.response_format == "json_object":

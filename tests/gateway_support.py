@@ -237,6 +237,28 @@ def start_gateway(roles, models: list[str], *, index: int = 0, count: int = 1, e
             time.sleep(0.2)
 
 
+def api_client(base_url: str, *, kind: str = "openai", timeout: float = 120.0, **kw):
+    """The one place tests build a client of the gateway's API: kind "openai" (AsyncOpenAI, no
+    retries), "http" (httpx.AsyncClient) or "langchain" (ChatOpenAI). Request credentials, when
+    the gateway asks for them, are added here and nowhere else."""
+    headers: dict[str, str] = {}
+    if kind == "openai":
+        import openai
+
+        return openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=timeout,
+                                  default_headers=headers, **kw)
+    if kind == "http":
+        import httpx
+
+        return httpx.AsyncClient(base_url=base_url, timeout=timeout, headers=headers, **kw)
+    if kind == "langchain":
+        from langchain_openai import ChatOpenAI
+
+        return ChatOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=timeout,
+                          default_headers=headers, **kw)
+    raise ValueError(kind)
+
+
 def rss_bytes(pid: int) -> int:
     import psutil
 
