@@ -48,12 +48,13 @@ class Framer:
                                 id=event_id(self.rid, -1))]
 
     def frames(self, events: list[Event]) -> list[ServerSentEvent]:
-        """Frames for new events: consecutive text is coalesced into one frame, and so are argument
-        fragments of one call; a call's first delta (id, name, arguments "") is a frame of its own.
-        When one chunk's events make several frames only the last carries the SSE id, so a resume
-        from any id never skips part of a chunk."""
+        """Frames for new events: the chunks of a batch are coalesced into one frame whose SSE id is
+        the last chunk's seq (a resume never splits a chunk). Its delta has the text as `content`
+        and the call deltas as `tool_calls`: a call's first entry (index, id, type, name,
+        arguments "") stands alone, later argument fragments of one call are joined."""
         out: list[ServerSentEvent] = []
-        pending: list[dict] = []  # deltas not yet framed
+        text: list[str] = []
+        calls: list[dict] = []
         upto = None
         for ev in events:
             if self.done:
@@ -69,31 +70,27 @@ class Framer:
                 self.next_seq = ev.seq + 1
                 if ev.seq <= self.last:
                     continue
-                if ev.text:
-                    _add_text(pending, ev.text)
+                text.append(ev.text)
                 for call in ev.tool_calls:
-                    _add_call(pending, call)
+                    _add_call(calls, call)
                 upto = ev.seq
             elif isinstance(ev, Completion):
                 if upto is not None:  # text before the completion: framed first
-                    out += self._delta_frames(pending, upto)
-                    pending, upto = [], None
+                    out.append(self._delta_frame("".join(text), calls, upto))
+                    text, calls, upto = [], [], None
                 out += self._completion_frames(ev)
                 self.done = True
         if upto is not None:
-            out += self._delta_frames(pending, upto)
+            out.append(self._delta_frame("".join(text), calls, upto))
         return out
 
-    def _delta_frames(self, deltas: list[dict], seq: int) -> list[ServerSentEvent]:
+    def _delta_frame(self, text: str, calls: list[dict], seq: int) -> ServerSentEvent:
         self.last = seq
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
-        if not deltas:  # a chunk with nothing to show (e.g. the closing tag of a call): keep its position
-            deltas = [{"content": ""}]
-        return [ServerSentEvent(self._data(api.chunk(self.cid, self.created, self.model,
-                                                     include_usage=self.include_usage, **delta)),
-                                id=event_id(self.rid, seq) if i == len(deltas) - 1 else None)
-                for i, delta in enumerate(deltas)]
+        body = api.chunk(self.cid, self.created, self.model, content=text if text or not calls else None,
+                         tool_calls=calls, include_usage=self.include_usage)
+        return ServerSentEvent(self._data(body), id=event_id(self.rid, seq))
 
     def _completion_frames(self, c: Completion) -> list[ServerSentEvent]:
         frames: list[tuple[int, str]] = []
@@ -121,16 +118,9 @@ def call_delta(d: ToolCallDelta) -> dict:
     return {"index": d.index, "function": {"arguments": d.arguments}}
 
 
-def _add_text(pending: list[dict], text: str) -> None:
-    if pending and "content" in pending[-1]:
-        pending[-1]["content"] += text
-    else:
-        pending.append({"content": text})
-
-
-def _add_call(pending: list[dict], d: ToolCallDelta) -> None:
-    last = pending[-1]["tool_calls"][0] if pending and "tool_calls" in pending[-1] else None
+def _add_call(calls: list[dict], d: ToolCallDelta) -> None:
+    last = calls[-1] if calls else None
     if not d.id and last is not None and "id" not in last and last["index"] == d.index:
         last["function"]["arguments"] += d.arguments
     else:
-        pending.append({"tool_calls": [call_delta(d)]})
+        calls.append(call_delta(d))

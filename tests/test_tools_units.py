@@ -1,0 +1,164 @@
+"""Function calling and structured output in pieces, with the real llguidance and SmolLM2 tokenizer:
+the gateway's checks, the grammars of the 50 benchmark tools, masks, the compile limit, the call
+parser under any split, and the prompt rendering."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import msgspec
+import pytest
+import torch
+
+from bench.tool_schemas import tools
+from gateway.tool_params import BadField, Tool, check_tool_messages, output_spec
+from gpu_workers.grammar import GrammarError, Grammars, grammar_text
+from gpu_workers.tool_calls import ToolCallParser
+from gpu_workers.tool_prompt import render
+from schemas import ChatMessage, ChatRequest, FunctionCall, MessageToolCall, OutputSpec, call_id, decode, encode
+from tokenstream.models import load_tokenizer
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}}}
+NOARGS = {"type": "function", "function": {"name": "get_time"}}
+
+
+@pytest.fixture(scope="module")
+def grammars():
+    tok = load_tokenizer("smollm2")
+    return Grammars(tok, {tok.eos_token_id}, timeout_s=10)
+
+
+def spec(tool_list, choice="required", parallel=None, fmt=None) -> OutputSpec:
+    return output_spec([Tool(**t) for t in tool_list], choice, parallel, fmt)
+
+
+def test_gateway_checks():
+    with pytest.raises(BadField, match="Invalid schema") as e:
+        spec([{"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}])
+    assert e.value.param == "tools[0].function.parameters"
+    from gateway.tool_params import NamedToolChoice
+    with pytest.raises(BadField, match="not in tools"):
+        spec([WEATHER], NamedToolChoice(type="function", function={"name": "nope"}))
+    with pytest.raises(BadField, match="only allowed when tools"):
+        output_spec(None, "required", None, None)
+    with pytest.raises(BadField, match="duplicate"):
+        spec([WEATHER, WEATHER])
+    assert spec([WEATHER], None).tool_choice == "auto" and output_spec(None, None, None, None).tool_choice == "none"
+    named = spec([WEATHER, NOARGS], NamedToolChoice(type="function", function={"name": "get_time"}))
+    assert [t.function.name for t in named.callable_tools] == ["get_time"]
+
+    class M:  # the gateway's Message, reduced to what the check reads
+        def __init__(self, role, tool_call_id=None, tool_calls=None):
+            self.role, self.tool_call_id, self.tool_calls = role, tool_call_id, tool_calls
+
+    class C:
+        def __init__(self, id_):
+            self.id = id_
+
+    check_tool_messages([M("user"), M("assistant", tool_calls=[C("c1")]), M("tool", "c1")], continued=False)
+    with pytest.raises(BadField, match="no earlier assistant"):
+        check_tool_messages([M("user"), M("tool", "c9")], continued=False)
+    check_tool_messages([M("tool", "c9")], continued=True)  # the stored history is checked by the processor
+
+
+def test_old_events_decode_with_defaults():
+    old = b'{"type":"chat_request","request_id":"r","model":"m","messages":[{"role":"user","content":"hi"}],"v":1}'
+    request = decode(old, ChatRequest)
+    assert request.output == OutputSpec() and not request.output.constrained
+    again = decode(encode(ChatRequest(request_id="r", model="m", messages=[ChatMessage(
+        role="assistant", content="", tool_calls=[MessageToolCall(id="c", function=FunctionCall(name="f"))])],
+        output=spec([WEATHER]))), ChatRequest)
+    assert again.output.tools[0].function.name == "get_weather" and again.messages[0].tool_calls[0].id == "c"
+
+
+def test_fifty_tool_grammars_compile_and_accept_valid_calls(grammars):
+    tok = load_tokenizer("smollm2")
+
+    async def run():
+        for tool, _ in tools(50):
+            state = await grammars.state_for(spec([tool]))
+            name = tool["function"]["name"]
+            text = f'<tool_call>{{"name": "{name}", "arguments": {{}}}}</tool_call>'
+            ok = state.matcher.consume_tokens(tok.encode(text, add_special_tokens=False))
+            required = tool["function"].get("parameters", {}).get("required")
+            assert ok == (not required), (name, state.matcher.get_error())
+    asyncio.run(run())
+
+
+def test_mask_forces_the_call_format(grammars):
+    tok = load_tokenizer("smollm2")
+
+    async def run():
+        forced = await grammars.state_for(spec([WEATHER]))
+        logits = torch.zeros(3, len(tok))
+        grammars.mask(logits, [None, forced, None])
+        assert torch.isfinite(logits[0]).all() and torch.isfinite(logits[2]).all()
+        allowed = torch.isfinite(logits[1]).nonzero().flatten().tolist()
+        assert allowed and all("<tool_call>".startswith(tok.decode([t])) for t in allowed)
+        forced.advance(tok.encode("hello", add_special_tokens=False)[0])  # a token the grammar forbids
+        assert forced.error is not None
+        logits = torch.zeros(1, len(tok))
+        grammars.mask(logits, [forced])  # a failed grammar may only end
+        assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [tok.eos_token_id]
+    asyncio.run(run())
+
+
+def test_compile_limits(grammars):
+    slow = Grammars(load_tokenizer("smollm2"), {2}, timeout_s=1e-6)
+    big = {"type": "object", "allOf": [{"anyOf": [{"properties": {f"a{i}": {"const": j}}, "required": [f"a{i}"]}
+                                                  for j in range(8)]} for i in range(8)]}
+
+    async def run():
+        with pytest.raises(GrammarError, match="did not compile within"):
+            await slow.state_for(spec([{"type": "function", "function": {"name": "f", "parameters": {
+                "type": "object", "properties": {"x": {"type": "string", "pattern": "^[a-z]{3}[0-9]+$"}}}}}]))
+        with pytest.raises(GrammarError, match="too large"):
+            await grammars.state_for(spec([{"type": "function", "function": {"name": "f", "parameters": big}}]))
+    asyncio.run(run())
+
+
+def test_grammar_shapes():
+    assert grammar_text(OutputSpec()) is None
+    one = grammar_text(spec([WEATHER, NOARGS], "required", parallel=False))
+    assert "calls: call\n" in one and '"properties":{}' in one  # one call; no parameters -> {}
+    assert "TEXT" in grammar_text(spec([WEATHER], "auto"))
+    assert grammar_text(spec([WEATHER], "none")) is None
+
+
+def test_parser_any_split_gives_the_same_calls():
+    text = ('<tool_call>{"name": "get_weather", "arguments": {"city": "Pa\\"ri}s", "x": [1, {"a": 2}]}}</tool_call>\n'
+            '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
+    rng = random.Random(3)
+    for _ in range(50):
+        parser, deltas, i = ToolCallParser("r1"), [], 0
+        while i < len(text):
+            n = rng.randint(1, 9)
+            content, got = parser.feed(text[i:i + n])
+            assert content == ""
+            deltas += got
+            i += n
+        firsts = [d for d in deltas if d.id]
+        assert [(d.index, d.id, d.name, d.arguments) for d in firsts] == [
+            (0, call_id("r1", 0), "get_weather", ""), (1, call_id("r1", 1), "get_time", "")]
+        args = {}
+        for d in deltas:
+            args[d.index] = args.get(d.index, "") + d.arguments
+        assert args == {0: '{"city": "Pa\\"ri}s", "x": [1, {"a": 2}]}', 1: "{}"}
+        assert [json.loads(c.function.arguments) for c in parser.calls] == [
+            {"city": 'Pa"ri}s', "x": [1, {"a": 2}]}, {}]
+    parser = ToolCallParser("r2")
+    assert parser.feed("<tool") == ("", []) and parser.feed("s are nice") == ("<tools are nice", [])
+
+
+def test_rendering_describes_tools_and_replays_calls():
+    call = MessageToolCall(id="c1", function=FunctionCall(name="get_weather", arguments='{"city": "Oslo"}'))
+    msgs = render([ChatMessage(role="user", content="weather?"), ChatMessage(role="assistant", content="",
+                                                                             tool_calls=[call]),
+                   ChatMessage(role="tool", content="12 C", tool_call_id="c1")], spec([WEATHER]))
+    assert msgs[0]["role"] == "system" and '"name": "get_weather"' in msgs[0]["content"]
+    assert msgs[2]["content"] == '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    assert msgs[3] == {"role": "tool", "content": "12 C"}
+    assert msgspec.json.decode(msgspec.json.encode(msgs))  # plain data for the chat template
