@@ -72,7 +72,7 @@ async def collect(gw: Gateway, rid: str, model_name: str, created: int, source: 
                         text.append(ev.text)
                         for d in ev.tool_calls:
                             if d.id:
-                                calls.append(call_delta(d))
+                                calls.append({k: v for k, v in call_delta(d).items() if k != "index"})
                             else:
                                 calls[d.index]["function"]["arguments"] += d.arguments
                         next_seq = ev.seq + 1

@@ -76,6 +76,7 @@ class CalledFunction(_Strict):
 
 
 class CallInHistory(_Strict):
+    index: int | None = None  # sent back by clients that assembled the call from stream deltas
     id: str = Field(min_length=1, max_length=200)
     type: Literal["function"]
     function: CalledFunction
