@@ -43,6 +43,7 @@ CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 EMPTY_OBJECT = {"type": "object", "properties": {}, "additionalProperties": False}
 LITERAL_KEYS = {"enum", "const", "default", "examples", "description", "title", "pattern", "format", "allOf"}
+TEXT = f"TEXT: /(.|\\n)+/ & ~/(.|\\n)*{CALL_OPEN}(.|\\n)*/"  # any text that does not write a call
 MAX_PARALLEL_CALLS = 4  # calls in one answer when parallel calls are allowed (a small model may repeat)
 
 
@@ -76,6 +77,8 @@ def grammar_text(spec: OutputSpec) -> str | None:
     """The Lark grammar of what `spec` allows, or None when the answer is free text."""
     tools = spec.callable_tools
     if not tools:
+        if spec.response_format == "text" and spec.tools:  # tool_choice none: text that calls nothing
+            return f"start: TEXT\n{TEXT}\n"
         if spec.response_format == "json_object":
             return f"start: %json {_json({'type': 'object'})}\n"
         if spec.response_format == "json_schema":
@@ -93,8 +96,7 @@ def grammar_text(spec: OutputSpec) -> str | None:
     parallel = spec.parallel_tool_calls and spec.tool_choice != "function"  # a named choice: one call
     calls = f'calls: call ("\\n" call){{0,{MAX_PARALLEL_CALLS - 1}}}' if parallel else "calls: call"
     if spec.tool_choice == "auto":
-        text = ("start: TEXT | calls\n"
-                f"TEXT: /(.|\\n)+/ & ~/(.|\\n)*{CALL_OPEN}(.|\\n)*/\n")
+        text = f"start: TEXT | calls\n{TEXT}\n"
         if spec.response_format != "text":  # auto with a JSON answer: JSON or calls
             answer = {"type": "object"} if spec.response_format == "json_object" else spec.json_schema or {}
             text = f"start: answer | calls\nanswer: %json {_json(answer)}\n"

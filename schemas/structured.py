@@ -60,7 +60,7 @@ class OutputSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     @property
     def constrained(self) -> bool:
-        return bool(self.callable_tools) or self.response_format != "text"
+        return bool(self.tools) or self.response_format != "text"
 
 
 class FunctionCall(msgspec.Struct, kw_only=True):
