@@ -101,6 +101,7 @@ def plain(done) -> tuple[list[dict], str | None, str | None]:
     return calls, done.choices[0].finish_reason, message.content
 
 
+@pytest.mark.timeout(1800)
 async def test_fifty_tools_required_and_named_streamed_and_not(client):
     pairs = tools(N)
 
@@ -133,6 +134,7 @@ async def test_fifty_tools_required_and_named_streamed_and_not(client):
     assert not failures, f"{len(failures)} of {N} failed:\n" + "\n".join(failures)
 
 
+@pytest.mark.timeout(1800)
 async def test_fifty_json_schema_answers_validate(client):
     pairs = tools(N)
 
@@ -276,3 +278,18 @@ async def test_resume_in_the_middle_of_a_call_gives_the_same_arguments(system, c
     assert rest[-1][1] == "[DONE]"
     got = "".join(arguments(d) for _, d in first + rest)
     assert got == expected and len(arguments(first[-1][1])) < len(expected)
+
+
+async def test_langchain_bind_tools_two_step_loop(system):
+    """A second real client: LangChain's ChatOpenAI with bind_tools, a call, the tool's result, an answer."""
+    from langchain_core.messages import HumanMessage, ToolMessage
+
+    llm = api_client(system[0], kind="langchain", model=MODEL, temperature=0, max_tokens=40)
+    ask = HumanMessage("What is the weather in Paris?")
+    first = await llm.bind_tools([WEATHER], tool_choice="required").ainvoke([ask])
+    [call] = first.tool_calls
+    assert call["name"] == "get_weather" and call["args"]["city"] and call["id"].startswith("call_")
+    result = ToolMessage("It is 31 degrees and sunny in Paris.", tool_call_id=call["id"])
+    second = await llm.bind_tools([WEATHER], tool_choice="none").ainvoke([ask, first, result])
+    assert not second.tool_calls and isinstance(second.content, str) and second.content
+    assert second.response_metadata["finish_reason"] in ("stop", "length")
