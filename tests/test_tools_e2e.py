@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 import uuid
 
 import jsonschema
@@ -22,6 +21,7 @@ from bench.tool_schemas import tools
 from tests.conftest import Roles
 from tests.gateway_support import api_client, sse, start_gateway
 from tests.kafka_support import Tap
+from tests.test_worker_kafka import wait_for_log
 from topics import TOOL_CALLS, inference_topic
 
 pytestmark = pytest.mark.slow
@@ -33,14 +33,6 @@ WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
                    "required": ["city"], "additionalProperties": False}}}
-
-
-def wait_for_log(roles, proc, text: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while text not in roles.log(proc):
-        assert proc.poll() is None, roles.log(proc)[-3000:]
-        assert time.monotonic() < deadline, roles.log(proc)[-3000:]
-        time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")
