@@ -104,11 +104,15 @@ async def test_fifty_tools_required_and_named_streamed_and_not(client):
                   temperature=0, max_tokens=MAX_TOKENS)
         return await asyncio.gather(client.chat.completions.create(**kw), streamed(client, **kw))
 
-    results = await asyncio.gather(*(one(i, t, p) for i, (t, p) in enumerate(pairs)))
+    results = await asyncio.gather(*(one(i, t, p) for i, (t, p) in enumerate(pairs)), return_exceptions=True)
     failures = []
-    for i, ((tool, _), (done, (s_calls, s_finish, s_content))) in enumerate(zip(pairs, results)):
-        calls, finish, content = plain(done)
+    for i, ((tool, _), result) in enumerate(zip(pairs, results)):
         name = tool["function"]["name"]
+        if isinstance(result, BaseException):
+            failures.append(f"{name}: {result!r}")
+            continue
+        done, (s_calls, s_finish, s_content) = result
+        calls, finish, content = plain(done)
         try:
             assert finish == "tool_calls" and s_finish == "tool_calls", (finish, s_finish)
             assert content is None and s_content == "", (content, s_content)
@@ -137,9 +141,12 @@ async def test_fifty_json_schema_answers_validate(client):
             model=MODEL, messages=[{"role": "user", "content": prompt}], response_format=fmt, temperature=0,
             max_tokens=MAX_TOKENS)
 
-    answers = await asyncio.gather(*(one(t, p) for t, p in pairs))
+    answers = await asyncio.gather(*(one(t, p) for t, p in pairs), return_exceptions=True)
     failures = []
     for (tool, _), done in zip(pairs, answers):
+        if isinstance(done, BaseException):
+            failures.append(f"{tool['function']['name']}: {done!r}")
+            continue
         try:
             assert done.choices[0].finish_reason == "stop"
             jsonschema.validate(json.loads(done.choices[0].message.content), parameters(tool))
