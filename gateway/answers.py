@@ -22,6 +22,15 @@ from gateway.pipeline import Gateway
 from schemas import Completion, Event, SafetyVerdict, TokenChunk
 
 
+class KeepAlive(ServerSentEvent):
+    """The keep-alive: a comment line without the blank line that would end an event. The openai
+    SDK keeps the last event id (as the SSE spec says) and so turns a blank-line-ended ping after
+    an event with an id into an empty event that it fails to parse as JSON."""
+
+    def encode(self) -> bytes:
+        return b": ping\r\n"
+
+
 def sse_response(gw: Gateway, framer: Framer, source: AsyncIterator[list[Event]], generation: int,
                  started: float, cleanup: Callable[[], None]) -> EventSourceResponse:
     """Stream `source` as OpenAI chunks; `started` (monotonic) is the admission time for TTFT, or 0."""
@@ -52,7 +61,7 @@ def sse_response(gw: Gateway, framer: Framer, source: AsyncIterator[list[Event]]
             else:
                 gw.canceller.detached(framer.rid, generation)
 
-    return EventSourceResponse(frames(), ping=gw.cfg.ping_s, headers={"Cache-Control": "no-cache",
+    return EventSourceResponse(frames(), ping=gw.cfg.ping_s, ping_message_factory=KeepAlive, headers={"Cache-Control": "no-cache",
                                                                       "X-Accel-Buffering": "no"})
 
 
