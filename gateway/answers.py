@@ -61,8 +61,8 @@ def sse_response(gw: Gateway, framer: Framer, source: AsyncIterator[list[Event]]
             else:
                 gw.canceller.detached(framer.rid, generation)
 
-    return EventSourceResponse(frames(), ping=gw.cfg.ping_s, ping_message_factory=KeepAlive, headers={"Cache-Control": "no-cache",
-                                                                      "X-Accel-Buffering": "no"})
+    return EventSourceResponse(frames(), ping=gw.cfg.ping_s, ping_message_factory=KeepAlive,
+                               headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 async def collect(gw: Gateway, rid: str, model_name: str, created: int, source: AsyncIterator[list[Event]],

@@ -163,3 +163,19 @@ def test_rendering_describes_tools_and_replays_calls():
     assert msgs[2]["content"] == '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
     assert msgs[3] == {"role": "tool", "content": "12 C"}
     assert msgspec.json.decode(msgspec.json.encode(msgs))  # plain data for the chat template
+
+
+def test_keep_alive_between_events_is_invisible_to_the_openai_sdk():
+    """The SDK keeps the last event id, so a blank-line-ended ping after an event with an id became an
+    empty event it failed to parse; the gateway's KeepAlive ends no event."""
+    from openai._streaming import SSEDecoder
+    from sse_starlette import ServerSentEvent
+
+    from gateway.answers import KeepAlive
+
+    wire = (ServerSentEvent('{"a": 1}', id="r:0").encode() + KeepAlive().encode() + KeepAlive().encode()
+            + ServerSentEvent('{"a": 2}', id="r:1").encode())
+    events = list(SSEDecoder().iter_bytes(iter([wire])))
+    assert [json.loads(e.data) for e in events] == [{"a": 1}, {"a": 2}]
+    old = ServerSentEvent('{"a": 1}', id="r:0").encode() + ServerSentEvent(comment="ping").encode()
+    assert [e.data for e in SSEDecoder().iter_bytes(iter([old]))] == ['{"a": 1}', ""]  # what broke before
