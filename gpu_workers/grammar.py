@@ -13,9 +13,10 @@ gpu_workers/tool_prompt.py):
 `required` and a named choice allow only calls; `auto` allows either text (that never contains
 "<tool_call>") or calls, so the model chooses with its first tokens and a call, once begun, is
 forced to completion; `parallel_tool_calls: false` and a named choice allow exactly one call, and
-otherwise at most MAX_PARALLEL_CALLS (a small model tends to repeat a call until max_tokens). Arguments follow the
-tool's JSON schema (a tool without parameters gets `{}`). `response_format` json_object /
-json_schema allow one JSON value of that schema.
+otherwise at most MAX_PARALLEL_CALLS (a small model tends to repeat a call until max_tokens).
+`none` with tools allows only text that writes no call. Arguments follow the tool's JSON schema
+(a tool without parameters gets `{}`). `response_format` json_object / json_schema allow one JSON
+value of that schema.
 
 Compilation runs in a small thread pool off the step loop, bounded by a wall-clock limit and by
 llguidance's own parser limits (grammar size, lexer fuel, Earley items per step), so no schema can
@@ -42,7 +43,8 @@ from schemas.structured import schema_key
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 EMPTY_OBJECT = {"type": "object", "properties": {}, "additionalProperties": False}
-LITERAL_KEYS = {"enum", "const", "default", "examples", "description", "title", "pattern", "format", "allOf"}
+# values not walked by closed(): literals, and allOf (closing its parts would change the intersection)
+KEPT_AS_IS = {"enum", "const", "default", "examples", "description", "title", "pattern", "format", "allOf"}
 TEXT = f"TEXT: /(.|\\n)+/ & ~/(.|\\n)*{CALL_OPEN}(.|\\n)*/"  # any text that does not write a call
 MAX_PARALLEL_CALLS = 4  # calls in one answer when parallel calls are allowed (a small model may repeat)
 
@@ -60,7 +62,7 @@ def closed(schema):
         return [closed(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: v if k in LITERAL_KEYS else closed(v) for k, v in schema.items()}
+    out = {k: v if k in KEPT_AS_IS else closed(v) for k, v in schema.items()}
     combined = any(k in out for k in ("allOf", "anyOf", "oneOf", "$ref"))  # closing would change its meaning
     if "properties" in out and "additionalProperties" not in out and not combined:
         out["additionalProperties"] = False
