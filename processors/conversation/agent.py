@@ -76,7 +76,8 @@ async def _prepare(request: ChatRequest, state: ConversationHistory, trace) -> b
         messages, model, sampling = apply_preset(preset, messages, model, sampling)
     unmatched = unmatched_tool_message(messages)
     if unmatched is not None:
-        await _refuse(request, f"tool message answers {unmatched!r}, a call no earlier assistant message made", trace)
+        await _refuse(request, f"tool message answers {unmatched!r}, a call no earlier assistant message made",
+                      trace)
         return False
     window = cfg.window_for(model)
     budget = window - min(sampling.max_tokens, window // 2)
@@ -89,7 +90,8 @@ async def _prepare(request: ChatRequest, state: ConversationHistory, trace) -> b
     state.pending_request_id, state.pending_since = request.request_id, time.time()
     prepared = InferenceRequest(
         request_id=request.request_id, conversation_id=request.conversation_id, tenant=request.tenant,
-        model=model, messages=prompt, sampling=sampling, output=request.output, reply_partition=request.reply_partition,
+        model=model, messages=prompt, sampling=sampling, output=request.output,
+        reply_partition=request.reply_partition,
         dropped_messages=dropped, admitted_at=request.created_at)
     # after a restart the request may have been emitted already: then only the table row is rebuilt
     await ledger.once("prepared", request.request_id,
