@@ -179,3 +179,16 @@ def test_keep_alive_between_events_is_invisible_to_the_openai_sdk():
     assert [json.loads(e.data) for e in events] == [{"a": 1}, {"a": 2}]
     old = ServerSentEvent('{"a": 1}', id="r:0").encode() + ServerSentEvent(comment="ping").encode()
     assert [e.data for e in SSEDecoder().iter_bytes(iter([old]))] == ['{"a": 1}', ""]  # what broke before
+
+
+def test_history_keeps_calls_and_finds_unanswered_tool_messages():
+    from processors.conversation.history import merge, unmatched_tool_message, with_answer
+    from schemas import Completion
+
+    call = MessageToolCall(id="call_1", function=FunctionCall(name="get_weather", arguments='{"city": "Oslo"}'))
+    history = with_answer([ChatMessage(role="user", content="weather?")],
+                          Completion(request_id="r", seq=3, finish_reason="tool_calls", tool_calls=[call]))
+    assert history[-1].role == "assistant" and history[-1].tool_calls == [call]
+    turn = [ChatMessage(role="tool", content="12 C", tool_call_id="call_1")]
+    assert unmatched_tool_message(merge(history, turn)) is None  # only the new message was sent
+    assert unmatched_tool_message(merge(history, [ChatMessage(role="tool", content="x", tool_call_id="c9")])) == "c9"
