@@ -18,12 +18,21 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from gateway import openai_api as api
 from gateway.fanout import SlowReader
-from gateway.framing import Framer, content_filtered
+from gateway.framing import Framer, call_delta, content_filtered
 from gateway.pipeline import Gateway
 from schemas import Completion, Event, SafetyVerdict, TokenChunk
 
 
 Settle = Callable[[Completion, list[str]], Awaitable[None]]  # the completion, the texts delivered
+
+
+class KeepAlive(ServerSentEvent):
+    """The keep-alive: a comment line without the blank line that would end an event. The openai
+    SDK keeps the last event id (as the SSE spec says) and so turns a blank-line-ended ping after
+    an event with an id into an empty event that it fails to parse as JSON."""
+
+    def encode(self) -> bytes:
+        return b": ping\r\n"
 
 
 def sse_response(gw: Gateway, framer: Framer, source: AsyncIterator[list[Event]], generation: int,
@@ -73,7 +82,7 @@ def sse_response(gw: Gateway, framer: Framer, source: AsyncIterator[list[Event]]
             else:
                 gw.canceller.detached(framer.rid, generation)
 
-    return EventSourceResponse(frames(), ping=gw.cfg.ping_s, headers={
+    return EventSourceResponse(frames(), ping=gw.cfg.ping_s, ping_message_factory=KeepAlive, headers={
         "Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
 
 
@@ -82,6 +91,7 @@ async def collect(gw: Gateway, rid: str, model_name: str, created: int, source: 
                   headers: dict[str, str] | None = None) -> JSONResponse:
     """Wait for the whole answer and return it as one `chat.completion` body."""
     text: list[str] = []
+    calls: list[dict] = []  # OpenAI's message.tool_calls, assembled from the deltas
     next_seq = 0
 
     async def gather() -> Completion | None:
@@ -91,6 +101,11 @@ async def collect(gw: Gateway, rid: str, model_name: str, created: int, source: 
                 if isinstance(ev, TokenChunk):
                     if ev.seq >= next_seq:
                         text.append(ev.text)
+                        for d in ev.tool_calls:
+                            if d.id:
+                                calls.append({k: v for k, v in call_delta(d).items() if k != "index"})
+                            else:
+                                calls[d.index]["function"]["arguments"] += d.arguments
                         next_seq = ev.seq + 1
                 elif isinstance(ev, Completion):
                     return ev
@@ -126,4 +141,4 @@ async def collect(gw: Gateway, rid: str, model_name: str, created: int, source: 
     return JSONResponse(api.completion_body(
         api.completion_id(rid), created, model_name, "".join(text),
         api.finish_reason_for_client(done.finish_reason), done.usage.prompt_tokens,
-        done.usage.completion_tokens), headers=headers)
+        done.usage.completion_tokens, tool_calls=calls), headers=headers)

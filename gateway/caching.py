@@ -22,7 +22,7 @@ HEADER = "x-tokenstream-cache"
 
 
 def structured(body: api.ChatCompletionRequest) -> bool:
-    """Whether the request asks for tools or a response format (never answered from the semantic cache)."""
+    """Whether the request asks for tools or a response format (never answered from a cache)."""
     extra = body.model_extra or {}
     return any(getattr(body, name, None) or extra.get(name)
                for name in ("tools", "tool_choice", "functions", "response_format"))
@@ -45,8 +45,10 @@ class Lookup:
 async def look_up(gw: Gateway, key: ApiKey, body: api.ChatCompletionRequest, messages: list[ChatMessage],
                   sampling: SamplingParams) -> Lookup:
     found = Lookup()
-    if not body.cache or body.conversation_id or body.assistant:
-        return found  # opted out, or part of the context is stored server-side
+    if not body.cache or body.conversation_id or body.assistant or structured(body):
+        # opted out, part of the context is stored server-side, or the answer may hold tool calls
+        # (a cache entry keeps text chunks only)
+        return found
     if key.exact_cache and deterministic(sampling):
         found.exact_key = cache_key(key.tenant, body.model, messages, sampling)
         found.headers[HEADER] = "miss"
@@ -55,7 +57,7 @@ async def look_up(gw: Gateway, key: ApiKey, body: api.ChatCompletionRequest, mes
             found.headers[HEADER] = "hit"
             return found
     turn = single_turn(messages)
-    if key.semantic_cache and turn and not structured(body):
+    if key.semantic_cache and turn:
         vector = await gw.semantic_cache.embed(turn[1])
         found.semantic = (*turn, vector)
         found.headers[HEADER] = "miss"

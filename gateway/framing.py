@@ -9,7 +9,7 @@ from sse_starlette import ServerSentEvent
 
 from gateway import openai_api as api
 from gateway.resume import event_id
-from schemas import Completion, Event, SafetyVerdict, TokenChunk
+from schemas import Completion, Event, SafetyVerdict, TokenChunk, ToolCallDelta
 
 
 def content_filtered(verdict: SafetyVerdict, seq: int) -> Completion:
@@ -50,8 +50,13 @@ class Framer:
                                 id=event_id(self.rid, -1))]
 
     def frames(self, events: list[Event]) -> list[ServerSentEvent]:
+        """Frames for new events: the chunks of a batch are coalesced into one frame whose SSE id is
+        the last chunk's seq (a resume never splits a chunk). Its delta has the text as `content`
+        and the call deltas as `tool_calls`: a call's first entry (index, id, type, name,
+        arguments "") stands alone, later argument fragments of one call are joined."""
         out: list[ServerSentEvent] = []
         text: list[str] = []
+        calls: list[dict] = []
         upto = None
         for ev in events:
             if self.done:
@@ -68,23 +73,26 @@ class Framer:
                 if ev.seq <= self.last:
                     continue
                 text.append(ev.text)
+                for call in ev.tool_calls:
+                    _add_call(calls, call)
                 upto = ev.seq
             elif isinstance(ev, Completion):
-                if upto is not None:  # text before the completion: one coalesced frame
-                    out.append(self._text_frame("".join(text), upto))
-                    text, upto = [], None
+                if upto is not None:  # text before the completion: framed first
+                    out.append(self._delta_frame("".join(text), calls, upto))
+                    text, calls, upto = [], [], None
                 out += self._completion_frames(ev)
                 self.done = True
         if upto is not None:
-            out.append(self._text_frame("".join(text), upto))
+            out.append(self._delta_frame("".join(text), calls, upto))
         return out
 
-    def _text_frame(self, text: str, seq: int) -> ServerSentEvent:
+    def _delta_frame(self, text: str, calls: list[dict], seq: int) -> ServerSentEvent:
         self.last = seq
         self.sent.append(text)
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
-        body = api.chunk(self.cid, self.created, self.model, content=text, include_usage=self.include_usage)
+        body = api.chunk(self.cid, self.created, self.model, content=text if text or not calls else None,
+                         tool_calls=calls, include_usage=self.include_usage)
         return ServerSentEvent(self._data(body), id=event_id(self.rid, seq))
 
     def _completion_frames(self, c: Completion) -> list[ServerSentEvent]:
@@ -105,3 +113,19 @@ class Framer:
         out = [ServerSentEvent(data, id=event_id(self.rid, pos)) for pos, data in frames if pos > self.last]
         self.last = max(self.last, c.seq + 2)
         return out
+
+
+def call_delta(d: ToolCallDelta) -> dict:
+    """A ToolCallDelta in OpenAI's stream shape: the first of a call names it, later ones add arguments."""
+    if d.id:
+        return {"index": d.index, "id": d.id, "type": "function",
+                "function": {"name": d.name, "arguments": d.arguments}}
+    return {"index": d.index, "function": {"arguments": d.arguments}}
+
+
+def _add_call(calls: list[dict], d: ToolCallDelta) -> None:
+    last = calls[-1] if calls else None
+    if not d.id and last is not None and "id" not in last and last["index"] == d.index:
+        last["function"]["arguments"] += d.arguments
+    else:
+        calls.append(call_delta(d))

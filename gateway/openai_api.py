@@ -11,6 +11,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from starlette.exceptions import HTTPException
 
+from gateway.tool_params import CallInHistory, ResponseFormat, Tool, ToolChoice
+
 # Limits on one request (the body itself is bounded by GatewaySettings.max_body_bytes).
 MAX_MESSAGES = 1024
 MAX_STOP = 4
@@ -32,6 +34,7 @@ class Message(BaseModel):
     content: str | list[TextPart] | None = None
     name: str | None = Field(None, max_length=MAX_NAME_CHARS)
     tool_call_id: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    tool_calls: list[CallInHistory] | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -63,6 +66,11 @@ class ChatCompletionRequest(BaseModel):
     seed: int | None = Field(None, ge=-INT64 - 1, le=INT64)
     user: str | None = Field(None, max_length=MAX_NAME_CHARS)
     n: int | None = Field(None, ge=1, le=1)
+    # function calling and structured output (checked in gateway/tool_params.py)
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
     # tokenstream extensions (the SDK sends them with extra_body=...):
     conversation_id: str | None = Field(None, min_length=1, max_length=200,
                                         description="continue a stored conversation: send only the new message")
@@ -137,12 +145,15 @@ def request_id_of(completion: str) -> str:
 
 
 def chunk(cid: str, created: int, model: str, *, content: str | None = None, role: str | None = None,
-          finish_reason: str | None = None, include_usage: bool = False) -> dict[str, Any]:
+          finish_reason: str | None = None, include_usage: bool = False,
+          tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     delta: dict[str, Any] = {}
     if role is not None:
         delta["role"] = role
     if content is not None:
         delta["content"] = content
+    if tool_calls:
+        delta["tool_calls"] = tool_calls
     body: dict[str, Any] = {
         "id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
         "system_fingerprint": None,
@@ -163,12 +174,15 @@ def usage_chunk(cid: str, created: int, model: str, prompt: int, completion: int
 
 
 def completion_body(cid: str, created: int, model: str, text: str, finish_reason: str,
-                    prompt: int, completion: int) -> dict[str, Any]:
+                    prompt: int, completion: int, tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+    if tool_calls:  # OpenAI: content is null beside calls unless the model also wrote text
+        message["content"] = text or None
+        message["tool_calls"] = tool_calls
     return {
         "id": cid, "object": "chat.completion", "created": created, "model": model,
         "system_fingerprint": None,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                     "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}],
         "usage": usage_dict(prompt, completion),
     }
 

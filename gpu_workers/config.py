@@ -35,3 +35,5 @@ class WorkerConfig(BaseSettings):
     session_timeout_ms: int = 6000
     takeover_margin_s: float = Field(5.0, description="look this far before created_at for emitted tokens")
     step_delay_s: float = Field(0.0, ge=0, description="sleep after each step (throttling / failover tests)")
+    grammar_timeout_s: float = Field(5.0, gt=0, description="longest wait for an output grammar to compile "
+                                                            "(tools, response_format); longer ends the request")

@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from gpu_workers.grammar import advance, mask_rows
 from gpu_workers.kv_cache import PagedKVCache, StepCache
 from gpu_workers.priority import enqueue
 from gpu_workers.sampling import new_seed, sample
@@ -198,12 +199,14 @@ class Engine:
             return
         logits = self.lm_head(h[to_sample].to(self.lm_head.weight.device))
         picked = [rows[r][0] for r in to_sample]
+        mask_rows(logits, picked)  # grammar hook: constrained rows (tools, response_format) masked
         tokens = sample(logits, [(s.temperature, s.top_p, s.seed, len(s.generated)) for s in picked])
         now = time.time()
         for seq, token in zip(picked, tokens):
             self._append(seq, token, now, outputs)
 
     def _append(self, seq: Sequence, token: int, now: float, outputs: list[Output]) -> None:
+        advance(seq, token)  # grammar hook: the request's grammar state follows the sampled token
         if self.metrics is not None:
             self.metrics.token(seq, now)
         if seq.first_token_at is None:

@@ -35,7 +35,8 @@ class Emitted:
 
     @property
     def text(self) -> str:
-        return "".join(c.text for c in self.chunks)
+        """The model's text so far (for a request with tools, `raw`: content and calls alike)."""
+        return "".join(c.text if c.raw is None else c.raw for c in self.chunks)
 
 
 class TokenLog:

@@ -25,6 +25,7 @@ class Sequence:
     arrival: float = field(default_factory=time.time)
     priority: int = 0  # higher tiers are admitted first (gpu_workers.priority)
     tag: Any = None  # the caller's handle (the Kafka record)
+    grammar: Any = None  # gpu_workers.grammar.GrammarState of a constrained request (tools, response_format)
 
     blocks: list[int] = field(default_factory=list)
     computed: int = 0  # tokens whose keys/values are in the cache

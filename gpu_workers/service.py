@@ -23,12 +23,25 @@ from aiokafka.structs import TopicPartition
 
 from gpu_workers.config import WorkerConfig
 from gpu_workers.engine import Engine, Output, Sequence
+from gpu_workers.grammar import GrammarError, Grammars
 from gpu_workers.metrics import WorkerMetrics
 from gpu_workers.offsets import OffsetTracker
 from gpu_workers.recovery import TokenLog
+from gpu_workers.tool_calls import ToolCallParser
+from gpu_workers.tool_prompt import render
 from producers import dead_letter, decode_record, publish, start_consumer, start_producer
-from schemas import Cancel, Completion, DecodeError, InferenceRequest, Timings, TokenChunk, Usage, encode
-from topics import CONTROL, TOKENS, inference_topic
+from schemas import (
+    Cancel,
+    Completion,
+    DecodeError,
+    InferenceRequest,
+    Timings,
+    TokenChunk,
+    ToolCall,
+    Usage,
+    encode,
+)
+from topics import CONTROL, TOKENS, TOOL_CALLS, inference_topic
 
 COMPLETED_KEPT = 10_000  # request ids remembered as done, to drop a duplicate of one
 
@@ -36,7 +49,7 @@ log = logging.getLogger(__name__)
 
 
 def prompt_ids(tokenizer, request: InferenceRequest) -> list[int]:
-    messages = [{"role": m.role, "content": m.content} for m in request.messages]
+    messages = render(request.messages, request.output)
     if getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if not isinstance(ids, list) else ids)
@@ -75,9 +88,13 @@ class Worker:
         self.work = asyncio.Event()
         self.ready = asyncio.Event()
         self.pending_completions: set[asyncio.Task] = set()
+        self.parsers: dict[str, ToolCallParser] = {}  # requests with tools: their calls so far
+        self.grammars: Grammars | None = None
 
     # ---- lifecycle ----
     async def run(self, stop: asyncio.Event) -> None:
+        self.grammars = await asyncio.to_thread(Grammars, self.engine.tokenizer, self.engine.eos_ids,
+                                                timeout_s=self.cfg.grammar_timeout_s)
         self.producer = await start_producer(self.bootstrap)
         self.tokens = TokenLog(self.bootstrap)
         await self.tokens.start()
@@ -131,6 +148,7 @@ class Worker:
                 self.takeover_below.pop(tp, None)
             for rid in lost:
                 self.owned.pop(rid, None)
+                self.parsers.pop(rid, None)
             await self.producer.flush()
         if lost:
             log.info("worker %s gave up %d in-flight requests on rebalance", self.worker_id, len(lost))
@@ -205,7 +223,30 @@ class Worker:
                 seq.emitted_text = before.text
                 seq.next_seq = len(before.chunks)
             self.owned[request.request_id] = (tp, offset, request, seq)
+            if request.output.callable_tools:
+                parser = self.parsers[request.request_id] = ToolCallParser(request.request_id)
+                parser.feed(seq.emitted_text)  # a request taken over: the calls emitted so far
+            if request.output.constrained:  # compiled off the step loop; meanwhile other requests run
+                task = asyncio.create_task(self._constrain(request, seq))
+                self.pending_completions.add(task)
+                task.add_done_callback(self.pending_completions.discard)
+                continue
             self.engine.add(seq)
+
+    async def _constrain(self, request: InferenceRequest, seq: Sequence) -> None:
+        """Give `seq` its grammar state, then to the engine; a grammar that fails ends it with an error."""
+        try:
+            seq.grammar = await self.grammars.state_for(request.output, seq.generated)
+        except GrammarError as exc:
+            async with self.step_lock:
+                if self.owned.get(request.request_id, (None,) * 4)[3] is seq:
+                    seq.finished_at = time.time()
+                    await self._publish([Output(seq, finish_reason="error", completion_seq=seq.next_seq,
+                                                error=f"output grammar: {exc}")])
+            return
+        if self.owned.get(request.request_id, (None,) * 4)[3] is seq:  # not revoked meanwhile
+            self.engine.add(seq)
+            self.work.set()
 
     async def _cancels(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -247,18 +288,35 @@ class Worker:
             if owned is None:
                 continue  # aborted: its partition belongs to another worker now
             tp, offset, request, _ = owned
+            parser = self.parsers.get(rid)
             if out.chunk_seq is not None:
+                text, calls, raw = out.text, [], None
+                if parser is not None:  # the model's text -> content and call deltas
+                    (text, calls), raw = parser.feed(out.text), out.text
                 chunk = TokenChunk(request_id=rid, conversation_id=request.conversation_id, tenant=request.tenant,
-                                   seq=out.chunk_seq, text=out.text, token_ids=out.token_ids,
-                                   worker_id=self.worker_id)
+                                   seq=out.chunk_seq, text=text, token_ids=out.token_ids, tool_calls=calls,
+                                   raw=raw, worker_id=self.worker_id)
                 await publish(self.producer, TOKENS, chunk, partition=request.reply_partition, wait=False)
             if out.finish_reason is not None:
                 seq = out.seq
+                reason, error = out.finish_reason, out.error
+                if seq.grammar is not None and seq.grammar.error is not None and reason == "stop":
+                    reason, error = "error", seq.grammar.error
+                if parser is not None:
+                    self.parsers.pop(rid, None)
+                    if parser.calls and reason == "stop":
+                        reason = "tool_calls"
+                    for call in parser.calls:  # the audit trail (consumers deduplicate by call_id)
+                        await publish(self.producer, TOOL_CALLS, ToolCall(
+                            request_id=rid, conversation_id=request.conversation_id, tenant=request.tenant,
+                            call_id=call.id, name=call.function.name, arguments=call.function.arguments),
+                            wait=False)
                 queue, prefill, decode = seq.timings()
                 done = Completion(
                     request_id=rid, conversation_id=request.conversation_id, tenant=request.tenant,
-                    seq=out.completion_seq, finish_reason=out.finish_reason, error=out.error,
-                    text=seq.emitted_text,
+                    seq=out.completion_seq, finish_reason=reason, error=error,
+                    text=seq.emitted_text if parser is None else parser.text,
+                    tool_calls=[] if parser is None else parser.calls,
                     usage=Usage(prompt_tokens=len(seq.prompt_ids), completion_tokens=len(seq.generated)),
                     timings=Timings(queue_s=queue, prefill_s=prefill, decode_s=decode,
                                     pipeline_s=max(0.0, seq.arrival - (request.admitted_at or request.created_at))),
@@ -330,7 +388,7 @@ async def run_worker(cfg: WorkerConfig, stop: asyncio.Event | None = None, *, lo
              cache.allocator.num_blocks, cache.block_size, cache.capacity_tokens, cache.nbytes() / 2**20,
              engine.max_model_len, cfg.max_running, cfg.prefill_chunk, cfg.metrics_port or "off")
     # only checked: topics are the operator's (`tokenstream topics apply`), a worker never rewrites them
-    await require([inference_topic(cfg.model), TOKENS, CONTROL], bootstrap)
+    await require([inference_topic(cfg.model), TOKENS, CONTROL, TOOL_CALLS], bootstrap)
     worker = Worker(cfg, engine, metrics, bootstrap)
     if on_ready is not None:
         asyncio.get_running_loop().create_task(_when_ready(worker, on_ready))

@@ -24,6 +24,15 @@ from schemas.conversation import ConversationHistory
 from schemas.deadletter import DeadLetter
 from schemas.requests import ChatMessage, ChatRequest, InferenceRequest, SamplingParams, Screening
 from schemas.safety import REFUSAL, OutputWindow, SafetyVerdict
+from schemas.structured import (
+    FunctionCall,
+    FunctionSpec,
+    MessageToolCall,
+    OutputSpec,
+    ToolCallDelta,
+    ToolSpec,
+    call_id,
+)
 from schemas.tokens import Completion, FinishReason, Timings, TokenChunk, Usage
 from schemas.tools import ToolCall, ToolResult
 from schemas.tracing import TraceContext
@@ -71,6 +80,13 @@ __all__ = [
     "TraceContext",
     "Transcript",
     "UnsupportedVersion",
+    "FunctionCall",
+    "FunctionSpec",
+    "MessageToolCall",
+    "OutputSpec",
+    "ToolCallDelta",
+    "ToolSpec",
+    "call_id",
     "Usage",
     "decode",
     "encode",

@@ -7,6 +7,7 @@ from typing import Literal
 import msgspec
 
 from schemas.base import Event
+from schemas.structured import MessageToolCall, OutputSpec
 
 Role = Literal["system", "user", "assistant", "tool"]
 
@@ -23,6 +24,7 @@ class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     content: str
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[MessageToolCall] = msgspec.field(default_factory=list)
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -56,6 +58,7 @@ class ChatRequest(Event, tag="chat_request"):
     model: str
     messages: list[ChatMessage]
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    output: OutputSpec = msgspec.field(default_factory=OutputSpec)
     stream: bool = True
     assistant: str | None = None
     user: str | None = None
@@ -79,6 +82,7 @@ class InferenceRequest(Event, tag="inference_request"):
     model: str
     messages: list[ChatMessage]
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    output: OutputSpec = msgspec.field(default_factory=OutputSpec)
     reply_partition: int = 0
     dropped_messages: int = 0
     admitted_at: float = 0.0

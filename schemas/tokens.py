@@ -7,6 +7,7 @@ from typing import Literal
 import msgspec
 
 from schemas.base import Event
+from schemas.structured import MessageToolCall, ToolCallDelta
 
 FinishReason = Literal["stop", "length", "cancelled", "content_filter", "error", "tool_calls"]
 
@@ -17,11 +18,15 @@ class TokenChunk(Event, tag="token_chunk"):
     seq starts at 0 and has no gaps: a consumer that has seen seq n wants n+1 next
     and drops anything <= n (at-least-once delivery becomes exactly-once display).
     token_ids are the ids behind `text`, so a worker taking over can resume generation.
+    A request with tools streams its calls as `tool_calls` deltas; `text` is then only the
+    content part, and `raw` is the model's text behind both (what a worker taking over resumes).
     """
 
     seq: int
     text: str
     token_ids: list[int] = msgspec.field(default_factory=list)
+    tool_calls: list[ToolCallDelta] = msgspec.field(default_factory=list)
+    raw: str | None = None
     worker_id: str = ""
 
 
@@ -53,13 +58,15 @@ class Timings(msgspec.Struct, kw_only=True):
 class Completion(Event, tag="completion"):
     """Last event of a request on the tokens topic. seq follows the last TokenChunk.
 
-    text is the whole generated answer (the chunks joined): the conversation processor
-    appends it to the history, and an auditor reads an answer without replaying chunks.
+    text is the whole generated answer (the chunks joined) and tool_calls the calls it made: the
+    conversation processor appends both to the history, and an auditor reads an answer without
+    replaying chunks.
     """
 
     seq: int
     finish_reason: FinishReason
     text: str = ""
+    tool_calls: list[MessageToolCall] = msgspec.field(default_factory=list)
     usage: Usage = msgspec.field(default_factory=Usage)
     timings: Timings = msgspec.field(default_factory=Timings)
     error: str | None = None

@@ -296,6 +296,26 @@ def openai_client(base_url: str, **kwargs):
                               max_retries=kwargs.pop("max_retries", 0), timeout=kwargs.pop("timeout", 30), **kwargs)
 
 
+def api_client(base_url: str, *, kind: str = "openai", timeout: float = 120.0, **kw):
+    """The one place tests build a client of the gateway's API: kind "openai" (AsyncOpenAI, no
+    retries), "http" (httpx.AsyncClient) or "langchain" (ChatOpenAI), each with `headers()`."""
+    if kind == "openai":
+        import openai
+
+        return openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=timeout,
+                                  default_headers=headers(), **kw)
+    if kind == "http":
+        import httpx
+
+        return httpx.AsyncClient(base_url=base_url, timeout=timeout, headers=headers(), **kw)
+    if kind == "langchain":
+        from langchain_openai import ChatOpenAI
+
+        return ChatOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=timeout,
+                          default_headers=headers(), **kw)
+    raise ValueError(kind)
+
+
 def rss_bytes(pid: int) -> int:
     import psutil
 

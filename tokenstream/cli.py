@@ -214,6 +214,7 @@ ROLE_COMMANDS = {
     (bench_app, "pipeline"): "bench.pipeline:main",
     (app, "plan"): "tokenstream.plan_cli:plan_command",
     (bench_app, "cache"): "bench.cache:main",
+    (bench_app, "grammar"): "bench.grammar:main",
     (processor_app, "conversation"): "processors.cli:conversation",
     (processor_app, "safety"): "processors.cli:safety",
     (processor_app, "router"): "processors.cli:router",

@@ -23,8 +23,18 @@ from gateway.pipeline import Gateway
 from gateway.ratelimit import estimate_prompt_tokens
 from gateway.resume import NOTHING_SEEN, new_request_id
 from gateway.screening import held_until_screened
+from gateway.tool_params import BadField, check_tool_messages, output_spec
 from producers import publish
-from schemas import ChatMessage, ChatRequest, Completion, Event, SamplingParams
+from schemas import (
+    ChatMessage,
+    ChatRequest,
+    Completion,
+    Event,
+    FunctionCall,
+    MessageToolCall,
+    OutputSpec,
+    SamplingParams,
+)
 from schemas.keys import ApiKey, conversation_key
 from tokenstream.presets import presets
 from topics import CHAT_REQUESTS, TOKENS
@@ -58,7 +68,18 @@ def sampling_of(body: api.ChatCompletionRequest) -> SamplingParams:
 
 def messages_of(body: api.ChatCompletionRequest) -> list[ChatMessage]:
     return [ChatMessage(role="system" if msg.role == "developer" else msg.role, content=msg.text(),
-                        name=msg.name, tool_call_id=msg.tool_call_id) for msg in body.messages]
+                        name=msg.name, tool_call_id=msg.tool_call_id,
+                        tool_calls=[MessageToolCall(id=c.id, function=FunctionCall(
+                            name=c.function.name, arguments=c.function.arguments)) for c in msg.tool_calls or []])
+            for msg in body.messages]
+
+
+def output_of(body: api.ChatCompletionRequest) -> OutputSpec:
+    try:
+        check_tool_messages(body.messages, continued=body.conversation_id is not None)
+        return output_spec(body.tools, body.tool_choice, body.parallel_tool_calls, body.response_format)
+    except BadField as exc:
+        raise api.invalid_request(str(exc), exc.param) from None
 
 
 def admit(gw: Gateway, model: str) -> None:
@@ -80,6 +101,7 @@ async def _chat(gw: Gateway, body: api.ChatCompletionRequest, request: Request, 
         raise api.APIError(404, f"The assistant preset `{body.assistant}` does not exist.", "invalid_request_error",
                            param="assistant", code="preset_not_found")
     sampling = sampling_of(body)
+    output = output_of(body)
     messages = messages_of(body)
     await context.check(body.model, messages, sampling.max_tokens,
                         "max_completion_tokens" if body.max_completion_tokens else "max_tokens")
@@ -95,7 +117,7 @@ async def _chat(gw: Gateway, body: api.ChatCompletionRequest, request: Request, 
     rid = new_request_id(partition, created_at)
     event = ChatRequest(request_id=rid, conversation_id=body.conversation_id or rid, created_at=created_at,
                         tenant=key.tenant, tier=key.tier, priority=key.priority, model=body.model,
-                        messages=messages, sampling=sampling, stream=body.stream, user=body.user,
+                        messages=messages, sampling=sampling, output=output, stream=body.stream, user=body.user,
                         assistant=body.assistant, reply_partition=partition, gateway_id=gw.cfg.instance_id,
                         screening=gw.cfg.screening)
     created = int(created_at)

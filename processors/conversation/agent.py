@@ -13,7 +13,13 @@ import logging
 import time
 
 from processors.conversation.config import ConversationSettings
-from processors.conversation.history import bounded, carries_full_history, merge, with_answer
+from processors.conversation.history import (
+    bounded,
+    carries_full_history,
+    merge,
+    unmatched_tool_message,
+    with_answer,
+)
 from processors.conversation.presets import apply_preset, presets
 from processors.conversation.window import PromptTooLong, chat_template_counter, trim
 from processors.effects import Ledger
@@ -72,6 +78,11 @@ async def _prepare(request: ChatRequest, state: ConversationHistory, trace) -> b
             await _refuse(request, f"unknown assistant preset {request.assistant!r}", trace, "preset_not_found")
             return False
         messages, model, sampling = apply_preset(preset, messages, model, sampling)
+    unmatched = unmatched_tool_message(messages)
+    if unmatched is not None:
+        await _refuse(request, f"tool message answers {unmatched!r}, a call no earlier assistant message made",
+                      trace, "invalid_tool_message")
+        return False
     window = cfg.window_for(model)
     if sampling.max_tokens > window:
         await _refuse(request, f"max_tokens {sampling.max_tokens} exceeds the model's context of {window} tokens",
@@ -86,9 +97,9 @@ async def _prepare(request: ChatRequest, state: ConversationHistory, trace) -> b
     state.pending_request_id, state.pending_since = request.request_id, time.time()
     prepared = InferenceRequest(
         request_id=request.request_id, conversation_id=request.conversation_id, tenant=request.tenant,
-        model=model, messages=prompt, sampling=sampling, reply_partition=request.reply_partition,
-        dropped_messages=dropped, admitted_at=request.created_at, screening=request.screening,
-        tier=request.tier, priority=request.priority)
+        model=model, messages=prompt, sampling=sampling, output=request.output,
+        reply_partition=request.reply_partition, dropped_messages=dropped, admitted_at=request.created_at,
+        screening=request.screening, tier=request.tier, priority=request.priority)
     # after a restart the request may have been emitted already: then only the table row is rebuilt
     await ledger.once("prepared", request.request_id,
                       lambda: send(prepared_out, PREPARED, prepared, key=request.request_id, trace=trace))

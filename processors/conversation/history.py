@@ -24,9 +24,10 @@ def merge(history: list[ChatMessage], messages: list[ChatMessage]) -> list[ChatM
 
 
 def with_answer(messages: list[ChatMessage], completion: Completion) -> list[ChatMessage]:
-    """The history after an answer: its text appended, or the unanswered user turn removed."""
-    if completion.text:
-        return [*messages, ChatMessage(role="assistant", content=completion.text)]
+    """The history after an answer: its text and calls appended, or the unanswered user turn removed."""
+    if completion.text or completion.tool_calls:
+        return [*messages, ChatMessage(role="assistant", content=completion.text,
+                                       tool_calls=list(completion.tool_calls))]
     if messages and messages[-1].role == "user":
         return messages[:-1]
     return messages
@@ -37,3 +38,13 @@ def bounded(messages: list[ChatMessage], most: int) -> list[ChatMessage]:
     system = [m for m in messages if m.role == "system"]
     rest = [m for m in messages if m.role != "system"]
     return [*system, *rest[-most:]]
+
+
+def unmatched_tool_message(messages: list[ChatMessage]) -> str | None:
+    """The tool_call_id of the first `tool` message no earlier assistant call asked for, if any."""
+    made: set[str] = set()
+    for m in messages:
+        made.update(c.id for c in m.tool_calls)
+        if m.role == "tool" and m.tool_call_id not in made:
+            return m.tool_call_id or ""
+    return None
