@@ -153,6 +153,7 @@ ROLE_COMMANDS = {
     (bench_app, "worker"): "bench.worker:main",
     (bench_app, "gateway"): "bench.gateway:main",
     (bench_app, "safety"): "bench.safety:main",
+    (bench_app, "engine"): "bench.engine:main",
     (processor_app, "conversation"): "processors.cli:conversation",
     (processor_app, "safety"): "processors.cli:safety",
     (processor_app, "router"): "processors.cli:router",
