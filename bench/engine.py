@@ -146,6 +146,7 @@ def main(
     rate: float = typer.Option(8.0, help="Poisson mode: mean arrivals per second"),
     modes: str = typer.Option("saturated,poisson", help="saturated and/or poisson"),
     engines: str = typer.Option("tokenstream,worker,transformers,vllm", help="comma-separated subset"),
+    poisson_engines: str = typer.Option("tokenstream,vllm", help="the engines also run in Poisson mode"),
     max_running: int = typer.Option(64, help="batch limit given to every engine"),
     prefill_chunk: int = typer.Option(512, help="most prompt tokens per step (every engine's batch-token limit)"),
     threads: int = typer.Option(0, help="torch threads per engine (0: all cores)"),
@@ -186,7 +187,9 @@ def main(
         if agreement and reference is None:
             reference = reference_outputs(reqs, spec, say)
         results[mode] = {}
-        for name in chosen:
+        in_mode = chosen if mode == "saturated" else [
+            n for n in chosen if n in {e.strip() for e in poisson_engines.split(",")} | {"tokenstream-before"}]
+        for name in in_mode:
             say(f"{mode}: {name} ({len(reqs)} requests, last arrival {reqs[-1]['arrival']:.1f} s)")
             try:
                 if name == "vllm":

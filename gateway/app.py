@@ -225,7 +225,8 @@ class Framer:
                 include_usage=self.include_usage))))
             if self.include_usage:
                 frames.append((c.seq + 1, self._data(api.usage_chunk(
-                    self.cid, self.created, self.model, c.usage.prompt_tokens, c.usage.completion_tokens))))
+                    self.cid, self.created, self.model, c.usage.prompt_tokens, c.usage.completion_tokens,
+                    c.usage.cached_tokens))))
         frames.append((c.seq + 2, "[DONE]"))
         out = [ServerSentEvent(data, id=event_id(self.rid, pos)) for pos, data in frames if pos > self.last]
         self.last = max(self.last, c.seq + 2)
@@ -427,7 +428,7 @@ def create_app(cfg: GatewaySettings, bootstrap: str, redis_url: str | None = Non
         return JSONResponse(api.completion_body(
             api.completion_id(rid), created, model_name, "".join(text),
             api.finish_reason_for_client(done.finish_reason), done.usage.prompt_tokens,
-            done.usage.completion_tokens))
+            done.usage.completion_tokens, done.usage.cached_tokens))
 
     def _rid(completion: str) -> str:
         rid = api.request_id_of(completion)

@@ -174,7 +174,8 @@ class Worker:
         s = request.sampling
         seq = Sequence(request.request_id, prompt_ids(self.engine.tokenizer, request), max_tokens=s.max_tokens,
                        temperature=s.temperature, top_p=s.top_p, seed=s.seed, stop=list(s.stop),
-                       arrival=min(time.time(), request.admitted_at or request.created_at), tag=(tp, rec.offset))
+                       arrival=min(time.time(), request.admitted_at or request.created_at), tag=(tp, rec.offset),
+                       tenant=request.tenant)
         if rec.offset < self.takeover_below.get(tp, -1):
             emitted = await self.tokens.emitted(request.request_id, request.reply_partition,
                                                 request.created_at - self.cfg.takeover_margin_s)
@@ -242,7 +243,8 @@ class Worker:
                     request_id=rid, conversation_id=request.conversation_id, tenant=request.tenant,
                     seq=out.completion_seq, finish_reason=out.finish_reason, error=out.error,
                     text=seq.emitted_text,
-                    usage=Usage(prompt_tokens=len(seq.prompt_ids), completion_tokens=len(seq.generated)),
+                    usage=Usage(prompt_tokens=len(seq.prompt_ids), completion_tokens=len(seq.generated),
+                                cached_tokens=seq.cached_tokens),
                     timings=Timings(queue_s=queue, prefill_s=prefill, decode_s=decode),
                     dropped_messages=request.dropped_messages, worker_id=self.worker_id)
                 future = await self.producer.send(TOKENS.name, encode(done), key=rid.encode(),
