@@ -129,16 +129,17 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)
     layer = module.layer_idx
-    out = query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
+    new = torch.stack((key[0], value[0]))  # [2, KVH, T, D]: one copy into storage per row
+    outs = []
     for r in plan:
         kv = r.kv[layer]
         end = r.end
-        kv[0, :, r.start:end] = key[0, :, r.a:r.b]
-        kv[1, :, r.start:end] = value[0, :, r.a:r.b]
+        kv[:, :, r.start:end] = new[:, :, r.a:r.b]
         o = F.scaled_dot_product_attention(query[:, :, r.a:r.b], kv[0, :, :end].unsqueeze(0),
                                            kv[1, :, :end].unsqueeze(0), attn_mask=r.mask,
                                            is_causal=r.mask is None and r.b - r.a > 1, scale=scaling, enable_gqa=True)
-        out[0, r.a:r.b] = o[0].transpose(0, 1)
+        outs.append(o[0].transpose(0, 1))
+    out = torch.cat(outs).unsqueeze(0) if len(outs) > 1 else outs[0].unsqueeze(0)
     return out, None
 
 
