@@ -141,4 +141,4 @@ async def collect(gw: Gateway, rid: str, model_name: str, created: int, source: 
     return JSONResponse(api.completion_body(
         api.completion_id(rid), created, model_name, "".join(text),
         api.finish_reason_for_client(done.finish_reason), done.usage.prompt_tokens,
-        done.usage.completion_tokens, tool_calls=calls), headers=headers)
+        done.usage.completion_tokens, done.usage.cached_tokens, tool_calls=calls), headers=headers)

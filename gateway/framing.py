@@ -108,7 +108,8 @@ class Framer:
                 include_usage=self.include_usage))))
             if self.include_usage:
                 frames.append((c.seq + 1, self._data(api.usage_chunk(
-                    self.cid, self.created, self.model, c.usage.prompt_tokens, c.usage.completion_tokens))))
+                    self.cid, self.created, self.model, c.usage.prompt_tokens, c.usage.completion_tokens,
+                    c.usage.cached_tokens))))
         frames.append((c.seq + 2, "[DONE]"))
         out = [ServerSentEvent(data, id=event_id(self.rid, pos)) for pos, data in frames if pos > self.last]
         self.last = max(self.last, c.seq + 2)

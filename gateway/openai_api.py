@@ -164,17 +164,19 @@ def chunk(cid: str, created: int, model: str, *, content: str | None = None, rol
     return body
 
 
-def usage_dict(prompt: int, completion: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def usage_dict(prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def usage_chunk(cid: str, created: int, model: str, prompt: int, completion: int) -> dict[str, Any]:
+def usage_chunk(cid: str, created: int, model: str, prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:
     return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "system_fingerprint": None, "choices": [], "usage": usage_dict(prompt, completion)}
+            "system_fingerprint": None, "choices": [], "usage": usage_dict(prompt, completion, cached)}
 
 
 def completion_body(cid: str, created: int, model: str, text: str, finish_reason: str,
-                    prompt: int, completion: int, tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                    prompt: int, completion: int, cached: int = 0,
+                    tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
     if tool_calls:  # OpenAI: content is null beside calls unless the model also wrote text
         message["content"] = text or None
@@ -183,7 +185,7 @@ def completion_body(cid: str, created: int, model: str, text: str, finish_reason
         "id": cid, "object": "chat.completion", "created": created, "model": model,
         "system_fingerprint": None,
         "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}],
-        "usage": usage_dict(prompt, completion),
+        "usage": usage_dict(prompt, completion, cached),
     }
 
 

@@ -2,14 +2,17 @@
 
 Each `step()`:
   1. takes in new requests, cancellations and aborts (thread-safe queues fed by the service);
-  2. admits waiting requests by tier (gpu_workers/priority.py) while their worst-case pages
-     (prompt + max_tokens) fit the KV budget and the batch has room: load can never exhaust
-     the pool, so nothing is preempted;
-  3. prefills at most `prefill_chunk` prompt tokens (chunked prefill: a long prompt is spread
-     over several steps, so running streams get a token every step) and decodes one token for
-     every running request, each as one batched forward over the paged cache;
-  4. samples per request, detokenises, applies stop strings, and frees the pages of every
-     request that finished, at once.
+  2. admits waiting requests by tier (gpu_workers/priority.py), FIFO within a tier, while their
+     worst-case pages (prompt + max_tokens) fit the KV budget and the batch has room: load can
+     never exhaust the pool, so nothing is preempted; an admitted request first takes the longest
+     cached prefix of its tokens (prefix_cache.py);
+  3. runs ONE forward over the packed tokens of the step: at most `prefill_chunk` prompt tokens
+     (chunked prefill: a long prompt is spread over several steps, so running streams get a
+     token every step) and one token of every decoding request, without padding; attention
+     reads each request's contiguous KV (kv_cache.py);
+  4. samples the batch on the device, detokenises incrementally, applies stop strings, stores
+     the full prompt pages of requests that finished prefilling in the prefix cache, and frees
+     the pages of every request that finished, at once.
 """
 
 from __future__ import annotations
@@ -20,18 +23,25 @@ import time
 
 import torch
 
+from gpu_workers.detokenizer import Detokenizer
 from gpu_workers.grammar import advance, mask_rows
-from gpu_workers.kv_cache import PagedKVCache, StepCache
+from gpu_workers.kv_cache import PagedKVCache, Row, install
+from gpu_workers.prefix_cache import PrefixCache
 from gpu_workers.priority import enqueue
 from gpu_workers.sampling import new_seed, sample
 from gpu_workers.sequence import Output, Sequence
 
 __all__ = ["Engine", "Output", "Sequence"]
 
+_NO_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)  # a 4D mask is passed through untouched; attention masks per row
+
 
 class Engine:
     def __init__(self, model, tokenizer, cache: PagedKVCache, *, max_running: int = 32,
-                 prefill_chunk: int = 256, max_model_len: int = 2048, metrics=None) -> None:
+                 prefill_chunk: int = 256, max_model_len: int = 2048, metrics=None,
+                 prefix_cache: bool | int = True) -> None:
+        """prefix_cache: True (a pool of half the KV budget's pages), a number of pages, or False/0 (off)."""
+        install(model)
         self.model = model
         self.tokenizer = tokenizer
         self.cache = cache
@@ -54,6 +64,9 @@ class Engine:
         self._recent_cancels: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.wakeup = threading.Event()
         self.steps = 0
+        pages = cache.allocator.num_blocks // 2 if prefix_cache is True else int(prefix_cache)
+        self.prefix_cache = PrefixCache(cache, pages) if pages > 0 else None
+        self._mask_cache: dict[tuple[int, int], torch.Tensor] = {}
 
     # ---- called from any thread ----
     def add(self, seq: Sequence) -> None:
@@ -90,11 +103,9 @@ class Engine:
         self._take_inbox(outputs)
         self._take_cancels(outputs)
         self._admit()
-        prefill, decode = self._schedule()
-        if prefill:
-            self._run(prefill, outputs)
-        if decode:
-            self._run([(s, 1) for s in decode], outputs)
+        rows = self._schedule()
+        if rows:
+            self._run(rows, outputs)
         self.steps += 1
         if self.metrics is not None:
             self.metrics.engine_state(len(self.running), self.queued, self.cache.usage())
@@ -140,65 +151,79 @@ class Engine:
             self.waiting.popleft()
             self.reserved_blocks += need
             seq.scheduled_at = time.time()
+            seq.kv = self.cache.storage(self.blocks_for(seq.limit) * self.cache.block_size)
+            seq.detok = Detokenizer(self.tokenizer, seq.generated)
+            seq.text = seq.detok.text
+            seq.computed = 0
+            if self.prefix_cache is not None:  # at least the last token is computed: its logits are needed
+                all_ids = seq.all_ids
+                pages = self.prefix_cache.match(all_ids, seq.tenant, len(all_ids) - 1)
+                seq.computed = self.prefix_cache.load(seq.kv, pages)
+                seq.cached_tokens = min(seq.computed, len(seq.prompt_ids))
+                self._take_pages(seq, seq.computed)
             self.running.append(seq)
             if self.metrics is not None:
                 self.metrics.scheduled(seq)
 
-    def _schedule(self) -> tuple[list[tuple[Sequence, int]], list[Sequence]]:
+    def _schedule(self) -> list[tuple[Sequence, int]]:
+        """Rows of the step's single forward: prefill chunks (within the token budget) and decodes."""
         budget = self.prefill_chunk
-        prefill: list[tuple[Sequence, int]] = []
-        decode: list[Sequence] = []
+        rows: list[tuple[Sequence, int]] = []
         for seq in self.running:
             if seq.pending == 1:
-                decode.append(seq)
+                rows.append((seq, 1))
             elif budget > 0:
                 n = min(seq.pending, budget)
                 budget -= n
-                prefill.append((seq, n))
-        return prefill, decode
+                rows.append((seq, n))
+        return rows
+
+    def _take_pages(self, seq: Sequence, tokens: int) -> None:
+        need = self.blocks_for(tokens) - len(seq.blocks)
+        if need > 0:
+            seq.blocks += self.cache.allocator.take(need)
+
+    def _mask(self, start: int, n: int) -> torch.Tensor | None:
+        """[n, start + n]: query i (position start + i) sees keys 0..start + i."""
+        if start == 0 or n == 1:
+            return None
+        key = (start, n)
+        mask = self._mask_cache.get(key)
+        if mask is None:
+            mask = torch.arange(start + n).view(1, -1) <= torch.arange(start, start + n).view(-1, 1)
+            mask = mask.to(self.input_device)
+            if len(self._mask_cache) < 256:
+                self._mask_cache[key] = mask
+        return mask
 
     def _run(self, rows: list[tuple[Sequence, int]], outputs: list[Output]) -> None:
-        bs = self.cache.block_size
-        q = max(n for _, n in rows)
-        ids = torch.zeros(len(rows), q, dtype=torch.long)
-        pos = torch.zeros(len(rows), q, dtype=torch.long)
-        valid = torch.zeros(len(rows), q, dtype=torch.bool)
-        ends = []
-        for r, (seq, n) in enumerate(rows):
+        ids: list[int] = []
+        pos: list[int] = []
+        plan: list[Row] = []
+        for seq, n in rows:
             start = seq.computed
-            need = self.blocks_for(start + n) - len(seq.blocks)
-            if need > 0:
-                seq.blocks += self.cache.allocator.take(need)
-            ids[r, :n] = torch.tensor(seq.all_ids[start:start + n])
-            pos[r, :n] = torch.arange(start, start + n)
-            pos[r, n:] = start
-            valid[r, :n] = True
-            ends.append(start + n)
-        length = max(ends)
-        width = self.blocks_for(length)
-        table = torch.zeros(len(rows), width, dtype=torch.long)
-        for r, (seq, _) in enumerate(rows):
-            k = min(width, len(seq.blocks))
-            table[r, :k] = torch.tensor(seq.blocks[:k])
-        p = torch.arange(length)
-        gather_idx = table[:, p // bs] * bs + p % bs
-        slots = torch.gather(table, 1, pos // bs)[valid] * bs + (pos % bs)[valid]
-        mask = (p.view(1, 1, -1) <= pos.unsqueeze(-1)).unsqueeze(1)
+            self._take_pages(seq, start + n)
+            a = len(ids)
+            ids += seq.all_ids[start:start + n] if n > 1 else [seq.all_ids[start]]
+            pos += range(start, start + n)
+            plan.append(Row(seq.kv, a, a + n, start, self._mask(start, n)))
         dev = self.input_device
-        out = self.decoder(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev),
-                           past_key_values=StepCache(self.cache, slots, valid, gather_idx), use_cache=True)
-        hidden = out.last_hidden_state
-        last = torch.tensor([n - 1 for _, n in rows], device=hidden.device)
-        h = hidden[torch.arange(len(rows), device=hidden.device), last]
+        out = self.decoder(input_ids=torch.tensor([ids], device=dev), position_ids=torch.tensor([pos], device=dev),
+                           attention_mask=_NO_MASK.to(dev), use_cache=False, ts_plan=plan)
+        hidden = out.last_hidden_state[0]
         to_sample = []
-        for r, (seq, n) in enumerate(rows):
+        for (seq, n), r in zip(rows, plan):
             seq.computed += n
             if seq.pending == 0:
-                to_sample.append(r)
+                to_sample.append(r.b - 1)
+                if self.prefix_cache is not None and len(seq.generated) == seq.resumed:
+                    # the prompt (and any resumed tokens) is complete: its full pages may serve others
+                    self.prefix_cache.store(seq.kv, seq.all_ids, seq.tenant, seq.computed)
         if not to_sample:
             return
-        logits = self.lm_head(h[to_sample].to(self.lm_head.weight.device))
-        picked = [rows[r][0] for r in to_sample]
+        picked = [seq for seq, _ in rows if seq.pending == 0]
+        h = hidden[torch.tensor(to_sample, device=hidden.device)]
+        logits = self.lm_head(h.to(self.lm_head.weight.device))
         mask_rows(logits, picked)  # grammar hook: constrained rows (tools, response_format) masked
         tokens = sample(logits, [(s.temperature, s.top_p, s.seed, len(s.generated)) for s in picked])
         now = time.time()
@@ -213,25 +238,34 @@ class Engine:
             seq.first_token_at = now
         seq.last_token_at = now
         if token in self.eos_ids:  # flush text held back for a stop string that never came
-            if seq.emitted_text != (text := self.tokenizer.decode(seq.generated, skip_special_tokens=True)):
-                self._emit(seq, text, outputs)
+            self._emit(seq, self._final_text(seq), outputs)
             self._finish(seq, "stop", outputs)
             return
         seq.generated.append(token)
         seq.unsent_ids.append(token)
-        text = self.tokenizer.decode(seq.generated, skip_special_tokens=True)
+        seq.text += seq.detok.add(token)
+        text = seq.text
         at = seq.matcher.find(text, len(seq.emitted_text)) if seq.matcher.stops else None
         if at is not None:
             self._emit(seq, text[:at], outputs)
             self._finish(seq, "stop", outputs)
             return
         done = len(seq.generated) >= seq.max_tokens
-        self._emit(seq, text if done else text[:seq.matcher.safe_end(text)], outputs)
+        self._emit(seq, self._final_text(seq) if done else text[:seq.matcher.safe_end(text)], outputs)
         if done:
             self._finish(seq, "length", outputs)
 
+    def _final_text(self, seq: Sequence) -> str:
+        """All the text: what the detokenizer completed plus any incomplete character at the end."""
+        d = seq.detok
+        if d is None or d.read_offset == len(d.ids):
+            return seq.text
+        return seq.text + self.tokenizer.decode(d.ids[d.prefix_offset:], skip_special_tokens=True)[
+            len(self.tokenizer.decode(d.ids[d.prefix_offset:d.read_offset], skip_special_tokens=True)):]
+
     def _emit(self, seq: Sequence, upto: str, outputs: list[Output]) -> None:
-        delta = upto[len(seq.emitted_text):] if upto.startswith(seq.emitted_text) else ""
+        n = len(seq.emitted_text)
+        delta = upto[n:] if len(upto) > n and upto.startswith(seq.emitted_text) else ""
         if not delta:
             return
         seq.emitted_text += delta
@@ -247,6 +281,9 @@ class Engine:
             self.reserved_blocks -= self.blocks_for(seq.limit)
             self.cache.allocator.give(seq.blocks)
             seq.blocks = []
+            if self.prefix_cache is not None and reason is not None and seq.computed:
+                self.prefix_cache.store(seq.kv, seq.all_ids, seq.tenant, seq.computed)  # prompt + answer
+            seq.kv = None
         if reason is None:
             return
         outputs.append(Output(seq, finish_reason=reason, completion_seq=seq.next_seq, error=error,

@@ -1,16 +1,29 @@
-"""A paged KV cache: a fixed pool of pages per layer, page tables per request.
+"""The KV budget in pages, each running request's KV kept contiguous, and the attention that reads it.
 
-The pool is allocated once (its size is the KV budget), so load can never make the worker
-run out of memory; a request holds only the pages its tokens fill and gives them back the
-moment it finishes. During a forward pass `StepCache` stands in for transformers' Cache: the
-attention layers call `update(k, v, layer)`, which scatters the new keys/values into their
-pages and returns each row's pages gathered in logical order. The caller passes a 4D mask
-(key position <= query position), which transformers uses as is.
+Budget: a fixed number of pages of `block_size` tokens (`BlockAllocator`); a request is admitted
+only while the worst case of every running request fits (engine.py), and takes pages as its
+tokens arrive, so load can never exhaust memory. Storage: each running request owns, per layer,
+one tensor [2 (k, v), kv_heads, capacity, head_dim] sized at admission to its worst case
+(prompt + max_tokens). Attention then reads a request's keys as a plain slice: no page table
+gather and no padded dense copy per step, which on a CPU costs more than the attention itself
+(a paged-attention kernel would be the GPU's answer; transformers' attention interface lets a
+CUDA kernel take this function's place). On a CPU the tensor's untouched pages cost no physical
+memory (the OS maps them on first write).
+
+`paged_attention` is registered with transformers as attention implementation "tokenstream":
+with a `ts_plan` keyword (the engine's forward) it writes the step's new keys/values into each
+row's storage and runs SDPA per row over the slice; without one (plain `generate()` on the same
+model object) it is transformers' SDPA attention, so the model keeps working for other callers.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
+
+ATTN_NAME = "tokenstream"
 
 
 class BlockAllocator:
@@ -36,22 +49,24 @@ class BlockAllocator:
 
 
 class PagedKVCache:
-    """Per layer one key pool and one value pool of shape [num_blocks * block_size, kv_heads, head_dim]."""
+    """The KV budget (pages) and the shape of the per-request storage, per layer and device."""
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
                  dtype: torch.dtype, devices: list[torch.device]) -> None:
         self.block_size = block_size
         self.allocator = BlockAllocator(num_blocks)
-        self.k = [torch.zeros(num_blocks * block_size, kv_heads, head_dim, dtype=dtype, device=d) for d in devices]
-        self.v = [torch.zeros_like(k) for k in self.k]
+        self.num_layers = num_layers
+        self.kv_heads = kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
         self.devices = devices
 
     @staticmethod
     def bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
-    @classmethod
-    def for_model(cls, model, num_blocks: int | None, block_size: int, memory_gb: float) -> PagedKVCache:
+    @staticmethod
+    def model_shape(model) -> tuple[int, int, int, torch.dtype, list[torch.device]]:
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -62,11 +77,16 @@ class PagedKVCache:
         compute = getattr(getattr(model.config, "quantization_config", None), "bnb_4bit_compute_dtype", None)
         if isinstance(compute, torch.dtype):
             dtype = compute
-        if num_blocks is None:
-            per_block = cls.bytes_per_token(len(layers), kv_heads, head_dim, dtype) * block_size
-            num_blocks = max(4, int(memory_gb * 2**30 // per_block))
         devices = [next(layer.parameters()).device for layer in layers]
-        return cls(len(layers), kv_heads, head_dim, num_blocks, block_size, dtype, devices)
+        return len(layers), kv_heads, head_dim, dtype, devices
+
+    @classmethod
+    def for_model(cls, model, num_blocks: int | None, block_size: int, memory_gb: float) -> PagedKVCache:
+        layers, kv_heads, head_dim, dtype, devices = cls.model_shape(model)
+        if num_blocks is None:
+            per_block = cls.bytes_per_token(layers, kv_heads, head_dim, dtype) * block_size
+            num_blocks = max(4, int(memory_gb * 2**30 // per_block))
+        return cls(layers, kv_heads, head_dim, num_blocks, block_size, dtype, devices)
 
     @property
     def capacity_tokens(self) -> int:
@@ -76,43 +96,59 @@ class PagedKVCache:
         return self.allocator.used / self.allocator.num_blocks
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        """Bytes the whole budget holds when every page is in use."""
+        return self.capacity_tokens * self.bytes_per_token(self.num_layers, self.kv_heads, self.head_dim, self.dtype)
+
+    def storage(self, tokens: int) -> list[torch.Tensor]:
+        """One request's KV: per layer [2, kv_heads, tokens, head_dim] on that layer's device."""
+        return [torch.empty(2, self.kv_heads, tokens, self.head_dim, dtype=self.dtype, device=d)
+                for d in self.devices]
 
 
-class StepCache:
-    """The cache view of one forward pass over `rows` sequences.
+@dataclass(slots=True)
+class Row:
+    """One request in a packed forward: its new tokens are positions a..b of the step's token axis."""
 
-    slots:       flat pool index of every new (non-padding) token, in row-major order
-    valid:       bool [B, q] marking the new tokens that are real (not padding)
-    gather_idx:  [B, L] flat pool index of every logical position 0..L-1 of each row
-    """
-
-    def __init__(self, cache: PagedKVCache, slots: torch.Tensor, valid: torch.Tensor, gather_idx: torch.Tensor):
-        self.cache = cache
-        self._per_device: dict[torch.device, tuple] = {}
-        self._src = (slots, valid, gather_idx)
-
-    def _on(self, device: torch.device):
-        got = self._per_device.get(device)
-        if got is None:
-            got = self._per_device[device] = tuple(t.to(device, non_blocking=True) for t in self._src)
-        return got
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        pool_k, pool_v = self.cache.k[layer_idx], self.cache.v[layer_idx]
-        slots, valid, gather_idx = self._on(pool_k.device)
-        # [B, H, q, D] -> [B, q, H, D] -> only the real tokens -> their pages
-        pool_k[slots] = key_states.transpose(1, 2)[valid].to(pool_k.dtype)
-        pool_v[slots] = value_states.transpose(1, 2)[valid].to(pool_v.dtype)
-        b, length = gather_idx.shape
-        k = pool_k[gather_idx.reshape(-1)].view(b, length, *pool_k.shape[1:]).transpose(1, 2)
-        v = pool_v[gather_idx.reshape(-1)].view(b, length, *pool_v.shape[1:]).transpose(1, 2)
-        return k.to(key_states.dtype), v.to(value_states.dtype)
-
-    # the few Cache methods some model code asks for
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0
+    kv: list[torch.Tensor]
+    a: int
+    b: int
+    start: int  # tokens already in its storage
+    mask: torch.Tensor | None  # [n, start + n] for a chunk after earlier tokens; None: none or causal
 
     @property
-    def is_compileable(self) -> bool:
-        return False
+    def end(self) -> int:
+        return self.start + self.b - self.a
+
+
+def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """query [1, H, T, D], key/value [1, KVH, T, D] of the step's T packed tokens -> [1, T, H, D]."""
+    plan = kwargs.pop("ts_plan", None)
+    if plan is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+    layer = module.layer_idx
+    new = torch.stack((key[0], value[0]))  # [2, KVH, T, D]: one copy into storage per row
+    outs = []
+    for r in plan:
+        kv = r.kv[layer]
+        end = r.end
+        kv[:, :, r.start:end] = new[:, :, r.a:r.b]
+        o = F.scaled_dot_product_attention(query[:, :, r.a:r.b], kv[0, :, :end].unsqueeze(0),
+                                           kv[1, :, :end].unsqueeze(0), attn_mask=r.mask,
+                                           is_causal=r.mask is None and r.b - r.a > 1, scale=scaling, enable_gqa=True)
+        outs.append(o[0].transpose(0, 1))
+    out = torch.cat(outs).unsqueeze(0) if len(outs) > 1 else outs[0].unsqueeze(0)
+    return out, None
+
+
+def install(model) -> None:
+    """Make `model` use `paged_attention` (idempotent); masks for other callers stay SDPA's."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTN_NAME, paged_attention)
+    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+    if model.config._attn_implementation != ATTN_NAME:
+        model.set_attn_implementation(ATTN_NAME)

@@ -1,9 +1,11 @@
-"""Per-request sampling from the last-position logits: greedy, temperature, top-p, seed.
+"""Sampling for the whole batch on the model's device: greedy, temperature, top-p, per-request seed.
 
 Greedy (temperature 0) is argmax, exactly what `generate(do_sample=False)` picks. A sampled
-token draws from a torch.Generator seeded by (request seed, token index): the same seed gives
-the same output whatever else shares the batch, and a worker that takes a request over
-mid-stream draws the very numbers the first worker would have drawn.
+token is the Gumbel-max draw argmax(log p - log(-log u)) over the (nucleus-filtered)
+distribution, where u for vocabulary entry v is a hash of (request seed, token index, v)
+computed with integer arithmetic on the device: the same seed gives the same output whatever
+else shares the batch, and a worker that takes a request over mid-stream draws the very numbers
+the first worker would have drawn. No per-row host loop, no copy of the probabilities to the host.
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ import random
 import torch
 
 _MASK = (1 << 63) - 1
+_M1 = 0x9E3779B97F4A7C15 - (1 << 64)  # constants as signed int64 (torch wraps on overflow)
+_M2 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_M3 = 0x94D049BB133111EB - (1 << 64)
 
 
 def token_seed(seed: int, index: int) -> int:
@@ -23,46 +28,44 @@ def new_seed() -> int:
     return random.getrandbits(62)
 
 
-def nucleus(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The smallest set of most likely tokens whose mass reaches top_p: (probs descending, token ids).
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
 
-    A token is kept while the mass before it is below top_p. Looks in the top 64, then the top
-    1024, before sorting the whole vocabulary (real models almost never need the full sort).
-    """
-    vocab = probs.shape[-1]
-    for k in (64, 1024, vocab):
-        k = min(k, vocab)
-        vals, ids = torch.topk(probs, k) if k < vocab else torch.sort(probs, descending=True)
-        before = vals.cumsum(-1) - vals
-        if k == vocab or before[-1] >= top_p or vals.sum() >= top_p:
-            keep = int((before < top_p).sum())
-            return vals[:max(keep, 1)], ids[:max(keep, 1)]
-    raise AssertionError("unreachable")
+
+def hashed_uniform(seeds: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[N] int64 seeds -> [N, vocab] float64 uniforms in (0, 1): splitmix64 of (seed, v)."""
+    v = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    x = seeds.unsqueeze(1) + (v + 1) * _M1
+    x = (x ^ _shr(x, 30)) * _M2
+    x = (x ^ _shr(x, 27)) * _M3
+    x = x ^ _shr(x, 31)
+    return (_shr(x, 11).to(torch.float64) + 0.5) / float(1 << 53)
 
 
 def sample(logits: torch.Tensor, params: list[tuple[float, float, int, int]]) -> list[int]:
-    """logits [N, V]; params per row: (temperature, top_p, seed, token_index). Returns N token ids.
-
-    A sampled row draws one uniform number u from its own generator and takes the token where
-    the cumulative distribution (of the nucleus, when top_p < 1) passes u.
-    """
+    """logits [N, V]; params per row: (temperature, top_p, seed, token_index). Returns N token ids."""
     logits = logits.float()
-    out: list[int] = logits.argmax(-1).tolist()
+    out = logits.argmax(-1)
     rows = [i for i, p in enumerate(params) if p[0] > 0]
     if not rows:
-        return out
-    temps = torch.tensor([params[i][0] for i in rows], device=logits.device).unsqueeze(-1)
-    probs = torch.softmax(logits[rows] / temps, dim=-1).cpu()
-    gen = torch.Generator(device="cpu")
-    for j, i in enumerate(rows):
-        _, top_p, seed, index = params[i]
-        gen.manual_seed(token_seed(seed, index))
-        u = float(torch.rand((), generator=gen))
-        if top_p < 1.0:
-            vals, ids = nucleus(probs[j], top_p)
-        else:
-            vals, ids = probs[j], None
-        cdf = vals.cumsum(-1)
-        k = min(int(torch.searchsorted(cdf, u * float(cdf[-1]))), len(cdf) - 1)
-        out[i] = int(ids[k]) if ids is not None else k
-    return out
+        return out.tolist()
+    dev = logits.device
+    idx = torch.tensor(rows, device=dev)
+    temps = torch.tensor([params[i][0] for i in rows], device=dev).unsqueeze(-1)
+    logp = torch.log_softmax(logits[idx] / temps, dim=-1)
+    top_p = torch.tensor([params[i][1] for i in rows], device=dev).unsqueeze(-1)
+    if bool((top_p < 1.0).any()):
+        # nucleus: keep a token while the mass of the more likely tokens before it is below top_p
+        sorted_logp, order = torch.sort(logp, dim=-1, descending=True)
+        probs = sorted_logp.exp()
+        before = probs.cumsum(-1) - probs
+        drop_sorted = (before >= top_p) & (top_p < 1.0)
+        drop_sorted[:, 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        logp = logp.masked_fill(drop, float("-inf"))
+    seeds = torch.tensor([token_seed(params[i][2], params[i][3]) for i in rows], dtype=torch.int64, device=dev)
+    gumbel = -torch.log(-torch.log(hashed_uniform(seeds, logits.shape[-1])))
+    picked = (logp.double() + gumbel).argmax(-1)
+    out[idx] = picked
+    return out.tolist()

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpu_workers.detokenizer import Detokenizer
 from gpu_workers.stops import StopMatcher
 
 
@@ -26,9 +27,14 @@ class Sequence:
     priority: int = 0  # higher tiers are admitted first (gpu_workers.priority)
     tag: Any = None  # the caller's handle (the Kafka record)
     grammar: Any = None  # gpu_workers.grammar.GrammarState of a constrained request (tools, response_format)
+    tenant: str = ""  # prefix KV entries are shared only within one tenant
 
-    blocks: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)  # pages of the KV budget this request holds
+    kv: list | None = None  # its keys/values: per layer [2, kv_heads, capacity, head_dim]
     computed: int = 0  # tokens whose keys/values are in the cache
+    cached_tokens: int = 0  # prompt tokens whose keys/values came from the prefix cache
+    detok: Detokenizer | None = None
+    text: str = ""  # decoded text of `generated` (what the detokenizer has completed)
     unsent_ids: list[int] = field(default_factory=list)
     resumed: int = 0
     scheduled_at: float | None = None

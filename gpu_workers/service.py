@@ -211,7 +211,7 @@ class Worker:
             s = request.sampling
             seq = Sequence(request.request_id, prompt_ids(self.engine.tokenizer, request), max_tokens=s.max_tokens,
                            temperature=s.temperature, top_p=s.top_p, seed=s.seed, stop=list(s.stop),
-                           arrival=time.time(), tag=(tp, offset), priority=request.priority)
+                           arrival=time.time(), tag=(tp, offset), priority=request.priority, tenant=request.tenant)
             before = emitted.get(request.request_id)
             if before is not None and before.completion is not None:
                 await self._done(tp, offset)
@@ -317,7 +317,8 @@ class Worker:
                     seq=out.completion_seq, finish_reason=reason, error=error,
                     text=seq.emitted_text if parser is None else parser.text,
                     tool_calls=[] if parser is None else parser.calls,
-                    usage=Usage(prompt_tokens=len(seq.prompt_ids), completion_tokens=len(seq.generated)),
+                    usage=Usage(prompt_tokens=len(seq.prompt_ids), completion_tokens=len(seq.generated),
+                                cached_tokens=seq.cached_tokens),
                     timings=Timings(queue_s=queue, prefill_s=prefill, decode_s=decode,
                                     pipeline_s=max(0.0, seq.arrival - (request.admitted_at or request.created_at))),
                     dropped_messages=request.dropped_messages, worker_id=self.worker_id)

@@ -33,6 +33,7 @@ class TokenChunk(Event, tag="token_chunk"):
 class Usage(msgspec.Struct, kw_only=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the worker's prefix cache (not prefilled)
 
     @property
     def total_tokens(self) -> int:

