@@ -209,6 +209,7 @@ ROLE_COMMANDS = {
     (processor_app, "conversation"): "processors.cli:conversation",
     (processor_app, "safety"): "processors.cli:safety",
     (processor_app, "router"): "processors.cli:router",
+    (app, "tools"): "tools.cli:tools",
 }
 
 
