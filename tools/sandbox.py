@@ -80,6 +80,7 @@ class Sandbox:
             "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
             "--bind", str(workdir), "/work", "--chdir", "/work",
             "--setenv", "HOME", "/work", "--setenv", "PATH", "/usr/bin", "--setenv", "LANG", "C.UTF-8",
+            "--remount-ro", "/",  # bwrap's own root tmpfs: nothing outside /work and /tmp is writable
             "--setenv", "PYTHONDONTWRITEBYTECODE", "1", "--setenv", "OPENBLAS_NUM_THREADS", "1",
             "--", PYTHON, "-I", "-c", RUNNER_SOURCE, json.dumps(limits), str(report_fd),
         ]
@@ -200,7 +201,7 @@ def _death(code: int | None, cfg: ToolSettings) -> str:
     if code is not None and code < 0:
         sig = signal.Signals(-code).name
         if -code == signal.SIGXCPU or -code == signal.SIGKILL:
-            return f"stopped by {sig} (CPU limit {cfg.cpu_s} s, or killed)"
+            return f"stopped by {sig} (CPU limit {cfg.cpu_s} s exceeded, or killed)"
         return f"stopped by {sig}"
     return f"the sandbox exited ({code}) before the code finished (a limit was hit: memory " \
            f"{cfg.memory_mb} MiB, CPU {cfg.cpu_s} s, processes {cfg.processes}, or its parent was killed)"
