@@ -4,7 +4,8 @@ A tool is a module `tools/builtin/<name>.py` exposing `TOOL`, an object with a `
 
     async def run(self, call: ToolCall, args: dict) -> Outcome
 
-Adding a tool is adding that one file.
+and, optionally, `def warm_up(self) -> None` (blocking; run once in a thread before the processor
+serves, e.g. to load a model). Adding a tool is adding that one file.
 """
 
 from __future__ import annotations

@@ -106,6 +106,9 @@ class ToolProcessor:
                 return
 
     async def run(self, ready: asyncio.Event | None = None) -> None:
+        for tool in self.tools.values():
+            if hasattr(tool, "warm_up"):
+                await asyncio.to_thread(tool.warm_up)
         self.producer = await start_producer()
         self.consumer = await start_consumer(TOOL_CALLS, group=GROUP, from_beginning=True)
         log.info("tool processor %s serving %s (group %s)", self.owner, ", ".join(sorted(self.tools)), GROUP)
