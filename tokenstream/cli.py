@@ -205,6 +205,7 @@ ROLE_COMMANDS = {
     (bench_app, "gateway"): "bench.gateway:main",
     (bench_app, "safety"): "bench.safety:main",
     (bench_app, "pipeline"): "bench.pipeline:main",
+    (bench_app, "tools"): "bench.tools:main",
     (app, "plan"): "tokenstream.plan_cli:plan_command",
     (processor_app, "conversation"): "processors.cli:conversation",
     (processor_app, "safety"): "processors.cli:safety",

@@ -51,8 +51,9 @@ class ChunkIndex:
     @classmethod
     def connect(cls) -> "ChunkIndex":
         cfg = settings()
+        # skip_init_checks: no version look-up on PyPI at connect (tools run offline)
         client = weaviate.connect_to_local(host=cfg.weaviate_host, port=cfg.weaviate_http_port,
-                                           grpc_port=cfg.weaviate_grpc_port)
+                                           grpc_port=cfg.weaviate_grpc_port, skip_init_checks=True)
         return cls(client)
 
     def close(self) -> None:
