@@ -63,6 +63,24 @@ def document() -> str:
     return "# Life in Nordvik\n\n" + "\n\n".join(paragraphs) + "\n"
 
 
+def tiny_pdf(lines: list[str]) -> bytes:
+    """A one-page PDF with `lines` of Helvetica text (hand-built: no PDF writer is a dependency)."""
+    content = "BT /F1 12 Tf 72 720 Td 14 TL " + " ".join(f"({line}) '" for line in lines) + " ET"
+    objs = ["<< /Type /Catalog /Pages 2 0 R >>", "<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
+            "<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents 4 0 R "
+            "/Resources << /Font << /F1 5 0 R >> >> >>",
+            f"<< /Length {len(content)} >>\nstream\n{content}\nendstream",
+            "<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>"]
+    out, offsets = b"%PDF-1.4\n", []
+    for i, obj in enumerate(objs, 1):
+        offsets.append(len(out))
+        out += f"{i} 0 obj\n{obj}\nendobj\n".encode()
+    xref = len(out)
+    out += f"xref\n0 {len(objs) + 1}\n0000000000 65535 f \n".encode()
+    out += b"".join(f"{o:010d} 00000 n \n".encode() for o in offsets)
+    return out + f"trailer\n<< /Size {len(objs) + 1} /Root 1 0 R >>\nstartxref\n{xref}\n%%EOF\n".encode()
+
+
 def search_call(query: str, tenant: str, stores: list[str]) -> ToolCall:
     return ToolCall(request_id=f"req-{uuid.uuid4().hex[:10]}", call_id=f"call-{uuid.uuid4().hex}", tenant=tenant,
                     conversation_id="conv-search", name="file_search",
@@ -76,8 +94,12 @@ def test_extract_and_chunk_each_kind():
     assert extract("notes.md", document().encode()).text.startswith("# Life in Nordvik")
     pieces = chunks(document())
     assert len(pieces) == 6 and all(len(p.split()) <= 90 for p in pieces)
+    pdf = extract("facts.pdf", tiny_pdf(["The ferry leaves at 07:40.", "It carries 180 passengers."]))
+    assert pdf.pages == 1 and "07:40" in pdf.text and "180 passengers" in pdf.text
     with pytest.raises(ValueError, match="only"):
         extract("archive.zip", b"PK")
+    with pytest.raises(ValueError, match="not a readable PDF"):
+        extract("broken.pdf", b"%PDF-1.4 nothing else")
 
 
 @pytest.mark.timeout(600)

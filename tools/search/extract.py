@@ -32,12 +32,11 @@ def extract(filename: str, data: bytes) -> Document:
     kind = kind_of(filename)
     if kind == "pdf":
         from pypdf import PdfReader
-        from pypdf.errors import PdfReadError
 
         try:
             reader = PdfReader(io.BytesIO(data))
             return Document("\n\n".join(page.extract_text() or "" for page in reader.pages), len(reader.pages))
-        except PdfReadError as exc:
+        except Exception as exc:  # noqa: BLE001 - pypdf raises assorted errors on malformed files
             raise UnsupportedFile(f"{filename!r} is not a readable PDF: {exc}") from None
     text = data.decode("utf-8", errors="replace")
     if kind == "html":
