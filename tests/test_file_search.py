@@ -8,7 +8,7 @@ import uuid
 import pytest
 
 from schemas import ToolCall
-from tests.tool_support import ToolBus, sandbox_root, tools_env, wait_ready
+from tests.tool_support import sandbox_root, serving, tools_env
 from tools.search.extract import chunks, extract
 from tools.search.index import ChunkIndex
 from tools.search.ingest import ingest
@@ -111,12 +111,10 @@ async def test_file_search_finds_the_right_chunk_and_keeps_tenants_apart(roles, 
     finally:
         index.close()
     assert done.chunks == 6
-    proc = roles.start("tools", env=tools_env(sandbox_root()))
     questions = [search_call(q, tenant, [store]) for _, q, _ in FACTS]
     other_tenant = search_call(FACTS[0][1], f"intruder-{uuid.uuid4().hex[:6]}", [store])
     other_store = search_call(FACTS[0][1], tenant, ["vs_someone_else"])
-    async with ToolBus(bootstrap) as bus:
-        await wait_ready(proc, roles.log)
+    async with serving(roles, bootstrap, tools_env(sandbox_root())) as (_, bus):
         for call in [*questions, other_tenant, other_store]:
             await bus.send(call)
         got = await bus.wait([c.call_id for c in [*questions, other_tenant, other_store]], timeout_s=300)

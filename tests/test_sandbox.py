@@ -4,12 +4,11 @@ process and the real broker; each is contained with a clear error, and the proce
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
-from tests.tool_support import ToolBus, code_call, sandbox_root, tools_env, wait_ready
+from tests.tool_support import code_call, sandbox_root, serving, tools_env
 from tools.sandbox import folder_name
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,9 +44,7 @@ def _cases(kafka_port: int, redis_port: int, victim_folder: Path, processor_pid:
 @pytest.mark.timeout(600)
 async def test_escapes_are_contained_and_the_processor_keeps_serving(roles, bootstrap, stack):
     root = sandbox_root()
-    proc = roles.start("tools", env=tools_env(root, TOKENSTREAM_TOOLS_CONCURRENCY="2"))
-    async with ToolBus(bootstrap) as bus:
-        await wait_ready(proc, roles.log)
+    async with serving(roles, bootstrap, tools_env(root, TOKENSTREAM_TOOLS_CONCURRENCY="2")) as (proc, bus):
         victim = code_call("open('secret.txt', 'w').write('s3cret')")
         await bus.send(victim)
         assert (await bus.wait([victim.call_id]))[victim.call_id].ok

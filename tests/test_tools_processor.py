@@ -8,19 +8,19 @@ import os
 import signal
 import time
 
-from aiokafka.structs import TopicPartition
+import redis
 
 from producers import decode_record, start_consumer
-from tests.tool_support import ToolBus, code_call, sandbox_root, tools_env, wait_ready
+from schemas import ToolResult, encode
+from schemas.keys import tool_result
+from tests.tool_support import code_call, sandbox_root, serving, tools_env
 from tools.sandbox import folder_name
 from topics.registry import DEAD_LETTER
 
 
 async def test_code_runs_and_the_folder_persists_within_a_conversation_only(roles, bootstrap):
     root = sandbox_root()
-    proc = roles.start("tools", env=tools_env(root))
-    async with ToolBus(bootstrap) as bus:
-        await wait_ready(proc, roles.log)
+    async with serving(roles, bootstrap, tools_env(root)) as (_, bus):
         first = code_call("open('state.txt', 'w').write('42')\nprint('saved')\n6 * 7")
         await bus.send(first)
         r1 = (await bus.wait([first.call_id]))[first.call_id]
@@ -39,19 +39,28 @@ async def test_code_runs_and_the_folder_persists_within_a_conversation_only(role
         assert got[second.call_id].request_id == second.request_id  # keyed and tagged like the call
 
 
-async def test_a_call_read_twice_runs_once_and_bad_events_are_dead_lettered(roles, bootstrap):
+async def test_a_call_read_twice_runs_once_a_completed_one_is_replayed_and_bad_events_dead_lettered(roles, bootstrap, stack):
     root = sandbox_root()
-    proc = roles.start("tools", env=tools_env(root))
-    async with ToolBus(bootstrap) as bus:
-        await wait_ready(proc, roles.log)
+    async with serving(roles, bootstrap, tools_env(root)) as (_, bus):
         call = code_call("open('runs', 'a').write('x')\nlen(open('runs').read())")
         await bus.send(call)
         await bus.send(call)  # a duplicate (a writer's retry): same call id
         bad_key = f"bad-{call.call_id}".encode()
         await bus.send_raw(b'{"type": "tool_call", "not": "valid"', key=bad_key)
+        # a call whose run completed (result stored) but whose processor died before publishing:
+        # the stored result is replayed, the code is not run again
+        completed = code_call("open('ran', 'w').write('again')")
+        stored = ToolResult(request_id=completed.request_id, call_id=completed.call_id, name=completed.name,
+                            ok=True, output='{"value": "stored"}', conversation_id=completed.conversation_id,
+                            tenant=completed.tenant)
+        r = redis.Redis.from_url(stack.redis.address)
+        r.set(tool_result(completed.call_id), encode(stored))
+        await bus.send(completed)
         sentinel = code_call("1")
         await bus.send(sentinel)  # on its own partition maybe; wait for it and the call
-        await bus.wait([call.call_id, sentinel.call_id])
+        got = await bus.wait([call.call_id, sentinel.call_id, completed.call_id])
+        assert got[completed.call_id].output == '{"value": "stored"}'
+        assert not (root / folder_name("t-test", completed.conversation_id) / "ran").exists()
         folder = root / folder_name("t-test", call.conversation_id)
         deadline = time.monotonic() + 30
         letters = await start_consumer(DEAD_LETTER, group=None, bootstrap=bootstrap, from_beginning=True)
@@ -75,9 +84,7 @@ async def test_a_call_read_twice_runs_once_and_bad_events_are_dead_lettered(role
 async def test_kill_9_mid_call_the_next_processor_completes_it_once(roles, bootstrap):
     root = sandbox_root()
     env = tools_env(root, TOKENSTREAM_TOOLS_WALL_S="20")
-    first = roles.start("tools", env=env, name="tools-first")
-    async with ToolBus(bootstrap) as bus:
-        await wait_ready(first, roles.log)
+    async with serving(roles, bootstrap, env, name="tools-first") as (first, bus):
         call = code_call("import time\nopen('starts', 'a').write('s')\ntime.sleep(4)\n"
                          "open('finished', 'a').write('f')\n'done'")
         folder = root / folder_name("t-test", call.conversation_id)

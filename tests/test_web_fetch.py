@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from schemas import ToolCall
-from tests.tool_support import ToolBus, sandbox_root, tools_env, wait_ready
+from tests.tool_support import sandbox_root, serving, tools_env
 
 ARTICLE = """<html><head><title>Lighthouses</title></head><body>
 <nav><a href="/">Home</a> | <a href="/about">About</a></nav>
@@ -63,7 +63,6 @@ def fetch_call(url: str) -> ToolCall:
 async def test_web_fetch_reads_allowlisted_pages_and_refuses_the_rest(roles, bootstrap, site):
     env = tools_env(sandbox_root(), TOKENSTREAM_TOOLS_WEB_ALLOW_HOSTS='["127.0.0.1", "localhost"]',
                     TOKENSTREAM_TOOLS_WEB_ALLOW_PRIVATE='["127.0.0.1"]', TOKENSTREAM_TOOLS_WEB_MAX_KB="64")
-    proc = roles.start("tools", env=env)
     calls = {
         "article": fetch_call(f"{site}/article"),
         "not_allowlisted": fetch_call("http://example.com/"),
@@ -73,8 +72,7 @@ async def test_web_fetch_reads_allowlisted_pages_and_refuses_the_rest(roles, boo
         "missing": fetch_call(f"{site}/nothing-here"),
         "scheme": fetch_call("file:///etc/passwd"),
     }
-    async with ToolBus(bootstrap) as bus:
-        await wait_ready(proc, roles.log)
+    async with serving(roles, bootstrap, env) as (_, bus):
         for call in calls.values():
             await bus.send(call)
         got = await bus.wait([c.call_id for c in calls.values()])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import tempfile
 import time
@@ -91,3 +92,12 @@ async def wait_ready(proc, read_log, timeout_s: float = 90) -> None:
             return
         await asyncio.sleep(0.2)
     raise AssertionError("tool processor not ready:\n" + read_log(proc))
+
+
+@contextlib.asynccontextmanager
+async def serving(roles, bootstrap: str, env: dict[str, str], name: str | None = None):
+    """A real `tokenstream tools` process, ready, and a ToolBus on the same broker."""
+    proc = roles.start("tools", env=env, name=name)
+    async with ToolBus(bootstrap) as bus:
+        await wait_ready(proc, roles.log)
+        yield proc, bus
