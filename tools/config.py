@@ -18,6 +18,8 @@ class ToolSettings(BaseSettings):
 
     # The processor
     concurrency: int = Field(4, ge=1, description="calls run at once by one process")
+    call_timeout_s: float = Field(90.0, gt=0, description="any call still running after this is stopped and "
+                                  "answered with an error (each tool has its own, tighter limits)")
     claim_lease_s: float = Field(15.0, gt=0, description="a running call's claim lapses this long after "
                                  "its processor stops renewing it (dies); the next processor then runs it")
 

@@ -31,14 +31,18 @@ GROUP = processor_group("tools")
 log = logging.getLogger("tools.processor")
 
 
-async def run_tool(tool: Tool | None, call: ToolCall) -> ToolResult:
+async def run_tool(tool: Tool, call: ToolCall, timeout_s: float) -> ToolResult:
     """Run one call and describe its outcome; a tool's failure is a result, never an exception."""
     started = time.monotonic()
     try:
         args = json.loads(call.arguments or "{}")
         if not isinstance(args, dict):
             raise ToolError("arguments must be a JSON object")
-        outcome = await tool.run(call, args)
+        try:
+            async with asyncio.timeout(timeout_s):
+                outcome = await tool.run(call, args)
+        except TimeoutError:
+            raise ToolError(f"{call.name} took longer than {timeout_s:g} s and was stopped") from None
     except json.JSONDecodeError as exc:
         outcome = Outcome("", ok=False, error=f"arguments are not valid JSON: {exc}")
     except ToolError as exc:
@@ -74,7 +78,7 @@ class ToolProcessor:
             await asyncio.sleep(min(1.0, self.cfg.claim_lease_s / 4))  # another live processor runs it
         try:
             async with self.slots, self.ledger.holding(call.call_id):
-                result = await run_tool(self.tools[call.name], call)
+                result = await run_tool(self.tools[call.name], call, self.cfg.call_timeout_s)
             result = await self.ledger.complete(result)
         except BaseException:
             await asyncio.shield(self.ledger.release(call.call_id))
@@ -110,7 +114,13 @@ class ToolProcessor:
             if hasattr(tool, "warm_up"):
                 await asyncio.to_thread(tool.warm_up)
         self.producer = await start_producer()
-        self.consumer = await start_consumer(TOOL_CALLS, group=GROUP, from_beginning=True)
+        # few records per poll, and a poll interval that outlasts them all run back to back, so a
+        # batch of slow calls never makes the group think this process is dead
+        batch = 2 * self.cfg.concurrency
+        slowest_s = self.cfg.call_timeout_s + 5
+        self.consumer = await start_consumer(
+            TOOL_CALLS, group=GROUP, from_beginning=True, max_poll_records=batch,
+            max_poll_interval_ms=int(max(300.0, batch * slowest_s + 60) * 1000))
         log.info("tool processor %s serving %s (group %s)", self.owner, ", ".join(sorted(self.tools)), GROUP)
         if ready is not None:
             ready.set()
