@@ -101,13 +101,15 @@ class Sandbox:
         over = asyncio.Event()
 
         async def read(stream: asyncio.StreamReader) -> bytes:
+            # past the cap, keep draining (and dropping) until EOF: a pipe left unread pauses the
+            # transport, which then never sees EOF, and asyncio's wait() waits for the pipes too
             kept = bytearray()
             while chunk := await stream.read(65536):
                 room = cap - len(kept)
-                kept += chunk[:room]
+                if room > 0:
+                    kept += chunk[:room]
                 if len(chunk) > room:
                     over.set()
-                    break
             return bytes(kept)
 
         async def report() -> bytes:
