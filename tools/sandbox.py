@@ -94,6 +94,9 @@ class Sandbox:
             proc = await asyncio.create_subprocess_exec(
                 *self.command(workdir, report_w), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE, pass_fds=(report_w,), start_new_session=True)
+        except OSError as exc:
+            os.close(report_r)
+            raise RuntimeError(f"the sandbox cannot start (is bubblewrap installed?): {exc}") from exc
         finally:
             os.close(report_w)
         run = Run()

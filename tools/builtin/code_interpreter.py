@@ -28,6 +28,17 @@ class CodeInterpreter:
             self._sandbox = Sandbox(tool_settings())
         return self._sandbox
 
+    def warm_up(self) -> None:
+        """Run `1 + 1` in a sandbox once, so a processor that cannot sandbox fails at start, not per call."""
+        import asyncio
+
+        run = asyncio.run(self.sandbox.run("tokenstream-probe", "start-up", "1 + 1"))
+        if run.value != "2":
+            raise RuntimeError(
+                f"the code interpreter's sandbox does not work: {run.error}\n{run.stderr[-2000:]}\n"
+                f"(bubblewrap must be installed, and {self.sandbox.root} and every folder above it searchable "
+                f"by uid {self.sandbox.cfg.sandbox_uid}: set TOKENSTREAM_TOOLS_SANDBOX_DIR, see tools/README.md)")
+
     async def run(self, call: ToolCall, args: dict) -> Outcome:
         code = args.get("code")
         if not isinstance(code, str) or not code.strip():
