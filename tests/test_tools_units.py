@@ -78,3 +78,11 @@ async def test_private_addresses_are_refused_unless_the_host_is_allowlisted_for_
 def test_conversation_folders_are_hashes_apart_per_tenant():
     assert folder_name("a", "../../etc") != folder_name("b", "../../etc")
     assert all(c in "0123456789abcdef" for c in folder_name("a", "../../etc"))
+
+
+def test_the_registry_names_the_group_the_processor_joins():
+    from tools.processor import GROUP
+    from topics.registry import TOOL_CALLS, TOOL_RESULTS
+
+    assert TOOL_CALLS.groups == [GROUP] == ["ts-tools"]
+    assert any(w.role == "tool processor" for w in TOOL_RESULTS.writers)
