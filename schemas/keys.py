@@ -30,7 +30,8 @@ def effect_done(role: str, effect: str, request_id: str) -> str:
 
 
 # The tool processor (tools/ledger.py): one call id, run to completion at most once.
-#   ts:tool:claim:<call_id>       the processor running the call (its instance id); TOOL_CLAIM lease,
+#   ts:tool:claim:<call_id>       the processor running the call (its instance id); a lease of
+#                                 TOKENSTREAM_TOOLS_CLAIM_LEASE_S,
 #                                 renewed while it runs, so a dead processor's claim lapses
 #   ts:tool:result:<call_id>      the encoded ToolResult once the call completed; EFFECT_TTL_S
 #   ts:tool:published:<call_id>   set once that result is acknowledged on ts.tool.results; EFFECT_TTL_S
