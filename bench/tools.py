@@ -20,6 +20,7 @@ import json
 import os
 import platform
 import random
+import shutil
 import statistics
 import subprocess
 import tempfile
@@ -49,11 +50,19 @@ def page(rng: random.Random, n: int) -> str:
 
 def bench_sandbox(calls: int) -> dict:
     from tools.config import ToolSettings
-    from tools.sandbox import PYTHON, Sandbox
+    from tools.sandbox import Sandbox
 
     root = Path(tempfile.mkdtemp(prefix="ts-bench-sandbox-", dir="/tmp"))
     os.chmod(root, 0o711)
     sandbox = Sandbox(ToolSettings(sandbox_dir=root))
+    try:
+        return _time_sandbox(sandbox, calls)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _time_sandbox(sandbox, calls: int) -> dict:
+    from tools.sandbox import PYTHON
 
     async def sandboxed() -> list[float]:
         out = []
@@ -147,7 +156,8 @@ def main(
     if not use_configured:
         from tokenstream.stack import Stack
 
-        stack = Stack.ephemeral(Path(tempfile.mkdtemp(prefix="ts-bench-weaviate-")))
+        weaviate_root = Path(tempfile.mkdtemp(prefix="ts-bench-weaviate-"))
+        stack = Stack.ephemeral(weaviate_root)
         stack.weaviate.start(say=lambda m: None)
         os.environ["TOKENSTREAM_WEAVIATE_HTTP_PORT"] = str(stack.weaviate.port)
         os.environ["TOKENSTREAM_WEAVIATE_GRPC_PORT"] = str(stack.weaviate.grpc_port)
@@ -158,6 +168,7 @@ def main(
     finally:
         if stack is not None:
             stack.weaviate.stop(say=lambda m: None)
+            shutil.rmtree(weaviate_root, ignore_errors=True)
     load_after = os.getloadavg()[0]
 
     table = Table("figure", "measured", "baseline (same run)", "baseline is", title="Tools")

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import os
+import shutil
 import tempfile
 import time
 import uuid
@@ -20,6 +22,7 @@ def sandbox_root() -> Path:
     """A sandbox root the unprivileged sandbox user can reach (pytest's tmp folders are 0700)."""
     root = Path(tempfile.mkdtemp(prefix="ts-sandbox-", dir="/tmp"))
     os.chmod(root, 0o711)
+    atexit.register(shutil.rmtree, root, True)
     return root
 
 
