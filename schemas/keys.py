@@ -12,6 +12,8 @@ lives), API key records, and the conversation key that scopes a history to its t
     ts:usage:<key_id>:<day>                  token counts of one key on one UTC day
     ts:usage:settled:<request_id>            set once a request's usage was counted
     ts:cache:exact:<sha256>                  a cached deterministic answer
+    ts:tool:{claim,result,published}:<call_id>
+                                             the tool processor's once-per-call record (below)
 
 An API key is shown once, `sk-ts-<43 url-safe characters>`; Redis holds only its sha256
 (`key_id` below is the first 16 hex digits of it, safe to print and to log). Every record is
@@ -145,3 +147,21 @@ class ApiKey(msgspec.Struct, kw_only=True):
         fields = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
                   for k, v in raw.items()}
         return msgspec.convert(fields, cls, strict=False)
+
+
+# The tool processor (tools/ledger.py): one call id, run to completion at most once.
+#   ts:tool:claim:<call_id>       the processor running the call (its instance id); a lease of
+#                                 TOKENSTREAM_TOOLS_CLAIM_LEASE_S,
+#                                 renewed while it runs, so a dead processor's claim lapses
+#   ts:tool:result:<call_id>      the encoded ToolResult once the call completed; EFFECT_TTL_S
+#   ts:tool:published:<call_id>   set once that result is acknowledged on ts.tool.results; EFFECT_TTL_S
+def tool_claim(call_id: str) -> str:
+    return f"ts:tool:claim:{call_id}"
+
+
+def tool_result(call_id: str) -> str:
+    return f"ts:tool:result:{call_id}"
+
+
+def tool_published(call_id: str) -> str:
+    return f"ts:tool:published:{call_id}"

@@ -212,6 +212,7 @@ ROLE_COMMANDS = {
     (bench_app, "gateway"): "bench.gateway:main",
     (bench_app, "safety"): "bench.safety:main",
     (bench_app, "pipeline"): "bench.pipeline:main",
+    (bench_app, "tools"): "bench.tools:main",
     (app, "plan"): "tokenstream.plan_cli:plan_command",
     (bench_app, "cache"): "bench.cache:main",
     (bench_app, "grammar"): "bench.grammar:main",
@@ -219,6 +220,7 @@ ROLE_COMMANDS = {
     (processor_app, "conversation"): "processors.cli:conversation",
     (processor_app, "safety"): "processors.cli:safety",
     (processor_app, "router"): "processors.cli:router",
+    (app, "tools"): "tools.cli:tools",
 }
 
 

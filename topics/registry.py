@@ -170,12 +170,14 @@ VERDICTS = TopicSpec(
 TOOL_CALLS = TopicSpec(
     "ts.tool.calls", 6, "request_id", (ToolCall,), "tool invocations asked for by a model", _retained(7),
     writers=(Writer("gpu worker (reserved)", "a model asks for a tool (no tool runs yet)"),),
-    readers=(Reader("tool processor (reserved)", "ts-tools", "commit after the ToolResult is acknowledged"),
+    readers=(Reader("tool processor", processor_group("tools"), "a call's offset is committed only after its "
+                    "ToolResult is acknowledged; each call runs to completion once (Redis claim and result "
+                    "per call id)"),
              AUDITOR),
 )
 TOOL_RESULTS = TopicSpec(
     "ts.tool.results", 6, "request_id", (ToolResult,), "outcomes of tool invocations", _retained(7),
-    writers=(Writer("tool processor (reserved)", "one result per ToolCall"),),
+    writers=(Writer("tool processor", "one result per server-tool ToolCall, keyed like the call"),),
     readers=(AUDITOR,),
 )
 CONVERSATION_TURNS = TopicSpec(

@@ -1,0 +1,56 @@
+"""Settings of the tool processor and its tools, from TOKENSTREAM_TOOLS_* environment variables."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from tokenstream.config import settings
+
+
+class ToolSettings(BaseSettings):
+    """Example: TOKENSTREAM_TOOLS_WEB_ALLOW_HOSTS='["docs.python.org"]'."""
+
+    model_config = SettingsConfigDict(env_prefix="TOKENSTREAM_TOOLS_", extra="ignore")
+
+    # The processor
+    concurrency: int = Field(4, ge=1, description="calls run at once by one process")
+    call_timeout_s: float = Field(90.0, gt=0, description="any call still running after this is stopped and "
+                                  "answered with an error (each tool has its own, tighter limits)")
+    claim_lease_s: float = Field(15.0, gt=0, description="a running call's claim lapses this long after "
+                                 "its processor stops renewing it (dies); the next processor then runs it")
+
+    # The code interpreter's sandbox
+    sandbox_dir: Path | None = Field(None, description="working folders (default: <data_dir>/tools/sandbox)")
+    sandbox_uid: int = Field(65534, description="unprivileged uid the sandbox runs as when started by root")
+    sandbox_gid: int = Field(65534)
+    cpu_s: int = Field(10, ge=1, description="CPU seconds per call (RLIMIT_CPU)")
+    wall_s: float = Field(30.0, gt=0, description="wall-clock seconds per call")
+    memory_mb: int = Field(512, ge=64, description="address space per process (RLIMIT_AS)")
+    processes: int = Field(32, ge=1, description="processes of the sandbox user (RLIMIT_NPROC)")
+    open_files: int = Field(64, ge=16, description="open file descriptors (RLIMIT_NOFILE)")
+    file_mb: int = Field(16, ge=1, description="largest file the code may write (RLIMIT_FSIZE)")
+    output_kb: int = Field(64, ge=1, description="stdout and stderr kept, each; more stops the run")
+    files_listed: int = Field(50, ge=0, description="written files reported per call")
+    file_preview_kb: int = Field(4, ge=0, description="text of each written file returned")
+
+    # Web fetch
+    web_allow_hosts: list[str] = Field(default_factory=list, description="hosts the web tool may fetch")
+    web_allow_private: list[str] = Field(default_factory=list, description="hosts that may resolve to "
+                                         "private or loopback addresses (each must also be in web_allow_hosts)")
+    web_max_kb: int = Field(2048, ge=1, description="largest body read")
+    web_timeout_s: float = Field(10.0, gt=0)
+    web_max_redirects: int = Field(5, ge=0)
+    web_text_kb: int = Field(64, ge=1, description="readable text returned")
+
+    @property
+    def sandbox_root(self) -> Path:
+        return self.sandbox_dir or settings().data_dir / "tools" / "sandbox"
+
+
+@lru_cache
+def tool_settings() -> ToolSettings:
+    return ToolSettings()

@@ -1,0 +1,1 @@
+"""File search: uploaded files -> text -> chunks -> MiniLM vectors -> Weaviate (one tenant per tokenstream tenant)."""
