@@ -169,7 +169,8 @@ VERDICTS = TopicSpec(
 )
 TOOL_CALLS = TopicSpec(
     "ts.tool.calls", 6, "request_id", (ToolCall,), "tool invocations asked for by a model", _retained(7),
-    writers=(Writer("gpu worker (reserved)", "a model asks for a tool (no tool runs yet)"),),
+    writers=(Writer("gpu worker", "a generated call, once whole (id from the request id and the call's index), "
+                    "besides its deltas on ts.tokens"),),
     readers=(Reader("tool processor", processor_group("tools"), "a call's offset is committed only after its "
                     "ToolResult is acknowledged; each call runs to completion once (Redis claim and result "
                     "per call id)"),
