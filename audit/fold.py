@@ -71,6 +71,7 @@ class Audit:
     input_text: str = ""  # the newest user message, as the safety processor judged it
     live_input: SafetyVerdict | None = None  # the live input verdict (ts.safety.verdicts)
     live_output: SafetyVerdict | None = None  # the first blocking live output verdict, if any
+    timeline: bool = True  # False: only what the gap check and a summary need (range scans)
     _run: list = field(default_factory=list)  # token chunks not yet folded into a row
 
     # ------------------------------------------------------------------ folding
@@ -84,10 +85,11 @@ class Audit:
         if isinstance(event, TokenChunk) and topic == TOKENS.name:
             self._chunk(partition, offset, timestamp, event)
             return
-        self._flush()
-        detail = self._describe(topic, event)
-        self.rows.append(Row(timestamp, topic, f"{partition}@{offset}", type(event).__struct_config__.tag,
-                             detail))
+        self._note(topic, event)
+        if self.timeline:
+            self._flush()
+            self.rows.append(Row(timestamp, topic, f"{partition}@{offset}", type(event).__struct_config__.tag,
+                                 describe(event)))
 
     def _chunk(self, partition: int, offset: int, timestamp: int, chunk: TokenChunk) -> None:
         if chunk.seq in self.seqs:
@@ -100,7 +102,8 @@ class Audit:
         elif chunk.seq >= self.next_seq:
             self.client_text.append(chunk.text)
             self.next_seq = chunk.seq + 1
-        self._run.append((partition, offset, timestamp, chunk))
+        if self.timeline:
+            self._run.append((partition, offset, timestamp, chunk))
 
     def _flush(self) -> None:
         if not self._run:
@@ -114,20 +117,17 @@ class Audit:
                              "token_chunks", f"{span} {_short(text)!r}"))
         self._run.clear()
 
-    def _describe(self, topic: str, event: Event) -> str:
+    def _note(self, topic: str, event: Event) -> None:
+        """What the gap check and the summary need from one event (no text is built here)."""
         if isinstance(event, ChatRequest):
             self.model = self.model or event.model
-            newest = next((m.content for m in reversed(event.messages) if m.role == "user"), "")
-            return f"model {event.model}, {len(event.messages)} message(s), user: {_short(newest)!r}"
-        if isinstance(event, InferenceRequest):
+        elif isinstance(event, InferenceRequest):
             if topic == PREPARED.name:
                 self.input_text = next((m.content for m in reversed(event.messages) if m.role == "user"), "")
-            if topic.startswith("ts.inference."):
+            elif topic.startswith("ts.inference."):
                 self.reached_worker = True
                 self.model = event.model
-            return f"model {event.model}, {len(event.messages)} message(s)" + (
-                f", {event.dropped_messages} dropped" if event.dropped_messages else "")
-        if isinstance(event, SafetyVerdict):
+        elif isinstance(event, SafetyVerdict):
             if topic == VERDICTS.name and event.stage == "input":
                 self.live_input = event
             if topic == VERDICTS.name and event.stage == "output" and event.blocked and self.live_output is None:
@@ -137,33 +137,21 @@ class Audit:
             if event.blocked and event.stage == "output" and topic == TOKENS.name:
                 self.output_blocked = True
                 self.client_done = True
-            state = "BLOCKED" if event.blocked else "allowed"
-            where = f" up to seq {event.window_end_seq}" if event.stage == "output" else ""
-            cats = f" ({', '.join(event.categories)})" if event.categories else ""
-            return f"{event.stage}{where}: {state}{cats}, policy {event.policy_version or '-'}"
-        if isinstance(event, Completion):
+        elif isinstance(event, Completion):
             if topic == TOKENS.name:
                 self.completions.append(event)
                 self.client_done = True
-            return (f"seq {event.seq}, {event.finish_reason}, {event.usage.completion_tokens} tokens"
-                    + (f", {event.error}" if event.error else "") + (f", {event.worker_id}" if event.worker_id else ""))
-        if isinstance(event, Cancel):
+        elif isinstance(event, Cancel):
             if self.output_blocked:
                 self.cancelled_after_block = True
-            return event.reason
-        if isinstance(event, ToolCall):
+        elif isinstance(event, ToolCall):
             self.tool_calls[event.call_id] = event.name
-            return f"{event.call_id} {event.name}({_short(event.arguments)})"
-        if isinstance(event, ToolResult):
+        elif isinstance(event, ToolResult):
             self.tool_results.add(event.call_id)
-            return f"{event.call_id} {event.name}: {'ok' if event.ok else 'failed'} {_short(event.output or event.error or '')}"
-        if isinstance(event, DeadLetter):
+        elif isinstance(event, DeadLetter):
             self.dead_letters += 1
-            return f"{event.error_type} from {event.source_topic}[{event.source_partition}]@{event.source_offset}: {_short(event.reason)}"
-        if isinstance(event, Transcript) and topic == TRANSCRIPTS.name:
+        elif isinstance(event, Transcript) and topic == TRANSCRIPTS.name:
             self.transcript = event
-            return f"final record: {event.answer.finish_reason}, {len(event.answer.text)} chars"
-        return ""
 
     def finish(self) -> Audit:
         self._flush()
@@ -223,6 +211,37 @@ class Audit:
         if unanswered:
             found.append("tool calls without a result: " + ", ".join(unanswered))
         return found
+
+
+def describe(event: Event) -> str:
+    """The detail column of a timeline row."""
+    if isinstance(event, ChatRequest):
+        newest = next((m.content for m in reversed(event.messages) if m.role == "user"), "")
+        return f"model {event.model}, {len(event.messages)} message(s), user: {_short(newest)!r}"
+    if isinstance(event, InferenceRequest):
+        return f"model {event.model}, {len(event.messages)} message(s)" + (
+            f", {event.dropped_messages} dropped" if event.dropped_messages else "")
+    if isinstance(event, SafetyVerdict):
+        state = "BLOCKED" if event.blocked else "allowed"
+        where = f" up to seq {event.window_end_seq}" if event.stage == "output" else ""
+        cats = f" ({', '.join(event.categories)})" if event.categories else ""
+        return f"{event.stage}{where}: {state}{cats}, policy {event.policy_version or '-'}"
+    if isinstance(event, Completion):
+        return (f"seq {event.seq}, {event.finish_reason}, {event.usage.completion_tokens} tokens"
+                + (f", {event.error}" if event.error else "") + (f", {event.worker_id}" if event.worker_id else ""))
+    if isinstance(event, Cancel):
+        return event.reason
+    if isinstance(event, ToolCall):
+        return f"{event.call_id} {event.name}({_short(event.arguments)})"
+    if isinstance(event, ToolResult):
+        outcome = "ok" if event.ok else "failed"
+        return f"{event.call_id} {event.name}: {outcome} {_short(event.output or event.error or '')}"
+    if isinstance(event, DeadLetter):
+        return (f"{event.error_type} from {event.source_topic}[{event.source_partition}]@{event.source_offset}: "
+                f"{_short(event.reason)}")
+    if isinstance(event, Transcript):
+        return f"final record: {event.answer.finish_reason}, {len(event.answer.text)} chars"
+    return ""
 
 
 def _short(text: str, most: int = TEXT_SHOWN) -> str:

@@ -23,6 +23,7 @@ from schemas import (
     TokenChunk,
     ToolCall,
     ToolResult,
+    Transcript,
     TraceContext,
     UnsupportedVersion,
     Usage,
@@ -56,6 +57,8 @@ def sample_events() -> list:
         DeadLetter(**common, reason="bad", error_type="MalformedEvent", source_topic="t",
                    source_partition=1, source_offset=42, payload=b"\x00\xff", key=b"k",
                    headers=[("traceparent", b"00-x")]),
+        Transcript(**common, question=MESSAGES[1:], answer=Completion(**common, seq=2, finish_reason="stop",
+                                                                      text="Hello there.")),
     ]
 
 

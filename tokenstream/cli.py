@@ -203,6 +203,7 @@ ROLE_COMMANDS = {
     (bench_app, "worker"): "bench.worker:main",
     (bench_app, "gateway"): "bench.gateway:main",
     (bench_app, "safety"): "bench.safety:main",
+    (bench_app, "audit"): "bench.audit:main",
     (app, "plan"): "tokenstream.plan_cli:plan_command",
     (processor_app, "conversation"): "processors.cli:conversation",
     (processor_app, "safety"): "processors.cli:safety",
