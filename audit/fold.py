@@ -1,13 +1,17 @@
 """One request's events folded into an audit: timeline rows, the text the client saw, the gap check.
 
-The client's text follows the gateway's rule (gateway/app.py Framer): token chunks on the tokens
-topic in log order, a seq at or below one already taken dropped, until the Completion or a
-blocking output verdict in band. The gap check holds when:
+The client's text follows the gateway's rules: token chunks on the tokens topic in log order, a
+seq at or below one already taken dropped, until the Completion or a blocking output verdict in
+band; for a request screened in parallel (`schemas.Screening`) the answer is held until its input
+verdict arrives in band, and a blocking one replaces it with the refusal (an error or a blocked
+output before that verdict ends it with nothing). The gap check holds when:
 
     seq        the chunks' seqs are 0..n-1 with no hole, and the Completion's seq is n
-    completion exactly one Completion on the tokens topic (none yet: the request is open)
-    block      after a block nothing more reached the client: a blocked input never reached a
-               worker; a blocked output was followed by a Cancel to the workers
+    completion exactly one Completion on the tokens topic (none yet: the request is open); a
+               request refused while generating in parallel may have none (the gateway ends it)
+    block      after a block nothing more reached the client: a blocked input screened in series
+               never reached a worker; one screened in parallel, and a blocked output, were followed
+               by a Cancel to the workers
     tools      every ToolCall has a ToolResult with its call_id
 """
 
@@ -16,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from schemas import (
+    REFUSAL,
     Cancel,
     ChatRequest,
     Completion,
@@ -71,6 +76,9 @@ class Audit:
     input_text: str = ""  # the newest user message, as the safety processor judged it
     live_input: SafetyVerdict | None = None  # the live input verdict (ts.safety.verdicts)
     live_output: SafetyVerdict | None = None  # the first blocking live output verdict, if any
+    parallel: bool = False  # screened in parallel: the answer is held until the input verdict
+    screened: bool = False  # the in-band input verdict of a parallel request has arrived
+    refused: bool = False  # that verdict blocked: the client got the refusal
     timeline: bool = True  # False: only what the gap check and a summary need (range scans)
     _run: list = field(default_factory=list)  # token chunks not yet folded into a row
 
@@ -119,6 +127,8 @@ class Audit:
 
     def _note(self, topic: str, event: Event) -> None:
         """What the gap check and the summary need from one event (no text is built here)."""
+        if isinstance(event, ChatRequest | InferenceRequest) and event.screening == "parallel":
+            self.parallel = True
         if isinstance(event, ChatRequest):
             self.model = self.model or event.model
         elif isinstance(event, InferenceRequest):
@@ -134,15 +144,24 @@ class Audit:
                 self.live_output = event
             if event.blocked and event.stage == "input" and topic in (VERDICTS.name, TOKENS.name):
                 self.input_blocked = True
+            if event.stage == "input" and topic == TOKENS.name:  # in band: screened in parallel
+                self.parallel = self.screened = True
+                if event.blocked and not self.refused:
+                    self.refused = self.client_done = True
+                    self.withheld += len(self.client_text)
+                    self.client_text = [REFUSAL]
             if event.blocked and event.stage == "output" and topic == TOKENS.name:
                 self.output_blocked = True
+                self._ended_before_screening()
                 self.client_done = True
         elif isinstance(event, Completion):
             if topic == TOKENS.name:
                 self.completions.append(event)
+                if event.finish_reason == "error":
+                    self._ended_before_screening()
                 self.client_done = True
         elif isinstance(event, Cancel):
-            if self.output_blocked:
+            if self.output_blocked or (self.input_blocked and self.parallel):
                 self.cancelled_after_block = True
         elif isinstance(event, ToolCall):
             self.tool_calls[event.call_id] = event.name
@@ -152,6 +171,12 @@ class Audit:
             self.dead_letters += 1
         elif isinstance(event, Transcript) and topic == TRANSCRIPTS.name:
             self.transcript = event
+
+    def _ended_before_screening(self) -> None:
+        """An error or a blocked output ends a parallel answer still held: the client saw none of it."""
+        if self.parallel and not self.screened and not self.client_done:
+            self.withheld += len(self.client_text)
+            self.client_text = []
 
     def finish(self) -> Audit:
         self._flush()
@@ -181,7 +206,7 @@ class Audit:
 
     @property
     def finish_reason(self) -> str:
-        if self.output_blocked:
+        if self.output_blocked or self.refused:
             return "content_filter"
         if self.completions:
             return self.completions[0].finish_reason
@@ -197,14 +222,16 @@ class Audit:
                 found.append(f"token seq gap: missing {_ranges(holes)}")
         if len(self.completions) > 1:
             found.append(f"{len(self.completions)} completions")
-        elif not self.completions and not self.transcript and not open_ok:
+        elif not self.completions and not self.transcript and not open_ok and not self.refused:
             found.append("no completion")
         for done in self.completions[:1]:
             want = max(self.seqs) + 1 if self.seqs else done.seq
             if done.seq != want:
                 found.append(f"completion seq {done.seq}, expected {want}")
-        if self.input_blocked and self.reached_worker:
+        if self.input_blocked and self.reached_worker and not self.parallel:
             found.append("blocked input reached a worker")
+        if self.input_blocked and self.parallel and self.reached_worker and not self.cancelled_after_block:
+            found.append("blocked input (screened in parallel) not followed by a cancel")
         if self.output_blocked and not self.cancelled_after_block:
             found.append("blocked output not followed by a cancel")
         unanswered = sorted(set(self.tool_calls) - self.tool_results)

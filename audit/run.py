@@ -71,7 +71,7 @@ class Auditor:
     async def __aenter__(self) -> Auditor:
         self.consumer = AIOKafkaConsumer(bootstrap_servers=self.opts.bootstrap, group_id=None,
                                          enable_auto_commit=False, isolation_level="read_committed",
-                                         max_partition_fetch_bytes=4 * 1024 * 1024, fetch_max_wait_ms=100)
+                                         max_partition_fetch_bytes=1024 * 1024, fetch_max_wait_ms=100)
         await self.consumer.start()
         counts = await partition_counts(self.opts.bootstrap)
         self.specs = {s.name: s for s in audited(list(counts))}

@@ -19,7 +19,7 @@ from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
 FETCH_RECORDS = 5000
-BUFFERED_MOST = 1000  # records held per partition before its fetching is paused
+BUFFERED_MOST = 500  # records held per partition before its fetching is paused
 ABSORB_EVERY = 2000  # records merged between two non-blocking takes of what the fetcher has ready
 
 

@@ -22,8 +22,8 @@ from schemas.codec import (
 from schemas.control import Cancel, RouteUpdate
 from schemas.conversation import ConversationHistory
 from schemas.deadletter import DeadLetter
-from schemas.requests import ChatMessage, ChatRequest, InferenceRequest, SamplingParams
-from schemas.safety import OutputWindow, SafetyVerdict
+from schemas.requests import ChatMessage, ChatRequest, InferenceRequest, SamplingParams, Screening
+from schemas.safety import REFUSAL, OutputWindow, SafetyVerdict
 from schemas.tokens import Completion, FinishReason, Timings, TokenChunk, Usage
 from schemas.tools import ToolCall, ToolResult
 from schemas.tracing import TraceContext
@@ -59,9 +59,11 @@ __all__ = [
     "InferenceRequest",
     "MalformedEvent",
     "OutputWindow",
+    "REFUSAL",
     "RouteUpdate",
     "SafetyVerdict",
     "SamplingParams",
+    "Screening",
     "Timings",
     "TokenChunk",
     "ToolCall",

@@ -10,6 +10,13 @@ from schemas.base import Event
 
 Role = Literal["system", "user", "assistant", "tool"]
 
+#: When the input safety check runs relative to generation (chosen by the gateway's operator):
+#: "serial"    safety judges first; only a passed request goes on (ts.requests.screened -> router);
+#: "parallel"  the router forwards the prepared request at once while safety judges it; safety writes
+#:             its input verdict in band to the request's tokens partition, and the gateway holds the
+#:             answer back until that verdict (a block cancels generation; no token reaches the client).
+Screening = Literal["serial", "parallel"]
+
 
 class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: Role
@@ -53,6 +60,7 @@ class ChatRequest(Event, tag="chat_request"):
     user: str | None = None
     reply_partition: int = 0
     gateway_id: str = ""
+    screening: Screening = "serial"
 
 
 class InferenceRequest(Event, tag="inference_request"):
@@ -68,3 +76,4 @@ class InferenceRequest(Event, tag="inference_request"):
     reply_partition: int = 0
     dropped_messages: int = 0
     admitted_at: float = 0.0
+    screening: Screening = "serial"

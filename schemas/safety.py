@@ -10,11 +10,17 @@ from schemas.base import Event
 
 Stage = Literal["input", "output"]
 
+#: What a client is told when its input is blocked (the answer's only text, then content_filter).
+REFUSAL = "I can't help with that request."
+
 
 class SafetyVerdict(Event, tag="safety_verdict"):
     """scores maps OpenAI moderation categories (e.g. "violence", "self-harm") to [0, 1].
 
     For output verdicts, window_end_seq is the last token seq the window covered.
+    Written to ts.safety.verdicts always; also in band on the request's ts.tokens partition when it
+    ends the answer (a blocked output window), and for every input verdict of a request screened
+    in parallel (the gateway releases or refuses the held answer on it).
     """
 
     stage: Stage

@@ -35,8 +35,16 @@ class Usage(msgspec.Struct, kw_only=True):
 
 
 class Timings(msgspec.Struct, kw_only=True):
-    """Seconds spent waiting in the worker queue, in prefill, and decoding."""
+    """Seconds a request spent on its way to the worker, then in the worker's queue, in prefill, decoding.
 
+    pipeline_s   admission at the gateway -> received by the worker that finished it
+                 (every processor and broker hop before the engine)
+    queue_s      received by the worker -> admitted into its running batch
+    prefill_s    admitted -> first token; decode_s: first token -> end
+    The worker's own time to first token is queue_s + prefill_s.
+    """
+
+    pipeline_s: float = 0.0
     queue_s: float = 0.0
     prefill_s: float = 0.0
     decode_s: float = 0.0

@@ -23,8 +23,8 @@ from schemas import (
     TokenChunk,
     ToolCall,
     ToolResult,
-    Transcript,
     TraceContext,
+    Transcript,
     UnsupportedVersion,
     Usage,
     decode,
@@ -40,11 +40,14 @@ def sample_events() -> list:
     return [
         ChatRequest(**common, model="smollm2", messages=MESSAGES,
                     sampling=SamplingParams(max_tokens=5, temperature=0.0, stop=["\n"], seed=7),
-                    reply_partition=3, gateway_id="gw-0"),
-        InferenceRequest(**common, model="smollm2", messages=MESSAGES, reply_partition=3, dropped_messages=2),
+                    reply_partition=3, gateway_id="gw-0", screening="parallel"),
+        InferenceRequest(**common, model="smollm2", messages=MESSAGES, reply_partition=3, dropped_messages=2,
+                         screening="parallel"),
         TokenChunk(**common, seq=4, text=" wor", token_ids=[101, 102], worker_id="w-1"),
         Completion(**common, seq=5, finish_reason="length", usage=Usage(prompt_tokens=9, completion_tokens=5),
-                   timings=Timings(queue_s=0.1, prefill_s=0.2, decode_s=0.3)),
+                   timings=Timings(queue_s=0.1, prefill_s=0.2, decode_s=0.3, pipeline_s=0.05)),
+        Transcript(**common, question=MESSAGES[1:], answer=Completion(**common, seq=2, finish_reason="stop",
+                                                                     text="Hello there.")),
         ToolCall(**common, call_id="call-1", name="python", arguments='{"code": "1+1"}'),
         ToolResult(**common, call_id="call-1", name="python", ok=True, output="2", duration_s=0.05),
         SafetyVerdict(**common, stage="output", blocked=True, categories=["violence"],
@@ -57,8 +60,6 @@ def sample_events() -> list:
         DeadLetter(**common, reason="bad", error_type="MalformedEvent", source_topic="t",
                    source_partition=1, source_offset=42, payload=b"\x00\xff", key=b"k",
                    headers=[("traceparent", b"00-x")]),
-        Transcript(**common, question=MESSAGES[1:], answer=Completion(**common, seq=2, finish_reason="stop",
-                                                                      text="Hello there.")),
     ]
 
 
