@@ -29,7 +29,6 @@ from tokenstream.stack.scale import (
 from topics import inference_topic, worker_group
 from topics.admin import apply, partition_counts
 from topics.registry import all_topics, co_partitioned
-from tests.test_worker_kafka import tiny_dir  # noqa: F401 - the tiny random Llama fixture
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
@@ -156,8 +155,16 @@ async def test_ops_probe_says_whether_this_hosts_member_holds_partitions(bootstr
         await consumer.stop()
 
 
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    """The tiny random Llama (gpu_workers.random_model): real model code, fast on a CPU."""
+    from gpu_workers.random_model import build
+
+    return build(tmp_path_factory.mktemp("tiny-ops-model"))
+
+
 async def test_scaling_the_worker_group_up_and_down_keeps_every_stream_intact(stack, bootstrap, tmp_path, monkeypatch,
-                                                                            tiny_dir):
+                                                                            tiny_model):
     """ops scale worker=2, then worker=1 while both stream: the stopped worker hands its requests over
     and every answer ends gap-free and duplicate-free (the tiny random Llama keeps it fast)."""
     import socket
@@ -167,7 +174,7 @@ async def test_scaling_the_worker_group_up_and_down_keeps_every_stream_intact(st
 
     model = f"tiny-scale-{uuid.uuid4().hex[:6]}"
     await apply([inference_topic(model), TOKENS, CONTROL], bootstrap)
-    monkeypatch.setenv("TOKENSTREAM_WORKER_MODEL_PATH", str(tiny_dir))
+    monkeypatch.setenv("TOKENSTREAM_WORKER_MODEL_PATH", str(tiny_model))
     monkeypatch.setenv("TOKENSTREAM_WORKER_STEP_DELAY_S", "0.05")
     run_dir = tmp_path / "run"
     wanted = Wanted(run_dir / "scale.json", {"conversation": 0, "safety": 0, "router": 0, "gateway": 0, "worker": 2})
