@@ -115,7 +115,11 @@ def range_(since: str = typer.Option(..., help="ISO 8601 time or a duration back
             timeline(console, audit)
         summary.add(audit)
 
-    outcome = _run(lambda a: a.range(since_ms, until_ms, keep), export, tenant, horizon)
+    def scan(auditor):
+        auditor.timelines = timelines
+        return auditor.range(since_ms, until_ms, keep)
+
+    outcome = _run(scan, export, tenant, horizon)
     summary.print(console)
     _finish(outcome)
 

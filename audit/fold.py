@@ -1,13 +1,17 @@
 """One request's events folded into an audit: timeline rows, the text the client saw, the gap check.
 
-The client's text follows the gateway's rule (gateway/app.py Framer): token chunks on the tokens
-topic in log order, a seq at or below one already taken dropped, until the Completion or a
-blocking output verdict in band. The gap check holds when:
+The client's text follows the gateway's rules: token chunks on the tokens topic in log order, a
+seq at or below one already taken dropped, until the Completion or a blocking output verdict in
+band; for a request screened in parallel (`schemas.Screening`) the answer is held until its input
+verdict arrives in band, and a blocking one replaces it with the refusal (an error or a blocked
+output before that verdict ends it with nothing). The gap check holds when:
 
     seq        the chunks' seqs are 0..n-1 with no hole, and the Completion's seq is n
-    completion exactly one Completion on the tokens topic (none yet: the request is open)
-    block      after a block nothing more reached the client: a blocked input never reached a
-               worker; a blocked output was followed by a Cancel to the workers
+    completion exactly one Completion on the tokens topic (none yet: the request is open); a
+               request refused while generating in parallel may have none (the gateway ends it)
+    block      after a block nothing more reached the client: a blocked input screened in series
+               never reached a worker; one screened in parallel, and a blocked output, were followed
+               by a Cancel to the workers
     tools      every ToolCall has a ToolResult with its call_id
 """
 
@@ -16,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from schemas import (
+    REFUSAL,
     Cancel,
     ChatRequest,
     Completion,
@@ -71,6 +76,10 @@ class Audit:
     input_text: str = ""  # the newest user message, as the safety processor judged it
     live_input: SafetyVerdict | None = None  # the live input verdict (ts.safety.verdicts)
     live_output: SafetyVerdict | None = None  # the first blocking live output verdict, if any
+    parallel: bool = False  # screened in parallel: the answer is held until the input verdict
+    screened: bool = False  # the in-band input verdict of a parallel request has arrived
+    refused: bool = False  # that verdict blocked: the client got the refusal
+    timeline: bool = True  # False: only what the gap check and a summary need (range scans)
     _run: list = field(default_factory=list)  # token chunks not yet folded into a row
 
     # ------------------------------------------------------------------ folding
@@ -84,10 +93,11 @@ class Audit:
         if isinstance(event, TokenChunk) and topic == TOKENS.name:
             self._chunk(partition, offset, timestamp, event)
             return
-        self._flush()
-        detail = self._describe(topic, event)
-        self.rows.append(Row(timestamp, topic, f"{partition}@{offset}", type(event).__struct_config__.tag,
-                             detail))
+        self._note(topic, event)
+        if self.timeline:
+            self._flush()
+            self.rows.append(Row(timestamp, topic, f"{partition}@{offset}", type(event).__struct_config__.tag,
+                                 describe(event)))
 
     def _chunk(self, partition: int, offset: int, timestamp: int, chunk: TokenChunk) -> None:
         if chunk.seq in self.seqs:
@@ -100,7 +110,8 @@ class Audit:
         elif chunk.seq >= self.next_seq:
             self.client_text.append(chunk.text)
             self.next_seq = chunk.seq + 1
-        self._run.append((partition, offset, timestamp, chunk))
+        if self.timeline:
+            self._run.append((partition, offset, timestamp, chunk))
 
     def _flush(self) -> None:
         if not self._run:
@@ -114,56 +125,58 @@ class Audit:
                              "token_chunks", f"{span} {_short(text)!r}"))
         self._run.clear()
 
-    def _describe(self, topic: str, event: Event) -> str:
+    def _note(self, topic: str, event: Event) -> None:
+        """What the gap check and the summary need from one event (no text is built here)."""
+        if isinstance(event, ChatRequest | InferenceRequest) and event.screening == "parallel":
+            self.parallel = True
         if isinstance(event, ChatRequest):
             self.model = self.model or event.model
-            newest = next((m.content for m in reversed(event.messages) if m.role == "user"), "")
-            return f"model {event.model}, {len(event.messages)} message(s), user: {_short(newest)!r}"
-        if isinstance(event, InferenceRequest):
+        elif isinstance(event, InferenceRequest):
             if topic == PREPARED.name:
                 self.input_text = next((m.content for m in reversed(event.messages) if m.role == "user"), "")
-            if topic.startswith("ts.inference."):
+            elif topic.startswith("ts.inference."):
                 self.reached_worker = True
                 self.model = event.model
-            return f"model {event.model}, {len(event.messages)} message(s)" + (
-                f", {event.dropped_messages} dropped" if event.dropped_messages else "")
-        if isinstance(event, SafetyVerdict):
+        elif isinstance(event, SafetyVerdict):
             if topic == VERDICTS.name and event.stage == "input":
                 self.live_input = event
             if topic == VERDICTS.name and event.stage == "output" and event.blocked and self.live_output is None:
                 self.live_output = event
             if event.blocked and event.stage == "input" and topic in (VERDICTS.name, TOKENS.name):
                 self.input_blocked = True
+            if event.stage == "input" and topic == TOKENS.name:  # in band: screened in parallel
+                self.parallel = self.screened = True
+                if event.blocked and not self.refused:
+                    self.refused = self.client_done = True
+                    self.withheld += len(self.client_text)
+                    self.client_text = [REFUSAL]
             if event.blocked and event.stage == "output" and topic == TOKENS.name:
                 self.output_blocked = True
+                self._ended_before_screening()
                 self.client_done = True
-            state = "BLOCKED" if event.blocked else "allowed"
-            where = f" up to seq {event.window_end_seq}" if event.stage == "output" else ""
-            cats = f" ({', '.join(event.categories)})" if event.categories else ""
-            return f"{event.stage}{where}: {state}{cats}, policy {event.policy_version or '-'}"
-        if isinstance(event, Completion):
+        elif isinstance(event, Completion):
             if topic == TOKENS.name:
                 self.completions.append(event)
+                if event.finish_reason == "error":
+                    self._ended_before_screening()
                 self.client_done = True
-            return (f"seq {event.seq}, {event.finish_reason}, {event.usage.completion_tokens} tokens"
-                    + (f", {event.error}" if event.error else "") + (f", {event.worker_id}" if event.worker_id else ""))
-        if isinstance(event, Cancel):
-            if self.output_blocked:
+        elif isinstance(event, Cancel):
+            if self.output_blocked or (self.input_blocked and self.parallel):
                 self.cancelled_after_block = True
-            return event.reason
-        if isinstance(event, ToolCall):
+        elif isinstance(event, ToolCall):
             self.tool_calls[event.call_id] = event.name
-            return f"{event.call_id} {event.name}({_short(event.arguments)})"
-        if isinstance(event, ToolResult):
+        elif isinstance(event, ToolResult):
             self.tool_results.add(event.call_id)
-            return f"{event.call_id} {event.name}: {'ok' if event.ok else 'failed'} {_short(event.output or event.error or '')}"
-        if isinstance(event, DeadLetter):
+        elif isinstance(event, DeadLetter):
             self.dead_letters += 1
-            return f"{event.error_type} from {event.source_topic}[{event.source_partition}]@{event.source_offset}: {_short(event.reason)}"
-        if isinstance(event, Transcript) and topic == TRANSCRIPTS.name:
+        elif isinstance(event, Transcript) and topic == TRANSCRIPTS.name:
             self.transcript = event
-            return f"final record: {event.answer.finish_reason}, {len(event.answer.text)} chars"
-        return ""
+
+    def _ended_before_screening(self) -> None:
+        """An error or a blocked output ends a parallel answer still held: the client saw none of it."""
+        if self.parallel and not self.screened and not self.client_done:
+            self.withheld += len(self.client_text)
+            self.client_text = []
 
     def finish(self) -> Audit:
         self._flush()
@@ -193,7 +206,7 @@ class Audit:
 
     @property
     def finish_reason(self) -> str:
-        if self.output_blocked:
+        if self.output_blocked or self.refused:
             return "content_filter"
         if self.completions:
             return self.completions[0].finish_reason
@@ -209,20 +222,53 @@ class Audit:
                 found.append(f"token seq gap: missing {_ranges(holes)}")
         if len(self.completions) > 1:
             found.append(f"{len(self.completions)} completions")
-        elif not self.completions and not self.transcript and not open_ok:
+        elif not self.completions and not self.transcript and not open_ok and not self.refused:
             found.append("no completion")
         for done in self.completions[:1]:
             want = max(self.seqs) + 1 if self.seqs else done.seq
             if done.seq != want:
                 found.append(f"completion seq {done.seq}, expected {want}")
-        if self.input_blocked and self.reached_worker:
+        if self.input_blocked and self.reached_worker and not self.parallel:
             found.append("blocked input reached a worker")
+        if self.input_blocked and self.parallel and self.reached_worker and not self.cancelled_after_block:
+            found.append("blocked input (screened in parallel) not followed by a cancel")
         if self.output_blocked and not self.cancelled_after_block:
             found.append("blocked output not followed by a cancel")
         unanswered = sorted(set(self.tool_calls) - self.tool_results)
         if unanswered:
             found.append("tool calls without a result: " + ", ".join(unanswered))
         return found
+
+
+def describe(event: Event) -> str:
+    """The detail column of a timeline row."""
+    if isinstance(event, ChatRequest):
+        newest = next((m.content for m in reversed(event.messages) if m.role == "user"), "")
+        return f"model {event.model}, {len(event.messages)} message(s), user: {_short(newest)!r}"
+    if isinstance(event, InferenceRequest):
+        return f"model {event.model}, {len(event.messages)} message(s)" + (
+            f", {event.dropped_messages} dropped" if event.dropped_messages else "")
+    if isinstance(event, SafetyVerdict):
+        state = "BLOCKED" if event.blocked else "allowed"
+        where = f" up to seq {event.window_end_seq}" if event.stage == "output" else ""
+        cats = f" ({', '.join(event.categories)})" if event.categories else ""
+        return f"{event.stage}{where}: {state}{cats}, policy {event.policy_version or '-'}"
+    if isinstance(event, Completion):
+        return (f"seq {event.seq}, {event.finish_reason}, {event.usage.completion_tokens} tokens"
+                + (f", {event.error}" if event.error else "") + (f", {event.worker_id}" if event.worker_id else ""))
+    if isinstance(event, Cancel):
+        return event.reason
+    if isinstance(event, ToolCall):
+        return f"{event.call_id} {event.name}({_short(event.arguments)})"
+    if isinstance(event, ToolResult):
+        outcome = "ok" if event.ok else "failed"
+        return f"{event.call_id} {event.name}: {outcome} {_short(event.output or event.error or '')}"
+    if isinstance(event, DeadLetter):
+        return (f"{event.error_type} from {event.source_topic}[{event.source_partition}]@{event.source_offset}: "
+                f"{_short(event.reason)}")
+    if isinstance(event, Transcript):
+        return f"final record: {event.answer.finish_reason}, {len(event.answer.text)} chars"
+    return ""
 
 
 def _short(text: str, most: int = TEXT_SHOWN) -> str:

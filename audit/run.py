@@ -26,12 +26,14 @@ from audit.sources import (
     partition_of,
     request_partitions,
 )
-from schemas import DecodeError, Event, decode
+from schemas import DecodeError, Event
+from schemas.codec import decoder
 from topics.admin import partition_counts
 from topics.registry import FLOW, TopicSpec
 
 #: offsets_for_times starts this much before a request's admission (clock skew between hosts).
 CLOCK_MARGIN_MS = 5_000
+SWEEP_EVERY = 5_000  # records between two looks for requests that can have nothing more
 
 
 @dataclass
@@ -64,16 +66,18 @@ class Auditor:
 
     def __init__(self, opts: Options) -> None:
         self.opts = opts
+        self.timelines = True  # range scans without --timeline turn this off (only the check is kept)
 
     async def __aenter__(self) -> Auditor:
         self.consumer = AIOKafkaConsumer(bootstrap_servers=self.opts.bootstrap, group_id=None,
                                          enable_auto_commit=False, isolation_level="read_committed",
-                                         max_partition_fetch_bytes=4 * 1024 * 1024, fetch_max_wait_ms=100)
+                                         max_partition_fetch_bytes=1024 * 1024, fetch_max_wait_ms=100)
         await self.consumer.start()
         counts = await partition_counts(self.opts.bootstrap)
         self.specs = {s.name: s for s in audited(list(counts))}
         self.partitions = {n: counts[n] for n in self.specs}
         self.order = _order(list(self.specs.values()))
+        self.decoders = {n: decoder(*spec.events) for n, spec in self.specs.items()}
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -140,7 +144,7 @@ class Auditor:
 
     def _decode(self, record: ConsumerRecord) -> Event | None:
         try:
-            return decode(record.value or b"", *self.specs[record.topic].events)
+            return self.decoders[record.topic](record.value or b"")
         except DecodeError:
             return None
 
@@ -184,10 +188,12 @@ class Auditor:
                     await result
 
         since_sweep = 0
+        decoders, export, timeline = self.decoders, self.opts.export, keep_all or self.timelines
         async for record in merged(self.consumer, spans, self.order, progress):
             outcome.records += 1
-            event = self._decode(record)
-            if event is None:
+            try:
+                event = decoders[record.topic](record.value or b"")
+            except DecodeError:
                 undecodable += 1
                 continue
             rid = event.request_id
@@ -195,13 +201,13 @@ class Auditor:
                 continue
             audit = live.get(rid)
             if audit is None:
-                audit = live[rid] = Audit(rid)
+                audit = live[rid] = Audit(rid, timeline=timeline)
             audit.add(record.topic, record.partition, record.offset, record.timestamp, event)
-            if self.opts.export is not None and self._tenant_ok(event):
-                self.opts.export({"topic": record.topic, "partition": record.partition, "offset": record.offset,
-                                  "timestamp": record.timestamp, "event": msgspec.to_builtins(event)})
+            if export is not None and self._tenant_ok(event):
+                export({"topic": record.topic, "partition": record.partition, "offset": record.offset,
+                        "timestamp": record.timestamp, "event": msgspec.to_builtins(event)})
             since_sweep += 1
-            if not keep_all and since_sweep >= 1000:  # finish requests that can have nothing more
+            if not keep_all and since_sweep >= SWEEP_EVERY:  # finish requests that can have nothing more
                 since_sweep = 0
                 for done in [a for a in live.values() if record.timestamp - a.last_ms > horizon_ms]:
                     await close(live.pop(done.request_id))

@@ -2,9 +2,10 @@
 
 Each partition is in log order; across partitions records come out by timestamp (ties by the
 order the request meets the topics, then offset), so a request's events from every topic
-interleave as they happened. Memory holds at most one fetched batch per partition: aiokafka's
-fetcher keeps one result per partition until it is consumed, so a year-long range costs what
-a minute costs.
+interleave as they happened. What the fetcher has ready is taken without waiting every few
+thousand records, so fetches of every partition stay in flight while the merge runs; a
+partition holding BUFFERED_MOST records is paused until the merge has used them, so memory is
+bounded per partition and a year-long range costs what a minute costs.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
 FETCH_RECORDS = 5000
+BUFFERED_MOST = 500  # records held per partition before its fetching is paused
+ABSORB_EVERY = 2000  # records merged between two non-blocking takes of what the fetcher has ready
 
 
 @dataclass
@@ -76,23 +79,44 @@ async def merged(consumer: AIOKafkaConsumer, spans: list[Span], order: dict[str,
         heapq.heappush(heap, (r.timestamp, order.get(tp.topic, 99), tp.partition, r.offset, tp))
         return True
 
+    paused: set[TopicPartition] = set()
+    since_absorb = 0
+
+    def take(batch: dict) -> int:
+        got = 0
+        for tp, records in batch.items():
+            buf = buffers[tp]
+            for r in records:
+                if r.offset < stop[tp]:
+                    buf.append(r)
+                    got += 1
+                else:
+                    exhausted.add(tp)
+                    break
+        full = {tp for tp, buf in buffers.items() if len(buf) >= BUFFERED_MOST} - exhausted
+        if full - paused:
+            consumer.pause(*(full - paused))
+        drained = {tp for tp in paused if len(buffers[tp]) < BUFFERED_MOST // 2}
+        if drained:
+            consumer.resume(*drained)
+        paused.difference_update(drained)
+        paused.update(full)
+        progress(got)
+        return got
+
     while waiting or heap:
+        if since_absorb >= ABSORB_EVERY:  # keep every partition's next fetch in flight
+            since_absorb = 0
+            take(await consumer.getmany(timeout_ms=0, max_records=FETCH_RECORDS))
         if waiting:
             for tp in list(waiting):
                 if push(tp):
                     waiting.discard(tp)
         if waiting:
-            batch = await consumer.getmany(*waiting, timeout_ms=500, max_records=FETCH_RECORDS)
-            got = 0
-            for tp, records in batch.items():
-                for r in records:
-                    if r.offset < stop[tp]:
-                        buffers[tp].append(r)
-                        got += 1
-                    else:
-                        exhausted.add(tp)
-                        break
-            progress(got)
+            if paused & waiting:
+                consumer.resume(*(paused & waiting))
+                paused.difference_update(waiting)
+            got = take(await consumer.getmany(*waiting, timeout_ms=500, max_records=FETCH_RECORDS))
             for tp in list(waiting):
                 if not buffers[tp] and (tp in exhausted or await consumer.position(tp) >= stop[tp]):
                     waiting.discard(tp)  # nothing more before its stop offset
@@ -100,10 +124,15 @@ async def merged(consumer: AIOKafkaConsumer, spans: list[Span], order: dict[str,
             if idle_rounds > 120:  # a minute without a record from a partition that is not done
                 raise TimeoutError(f"no records from {sorted(map(str, waiting))} for a minute")
             continue
-        *_, tp = heapq.heappop(heap)
-        record = buffers[tp].popleft()
-        if record.offset + 1 >= stop[tp]:
-            exhausted.add(tp)
+        _, rank, partition, _, tp = heapq.heappop(heap)
+        buf, end = buffers[tp], stop[tp]
+        while True:  # this partition's records, as long as they come before every other head
+            record = buf.popleft()
+            since_absorb += 1
+            if record.offset + 1 >= end:
+                exhausted.add(tp)
+            yield record
+            if not buf or (heap and (buf[0].timestamp, rank, partition) > heap[0][:3]):
+                break
         if not push(tp) and tp not in exhausted:
             waiting.add(tp)
-        yield record

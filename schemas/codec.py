@@ -7,6 +7,7 @@ several times pydantic's speed, and the token topic carries one event per token.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, TypeVar, Union
 
 import msgspec
@@ -76,6 +77,22 @@ def decode(data: bytes, *types: type[E]) -> E:
     if event.v not in SUPPORTED_VERSIONS:
         raise UnsupportedVersion(f"schema version {event.v!r} is not supported", event.v)
     return event
+
+
+def decoder(*types: type[E]) -> Callable[[bytes], E]:
+    """`decode` bound to `types`, for loops over many records: the same checks and errors."""
+    dec = _decoder_for(tuple(types))
+
+    def run(data: bytes) -> E:
+        try:
+            event = dec.decode(data)
+        except (msgspec.ValidationError, msgspec.DecodeError, ValueError):
+            return decode(data, *types)  # raises the precise MalformedEvent / UnsupportedVersion
+        if event.v not in SUPPORTED_VERSIONS:
+            raise UnsupportedVersion(f"schema version {event.v!r} is not supported", event.v)
+        return event
+
+    return run
 
 
 def _peek_version(data: bytes) -> Any:

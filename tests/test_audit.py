@@ -20,6 +20,7 @@ import pytest
 from audit.run import Auditor, Options
 from producers import publish, start_producer
 from schemas import (
+    REFUSAL,
     Cancel,
     ChatMessage,
     ChatRequest,
@@ -65,14 +66,19 @@ def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 
 async def play(producer, *, conversation: str, tenant: str, kind: str = "ok", partition: int = 3,
                missing_seq: int | None = None) -> str:
-    """Write one request's events as the roles do; `kind`: ok | input_blocked | output_blocked | tool."""
+    """Write one request's events as the roles do; `kind`: ok | input_blocked | output_blocked | tool |
+    parallel_ok | parallel_blocked (screened in parallel: generation starts before the input verdict)."""
     rid = new_request_id(partition, time.time())
     ids = dict(request_id=rid, conversation_id=conversation, tenant=tenant)
     question = [ChatMessage(role="user", content=f"What colour is the sky? ({kind})")]
-    await publish(producer, CHAT_REQUESTS, ChatRequest(**ids, model=MODEL, messages=question,
+    screening = "parallel" if kind.startswith("parallel") else "serial"
+    await publish(producer, CHAT_REQUESTS, ChatRequest(**ids, model=MODEL, messages=question, screening=screening,
                                                        reply_partition=partition), key=conversation)
-    prepared = InferenceRequest(**ids, model=MODEL, messages=question, reply_partition=partition)
+    prepared = InferenceRequest(**ids, model=MODEL, messages=question, reply_partition=partition,
+                                screening=screening)
     await publish(producer, PREPARED, prepared)
+    if screening == "parallel":
+        return await play_parallel(producer, prepared, blocked=kind == "parallel_blocked")
     blocked = kind == "input_blocked"
     await publish(producer, VERDICTS, SafetyVerdict(**ids, stage="input", blocked=blocked,
                                                     categories=["violence"] if blocked else [],
@@ -108,6 +114,31 @@ async def play(producer, *, conversation: str, tenant: str, kind: str = "ok", pa
     return rid
 
 
+async def play_parallel(producer, prepared: InferenceRequest, *, blocked: bool) -> str:
+    """The router forwards at once; the input verdict lands in band after two chunks; a block cancels."""
+    ids = dict(request_id=prepared.request_id, conversation_id=prepared.conversation_id, tenant=prepared.tenant)
+    where = dict(partition=prepared.reply_partition)
+    await publish(producer, inference_topic(MODEL), prepared)
+    for seq in (0, 1):
+        await publish(producer, TOKENS, TokenChunk(**ids, seq=seq, text=WORDS[seq], worker_id="w1"), **where)
+    verdict = SafetyVerdict(**ids, stage="input", blocked=blocked, categories=["violence"] if blocked else [],
+                            policy_version="test-1")
+    await publish(producer, VERDICTS, verdict)
+    await publish(producer, TOKENS, verdict, **where)
+    seq = 2
+    if blocked:
+        await publish(producer, CONTROL, Cancel(**ids, reason="content_filter"))
+        await publish(producer, TOKENS, TokenChunk(**ids, seq=2, text=WORDS[2], worker_id="w1"), **where)
+        seq = 3
+    else:
+        for seq in range(2, len(WORDS)):
+            await publish(producer, TOKENS, TokenChunk(**ids, seq=seq, text=WORDS[seq], worker_id="w1"), **where)
+        seq = len(WORDS)
+    await publish(producer, TOKENS, Completion(**ids, seq=seq, finish_reason="cancelled" if blocked else "stop",
+                                               text="".join(WORDS[:seq]), worker_id="w1"), **where)
+    return prepared.request_id
+
+
 async def audit_of(bootstrap: str, rid: str):
     async with Auditor(Options(bootstrap, horizon_s=30)) as auditor:
         [audit] = (await auditor.request(rid)).audits
@@ -119,7 +150,7 @@ async def test_each_kind_of_request_replays_with_the_text_its_client_saw(topics_
     try:
         conv, tenant = f"conv-{uuid.uuid4().hex[:8]}", "t-" + uuid.uuid4().hex[:6]
         rids = {kind: await play(producer, conversation=conv, tenant=tenant, kind=kind)
-                for kind in ("ok", "input_blocked", "output_blocked", "tool")}
+                for kind in ("ok", "input_blocked", "output_blocked", "tool", "parallel_ok", "parallel_blocked")}
     finally:
         await producer.stop()
     ok = await audit_of(bootstrap, rids["ok"])
@@ -135,6 +166,11 @@ async def test_each_kind_of_request_replays_with_the_text_its_client_saw(topics_
     tool = await audit_of(bootstrap, rids["tool"])
     assert tool.tool_calls == {"call-1": "weather"} and tool.problems() == []
     assert tool.text == "".join(WORDS)
+    released = await audit_of(bootstrap, rids["parallel_ok"])
+    assert released.text == "".join(WORDS) and released.problems() == [] and released.parallel
+    held = await audit_of(bootstrap, rids["parallel_blocked"])
+    assert held.text == REFUSAL and held.finish_reason == "content_filter"
+    assert held.problems() == [] and held.withheld == 3  # two chunks held, one after the verdict
 
 
 async def test_the_conversation_audit_finds_every_request_and_exports_json_lines(topics_ready, bootstrap, tmp_path):
@@ -214,6 +250,7 @@ async def test_the_conversation_processor_writes_each_answers_final_record(topic
         await producer.stop()
     assert [m.content for m in record.question] == ["Name a colour."]
     assert record.answer.text == "Blue." and record.conversation_id == conv
-    out = cli("request", rid, "--horizon", "30")
+    # the answer was written once the processor had started, maybe minutes after admission
+    out = cli("request", rid, "--horizon", "900")
     assert out.returncode == 0, out.stdout + out.stderr
     assert TRANSCRIPTS.name in out.stdout and "final record: stop" in out.stdout

@@ -4,6 +4,7 @@ restarts a crashed processor, the partition ceiling, and growing co-partitioned 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -152,3 +153,94 @@ async def test_ops_probe_says_whether_this_hosts_member_holds_partitions(bootstr
         assert elsewhere.returncode == 1 and "no member" in elsewhere.stdout
     finally:
         await consumer.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    """The tiny random Llama (gpu_workers.random_model): real model code, fast on a CPU."""
+    from gpu_workers.random_model import build
+
+    return build(tmp_path_factory.mktemp("tiny-ops-model"))
+
+
+async def test_scaling_the_worker_group_up_and_down_keeps_every_stream_intact(stack, bootstrap, tmp_path, monkeypatch,
+                                                                            tiny_model):
+    """ops scale worker=2, then worker=1 while both stream: the stopped worker hands its requests over
+    and every answer ends gap-free and duplicate-free (the tiny random Llama keeps it fast)."""
+    import socket
+
+    from tests.test_worker_kafka import TokenReader, assert_gap_free, request
+    from topics import CONTROL, TOKENS
+
+    model = f"tiny-scale-{uuid.uuid4().hex[:6]}"
+    await apply([inference_topic(model), TOKENS, CONTROL], bootstrap)
+    monkeypatch.setenv("TOKENSTREAM_WORKER_MODEL_PATH", str(tiny_model))
+    monkeypatch.setenv("TOKENSTREAM_WORKER_STEP_DELAY_S", "0.05")
+    run_dir = tmp_path / "run"
+    wanted = Wanted(run_dir / "scale.json", {"conversation": 0, "safety": 0, "router": 0, "gateway": 0, "worker": 2})
+    wanted.save()
+    port = free_port_pair()
+    sup = Supervisor(run_dir, lambda: instances(folders(tmp_path), [model], 18500, port, Wanted.load(run_dir)),
+                     lambda _m: None)
+    producer = await start_producer(bootstrap)
+    try:
+        assert sorted(await asyncio.to_thread(sup.reconcile, True)) == ["started worker", "started worker-2"]
+        roles = {r.name: r for r in sup.make()}
+        second = f"{socket.gethostname()}-{roles['worker-2'].pid()}"
+        await group_settled(bootstrap, worker_group(model), members=2)
+        async with TokenReader(bootstrap) as reader:
+            reqs = [request(model, f"question {i}", 200) for i in range(8)]
+            for r in reqs:
+                await publish(producer, inference_topic(model), r)
+            rids = [r.request_id for r in reqs]
+            await reader.until(lambda rd: all(len(rd.chunks(x)) >= 5 for x in rids), timeout=120)
+            on_second = [x for x in rids if reader.chunks(x)[-1].worker_id == second]
+            assert on_second, "the second worker serves none of the requests"
+            wanted = Wanted.load(run_dir)
+            wanted.counts["worker"] = 1
+            wanted.save()
+            assert await asyncio.to_thread(sup.reconcile, True) == ["stopped worker-2"]
+            await reader.until(lambda rd: rd.all_complete(rids), timeout=180)
+        for x in rids:
+            assert_gap_free(reader, x)  # one chunk per seq, no duplicate, exactly one completion
+        for x in on_second:  # begun by the second worker, finished by the first
+            assert reader.completion(x).worker_id != second
+    finally:
+        await producer.stop()
+        for role in sup.make():
+            role.stop(lambda _m: None)
+        extra = run_dir / "worker-2.pid"
+        if extra.exists():
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.killpg(int(extra.read_text()), signal.SIGKILL)
+
+
+async def group_settled(bootstrap: str, group: str, members: int, timeout: float = 120) -> None:
+    """Wait until `group` is Stable with `members` members and every partition assigned (round robin
+    then gives each member a share)."""
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    from tokenstream.ops.lag import _group_states
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            state = (await _group_states(admin, [group])).get(group)
+            if state and state.state == "Stable" and state.members == members and len(state.owners) >= members:
+                return
+            assert time.monotonic() < deadline, f"group {group} not settled: {state}"
+            await asyncio.sleep(0.5)
+    finally:
+        await admin.close()
+
+
+def free_port_pair() -> int:
+    """A port p with p + 1 free too (the workers' metrics ports)."""
+    from tokenstream.stack.service import free_port, port_open
+
+    while True:
+        p = free_port()
+        if not port_open(p + 1):
+            return p

@@ -213,6 +213,7 @@ ROLE_COMMANDS = {
     (bench_app, "safety"): "bench.safety:main",
     (bench_app, "pipeline"): "bench.pipeline:main",
     (bench_app, "tools"): "bench.tools:main",
+    (bench_app, "audit"): "bench.audit:main",
     (app, "plan"): "tokenstream.plan_cli:plan_command",
     (bench_app, "cache"): "bench.cache:main",
     (bench_app, "grammar"): "bench.grammar:main",
