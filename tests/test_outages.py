@@ -12,6 +12,7 @@ test stack's real Kafka and Redis. Its per-request ledger lives in Redis:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 
@@ -47,47 +48,46 @@ def start_conversation(roles, **env):
     return roles.start("processor", "conversation", "--loglevel", "info", env=env, name="processor-conversation")
 
 
-async def test_a_short_redis_outage_is_ridden_out(stack, roles):
+@contextlib.asynccontextmanager
+async def serving(stack, roles, **env):
+    """A conversation processor that has prepared a first request: (process, producer, tap of PREPARED)."""
     await apply(all_topics(["smollm2"]), stack.kafka.address)
-    proc = start_conversation(roles)
+    proc = start_conversation(roles, **env)
     producer = await start_producer()
     try:
         async with Tap(PREPARED) as prepared:
             warm = await send(producer, chat_request())
             await prepared.wait_for(by_id(warm), timeout=180)
-            await asyncio.to_thread(stack.redis.stop, lambda _m: None)
-            during = await send(producer, chat_request())
-            await asyncio.sleep(3)  # the outage
-            await asyncio.to_thread(stack.redis.start, lambda _m: None)
-            back = time.monotonic()
-            after = await send(producer, chat_request())
-            await prepared.wait_for(by_id(during), timeout=15)
-            await prepared.wait_for(by_id(after), timeout=15)
-            assert time.monotonic() - back < 10, "requests after the outage were not served within 10 s"
-        assert proc.poll() is None, roles.log(proc)[-3000:]
-        assert "redis unreachable" in roles.log(proc) and "reachable again" in roles.log(proc)
+            yield proc, producer, prepared
     finally:
         await producer.stop()
+
+
+async def test_a_short_redis_outage_is_ridden_out(stack, roles):
+    async with serving(stack, roles) as (proc, producer, prepared):
+        await asyncio.to_thread(stack.redis.stop, lambda _m: None)
+        during = await send(producer, chat_request())
+        await asyncio.sleep(3)  # the outage
+        await asyncio.to_thread(stack.redis.start, lambda _m: None)
+        back = time.monotonic()
+        after = await send(producer, chat_request())
+        await prepared.wait_for(by_id(during), timeout=15)
+        await prepared.wait_for(by_id(after), timeout=15)
+        assert time.monotonic() - back < 10, "requests after the outage were not served within 10 s"
+    assert proc.poll() is None, roles.log(proc)[-3000:]
+    assert "redis unreachable" in roles.log(proc) and "reachable again" in roles.log(proc)
 
 
 async def test_a_long_redis_outage_ends_the_process_and_a_restart_loses_nothing(stack, roles):
-    await apply(all_topics(["smollm2"]), stack.kafka.address)
-    proc = start_conversation(roles, TOKENSTREAM_REDIS_OUTAGE_S="2")
-    producer = await start_producer()
-    try:
-        async with Tap(PREPARED) as prepared:
-            warm = await send(producer, chat_request())
-            await prepared.wait_for(by_id(warm), timeout=180)
-            await asyncio.to_thread(stack.redis.stop, lambda _m: None)
-            held = await send(producer, chat_request())
-            deadline = time.monotonic() + 60
-            while proc.poll() is None:  # it gives up after 2 s of retrying, and exits
-                assert time.monotonic() < deadline, roles.log(proc)[-3000:]
-                await asyncio.sleep(0.2)
-            assert proc.returncode == EXIT_AGENT_CRASHED, roles.log(proc)[-3000:]
-            assert "exiting with 70" in roles.log(proc)
-            await asyncio.to_thread(stack.redis.start, lambda _m: None)
-            start_conversation(roles)  # what a supervisor does
-            await prepared.wait_for(by_id(held), timeout=180)
-    finally:
-        await producer.stop()
+    async with serving(stack, roles, TOKENSTREAM_REDIS_OUTAGE_S="2") as (proc, producer, prepared):
+        await asyncio.to_thread(stack.redis.stop, lambda _m: None)
+        held = await send(producer, chat_request())
+        deadline = time.monotonic() + 60
+        while proc.poll() is None:  # it gives up after 2 s of retrying, and exits
+            assert time.monotonic() < deadline, roles.log(proc)[-3000:]
+            await asyncio.sleep(0.2)
+        assert proc.returncode == EXIT_AGENT_CRASHED, roles.log(proc)[-3000:]
+        assert "exiting with 70" in roles.log(proc)
+        await asyncio.to_thread(stack.redis.start, lambda _m: None)
+        start_conversation(roles)  # what a supervisor does
+        await prepared.wait_for(by_id(held), timeout=180)
