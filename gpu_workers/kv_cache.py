@@ -135,8 +135,9 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         kv = r.kv[layer]
         end = r.end
         kv[:, :, r.start:end] = new[:, :, r.a:r.b]
+        mask = r.mask if r.mask is None or r.mask.device == query.device else r.mask.to(query.device)
         o = F.scaled_dot_product_attention(query[:, :, r.a:r.b], kv[0, :, :end].unsqueeze(0),
-                                           kv[1, :, :end].unsqueeze(0), attn_mask=r.mask,
+                                           kv[1, :, :end].unsqueeze(0), attn_mask=mask,
                                            is_causal=r.mask is None and r.b - r.a > 1, scale=scaling, enable_gqa=True)
         outs.append(o[0].transpose(0, 1))
     out = torch.cat(outs).unsqueeze(0) if len(outs) > 1 else outs[0].unsqueeze(0)
