@@ -22,8 +22,7 @@ from audit.scan import Span, merged, spans_between
 from audit.sources import (
     admitted_ms,
     audited,
-    keyed_by_conversation,
-    partition_of,
+    conversation_partitions,
     request_partitions,
 )
 from schemas import DecodeError, Event
@@ -100,8 +99,8 @@ class Auditor:
         since = since_ms if since_ms is not None else admitted_ms(conversation_id)
         if since is None:
             raise ValueError("give --since for a conversation whose id is not a request id")
-        tps = [TopicPartition(n, partition_of(conversation_id, self.partitions[n]))
-               for n, spec in self.specs.items() if keyed_by_conversation(spec)]
+        tps = [TopicPartition(n, p) for n, spec in self.specs.items()
+               for p in conversation_partitions(spec, conversation_id, self.opts.tenant, self.partitions[n])]
         found: dict[str, int] = {}
         for record, event in await self._collect(await self._spans(tps, since - CLOCK_MARGIN_MS, until_ms)):
             if event.conversation_id == conversation_id and self._tenant_ok(event):

@@ -11,6 +11,7 @@ from __future__ import annotations
 from aiokafka.partitioner import murmur2
 
 from schemas.ids import parse_request_id
+from schemas.keys import conversation_key
 from topics.registry import AUDITOR, REGISTRY, TopicSpec, inference_topic
 
 INFERENCE_PREFIX = "ts.inference."
@@ -32,8 +33,16 @@ def keyed_by_request(spec: TopicSpec) -> bool:
     return spec.key == "request_id"
 
 
-def keyed_by_conversation(spec: TopicSpec) -> bool:
-    return spec.key == "conversation_id"
+def conversation_partitions(spec: TopicSpec, conversation_id: str, tenant: str | None, partitions: int) -> list[int]:
+    """Where a conversation's records can be on `spec`: none when it is not keyed by conversation;
+    every partition of a tenant-scoped key when the tenant is not known."""
+    if spec.key == "conversation_id":
+        return [partition_of(conversation_id, partitions)]
+    if spec.key == "tenant:conversation_id":
+        if tenant is None:
+            return list(range(partitions))
+        return [partition_of(conversation_key(tenant, conversation_id), partitions)]
+    return []
 
 
 def request_partitions(spec: TopicSpec, request_id: str, partitions: int) -> list[int]:

@@ -33,6 +33,7 @@ from schemas import (
     Usage,
 )
 from schemas.ids import new_request_id
+from schemas.keys import conversation_key
 from tests.kafka_support import Tap
 from topics import (
     CHAT_REQUESTS,
@@ -73,7 +74,8 @@ async def play(producer, *, conversation: str, tenant: str, kind: str = "ok", pa
     question = [ChatMessage(role="user", content=f"What colour is the sky? ({kind})")]
     screening = "parallel" if kind.startswith("parallel") else "serial"
     await publish(producer, CHAT_REQUESTS, ChatRequest(**ids, model=MODEL, messages=question, screening=screening,
-                                                       reply_partition=partition), key=conversation)
+                                                       reply_partition=partition),
+                  key=conversation_key(tenant, conversation))  # as the gateway keys it
     prepared = InferenceRequest(**ids, model=MODEL, messages=question, reply_partition=partition,
                                 screening=screening)
     await publish(producer, PREPARED, prepared)

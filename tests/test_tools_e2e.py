@@ -52,7 +52,7 @@ def system(stack, tmp_path_factory):
         wait_for_log(roles, worker, "worker ready", 300)
         # the whole set is asked for at once: admission must queue it rather than answer 429
         url, _ = start_gateway(roles, [MODEL], timeout=120, env={"TOKENSTREAM_GATEWAY_ADMISSION_BUDGET_S": "3600",
-                                                                 "TOKENSTREAM_GATEWAY_REQUEST_TIMEOUT_S": "1800"})
+                                                                 "TOKENSTREAM_GATEWAY_PROGRESS_TIMEOUT_S": "1800"})
         yield url, roles, worker
     finally:
         roles.stop_all()
