@@ -23,7 +23,7 @@ RESULTS = Path(__file__).parent / "results" / "grammar.json"
 
 
 def main(
-    rows: int = typer.Option(32, help="requests in the batch"),
+    rows: int = typer.Option(32, help="requests in the batch (0: compile times only)"),
     max_tokens: int = typer.Option(48, help="most new tokens per request"),
     repeats: int = typer.Option(2, help="runs of each column, alternating"),
     device: str = typer.Option("auto", help="auto | cpu | cuda"),
@@ -31,23 +31,51 @@ def main(
 ) -> None:
     """Token throughput with a grammar on every row against the same batch without, and compile times."""
     from rich.console import Console
-    from rich.table import Table
 
     from bench.tool_schemas import tools
     from gateway.tool_params import Tool, output_spec
-    from gpu_workers.engine import Engine, Sequence
     from gpu_workers.grammar import Grammars, grammar_text
+
+    console = Console()
+    pairs = tools(50)
+    figures: dict = {"rows": rows, "max_tokens": max_tokens, "repeats": repeats, "library": "llguidance"}
+    if rows:
+        grammars = _throughput(rows, max_tokens, repeats, device, pairs, figures, console)
+    else:
+        from tokenstream.models import load_tokenizer
+
+        tok = load_tokenizer("smollm2")
+        grammars = Grammars(tok, {tok.eos_token_id}, timeout_s=60)
+    compile_ms = []
+    for tool, _ in pairs:
+        text = grammar_text(output_spec([Tool(**tool)], "required", None, None))
+        grammars.cache.clear()
+        started = time.perf_counter()
+        grammars.compile_now(text)
+        compile_ms.append((time.perf_counter() - started) * 1000)
+    q = statistics.quantiles(compile_ms, n=100, method="inclusive")
+    figures.update(compile_p50_ms=round(q[49], 2), compile_p99_ms=round(q[98], 2), schemas=len(compile_ms))
+    console.print(f"compile over {len(compile_ms)} tool schemas: p50 {q[49]:.2f} ms, p99 {q[98]:.2f} ms")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(figures, indent=2) + "\n")
+
+
+def _throughput(rows, max_tokens, repeats, device, pairs, figures, console):
+    """The two columns: free and constrained tokens/s of one batch of `rows` requests."""
+    from rich.table import Table
+
+    from gateway.tool_params import Tool, output_spec
+    from gpu_workers.engine import Engine, Sequence
+    from gpu_workers.grammar import Grammars
     from gpu_workers.kv_cache import PagedKVCache
     from gpu_workers.model_loader import load
     from gpu_workers.service import prompt_ids
     from schemas import ChatMessage, InferenceRequest
 
-    console = Console()
     loaded = load("smollm2", device=device)
     engine = Engine(loaded.model, loaded.tokenizer, PagedKVCache.for_model(loaded.model, 4096, 16, 1.0),
                     max_running=rows, prefill_chunk=2048)
     grammars = Grammars(loaded.tokenizer, engine.eos_ids, timeout_s=60)
-    pairs = tools(50)
     work = []
     for i in range(rows):
         tool, prompt = pairs[i % len(pairs)]
@@ -77,28 +105,13 @@ def main(
             tokens[name] = n
             console.print(f"run {r + 1}/{repeats} {name}: {n} tokens in {wall:.2f} s")
 
-    compile_ms = []
-    for tool, _ in pairs:
-        text = grammar_text(output_spec([Tool(**tool)], "required", None, None))
-        grammars.cache.clear()
-        started = time.perf_counter()
-        grammars.compile_now(text)
-        compile_ms.append((time.perf_counter() - started) * 1000)
-    q = statistics.quantiles(compile_ms, n=100, method="inclusive")
     free, constrained = statistics.median(runs["free"]), statistics.median(runs["constrained"])
-    figures = {
-        "device": loaded.device, "rows": rows, "max_tokens": max_tokens, "repeats": repeats,
-        "free_tok_s": round(free, 1), "constrained_tok_s": round(constrained, 1),
-        "constrained_vs_free": round(constrained / free, 3), "tokens": tokens,
-        "compile_p50_ms": round(q[49], 2), "compile_p99_ms": round(q[98], 2), "schemas": len(compile_ms),
-        "library": "llguidance",
-    }
+    figures.update(device=loaded.device, free_tok_s=round(free, 1), constrained_tok_s=round(constrained, 1),
+                   constrained_vs_free=round(constrained / free, 3), tokens=tokens)
     table = Table(title=f"grammar-constrained decoding, {rows} rows, {loaded.device}")
     for col in ("column", "tokens/s", "vs free"):
         table.add_column(col)
     table.add_row("free (baseline)", f"{free:.1f}", "1.00")
     table.add_row("constrained (every row)", f"{constrained:.1f}", f"{constrained / free:.2f}")
     console.print(table)
-    console.print(f"compile over {len(compile_ms)} tool schemas: p50 {q[49]:.2f} ms, p99 {q[98]:.2f} ms")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(figures, indent=2) + "\n")
+    return grammars

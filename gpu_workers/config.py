@@ -37,3 +37,5 @@ class WorkerConfig(BaseSettings):
     step_delay_s: float = Field(0.0, ge=0, description="sleep after each step (throttling / failover tests)")
     grammar_timeout_s: float = Field(5.0, gt=0, description="longest wait for an output grammar to compile "
                                                             "(tools, response_format); longer ends the request")
+    max_parallel_calls: int = Field(2, ge=1, description="most tool calls in one answer when parallel calls "
+                                                         "are allowed (small models repeat a call)")

@@ -13,7 +13,8 @@ gpu_workers/tool_prompt.py):
 `required` and a named choice allow only calls; `auto` allows either text (that never contains
 "<tool_call>") or calls, so the model chooses with its first tokens and a call, once begun, is
 forced to completion; `parallel_tool_calls: false` and a named choice allow exactly one call, and
-otherwise at most MAX_PARALLEL_CALLS (a small model tends to repeat a call until max_tokens).
+otherwise at most `max_calls` (worker option max_parallel_calls, default 2: a small model tends
+to repeat one call until max_tokens, leaving the last one cut).
 `none` with tools allows only text that writes no call. Arguments follow the tool's JSON schema
 (a tool without parameters gets `{}`). `response_format` json_object / json_schema allow one JSON
 value of that schema.
@@ -46,7 +47,7 @@ EMPTY_OBJECT = {"type": "object", "properties": {}, "additionalProperties": Fals
 # values not walked by closed(): literals, and allOf (closing its parts would change the intersection)
 KEPT_AS_IS = {"enum", "const", "default", "examples", "description", "title", "pattern", "format", "allOf"}
 TEXT = f"TEXT: /(.|\\n)+/ & ~/(.|\\n)*{CALL_OPEN}(.|\\n)*/"  # any text that does not write a call
-MAX_PARALLEL_CALLS = 4  # calls in one answer when parallel calls are allowed (a small model may repeat)
+MAX_PARALLEL_CALLS = 2  # default calls in one answer when parallel calls are allowed (a small model repeats)
 
 
 class GrammarError(Exception):
@@ -75,7 +76,7 @@ def _json(schema: dict) -> str:
     return json.dumps(schema, separators=(",", ":"))
 
 
-def grammar_text(spec: OutputSpec) -> str | None:
+def grammar_text(spec: OutputSpec, max_calls: int = MAX_PARALLEL_CALLS) -> str | None:
     """The Lark grammar of what `spec` allows, or None when the answer is free text."""
     tools = spec.callable_tools
     if not tools:
@@ -96,7 +97,7 @@ def grammar_text(spec: OutputSpec) -> str | None:
         alternatives.append(f"f{i}")
     call = f'call: "{CALL_OPEN}" ({" | ".join(alternatives)}) "{CALL_CLOSE}"'
     parallel = spec.parallel_tool_calls and spec.tool_choice != "function"  # a named choice: one call
-    calls = f'calls: call ("\\n" call){{0,{MAX_PARALLEL_CALLS - 1}}}' if parallel else "calls: call"
+    calls = f'calls: call ("\\n" call){{0,{max_calls - 1}}}' if parallel and max_calls > 1 else "calls: call"
     if spec.tool_choice == "auto":
         text = f"start: TEXT | calls\n{TEXT}\n"
         if spec.response_format != "text":  # auto with a JSON answer: JSON or calls
@@ -124,7 +125,9 @@ class Grammars:
     """Compiles and caches grammars for one tokenizer; fills and applies the masks of a batch."""
 
     def __init__(self, tokenizer, eos_ids: set[int], *, timeout_s: float = 5.0, cache_size: int = 256,
-                 threads: int = 2, limits: llguidance.LLParserLimits | None = None) -> None:
+                 threads: int = 2, max_calls: int = MAX_PARALLEL_CALLS,
+                 limits: llguidance.LLParserLimits | None = None) -> None:
+        self.max_calls = max_calls
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, eos_token=sorted(eos_ids) or None)
         self.vocab = self.tokenizer.vocab_size
         self.eos_ids = sorted(e for e in eos_ids if e < self.vocab)
@@ -161,7 +164,7 @@ class Grammars:
 
         Compiles in the pool; waiting longer than the time limit raises GrammarError (the compile
         finishes in its thread and is cached, but this request has ended)."""
-        text = grammar_text(spec)
+        text = grammar_text(spec, self.max_calls)
         if text is None:
             return None
         future = asyncio.get_running_loop().run_in_executor(self.pool, self.compile_now, text)

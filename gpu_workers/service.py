@@ -94,7 +94,8 @@ class Worker:
     # ---- lifecycle ----
     async def run(self, stop: asyncio.Event) -> None:
         self.grammars = await asyncio.to_thread(Grammars, self.engine.tokenizer, self.engine.eos_ids,
-                                                timeout_s=self.cfg.grammar_timeout_s)
+                                                timeout_s=self.cfg.grammar_timeout_s,
+                                                max_calls=self.cfg.max_parallel_calls)
         self.producer = await start_producer(self.bootstrap)
         self.tokens = TokenLog(self.bootstrap)
         await self.tokens.start()

@@ -61,7 +61,12 @@ async def test_kill9_mid_call_second_worker_finishes_the_same_calls(bootstrap, u
             assert on_a, "worker A is in the middle of none of the calls"
             os.killpg(a.pid, signal.SIGKILL)
             await reader.until(lambda rd: rd.all_complete(rids), timeout=180)
-            await audit.wait_for(lambda e: e.request_id in rids, count=len(rids), timeout=30)
+            calls = {}
+            for x in rids:
+                parser = ToolCallParser(x)
+                parser.feed("".join(c.raw for c in reader.chunks(x)))
+                calls.update({c.id: c.function.arguments for c in parser.calls})
+            await audit.wait_for(lambda e: e.call_id in calls, count=len(calls), timeout=60)
         for x in rids:
             assert_gap_free(reader, x)
             chunks, done = reader.chunks(x), reader.completion(x)
@@ -83,6 +88,7 @@ async def test_kill9_mid_call_second_worker_finishes_the_same_calls(bootstrap, u
                     json.loads(call["arguments"])
             events = {e.call_id: e for e in audit.matching(lambda e, x=x: e.request_id == x)}
             assert [events[e["id"]].arguments for e in expected] == [e["arguments"] for e in expected]
+            assert [calls[e["id"]] for e in expected] == [e["arguments"] for e in expected]
         for x in on_a:  # A began the call, B finished it
             workers = [c.worker_id for c in reader.chunks(x)]
             assert workers[0] == "A" and reader.completion(x).worker_id == "B" and workers == sorted(workers)
