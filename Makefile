@@ -1,5 +1,5 @@
 # The two commands of the README. Both are idempotent and set everything up on first use.
-.PHONY: run test setup install-services stop status
+.PHONY: run test test-all setup install-services stop status
 
 TS := .venv/bin/tokenstream
 
@@ -14,8 +14,13 @@ run: install-services
 	@$(TS) system up
 	@$(TS) system status
 
-## make test: the whole suite against a real Kafka, Redis and Weaviate it starts on free ports
+## make test: the suite against a real Kafka, Redis and Weaviate it starts on free ports
+## (all but the `heavy` acceptance runs, to stay near 15 minutes on 2 cores)
 test: install-services
+	.venv/bin/python -m pytest -ra -m "not heavy" $(PYTEST_ARGS)
+
+## make test-all: everything, the heavy acceptance runs included (about 6 minutes more)
+test-all: install-services
 	.venv/bin/python -m pytest -ra $(PYTEST_ARGS)
 
 stop:

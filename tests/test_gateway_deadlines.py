@@ -21,7 +21,7 @@ import pytest
 
 from schemas import Cancel
 from tests.conftest import Roles
-from tests.gateway_support import FakePipeline, client, content_of, metric, openai_client, sse, start_gateway
+from tests.gateway_support import FakePipeline, client, content_of, headers, metric, openai_client, sse, start_gateway
 from tests.kafka_support import Tap
 from topics import CONTROL
 
@@ -86,7 +86,8 @@ async def test_a_slow_reader_is_dropped_and_resumes_while_others_go_on(gateway, 
     sock.connect((host, int(port)))
     sock.setblocking(False)
     reader, writer = await asyncio.open_connection(sock=sock, limit=4096)
-    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    auth = "".join(f"{k}: {v}\r\n" for k, v in headers().items()).encode()
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + auth +
                  b"Content-Length: " + str(len(payload)).encode() + b"\r\nConnection: close\r\n\r\n" + payload)
     await writer.drain()
     body = await reader.read(2048)  # headers and the first events, then the reader stalls
@@ -95,7 +96,11 @@ async def test_a_slow_reader_is_dropped_and_resumes_while_others_go_on(gateway, 
         assert time.monotonic() < deadline, "the slow reader never filled its buffer"
         await asyncio.sleep(0.1)
 
-    # another stream on the same (paused) partition is answered while the slow reader still stalls
+    # once the socket buffers are full the pause lasts: the slow reader is dropped, and another
+    # stream on the same partition is answered while the slow reader still stalls
+    while metric(gateway, "gateway_slow_readers_dropped_total") < 1:
+        assert time.monotonic() < deadline, "the slow reader was never dropped"
+        await asyncio.sleep(0.1)
     sdk = openai_client(gateway, timeout=30)
     stream = await sdk.chat.completions.create(model=fast.model, stream=True,
                                                messages=[{"role": "user", "content": "others go on"}])

@@ -93,6 +93,7 @@ def plain(done) -> tuple[list[dict], str | None, str | None]:
     return calls, done.choices[0].finish_reason, message.content
 
 
+@pytest.mark.heavy
 @pytest.mark.timeout(1800)
 async def test_fifty_tools_required_and_named_streamed_and_not(client):
     pairs = tools(N)
@@ -130,6 +131,7 @@ async def test_fifty_tools_required_and_named_streamed_and_not(client):
     assert not failures, f"{len(failures)} of {N} failed:\n" + "\n".join(failures)
 
 
+@pytest.mark.heavy
 @pytest.mark.timeout(1800)
 async def test_fifty_json_schema_answers_validate(client):
     pairs = tools(N)

@@ -9,6 +9,7 @@ wait is lag / rate (what a request written now would queue), "-" when nothing dr
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
 
@@ -19,6 +20,8 @@ from aiokafka.structs import TopicPartition
 
 from topics.admin import partition_counts
 from topics.registry import TopicSpec
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -50,8 +53,23 @@ class GroupState:
 
 
 async def _group_states(admin: AIOKafkaAdminClient, groups: list[str]) -> dict[str, GroupState]:
+    """Each group described on its own: a group whose description cannot be read (aiokafka fails to
+    decode some brokers' answers for some groups) shows as unknown instead of failing the table."""
     out = {}
-    for response in await admin.describe_consumer_groups(groups):
+    for group in groups:
+        try:
+            responses = await admin.describe_consumer_groups([group])
+        except Exception as exc:  # noqa: BLE001
+            log.warning("could not describe group %s: %s", group, exc)
+            out[group] = GroupState(group, "unknown", 0, {}, {})
+            continue
+        out.update(_states(responses))
+    return out
+
+
+def _states(responses) -> dict[str, GroupState]:
+    out = {}
+    for response in responses:
         for g in response.to_object()["groups"]:
             owners: dict[TopicPartition, str] = {}
             hosts: dict[str, int] = {}
