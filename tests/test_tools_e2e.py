@@ -235,7 +235,8 @@ async def test_client_tool_round_trip_without_and_with_conversation_id(client):
             call = first.choices[0].message.tool_calls[0]
             assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"]
             [event] = await audit.wait_for(lambda e, c=call: e.call_id == c.id)
-            assert (event.name, event.arguments, event.tenant) == ("get_weather", call.function.arguments, "default")
+            # the tenant is the API key's (the tests' default key belongs to tenant "test")
+            assert (event.name, event.arguments, event.tenant) == ("get_weather", call.function.arguments, "test")
             assert event.request_id == first.id.removeprefix("chatcmpl-") and event.conversation_id == (cid or event.request_id)
             result = {"role": "tool", "tool_call_id": call.id, "content": "It is 31 degrees and sunny in Paris."}
             # without conversation_id the client sends the whole history back; with it, only the new message
