@@ -292,22 +292,14 @@ def headers() -> dict[str, str]:
     return auth_headers()
 
 
-def client(base_url: str, **kwargs):
-    """An httpx.AsyncClient for a gateway: every test that calls the gateway over HTTP builds it here
-    (or with `openai_client`, or passes `headers()`), so what a request needs besides its body is set
-    in one place."""
-    import httpx
-
-    return httpx.AsyncClient(base_url=base_url, timeout=kwargs.pop("timeout", 30),
-                             headers={**headers(), **kwargs.pop("headers", {})}, **kwargs)
+def client(base_url: str, timeout: float = 30, **kwargs):
+    """An httpx.AsyncClient for a gateway (see `api_client`)."""
+    return api_client(base_url, kind="http", timeout=timeout, **kwargs)
 
 
-def openai_client(base_url: str, **kwargs):
-    """The official SDK's async client for a gateway (`base_url` without /v1); see `client`."""
-    import openai
-
-    return openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", default_headers=headers(),
-                              max_retries=kwargs.pop("max_retries", 0), timeout=kwargs.pop("timeout", 30), **kwargs)
+def openai_client(base_url: str, timeout: float = 30, **kwargs):
+    """The official SDK's async client for a gateway, `base_url` without /v1 (see `api_client`)."""
+    return api_client(base_url, kind="openai", timeout=timeout, **kwargs)
 
 
 def api_client(base_url: str, *, kind: str = "openai", timeout: float = 120.0, **kw):
