@@ -34,8 +34,17 @@ class ToolSettings(BaseSettings):
     open_files: int = Field(64, ge=16, description="open file descriptors (RLIMIT_NOFILE)")
     file_mb: int = Field(16, ge=1, description="largest file the code may write (RLIMIT_FSIZE)")
     output_kb: int = Field(64, ge=1, description="stdout and stderr kept, each; more stops the run")
+    folder_mb: int = Field(64, ge=1, description="size of a conversation's working folder (all its files); "
+                           "a call finding it full is refused, a run filling it is stopped and its writes undone")
+    folder_files: int = Field(10_000, ge=1, description="files and folders in a conversation's working folder")
+    seccomp: bool = Field(True, description="a seccomp filter (tools/seccomp.py) on the sandboxed code; the "
+                          "processor refuses to start when it cannot be built")
     files_listed: int = Field(50, ge=0, description="written files reported per call")
     file_preview_kb: int = Field(4, ge=0, description="text of each written file returned")
+
+    # File ingestion (ts.files.ingest)
+    ingest_attempts: int = Field(5, ge=1, description="tries of a file against an unreachable index "
+                                 "(1, 2, 4 ... s apart) before it is recorded as failed")
 
     # Web fetch
     web_allow_hosts: list[str] = Field(default_factory=list, description="hosts the web tool may fetch")
