@@ -44,7 +44,7 @@ class Uploads:
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.set(K.file_data(file_id), data)
             pipe.hset(K.file_record(file_id), mapping=record)
-            pipe.zadd(K.tenant_files(tenant), {file_id: now})
+            pipe.zadd(K.tenant_files(tenant), {file_id: time.time()})
             await pipe.execute()
         return record
 
@@ -88,7 +88,7 @@ class Uploads:
                   "created_at": str(now)}
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(K.vector_store(vs_id), mapping=record)
-            pipe.zadd(K.tenant_vector_stores(tenant), {vs_id: now})
+            pipe.zadd(K.tenant_vector_stores(tenant), {vs_id: time.time()})
             await pipe.execute()
         return record
 
@@ -130,7 +130,7 @@ class Uploads:
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.delete(K.store_file(vs_id, file["id"]))
             pipe.hset(K.store_file(vs_id, file["id"]), mapping=entry)
-            pipe.zadd(K.store_files(vs_id), {file["id"]: now})
+            pipe.zadd(K.store_files(vs_id), {file["id"]: time.time()})
             pipe.sadd(K.file_stores(file["id"]), vs_id)
             await pipe.execute()
         return entry

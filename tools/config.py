@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import stat
 from functools import lru_cache
 from pathlib import Path
 
@@ -57,7 +59,25 @@ class ToolSettings(BaseSettings):
 
     @property
     def sandbox_root(self) -> Path:
-        return self.sandbox_dir or settings().data_dir / "tools" / "sandbox"
+        """sandbox_dir, else <data_dir>/tools/sandbox; when that cannot be reached by the sandbox user (a
+        data dir under root's private home), /var/tmp/tokenstream-sandbox instead."""
+        if self.sandbox_dir is not None:
+            return self.sandbox_dir
+        default = settings().data_dir / "tools" / "sandbox"
+        if os.geteuid() == 0 and not _passable(default):
+            return Path("/var/tmp/tokenstream-sandbox")
+        return default
+
+
+def _passable(path: Path) -> bool:
+    """Every existing folder on the way to `path` can be passed through by other users (o+x)."""
+    for folder in [path, *path.parents]:
+        try:
+            if not os.stat(folder).st_mode & stat.S_IXOTH:
+                return False
+        except FileNotFoundError:
+            continue
+    return True
 
 
 @lru_cache
