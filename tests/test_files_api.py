@@ -4,19 +4,22 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
 import time
 
 import httpx
 import openai
 import pytest
 
-from tests.gateway_support import api_client, new_key, start_gateway
+from tests.gateway_support import Chromium, api_client, default_key, new_key, start_gateway
 from tests.test_file_search import FACTS, document, tiny_pdf
 from tests.tool_support import sandbox_root, serving, tools_env
 from topics.admin import apply
 from topics.registry import all_topics
 
 FILE_MAX = 64 * 1024
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 
 
 async def wait_store(client, vs_id: str, timeout_s: float = 180):
@@ -63,8 +66,37 @@ async def refused_uploads(url: str, client) -> None:
             {c[0][0] for c in cases}] == []  # nothing refused was kept
 
 
+def upload_through_the_chat_page(url: str, vs_id: str, tmp_path) -> None:
+    """The chat page in headless Chromium: choose the store, upload a file into it, see it indexed, search it."""
+    notes = tmp_path / "harbour.md"
+    notes.write_text("# Harbour notes\n\nThe harbour master's cat is named Pepper and sleeps on the crane.\n")
+    browser = Chromium(tmp_path / "profile", CHROMIUM)
+    try:
+        browser.connect()
+        browser.call("Page.enable")
+        browser.call("Page.navigate", url=f"{url}/#key={default_key()}")
+        browser.wait_for("document.body.dataset.state === 'idle' && document.getElementById('model').value")
+        browser.js("document.getElementById('files').open = true")
+        browser.wait_for(f"Array.from(document.getElementById('store').options).some(o => o.value === '{vs_id}')")
+        browser.js(f"const s = document.getElementById('store'); s.value = '{vs_id}';"
+                   "s.dispatchEvent(new Event('change'))")
+        root = browser.call("DOM.getDocument")["root"]["nodeId"]
+        node = browser.call("DOM.querySelector", nodeId=root, selector="#upload")["nodeId"]
+        browser.call("DOM.setFileInputFiles", nodeId=node, files=[str(notes)])
+        browser.js("document.getElementById('addFile').click()")
+        status = browser.wait_for("(t => /completed|failed/.test(t) && t)"
+                                  "(document.getElementById('fileStatus').textContent)", timeout=120)
+        assert status == "harbour.md: completed", status
+        browser.js("document.getElementById('query').value = 'What is the name of the cat?';"
+                   "document.getElementById('search').click()")
+        hits = browser.wait_for("document.getElementById('hits').textContent", timeout=60)
+        assert "Pepper" in hits and "harbour.md" in hits
+    finally:
+        browser.close()
+
+
 @pytest.mark.timeout(600)
-async def test_upload_index_and_search_with_the_sdk_per_tenant(roles, bootstrap, stack):
+async def test_upload_index_and_search_with_the_sdk_per_tenant(roles, bootstrap, stack, tmp_path):
     await apply(all_topics(["smollm2"]), bootstrap)
     url, _ = start_gateway(roles, ["smollm2"], env={"TOKENSTREAM_GATEWAY_FILE_MAX_BYTES": str(FILE_MAX)})
     client = api_client(url)
@@ -143,6 +175,10 @@ async def test_upload_index_and_search_with_the_sdk_per_tenant(roles, bootstrap,
             r = await other.post(f"/v1/vector_stores/{own}/files", json={"file_id": uploaded.id})
             assert r.status_code == 404  # nor can it put the file in a store of its own
         assert (await client.vector_stores.retrieve(store.id)).file_counts.total == 2
+
+        if os.path.exists(CHROMIUM):
+            await asyncio.to_thread(upload_through_the_chat_page, url, store.id, tmp_path)
+            assert (await client.vector_stores.retrieve(store.id)).file_counts.completed == 2
 
         # deleting the store takes every chunk of it out
         assert (await client.vector_stores.delete(store.id)).deleted
