@@ -6,6 +6,7 @@ import json
 
 from gateway import openai_api as api
 from gateway.pipeline import Gateway
+from gateway.uploads import file_counts
 from producers import publish
 from schemas import FileIngest
 from schemas.files import COMPLETED, IN_PROGRESS, ingest_key
@@ -23,12 +24,10 @@ def file_object(record: dict[str, str]) -> dict:
 
 
 def store_object(record: dict[str, str], entries: list[dict[str, str]]) -> dict:
-    from gateway.uploads import file_counts
-
     counts = file_counts(entries)
     last = max([int(record["created_at"])] + [int(float(e.get("updated_at") or 0)) for e in entries])
     return {"id": record["id"], "object": "vector_store", "created_at": int(record["created_at"]),
-            "name": record.get("name") or None, "description": None,
+            "name": record.get("name") or None, "description": record.get("description") or None,
             "usage_bytes": sum(int(e.get("bytes") or 0) for e in entries if e.get("status") == COMPLETED),
             "file_counts": counts, "status": IN_PROGRESS if counts[IN_PROGRESS] else COMPLETED,
             "expires_after": None, "expires_at": None, "last_active_at": last,

@@ -82,10 +82,11 @@ class Uploads:
 
     # ------------------------------------------------------------------ vector stores
 
-    async def create_store(self, tenant: str, name: str, metadata: dict[str, str]) -> dict[str, str]:
+    async def create_store(self, tenant: str, name: str, description: str,
+                           metadata: dict[str, str]) -> dict[str, str]:
         vs_id, now = new_vector_store_id(), int(time.time())
-        record = {"id": vs_id, "tenant": tenant, "name": name, "metadata": json.dumps(metadata),
-                  "created_at": str(now)}
+        record = {"id": vs_id, "tenant": tenant, "name": name, "description": description,
+                  "metadata": json.dumps(metadata), "created_at": str(now)}
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(K.vector_store(vs_id), mapping=record)
             pipe.zadd(K.tenant_vector_stores(tenant), {vs_id: time.time()})

@@ -193,8 +193,7 @@ FILE_INGEST = TopicSpec(
                     "store deleted (remove); after the store-file record is written in Redis"),),
     readers=(Reader("tool processor (ingestion)", INGEST_GROUP, "an event's offset is committed only after "
                     "its outcome is recorded in the store-file record (Redis); an add whose generation the "
-                    "record no longer holds, or that is already completed or failed, is passed over"),
-             AUDITOR),
+                    "record no longer holds, or that is already completed or failed, is passed over"),),
 )
 CONVERSATION_TURNS = TopicSpec(
     "ts.conversation.turns", 12, "tenant:conversation_id", (Completion,),

@@ -14,7 +14,7 @@ import json
 from typing import Any, Literal
 
 from fastapi import APIRouter, Depends
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from gateway import openai_api as api
 from gateway.auth import principal
@@ -44,6 +44,12 @@ def _metadata(v: dict[str, str] | None) -> dict[str, str] | None:
     return v
 
 
+def _unsupported(v: Any, info: ValidationInfo) -> Any:
+    if v is not None:
+        raise ValueError(f"{info.field_name} is not supported here")
+    return v
+
+
 class CreateStore(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str | None = Field(None, max_length=256)
@@ -51,16 +57,18 @@ class CreateStore(BaseModel):
     file_ids: list[str] = Field(default_factory=list, max_length=500)
     metadata: dict[str, str] | None = None
     chunking_strategy: Chunking | None = None
-    expires_after: None = Field(None, description="expiry is not supported: delete a store when done")
-    _meta = field_validator("metadata")(_metadata)
+    expires_after: Any = Field(None, description="expiry is not supported: delete a store when done")
+    check_metadata = field_validator("metadata")(_metadata)
+    check_unsupported = field_validator("expires_after")(_unsupported)
 
 
 class UpdateStore(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str | None = Field(None, max_length=256)
     metadata: dict[str, str] | None = None
-    expires_after: None = Field(None, description="expiry is not supported")
-    _meta = field_validator("metadata")(_metadata)
+    expires_after: Any = Field(None, description="expiry is not supported")
+    check_metadata = field_validator("metadata")(_metadata)
+    check_unsupported = field_validator("expires_after")(_unsupported)
 
 
 class AddFile(BaseModel):
@@ -82,8 +90,9 @@ class Search(BaseModel):
     query: str | list[str]
     max_num_results: int = Field(10, ge=1, le=MAX_RESULTS)
     rewrite_query: bool = False
-    filters: None = Field(None, description="attribute filters are not supported")
-    ranking_options: None = Field(None, description="ranking options are not supported (hybrid BM25 + vectors)")
+    filters: Any = Field(None, description="attribute filters are not supported")
+    ranking_options: Any = Field(None, description="ranking options are not supported (hybrid BM25 + vectors)")
+    check_unsupported = field_validator("filters", "ranking_options")(_unsupported)
 
     @field_validator("query")
     @classmethod
@@ -139,7 +148,8 @@ async def create_store(body: CreateStore, gw: Gateway = Depends(pipeline), key: 
         await owned_file(gw, key, file_id)  # every file exists and is the caller's, before anything is made
     if len(set(body.file_ids)) > gw.cfg.store_max_files:
         raise api.invalid_request(f"A vector store holds at most {gw.cfg.store_max_files} files.", param="file_ids")
-    record = await uploads_of(gw).create_store(key.tenant, body.name or "", body.metadata or {})
+    record = await uploads_of(gw).create_store(key.tenant, body.name or "", body.description or "",
+                                              body.metadata or {})
     for file_id in dict.fromkeys(body.file_ids):
         await _add(gw, key, record["id"], file_id)
     return await shown(gw, record)
