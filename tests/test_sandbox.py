@@ -39,7 +39,7 @@ def _cases(kafka_port: int, redis_port: int, victim_folder: Path, processor_pid:
         "ptrace": ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
                    f"rc = libc.ptrace(16, {processor_pid}, 0, 0)\n"
                    "if rc != 0: raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))",
-                   "No such process"),
+                   "Operation not permitted"),  # seccomp; without it the pid namespace: "No such process"
         "kill_processor": (f"import os; os.kill({processor_pid}, 9)", "ProcessLookupError"),
         "kill_parent": ("import os; os.kill(os.getppid(), 9); os.kill(-1, 9)", ""),
         # stopped by the seccomp filter (tools/seccomp.py); the namespaces alone allow these
