@@ -20,10 +20,9 @@ import logging
 import time
 
 import redis.asyncio as aioredis
-from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 from aiokafka.structs import TopicPartition
 
-from producers import dead_letter, decode_record, start_consumer, start_producer
+from producers import commit_past, dead_letter, decode_record, start_consumer, start_producer, stop_clients
 from schemas import DecodeError, FileIngest
 from schemas import keys as K
 from schemas.files import COMPLETED, FAILED, IN_PROGRESS
@@ -139,10 +138,7 @@ class Ingestor:
                 what = await self.handle(event)
                 log.info("%s %s in store %s: %s (%.2f s)", event.action, event.file_id, event.vector_store_id,
                          what, time.monotonic() - started)
-            try:
-                await self.consumer.commit({tp: record.offset + 1})
-            except (CommitFailedError, IllegalStateError, KafkaError) as exc:
-                log.warning("commit of %s@%d failed (%s); the new owner carries on", tp, record.offset, exc)
+            if not await commit_past(self.consumer, tp, record.offset, log):
                 return
 
     async def run(self, after: asyncio.Event | None = None) -> None:
@@ -163,11 +159,6 @@ class Ingestor:
             await self.close()
 
     async def close(self) -> None:
-        for client in (self.consumer, self.producer):
-            if client is not None:
-                try:
-                    await client.stop()
-                except Exception:  # noqa: BLE001
-                    pass
+        await stop_clients(self.consumer, self.producer)
         await asyncio.to_thread(self._forget_index)
         await self.redis.aclose()
