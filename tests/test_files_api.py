@@ -11,12 +11,17 @@ import time
 import httpx
 import openai
 import pytest
+import redis
 
 from tests.gateway_support import Chromium, api_client, default_key, new_key, start_gateway
 from tests.test_file_search import FACTS, document, tiny_pdf
 from tests.tool_support import sandbox_root, serving, tools_env
+from producers import publish, start_producer
+from schemas import FileIngest
+from schemas import keys as K
+from schemas.files import ingest_key
 from topics.admin import apply
-from topics.registry import all_topics
+from topics.registry import FILE_INGEST, all_topics
 
 FILE_MAX = 64 * 1024
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -66,6 +71,34 @@ async def refused_uploads(url: str, client) -> None:
             {c[0][0] for c in cases}] == []  # nothing refused was kept
 
 
+async def the_same_event_again_is_passed_over(roles, proc, bootstrap, vs_id: str, file_id: str) -> None:
+    """A redelivered add (same file, store and generation) is not indexed twice."""
+    record = redis.Redis.from_url(os.environ["TOKENSTREAM_REDIS_URL"])
+    try:
+        generation = record.hget(K.store_file(vs_id, file_id), "generation").decode()
+        before = record.hgetall(K.store_file(vs_id, file_id))
+    finally:
+        record.close()
+    producer = await start_producer(bootstrap)
+    try:
+        await publish(producer, FILE_INGEST, FileIngest(request_id=ingest_key(vs_id, file_id), tenant="test",
+                                                        vector_store_id=vs_id, file_id=file_id, action="add",
+                                                        filename="nordvik.md", generation=generation),
+                      key=ingest_key(vs_id, file_id))
+    finally:
+        await producer.stop()
+    deadline = time.monotonic() + 60
+    while f"add {file_id} in store {vs_id}: already completed" not in roles.log(proc):
+        assert time.monotonic() < deadline, roles.log(proc)[-3000:]
+        await asyncio.sleep(0.2)
+    assert roles.log(proc).count(f"add {file_id} in store {vs_id}: indexed") == 1
+    record = redis.Redis.from_url(os.environ["TOKENSTREAM_REDIS_URL"])
+    try:
+        assert record.hgetall(K.store_file(vs_id, file_id)) == before
+    finally:
+        record.close()
+
+
 def upload_through_the_chat_page(url: str, vs_id: str, tmp_path) -> None:
     """The chat page in headless Chromium: choose the store, upload a file into it, see it indexed, search it."""
     notes = tmp_path / "harbour.md"
@@ -113,11 +146,12 @@ async def test_upload_index_and_search_with_the_sdk_per_tenant(roles, bootstrap,
     assert store.id.startswith("vs_") and store.status == "in_progress"
     assert store.file_counts.in_progress == 1 and store.file_counts.total == 1
 
-    async with serving(roles, bootstrap, tools_env(sandbox_root())):
+    async with serving(roles, bootstrap, tools_env(sandbox_root())) as (proc, _):
         store = await wait_store(client, store.id)
         assert store.file_counts.completed == 1 and store.file_counts.failed == 0
         entry = await client.vector_stores.files.retrieve(uploaded.id, vector_store_id=store.id)
         assert entry.status == "completed" and entry.last_error is None and entry.usage_bytes == uploaded.bytes
+        await the_same_event_again_is_passed_over(roles, proc, bootstrap, store.id, uploaded.id)
 
         # 20 questions written for the document: each finds its fact in the top 3
         pages = await asyncio.gather(*(client.vector_stores.search(store.id, query=q, max_num_results=3)
