@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import signal
 import shutil
 import time
 
@@ -20,10 +22,14 @@ from producers import publish, start_producer
 from schemas import FileIngest
 from schemas import keys as K
 from schemas.files import ingest_key
+from tools.search.extract import chunks
 from topics.admin import apply
 from topics.registry import FILE_INGEST, all_topics
 
 FILE_MAX = 64 * 1024
+# a file long enough (17 chunks) that its indexing is still running when the test kills it
+TIDES = "# Tide table\n\n" + " ".join(f"On day {i} high water is at {i % 12 + 1}:{i * 7 % 60:02d} and the "
+                                        f"harbour gauge reads {i % 9 + 1} metres." for i in range(80)) + "\n"
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 
 
@@ -146,12 +152,34 @@ async def test_upload_index_and_search_with_the_sdk_per_tenant(roles, bootstrap,
     assert store.id.startswith("vs_") and store.status == "in_progress"
     assert store.file_counts.in_progress == 1 and store.file_counts.total == 1
 
-    async with serving(roles, bootstrap, tools_env(sandbox_root())) as (proc, _):
+    env = tools_env(sandbox_root())
+    async with contextlib.AsyncExitStack() as running:
+        first, _ = await running.enter_async_context(serving(roles, bootstrap, env, name="tools-a"))
         store = await wait_store(client, store.id)
         assert store.file_counts.completed == 1 and store.file_counts.failed == 0
         entry = await client.vector_stores.files.retrieve(uploaded.id, vector_store_id=store.id)
         assert entry.status == "completed" and entry.last_error is None and entry.usage_bytes == uploaded.bytes
-        await the_same_event_again_is_passed_over(roles, proc, bootstrap, store.id, uploaded.id)
+        await the_same_event_again_is_passed_over(roles, first, bootstrap, store.id, uploaded.id)
+
+        # kill -9 of the tool processor while it indexes a file: the next one indexes it whole
+        tides = await client.files.create(file=("tides.md", TIDES.encode(), "text/markdown"), purpose="assistants")
+        await client.vector_stores.files.create(vector_store_id=store.id, file_id=tides.id)
+        deadline = time.monotonic() + 60
+        while f"indexing {tides.id}" not in roles.log(first):
+            assert time.monotonic() < deadline, roles.log(first)[-3000:]
+            await asyncio.sleep(0.02)
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+        assert (await client.vector_stores.files.retrieve(tides.id, vector_store_id=store.id)).status == \
+            "in_progress", "the file was indexed before the kill: make TIDES longer"
+        second, _ = await running.enter_async_context(serving(roles, bootstrap, env, name="tools-b"))
+        done = await client.vector_stores.files.poll(tides.id, vector_store_id=store.id, poll_interval_ms=300,
+                                                     max_wait_seconds=180)
+        assert done.status == "completed"
+        assert roles.log(second).count(f"add {tides.id} in store {store.id}: indexed {len(chunks(TIDES))} chunks") == 1
+        hits = (await client.vector_stores.search(store.id, query="high water on day 47", max_num_results=3)).data
+        assert "day 47 " in hits[0].content[0].text
+        assert (await client.vector_stores.files.delete(tides.id, vector_store_id=store.id)).deleted
 
         # 20 questions written for the document: each finds its fact in the top 3
         pages = await asyncio.gather(*(client.vector_stores.search(store.id, query=q, max_num_results=3)

@@ -90,6 +90,8 @@ class Ingestor:
         from tools.search.extract import UnsupportedFile
         from tools.search.ingest import ingest
 
+        log.info("indexing %s (%s, %d bytes) into %s", event.file_id, event.filename, len(data),
+                 event.vector_store_id)
         try:
             done = await self._with_index(lambda index: ingest(index, event.tenant, event.vector_store_id,
                                                                event.file_id, event.filename, data))
