@@ -14,7 +14,7 @@ import json
 from typing import Any, Literal
 
 from fastapi import APIRouter, Depends
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from gateway import openai_api as api
 from gateway.auth import principal
@@ -31,6 +31,21 @@ router = APIRouter(prefix="/v1/vector_stores", dependencies=[Depends(principal)]
 
 MAX_QUERY_CHARS = 2000  # the file_search tool's limits
 MAX_RESULTS = 20
+
+
+class Body(BaseModel):
+    """A request body: fields not listed are refused (400 naming them), and so is text that is not
+    valid Unicode (a lone surrogate, which Redis could not store)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        where = api.lone_surrogate(data)
+        if where is not None:
+            raise ValueError(f"{where or 'the body'} holds a lone UTF-16 surrogate (not valid Unicode text)")
+        return data
 
 
 class Chunking(BaseModel):
@@ -50,8 +65,7 @@ def _unsupported(v: Any, info: ValidationInfo) -> Any:
     return v
 
 
-class CreateStore(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class CreateStore(Body):
     name: str | None = Field(None, max_length=256)
     description: str | None = Field(None, max_length=512)
     file_ids: list[str] = Field(default_factory=list, max_length=500)
@@ -62,8 +76,7 @@ class CreateStore(BaseModel):
     check_unsupported = field_validator("expires_after")(_unsupported)
 
 
-class UpdateStore(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class UpdateStore(Body):
     name: str | None = Field(None, max_length=256)
     metadata: dict[str, str] | None = None
     expires_after: Any = Field(None, description="expiry is not supported")
@@ -71,8 +84,7 @@ class UpdateStore(BaseModel):
     check_unsupported = field_validator("expires_after")(_unsupported)
 
 
-class AddFile(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class AddFile(Body):
     file_id: str = Field(min_length=1, max_length=64)
     chunking_strategy: Chunking | None = None
     attributes: dict[str, Any] | None = Field(None, description="file attributes are not supported")
@@ -85,8 +97,7 @@ class AddFile(BaseModel):
         return v
 
 
-class Search(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class Search(Body):
     query: str | list[str]
     max_num_results: int = Field(10, ge=1, le=MAX_RESULTS)
     rewrite_query: bool = False
