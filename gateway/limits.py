@@ -35,16 +35,23 @@ async def _refuse(send, status: int, message: str, code: str, param: str | None 
 
 
 class BodyLimits:
-    def __init__(self, app, max_body_bytes: int) -> None:
+    """`uploads`: paths whose POST body is a multipart upload, with their own limit (the file's
+    limit and room for the form around it); every other body must be JSON within `max_body_bytes`."""
+
+    def __init__(self, app, max_body_bytes: int, uploads: dict[str, int] | None = None) -> None:
         self.app = app
-        self.max = max_body_bytes
+        self.max_body = max_body_bytes
+        self.uploads = uploads or {}
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        too_large = (f"The request body exceeds the limit of {self.max} bytes; send a shorter conversation "
+        upload = scope["method"] == "POST" and scope["path"].rstrip("/") in self.uploads
+        most = self.uploads[scope["path"].rstrip("/")] if upload else self.max_body
+        too_large = (f"The upload exceeds the limit of {most} bytes." if upload else
+                     f"The request body exceeds the limit of {most} bytes; send a shorter conversation "
                      "(or continue a stored one with conversation_id).")
         declared = headers.get(b"content-length")
         if declared is not None:
@@ -53,7 +60,7 @@ class BodyLimits:
             except ValueError:
                 await _refuse(send, 400, "Content-Length is not a number.", "invalid_header", "Content-Length")
                 return
-            if length > self.max:
+            if length > most:
                 if headers.get(b"expect", b"").lower() != b"100-continue" and length <= DRAIN_BYTES:
                     await _drain(receive, DRAIN_BYTES)
                 await _refuse(send, 413, too_large, "request_too_large")
@@ -66,7 +73,7 @@ class BodyLimits:
                 return
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > self.max:
+            if size > most:
                 if message.get("more_body", False):
                     await _drain(receive, DRAIN_BYTES - size)
                 await _refuse(send, 413, too_large, "request_too_large")
@@ -75,7 +82,7 @@ class BodyLimits:
             if not message.get("more_body", False):
                 break
         content_type = headers.get(b"content-type")
-        if size and content_type is not None and not _is_json(content_type):
+        if size and content_type is not None and not upload and not _is_json(content_type):
             await _refuse(send, 400, f"Content-Type {content_type.decode('latin-1')!r} is not supported: "
                                      "send the body as application/json.", "unsupported_content_type",
                           "Content-Type")

@@ -12,6 +12,8 @@ import itertools
 import json
 import logging
 
+import redis.asyncio as aioredis
+
 from gateway.admission import Admission
 from gateway.cache import ExactCache
 from gateway.cancel import Canceller
@@ -19,7 +21,9 @@ from gateway.config import GatewaySettings
 from gateway.fanout import Fanout
 from gateway.metrics import Metrics
 from gateway.ratelimit import RateLimiter
+from gateway.searches import ToolSearches
 from gateway.semantic import SemanticCache
+from gateway.uploads import Uploads
 from producers import start_consumer, start_producer
 from schemas import Completion
 from schemas import keys as K
@@ -48,6 +52,11 @@ class Gateway:
         self.semantic_cache = SemanticCache(base.weaviate_host, base.weaviate_http_port, base.weaviate_grpc_port,
                                             cfg.semantic_cache_threshold, cfg.semantic_cache_ttl_s,
                                             cfg.exact_cache_max_chars, self.metrics)
+        # files and vector stores: their own Redis connection, with room for a file's bytes
+        self.files_redis = (aioredis.from_url(redis_url, socket_timeout=10, socket_connect_timeout=2)
+                            if redis_url else None)
+        self.uploads = Uploads(self.files_redis, cfg.tenant_files_max_bytes) if self.files_redis else None
+        self.searches = ToolSearches(bootstrap)
         self._background: set[asyncio.Task] = set()
         self.producer = None
         self.fanout: Fanout | None = None
@@ -105,6 +114,10 @@ class Gateway:
         await self.admission.close()
         await self.canceller.close()
         await self.semantic_cache.close()
+        await self.searches.close()
+        if self.files_redis is not None:
+            with contextlib.suppress(Exception):
+                await self.files_redis.aclose()
         if self.fanout is not None:
             with contextlib.suppress(Exception):
                 await self.fanout.consumer.stop()

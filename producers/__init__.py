@@ -6,9 +6,9 @@
     await dead_letter(producer, record, exc, group="gateway")  # poison event -> ts.deadletter
 """
 
-from producers.clients import start_consumer, start_producer
+from producers.clients import commit_past, start_consumer, start_producer, stop_clients
 from producers.consume import events
 from producers.deadletter import dead_letter
 from producers.publish import decode_record, publish
 
-__all__ = ["dead_letter", "events", "decode_record", "publish", "start_consumer", "start_producer"]
+__all__ = ["commit_past", "stop_clients", "dead_letter", "events", "decode_record", "publish", "start_consumer", "start_producer"]

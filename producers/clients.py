@@ -50,3 +50,26 @@ async def start_consumer(
     consumer = AIOKafkaConsumer(*(s.name for s in specs), **options)
     await consumer.start()
     return consumer
+
+
+async def stop_clients(*clients) -> None:
+    """Stop each client that was started, even when its broker is gone (shutdown must not hang on it)."""
+    for client in clients:
+        if client is not None:
+            try:
+                await client.stop()
+            except Exception:  # noqa: BLE001 - stopping clients of a broker that is gone
+                pass
+
+
+async def commit_past(consumer: AIOKafkaConsumer, tp, offset: int, log) -> bool:
+    """Commit past `offset` of `tp`; False when the partition moved to another member meanwhile (a
+    rebalance: the new owner finds the work done, or does it under its own claim, and commits)."""
+    from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
+
+    try:
+        await consumer.commit({tp: offset + 1})
+        return True
+    except (CommitFailedError, IllegalStateError, KafkaError) as exc:
+        log.warning("commit of %s@%d failed (%s); the new owner carries on", tp, offset, exc)
+        return False

@@ -6,6 +6,7 @@ Read this package and `topics/` to follow a request end to end:
                        |                  |
                  SafetyVerdict       ToolCall -> ToolResult
     Cancel (control), DeadLetter (anything undecodable), Transcript (the audit record)
+    FileIngest (an uploaded file into a vector store's index, or out of it)
 
 All events are msgspec Structs, encoded as JSON by `schemas.codec`.
 """
@@ -22,6 +23,7 @@ from schemas.codec import (
 from schemas.control import Cancel, RouteUpdate
 from schemas.conversation import ConversationHistory
 from schemas.deadletter import DeadLetter
+from schemas.files import FileIngest
 from schemas.requests import ChatMessage, ChatRequest, InferenceRequest, SamplingParams, Screening
 from schemas.safety import REFUSAL, OutputWindow, SafetyVerdict
 from schemas.structured import (
@@ -51,6 +53,7 @@ ALL_EVENTS: tuple[type[Event], ...] = (
     OutputWindow,
     DeadLetter,
     Transcript,
+    FileIngest,
 )
 
 __all__ = [
@@ -64,6 +67,7 @@ __all__ = [
     "DeadLetter",
     "DecodeError",
     "Event",
+    "FileIngest",
     "FinishReason",
     "InferenceRequest",
     "MalformedEvent",

@@ -32,3 +32,31 @@ def parse_request_id(request_id: str) -> tuple[int, int]:
 
 def event_id(request_id: str, position: int) -> str:
     return f"{request_id}:{position}"
+
+
+# Uploaded files and vector stores (the /v1/files and /v1/vector_stores APIs, the ingestion events
+# and the file_search tool's `vector_store_ids`): OpenAI's shapes, `file-` and `vs_` followed by 24
+# base-62 characters, random, so an id reveals nothing and cannot be guessed.
+ID_ALPHABET = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+FILE_ID = re.compile(r"^file-[0-9A-Za-z]{24}$")
+VECTOR_STORE_ID = re.compile(r"^vs_[0-9A-Za-z]{24}$")
+
+
+def _random_tail(n: int = 24) -> str:
+    return "".join(secrets.choice(ID_ALPHABET) for _ in range(n))
+
+
+def new_file_id() -> str:
+    return "file-" + _random_tail()
+
+
+def new_vector_store_id() -> str:
+    return "vs_" + _random_tail()
+
+
+def is_file_id(value: str) -> bool:
+    return bool(FILE_ID.match(value))
+
+
+def is_vector_store_id(value: str) -> bool:
+    return bool(VECTOR_STORE_ID.match(value))

@@ -14,6 +14,13 @@ lives), API key records, and the conversation key that scopes a history to its t
     ts:cache:exact:<sha256>                  a cached deterministic answer
     ts:tool:{claim,result,published}:<call_id>
                                              the tool processor's once-per-call record (below)
+    ts:file:<file_id> / ts:file:data:<file_id>   an uploaded file's record (hash) / its bytes
+    ts:files:<tenant> / ts:files:bytes:<tenant>  a tenant's file ids (sorted by time) / bytes stored
+    ts:file:stores:<file_id>                 the vector stores holding a file
+    ts:vs:<vs_id> / ts:vss:<tenant>          a vector store's record (hash) / a tenant's store ids
+    ts:vs:files:<vs_id>                      a store's file ids (sorted by time added)
+    ts:vs:file:<vs_id>:<file_id>             a file's state in a store (hash, fields of STORE_FILE_FIELDS)
+                                             files and stores live until deleted (no TTL)
 
 An API key is shown once, `sk-ts-<43 url-safe characters>`; Redis holds only its sha256
 (`key_id` below is the first 16 hex digits of it, safe to print and to log). Every record is
@@ -165,3 +172,57 @@ def tool_result(call_id: str) -> str:
 
 def tool_published(call_id: str) -> str:
     return f"ts:tool:published:{call_id}"
+
+
+# Uploaded files and vector stores (gateway/files_store.py writes them, the tool processor's
+# ingestion loop, tools/ingestion.py, records each store-file's outcome). No TTL: they live until
+# deleted through the API. The bytes are capped per file and per tenant (GatewaySettings).
+def file_record(file_id: str) -> str:
+    """Hash: tenant, filename, bytes, purpose, created_at."""
+    return f"ts:file:{file_id}"
+
+
+def file_data(file_id: str) -> str:
+    """The uploaded bytes."""
+    return f"ts:file:data:{file_id}"
+
+
+def tenant_files(tenant: str) -> str:
+    """Sorted set: the tenant's file ids, scored by creation time."""
+    return f"ts:files:{tenant}"
+
+
+def tenant_file_bytes(tenant: str) -> str:
+    """Counter: bytes of the tenant's stored files (the quota)."""
+    return f"ts:files:bytes:{tenant}"
+
+
+def file_stores(file_id: str) -> str:
+    """Set: the vector stores a file was added to (taken out of them when the file is deleted)."""
+    return f"ts:file:stores:{file_id}"
+
+
+def vector_store(vs_id: str) -> str:
+    """Hash: tenant, name, created_at, metadata (JSON)."""
+    return f"ts:vs:{vs_id}"
+
+
+def tenant_vector_stores(tenant: str) -> str:
+    """Sorted set: the tenant's vector store ids, scored by creation time."""
+    return f"ts:vss:{tenant}"
+
+
+def store_files(vs_id: str) -> str:
+    """Sorted set: a store's file ids, scored by the time each was added."""
+    return f"ts:vs:files:{vs_id}"
+
+
+def store_file(vs_id: str, file_id: str) -> str:
+    """Hash of STORE_FILE_FIELDS: a file's state in one store."""
+    return f"ts:vs:file:{vs_id}:{file_id}"
+
+
+#: status (schemas.files.STORE_FILE_STATES), generation (set per add; the ingestion event carries it),
+#: created_at, tenant, filename, bytes, chunks, error_code, error (empty when none), updated_at
+STORE_FILE_FIELDS = ("status", "generation", "created_at", "tenant", "filename", "bytes", "chunks",
+                     "error_code", "error", "updated_at")

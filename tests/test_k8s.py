@@ -20,7 +20,7 @@ import yaml
 from tests.k8s_crds import SCHEMAS
 from topics import inference_topic
 from topics.export import strimzi_topics, to_yaml
-from topics.registry import all_topics, worker_group
+from topics.registry import TOOL_CALLS, all_topics, processor_group, worker_group
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy" / "k8s"
@@ -109,6 +109,16 @@ def test_every_role_has_probes():
         if res["kind"] in ("Deployment", "StatefulSet"):
             [container] = res["spec"]["template"]["spec"]["containers"]
             assert "readinessProbe" in container and "livenessProbe" in container, res["metadata"]["name"]
+
+
+def test_the_tool_processor_runs_with_its_group_probe_and_a_sandbox_folder():
+    [tools] = [r for r in build(K8S / "base") if r["kind"] == "Deployment" and r["metadata"]["name"] == "tools"]
+    [container] = tools["spec"]["template"]["spec"]["containers"]
+    assert container["args"] == ["tools"]
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert container[probe]["exec"]["command"][-2:] == ["--group", processor_group("tools")]
+    assert {"name": "TOKENSTREAM_TOOLS_SANDBOX_DIR", "value": "/sandbox"} in container["env"]
+    assert tools["spec"]["replicas"] <= TOOL_CALLS.partitions
 
 
 def _metric_names() -> set[str]:

@@ -14,6 +14,10 @@ from tools.sandbox import folder_name
 REPO = Path(__file__).resolve().parents[1]
 
 
+LIBC = ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "def check(rc):\n    if rc != 0: raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))\n")
+
+
 def _cases(kafka_port: int, redis_port: int, victim_folder: Path, processor_pid: int) -> dict[str, tuple[str, str]]:
     """name -> (code, text the error or output must contain)."""
     return {
@@ -35,16 +39,25 @@ def _cases(kafka_port: int, redis_port: int, victim_folder: Path, processor_pid:
         "ptrace": ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
                    f"rc = libc.ptrace(16, {processor_pid}, 0, 0)\n"
                    "if rc != 0: raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))",
-                   "No such process"),
+                   "Operation not permitted"),  # seccomp; without it the pid namespace: "No such process"
         "kill_processor": (f"import os; os.kill({processor_pid}, 9)", "ProcessLookupError"),
         "kill_parent": ("import os; os.kill(os.getppid(), 9); os.kill(-1, 9)", ""),
+        # stopped by the seccomp filter (tools/seccomp.py); the namespaces alone allow these
+        "ptrace_traceme": (LIBC + "check(libc.ptrace(0, 0, 0, 0))", "Operation not permitted"),
+        "user_namespace": (LIBC + "check(libc.unshare(0x10000000))", "Operation not permitted"),
+        "io_uring": (LIBC + "p = ctypes.create_string_buffer(120)\ncheck(libc.syscall(425, 4, p))",
+                     "Operation not permitted"),
+        # stopped by the working folder's quota (2 MiB here): many files, each under the file limit
+        "folder_quota": ("for i in range(64): open(f'part{i}', 'wb').write(b'x' * (512 << 10))",
+                         "working folder quota exceeded"),
     }
 
 
 @pytest.mark.timeout(600)
 async def test_escapes_are_contained_and_the_processor_keeps_serving(roles, bootstrap, stack):
     root = sandbox_root()
-    async with serving(roles, bootstrap, tools_env(root, TOKENSTREAM_TOOLS_CONCURRENCY="2")) as (proc, bus):
+    async with serving(roles, bootstrap, tools_env(root, TOKENSTREAM_TOOLS_CONCURRENCY="2",
+                                                  TOKENSTREAM_TOOLS_FOLDER_MB="2")) as (proc, bus):
         victim = code_call("open('secret.txt', 'w').write('s3cret')")
         await bus.send(victim)
         assert (await bus.wait([victim.call_id]))[victim.call_id].ok
@@ -68,6 +81,8 @@ async def test_escapes_are_contained_and_the_processor_keeps_serving(roles, boot
         assert (victim_folder / "secret.txt").read_text() == "s3cret"
         big = root / folder_name("t-test", calls["file_size_bomb"].conversation_id) / "big"
         assert big.stat().st_size <= 1 << 20
+        quota_folder = root / folder_name("t-test", calls["folder_quota"].conversation_id)
+        assert list(quota_folder.iterdir()) == []  # the run's writes were undone
         huge = json.loads(results[calls["huge_output"].call_id].output)
         assert huge["truncated"] and len(huge["stdout"]) <= 16 * 1024
         assert proc.poll() is None

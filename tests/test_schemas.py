@@ -13,6 +13,7 @@ from schemas import (
     Completion,
     ConversationHistory,
     DeadLetter,
+    FileIngest,
     InferenceRequest,
     MalformedEvent,
     OutputWindow,
@@ -60,6 +61,8 @@ def sample_events() -> list:
         DeadLetter(**common, reason="bad", error_type="MalformedEvent", source_topic="t",
                    source_partition=1, source_offset=42, payload=b"\x00\xff", key=b"k",
                    headers=[("traceparent", b"00-x")]),
+        FileIngest(**common, vector_store_id="vs_1", file_id="file-1", action="add", filename="a.md",
+                   generation="g1"),
     ]
 
 

@@ -26,7 +26,7 @@ def test_every_topic_names_who_writes_and_who_reads_it():
 def test_the_groups_are_the_ones_the_roles_join():
     assert inference_topic("smollm2").groups == [worker_group("smollm2")] == ["worker.smollm2"]
     groups = {g for spec in REGISTRY for g in spec.groups}
-    assert {"ts-conversation", "ts-safety", "ts-router"} <= groups
+    assert {"ts-conversation", "ts-safety", "ts-router", "ts-tools", "ts-ingest"} <= groups
 
 
 def test_the_flow_lists_every_topic_once_in_request_order():
@@ -44,6 +44,8 @@ def test_contracts_keep_their_wire_formats():
     assert keys.gateway_request("r1") == "ts:gateway:req:r1"
     assert keys.gateway_attachment("r1") == "ts:gateway:attach:r1"
     assert keys.effect_done("safety", "input", "r1") == "ts:done:safety:input:r1"
+    assert keys.store_file("vs_1", "file-1") == "ts:vs:file:vs_1:file-1"
+    assert keys.file_data("file-1") == "ts:file:data:file-1"
 
 
 def test_roles_use_the_contracts_from_schemas():

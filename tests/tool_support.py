@@ -15,7 +15,7 @@ from pathlib import Path
 from producers import decode_record, publish, start_consumer, start_producer
 from schemas import ToolCall, ToolResult
 from topics.admin import apply
-from topics.registry import DEAD_LETTER, TOOL_CALLS, TOOL_RESULTS
+from topics.registry import DEAD_LETTER, FILE_INGEST, TOOL_CALLS, TOOL_RESULTS
 
 
 def sandbox_root() -> Path:
@@ -51,7 +51,7 @@ class ToolBus:
         self.results: list[ToolResult] = []
 
     async def __aenter__(self) -> "ToolBus":
-        await apply([TOOL_CALLS, TOOL_RESULTS, DEAD_LETTER], self.bootstrap)
+        await apply([TOOL_CALLS, TOOL_RESULTS, FILE_INGEST, DEAD_LETTER], self.bootstrap)
         self.producer = await start_producer(self.bootstrap)
         self.consumer = await start_consumer(TOOL_RESULTS, group=None, bootstrap=self.bootstrap)
         await self.consumer.getmany(timeout_ms=100)  # position at the end now

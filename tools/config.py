@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import stat
 from functools import lru_cache
 from pathlib import Path
 
@@ -34,8 +36,17 @@ class ToolSettings(BaseSettings):
     open_files: int = Field(64, ge=16, description="open file descriptors (RLIMIT_NOFILE)")
     file_mb: int = Field(16, ge=1, description="largest file the code may write (RLIMIT_FSIZE)")
     output_kb: int = Field(64, ge=1, description="stdout and stderr kept, each; more stops the run")
+    folder_mb: int = Field(64, ge=1, description="size of a conversation's working folder (all its files); "
+                           "a call finding it full is refused, a run filling it is stopped and its writes undone")
+    folder_files: int = Field(10_000, ge=1, description="files and folders in a conversation's working folder")
+    seccomp: bool = Field(True, description="a seccomp filter (tools/seccomp.py) on the sandboxed code; the "
+                          "processor refuses to start when it cannot be built")
     files_listed: int = Field(50, ge=0, description="written files reported per call")
     file_preview_kb: int = Field(4, ge=0, description="text of each written file returned")
+
+    # File ingestion (ts.files.ingest)
+    ingest_attempts: int = Field(5, ge=1, description="tries of a file against an unreachable index "
+                                 "(1, 2, 4 ... s apart) before it is recorded as failed")
 
     # Web fetch
     web_allow_hosts: list[str] = Field(default_factory=list, description="hosts the web tool may fetch")
@@ -48,7 +59,25 @@ class ToolSettings(BaseSettings):
 
     @property
     def sandbox_root(self) -> Path:
-        return self.sandbox_dir or settings().data_dir / "tools" / "sandbox"
+        """sandbox_dir, else <data_dir>/tools/sandbox; when that cannot be reached by the sandbox user (a
+        data dir under root's private home), /var/tmp/tokenstream-sandbox instead."""
+        if self.sandbox_dir is not None:
+            return self.sandbox_dir
+        default = settings().data_dir / "tools" / "sandbox"
+        if os.geteuid() == 0 and not _passable(default):
+            return Path("/var/tmp/tokenstream-sandbox")
+        return default
+
+
+def _passable(path: Path) -> bool:
+    """Every existing folder on the way to `path` can be passed through by other users (o+x)."""
+    for folder in [path, *path.parents]:
+        try:
+            if not os.stat(folder).st_mode & stat.S_IXOTH:
+                return False
+        except FileNotFoundError:
+            continue
+    return True
 
 
 @lru_cache

@@ -17,10 +17,9 @@ import logging
 import time
 import uuid
 
-from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
-from producers import dead_letter, decode_record, publish, start_consumer, start_producer
+from producers import commit_past, dead_letter, decode_record, publish, start_consumer, start_producer, stop_clients
 from schemas import DecodeError, ToolCall, ToolResult
 from tools.base import Outcome, Tool, ToolError, builtin_tools
 from tools.config import ToolSettings, tool_settings
@@ -101,12 +100,7 @@ class ToolProcessor:
                 key = record.key.decode() if record.key else call.request_id
                 what = await self.handle(call, key)
                 log.info("call %s (%s) of %s: %s", call.call_id, call.name, call.request_id, what)
-            try:
-                await self.consumer.commit({tp: record.offset + 1})
-            except (CommitFailedError, IllegalStateError, KafkaError) as exc:
-                # the partition moved to another process during a rebalance; it will find the
-                # result published (or run the call under the ledger's claim) and commit there
-                log.warning("commit of %s@%d failed (%s); the new owner carries on", tp, record.offset, exc)
+            if not await commit_past(self.consumer, tp, record.offset, log):
                 return
 
     async def run(self, ready: asyncio.Event | None = None) -> None:
@@ -132,10 +126,5 @@ class ToolProcessor:
             await self.close()
 
     async def close(self) -> None:
-        for client in (self.consumer, self.producer):
-            if client is not None:
-                try:
-                    await client.stop()
-                except Exception:  # noqa: BLE001 - stopping clients of a broker that is gone
-                    pass
+        await stop_clients(self.consumer, self.producer)
         await self.ledger.close()

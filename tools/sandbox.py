@@ -26,10 +26,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tools import seccomp
 from tools.config import ToolSettings
 
 RUNNER_SOURCE = Path(__file__).with_name("sandbox_runner.py").read_text()
 PYTHON = "/usr/bin/python3"
+WATCH_S = 0.1  # how often a running call's folder is measured against its quota
 
 
 @dataclass
@@ -66,10 +68,12 @@ class Sandbox:
                 os.chown(path, self.cfg.sandbox_uid, self.cfg.sandbox_gid)
         return path
 
-    def command(self, workdir: Path, report_fd: int) -> list[str]:
+    def command(self, workdir: Path, report_fd: int, seccomp_fd: int | None = None,
+                file_bytes: int | None = None) -> list[str]:
         cfg = self.cfg
         limits = {"cpu_s": cfg.cpu_s, "memory_mb": cfg.memory_mb, "processes": cfg.processes,
-                  "open_files": cfg.open_files, "file_mb": cfg.file_mb, "value_chars": cfg.output_kb * 1024}
+                  "open_files": cfg.open_files, "file_bytes": file_bytes or cfg.file_mb << 20,
+                  "value_chars": cfg.output_kb * 1024}
         drop = (["setpriv", f"--reuid={cfg.sandbox_uid}", f"--regid={cfg.sandbox_gid}", "--clear-groups", "--"]
                 if os.geteuid() == 0 else [])
         return [
@@ -82,24 +86,38 @@ class Sandbox:
             "--setenv", "HOME", "/work", "--setenv", "PATH", "/usr/bin", "--setenv", "LANG", "C.UTF-8",
             "--remount-ro", "/",  # bwrap's own root tmpfs: nothing outside /work and /tmp is writable
             "--setenv", "PYTHONDONTWRITEBYTECODE", "1", "--setenv", "OPENBLAS_NUM_THREADS", "1",
+            *(["--seccomp", str(seccomp_fd)] if seccomp_fd is not None else []),
             "--", PYTHON, "-I", "-c", RUNNER_SOURCE, json.dumps(limits), str(report_fd),
         ]
 
     async def run(self, tenant: str, conversation_id: str, code: str) -> Run:
         workdir = self.workdir(tenant, conversation_id)
+        quota = self.cfg.folder_mb << 20
+        used, entries = await asyncio.to_thread(folder_usage, workdir)
+        if used >= quota or entries >= self.cfg.folder_files:
+            return Run(error=f"the working folder is full ({used >> 10:,} KiB in {entries:,} entries; the quota is "
+                             f"{self.cfg.folder_mb} MiB and {self.cfg.folder_files:,} entries): delete files first")
         report_r, report_w = os.pipe()
+        seccomp_fd = seccomp.program_fd() if self.cfg.seccomp else None
         started = time.monotonic()
         since = time.time() - 0.05  # file times are a few ms coarse
         try:
+            # no single file may be larger than what is left of the folder's quota
+            command = self.command(workdir, report_w, seccomp_fd, min(self.cfg.file_mb << 20, quota - used))
             proc = await asyncio.create_subprocess_exec(
-                *self.command(workdir, report_w), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE, pass_fds=(report_w,), start_new_session=True)
+                *command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE, pass_fds=(report_w,) + ((seccomp_fd,) if seccomp_fd else ()),
+                start_new_session=True)
         except OSError as exc:
             os.close(report_r)
             raise RuntimeError(f"the sandbox cannot start (is bubblewrap installed?): {exc}") from exc
         finally:
             os.close(report_w)
+            if seccomp_fd is not None:
+                os.close(seccomp_fd)
         run = Run()
+        full = asyncio.Event()
+        watcher = asyncio.ensure_future(self._watch(workdir, proc.pid, full))
         cap = self.cfg.output_kb * 1024
         over = asyncio.Event()
 
@@ -141,6 +159,7 @@ class Sandbox:
             await waiter
         finally:
             over_wait.cancel()
+            watcher.cancel()
             if proc.returncode is None:
                 _kill(proc.pid)
                 await proc.wait()
@@ -157,8 +176,25 @@ class Sandbox:
             run.error = run.error or trailer.get("error")
         elif run.error is None:
             run.error = _death(proc.returncode, self.cfg)
+        used, entries = await asyncio.to_thread(folder_usage, workdir)
+        if full.is_set() or used > quota or entries > self.cfg.folder_files:
+            await asyncio.to_thread(undo_writes, workdir, since)
+            run.error = (f"working folder quota exceeded ({self.cfg.folder_mb} MiB, {self.cfg.folder_files:,} "
+                         "entries): the run was stopped and the files it wrote were removed")
         run.files = self.written(workdir, since)
         return run
+
+    async def _watch(self, workdir: Path, pid: int, full: asyncio.Event) -> None:
+        """Stop the run as soon as its folder passes the quota (each file is held below what was left
+        by RLIMIT_FSIZE; this catches many files, each under it)."""
+        quota = self.cfg.folder_mb << 20
+        while True:
+            await asyncio.sleep(WATCH_S)
+            used, entries = await asyncio.to_thread(folder_usage, workdir)
+            if used > quota or entries > self.cfg.folder_files:
+                full.set()
+                _kill(pid)
+                return
 
     def written(self, workdir: Path, since: float) -> list[dict]:
         """Regular files changed since `since`, never following a link the code may have planted."""
@@ -188,6 +224,39 @@ class Sandbox:
                 if len(found) >= self.cfg.files_listed:
                     return found
         return found
+
+
+def folder_usage(workdir: Path) -> tuple[int, int]:
+    """(bytes the folder's files take on disk, entries), never following a link."""
+    used = entries = 0
+    for top, dirs, names in os.walk(workdir, followlinks=False):
+        for name in dirs + names:
+            try:
+                st = os.lstat(os.path.join(top, name))
+            except OSError:
+                continue
+            entries += 1
+            used += st.st_blocks * 512  # allocated: a sparse file counts what it holds
+    return used, entries
+
+
+def undo_writes(workdir: Path, since: float) -> None:
+    """Remove what a run wrote (entries changed since `since`; folders left empty by that)."""
+    for top, dirs, names in os.walk(workdir, topdown=False, followlinks=False):
+        for name in names:
+            path = os.path.join(top, name)
+            try:
+                if os.lstat(path).st_mtime >= since:
+                    os.unlink(path)
+            except OSError:
+                pass
+        for name in dirs:
+            path = os.path.join(top, name)
+            try:
+                if os.lstat(path).st_mtime >= since:
+                    os.rmdir(path)  # only when empty
+            except OSError:
+                pass
 
 
 def _read_all(fd: int) -> bytes:

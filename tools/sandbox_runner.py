@@ -23,7 +23,7 @@ def main():
     limit(resource.RLIMIT_AS, limits["memory_mb"] << 20)
     limit(resource.RLIMIT_NPROC, limits["processes"])
     limit(resource.RLIMIT_NOFILE, limits["open_files"])
-    limit(resource.RLIMIT_FSIZE, limits["file_mb"] << 20)
+    limit(resource.RLIMIT_FSIZE, limits["file_bytes"])
     limit(resource.RLIMIT_CORE, 0)
     report = os.fdopen(int(sys.argv[2]), "w")
     os.set_inheritable(report.fileno(), False)

@@ -18,6 +18,7 @@ from schemas import (
     ConversationHistory,
     DeadLetter,
     Event,
+    FileIngest,
     InferenceRequest,
     OutputWindow,
     RouteUpdate,
@@ -170,7 +171,8 @@ VERDICTS = TopicSpec(
 TOOL_CALLS = TopicSpec(
     "ts.tool.calls", 6, "request_id", (ToolCall,), "tool invocations asked for by a model", _retained(7),
     writers=(Writer("gpu worker", "a generated call, once whole (id from the request id and the call's index), "
-                    "besides its deltas on ts.tokens"),),
+                    "besides its deltas on ts.tokens"),
+             Writer("gateway", "a file_search call per POST /v1/vector_stores/{id}/search (the tenant the key's)")),
     readers=(Reader("tool processor", processor_group("tools"), "a call's offset is committed only after its "
                     "ToolResult is acknowledged; each call runs to completion once (Redis claim and result "
                     "per call id)"),
@@ -179,7 +181,19 @@ TOOL_CALLS = TopicSpec(
 TOOL_RESULTS = TopicSpec(
     "ts.tool.results", 6, "request_id", (ToolResult,), "outcomes of tool invocations", _retained(7),
     writers=(Writer("tool processor", "one result per server-tool ToolCall, keyed like the call"),),
-    readers=(AUDITOR,),
+    readers=(Reader("gateway (vector store search)", None, "every partition from the end while it waits on "
+                    "its own search calls; nothing committed"), AUDITOR),
+)
+INGEST_GROUP = processor_group("ingest")
+FILE_INGEST = TopicSpec(
+    "ts.files.ingest", 6, "vector_store_id:file_id", (FileIngest,),
+    "uploaded files added to or taken out of a vector store; the tool processor indexes them in Weaviate",
+    _retained(7),
+    writers=(Writer("gateway", "a file added to a vector store (add), or taken out of it, deleted, or its "
+                    "store deleted (remove); after the store-file record is written in Redis"),),
+    readers=(Reader("tool processor (ingestion)", INGEST_GROUP, "an event's offset is committed only after "
+                    "its outcome is recorded in the store-file record (Redis); an add whose generation the "
+                    "record no longer holds, or that is already completed or failed, is passed over"),),
 )
 CONVERSATION_TURNS = TopicSpec(
     "ts.conversation.turns", 12, "tenant:conversation_id", (Completion,),
@@ -263,7 +277,7 @@ def inference_topic(model: str) -> TopicSpec:
 
 REGISTRY: tuple[TopicSpec, ...] = (
     CHAT_REQUESTS, PREPARED, SCREENED, TOKENS, CONTROL, VERDICTS, TOOL_CALLS, TOOL_RESULTS,
-    CONVERSATION_TURNS, CONVERSATIONS, SAFETY_WINDOWS, ROUTES, DEAD_LETTER, TRANSCRIPTS, RESCREENED,
+    FILE_INGEST, CONVERSATION_TURNS, CONVERSATIONS, SAFETY_WINDOWS, ROUTES, DEAD_LETTER, TRANSCRIPTS, RESCREENED,
 )
 
 
@@ -284,7 +298,7 @@ def all_topics(models: list[str]) -> list[TopicSpec]:
 #: The way of a request through the topics, in order (`topics describe --flow`).
 FLOW: tuple[str, ...] = (
     CHAT_REQUESTS.name, CONVERSATIONS.name, PREPARED.name, VERDICTS.name, SCREENED.name,
-    ROUTES.name, "ts.inference.<model>", TOOL_CALLS.name, TOOL_RESULTS.name, TOKENS.name,
+    ROUTES.name, "ts.inference.<model>", TOOL_CALLS.name, TOOL_RESULTS.name, FILE_INGEST.name, TOKENS.name,
     SAFETY_WINDOWS.name, CONTROL.name, CONVERSATION_TURNS.name, TRANSCRIPTS.name, RESCREENED.name,
     DEAD_LETTER.name,
 )

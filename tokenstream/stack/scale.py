@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tokenstream.stack.roles import Role
-from topics.registry import CHAT_REQUESTS, SCREENED, PREPARED, TOKENS, inference_topic
+from topics.registry import CHAT_REQUESTS, PREPARED, SCREENED, TOKENS, TOOL_CALLS, inference_topic
 
-SCALABLE = ("conversation", "safety", "router", "worker", "gateway")
+SCALABLE = ("conversation", "safety", "router", "tools", "worker", "gateway")
 BACKOFF_FIRST_S, BACKOFF_MAX_S, STABLE_S = 1.0, 60.0, 60.0
 
 
@@ -33,7 +33,7 @@ class ScaleError(ValueError):
 def input_topic(kind: str, model: str) -> str:
     """The topic whose partition count caps a role's members (its group's main input)."""
     return {"conversation": CHAT_REQUESTS.name, "safety": PREPARED.name, "router": SCREENED.name,
-            "gateway": TOKENS.name}.get(kind) or inference_topic(model).name
+            "tools": TOOL_CALLS.name, "gateway": TOKENS.name}.get(kind) or inference_topic(model).name
 
 
 def parse_targets(items: list[str], default_model: str) -> dict[str, int]:
@@ -88,7 +88,7 @@ class Wanted:
 
 def instances(folders: tuple[Path, Path, Path, Path], models: list[str], gateway_port: int,
               worker_metrics_port: int, wanted: Wanted) -> list[Role]:
-    """Every process `wanted` asks for, in start order (processors, workers, gateways)."""
+    """Every process `wanted` asks for, in start order (processors, the tool processor, workers, gateways)."""
     roles: list[Role] = []
 
     def named(base: str, i: int) -> str:
@@ -97,6 +97,8 @@ def instances(folders: tuple[Path, Path, Path, Path], models: list[str], gateway
     for kind, settle in (("conversation", 3.0), ("safety", 5.0), ("router", 3.0)):
         roles += [Role(named(kind, i), ["processor", kind], folders, settle_s=settle)
                   for i in range(wanted.count(kind))]
+    # the tool processor loads MiniLM and tries its sandbox before it serves (it exits if that fails)
+    roles += [Role(named("tools", i), ["tools"], folders, settle_s=10.0) for i in range(wanted.count("tools"))]
     port = worker_metrics_port
     for m, model in enumerate(models):
         key = "worker" if m == 0 else f"worker:{model}"

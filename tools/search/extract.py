@@ -6,7 +6,9 @@ import io
 import re
 from dataclasses import dataclass
 
-KINDS = {"txt": "text/plain", "md": "text/markdown", "pdf": "application/pdf", "html": "text/html"}
+from schemas.files import MEDIA_TYPES as KINDS
+from schemas.files import file_kind
+
 SENTENCE = re.compile(r"[^.!?\n]+(?:[.!?]+[\"')\]]*|$)")
 
 
@@ -21,11 +23,10 @@ class Document:
 
 
 def kind_of(filename: str) -> str:
-    ext = filename.rsplit(".", 1)[-1].lower() if "." in filename else ""
-    ext = {"htm": "html", "markdown": "md", "text": "txt"}.get(ext, ext)
-    if ext not in KINDS:
+    kind = file_kind(filename)
+    if kind is None:
         raise UnsupportedFile(f"{filename!r}: only {', '.join(sorted(KINDS))} files are searched")
-    return ext
+    return kind
 
 
 def extract(filename: str, data: bytes) -> Document:

@@ -6,6 +6,7 @@ property inside a tenant (`vector_store_id`), filtered on each search.
 
     index = ChunkIndex.connect()
     index.add(tenant, store_id, file_id, filename, chunks)        # replaces that file's chunks
+    index.remove(tenant, store_id, file_id)                      # takes them out
     index.search(tenant, [store_id], "question", k=5)            # hybrid: BM25 + MiniLM vectors
 """
 
@@ -102,6 +103,15 @@ class ChunkIndex:
             first = next(iter(result.errors.values()))
             raise RuntimeError(f"Weaviate refused {len(result.errors)} of {len(objects)} chunks: {first.message}")
         return len(objects)
+
+    def remove(self, tenant: str, store_id: str, file_id: str) -> int:
+        """Take a file's chunks out of a store; returns how many went (0 when it had none)."""
+        shard = self._tenant(tenant, create=False)
+        if shard is None:
+            return 0
+        result = shard.data.delete_many(where=Filter.by_property("file_id").equal(file_id)
+                                        & Filter.by_property("vector_store_id").equal(store_id))
+        return int(result.successful)
 
     def search(self, tenant: str, store_ids: list[str], query: str, k: int = 5, alpha: float = 0.5) -> list[Hit]:
         shard = self._tenant(tenant, create=False)

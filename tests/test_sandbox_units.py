@@ -1,0 +1,66 @@
+"""The sandbox's seccomp program and folder quota, the file and store ids, and list pages, in pieces
+(no broker; the escape suite in test_sandbox.py drives them through a real tool processor)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from gateway.file_objects import page
+from schemas.files import file_kind
+from schemas.ids import FILE_ID, VECTOR_STORE_ID, new_file_id, new_vector_store_id
+from tools import seccomp
+from tools.config import ToolSettings
+from tools.sandbox import Sandbox, folder_usage, undo_writes
+
+
+def test_the_seccomp_program_compiles_to_bpf():
+    program = seccomp.program()
+    assert program and len(program) % 8 == 0  # struct sock_filter is 8 bytes
+    fd = seccomp.program_fd()
+    try:
+        assert os.read(fd, len(program) + 1) == program
+    finally:
+        os.close(fd)
+
+
+def test_undo_removes_only_what_the_run_wrote(tmp_path):
+    old = tmp_path / "kept.txt"
+    old.write_bytes(b"k" * 10_000)
+    os.utime(old, (time.time() - 60, time.time() - 60))
+    since = time.time() - 0.05
+    (tmp_path / "new").mkdir()
+    (tmp_path / "new" / "a.bin").write_bytes(b"a" * 5000)
+    (tmp_path / "b.bin").write_bytes(b"b")
+    os.symlink("/etc/passwd", tmp_path / "link")
+    used, entries = folder_usage(tmp_path)
+    assert used >= 15_000 and entries == 5
+    undo_writes(tmp_path, since)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept.txt"] and os.path.exists("/etc/passwd")
+
+
+async def test_a_full_folder_refuses_the_call_before_starting_a_sandbox(tmp_path):
+    sandbox = Sandbox(ToolSettings(sandbox_dir=tmp_path, folder_mb=1))
+    folder = sandbox.workdir("t", "conv")
+    (folder / "blob").write_bytes(os.urandom(1 << 20))
+    run = await sandbox.run("t", "conv", "print('never')")
+    assert run.error.startswith("the working folder is full") and run.stdout == ""
+
+
+def test_ids_and_kinds():
+    assert FILE_ID.match(new_file_id()) and VECTOR_STORE_ID.match(new_vector_store_id())
+    assert new_file_id() != new_file_id()
+    assert [file_kind(n) for n in ("a.MD", "b.htm", "c.text", "d.pdf", "e.zip", "noext")] == \
+        ["md", "html", "txt", "pdf", None, None]
+
+
+def test_list_pages_follow_openai_cursors():
+    items = [{"id": f"x{i}"} for i in range(5)]  # oldest first
+    first = page(items, limit=2, order="desc", after=None, before=None)
+    assert [i["id"] for i in first["data"]] == ["x4", "x3"] and first["has_more"] and first["last_id"] == "x3"
+    second = page(items, limit=2, order="desc", after="x3", before=None)
+    assert [i["id"] for i in second["data"]] == ["x2", "x1"]
+    last = page(items, limit=2, order="asc", after="x2", before=None)
+    assert [i["id"] for i in last["data"]] == ["x3", "x4"] and not last["has_more"]
+    assert page(items, limit=10, order="asc", after=None, before="x2")["data"] == items[:2]
+    assert page(items, limit=10, order="asc", after="gone", before=None)["data"] == []

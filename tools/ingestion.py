@@ -1,0 +1,166 @@
+"""The tool processor's ingestion loop: FileIngest events on ts.files.ingest -> Weaviate, outcome in Redis.
+
+Its own consumer group (`ts-ingest`), in the same process as the tool calls so the two share one
+MiniLM embedder. Events of one partition are handled in order (a file's add and remove share a
+key, so they never overtake each other); an event's offset is committed only after its outcome is
+recorded in the store-file record (`schemas.keys.store_file`), so a processor that dies
+mid-ingestion leaves the event to the next one, which indexes the file again from the start
+(`ChunkIndex.add` replaces a file's chunks: ids derived from store, file and chunk number).
+
+Once per file and store: an add is done only while the record holds the event's generation and
+is still in progress; one already completed or failed, removed, or added again later (a new
+generation, with its own event) is passed over. A remove takes the file's chunks out of the
+store whatever the record says.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import redis.asyncio as aioredis
+from aiokafka.structs import TopicPartition
+
+from producers import commit_past, dead_letter, decode_record, start_consumer, start_producer, stop_clients
+from schemas import DecodeError, FileIngest
+from schemas import keys as K
+from schemas.files import COMPLETED, FAILED, IN_PROGRESS
+from tokenstream.config import settings
+from tools.config import ToolSettings, tool_settings
+from topics.registry import FILE_INGEST, INGEST_GROUP
+
+log = logging.getLogger("tools.ingestion")
+
+# Write the outcome only if the record still holds this add's generation (it was not removed or
+# added again meanwhile): KEYS[1] the record, ARGV[1] the generation, then field/value pairs.
+RECORD = """
+if redis.call('HGET', KEYS[1], 'generation') ~= ARGV[1] then return 0 end
+for i = 2, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+return 1
+"""
+
+
+class Ingestor:
+    def __init__(self, cfg: ToolSettings | None = None, redis_url: str | None = None) -> None:
+        self.cfg = cfg or tool_settings()
+        self.redis = aioredis.Redis.from_url(redis_url or settings().redis_url)
+        self._record = self.redis.register_script(RECORD)
+        self._index = None
+        self.producer = self.consumer = None
+
+    def index(self):
+        from tools.search.index import ChunkIndex
+
+        if self._index is None:
+            self._index = ChunkIndex.connect()
+        return self._index
+
+    def _forget_index(self) -> None:
+        if self._index is not None:
+            try:
+                self._index.close()
+            except Exception:  # noqa: BLE001 - closing a client whose server is gone
+                pass
+            self._index = None
+
+    async def record(self, event: FileIngest, **fields) -> bool:
+        fields["updated_at"] = f"{time.time():.3f}"
+        args = [event.generation]
+        for k, v in fields.items():
+            args += [k, str(v)]
+        return bool(await self._record(keys=[K.store_file(event.vector_store_id, event.file_id)], args=args))
+
+    async def handle(self, event: FileIngest) -> str:
+        """Bring one event to its recorded outcome; returns what happened (for the log)."""
+        if event.action == "remove":
+            removed = await self._with_index(lambda index: index.remove(event.tenant, event.vector_store_id,
+                                                                        event.file_id))
+            return f"removed {removed} chunks"
+        state = await self.redis.hgetall(K.store_file(event.vector_store_id, event.file_id))
+        state = {k.decode(): v.decode() for k, v in state.items()}
+        if state.get("generation") != event.generation:
+            return "passed over (the file was removed from the store, or added again)"
+        if state.get("status") != IN_PROGRESS:
+            return f"already {state.get('status')}"
+        data = await self.redis.get(K.file_data(event.file_id))
+        if data is None:
+            await self.record(event, status=FAILED, error_code="file_not_found", error="the file was deleted")
+            return "failed: the file was deleted"
+        from tools.search.extract import UnsupportedFile
+        from tools.search.ingest import ingest
+
+        log.info("indexing %s (%s, %d bytes) into %s", event.file_id, event.filename, len(data),
+                 event.vector_store_id)
+        try:
+            done = await self._with_index(lambda index: ingest(index, event.tenant, event.vector_store_id,
+                                                               event.file_id, event.filename, data))
+        except UnsupportedFile as exc:
+            await self.record(event, status=FAILED, error_code="unsupported_file", error=str(exc))
+            return f"failed: {exc}"
+        except ValueError as exc:  # too large for the index
+            await self.record(event, status=FAILED, error_code="invalid_file", error=str(exc))
+            return f"failed: {exc}"
+        except Exception as exc:  # noqa: BLE001 - the index stayed unreachable through every attempt
+            await self.record(event, status=FAILED, error_code="server_error",
+                              error=f"the file could not be indexed ({type(exc).__name__}); add it again")
+            return f"failed: {exc!r}"
+        written = await self.record(event, status=COMPLETED, chunks=done.chunks, error_code="", error="")
+        return (f"indexed {done.chunks} chunks of {done.pages} page(s) in {done.seconds:.2f} s"
+                + ("" if written else " (the file was removed meanwhile; its remove event takes them out)"))
+
+    async def _with_index(self, work):
+        """Run `work(index)` in a thread; on a failure of the index (Weaviate away), reconnect and try
+        again after 1, 2, 4 ... s, `ingest_attempts` times in all, then raise."""
+        from tools.search.extract import UnsupportedFile
+
+        for attempt in range(1, self.cfg.ingest_attempts + 1):
+            try:
+                return await asyncio.to_thread(lambda: work(self.index()))
+            except (UnsupportedFile, ValueError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - Weaviate's client raises assorted errors
+                if attempt == self.cfg.ingest_attempts:
+                    raise
+                log.warning("the index failed (%s); attempt %d of %d in %d s", exc, attempt + 1,
+                            self.cfg.ingest_attempts, 2 ** (attempt - 1))
+                await asyncio.to_thread(self._forget_index)
+                await asyncio.sleep(2 ** (attempt - 1))
+        raise AssertionError("unreachable")
+
+    async def _partition(self, tp: TopicPartition, records) -> None:
+        for record in records:
+            try:
+                event = decode_record(record, FILE_INGEST)
+            except DecodeError as exc:
+                await dead_letter(self.producer, record, exc, group=INGEST_GROUP)
+                event = None
+            if event is not None:
+                started = time.monotonic()
+                what = await self.handle(event)
+                log.info("%s %s in store %s: %s (%.2f s)", event.action, event.file_id, event.vector_store_id,
+                         what, time.monotonic() - started)
+            if not await commit_past(self.consumer, tp, record.offset, log):
+                return
+
+    async def run(self, after: asyncio.Event | None = None) -> None:
+        """Serve until cancelled; `after`: start once it is set (the tool processor warmed the embedder)."""
+        if after is not None:
+            await after.wait()
+        self.producer = await start_producer()
+        # one file at a time per poll, and a poll interval that outlasts every retry of a large file
+        self.consumer = await start_consumer(FILE_INGEST, group=INGEST_GROUP, from_beginning=True,
+                                             max_poll_records=1, max_poll_interval_ms=900_000)
+        log.info("ingestion serving %s (group %s)", FILE_INGEST.name, INGEST_GROUP)
+        try:
+            while True:
+                batches = await self.consumer.getmany(timeout_ms=500)
+                for tp, records in batches.items():  # CPU-bound embedding: one file at a time
+                    await self._partition(tp, records)
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        await stop_clients(self.consumer, self.producer)
+        await asyncio.to_thread(self._forget_index)
+        await self.redis.aclose()
