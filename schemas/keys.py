@@ -12,6 +12,8 @@ lives), API key records, and the conversation key that scopes a history to its t
     ts:usage:<key_id>:<day>                  token counts of one key on one UTC day
     ts:usage:settled:<request_id>            set once a request's usage was counted
     ts:cache:exact:<sha256>                  a cached deterministic answer
+    ts:response:<run_id>                     a stored response object (/v1/responses, store=true);
+                                             RESPONSE_TTL_S
     ts:tool:{claim,result,published}:<call_id>
                                              the tool processor's once-per-call record (below)
 
@@ -89,6 +91,15 @@ def usage_day(when: float | None = None) -> str:
 def exact_cache(digest: str) -> str:
     """A cached deterministic answer, keyed by the sha256 of tenant, model, messages and sampling."""
     return f"ts:cache:exact:{digest}"
+
+
+RESPONSE_TTL_S = 30 * 24 * 3600  # as long as OpenAI keeps a stored response
+
+
+def stored_response(run_id: str) -> str:
+    """The final response object of a run (JSON), for GET /v1/responses/{id}; its owner and
+    conversation are in the run's gateway_request notes."""
+    return f"ts:response:{run_id}"
 
 
 def conversation_key(tenant: str, conversation_id: str) -> str:

@@ -100,6 +100,9 @@ async def _chat(gw: Gateway, body: api.ChatCompletionRequest, request: Request, 
     if body.assistant is not None and body.assistant not in presets():
         raise api.APIError(404, f"The assistant preset `{body.assistant}` does not exist.", "invalid_request_error",
                            param="assistant", code="preset_not_found")
+    if body.assistant is not None and presets()[body.assistant].tools:
+        raise api.invalid_request(f"The assistant preset `{body.assistant}` runs server tools; use POST /v1/responses "
+                                  "with it.", "assistant")
     sampling = sampling_of(body)
     output = output_of(body)
     messages = messages_of(body)
