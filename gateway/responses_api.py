@@ -9,7 +9,7 @@ loop (schemas/runs.py).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -107,7 +107,7 @@ class WebFetchTool(_Strict):
     type: Literal["web_fetch"]
 
 
-ResponseTool = FunctionTool | CodeInterpreterTool | FileSearchTool | WebFetchTool
+ResponseTool = Annotated[FunctionTool | CodeInterpreterTool | FileSearchTool | WebFetchTool, Field(discriminator="type")]
 BUILTIN_TYPES = ("code_interpreter", "file_search", "web_fetch")
 
 
