@@ -24,7 +24,7 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from gateway import context
 from gateway import openai_api as api
-from gateway.answers import KeepAlive
+from gateway.answers import KeepAlive, live_events
 from gateway.auth import principal
 from gateway.deps import pipeline
 from gateway.pipeline import Gateway
@@ -145,14 +145,7 @@ async def create(body: ResponseCreate, gw: Gateway = Depends(pipeline), key: K.A
         exc = written if isinstance(written, BaseException) else generation
         raise api.unavailable(f"Could not hand the request to the pipeline: {exc or type(exc).__name__}")
 
-    async def live() -> AsyncIterator[list[Event]]:
-        while True:
-            batch = await stream.take(gw.cfg.progress_timeout_s)
-            if not batch:
-                return
-            yield batch
-
-    source = held_until_screened(live()) if gw.cfg.screening == "parallel" else live()
+    source = live_events(gw, stream)
     framer = _framer(rid, note)
     cleanup = lambda: gw.fanout.unsubscribe(rid)  # noqa: E731
     if body.stream:
