@@ -223,7 +223,7 @@ class ResponseFramer:
         if index is None:
             return []  # a duplicate, or a call this run does not wait for
         item = self.output[index]
-        output = _args(result.output) if result.ok else {}
+        output = _args(result.output)  # a failed run still reports what it printed
         item["status"] = "completed" if result.ok else "failed"
         if not result.ok:
             item["error"] = result.error

@@ -13,9 +13,11 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import uuid
 
 import httpx
+import openai
 import pytest
 
 from schemas import ToolCall, ToolResult
@@ -31,7 +33,11 @@ pytestmark = pytest.mark.slow
 MODEL = f"smollm2-resp-{uuid.uuid4().hex[:6]}"
 CODE = {"type": "code_interpreter", "container": {"type": "auto"}}
 FORCE_CODE = {"type": "code_interpreter"}
-PROMPT = "Use Python to print the sum of 19 and 23."
+# SmolLM2-135M copies a short expression into the call; asked to write code of its own, it rarely
+# closes the string. The instructions and input below are ones it answers with a whole call.
+RUN_CODE = "Run the user's Python code with code_interpreter."
+PROMPT = "open('n.txt', 'w').write(str(19 + 23))"
+LIST_FILES = "The code is: import os; os.listdir('.')"
 
 
 @pytest.fixture(scope="module")
@@ -67,11 +73,21 @@ def create(**kw) -> dict:
     return {"model": MODEL, "temperature": 0, "max_output_tokens": 96, **kw}
 
 
-def run_here(code: str) -> str:
-    """What plain Python prints for `code` (the sandbox must return the same)."""
-    done = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, timeout=30,
-                          cwd="/tmp")
-    return done.stdout + done.stderr
+def ran_as_here(call) -> None:
+    """The sandbox's run of the call's code printed what plain Python prints for it, failed exactly
+    when plain Python fails, and an expression's value is its repr (the code is the model's own)."""
+    done = subprocess.run([sys.executable, "-I", "-c", call.code], capture_output=True, text=True, timeout=30,
+                          cwd=tempfile.mkdtemp())
+    logs, result = call.outputs[0].logs, call.model_extra["result"]
+    assert logs.startswith(done.stdout), (call.code, logs, done.stdout)
+    assert (result["exit_code"] == 0) == (done.returncode == 0), (call.code, result, done)
+    assert call.status == ("completed" if done.returncode == 0 else "failed"), call
+    try:
+        expression = compile(call.code, "<code>", "eval")
+    except SyntaxError:
+        return
+    if done.returncode == 0 and "open(" not in call.code:
+        assert result["value"] == repr(eval(expression, {})), (call.code, result)  # noqa: S307 - the test's own check
 
 
 def items(response, kind: str) -> list:
@@ -79,42 +95,47 @@ def items(response, kind: str) -> list:
 
 
 async def test_forced_code_interpreter_runs_the_code_and_the_model_answers_after_its_output(client):
-    response = await client.responses.create(**create(input=PROMPT, tools=[CODE], tool_choice=FORCE_CODE))
+    response = await client.responses.create(**create(instructions=RUN_CODE, input=PROMPT, tools=[CODE],
+                                                      tool_choice=FORCE_CODE))
     assert response.status == "completed", response
     calls = items(response, "code_interpreter_call")
-    assert calls and calls[0].status == "completed", response.output
-    code = calls[0].code
-    assert code.strip()
-    assert calls[0].outputs[0].logs == run_here(code)
+    assert calls and calls[0].code.strip(), response.output
+    for call in calls:  # after the forced first step the model chose; the last step answered in text
+        ran_as_here(call)
+    assert len(calls) <= 2 and response.output[0].type == "code_interpreter_call"
     # the step after the result answered in text: the run went on through the tool's output
     assert response.output[-1].type == "message" and response.output_text.strip()
     assert response.usage.input_tokens > 0 and response.usage.output_tokens > 0
 
 
 async def test_stream_parses_with_the_sdk_helper_in_openai_order_and_resumes_from_any_event(client, system):
-    async with client.responses.stream(**create(input=PROMPT, tools=[CODE], tool_choice=FORCE_CODE)) as stream:
+    async with client.responses.stream(**create(instructions=RUN_CODE, input=PROMPT, tools=[CODE],
+                                                tool_choice=FORCE_CODE)) as stream:
         events = [event async for event in stream]
         final = await stream.get_final_response()
     names = [e.type for e in events]
     assert names[:3] == ["response.created", "response.in_progress", "response.output_item.added"], names
     assert names[-1] == "response.completed"
     assert [e.sequence_number for e in events] == list(range(len(events)))
-    order = [n for n in names if n.startswith("response.code_interpreter_call")]
-    assert order == ["response.code_interpreter_call.in_progress", "response.code_interpreter_call_code.delta",
-                     "response.code_interpreter_call_code.done", "response.code_interpreter_call.interpreting",
-                     "response.code_interpreter_call.completed"], names
+    first = events[2].item.id
+    order = [e.type for e in events if getattr(e, "item_id", None) == first or getattr(
+        getattr(e, "item", None), "id", None) == first]
+    assert order == ["response.output_item.added", "response.code_interpreter_call.in_progress",
+                     "response.code_interpreter_call_code.delta", "response.code_interpreter_call_code.done",
+                     "response.code_interpreter_call.interpreting", "response.code_interpreter_call.completed",
+                     "response.output_item.done"], names
     assert names.index("response.code_interpreter_call.completed") < names.index("response.content_part.added")
     assert names.count("response.output_text.done") == 1 and names.count("response.content_part.done") == 1
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert text == final.output_text and final.status == "completed"
-    call = items(final, "code_interpreter_call")[0]
-    assert call.outputs[0].logs == run_here(call.code)
+    ran_as_here(items(final, "code_interpreter_call")[0])
 
     # stored: GET returns the same response; another tenant gets 404 as for an unknown id
     async with httpx.AsyncClient(base_url=system["url"], timeout=300) as http:
         got = (await http.get(f"/v1/responses/{final.id}", headers=auth_headers())).json()
-        assert got["output"] == [i.model_dump(exclude_unset=True) for i in final.output] or \
-            [o["id"] for o in got["output"]] == [i.id for i in final.output]
+        assert got["id"] == final.id and got["status"] == "completed"
+        assert [o["id"] for o in got["output"]] == [i.id for i in final.output]
+        assert got["output"][-1]["content"][0]["text"] == final.output_text
         other = auth_headers(new_key("someone-else"))
         assert (await http.get(f"/v1/responses/{final.id}", headers=other)).status_code == 404
         assert (await http.get(f"/v1/responses/{final.id}?stream=true", headers=other)).status_code == 404
@@ -134,30 +155,41 @@ async def test_stream_parses_with_the_sdk_helper_in_openai_order_and_resumes_fro
 
 
 async def test_previous_response_id_continues_the_conversation_and_its_working_folder(client, system):
-    first = await client.responses.create(**create(
-        input="Use Python to write the number 41 into the file n.txt.", tools=[CODE], tool_choice=FORCE_CODE))
+    from tools.sandbox import folder_name
+
+    first = await client.responses.create(**create(instructions=RUN_CODE, input=PROMPT, tools=[CODE],
+                                                   tool_choice=FORCE_CODE))
     assert first.status == "completed"
-    alone = await client.responses.create(**create(input="What did the code print?"))
-    second = await client.responses.create(**create(
-        input="What did the code print?", previous_response_id=first.id))
+    alone = await client.responses.create(**create(input="What was the result?"))
+    second = await client.responses.create(**create(input="What was the result?", previous_response_id=first.id))
     assert second.previous_response_id == first.id and second.status == "completed"
-    # the stored conversation (question, code, its output, answer) came before the new question
+    # the stored conversation (question, calls, their results, answer) came before the new question
     assert second.usage.input_tokens > alone.usage.input_tokens + 20
-    # the same working folder: a file the first response's code wrote is there for the next code
-    code = items(first, "code_interpreter_call")[0].code
-    third = await client.responses.create(**create(
-        input="Use Python to list the files in the current folder.", tools=[CODE], tool_choice=FORCE_CODE,
-        previous_response_id=second.id))
-    listing = items(third, "code_interpreter_call")[0]
-    assert listing.status == "completed"
-    files = items(first, "code_interpreter_call")[0].model_extra.get("result", {}).get("files") or []
-    for f in files:  # whatever the first code wrote, the later call ran in the folder holding it
-        assert f["path"] in json.dumps(listing.model_extra.get("result")) or f["path"] in listing.outputs[0].logs \
-            or code  # the model's listing code may not print names: the folder is checked below
+    # the conversation's working folder: what is in it is there for a later response's code, and a
+    # new conversation's folder is empty (code that writes a file is beyond this model: the tool
+    # processor's own tests run code-to-code persistence)
+    conversation = run_id_of(first.id)
+    folder = f"{system['env']['TOKENSTREAM_TOOLS_SANDBOX_DIR']}/{folder_name('test', conversation)}"
+    with open(f"{folder}/notes.txt", "w") as f:
+        f.write("41")
+    async with Tap(TOOL_CALLS) as calls:
+        third = await client.responses.create(**create(instructions=RUN_CODE, input=LIST_FILES, tools=[CODE],
+                                                       tool_choice=FORCE_CODE, previous_response_id=second.id))
+        fresh = await client.responses.create(**create(instructions=RUN_CODE, input=LIST_FILES, tools=[CODE],
+                                                       tool_choice=FORCE_CODE))
+        made = {e.call_id: e.conversation_id for e, _ in calls.events}
+    listing, empty = items(third, "code_interpreter_call")[0], items(fresh, "code_interpreter_call")[0]
+    assert made[listing.id.removeprefix("ci_")] == conversation and listing.container_id == f"cntr_{conversation}"
+    assert "notes.txt" in listing.model_extra["result"]["value"], listing
+    assert "notes.txt" not in (empty.model_extra["result"]["value"] or ""), empty
     other = api_client(system["url"], timeout=60, default_headers=auth_headers(new_key("another")))
-    with pytest.raises(Exception) as refused:
+    with pytest.raises(openai.NotFoundError):
         await other.responses.create(**create(input="hi", previous_response_id=first.id))
-    assert getattr(refused.value, "status_code", None) == 404
+    unstored = await client.responses.create(**create(input="hi", store=False, max_output_tokens=4))
+    async with httpx.AsyncClient(base_url=system["url"], timeout=60, headers=auth_headers()) as http:
+        assert (await http.get(f"/v1/responses/{unstored.id}")).status_code == 404
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.create(**create(input="hi", previous_response_id=unstored.id))
 
 
 async def test_unsupported_fields_and_bad_tools_are_400_naming_them(system):
@@ -182,8 +214,7 @@ async def test_kill_9_of_the_tool_processor_mid_run_completes_the_run_each_call_
     roles, env = system["roles"], system["env"]
     async with Tap(TOOL_CALLS) as calls, Tap(TOOL_RESULTS) as results, Tap(TOKENS) as tokens:
         task = asyncio.create_task(client.responses.create(**create(
-            input="Use Python to sleep for two seconds with time.sleep(2), then print 7.",
-            tools=[CODE], tool_choice=FORCE_CODE)))
+            instructions=RUN_CODE, input=PROMPT, tools=[CODE], tool_choice=FORCE_CODE)))
         deadline = asyncio.get_running_loop().time() + 240
         while not any(isinstance(e, ToolCall) for e, _ in calls.events):
             assert asyncio.get_running_loop().time() < deadline and not task.done()
@@ -193,14 +224,21 @@ async def test_kill_9_of_the_tool_processor_mid_run_completes_the_run_each_call_
         system["tools"] = roles.start("tools", env=env, name="tools-after-kill")
         response = await asyncio.wait_for(task, 300)
         assert response.status == "completed", response
-        call = items(response, "code_interpreter_call")[0]
-        assert call.status == "completed" and call.outputs[0].logs == run_here(call.code)
+        ran_as_here(items(response, "code_interpreter_call")[0])
         rid = run_id_of(response.id)
         steps = {step_request_id(rid, k) for k in range(3)}
-        mine = [e for e, _ in calls.events if e.request_id in steps]
-        await asyncio.sleep(0)
-        published = [e for e, _ in results.events if isinstance(e, ToolResult) and e.request_id in steps]
-        in_band = [e for e, _ in tokens.events if isinstance(e, ToolResult) and e.request_id in steps]
-        for made in mine:  # each call: one result on ts.tool.results, one in the response's stream
-            assert sum(r.call_id == made.call_id for r in published) == 1, published
-            assert sum(r.call_id == made.call_id for r in in_band) == 1, in_band
+        mine = {e.call_id for e, _ in calls.events if e.request_id in steps}
+        assert mine
+
+        def once(events) -> dict[str, int]:
+            counts = {c: 0 for c in mine}
+            for e, _ in events:
+                if isinstance(e, ToolResult) and e.call_id in counts:
+                    counts[e.call_id] += 1
+            return counts
+
+        while min(once(results.events).values()) == 0:  # every result published before the run went on
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.1)
+        # each call: one result on ts.tool.results, one in band in the response's stream
+        assert set(once(results.events).values()) == {1} and set(once(tokens.events).values()) == {1}
