@@ -157,17 +157,17 @@ async def test_stream_parses_with_the_sdk_helper_in_openai_order_and_resumes_fro
 async def test_previous_response_id_continues_the_conversation_and_its_working_folder(client, system):
     from tools.sandbox import folder_name
 
-    first = await client.responses.create(**create(instructions=RUN_CODE, input=PROMPT, tools=[CODE],
+    first = await client.responses.create(**create(instructions=RUN_CODE, input=LIST_FILES, tools=[CODE],
                                                    tool_choice=FORCE_CODE))
     assert first.status == "completed"
+    before = items(first, "code_interpreter_call")[0]
     alone = await client.responses.create(**create(input="What was the result?"))
     second = await client.responses.create(**create(input="What was the result?", previous_response_id=first.id))
     assert second.previous_response_id == first.id and second.status == "completed"
     # the stored conversation (question, calls, their results, answer) came before the new question
     assert second.usage.input_tokens > alone.usage.input_tokens + 20
-    # the conversation's working folder: what is in it is there for a later response's code, and a
-    # new conversation's folder is empty (code that writes a file is beyond this model: the tool
-    # processor's own tests run code-to-code persistence)
+    # the conversation's working folder: a file put there is seen by a later response's code (code
+    # that writes a file is beyond this model: the tool processor's tests run code-to-code persistence)
     conversation = run_id_of(first.id)
     folder = f"{system['env']['TOKENSTREAM_TOOLS_SANDBOX_DIR']}/{folder_name('test', conversation)}"
     with open(f"{folder}/notes.txt", "w") as f:
@@ -175,13 +175,12 @@ async def test_previous_response_id_continues_the_conversation_and_its_working_f
     async with Tap(TOOL_CALLS) as calls:
         third = await client.responses.create(**create(instructions=RUN_CODE, input=LIST_FILES, tools=[CODE],
                                                        tool_choice=FORCE_CODE, previous_response_id=second.id))
-        fresh = await client.responses.create(**create(instructions=RUN_CODE, input=LIST_FILES, tools=[CODE],
-                                                       tool_choice=FORCE_CODE))
         made = {e.call_id: e.conversation_id for e, _ in calls.events}
-    listing, empty = items(third, "code_interpreter_call")[0], items(fresh, "code_interpreter_call")[0]
-    assert made[listing.id.removeprefix("ci_")] == conversation and listing.container_id == f"cntr_{conversation}"
+    listing = items(third, "code_interpreter_call")[0]
+    assert made[listing.id.removeprefix("ci_")] == conversation and listing.container_id == before.container_id
+    assert before.code == listing.code and "listdir" in listing.code, (before, listing)
+    assert "notes.txt" not in before.model_extra["result"]["value"], before
     assert "notes.txt" in listing.model_extra["result"]["value"], listing
-    assert "notes.txt" not in (empty.model_extra["result"]["value"] or ""), empty
     other = api_client(system["url"], timeout=60, default_headers=auth_headers(new_key("another")))
     with pytest.raises(openai.NotFoundError):
         await other.responses.create(**create(input="hi", previous_response_id=first.id))
