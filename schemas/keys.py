@@ -6,7 +6,9 @@ lives), API key records, and the conversation key that scopes a history to its t
     ts:gateway:attach:<request_id>           attachment generation of the connection serving the
                                              request (cancel after a disconnect); GATEWAY_ATTACH_TTL_S
     ts:done:<role>:<effect>:<request_id>     an effect a processor has emitted for the request
-                                             (idempotence after a restart); EFFECT_TTL_S
+                                             (idempotence after a restart); EFFECT_TTL_S. A response
+                                             run's in-band tool result is the effect `run-result` of
+                                             its call id (ts:done:conversation:run-result:<call_id>)
     ts:apikeys / ts:apikey:<sha256>          the set of API key digests / one key's record (hash)
     ts:rl:<scope>:<ident>:<kind>:<minute>    one-minute rate-limit counters (requests, tokens)
     ts:usage:<key_id>:<day>                  token counts of one key on one UTC day

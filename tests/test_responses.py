@@ -161,9 +161,10 @@ async def test_previous_response_id_continues_the_conversation_and_its_working_f
                                                    tool_choice=FORCE_CODE))
     assert first.status == "completed"
     before = items(first, "code_interpreter_call")[0]
-    alone = await client.responses.create(**create(input="What was the result?"))
-    second = await client.responses.create(**create(input="What was the result?", previous_response_id=first.id))
-    assert second.previous_response_id == first.id and second.status == "completed"
+    alone = await client.responses.create(**create(input="What was the result?", max_output_tokens=8))
+    second = await client.responses.create(**create(input="What was the result?", previous_response_id=first.id,
+                                                    max_output_tokens=8))
+    assert second.previous_response_id == first.id and second.status in ("completed", "incomplete")
     # the stored conversation (question, calls, their results, answer) came before the new question
     assert second.usage.input_tokens > alone.usage.input_tokens + 20
     # the conversation's working folder: a file put there is seen by a later response's code (code
