@@ -182,7 +182,7 @@ async def test_previous_response_id_continues_the_conversation_and_its_working_f
     assert before.code == listing.code and "listdir" in listing.code, (before, listing)
     assert "notes.txt" not in before.model_extra["result"]["value"], before
     assert "notes.txt" in listing.model_extra["result"]["value"], listing
-    other = api_client(system["url"], timeout=60, default_headers=auth_headers(new_key("another")))
+    other = openai.AsyncOpenAI(base_url=system["url"] + "/v1", api_key=new_key("another"), max_retries=0)
     with pytest.raises(openai.NotFoundError):
         await other.responses.create(**create(input="hi", previous_response_id=first.id))
     unstored = await client.responses.create(**create(input="hi", store=False, max_output_tokens=4))
@@ -190,6 +190,32 @@ async def test_previous_response_id_continues_the_conversation_and_its_working_f
         assert (await http.get(f"/v1/responses/{unstored.id}")).status_code == 404
     with pytest.raises(openai.NotFoundError):
         await client.responses.create(**create(input="hi", previous_response_id=unstored.id))
+
+
+async def test_an_assistant_with_knowledge_searches_its_stores_without_the_client_sending_tools(client):
+    from tools.search.index import ChunkIndex
+    from tools.search.ingest import ingest
+
+    doc = ("The Harbour Street bakery opened in 1962 and was founded by Margit Olsen.\n\n"
+           "The ferry to Lindholm island leaves the pier at 07:40 on weekdays.\n\n"
+           "Members may borrow at most six books at a time from the town library.\n")
+    file_id = f"file-{uuid.uuid4().hex[:12]}"
+    index = ChunkIndex.connect()
+    try:  # the store the `librarian` preset names, for the tests' tenant
+        await asyncio.to_thread(ingest, index, "test", "vs_library", file_id, "town.md", doc.encode())
+    finally:
+        index.close()
+    async with Tap(TOOL_CALLS) as calls:
+        response = await client.responses.create(**create(
+            input="When does the ferry to Lindholm leave?", tool_choice={"type": "file_search"},
+            extra_body={"assistant": "librarian"}))
+        search = items(response, "file_search_call")[0]
+        sent = [e for e, _ in calls.events if e.call_id == search.id.removeprefix("fs_")]
+    assert search.status == "completed" and search.queries and search.queries[0].strip(), search
+    assert json.loads(sent[0].arguments)["vector_store_ids"] == ["vs_library"]  # the preset's, fixed by the grammar
+    assert search.results and all(r.file_id == file_id for r in search.results)
+    assert any("07:40" in r.text for r in search.results)  # three short facts: every chunk comes back
+    assert response.tools[0].type == "file_search"
 
 
 async def test_unsupported_fields_and_bad_tools_are_400_naming_them(system):
