@@ -17,9 +17,10 @@ from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from gateway import openai_api as api
-from gateway.fanout import SlowReader
+from gateway.fanout import SlowReader, Stream
 from gateway.framing import Framer, call_delta, content_filtered
 from gateway.pipeline import Gateway
+from gateway.screening import held_until_screened
 from schemas import Completion, Event, SafetyVerdict, TokenChunk
 
 
@@ -33,6 +34,19 @@ class KeepAlive(ServerSentEvent):
 
     def encode(self) -> bytes:
         return b": ping\r\n"
+
+
+def live_events(gw: Gateway, stream: Stream) -> AsyncIterator[list[Event]]:
+    """Batches of a subscribed stream until none comes within the progress timeout; held back until
+    the input verdict when this instance screens in parallel."""
+    async def live() -> AsyncIterator[list[Event]]:
+        while True:
+            batch = await stream.take(gw.cfg.progress_timeout_s)
+            if not batch:
+                return
+            yield batch
+
+    return held_until_screened(live()) if gw.cfg.screening == "parallel" else live()
 
 
 def sse_response(gw: Gateway, framer: Framer, source: AsyncIterator[list[Event]], generation: int,

@@ -72,6 +72,8 @@ class GatewaySettings(BaseSettings):
     # A request that makes no progress (no event from the pipeline) for this long is ended for its
     # client (an error event on a stream, 504 otherwise) and cancelled, instead of hanging.
     progress_timeout_s: float = Field(60.0, gt=0)
+    # a response run (/v1/responses): at most this many inference steps (the last answers in text)
+    responses_max_steps: int = Field(8, ge=1, le=64)
     # SSE keep-alive comment interval.
     ping_s: float = Field(15.0, gt=0)
 

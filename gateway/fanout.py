@@ -98,6 +98,7 @@ class Fanout:
         self.capacity = capacity
         self.coalesce_chars = coalesce_chars
         self.streams: dict[str, Stream] = {}
+        self.aliases: dict[str, Stream] = {}  # other request ids whose events go to a stream (a run's steps)
         # Records fetched but not yet delivered because a stream was full, per paused partition.
         # At most one fetch response each (max_partition_fetch_bytes): bounded.
         self.parked: dict[TopicPartition, deque[ConsumerRecord]] = {}
@@ -111,14 +112,21 @@ class Fanout:
         for tp in self.partitions:  # resolve positions now: a request admitted later sees all its events
             await self.consumer.position(tp)
 
-    def subscribe(self, request_id: str) -> Stream:
+    def subscribe(self, request_id: str, aliases: tuple[str, ...] = ()) -> Stream:
+        """The stream of `request_id`'s events, and of the `aliases`' (a response run's later steps),
+        in the partition's order."""
         stream = Stream(request_id, self.capacity, self.coalesce_chars, self._drained)
         self.streams[request_id] = stream
+        for alias in aliases:
+            self.aliases[alias] = stream
         self.metrics.active_streams.set(len(self.streams))
         return stream
 
     def unsubscribe(self, request_id: str) -> None:
         stream = self.streams.pop(request_id, None)
+        if stream is not None:
+            for alias in [k for k, s in self.aliases.items() if s is stream]:
+                del self.aliases[alias]
         self.metrics.active_streams.set(len(self.streams))
         if stream is not None and stream.blocked_on is not None:
             self._drained(stream)
@@ -157,7 +165,7 @@ class Fanout:
         while records:
             record = records[0]
             key = record.key.decode() if record.key else ""
-            stream = self.streams.get(key)
+            stream = self.streams.get(key) or self.aliases.get(key)
             if stream is not None:  # else nobody holds this request here (gone, or a replay serves it)
                 try:
                     event = decode(record.value or b"", *TOKENS.events)

@@ -9,7 +9,7 @@ the frames after n.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterable
 
 from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import TopicPartition
@@ -41,11 +41,13 @@ def ends_answer(event: Event) -> bool:
     return isinstance(event, Completion) or (isinstance(event, SafetyVerdict) and event.blocked)
 
 
-async def replay(bootstrap: str, request_id: str, *, idle_timeout_s: float = 600.0
+async def replay(bootstrap: str, request_id: str, *, idle_timeout_s: float = 600.0,
+                 also: Iterable[str] = (), ends: Callable[[Event], bool] = ends_answer
                  ) -> AsyncIterator[list[Event]]:
-    """Every event of `request_id` from the log, in order, then live until its Completion.
+    """Every event of `request_id` (and of the request ids `also`, on the same partition: a run's
+    steps) from the log, in order, then live until one `ends` the answer.
 
-    Yields batches; stops after the Completion, or after `idle_timeout_s` without any event
+    Yields batches; stops after that event, or after `idle_timeout_s` without any event
     of the request. Duplicates (at-least-once writes) are left to the caller's seq check.
     """
     partition, created_ms = parse_request_id(request_id)
@@ -61,13 +63,13 @@ async def replay(bootstrap: str, request_id: str, *, idle_timeout_s: float = 600
             await consumer.seek_to_end(tp)  # nothing written since: everything is still to come
         else:
             consumer.seek(tp, found.offset)
-        key = request_id.encode()
+        keys = {request_id.encode(), *(k.encode() for k in also)}
         last = time.monotonic()
         while True:
             batches = await consumer.getmany(tp, timeout_ms=200, max_records=2000)
             out: list[Event] = []
             for record in batches.get(tp, ()):
-                if record.key != key:
+                if record.key not in keys:
                     continue
                 try:
                     out.append(decode(record.value or b"", *TOKENS.events))
@@ -76,7 +78,7 @@ async def replay(bootstrap: str, request_id: str, *, idle_timeout_s: float = 600
             if out:
                 last = time.monotonic()
                 yield out
-                if any(ends_answer(e) for e in out):
+                if any(ends(e) for e in out):
                     return
             else:
                 if time.monotonic() - last >= idle_timeout_s:

@@ -4,7 +4,8 @@ Read this package and `topics/` to follow a request end to end:
 
     ChatRequest -> InferenceRequest -> TokenChunk* -> Completion
                        |                  |
-                 SafetyVerdict       ToolCall -> ToolResult
+                 SafetyVerdict       ToolCall -> ToolResult -> (a response run) the next step's
+                                                               InferenceRequest (schemas/runs.py)
     Cancel (control), DeadLetter (anything undecodable), Transcript (the audit record)
     FileIngest (an uploaded file into a vector store's index, or out of it)
 
@@ -21,10 +22,11 @@ from schemas.codec import (
     encode,
 )
 from schemas.control import Cancel, RouteUpdate
-from schemas.conversation import ConversationHistory
+from schemas.conversation import ConversationHistory, RunState
 from schemas.deadletter import DeadLetter
 from schemas.files import FileIngest
 from schemas.requests import ChatMessage, ChatRequest, InferenceRequest, SamplingParams, Screening
+from schemas.runs import SERVER_TOOLS, RunSpec
 from schemas.safety import REFUSAL, OutputWindow, SafetyVerdict
 from schemas.structured import (
     FunctionCall,
@@ -74,6 +76,9 @@ __all__ = [
     "OutputWindow",
     "REFUSAL",
     "RouteUpdate",
+    "RunSpec",
+    "RunState",
+    "SERVER_TOOLS",
     "SafetyVerdict",
     "SamplingParams",
     "Screening",

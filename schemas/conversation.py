@@ -5,7 +5,34 @@ from __future__ import annotations
 import msgspec
 
 from schemas.base import Event
-from schemas.requests import ChatMessage, ChatRequest
+from schemas.requests import ChatMessage, ChatRequest, SamplingParams, Screening
+from schemas.runs import RunSpec
+from schemas.structured import OutputSpec
+from schemas.tools import ToolResult
+
+
+class RunState(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A run in progress, kept in the conversation's table row (ConversationHistory.run).
+
+    `calls` are the server calls of the current step once its Completion arrived (None before);
+    `results` the results that arrived (in any order, before or after it), by call id.
+    """
+
+    run_id: str
+    step: int = 0
+    spec: RunSpec
+    model: str
+    sampling: SamplingParams
+    output: OutputSpec
+    assistant: str | None = None
+    reply_partition: int = 0
+    screening: Screening = "serial"
+    tier: str = ""
+    priority: int = 0
+    admitted_at: float = 0.0
+    calls: list[str] | None = None
+    results: dict[str, ToolResult] = msgspec.field(default_factory=dict)
+    since: float = 0.0
 
 
 class ConversationHistory(Event, tag="conversation_history"):
@@ -13,7 +40,8 @@ class ConversationHistory(Event, tag="conversation_history"):
 
     pending_request_id is a request whose answer has not been appended yet; a request that
     arrives meanwhile carrying only its new message waits in `parked` until that answer
-    lands, so the model never sees a history with a missing reply.
+    lands (or, during a run, until the run ends), so the model never sees a history with a
+    missing reply.
     """
 
     messages: list[ChatMessage] = msgspec.field(default_factory=list)
@@ -21,3 +49,4 @@ class ConversationHistory(Event, tag="conversation_history"):
     pending_since: float = 0.0
     parked: list[ChatRequest] = msgspec.field(default_factory=list)
     seen_request_ids: list[str] = msgspec.field(default_factory=list)
+    run: RunState | None = None  # a response run waiting for its tools' results (schemas/runs.py)

@@ -8,10 +8,16 @@ the request's first event), and an auditor finds where and when to start reading
 An SSE event id is `<request_id>:<position>`; positions are the token event seqs (the role
 chunk is -1; the completion at seq c gives the finish chunk c, the usage chunk c+1 and
 [DONE] c+2).
+
+A response (`/v1/responses`) is a run of inference requests: step 0's request id is the run id,
+step k's is `step_request_id(run_id, k)`, the same format with the same reply partition and
+admission time, so every step is found where the run's events are. Its client-facing id is
+`resp_<run id>`; its SSE ids are `<run id>:<sequence_number>` (one per streamed event, in log order).
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 import secrets
 
@@ -32,6 +38,32 @@ def parse_request_id(request_id: str) -> tuple[int, int]:
 
 def event_id(request_id: str, position: int) -> str:
     return f"{request_id}:{position}"
+
+
+def step_request_id(run_id: str, step: int) -> str:
+    """The request id of step `step` of a run (step 0 is the run id itself): deterministic, so the
+    gateway follows every step of a run from its id alone and a replayed step keeps its id."""
+    if step == 0:
+        return run_id
+    partition, created_ms = parse_request_id(run_id)
+    head = hashlib.sha256(f"{run_id}:{step}".encode()).hexdigest()[:16]
+    return f"{head}p{partition}t{created_ms}"
+
+
+RESPONSE_PREFIX = "resp_"
+
+
+def response_id(run_id: str) -> str:
+    return RESPONSE_PREFIX + run_id
+
+
+def run_id_of(response: str) -> str:
+    """The run id inside a response id; ValueError for an id no gateway made."""
+    rid = response.removeprefix(RESPONSE_PREFIX)
+    if rid == response:
+        raise ValueError(f"not a response id: {response!r}")
+    parse_request_id(rid)
+    return rid
 
 
 # Uploaded files and vector stores (the /v1/files and /v1/vector_stores APIs, the ingestion events

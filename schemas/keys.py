@@ -6,12 +6,16 @@ lives), API key records, and the conversation key that scopes a history to its t
     ts:gateway:attach:<request_id>           attachment generation of the connection serving the
                                              request (cancel after a disconnect); GATEWAY_ATTACH_TTL_S
     ts:done:<role>:<effect>:<request_id>     an effect a processor has emitted for the request
-                                             (idempotence after a restart); EFFECT_TTL_S
+                                             (idempotence after a restart); EFFECT_TTL_S. A response
+                                             run's in-band tool result is the effect `run-result` of
+                                             its call id (ts:done:conversation:run-result:<call_id>)
     ts:apikeys / ts:apikey:<sha256>          the set of API key digests / one key's record (hash)
     ts:rl:<scope>:<ident>:<kind>:<minute>    one-minute rate-limit counters (requests, tokens)
     ts:usage:<key_id>:<day>                  token counts of one key on one UTC day
     ts:usage:settled:<request_id>            set once a request's usage was counted
     ts:cache:exact:<sha256>                  a cached deterministic answer
+    ts:response:<run_id>                     a stored response object (/v1/responses, store=true);
+                                             RESPONSE_TTL_S
     ts:tool:{claim,result,published}:<call_id>
                                              the tool processor's once-per-call record (below)
     ts:file:<file_id> / ts:file:data:<file_id>   an uploaded file's record (hash) / its bytes
@@ -96,6 +100,15 @@ def usage_day(when: float | None = None) -> str:
 def exact_cache(digest: str) -> str:
     """A cached deterministic answer, keyed by the sha256 of tenant, model, messages and sampling."""
     return f"ts:cache:exact:{digest}"
+
+
+RESPONSE_TTL_S = 30 * 24 * 3600  # as long as OpenAI keeps a stored response
+
+
+def stored_response(run_id: str) -> str:
+    """The final response object of a run (JSON), for GET /v1/responses/{id}; its owner and
+    conversation are in the run's gateway_request notes."""
+    return f"ts:response:{run_id}"
 
 
 def conversation_key(tenant: str, conversation_id: str) -> str:

@@ -7,6 +7,7 @@ from typing import Literal
 import msgspec
 
 from schemas.base import Event
+from schemas.runs import RunSpec
 from schemas.structured import MessageToolCall, OutputSpec
 
 Role = Literal["system", "user", "assistant", "tool"]
@@ -70,6 +71,8 @@ class ChatRequest(Event, tag="chat_request"):
     # set when the gateway answered from its exact cache: written for the audit trail only, the
     # answer (from the request named here) is on the tokens topic already; processors skip it
     cached_from: str = ""
+    # a response run (/v1/responses): the conversation processor goes on through server tool calls
+    run: RunSpec | None = None
 
 
 class InferenceRequest(Event, tag="inference_request"):

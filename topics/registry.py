@@ -131,9 +131,9 @@ SCREENED = TopicSpec(
     readers=(Reader("router", ROUTER_GROUP, FAUST_COMMIT), AUDITOR),
 )
 TOKENS = TopicSpec(
-    "ts.tokens", 12, "request_id", (TokenChunk, Completion, SafetyVerdict),
-    "generated tokens and completions (and, in band, blocking output verdicts and the input verdict "
-    "of a request screened in parallel); "
+    "ts.tokens", 12, "request_id", (TokenChunk, Completion, SafetyVerdict, ToolResult),
+    "generated tokens and completions (and, in band, blocking output verdicts, the input verdict "
+    "of a request screened in parallel, and the server tools' results of a response run); "
     "the partition is chosen by the gateway that holds the connection",
     _retained(1, **{"message.timestamp.type": "LogAppendTime"}),
     writers=(
@@ -141,6 +141,8 @@ TOKENS = TopicSpec(
         Writer("safety processor", "a refusal (blocked input screened in series), the input verdict of a "
                "request screened in parallel, or a blocking output verdict, in band"),
         Writer("conversation processor / router", "an error Completion for a request they cannot pass on"),
+        Writer("conversation processor (runs)", "each server tool's ToolResult of a response run, keyed by "
+               "the step's request id, once per call id, before the next step is prepared"),
     ),
     readers=(
         Reader("gateway", None, "owns a fixed set of partitions per instance, reads from the end; "
@@ -181,7 +183,8 @@ TOOL_CALLS = TopicSpec(
 TOOL_RESULTS = TopicSpec(
     "ts.tool.results", 6, "request_id", (ToolResult,), "outcomes of tool invocations", _retained(7),
     writers=(Writer("tool processor", "one result per server-tool ToolCall, keyed like the call"),),
-    readers=(Reader("gateway (vector store search)", None, "every partition from the end while it waits on "
+    readers=(Reader("conversation processor (results)", CONVERSATION_GROUP, FAUST_COMMIT),
+             Reader("gateway (vector store search)", None, "every partition from the end while it waits on "
                     "its own search calls; nothing committed"), AUDITOR),
 )
 INGEST_GROUP = processor_group("ingest")
@@ -196,10 +199,12 @@ FILE_INGEST = TopicSpec(
                     "record no longer holds, or that is already completed or failed, is passed over"),),
 )
 CONVERSATION_TURNS = TopicSpec(
-    "ts.conversation.turns", 12, "tenant:conversation_id", (Completion,),
-    "finished answers re-keyed by conversation, so the history table can append them",
+    "ts.conversation.turns", 12, "tenant:conversation_id", (Completion, ToolResult),
+    "finished answers and tool results re-keyed by conversation, so the history table can append "
+    "them (and a response run go on to its next step)",
     _retained(7),
-    writers=(Writer("conversation processor (answers)", "every Completion on ts.tokens, re-keyed"),),
+    writers=(Writer("conversation processor (answers, results)", "every Completion on ts.tokens and every "
+                    "ToolResult on ts.tool.results, re-keyed"),),
     readers=(Reader("conversation processor (history)", CONVERSATION_GROUP, FAUST_COMMIT), AUDITOR),
 )
 # Changelogs of the processors' faust tables. Faust names them <app id>-<table>-changelog;

@@ -13,7 +13,7 @@ from fastapi import APIRouter, Depends, Request
 
 from gateway import context
 from gateway import openai_api as api
-from gateway.answers import collect, sse_response
+from gateway.answers import collect, live_events, sse_response
 from gateway.auth import principal
 from gateway.cache import Entry, hit_events
 from gateway.caching import look_up
@@ -22,7 +22,6 @@ from gateway.framing import Framer
 from gateway.pipeline import Gateway
 from gateway.ratelimit import estimate_prompt_tokens
 from gateway.resume import NOTHING_SEEN, new_request_id
-from gateway.screening import held_until_screened
 from gateway.tool_params import BadField, check_tool_messages, output_spec
 from producers import publish
 from schemas import (
@@ -100,6 +99,9 @@ async def _chat(gw: Gateway, body: api.ChatCompletionRequest, request: Request, 
     if body.assistant is not None and body.assistant not in presets():
         raise api.APIError(404, f"The assistant preset `{body.assistant}` does not exist.", "invalid_request_error",
                            param="assistant", code="preset_not_found")
+    if body.assistant is not None and presets()[body.assistant].tools:
+        raise api.invalid_request(f"The assistant preset `{body.assistant}` runs server tools; use POST /v1/responses "
+                                  "with it.", "assistant")
     sampling = sampling_of(body)
     output = output_of(body)
     messages = messages_of(body)
@@ -147,14 +149,7 @@ async def _chat(gw: Gateway, body: api.ChatCompletionRequest, request: Request, 
                 chunks=sent, finish_reason=done.finish_reason, request_id=rid,
                 prompt_tokens=done.usage.prompt_tokens, completion_tokens=done.usage.completion_tokens))
 
-    async def live() -> AsyncIterator[list[Event]]:
-        while True:
-            batch = await stream.take(gw.cfg.progress_timeout_s)
-            if not batch:
-                return
-            yield batch
-
-    source = held_until_screened(live()) if gw.cfg.screening == "parallel" else live()
+    source = live_events(gw, stream)
     if body.stream:
         framer = Framer(rid, body.model, created, include_usage, NOTHING_SEEN)
         return sse_response(gw, framer, source, generation, started, cleanup=lambda: fanout.unsubscribe(rid),

@@ -1,10 +1,15 @@
-"""The conversation processor: ts.chat.requests (+ finished answers) -> ts.requests.prepared.
+"""The conversation processor: ts.chat.requests (+ finished answers, tool results) -> ts.requests.prepared.
 
 One agent reads both the chat requests and the answers re-keyed by conversation (the table row
 and both topics' keys are `schemas.keys.conversation_key(tenant, conversation_id)`, so one
 tenant's conversation id never reaches another tenant's history), so every
 event of a conversation is handled on the same partition, in order, against the same
-table row. A second agent re-keys completions from ts.tokens to ts.conversation.turns.
+table row. Two more agents re-key completions from ts.tokens and tool results from
+ts.tool.results to ts.conversation.turns.
+
+Response runs (schemas/runs.py, processors/conversation/runs.py) are driven here: the history is
+what the next step's prompt is made of, and the row (changelog-backed) holds the run's state, so
+the loop survives a restart of this processor or of the tool processor.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 
+from processors.conversation import runs
 from processors.conversation.config import ConversationSettings
 from processors.conversation.history import (
     bounded,
@@ -24,11 +30,28 @@ from processors.conversation.presets import apply_preset, presets
 from processors.conversation.window import PromptTooLong, chat_template_counter, trim
 from processors.effects import Ledger
 from processors.faust_app import get, make_app, put, send, table, topic, trace_of, typed
-from schemas import ChatMessage, ChatRequest, Completion, ConversationHistory, InferenceRequest, Transcript
+from schemas import (
+    ChatMessage,
+    ChatRequest,
+    Completion,
+    ConversationHistory,
+    InferenceRequest,
+    ToolResult,
+    Transcript,
+)
 from schemas.keys import conversation_key
 from tokenstream.config import settings
 from tokenstream.models import load_tokenizer, prompt_budget
-from topics import CHAT_REQUESTS, CONVERSATION_TURNS, CONVERSATIONS, DEAD_LETTER, PREPARED, TOKENS, TRANSCRIPTS
+from topics import (
+    CHAT_REQUESTS,
+    CONVERSATION_TURNS,
+    CONVERSATIONS,
+    DEAD_LETTER,
+    PREPARED,
+    TOKENS,
+    TOOL_RESULTS,
+    TRANSCRIPTS,
+)
 
 log = logging.getLogger(__name__)
 SEEN_KEPT = 64  # request ids remembered per conversation, to drop a request delivered twice
@@ -40,6 +63,7 @@ history_table = table(app, CONVERSATIONS, "history")
 inbox = app.topic(CHAT_REQUESTS.name, CONVERSATION_TURNS.name, key_type=bytes, value_type=bytes,
                   key_serializer="raw", value_serializer="raw")
 tokens_in = topic(app, TOKENS)
+results_in = topic(app, TOOL_RESULTS)
 prepared_out = topic(app, PREPARED)
 turns_out = topic(app, CONVERSATION_TURNS)
 tokens_out = topic(app, TOKENS)
@@ -95,6 +119,8 @@ async def _prepare(request: ChatRequest, state: ConversationHistory, trace) -> b
         return False
     state.messages = bounded(messages, cfg.max_history_messages)
     state.pending_request_id, state.pending_since = request.request_id, time.time()
+    if request.run is not None:
+        state.run = runs.start(request)
     prepared = InferenceRequest(
         request_id=request.request_id, conversation_id=request.conversation_id, tenant=request.tenant,
         model=model, messages=prompt, sampling=sampling, output=request.output,
@@ -113,9 +139,10 @@ async def _on_request(request: ChatRequest, state: ConversationHistory, trace) -
         return  # delivered twice upstream: already prepared
     state.seen_request_ids = [*state.seen_request_ids[-(SEEN_KEPT - 1):], request.request_id]
     waiting = state.pending_request_id and time.time() - state.pending_since < cfg.pending_timeout_s
-    if waiting and not carries_full_history(request.messages):
-        state.parked.append(request)  # its history needs the answer still being generated
+    if (waiting or runs.busy(state, cfg.pending_timeout_s)) and not carries_full_history(request.messages):
+        state.parked.append(request)  # its history needs the answer (or the run) still being generated
         return
+    state.run = None  # a run that stopped waiting long ago is abandoned
     await _prepare(request, state, trace)
 
 
@@ -125,8 +152,33 @@ async def _on_answer(done: Completion, state: ConversationHistory, trace) -> Non
         return  # an answer to a request this history no longer waits for
     state.messages = with_answer(state.messages, done)
     state.pending_request_id = None
-    while state.parked and state.pending_request_id is None:
+    if state.run is not None and done.request_id == runs.current_step(state.run):
+        state.run = runs.on_answer(state.run, done)
+        if state.run is not None:
+            await _advance(state, trace)
+    while state.parked and state.pending_request_id is None and state.run is None:
         await _prepare(state.parked.pop(0), state, trace)
+
+
+async def _on_result(result: ToolResult, state: ConversationHistory, trace) -> None:
+    if state.run is not None and runs.on_result(state.run, result):
+        await _advance(state, trace)
+
+
+async def _advance(state: ConversationHistory, trace) -> None:
+    """Once every server call of the run's step has its result: each result in band to the client
+    (in call order, once per call id), the tool messages into the history, the next step prepared."""
+    run = state.run
+    results = runs.ready(run)
+    if results is None:
+        return
+    for result in results:
+        await ledger.once("run-result", result.call_id, lambda r=result: send(
+            tokens_out, TOKENS, r, key=r.request_id, partition=run.reply_partition, trace=trace))
+    state.messages = [*state.messages, *(runs.tool_message(r) for r in results)]
+    step = runs.next_step(run, results[0].conversation_id, results[0].tenant)
+    if not await _prepare(step, state, trace):
+        state.run = None
 
 
 async def _record(done: Completion, state: ConversationHistory, trace) -> None:
@@ -153,6 +205,8 @@ async def conversations(stream):
             request_id=event.request_id, conversation_id=key, tenant=event.tenant)
         if isinstance(event, ChatRequest):
             await _on_request(event, state, trace_of(raw))
+        elif isinstance(event, ToolResult):
+            await _on_result(event, state, trace_of(raw))
         else:
             await _on_answer(event, state, trace_of(raw))
         state.request_id = event.request_id
@@ -164,5 +218,14 @@ async def answers(stream):
     """Completions, re-keyed by conversation so the history agent sees them in its partition."""
     async for event, raw in typed(stream, {TOKENS.name: TOKENS}, dead_letters):
         if isinstance(event, Completion) and event.conversation_id:
+            await send(turns_out, CONVERSATION_TURNS, event, key=conversation_key(event.tenant, event.conversation_id),
+                       trace=trace_of(raw))
+
+
+@app.agent(results_in)
+async def results(stream):
+    """Tool results, re-keyed by conversation so a response run goes on in its conversation's partition."""
+    async for event, raw in typed(stream, {TOOL_RESULTS.name: TOOL_RESULTS}, dead_letters):
+        if event.conversation_id:
             await send(turns_out, CONVERSATION_TURNS, event, key=conversation_key(event.tenant, event.conversation_id),
                        trace=trace_of(raw))

@@ -100,8 +100,8 @@ async def refuse(request: InferenceRequest, result: Judgement, trace) -> None:
 @app.agent(tokens_in)
 async def watch_outputs(stream):
     async for event, raw in typed(stream, {TOKENS.name: TOKENS}, dead_letters):
-        if isinstance(event, SafetyVerdict):
-            continue  # our own in-band verdicts
+        if not isinstance(event, TokenChunk | Completion):
+            continue  # our own in-band verdicts, a response run's tool results
         window = get(windows_table, event.request_id, OutputWindow) or OutputWindow(
             request_id=event.request_id, conversation_id=event.conversation_id, tenant=event.tenant)
         final = isinstance(event, Completion)

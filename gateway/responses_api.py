@@ -1,0 +1,271 @@
+"""The Responses API request (`POST /v1/responses`): its shape, its checks, and what it becomes.
+
+What is implemented is honoured; every other field of OpenAI's request is a 400 naming it (never
+accepted and ignored). Function tools share their checks with chat completions
+(gateway/tool_params.py); the built-in tools become function specs the model calls through the
+same grammar, and the RunSpec lists them as server tools, so the conversation processor runs the
+loop (schemas/runs.py).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from gateway import openai_api as api
+from gateway import tool_params as tp
+from schemas import ChatMessage, FunctionCall, MessageToolCall, OutputSpec, RunSpec
+
+MAX_INPUT_ITEMS = 1024
+MAX_TEXT = 1_000_000
+#: Fields of OpenAI's request this server does not implement: sent with a value, they are a 400.
+UNSUPPORTED = ("background", "conversation", "max_tool_calls", "prompt", "prompt_cache_key", "reasoning",
+               "safety_identifier", "service_tier", "stream_options", "top_logprobs")
+#: `include` values whose content every response carries anyway.
+INCLUDED = ("code_interpreter_call.outputs", "file_search_call.results")
+
+CODE_TOOL = tp.FunctionDef(
+    name="code_interpreter",
+    description="Run Python code in a sandbox and get its output. Files written in the working folder "
+                "stay there for later calls of this conversation. Print what you want to see.",
+    parameters={"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"],
+                "additionalProperties": False})
+WEB_TOOL = tp.FunctionDef(
+    name="web_fetch", description="Fetch a web page (from the hosts the operator allows) and read its text.",
+    parameters={"type": "object", "properties": {"url": {"type": "string"}}, "required": ["url"],
+                "additionalProperties": False})
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class InputText(_Strict):
+    type: Literal["input_text", "output_text"]
+    text: str = Field(max_length=MAX_TEXT)
+    annotations: list[Any] | None = None  # on output_text sent back: carried, not interpreted
+    logprobs: list[Any] | None = None
+
+
+class MessageItem(_Strict):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[InputText]
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallItem(_Strict):
+    type: Literal["function_call"]
+    call_id: str = Field(min_length=1, max_length=200)
+    name: str = Field(pattern=tp.NAME)
+    arguments: str = Field(max_length=tp.MAX_SCHEMA_BYTES)
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionOutputItem(_Strict):
+    type: Literal["function_call_output"]
+    call_id: str = Field(min_length=1, max_length=200)
+    output: str = Field(max_length=MAX_TEXT)
+    id: str | None = None
+    status: str | None = None
+
+
+InputItem = MessageItem | FunctionCallItem | FunctionOutputItem
+
+
+class FunctionTool(_Strict):
+    type: Literal["function"]
+    name: str = Field(pattern=tp.NAME)
+    description: str | None = Field(None, max_length=4096)
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class CodeInterpreterTool(_Strict):
+    type: Literal["code_interpreter"]
+    container: str | dict[str, Any] = "auto"
+
+    @model_validator(mode="after")
+    def _auto(self) -> CodeInterpreterTool:
+        if self.container not in ("auto", {"type": "auto"}):
+            raise ValueError('only container "auto" is supported (one working folder per conversation)')
+        return self
+
+
+class FileSearchTool(_Strict):
+    type: Literal["file_search"]
+    vector_store_ids: list[str] = Field(min_length=1, max_length=16)
+    max_num_results: int = Field(5, ge=1, le=20)
+
+
+class WebFetchTool(_Strict):
+    """tokenstream's web tool: fetch one page from the operator's allowlist (no search engine)."""
+
+    type: Literal["web_fetch"]
+
+
+ResponseTool = Annotated[FunctionTool | CodeInterpreterTool | FileSearchTool | WebFetchTool, Field(discriminator="type")]
+BUILTIN_TYPES = ("code_interpreter", "file_search", "web_fetch")
+
+
+class NamedFunction(_Strict):
+    type: Literal["function"]
+    name: str = Field(min_length=1)
+
+
+class HostedTool(_Strict):
+    type: Literal["code_interpreter", "file_search", "web_fetch"]
+
+
+class AllowedTools(_Strict):
+    type: Literal["allowed_tools"]
+    mode: Literal["auto", "required"]
+    tools: list[NamedFunction | HostedTool] = Field(min_length=1)
+
+
+ResponseToolChoice = Literal["none", "auto", "required"] | NamedFunction | HostedTool | AllowedTools
+
+
+class TextFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = Field(None, pattern=tp.NAME)
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class TextConfig(_Strict):
+    format: TextFormat | None = None
+    verbosity: Literal["medium"] | None = None
+
+
+class ResponseCreate(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str = Field(min_length=1, max_length=api.MAX_NAME_CHARS)
+    input: str | list[InputItem]
+    instructions: str | None = Field(None, max_length=MAX_TEXT)
+    tools: list[ResponseTool] | None = Field(None, max_length=tp.MAX_TOOLS)
+    tool_choice: ResponseToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    previous_response_id: str | None = Field(None, max_length=200)
+    store: bool = True
+    stream: bool = False
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    max_output_tokens: int | None = Field(None, ge=1, le=api.MAX_TOKENS)
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+    user: str | None = Field(None, max_length=api.MAX_NAME_CHARS)
+    include: list[Literal["code_interpreter_call.outputs", "file_search_call.results"]] | None = None
+    truncation: Literal["auto"] | None = None
+    text: TextConfig | None = None
+    # tokenstream extensions (extra_body): an assistant preset; no response cache applies here
+    assistant: str | None = Field(None, min_length=1, max_length=api.MAX_NAME_CHARS)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        where = api.lone_surrogate(data)
+        if where is not None:
+            raise ValueError(f"{where or 'the body'} holds a lone UTF-16 surrogate (not valid Unicode text)")
+        return data
+
+    def unsupported(self) -> str | None:
+        """The first field sent that this server does not implement."""
+        extra = {k: v for k, v in (self.model_extra or {}).items() if v is not None}
+        for name in UNSUPPORTED:
+            if name in extra:
+                return name
+        return next(iter(extra), None)
+
+
+def _text(content: str | list[InputText]) -> str:
+    return content if isinstance(content, str) else "".join(p.text for p in content)
+
+
+def messages_of(body: ResponseCreate) -> list[ChatMessage]:
+    """`instructions` and `input` as chat messages (function calls joined into assistant turns)."""
+    out: list[ChatMessage] = []
+    if body.instructions:
+        out.append(ChatMessage(role="system", content=body.instructions))
+    items = [MessageItem(role="user", content=body.input)] if isinstance(body.input, str) else body.input
+    if not 0 < len(items) <= MAX_INPUT_ITEMS:
+        raise api.invalid_request(f"input must hold 1 to {MAX_INPUT_ITEMS} items", "input")
+    for item in items:
+        if isinstance(item, MessageItem):
+            role = "system" if item.role == "developer" else item.role
+            out.append(ChatMessage(role=role, content=_text(item.content)))
+        elif isinstance(item, FunctionCallItem):
+            call = MessageToolCall(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments))
+            if out and out[-1].role == "assistant" and out[-1].tool_calls and not out[-1].content:
+                out[-1].tool_calls.append(call)
+            else:
+                out.append(ChatMessage(role="assistant", content="", tool_calls=[call]))
+        else:
+            out.append(ChatMessage(role="tool", tool_call_id=item.call_id, content=item.output))
+    if body.previous_response_id is None:
+        made = {c.id for m in out for c in m.tool_calls}
+        for i, m in enumerate(out):
+            if m.role == "tool" and m.tool_call_id not in made:
+                raise api.invalid_request(f"function_call_output answers {m.tool_call_id!r}, a call that no "
+                                          "function_call item of this input (or previous_response_id) made",
+                                          f"input[{i}].call_id")
+    return out
+
+
+def _as_function(tool: ResponseTool) -> tp.Tool:
+    if isinstance(tool, FunctionTool):
+        return tp.Tool(type="function", function=tp.FunctionDef(
+            name=tool.name, description=tool.description, parameters=tool.parameters, strict=tool.strict))
+    if isinstance(tool, CodeInterpreterTool):
+        return tp.Tool(type="function", function=CODE_TOOL)
+    if isinstance(tool, WebFetchTool):
+        return tp.Tool(type="function", function=WEB_TOOL)
+    # the stores and the result count are fixed by the request: the grammar writes them as given
+    return tp.Tool(type="function", function=tp.FunctionDef(
+        name="file_search", description="Search the uploaded files for passages that answer a query.",
+        parameters={"type": "object", "properties": {
+            "query": {"type": "string"},
+            "vector_store_ids": {"type": "array", "items": {"type": "string", "enum": tool.vector_store_ids},
+                                 "minItems": len(tool.vector_store_ids),
+                                 "maxItems": len(tool.vector_store_ids)},
+            "max_num_results": {"type": "integer", "enum": [tool.max_num_results]}},
+            "required": ["query", "vector_store_ids", "max_num_results"], "additionalProperties": False}))
+
+
+def _name(tool: ResponseTool | NamedFunction | HostedTool) -> str:
+    return tool.name if isinstance(tool, FunctionTool | NamedFunction) else tool.type
+
+
+def _choice(choice: ResponseToolChoice | None) -> tp.ToolChoice | None:
+    if choice is None or isinstance(choice, str):
+        return choice
+    if isinstance(choice, NamedFunction | HostedTool):
+        return tp.NamedToolChoice(type="function", function=tp.FunctionName(name=_name(choice)))
+    return tp.AllowedToolsChoice(type="allowed_tools", allowed_tools=tp.AllowedTools(
+        mode=choice.mode, tools=[tp.NamedToolChoice(type="function", function=tp.FunctionName(name=_name(t)))
+                                 for t in choice.tools]))
+
+
+def _format(text: TextConfig | None) -> tp.ResponseFormat | None:
+    fmt = text.format if text is not None else None
+    if fmt is None or fmt.type != "json_schema":
+        return None if fmt is None else tp.ResponseFormat(type=fmt.type)
+    if fmt.name is None or fmt.schema_ is None:
+        raise tp.BadField("text.format json_schema needs name and schema", "text.format")
+    return tp.ResponseFormat(type="json_schema", json_schema=tp.JSONSchemaFormat(
+        name=fmt.name, description=fmt.description, schema=fmt.schema_, strict=fmt.strict))
+
+
+def output_and_run(tools: list[ResponseTool], body: ResponseCreate, max_steps: int) -> tuple[OutputSpec, RunSpec]:
+    """The OutputSpec (function specs for every tool, built-ins included) and the run's RunSpec."""
+    try:
+        spec = tp.output_spec([_as_function(t) for t in tools], _choice(body.tool_choice),
+                              body.parallel_tool_calls, _format(body.text))
+    except tp.BadField as exc:
+        raise api.invalid_request(str(exc), exc.param) from None
+    server = [t.type for t in tools if t.type in BUILTIN_TYPES]
+    return spec, RunSpec(server_tools=server, max_steps=max_steps)

@@ -1,0 +1,255 @@
+"""A response run's events (token chunks, completions and tool results of every step, in log order)
+-> the Responses API's stream events, and the response object they build.
+
+The fold is a function of the log alone: one event per token chunk (no coalescing), numbered by
+`sequence_number` from 0, so a resume replays the run from the log and sends exactly the events
+after the one the client saw (SSE id `<run id>:<sequence_number>`), on any gateway instance.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from schemas import Completion, Event, RunSpec, SafetyVerdict, TokenChunk, ToolCallDelta, ToolResult
+from schemas.ids import response_id, step_request_id
+
+ITEM_PREFIX = {"code_interpreter": "ci_", "file_search": "fs_", "web_fetch": "ws_"}
+ITEM_TYPE = {"code_interpreter": "code_interpreter_call", "file_search": "file_search_call",
+             "web_fetch": "web_search_call"}
+
+
+def base_response(run_id: str, created: int, model: str, params: dict[str, Any]) -> dict[str, Any]:
+    """The response object before any output (params: the request fields it echoes)."""
+    return {"id": response_id(run_id), "object": "response", "created_at": created, "status": "in_progress",
+            "error": None, "incomplete_details": None, "model": model, "output": [], "usage": None,
+            "reasoning": {"effort": None, "summary": None}, "truncation": "auto", **params}
+
+
+def usage_of(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt + completion}
+
+
+def _args(call_arguments: str) -> dict[str, Any]:
+    try:
+        value = json.loads(call_arguments or "{}")
+    except json.JSONDecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+class ResponseFramer:
+    """Folds a run's events into stream events (dicts with `type` and `sequence_number`)."""
+
+    def __init__(self, run_id: str, spec: RunSpec, response: dict[str, Any], conversation_id: str) -> None:
+        self.run_id, self.spec, self.response = run_id, spec, response
+        self.container = f"cntr_{conversation_id}"
+        self.steps = {step_request_id(run_id, k): k for k in range(spec.max_steps)}
+        self.seq = 0
+        self.next_chunk: dict[str, int] = {}
+        self.ended_steps: set[str] = set()
+        self.message: dict[str, int] = {}  # step request id -> output index of its open message
+        self.calls: dict[tuple[str, int], int] = {}  # (step, call index) -> output index
+        self.by_call: dict[str, int] = {}  # call id -> output index (server calls awaiting results)
+        self.tokens = [0, 0, 0]
+        self.done = False
+
+    @property
+    def output(self) -> list[dict[str, Any]]:
+        return self.response["output"]
+
+    def _ev(self, type_: str, **fields: Any) -> dict[str, Any]:
+        event = {"type": type_, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return event
+
+    def _snapshot(self) -> dict[str, Any]:
+        return json.loads(json.dumps(self.response))
+
+    def start(self) -> list[dict[str, Any]]:
+        return [self._ev("response.created", response=self._snapshot()),
+                self._ev("response.in_progress", response=self._snapshot())]
+
+    def feed(self, events: list[Event]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for ev in events:
+            if self.done:
+                break
+            step = self.steps.get(ev.request_id)
+            if step is None:
+                continue
+            if isinstance(ev, TokenChunk):
+                out += self._chunk(ev)
+            elif isinstance(ev, Completion):
+                out += self._completion(ev, step)
+            elif isinstance(ev, ToolResult):
+                out += self._result(ev)
+            elif isinstance(ev, SafetyVerdict) and ev.blocked:
+                out += self._end("incomplete", incomplete={"reason": "content_filter"})
+        return out
+
+    # ------------------------------------------------------------------ text and calls as they come
+    def _chunk(self, ev: TokenChunk) -> list[dict[str, Any]]:
+        rid = ev.request_id
+        if ev.seq < self.next_chunk.get(rid, 0) or rid in self.ended_steps:
+            return []  # a duplicate (at-least-once writes)
+        self.next_chunk[rid] = ev.seq + 1
+        out: list[dict[str, Any]] = []
+        if ev.text:
+            out += self._open_message(rid)
+            index = self.message[rid]
+            self.output[index]["content"][0]["text"] += ev.text
+            out.append(self._ev("response.output_text.delta", item_id=self.output[index]["id"], output_index=index,
+                                content_index=0, delta=ev.text, logprobs=[]))
+        for delta in ev.tool_calls:
+            out += self._call_delta(rid, delta)
+        return out
+
+    def _open_message(self, rid: str) -> list[dict[str, Any]]:
+        if rid in self.message:
+            return []
+        index = len(self.output)
+        self.message[rid] = index
+        item = {"id": f"msg_{rid}", "type": "message", "status": "in_progress", "role": "assistant", "content": []}
+        self.output.append(item)
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        added = self._ev("response.output_item.added", output_index=index, item=json.loads(json.dumps(item)))
+        item["content"].append(part)
+        return [added, self._ev("response.content_part.added", item_id=item["id"], output_index=index,
+                                content_index=0, part=dict(part))]
+
+    def _call_delta(self, rid: str, d: ToolCallDelta) -> list[dict[str, Any]]:
+        key = (rid, d.index)
+        if d.id:
+            index = self.calls[key] = len(self.output)
+            if d.name in self.spec.server_tools:
+                item = self._server_item(d.id, d.name)
+                self.output.append(item)
+                return [self._ev("response.output_item.added", output_index=index, item=dict(item)),
+                        self._ev(f"response.{item['type']}.in_progress", item_id=item["id"], output_index=index)]
+            item = {"id": f"fc_{d.id}", "type": "function_call", "status": "in_progress", "call_id": d.id,
+                    "name": d.name, "arguments": d.arguments}
+            self.output.append(item)
+            return [self._ev("response.output_item.added", output_index=index, item=dict(item))]
+        index = self.calls.get(key)
+        if index is None or self.output[index]["type"] != "function_call":
+            return []  # a server call's arguments are shown whole at the step's end
+        self.output[index]["arguments"] += d.arguments
+        return [self._ev("response.function_call_arguments.delta", item_id=self.output[index]["id"],
+                         output_index=index, delta=d.arguments)]
+
+    def _server_item(self, call_id: str, name: str) -> dict[str, Any]:
+        item: dict[str, Any] = {"id": ITEM_PREFIX[name] + call_id, "type": ITEM_TYPE[name], "status": "in_progress"}
+        if name == "code_interpreter":
+            item.update(code="", container_id=self.container, outputs=None)
+        elif name == "file_search":
+            item.update(queries=[], results=None)
+        else:
+            item.update(action={"type": "open_page", "url": ""})
+        return item
+
+    # ------------------------------------------------------------------------- the end of a step
+    def _completion(self, done: Completion, step: int) -> list[dict[str, Any]]:
+        rid = done.request_id
+        if rid in self.ended_steps:
+            return []
+        self.ended_steps.add(rid)
+        for i, n in enumerate((done.usage.prompt_tokens, done.usage.completion_tokens, done.usage.cached_tokens)):
+            self.tokens[i] += n
+        out = self._close_message(rid)
+        if done.finish_reason == "error":
+            return out + self._end("failed", error={"code": done.error_code or "server_error",
+                                                    "message": done.error or "generation failed"})
+        for i, call in enumerate(done.tool_calls):
+            out += self._close_call(rid, i, call.id, call.function.name, call.function.arguments)
+        if self.spec.continues(step, done):
+            return out  # the results, then the next step, follow
+        if done.finish_reason == "content_filter":
+            return out + self._end("incomplete", incomplete={"reason": "content_filter"})
+        if done.finish_reason == "length":
+            return out + self._end("incomplete", incomplete={"reason": "max_output_tokens"})
+        if done.finish_reason == "cancelled":
+            return out + self._end("cancelled")
+        return out + self._end("completed")
+
+    def _close_message(self, rid: str) -> list[dict[str, Any]]:
+        index = self.message.get(rid)
+        if index is None:
+            return []
+        item = self.output[index]
+        item["status"] = "completed"
+        part = item["content"][0]
+        return [self._ev("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
+                         text=part["text"], logprobs=[]),
+                self._ev("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
+                         part=dict(part)),
+                self._ev("response.output_item.done", output_index=index, item=json.loads(json.dumps(item)))]
+
+    def _close_call(self, rid: str, i: int, call_id: str, name: str, arguments: str) -> list[dict[str, Any]]:
+        index = self.calls.get((rid, i))
+        if index is None:  # deltas never seen (cannot happen in one log; kept total)
+            out = self._call_delta(rid, ToolCallDelta(index=i, id=call_id, name=name))
+            index = self.calls[(rid, i)]
+        else:
+            out = []
+        item = self.output[index]
+        if item["type"] == "function_call":
+            item.update(arguments=arguments, status="completed")
+            return out + [self._ev("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                   name=name, arguments=arguments),
+                          self._ev("response.output_item.done", output_index=index, item=dict(item))]
+        args = _args(arguments)
+        self.by_call[call_id] = index
+        if name == "code_interpreter":
+            item["code"] = str(args.get("code", ""))
+            item["status"] = "interpreting"
+            return out + [self._ev("response.code_interpreter_call_code.delta", item_id=item["id"],
+                                   output_index=index, delta=item["code"]),
+                          self._ev("response.code_interpreter_call_code.done", item_id=item["id"],
+                                   output_index=index, code=item["code"]),
+                          self._ev("response.code_interpreter_call.interpreting", item_id=item["id"],
+                                   output_index=index)]
+        if name == "file_search":
+            item["queries"] = [str(args.get("query", ""))]
+        else:
+            item["action"] = {"type": "open_page", "url": str(args.get("url", ""))}
+        item["status"] = "searching"
+        return out + [self._ev(f"response.{item['type']}.searching", item_id=item["id"], output_index=index)]
+
+    def _result(self, result: ToolResult) -> list[dict[str, Any]]:
+        index = self.by_call.pop(result.call_id, None)
+        if index is None:
+            return []  # a duplicate, or a call this run does not wait for
+        item = self.output[index]
+        output = _args(result.output)  # a failed run still reports what it printed
+        item["status"] = "completed" if result.ok else "failed"
+        if not result.ok:
+            item["error"] = result.error
+        if item["type"] == "code_interpreter_call":
+            logs = (output.get("stdout") or "") + (output.get("stderr") or "")
+            if result.error:
+                logs += ("\n" if logs else "") + result.error
+            item["outputs"] = [{"type": "logs", "logs": logs}]
+            item["result"] = {k: output.get(k) for k in ("value", "files", "exit_code", "truncated")}
+        elif item["type"] == "file_search_call":
+            item["results"] = [{"file_id": r.get("file_id"), "filename": r.get("filename"), "score": r.get("score"),
+                                "text": r.get("text"), "attributes": {"vector_store_id": r.get("vector_store_id"),
+                                                                      "chunk_index": r.get("chunk_index")}}
+                               for r in output.get("results", [])]
+        else:
+            item["result"] = output
+        return [self._ev(f"response.{item['type']}.completed", item_id=item["id"], output_index=index),
+                self._ev("response.output_item.done", output_index=index, item=json.loads(json.dumps(item)))]
+
+    def _end(self, status: str, *, error: dict | None = None, incomplete: dict | None = None) -> list[dict[str, Any]]:
+        self.done = True
+        for item in self.output:  # calls left without a result (a step that also called a function)
+            if item["status"] in ("in_progress", "interpreting", "searching"):
+                item["status"] = "incomplete"
+        self.response.update(status=status, error=error, incomplete_details=incomplete,
+                             usage=usage_of(*self.tokens[:2], self.tokens[2]))
+        name = {"completed": "response.completed", "failed": "response.failed",
+                "incomplete": "response.incomplete", "cancelled": "response.failed"}[status]
+        return [self._ev(name, response=self._snapshot())]

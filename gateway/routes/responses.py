@@ -1,0 +1,250 @@
+"""The Responses API: `POST /v1/responses` (streamed or not), `GET /v1/responses/{id}` (the stored
+response, or with `stream=true` its events again from the log, after `Last-Event-ID` or
+`starting_after`).
+
+A response is a run (schemas/runs.py): the gateway writes step 0 as a ChatRequest carrying a
+RunSpec and follows every step's events on its own tokens partition (each step's request id is
+derived from the run id); the conversation processor drives the loop through the tool processor.
+Owner checks are those of chat streams: the tenant noted at admission, 404 for anyone else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Depends, Header
+from fastapi.responses import JSONResponse
+from pydantic import TypeAdapter, ValidationError
+from sse_starlette import EventSourceResponse, ServerSentEvent
+
+from gateway import context
+from gateway import openai_api as api
+from gateway.answers import KeepAlive, live_events
+from gateway.auth import principal
+from gateway.deps import pipeline
+from gateway.pipeline import Gateway
+from gateway.ratelimit import estimate_prompt_tokens
+from gateway.resume import NOTHING_SEEN, new_request_id, parse_last_event_id, replay
+from gateway.responses_api import ResponseCreate, ResponseTool, messages_of, output_and_run
+from gateway.responses_framing import ResponseFramer, base_response
+from gateway.routes.chat import admit
+from gateway.screening import held_until_screened
+from producers import publish
+from schemas import ChatRequest, Completion, Event, RunSpec, SamplingParams, Usage
+from schemas import keys as K
+from schemas.ids import event_id, run_id_of, step_request_id
+from tokenstream.presets import presets
+from topics import CHAT_REQUESTS
+
+log = logging.getLogger(__name__)
+router = APIRouter(prefix="/v1")
+DEFAULT_MAX_TOKENS = 256
+_tools = TypeAdapter(list[ResponseTool])
+
+
+def _run_id(response: str) -> str:
+    try:
+        return run_id_of(response)
+    except ValueError:
+        raise api.not_found(f"No response with id {response!r}.") from None
+
+
+async def _owned(gw: Gateway, rid: str, response: str, tenant: str) -> dict:
+    meta = await gw.recall(rid)
+    if meta == {}:
+        raise api.unavailable("The owner of this response cannot be checked right now (Redis unreachable).")
+    if meta is None or meta.get("tenant") != tenant or "run" not in meta:
+        raise api.not_found(f"No response with id {response!r} (or it has expired).")
+    return meta
+
+
+def _preset_tools(name: str | None) -> list:
+    if name is None:
+        return []
+    preset = presets().get(name)
+    if preset is None:
+        raise api.APIError(404, f"The assistant preset `{name}` does not exist.", "invalid_request_error",
+                           param="assistant", code="preset_not_found")
+    try:
+        return _tools.validate_python(preset.tools)
+    except ValidationError as exc:
+        raise api.APIError(500, f"The assistant preset `{name}` names invalid tools: {exc.errors()[0]['msg']}",
+                           "server_error", code="preset_invalid") from None
+
+
+def _sampling(body: ResponseCreate) -> SamplingParams:
+    try:
+        return SamplingParams(max_tokens=body.max_output_tokens or DEFAULT_MAX_TOKENS,
+                              temperature=1.0 if body.temperature is None else body.temperature,
+                              top_p=1.0 if body.top_p is None else body.top_p)
+    except ValueError as exc:
+        raise api.invalid_request(str(exc)) from None
+
+
+def _echo(body: ResponseCreate, tools: list, sampling: SamplingParams) -> dict[str, Any]:
+    """The request fields a response object repeats."""
+    choice = body.tool_choice if body.tool_choice is not None else ("auto" if tools else "none")
+    return {"instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+            "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "previous_response_id": body.previous_response_id, "store": body.store,
+            "temperature": sampling.temperature, "top_p": sampling.top_p,
+            "text": {"format": body.text.format.model_dump(by_alias=True, exclude_none=True)
+                     if body.text and body.text.format else {"type": "text"}},
+            "tool_choice": choice if isinstance(choice, str) else choice.model_dump(exclude_none=True),
+            "tools": [t.model_dump(exclude_none=True) for t in tools], "user": body.user,
+            "metadata": body.metadata or {}, "assistant": body.assistant}
+
+
+@router.post("/responses")
+async def create(body: ResponseCreate, gw: Gateway = Depends(pipeline), key: K.ApiKey = Depends(principal)):
+    field = body.unsupported()
+    if field is not None:
+        raise api.invalid_request(f"`{field}` is not supported by this server.", field)
+    if body.model not in gw.cfg.models:
+        raise api.model_not_found(body.model)
+    tools = [*_preset_tools(body.assistant), *(body.tools or [])]
+    output, run = output_and_run(tools, body, gw.cfg.responses_max_steps)
+    sampling = _sampling(body)
+    messages = messages_of(body)
+    conversation = None
+    if body.previous_response_id is not None:
+        before = await _owned(gw, _run_id(body.previous_response_id), body.previous_response_id, key.tenant)
+        if not before.get("store"):
+            raise api.APIError(404, f"Previous response {body.previous_response_id!r} was created with store "
+                                    "false and cannot be continued.", "invalid_request_error",
+                               param="previous_response_id", code="not_found")
+        conversation = before["conversation_id"]
+    await context.check(body.model, messages, sampling.max_tokens, "max_output_tokens")
+    admit(gw, body.model)
+    ticket = await gw.limiter.take(key, estimate_prompt_tokens([m.content for m in messages]) + sampling.max_tokens)
+
+    partition, created_at = gw.reply_partition(), time.time()
+    rid = new_request_id(partition, created_at)
+    conversation = conversation or rid
+    event = ChatRequest(request_id=rid, conversation_id=conversation, created_at=created_at, tenant=key.tenant,
+                        tier=key.tier, priority=key.priority, model=body.model, messages=messages, sampling=sampling,
+                        output=output, stream=body.stream, user=body.user, assistant=body.assistant,
+                        reply_partition=partition, gateway_id=gw.cfg.instance_id, screening=gw.cfg.screening, run=run)
+    created = int(created_at)
+    note = {"tenant": key.tenant, "model": body.model, "created": created, "conversation_id": conversation,
+            "store": body.store, "screening": gw.cfg.screening, "echo": _echo(body, tools, sampling),
+            "run": {"server_tools": run.server_tools, "max_steps": run.max_steps}, **ticket.note()}
+    steps = tuple(step_request_id(rid, k) for k in range(1, run.max_steps))
+    stream = gw.fanout.subscribe(rid, steps)
+    written, _, generation = await asyncio.gather(
+        asyncio.wait_for(publish(gw.producer, CHAT_REQUESTS, event,
+                                 key=K.conversation_key(key.tenant, conversation)), timeout=10),
+        gw.remember(rid, note), gw.canceller.attach(rid), return_exceptions=True)
+    if isinstance(written, BaseException) or isinstance(generation, BaseException):
+        gw.fanout.unsubscribe(rid)
+        exc = written if isinstance(written, BaseException) else generation
+        raise api.unavailable(f"Could not hand the request to the pipeline: {exc or type(exc).__name__}")
+
+    source = live_events(gw, stream)
+    framer = _framer(rid, note)
+    cleanup = lambda: gw.fanout.unsubscribe(rid)  # noqa: E731
+    if body.stream:
+        return _sse(gw, framer, source, NOTHING_SEEN, generation, note, cleanup, headers=ticket.headers)
+    try:
+        async for batch in source:
+            framer.feed(batch)
+            if framer.done:
+                break
+    finally:
+        cleanup()
+        await source.aclose()
+    if not framer.done:
+        gw.canceller.no_progress(rid, generation)
+        raise api.APIError(504, f"The model made no progress for {gw.cfg.progress_timeout_s:.0f}s; the response "
+                                "was cancelled. Please retry.", "server_error", code="timeout")
+    gw.canceller.release(rid)
+    gw.background(_finish(gw, rid, note, framer))
+    return JSONResponse(framer.response, headers=ticket.headers)
+
+
+def _framer(rid: str, note: dict) -> ResponseFramer:
+    spec = RunSpec(**note["run"])
+    return ResponseFramer(rid, spec, base_response(rid, note["created"], note["model"], note["echo"]),
+                          note["conversation_id"])
+
+
+async def _finish(gw: Gateway, rid: str, note: dict, framer: ResponseFramer) -> None:
+    """A run's end: its usage counted once (all steps), the response stored for GET when asked."""
+    prompt, completion, cached = framer.tokens
+    done = Completion(request_id=rid, seq=0, finish_reason="stop",
+                      usage=Usage(prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached))
+    await gw.settle(rid, note, done)
+    if note.get("store") and gw.redis is not None:
+        try:
+            await gw.redis.set(K.stored_response(rid), json.dumps(framer.response), ex=K.RESPONSE_TTL_S)
+        except Exception as exc:  # noqa: BLE001 - the answer went out; only GET misses it
+            log.warning("response %s not stored: %s", rid, exc)
+
+
+def _sse(gw: Gateway, framer: ResponseFramer, source: AsyncIterator[list[Event]], last: int, generation: int,
+         note: dict, cleanup, headers: dict[str, str] | None = None) -> EventSourceResponse:
+    """Stream the run's events after position `last` (NOTHING_SEEN: all of them)."""
+    def frames(events: list[dict]) -> list[ServerSentEvent]:
+        return [ServerSentEvent(json.dumps(e, separators=(",", ":")), event=e["type"],
+                                id=event_id(framer.run_id, e["sequence_number"]))
+                for e in events if e["sequence_number"] > last]
+
+    async def run():
+        try:
+            for frame in frames(framer.start()):
+                yield frame
+            async for batch in source:
+                for frame in frames(framer.feed(batch)):
+                    yield frame
+                if framer.done:
+                    return
+            yield ServerSentEvent(json.dumps({"type": "error", "code": "timeout", "message":
+                                              f"The model made no progress for {gw.cfg.progress_timeout_s:.0f}s; "
+                                              "the response was cancelled.", "param": None,
+                                              "sequence_number": framer.seq}), event="error")
+        finally:
+            cleanup()
+            await source.aclose()
+            if framer.done:
+                gw.canceller.release(framer.run_id)
+                gw.background(_finish(gw, framer.run_id, note, framer))
+            else:
+                gw.canceller.detached(framer.run_id, generation)
+
+    return EventSourceResponse(run(), ping=gw.cfg.ping_s, ping_message_factory=KeepAlive, headers={
+        "Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
+
+
+@router.get("/responses/{response}")
+async def retrieve(response: str, stream: bool = False, starting_after: int | None = None,
+                   last_event_id: str | None = Header(None), gw: Gateway = Depends(pipeline),
+                   key: K.ApiKey = Depends(principal)):
+    """The stored response (store=true), or, with stream=true, its events replayed from the log."""
+    rid = _run_id(response)
+    meta = await _owned(gw, rid, response, key.tenant)
+    if stream:
+        try:
+            last = parse_last_event_id(last_event_id, rid) if last_event_id else (
+                NOTHING_SEEN if starting_after is None else starting_after)
+        except ValueError as exc:
+            raise api.invalid_request(str(exc), param="Last-Event-ID") from None
+        framer = _framer(rid, meta)
+        steps = [step_request_id(rid, k) for k in range(1, framer.spec.max_steps)]
+        source = replay(gw.bootstrap, rid, idle_timeout_s=gw.cfg.progress_timeout_s, also=steps,
+                        ends=lambda _: False)
+        if meta.get("screening") == "parallel":
+            source = held_until_screened(source)
+        generation = await gw.canceller.attach(rid)
+        gw.metrics.resumes.inc()
+        return _sse(gw, framer, source, last, generation, meta, cleanup=lambda: None)  # settles once, anywhere
+    if not meta.get("store"):
+        raise api.not_found(f"Response {response!r} was created with store false.")
+    raw = await gw.redis.get(K.stored_response(rid)) if gw.redis is not None else None
+    if raw:
+        return JSONResponse(json.loads(raw))
+    return JSONResponse(_framer(rid, meta).response)  # still running: in_progress, no output yet

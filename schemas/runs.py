@@ -1,0 +1,56 @@
+"""Multi-step runs: a response whose model calls server tools goes on, step by step, as events.
+
+A run is one `/v1/responses` request. Step 0 is the ChatRequest the gateway writes (its request id
+is the run id); when a step's answer calls only server tools, the conversation processor waits for
+their ToolResults (ts.tool.results, re-keyed by conversation), appends them to the history as tool
+messages, writes each result in band to the run's tokens partition and prepares step k+1 under
+`schemas.ids.step_request_id(run_id, k + 1)`. The last allowed step is forced to answer in text
+(tool_choice "none"), so a run ends after at most `max_steps` inference requests.
+
+`continues` is the one rule both sides apply: the conversation processor to decide whether to
+prepare the next step, the gateway to know whether a step's Completion ends the response.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from schemas.structured import OutputSpec
+
+if TYPE_CHECKING:
+    from schemas.tokens import Completion
+
+#: Tools the tool processor runs (tools/builtin); any other tool is a function the client answers.
+SERVER_TOOLS = ("code_interpreter", "file_search", "web_fetch")
+DEFAULT_MAX_STEPS = 8
+#: A tool's output goes to the model cut to this many characters (the client gets all of it).
+TOOL_MESSAGE_CHARS = 2000
+
+
+class RunSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """On a ChatRequest that starts a run: which of its tools are server tools, and how many steps."""
+
+    server_tools: list[str] = msgspec.field(default_factory=list)
+    max_steps: int = DEFAULT_MAX_STEPS
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_steps <= 64:
+            raise ValueError("max_steps must be from 1 to 64")
+
+    def continues(self, step: int, done: Completion) -> bool:
+        """Whether the answer of step `step` is followed by step + 1 (its server calls' results)."""
+        return (done.finish_reason == "tool_calls" and bool(done.tool_calls) and step + 1 < self.max_steps
+                and all(c.function.name in self.server_tools for c in done.tool_calls))
+
+    def output_for(self, step: int, output: OutputSpec) -> OutputSpec:
+        """The output spec of step `step`: after step 0 the model chooses (a forced tool would loop),
+        and the last allowed step must answer in text."""
+        if step == 0:
+            return output
+        if step + 1 >= self.max_steps:
+            return msgspec.structs.replace(output, tool_choice="none", tool_name=None, allowed=[])
+        if output.tool_choice in ("function", "required"):
+            return msgspec.structs.replace(output, tool_choice="auto", tool_name=None)
+        return output

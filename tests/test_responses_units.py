@@ -1,0 +1,152 @@
+"""The pieces of a response run without a broker: the request checks, the run's rule and state
+steps (processors/conversation/runs.py), and the fold of a run's events into OpenAI's stream events."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from gateway import openai_api as api
+from gateway.responses_api import ResponseCreate, messages_of, output_and_run
+from gateway.responses_framing import ResponseFramer, base_response
+from processors.conversation import runs
+from schemas import (
+    ChatRequest,
+    Completion,
+    FunctionCall,
+    MessageToolCall,
+    RunSpec,
+    TokenChunk,
+    ToolCallDelta,
+    ToolResult,
+    Usage,
+    call_id,
+    decode,
+    encode,
+)
+from schemas.ids import new_request_id, parse_request_id, run_id_of, step_request_id
+
+RID = new_request_id(3, 1764480000.0)
+
+
+def test_step_ids_keep_the_runs_partition_and_time_and_differ_per_step():
+    ids = [step_request_id(RID, k) for k in range(8)]
+    assert ids[0] == RID and len(set(ids)) == 8
+    assert {parse_request_id(i) for i in ids} == {parse_request_id(RID)}
+    assert run_id_of("resp_" + RID) == RID
+    with pytest.raises(ValueError):
+        run_id_of("resp_nope")
+
+
+def test_the_run_rule_goes_on_only_through_server_calls_and_forces_text_at_the_last_step():
+    spec = RunSpec(server_tools=["code_interpreter"], max_steps=3)
+
+    def done(*names: str, reason: str = "tool_calls") -> Completion:
+        return Completion(request_id=RID, seq=1, finish_reason=reason, tool_calls=[
+            MessageToolCall(id=call_id(RID, i), function=FunctionCall(name=n)) for i, n in enumerate(names)])
+
+    assert spec.continues(0, done("code_interpreter"))
+    assert not spec.continues(0, done("code_interpreter", "get_weather"))  # the client answers that one
+    assert not spec.continues(2, done("code_interpreter"))  # no step 3
+    assert not spec.continues(0, done(reason="stop"))
+    body = ResponseCreate(model="m", input="x", tools=[{"type": "code_interpreter"}],
+                          tool_choice={"type": "code_interpreter"})
+    output, run = output_and_run(body.tools, body, 3)
+    assert output.tool_choice == "function" and output.tool_name == "code_interpreter"
+    assert run.server_tools == ["code_interpreter"]
+    assert run.output_for(0, output) is output
+    assert run.output_for(1, output).tool_choice == "auto"  # forcing again would loop
+    assert run.output_for(2, output).tool_choice == "none"
+
+
+def test_results_before_or_after_the_answer_advance_the_run_once_in_call_order():
+    request = ChatRequest(request_id=RID, conversation_id="c", model="m", messages=[],
+                          run=RunSpec(server_tools=["code_interpreter"], max_steps=4))
+    run = runs.start(request)
+    calls = [call_id(RID, 0), call_id(RID, 1)]
+    result = [ToolResult(request_id=RID, conversation_id="c", call_id=c, name="code_interpreter", ok=True,
+                         output=json.dumps({"stdout": str(i)})) for i, c in enumerate(calls)]
+    assert runs.on_result(run, result[1])  # a result may come before the step's Completion
+    assert not runs.on_result(run, result[1])  # a duplicate
+    done = Completion(request_id=RID, seq=5, finish_reason="tool_calls", tool_calls=[
+        MessageToolCall(id=c, function=FunctionCall(name="code_interpreter")) for c in calls])
+    assert runs.on_answer(run, done) is run and runs.ready(run) is None
+    assert runs.on_result(run, result[0])
+    assert [r.call_id for r in runs.ready(run)] == calls
+    step = runs.next_step(run, "c", "t")
+    assert step.request_id == step_request_id(RID, 1) and run.step == 1 and runs.ready(run) is None
+    assert not runs.on_result(run, result[0])  # of a step left behind (re-read after a restart)
+    tool = runs.tool_message(ToolResult(request_id=RID, call_id="x", name="n", ok=False, error="boom"))
+    assert tool.role == "tool" and json.loads(tool.content) == {"error": "boom"}
+    assert decode(encode(request), ChatRequest).run == request.run
+
+
+def test_input_items_become_messages_and_unknown_fields_are_named():
+    body = ResponseCreate(model="m", instructions="be brief", input=[
+        {"role": "user", "content": [{"type": "input_text", "text": "weather?"}]},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"}])
+    msgs = messages_of(body)
+    assert [m.role for m in msgs] == ["system", "user", "assistant", "tool"]
+    assert msgs[2].tool_calls[0].id == "c1" and msgs[3].content == "sunny"
+    with pytest.raises(api.APIError):
+        messages_of(ResponseCreate(model="m", input=[{"type": "function_call_output", "call_id": "zz",
+                                                      "output": "x"}]))
+    assert ResponseCreate(model="m", input="x", background=True).unsupported() == "background"
+    assert ResponseCreate(model="m", input="x", whatever=1).unsupported() == "whatever"
+    with pytest.raises(ValidationError):
+        ResponseCreate(model="m", input="x", tools=[{"type": "code_interpreter", "container": "cntr_1"}])
+    with pytest.raises(ValidationError):
+        ResponseCreate(model="m", input="x", tools=[{"type": "web_search"}])
+
+
+def _events_of_a_two_step_run() -> list:
+    spec = RunSpec(server_tools=["code_interpreter"], max_steps=3)
+    step1 = step_request_id(RID, 1)
+    cid = call_id(RID, 0)
+    args = json.dumps({"code": "print(42)"})
+    return spec, [
+        TokenChunk(request_id=RID, seq=0, text="", tool_calls=[ToolCallDelta(index=0, id=cid, name="code_interpreter")]),
+        TokenChunk(request_id=RID, seq=1, text="", tool_calls=[ToolCallDelta(index=0, arguments=args)]),
+        TokenChunk(request_id=RID, seq=1, text="", tool_calls=[ToolCallDelta(index=0, arguments=args)]),  # again
+        Completion(request_id=RID, seq=2, finish_reason="tool_calls", usage=Usage(prompt_tokens=10, completion_tokens=5),
+                   tool_calls=[MessageToolCall(id=cid, function=FunctionCall(name="code_interpreter", arguments=args))]),
+        ToolResult(request_id=RID, call_id=cid, name="code_interpreter", ok=True,
+                   output=json.dumps({"stdout": "42\n", "stderr": "", "value": None, "files": [], "exit_code": 0})),
+        TokenChunk(request_id=step1, seq=0, text="It is "),
+        TokenChunk(request_id=step1, seq=1, text="42."),
+        Completion(request_id=step1, seq=2, finish_reason="stop", usage=Usage(prompt_tokens=20, completion_tokens=3)),
+    ]
+
+
+def test_a_runs_events_fold_into_openais_stream_events_the_same_in_any_batching():
+    spec, events = _events_of_a_two_step_run()
+
+    def fold(batches):
+        framer = ResponseFramer(RID, spec, base_response(RID, 1, "m", {}), "conv")
+        out = framer.start()
+        for batch in batches:
+            out += framer.feed(batch)
+        return framer, out
+
+    framer, out = fold([events])
+    names = [e["type"] for e in out]
+    assert names == [
+        "response.created", "response.in_progress",
+        "response.output_item.added", "response.code_interpreter_call.in_progress",
+        "response.code_interpreter_call_code.delta", "response.code_interpreter_call_code.done",
+        "response.code_interpreter_call.interpreting", "response.code_interpreter_call.completed",
+        "response.output_item.done",
+        "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.completed"]
+    assert [e["sequence_number"] for e in out] == list(range(len(out)))
+    final = out[-1]["response"]
+    assert final["status"] == "completed" and final["usage"]["input_tokens"] == 30
+    assert final["output"][0]["outputs"] == [{"type": "logs", "logs": "42\n"}]
+    assert final["output"][0]["code"] == "print(42)"
+    assert final["output"][1]["content"][0]["text"] == "It is 42."
+    assert fold([[e] for e in events])[1] == out  # one event at a time: the same stream
