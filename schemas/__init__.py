@@ -20,7 +20,7 @@ from schemas.codec import (
     encode,
 )
 from schemas.control import Cancel, RouteUpdate
-from schemas.conversation import ConversationHistory
+from schemas.conversation import ConversationHistory, TurnDeadline
 from schemas.deadletter import DeadLetter
 from schemas.requests import ChatMessage, ChatRequest, InferenceRequest, SamplingParams, Screening
 from schemas.safety import REFUSAL, OutputWindow, SafetyVerdict
@@ -51,6 +51,7 @@ ALL_EVENTS: tuple[type[Event], ...] = (
     OutputWindow,
     DeadLetter,
     Transcript,
+    TurnDeadline,
 )
 
 __all__ = [
@@ -79,6 +80,7 @@ __all__ = [
     "ToolResult",
     "TraceContext",
     "Transcript",
+    "TurnDeadline",
     "UnsupportedVersion",
     "FunctionCall",
     "FunctionSpec",

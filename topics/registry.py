@@ -26,6 +26,7 @@ from schemas import (
     ToolCall,
     ToolResult,
     Transcript,
+    TurnDeadline,
 )
 
 DAY_MS = 24 * 3600 * 1000
@@ -182,10 +183,12 @@ TOOL_RESULTS = TopicSpec(
     readers=(AUDITOR,),
 )
 CONVERSATION_TURNS = TopicSpec(
-    "ts.conversation.turns", 12, "tenant:conversation_id", (Completion,),
-    "finished answers re-keyed by conversation, so the history table can append them",
+    "ts.conversation.turns", 12, "tenant:conversation_id", (Completion, TurnDeadline),
+    "finished answers re-keyed by conversation, so the history table can append them; and the "
+    "deadline of a turn parked for an answer that did not come",
     _retained(7),
-    writers=(Writer("conversation processor (answers)", "every Completion on ts.tokens, re-keyed"),),
+    writers=(Writer("conversation processor (answers)", "every Completion on ts.tokens, re-keyed"),
+             Writer("conversation processor (timer)", "a TurnDeadline when a parked turn's deadline passes")),
     readers=(Reader("conversation processor (history)", CONVERSATION_GROUP, FAUST_COMMIT), AUDITOR),
 )
 # Changelogs of the processors' faust tables. Faust names them <app id>-<table>-changelog;
