@@ -216,26 +216,38 @@ async def ending(stream) -> str:
 
 async def served_after(system: System, back: float) -> float:
     """Seconds from `back` (monotonic) to the first answer in full, retrying what fails at once."""
+    tries = []
     while True:
         try:
             done = await system.client(1, timeout=SERVED_WITHIN_S).chat.completions.create(
                 messages=[{"role": "user", "content": "Say hello."}], max_tokens=4, **greedy())
             if done.choices[0].finish_reason in ("stop", "length"):
                 return time.monotonic() - back
-        except (openai.APIError, httpx.HTTPError):
-            pass
-        assert time.monotonic() - back < SERVED_WITHIN_S, "no request was served within 10 s of the outage's end"
+            tries.append(f"+{time.monotonic() - back:.1f}s {done.choices[0].finish_reason}")
+        except (openai.APIError, httpx.HTTPError) as exc:
+            tries.append(f"+{time.monotonic() - back:.1f}s {type(exc).__name__}: {str(exc)[:120]}")
+        assert time.monotonic() - back < SERVED_WITHIN_S + 20, f"no request served 30 s after the outage's end: {tries}"
         await asyncio.sleep(0.3)
 
 
+async def baseline(system: System) -> float:
+    """Seconds a request like `served_after`'s takes on this machine now, before any outage."""
+    started = time.monotonic()
+    await system.client(1).chat.completions.create(messages=[{"role": "user", "content": "Say hello."}],
+                                                   max_tokens=4, **greedy())
+    return time.monotonic() - started
+
+
 async def test_redis_outage_under_the_running_system(system: System, stack):
+    normal = await baseline(system)
     answer = await in_flight(system)
+    client = system.client(1)  # (its key is looked up now, while Redis answers)
     await asyncio.to_thread(stack.redis.stop, lambda _m: None)
     try:
         down = await until_ready(system.gateways[0], False, timeout=10)  # no key can be checked: not ready
         assert down["redis"] is False, down
         with pytest.raises(openai.APIStatusError) as during:  # refused at once with a clear 503
-            await asyncio.wait_for(system.client(1).chat.completions.create(
+            await asyncio.wait_for(client.chat.completions.create(
                 messages=[{"role": "user", "content": "Hi"}], max_tokens=4, **greedy()), timeout=15)
         assert during.value.status_code == 503 and "Redis" in during.value.message
         await asyncio.sleep(3.0)  # the outage
@@ -243,26 +255,28 @@ async def test_redis_outage_under_the_running_system(system: System, stack):
         await asyncio.to_thread(stack.redis.start, lambda _m: None)
     back = time.monotonic()
     took = await served_after(system, back)  # (its client makes the tests' key again: Redis kept nothing)
-    assert took < SERVED_WITHIN_S
+    assert took < SERVED_WITHIN_S, (took, normal)
     await until_ready(system.gateways[0], True, timeout=10)
     assert await answer in ("stop", "length")  # its tokens never needed Redis
 
 
 async def test_broker_restart_under_the_running_system(system: System, stack):
+    normal = await baseline(system)
     answer = await in_flight(system)
+    client = system.client(1)
     await asyncio.to_thread(stack.kafka.stop, lambda _m: None)
     try:
         down = await until_ready(system.gateways[0], False, timeout=30)
         assert down["broker"] is False, down
         with pytest.raises(openai.APIStatusError) as during:
-            await asyncio.wait_for(system.client(1).chat.completions.create(
+            await asyncio.wait_for(client.chat.completions.create(
                 messages=[{"role": "user", "content": "Hi"}], max_tokens=4, **greedy()), timeout=30)
         assert during.value.status_code == 503
     finally:
         await asyncio.to_thread(stack.kafka.start, lambda _m: None)
     back = time.monotonic()
     took = await served_after(system, back)
-    assert took < SERVED_WITHIN_S
+    assert took < SERVED_WITHIN_S, (took, normal)
     await until_ready(system.gateways[0], True, timeout=30)
     end = await answer
     assert end in ("stop", "length") or end.startswith("error: "), end
