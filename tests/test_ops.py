@@ -18,6 +18,7 @@ from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
 from producers import publish, start_consumer, start_producer
 from schemas import ChatMessage, InferenceRequest
+from tests.kafka_support import group_settled
 from tokenstream.stack.scale import (
     ScaleError,
     Supervisor,
@@ -213,27 +214,6 @@ async def test_scaling_the_worker_group_up_and_down_keeps_every_stream_intact(st
         if extra.exists():
             with contextlib.suppress(ProcessLookupError, ValueError):
                 os.killpg(int(extra.read_text()), signal.SIGKILL)
-
-
-async def group_settled(bootstrap: str, group: str, members: int, timeout: float = 120) -> None:
-    """Wait until `group` is Stable with `members` members and every partition assigned (round robin
-    then gives each member a share)."""
-    from aiokafka.admin import AIOKafkaAdminClient
-
-    from tokenstream.ops.lag import _group_states
-
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            state = (await _group_states(admin, [group])).get(group)
-            if state and state.state == "Stable" and state.members == members and len(state.owners) >= members:
-                return
-            assert time.monotonic() < deadline, f"group {group} not settled: {state}"
-            await asyncio.sleep(0.5)
-    finally:
-        await admin.close()
 
 
 def free_port_pair() -> int:

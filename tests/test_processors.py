@@ -31,10 +31,9 @@ from schemas import (
     TokenChunk,
 )
 from schemas.keys import conversation_key
-from tests.kafka_support import Tap
+from tests.kafka_support import Tap, group_settled
 from tokenstream.models import load_tokenizer
 from tokenstream.chaos.verify import drained
-from tokenstream.ops.lag import _group_states
 from topics import CHAT_REQUESTS, CONTROL, CONVERSATION_TURNS, PREPARED, SCREENED, TOKENS, VERDICTS, inference_topic
 from topics.admin import apply
 from topics.registry import all_topics
@@ -404,24 +403,6 @@ async def test_canary_weights_change_at_run_time_and_roll_back(processors):
     assert "canary-x" in route_cli("show")
 
 
-async def members(bootstrap: str, group: str, count: int, timeout: float = 180) -> None:
-    """Wait until `group` is stable with `count` members."""
-    from aiokafka.admin import AIOKafkaAdminClient
-
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            state = (await _group_states(admin, [group])).get(group)
-            if state is not None and state.state == "Stable" and state.members == count:
-                return
-            assert time.monotonic() < deadline, f"{group}: {state}"
-            await asyncio.sleep(0.5)
-    finally:
-        await admin.close()
-
-
 async def test_a_member_joining_and_one_leaving_under_load_loses_and_repeats_nothing(processors, bootstrap):
     """Scale-out then scale-in of the conversation processor, whose table rows move with its partitions,
     while requests and their answers stream: every request is prepared exactly once, and the group's lag
@@ -454,7 +435,7 @@ async def test_a_member_joining_and_one_leaving_under_load_loses_and_repeats_not
         try:
             await published(10)
             second = processors.start("conversation")  # scale out: a second member joins
-            await members(bootstrap, "ts-conversation", 2)
+            await group_settled(bootstrap, "ts-conversation", 2)
             await published(10)
             os.killpg(first.pid, signal.SIGTERM)  # scale in: the first leaves
             await asyncio.to_thread(first.wait, 60)
