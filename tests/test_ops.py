@@ -19,6 +19,7 @@ from aiokafka.structs import OffsetAndMetadata, TopicPartition
 from producers import publish, start_consumer, start_producer
 from schemas import ChatMessage, InferenceRequest
 from tests.kafka_support import group_settled
+from tokenstream.stack.service import free_port
 from tokenstream.stack.scale import (
     ScaleError,
     Supervisor,
@@ -32,9 +33,9 @@ from topics.admin import apply, partition_counts
 from topics.registry import all_topics, co_partitioned
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "tokenstream.cli", *args], capture_output=True, text=True,
-                          timeout=180, env={**os.environ, "COLUMNS": "220"})
+                          timeout=180, env={**os.environ, "COLUMNS": "220", **(env or {})})
 
 
 def folders(root: Path) -> tuple[Path, Path, Path, Path]:
@@ -152,6 +153,9 @@ async def test_ops_probe_says_whether_this_hosts_member_holds_partitions(bootstr
         assert "holds 12 partition(s)" in ready.stdout
         elsewhere = await asyncio.to_thread(cli, "ops", "probe", "--group", group, "--host", "10.9.9.9")
         assert elsewhere.returncode == 1 and "no member" in elsewhere.stdout
+        no_redis = await asyncio.to_thread(cli, "ops", "probe", "--group", group, "--host", "127.0.0.1",
+                                           env={"TOKENSTREAM_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"})
+        assert no_redis.returncode == 1 and "Redis does not answer" in no_redis.stdout, no_redis.stdout
     finally:
         await consumer.stop()
 
