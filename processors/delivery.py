@@ -11,8 +11,9 @@ kill -9 test; traced with per-record logging of fetch, delivery, commit and seek
    resume throws away, at the same instant. Only ever back: the queues may still hold
    records fetched before faust's seek to the committed offsets, and moving a partition
    forward to them skipped the records between, never acknowledged, so `commit_contiguous`
-   (4) held that partition's commits for good (lag left after a member joined or left
-   under load, or a kill -9 and a broker restart: tests/test_processors.py, scale-out).
+   (4) held that partition's commits for good (seen as lag left after a member joined and
+   another left under load: tests/test_processors.py, scale-out; traced with the fetch
+   position logged beside each re-fetch).
 2. aiokafka's `seek_to_committed` leaves a partition alone when the group has no committed
    offset for it (or offset 0), so its fetch position stayed past whatever was discarded:
    typically the partitions a killed member had not committed yet. -> `rewind_uncommitted`.
