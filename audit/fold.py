@@ -33,6 +33,7 @@ from schemas import (
     ToolCall,
     ToolResult,
     Transcript,
+    TurnDeadline,
 )
 from topics import PREPARED, TOKENS, TRANSCRIPTS, VERDICTS
 
@@ -273,6 +274,8 @@ def describe(event: Event) -> str:
                 f"{_short(event.reason)}")
     if isinstance(event, Transcript):
         return f"final record: {event.answer.finish_reason}, {len(event.answer.text)} chars"
+    if isinstance(event, TurnDeadline):
+        return "parked past its deadline for the previous answer"
     return ""
 
 

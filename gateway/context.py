@@ -14,12 +14,7 @@ from functools import lru_cache
 
 from gateway import openai_api as api
 from schemas import ChatMessage
-from tokenstream.models import context_length, load_tokenizer, prompt_budget
-
-# Tokens of chat-template markup per message and per prompt (role tags, a default system prompt):
-# generous, since byte-level BPE never makes more tokens than bytes of text.
-PER_MESSAGE = 16
-PER_PROMPT = 64
+from tokenstream.models import context_length, load_tokenizer, prompt_budget, tokens_at_most
 
 
 @lru_cache(maxsize=64)
@@ -50,7 +45,7 @@ async def check(model: str, messages: list[ChatMessage], max_tokens: int, max_to
                            param=max_tokens_param, code="invalid_value")
     budget = prompt_budget(context, max_tokens)
     kept = [m for m in messages if m.role == "system"] + [messages[-1]]
-    if sum(len(m.content.encode()) + PER_MESSAGE for m in kept) + PER_PROMPT <= budget:
+    if tokens_at_most([m.content for m in kept]) <= budget:
         return
     tokens = await asyncio.to_thread(_count, model, kept)
     if tokens > budget:

@@ -239,7 +239,9 @@ def unavailable(message: str) -> APIError:
 
 
 # Completion.error_code -> (status, param) of a request the pipeline refused for the client's fault
-CLIENT_ERRORS = {"context_length_exceeded": (400, "messages"), "preset_not_found": (404, "assistant")}
+CLIENT_ERRORS = {"context_length_exceeded": (400, "messages"), "preset_not_found": (404, "assistant"),
+                 # the conversation's previous turn was never answered: this one can be sent again
+                 "previous_turn_unanswered": (409, "messages")}
 
 
 def refusal(done) -> APIError:

@@ -66,7 +66,18 @@ class Gateway:
 
     @property
     def ready(self) -> bool:
+        """The pipeline side: connected to the tokens partitions and the broker answers."""
         return self.fanout is not None and self.admission.healthy()
+
+    async def redis_reachable(self) -> bool:
+        """Whether Redis answers now: without it no API key or rate limit can be checked (503s)."""
+        if self.redis is None:
+            return False
+        try:
+            async with asyncio.timeout(1.0):
+                return bool(await self.redis.ping())
+        except Exception:  # noqa: BLE001 - unreachable, refused, timed out: not ready
+            return False
 
     async def start(self) -> None:
         self._tasks.append(asyncio.create_task(self._connect(), name="gateway-connect"))

@@ -96,7 +96,9 @@ class Worker:
         self.grammars = await asyncio.to_thread(Grammars, self.engine.tokenizer, self.engine.eos_ids,
                                                 timeout_s=self.cfg.grammar_timeout_s,
                                                 max_calls=self.cfg.max_parallel_calls)
-        self.producer = await start_producer(self.bootstrap)
+        # no linger: a step's tokens go into one batch anyway (they are appended without yielding to the
+        # sender), so lingering only held each first token back (the 5 ms default was most of the publish hop)
+        self.producer = await start_producer(self.bootstrap, linger_ms=0)
         self.tokens = TokenLog(self.bootstrap)
         await self.tokens.start()
         self.control = await start_consumer(CONTROL, group=None, bootstrap=self.bootstrap)
@@ -168,14 +170,14 @@ class Worker:
             if paused:
                 self.consumer.resume(*self.consumer.assignment())
                 paused = False
-            epochs = dict(self.epoch)
             batches = await self.consumer.getmany(timeout_ms=100, max_records=room)
-            fetched = []
-            for tp, records in batches.items():
-                for rec in records:
-                    if self.epoch.get(tp, 0) != epochs.get(tp, 0) or tp not in self.consumer.assignment():
-                        break  # revoked since the fetch: whoever owns it now re-reads from the commit
-                    fetched.append((tp, rec))
+            # The epochs as of these records, taken after the fetch: getmany waits out a rebalance
+            # and returns records of the assignment it ends with, from positions already moved past
+            # them; dropped here as "revoked meanwhile", those of a partition this worker got back
+            # were never read again (its requests stalled until the next rebalance).
+            epochs = dict(self.epoch)
+            assignment = self.consumer.assignment()
+            fetched = [(tp, rec) for tp, records in batches.items() if tp in assignment for rec in records]
             if fetched:
                 await self._accept(fetched, epochs)
             self.work.set()

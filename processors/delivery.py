@@ -8,7 +8,12 @@ kill -9 test; traced with per-record logging of fetch, delivery, commit and seek
 1. `flow_control.resume()` (mode) empties every agent's queue. faust calls it *after* its
    seek, so records fetched between the seek and the resume were thrown away and never
    fetched again. -> `refetch_discarded`: rewind each partition to the oldest record the
-   resume throws away, at the same instant.
+   resume throws away, at the same instant. Only ever back: the queues may still hold
+   records fetched before faust's seek to the committed offsets, and moving a partition
+   forward to them skipped the records between, never acknowledged, so `commit_contiguous`
+   (4) held that partition's commits for good (seen as lag left after a member joined and
+   another left under load: tests/test_processors.py, scale-out; traced with the fetch
+   position logged beside each re-fetch).
 2. aiokafka's `seek_to_committed` leaves a partition alone when the group has no committed
    offset for it (or offset 0), so its fetch position stayed past whatever was discarded:
    typically the partitions a killed member had not committed yet. -> `rewind_uncommitted`.
@@ -67,12 +72,24 @@ def refetch_discarded(app: faust.App) -> None:
                  ", ".join(f"{tp.topic}[{tp.partition}]@{offset}" for tp, offset in sorted(oldest.items())))
         assigned = consumer.assignment()
         for tp, offset in oldest.items():
-            if tp in assigned:
+            at = _position(consumer, tp)
+            if tp in assigned and at is not None and offset < at:
                 # synchronously, as faust's own Consumer.seek does: no record of this partition
                 # can be delivered between the queue being emptied and the position moving back
                 consumer._thread.seek(tp, offset)  # noqa: SLF001
 
     flow.resume = resume_and_refetch
+
+
+def _position(consumer, tp) -> int | None:
+    """The partition's fetch position now; None while it waits for a reset (to the committed offset,
+    which is no later than anything queued)."""
+    kafka = consumer._thread._ensure_consumer()  # noqa: SLF001 - the aiokafka consumer faust's thread owns
+    try:
+        state = kafka._subscription.subscription.assignment.state_value(tp)  # noqa: SLF001 - no public getter
+    except (AttributeError, KeyError):
+        return None
+    return state.position if state is not None and state.has_valid_position else None
 
 
 def rewind_uncommitted(app: faust.App) -> None:

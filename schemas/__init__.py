@@ -22,7 +22,7 @@ from schemas.codec import (
     encode,
 )
 from schemas.control import Cancel, RouteUpdate
-from schemas.conversation import ConversationHistory, RunState
+from schemas.conversation import ConversationHistory, RunState, TurnDeadline
 from schemas.deadletter import DeadLetter
 from schemas.files import FileIngest
 from schemas.requests import ChatMessage, ChatRequest, InferenceRequest, SamplingParams, Screening
@@ -56,6 +56,7 @@ ALL_EVENTS: tuple[type[Event], ...] = (
     DeadLetter,
     Transcript,
     FileIngest,
+    TurnDeadline,
 )
 
 __all__ = [
@@ -88,6 +89,7 @@ __all__ = [
     "ToolResult",
     "TraceContext",
     "Transcript",
+    "TurnDeadline",
     "UnsupportedVersion",
     "FunctionCall",
     "FunctionSpec",

@@ -50,3 +50,15 @@ class ConversationHistory(Event, tag="conversation_history"):
     parked: list[ChatRequest] = msgspec.field(default_factory=list)
     seen_request_ids: list[str] = msgspec.field(default_factory=list)
     run: RunState | None = None  # a response run waiting for its tools' results (schemas/runs.py)
+
+
+class TurnDeadline(Event, tag="turn_deadline"):
+    """A parked turn has waited its deadline for the previous answer (TOKENSTREAM_CONVERSATION_
+    PARKED_TIMEOUT_S since its admission).
+
+    The conversation processor's timer writes it to ts.conversation.turns, keyed by the
+    conversation like the turn itself, so the history agent reads it in the conversation's
+    order: request_id is the parked turn. The agent then gives up the answer that never came
+    and refuses every parked turn with a clear error (a deadline passed is checked again there,
+    so a late or repeated marker changes nothing).
+    """

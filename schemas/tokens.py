@@ -72,7 +72,9 @@ class Completion(Event, tag="completion"):
     timings: Timings = msgspec.field(default_factory=Timings)
     error: str | None = None
     # why a request was refused when the fault is the client's (the gateway answers 4xx):
-    # "context_length_exceeded" (400), "preset_not_found" (404); None for a server-side error
+    # "context_length_exceeded" (400), "preset_not_found" (404), "previous_turn_unanswered" (409: the
+    # conversation processor gave up the answer this turn waited for; sending it again works);
+    # None for a server-side error
     error_code: str | None = None
     dropped_messages: int = 0
     worker_id: str = ""

@@ -63,3 +63,24 @@ class Tap:
             await asyncio.sleep(0.05)
         raise AssertionError(f"{self.spec.name}: {len(self.matching(predicate))} of {count} events "
                              f"after {timeout:.0f}s")
+
+
+async def group_settled(bootstrap: str, group: str, members: int, timeout: float = 120) -> None:
+    """Wait until `group` is Stable with `members` members and every partition assigned (round robin
+    then gives each member a share)."""
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    from tokenstream.ops.lag import _group_states
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            state = (await _group_states(admin, [group])).get(group)
+            if state and state.state == "Stable" and state.members == members and len(state.owners) >= members:
+                return
+            assert time.monotonic() < deadline, f"group {group} not settled: {state}"
+            await asyncio.sleep(0.5)
+    finally:
+        await admin.close()

@@ -3,7 +3,9 @@ worker (SmolLM2) -> gateway, every role a real process (see tests/full_chain.py)
 
 Streaming and non-streaming agree; a stream cut on one gateway resumes on the other; a cancel frees
 the worker's slot; a harmful input and a harmful output are both stopped; a conversation continued
-by id gets its history."""
+by id gets its history. Last (they restart the session's Redis and broker under the running system):
+an outage of each ends the answers in flight with an answer or a clear error, a request during it gets
+a clear error, health says not ready meanwhile, and requests are served within 10 s of its end."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import json
 import time
 import uuid
 
+import httpx
+import openai
 import pytest
 
 from schemas import REFUSAL, InferenceRequest, SafetyVerdict
@@ -167,3 +171,112 @@ async def test_conversation_continued_by_id_carries_its_history(system: System):
         ("user", "My name is Ada. Say hello to me."), ("assistant", first.choices[0].message.content),
         ("user", "What is my name?")]
     assert second.usage.prompt_tokens > first.usage.prompt_tokens + first.usage.completion_tokens
+
+
+# ---------------------------------------------------------------- outages under the running system
+
+SERVED_WITHIN_S = 10.0  # after an outage ends, a request is answered within this long
+
+
+async def readiness(url: str) -> tuple[int, dict]:
+    answer = await asyncio.to_thread(httpx.get, url + "/health/ready", timeout=5)
+    return answer.status_code, answer.json()
+
+
+async def until_ready(url: str, want: bool, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        status, body = await readiness(url)
+        if (status == 200) == want:
+            return body
+        assert time.monotonic() < deadline, f"ready stayed {not want}: {body}"
+        await asyncio.sleep(0.2)
+
+
+async def in_flight(system: System) -> asyncio.Task:
+    """A streamed answer that has begun, read on to its end by a task whose result is `ending`."""
+    stream = await system.client(0).chat.completions.create(
+        messages=[{"role": "user", "content": "Write a long story about a sailor and the sea."}], stream=True,
+        max_tokens=120, **greedy())
+    first = await anext(stream)
+    assert first.choices
+    return asyncio.create_task(ending(stream))
+
+
+async def ending(stream) -> str:
+    """How a stream ended: its finish reason, or the error it ended with (never a hang)."""
+    async def rest() -> str:
+        try:
+            finishes = [c.choices[0].finish_reason async for c in stream if c.choices and c.choices[0].finish_reason]
+            return finishes[-1] if finishes else "no finish"
+        except openai.APIError as exc:
+            return f"error: {exc.message}"
+    return await asyncio.wait_for(rest(), timeout=120)
+
+
+async def served_after(system: System, back: float) -> float:
+    """Seconds from `back` (monotonic) to the first answer in full, retrying what fails at once."""
+    tries = []
+    while True:
+        try:
+            done = await system.client(1, timeout=SERVED_WITHIN_S).chat.completions.create(
+                messages=[{"role": "user", "content": "Say hello."}], max_tokens=4, **greedy())
+            if done.choices[0].finish_reason in ("stop", "length"):
+                return time.monotonic() - back
+            tries.append(f"+{time.monotonic() - back:.1f}s {done.choices[0].finish_reason}")
+        except (openai.APIError, httpx.HTTPError) as exc:
+            tries.append(f"+{time.monotonic() - back:.1f}s {type(exc).__name__}: {str(exc)[:120]}")
+        assert time.monotonic() - back < SERVED_WITHIN_S + 20, f"no request served 30 s after the outage's end: {tries}"
+        await asyncio.sleep(0.3)
+
+
+async def baseline(system: System) -> float:
+    """Seconds a request like `served_after`'s takes on this machine now, before any outage."""
+    started = time.monotonic()
+    await system.client(1).chat.completions.create(messages=[{"role": "user", "content": "Say hello."}],
+                                                   max_tokens=4, **greedy())
+    return time.monotonic() - started
+
+
+async def test_redis_outage_under_the_running_system(system: System, stack):
+    normal = await baseline(system)
+    answer = await in_flight(system)
+    client = system.client(1)  # (its key is looked up now, while Redis answers)
+    await asyncio.to_thread(stack.redis.stop, lambda _m: None)
+    try:
+        down = await until_ready(system.gateways[0], False, timeout=10)  # no key can be checked: not ready
+        assert down["redis"] is False, down
+        with pytest.raises(openai.APIStatusError) as during:  # refused at once with a clear 503
+            await asyncio.wait_for(client.chat.completions.create(
+                messages=[{"role": "user", "content": "Hi"}], max_tokens=4, **greedy()), timeout=15)
+        assert during.value.status_code == 503 and "Redis" in during.value.message
+        await asyncio.sleep(3.0)  # the outage
+    finally:
+        await asyncio.to_thread(stack.redis.start, lambda _m: None)
+    back = time.monotonic()
+    took = await served_after(system, back)  # (its client makes the tests' key again: Redis kept nothing)
+    assert took < SERVED_WITHIN_S, (took, normal)
+    await until_ready(system.gateways[0], True, timeout=10)
+    assert await answer in ("stop", "length")  # its tokens never needed Redis
+
+
+async def test_broker_restart_under_the_running_system(system: System, stack):
+    normal = await baseline(system)
+    answer = await in_flight(system)
+    client = system.client(1)
+    await asyncio.to_thread(stack.kafka.stop, lambda _m: None)
+    try:
+        down = await until_ready(system.gateways[0], False, timeout=30)
+        assert down["broker"] is False, down
+        with pytest.raises(openai.APIStatusError) as during:
+            await asyncio.wait_for(client.chat.completions.create(
+                messages=[{"role": "user", "content": "Hi"}], max_tokens=4, **greedy()), timeout=30)
+        assert during.value.status_code == 503
+    finally:
+        await asyncio.to_thread(stack.kafka.start, lambda _m: None)
+    back = time.monotonic()
+    took = await served_after(system, back)
+    assert took < SERVED_WITHIN_S, (took, normal)
+    await until_ready(system.gateways[0], True, timeout=30)
+    end = await answer
+    assert end in ("stop", "length") or end.startswith("error: "), end

@@ -18,6 +18,8 @@ from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
 from producers import publish, start_consumer, start_producer
 from schemas import ChatMessage, InferenceRequest
+from tests.kafka_support import group_settled
+from tokenstream.stack.service import free_port
 from tokenstream.stack.scale import (
     ScaleError,
     Supervisor,
@@ -31,9 +33,9 @@ from topics.admin import apply, partition_counts
 from topics.registry import all_topics, co_partitioned
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "tokenstream.cli", *args], capture_output=True, text=True,
-                          timeout=180, env={**os.environ, "COLUMNS": "220"})
+                          timeout=180, env={**os.environ, "COLUMNS": "220", **(env or {})})
 
 
 def folders(root: Path) -> tuple[Path, Path, Path, Path]:
@@ -152,6 +154,9 @@ async def test_ops_probe_says_whether_this_hosts_member_holds_partitions(bootstr
         assert "holds 12 partition(s)" in ready.stdout
         elsewhere = await asyncio.to_thread(cli, "ops", "probe", "--group", group, "--host", "10.9.9.9")
         assert elsewhere.returncode == 1 and "no member" in elsewhere.stdout
+        no_redis = await asyncio.to_thread(cli, "ops", "probe", "--group", group, "--host", "127.0.0.1",
+                                           env={"TOKENSTREAM_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"})
+        assert no_redis.returncode == 1 and "Redis does not answer" in no_redis.stdout, no_redis.stdout
     finally:
         await consumer.stop()
 
@@ -214,27 +219,6 @@ async def test_scaling_the_worker_group_up_and_down_keeps_every_stream_intact(st
         if extra.exists():
             with contextlib.suppress(ProcessLookupError, ValueError):
                 os.killpg(int(extra.read_text()), signal.SIGKILL)
-
-
-async def group_settled(bootstrap: str, group: str, members: int, timeout: float = 120) -> None:
-    """Wait until `group` is Stable with `members` members and every partition assigned (round robin
-    then gives each member a share)."""
-    from aiokafka.admin import AIOKafkaAdminClient
-
-    from tokenstream.ops.lag import _group_states
-
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            state = (await _group_states(admin, [group])).get(group)
-            if state and state.state == "Stable" and state.members == members and len(state.owners) >= members:
-                return
-            assert time.monotonic() < deadline, f"group {group} not settled: {state}"
-            await asyncio.sleep(0.5)
-    finally:
-        await admin.close()
 
 
 def free_port_pair() -> int:

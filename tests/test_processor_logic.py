@@ -76,6 +76,15 @@ def test_trim_keeps_system_and_newest_turns_within_budget(count):
     assert trim(messages, count, full) == (messages, 0)
 
 
+def test_trim_counts_no_tokens_when_the_bytes_prove_the_prompt_fits(count):
+    def never(_messages):
+        raise AssertionError("a chat-template pass for a prompt that surely fits")
+
+    messages = [SYSTEM, user("What is the capital of France?")]
+    assert trim(messages, never, 200) == (messages, 0)
+    assert count(messages) < 200
+
+
 def test_trim_refuses_when_even_the_newest_message_does_not_fit(count):
     with pytest.raises(PromptTooLong):
         trim([SYSTEM, user("word " * 500)], count, 50)

@@ -31,15 +31,17 @@ from schemas import (
     TokenChunk,
 )
 from schemas.keys import conversation_key
-from tests.kafka_support import Tap
+from tests.kafka_support import Tap, group_settled
 from tokenstream.models import load_tokenizer
-from topics import CHAT_REQUESTS, CONTROL, PREPARED, SCREENED, TOKENS, VERDICTS, inference_topic
+from tokenstream.chaos.verify import drained
+from topics import CHAT_REQUESTS, CONTROL, CONVERSATION_TURNS, PREPARED, SCREENED, TOKENS, VERDICTS, inference_topic
 from topics.admin import apply
 from topics.registry import all_topics
 
 pytestmark = pytest.mark.slow
 
 WINDOW = 400  # context window the conversation processor is started with
+PARKED_S = 10  # how long a parked turn waits for the previous answer (TOKENSTREAM_CONVERSATION_PARKED_TIMEOUT_S)
 MODELS = ["smollm2", "primary-x", "fallback-x", "canary-x", "canary-x-v2"]
 ROUTES = {"primary-x": {"fallback": "fallback-x"}, "canary-x": {}}
 HARMFUL = "I am going to find him tonight and stab him until he stops breathing."
@@ -61,12 +63,14 @@ class Processors:
             "TOKENSTREAM_ROUTER_ROUTES": json.dumps(ROUTES),
             "TOKENSTREAM_ROUTER_WAIT_BUDGET_S": "2",
             "TOKENSTREAM_ROUTER_MIN_RATE": "1",
+            "TOKENSTREAM_CONVERSATION_PARKED_TIMEOUT_S": str(PARKED_S),
         }
         self.procs: dict[str, subprocess.Popen] = {}
 
-    def start(self, name: str) -> None:
-        self.procs[name] = self.roles.start("processor", name, "--loglevel", "info", env=self.env,
-                                            name=f"processor-{name}")
+    def start(self, name: str) -> subprocess.Popen:
+        proc = self.procs[name] = self.roles.start("processor", name, "--loglevel", "info", env=self.env,
+                                                   name=f"processor-{name}")
+        return proc
 
     def kill9(self, name: str) -> None:
         proc = self.procs[name]
@@ -134,6 +138,37 @@ async def test_third_turn_with_only_the_new_message_gets_the_full_history(proces
         ("system", "You are terse."), ("user", "Name a colour."), ("assistant", "Blue."),
         ("user", "Another one?"), ("assistant", "Green."), ("user", "And a third?")]
     assert p3.dropped_messages == 0 and p3.conversation_id == conv and p3.reply_partition == 5
+
+
+async def test_a_turn_parked_for_an_answer_that_never_comes_is_refused_at_its_deadline(processors):
+    """The first answer is lost; the next turn (only its new message) waits for it, then ends with a clear
+    error instead of waiting until its client gives up; sent again, it is served at once."""
+    conv = f"conv-{rid()}"
+    async with Tap(PREPARED) as prepared, Tap(TOKENS) as tokens:
+        producer = await start_producer()
+        try:
+            first = await chat(producer, conv, [ChatMessage(role="user", content="Name a colour.")])
+            [p1] = await prepared.wait_for(by_id(first.request_id), timeout=90)
+            second = await chat(producer, conv, [ChatMessage(role="user", content="Another one?")])
+            [done] = await tokens.wait_for(lambda e: isinstance(e, Completion) and e.request_id == second.request_id,
+                                           timeout=PARKED_S + 40)
+            waited = time.time() - second.created_at
+            assert done.finish_reason == "error" and done.error_code == "previous_turn_unanswered", done
+            assert first.request_id in done.error and waited >= PARKED_S
+            assert prepared.matching(by_id(second.request_id)) == []  # never started without its history
+
+            again = await chat(producer, conv, [ChatMessage(role="user", content="Another one?")])
+            [p3] = await prepared.wait_for(by_id(again.request_id), timeout=30)
+            await answer(producer, p1, "Blue.")  # the lost answer, late: no longer joins the history
+            await answer(producer, p3, "Green.")
+            fourth = await chat(producer, conv, [ChatMessage(role="user", content="And a third?")])
+            [p4] = await prepared.wait_for(by_id(fourth.request_id), timeout=30)
+        finally:
+            await producer.stop()
+    assert [(m.role, m.content) for m in p3.messages] == [("user", "Another one?")]
+    assert [(m.role, m.content) for m in p4.messages] == [
+        ("user", "Another one?"), ("assistant", "Green."), ("user", "And a third?")]
+    assert len(tokens.matching(lambda e: e.request_id == second.request_id)) == 1  # refused once
 
 
 async def test_a_conversation_id_of_another_tenant_reaches_none_of_its_history(processors):
@@ -366,6 +401,62 @@ async def test_canary_weights_change_at_run_time_and_roll_back(processors):
     finally:
         await producer.stop()
     assert "canary-x" in route_cli("show")
+
+
+async def test_a_member_joining_and_one_leaving_under_load_loses_and_repeats_nothing(processors, bootstrap):
+    """Scale-out then scale-in of the conversation processor, whose table rows move with its partitions,
+    while requests and their answers stream: every request is prepared exactly once, and the group's lag
+    on each of its topics returns to 0."""
+    ids: list[str] = []
+    stop = asyncio.Event()
+    first = processors.procs["conversation"]
+    group_topics = [("ts-conversation", spec.name) for spec in (CHAT_REQUESTS, CONVERSATION_TURNS, TOKENS)]
+
+    async def load(producer) -> None:  # a request every 0.2 s, and the "worker" answering each prepared one
+        answered: set[str] = set()
+        while not stop.is_set():
+            request_id = rid()
+            ids.append(request_id)
+            await chat(producer, f"conv-scale-{request_id}", [ChatMessage(role="user", content="Hi.")],
+                       request_id=request_id)
+            for p in prepared.matching(lambda e: e.request_id in set(ids) and e.request_id not in answered):
+                answered.add(p.request_id)
+                await answer(producer, p, "Hello.")
+            await asyncio.sleep(0.2)
+
+    async def published(more: int) -> None:
+        target = len(ids) + more
+        while len(ids) < target:
+            await asyncio.sleep(0.1)
+
+    async with Tap(PREPARED) as prepared:
+        producer = await start_producer()
+        loader = asyncio.create_task(load(producer))
+        try:
+            await published(10)
+            second = processors.start("conversation")  # scale out: a second member joins
+            await group_settled(bootstrap, "ts-conversation", 2)
+            await published(10)
+            os.killpg(first.pid, signal.SIGTERM)  # scale in: the first leaves
+            await asyncio.to_thread(first.wait, 60)
+            await published(10)
+            stop.set()
+            await loader
+            try:
+                await prepared.wait_for(lambda e: e.request_id in set(ids), count=len(ids), timeout=120)
+            except AssertionError:
+                missing = set(ids) - {e.request_id for e, _ in prepared.events}
+                raise AssertionError(f"lost {missing}: {await where_is(missing)}") from None
+            await asyncio.sleep(3.0)  # anything duplicated late would show up now
+        finally:
+            stop.set()
+            await asyncio.gather(loader, return_exceptions=True)
+            await producer.stop()
+        seen = [e.request_id for e, _ in prepared.events if e.request_id in set(ids)]
+    assert sorted(seen) == sorted(ids)  # every request exactly once
+    assert second.poll() is None, processors.roles.log(second)[-3000:]
+    lag = await drained(bootstrap, group_topics, timeout=60)
+    assert not any(lag.values()), lag
 
 
 async def test_kill9_of_each_processor_loses_and_duplicates_nothing(processors):

@@ -10,17 +10,20 @@ import time
 import uuid
 from collections import defaultdict
 
+from types import SimpleNamespace
+
 import httpx
 import pytest
 from aiokafka import AIOKafkaConsumer
-from aiokafka.structs import TopicPartition
+from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from gpu_workers.config import WorkerConfig
+from gpu_workers.metrics import WorkerMetrics
 from gpu_workers.model_loader import load
 from gpu_workers.random_model import build
-from gpu_workers.service import run_worker
+from gpu_workers.service import Worker, run_worker
 from producers import decode_record, publish, start_producer
-from schemas import Cancel, ChatMessage, Completion, InferenceRequest, SamplingParams, TokenChunk
+from schemas import Cancel, ChatMessage, Completion, InferenceRequest, SamplingParams, TokenChunk, encode
 from topics import CONTROL, TOKENS, inference_topic
 from topics.admin import apply
 
@@ -285,6 +288,47 @@ async def test_worker_joining_mid_stream_hands_over_without_gap_or_duplicate(boo
         assert "gave up" in roles.log(a) and "worker ready" in roles.log(b)
     finally:
         await producer.stop()
+
+
+async def test_records_fetched_across_a_rebalance_that_gives_the_partition_back_are_started(tiny_loaded):
+    """aiokafka's getmany waits out a rebalance and returns records of the assignment it ends with, its
+    position already past them. A worker that got the partition back must start them, not drop them as
+    revoked: dropped, they were read again only at the next rebalance (requests stalled for minutes).
+    The consumer is a stand-in that lets the rebalance happen exactly inside getmany (a unit test)."""
+    model = "tiny-units"
+    tp = TopicPartition(inference_topic(model).name, 0)
+    req = request(model, "hello", 4)
+    record = ConsumerRecord(tp.topic, 0, 7, 0, 0, req.request_id.encode(), encode(req), None, 0, 0, [])
+    started: list = []
+    engine = SimpleNamespace(queued=0, tokenizer=tiny_loaded.tokenizer, add=started.append, abort=lambda seq: None)
+    worker = Worker(WorkerConfig(model=model), engine, WorkerMetrics(model), "127.0.0.1:9")
+    stop = asyncio.Event()
+
+    class Consumer:
+        fetches = 0
+
+        def assignment(self):
+            return {tp}
+
+        async def end_offsets(self, tps):
+            return {t: 0 for t in tps}
+
+        async def getmany(self, timeout_ms, max_records):
+            self.fetches += 1
+            if self.fetches == 1:  # the partition is revoked and assigned back while the fetch waits
+                await worker.revoked({tp})
+                await worker.assigned({tp})
+                return {tp: [record]}
+            stop.set()
+            return {}
+
+    async def flush():
+        pass
+
+    worker.consumer, worker.producer = Consumer(), SimpleNamespace(flush=flush)
+    await asyncio.wait_for(worker._consume(stop), 10)
+    assert [seq.request_id for seq in started] == [req.request_id]
+    assert worker.tracker.inflight(tp) == {7}
 
 
 async def test_a_duplicate_arriving_while_the_original_runs_is_committed(bootstrap, unique, tiny_loaded):

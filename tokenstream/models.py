@@ -102,3 +102,15 @@ def context_length(model: str, folder: Path | None = None) -> int | None:
 def prompt_budget(context: int, max_tokens: int) -> int:
     """Tokens a prompt may take: the context less the answer's room (at most half the context)."""
     return context - min(max_tokens, context // 2)
+
+
+# Tokens of chat-template markup per message and per prompt (role tags, a default system prompt):
+# generous, since byte-level BPE never makes more tokens than bytes of text.
+PER_MESSAGE = 16
+PER_PROMPT = 64
+
+
+def tokens_at_most(contents: list[str]) -> int:
+    """An upper bound of the tokens a prompt of these message contents takes once rendered, from bytes
+    alone: where it fits a budget, counting with the tokenizer (a chat-template pass) is not needed."""
+    return sum(len(c.encode()) + PER_MESSAGE for c in contents) + PER_PROMPT

@@ -27,6 +27,7 @@ from schemas import (
     ToolCall,
     ToolResult,
     Transcript,
+    TurnDeadline,
 )
 
 DAY_MS = 24 * 3600 * 1000
@@ -199,12 +200,14 @@ FILE_INGEST = TopicSpec(
                     "record no longer holds, or that is already completed or failed, is passed over"),),
 )
 CONVERSATION_TURNS = TopicSpec(
-    "ts.conversation.turns", 12, "tenant:conversation_id", (Completion, ToolResult),
+    "ts.conversation.turns", 12, "tenant:conversation_id", (Completion, ToolResult, TurnDeadline),
     "finished answers and tool results re-keyed by conversation, so the history table can append "
-    "them (and a response run go on to its next step)",
+    "them (and a response run go on to its next step); and the deadline of a turn parked for an "
+    "answer that did not come",
     _retained(7),
     writers=(Writer("conversation processor (answers, results)", "every Completion on ts.tokens and every "
-                    "ToolResult on ts.tool.results, re-keyed"),),
+                    "ToolResult on ts.tool.results, re-keyed"),
+             Writer("conversation processor (timer)", "a TurnDeadline when a parked turn's deadline passes")),
     readers=(Reader("conversation processor (history)", CONVERSATION_GROUP, FAUST_COMMIT), AUDITOR),
 )
 # Changelogs of the processors' faust tables. Faust names them <app id>-<table>-changelog;

@@ -27,9 +27,13 @@ async def live(gw: Gateway = Depends(pipeline)) -> dict:
 
 @router.get("/health/ready")
 async def ready(gw: Gateway = Depends(pipeline)) -> JSONResponse:
-    body = {"ready": gw.ready, "instance": gw.cfg.instance_id, "partitions": gw.partitions,
-            "broker": gw.admission.healthy(), "fanout": gw.fanout is not None}
-    return JSONResponse(body, status_code=200 if gw.ready else 503)
+    """200 only while a request can be served: the broker answers, the tokens fan-out runs and Redis
+    (API keys, rate limits) answers; otherwise 503 with what is missing."""
+    redis = await gw.redis_reachable()
+    ready = gw.ready and redis
+    body = {"ready": ready, "instance": gw.cfg.instance_id, "partitions": gw.partitions,
+            "broker": gw.admission.healthy(), "fanout": gw.fanout is not None, "redis": redis}
+    return JSONResponse(body, status_code=200 if ready else 503)
 
 
 @router.get("/metrics", dependencies=[Depends(admin)])

@@ -10,6 +10,12 @@ ts.tool.results to ts.conversation.turns.
 Response runs (schemas/runs.py, processors/conversation/runs.py) are driven here: the history is
 what the next step's prompt is made of, and the row (changelog-backed) holds the run's state, so
 the loop survives a restart of this processor or of the tool processor.
+
+A turn that needs the previous answer waits for it in the row's `parked` list, but not for
+ever: a timer writes a `TurnDeadline` to ts.conversation.turns when the oldest parked turn of a
+conversation has waited `parked_timeout_s` since its admission, and the history agent, reading
+it in the conversation's order, gives up that answer and refuses the parked turns with a clear
+error (code previous_turn_unanswered); the client's next try is prepared at once.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from processors.conversation.history import (
     merge,
     unmatched_tool_message,
     with_answer,
+    without_unanswered,
 )
 from processors.conversation.presets import apply_preset, presets
 from processors.conversation.window import PromptTooLong, chat_template_counter, trim
@@ -38,6 +45,8 @@ from schemas import (
     InferenceRequest,
     ToolResult,
     Transcript,
+    TurnDeadline,
+    decode,
 )
 from schemas.keys import conversation_key
 from tokenstream.config import settings
@@ -69,6 +78,8 @@ turns_out = topic(app, CONVERSATION_TURNS)
 tokens_out = topic(app, TOKENS)
 dead_letters = topic(app, DEAD_LETTER)
 transcripts_out = topic(app, TRANSCRIPTS)
+# rows with parked turns on this member -> (deadline of the oldest, that turn); the timer's work list
+parked_due: dict[bytes, tuple[float, ChatRequest]] = {}
 
 
 def _counter(model: str):
@@ -138,12 +149,56 @@ async def _on_request(request: ChatRequest, state: ConversationHistory, trace) -
     if request.request_id in state.seen_request_ids:
         return  # delivered twice upstream: already prepared
     state.seen_request_ids = [*state.seen_request_ids[-(SEEN_KEPT - 1):], request.request_id]
-    waiting = state.pending_request_id and time.time() - state.pending_since < cfg.pending_timeout_s
-    if (waiting or runs.busy(state, cfg.pending_timeout_s)) and not carries_full_history(request.messages):
+    if state.parked and not _busy(state):  # given up on that answer: the turns waiting for it end first
+        await _give_up(state, trace)
+    if _busy(state) and not carries_full_history(request.messages):
         state.parked.append(request)  # its history needs the answer (or the run) still being generated
         return
     state.run = None  # a run that stopped waiting long ago is abandoned
     await _prepare(request, state, trace)
+
+
+def _waiting(state: ConversationHistory) -> bool:
+    return bool(state.pending_request_id) and time.time() - state.pending_since < cfg.pending_timeout_s
+
+
+def _busy(state: ConversationHistory) -> bool:
+    """A new turn must wait: the previous answer, or a response run's tools, are still to come."""
+    return _waiting(state) or runs.busy(state, cfg.pending_timeout_s)
+
+
+def _overdue(request: ChatRequest, now: float) -> bool:
+    return now - request.created_at >= cfg.parked_timeout_s
+
+
+async def _on_deadline(state: ConversationHistory, trace) -> None:
+    """A parked turn's deadline passed (the timer's word; checked again here): end the wait."""
+    now = time.time()
+    if any(_overdue(r, now) for r in state.parked) or (state.parked and not _busy(state)):
+        await _give_up(state, trace)
+
+
+async def _give_up(state: ConversationHistory, trace) -> None:
+    """Stop waiting for the pending answer and refuse every turn parked for it.
+
+    Its unanswered question leaves the history, so the model never sees a turn without its
+    reply, and the client's next try (the refused turn sent again) is prepared at once. Should
+    the answer come after all, it is recorded for the audit but no longer joins the history.
+    """
+    lost, now = state.pending_request_id, time.time()
+    if lost:
+        state.messages = without_unanswered(state.messages)
+        state.pending_request_id = None
+    for request in state.parked:
+        why = (f"The previous turn of this conversation (request {lost}) got no answer within "
+               f"{cfg.parked_timeout_s:.0f}s, so this turn, which needs that answer, was not started "
+               f"(it waited {now - request.created_at:.0f}s). The unanswered turn was dropped from the "
+               "conversation: send this message again, or the whole conversation in `messages`.")
+        await ledger.once("refused", request.request_id,
+                          lambda r=request, why=why: _refuse(r, why, trace, "previous_turn_unanswered"))
+    log.warning("conversation %s: gave up waiting for the answer to %s; refused %d parked turn(s)",
+                state.conversation_id, lost, len(state.parked))
+    state.parked = []
 
 
 async def _on_answer(done: Completion, state: ConversationHistory, trace) -> None:
@@ -201,16 +256,52 @@ async def conversations(stream):
     specs = {CHAT_REQUESTS.name: CHAT_REQUESTS, CONVERSATION_TURNS.name: CONVERSATION_TURNS}
     async for event, raw in typed(stream, specs, dead_letters):
         key = conversation_key(event.tenant, event.conversation_id or event.request_id)
-        state = get(history_table, key, ConversationHistory) or ConversationHistory(
-            request_id=event.request_id, conversation_id=key, tenant=event.tenant)
+        state = get(history_table, key, ConversationHistory)
+        if state is None:
+            if isinstance(event, TurnDeadline):
+                continue  # nothing waits there
+            state = ConversationHistory(request_id=event.request_id, conversation_id=key, tenant=event.tenant)
         if isinstance(event, ChatRequest):
             await _on_request(event, state, trace_of(raw))
         elif isinstance(event, ToolResult):
             await _on_result(event, state, trace_of(raw))
+        elif isinstance(event, TurnDeadline):
+            await _on_deadline(state, trace_of(raw))
         else:
             await _on_answer(event, state, trace_of(raw))
         state.request_id = event.request_id
         put(history_table, key, state)
+        _index(key.encode(), state)
+
+
+def _index(row: bytes, state: ConversationHistory) -> None:
+    if state.parked:
+        oldest = min(state.parked, key=lambda r: r.created_at)
+        parked_due[row] = (oldest.created_at + cfg.parked_timeout_s, oldest)
+    else:
+        parked_due.pop(row, None)
+
+
+@history_table.on_recover
+async def index_parked() -> None:
+    """After a rebalance's table recovery: find the rows with parked turns (ours or not: a marker
+    for a row another member owns is handled there)."""
+    parked_due.clear()
+    for row, raw in list(history_table.items()):
+        if raw and b'"parked":[{' in raw:  # a cheap filter; JSON strings cannot hold this unescaped
+            _index(row, decode(raw, ConversationHistory))
+
+
+@app.timer(interval=1.0)
+async def wake_overdue_turns() -> None:
+    """Tell the history agent, in the conversation's order, about each parked turn past its deadline."""
+    now = time.time()
+    for row, (due, turn) in list(parked_due.items()):
+        if due <= now and parked_due.get(row, (None,))[0] == due:
+            del parked_due[row]  # the agent indexes the row again when a turn still waits
+            await send(turns_out, CONVERSATION_TURNS, TurnDeadline(
+                request_id=turn.request_id, conversation_id=turn.conversation_id, tenant=turn.tenant),
+                key=row.decode())
 
 
 @app.agent(tokens_in)

@@ -28,6 +28,11 @@ def with_answer(messages: list[ChatMessage], completion: Completion) -> list[Cha
     if completion.text or completion.tool_calls:
         return [*messages, ChatMessage(role="assistant", content=completion.text,
                                        tool_calls=list(completion.tool_calls))]
+    return without_unanswered(messages)
+
+
+def without_unanswered(messages: list[ChatMessage]) -> list[ChatMessage]:
+    """The history less a final user turn whose answer will not come."""
     if messages and messages[-1].role == "user":
         return messages[:-1]
     return messages

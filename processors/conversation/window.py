@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from schemas import ChatMessage
+from tokenstream.models import tokens_at_most
 
 
 class PromptTooLong(ValueError):
@@ -30,8 +31,11 @@ def trim(messages: list[ChatMessage], count: Callable[[list[ChatMessage]], int],
 
     System messages and the newest message always stay; the kept part starts with a user
     turn. Returns the kept messages and how many were dropped. Binary search over the cut,
-    since the count only falls as more is dropped.
+    since the count only falls as more is dropped. A prompt whose byte length already proves it
+    fits is not counted (a chat-template pass costs milliseconds on every request).
     """
+    if tokens_at_most([m.content for m in messages]) <= budget:
+        return list(messages), 0
     system = [m for m in messages if m.role == "system"]
     rest = [m for m in messages if m.role != "system"]
     if count(messages) <= budget:

@@ -10,18 +10,22 @@ import typer
 def chaos(
     minutes: float = typer.Option(10.0, help="how long the load and the faults last"),
     clients: int = typer.Option(3, help="concurrent streaming users"),
-    every: float = typer.Option(20.0, help="seconds between faults"),
+    kills_per_role: int = typer.Option(20, help="kill -9 faults of each role (gateway, each processor, worker)"),
+    broker_restarts: int = typer.Option(3, help="broker restarts"),
+    stalls: int = typer.Option(3, help="clients that stop reading for a while mid-answer"),
     max_tokens: int = typer.Option(24, help="tokens per answer"),
     report_file: Path = typer.Option(None, "--report", help="also write the report as JSON here"),
 ) -> None:
-    """Kill -9 every role in turn, restart the broker and stall clients under load; then prove that no
-    token was lost or repeated, every group drained and nothing is left generating."""
+    """Kill -9 every role in turn, restart the broker and stall clients under load, exactly as many of
+    each as asked, spread evenly over the run; then prove that no token was lost or repeated, every
+    group drained and nothing is left generating."""
     import asyncio
     import json
 
-    from tokenstream.chaos.drill import run
+    from tokenstream.chaos.drill import plan, run
 
-    report = asyncio.run(run(minutes, clients=clients, every_s=every, max_tokens=max_tokens,
+    report = asyncio.run(run(minutes, clients=clients, max_tokens=max_tokens,
+                             schedule=plan(kills_per_role, broker_restarts, stalls),
                              say=lambda m: print(m, flush=True)))
     print_report(report)
     if report_file is not None:

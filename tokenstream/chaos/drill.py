@@ -62,9 +62,25 @@ class Report:
                 and self.running_left == 0 and all(f.recovered_at is not None for f in self.faults))
 
 
+def plan(kills_per_role: int, broker_restarts: int, stalls: int) -> tuple[str, ...]:
+    """A schedule of exactly these faults: the kills (the roles in turn), with the broker restarts and
+    the client stalls each at an even fraction of the run."""
+    kills = ["kill"] * (kills_per_role * len(ROLES))
+    marks = sorted([((j + 0.5) / broker_restarts, "broker") for j in range(broker_restarts)]
+                   + [((j + 0.5) / stalls, "stall") for j in range(stalls)])
+    total, schedule = len(kills) + len(marks), []
+    for fraction, kind in marks:
+        while kills and len(schedule) < round(fraction * total):
+            schedule.append(kills.pop())
+        schedule.append(kind)
+    return tuple(schedule + kills)
+
+
 async def run(minutes: float, *, clients: int = 3, every_s: float = 20.0, stall_s: float = 8.0, max_tokens: int = 24, deadline_s: float = 120.0,
               kinds: tuple[str, ...] = ("kill", "kill", "kill", "kill", "kill", "broker", "stall"),
-              root: Path | None = None, say=print) -> Report:
+              schedule: tuple[str, ...] | None = None, root: Path | None = None, say=print) -> Report:
+    """`kinds` cycle, one fault every `every_s`, for `minutes`; or, with `schedule`, exactly those faults
+    spread evenly over `minutes`."""
     from tokenstream.stack.local import LocalSystem
 
     root = root or Path(tempfile.mkdtemp(prefix="chaos-"))
@@ -80,7 +96,11 @@ async def run(minutes: float, *, clients: int = 3, every_s: float = 20.0, stall_
         supervisor_stop = asyncio.Event()
         supervisor = asyncio.create_task(system.supervise(supervisor_stop))
         loads = [asyncio.create_task(_user(u, i, outcomes, stop, system.key)) for i, u in enumerate(users)]
-        faults = await _inject(system, users, minutes * 60, every_s, stall_s, kinds, say)
+        if schedule is None:
+            schedule = tuple(itertools.islice(itertools.cycle(kinds), int(minutes * 60 // every_s)))
+        else:
+            every_s = minutes * 60 / (len(schedule) + 1)
+        faults = await _inject(system, users, schedule, every_s, stall_s, say)
         stop.set()
         say("chaos: faults done; waiting for the requests in flight to end")
         await asyncio.gather(*loads)
@@ -110,15 +130,14 @@ async def _user(client: Client, index: int, outcomes: list[Outcome], stop: async
                 outcomes.append(outcome)
 
 
-async def _inject(system, users: list[Client], seconds: float, every_s: float, stall_s: float,
-                  kinds: tuple[str, ...], say) -> list[Fault]:
+async def _inject(system, users: list[Client], schedule: tuple[str, ...], every_s: float, stall_s: float,
+                  say) -> list[Fault]:
+    """Each fault of `schedule` in turn, one every `every_s` (at once when a broker restart made it late)."""
     faults: list[Fault] = []
     roles = itertools.cycle(ROLES)
-    kinds_cycle = itertools.cycle(kinds)
-    end = time.monotonic() + seconds
-    while time.monotonic() + every_s <= end:
-        await asyncio.sleep(every_s)
-        kind = next(kinds_cycle)
+    start = time.monotonic()
+    for n, kind in enumerate(schedule, 1):
+        await asyncio.sleep(max(0.0, start + n * every_s - time.monotonic()))
         if kind == "kill":
             proc = random.choice(system.of_role(next(roles)))
             fault = Fault("kill -9", proc.name, time.time())

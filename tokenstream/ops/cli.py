@@ -61,8 +61,11 @@ def lag(model: list[str] = typer.Option(None, help="models served (default: TOKE
 @app.command("probe")
 def probe(group: str = typer.Option(..., help="the consumer group this process joins"),
           host: str = typer.Option(None, help="this process's address as the broker sees it (default: "
-                                   "this host's address)")) -> None:
-    """Exit 0 when a member of GROUP on this host holds a partition: a processor pod's readiness."""
+                                   "this host's address)"),
+          redis: bool = typer.Option(True, help="also require Redis to answer (every processor keeps its "
+                                                "ledger of done effects there and holds its input without it)")) -> None:
+    """Exit 0 when a member of GROUP on this host holds a partition (and Redis answers): a processor pod's
+    readiness."""
     import socket
 
     from tokenstream.ops.lag import member_of
@@ -72,6 +75,13 @@ def probe(group: str = typer.Option(..., help="the consumer group this process j
         ok, why = asyncio.run(member_of(settings().kafka_bootstrap, group, host))
     except Exception as exc:  # noqa: BLE001 - no broker or no coordinator yet: not ready
         ok, why = False, f"the broker could not say ({type(exc).__name__}: {exc})"
+    if ok and redis:
+        import redis as redis_client
+
+        try:
+            redis_client.Redis.from_url(settings().redis_url, socket_timeout=2, socket_connect_timeout=2).ping()
+        except redis_client.RedisError as exc:
+            ok, why = False, f"{why}, but Redis does not answer ({exc}): its input is held"
     typer.echo(why)
     raise typer.Exit(0 if ok else 1)
 
