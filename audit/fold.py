@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from audit.hops import Marks, hop_times
 from schemas import (
     REFUSAL,
     Cancel,
@@ -33,7 +34,7 @@ from schemas import (
     ToolResult,
     Transcript,
 )
-from topics import PREPARED, TOKENS, TRANSCRIPTS, VERDICTS
+from topics import PREPARED, SCREENED, TOKENS, TRANSCRIPTS, VERDICTS
 
 TEXT_SHOWN = 80  # characters of a message or a text run shown in a timeline row
 
@@ -80,6 +81,7 @@ class Audit:
     screened: bool = False  # the in-band input verdict of a parallel request has arrived
     refused: bool = False  # that verdict blocked: the client got the refusal
     timeline: bool = True  # False: only what the gap check and a summary need (range scans)
+    marks: Marks = field(default_factory=Marks)  # when the request reached each hop (audit.hops)
     _run: list = field(default_factory=list)  # token chunks not yet folded into a row
 
     # ------------------------------------------------------------------ folding
@@ -93,7 +95,7 @@ class Audit:
         if isinstance(event, TokenChunk) and topic == TOKENS.name:
             self._chunk(partition, offset, timestamp, event)
             return
-        self._note(topic, event)
+        self._note(topic, event, timestamp)
         if self.timeline:
             self._flush()
             self.rows.append(Row(timestamp, topic, f"{partition}@{offset}", type(event).__struct_config__.tag,
@@ -105,6 +107,8 @@ class Audit:
         self.seqs.add(chunk.seq)
         if chunk.worker_id:
             self.reached_worker = True
+            if self.marks.first_token is None or timestamp / 1000 < self.marks.first_token:
+                self.marks.first_token = timestamp / 1000
         if self.client_done:
             self.withheld += 1
         elif chunk.seq >= self.next_seq:
@@ -125,18 +129,25 @@ class Audit:
                              "token_chunks", f"{span} {_short(text)!r}"))
         self._run.clear()
 
-    def _note(self, topic: str, event: Event) -> None:
-        """What the gap check and the summary need from one event (no text is built here)."""
+    def _note(self, topic: str, event: Event, timestamp: int) -> None:
+        """What the gap check, the summary and the hop times need from one event (no text is built here)."""
         if isinstance(event, ChatRequest | InferenceRequest) and event.screening == "parallel":
             self.parallel = True
+        at = timestamp / 1000
         if isinstance(event, ChatRequest):
             self.model = self.model or event.model
+            self.marks.admitted = event.created_at or None
+            self.marks.first("chat", at)
         elif isinstance(event, InferenceRequest):
             if topic == PREPARED.name:
                 self.input_text = next((m.content for m in reversed(event.messages) if m.role == "user"), "")
+                self.marks.first("prepared", at)
+            elif topic == SCREENED.name:
+                self.marks.first("screened", at)
             elif topic.startswith("ts.inference."):
                 self.reached_worker = True
                 self.model = event.model
+                self.marks.first("inference", at)
         elif isinstance(event, SafetyVerdict):
             if topic == VERDICTS.name and event.stage == "input":
                 self.live_input = event
@@ -156,6 +167,8 @@ class Audit:
                 self.client_done = True
         elif isinstance(event, Completion):
             if topic == TOKENS.name:
+                if not self.completions:
+                    self.marks.completion, self.marks.timings = at, event.timings
                 self.completions.append(event)
                 if event.finish_reason == "error":
                     self._ended_before_screening()
@@ -183,6 +196,11 @@ class Audit:
         return self
 
     # --------------------------------------------------------------- results
+
+    @property
+    def hops(self) -> list[tuple[str, float]]:
+        """(hop, seconds) from admission to the Completion (audit.hops)."""
+        return hop_times(self.marks)
 
     @property
     def completed(self) -> bool:

@@ -23,9 +23,10 @@ from processors.conversation.history import (
 from processors.conversation.presets import apply_preset, presets
 from processors.conversation.window import PromptTooLong, chat_template_counter, trim
 from processors.effects import Ledger
-from processors.faust_app import get, make_app, put, send, table, topic, trace_of, typed
+from processors.faust_app import get, make_app, put, send, table, topic, traced, typed
 from schemas import ChatMessage, ChatRequest, Completion, ConversationHistory, InferenceRequest, Transcript
 from schemas.keys import conversation_key
+from tokenstream import tracing
 from tokenstream.config import settings
 from tokenstream.models import load_tokenizer, prompt_budget
 from topics import CHAT_REQUESTS, CONVERSATION_TURNS, CONVERSATIONS, DEAD_LETTER, PREPARED, TOKENS, TRANSCRIPTS
@@ -152,9 +153,11 @@ async def conversations(stream):
         state = get(history_table, key, ConversationHistory) or ConversationHistory(
             request_id=event.request_id, conversation_id=key, tenant=event.tenant)
         if isinstance(event, ChatRequest):
-            await _on_request(event, state, trace_of(raw))
+            with traced(raw, f"prepare {event.model}", tracing.request_attributes(event)) as span:
+                await _on_request(event, state, span.trace)
         else:
-            await _on_answer(event, state, trace_of(raw))
+            with traced(raw, "record answer", tracing.completion_attributes(event)) as span:
+                await _on_answer(event, state, span.trace)
         state.request_id = event.request_id
         put(history_table, key, state)
 
@@ -164,5 +167,6 @@ async def answers(stream):
     """Completions, re-keyed by conversation so the history agent sees them in its partition."""
     async for event, raw in typed(stream, {TOKENS.name: TOKENS}, dead_letters):
         if isinstance(event, Completion) and event.conversation_id:
-            await send(turns_out, CONVERSATION_TURNS, event, key=conversation_key(event.tenant, event.conversation_id),
-                       trace=trace_of(raw))
+            with traced(raw, "rekey answer", {"tokenstream.request_id": event.request_id}) as span:
+                await send(turns_out, CONVERSATION_TURNS, event,
+                           key=conversation_key(event.tenant, event.conversation_id), trace=span.trace)
