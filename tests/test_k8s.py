@@ -200,6 +200,8 @@ def test_the_gateway_instance_count_is_its_replica_count(folder):
     n = gateway["spec"]["replicas"]
     owned = [GatewaySettings(_env_file=None, instance_index=i, instance_count=n).owned_partitions(12) for i in range(n)]
     assert sorted(p for share in owned for p in share) == list(range(12))
+    with pytest.raises(ValueError, match="must be below the instance count"):  # a pod past the count
+        GatewaySettings(_env_file=None, instance_index=n, instance_count=n)
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
