@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
+
 from audit.hops import Marks, hop_times
 from schemas import (
     REFUSAL,
@@ -37,6 +39,22 @@ from schemas import (
 from topics import PREPARED, SCREENED, TOKENS, TRANSCRIPTS, VERDICTS
 
 TEXT_SHOWN = 80  # characters of a message or a text run shown in a timeline row
+
+
+class Chunk(msgspec.Struct, kw_only=True, tag_field="type", tag="token_chunk"):
+    """A TokenChunk as the audit reads it when nothing is exported: the fields the fold uses, the
+    rest of the record (token ids, call deltas, raw text) skipped by the decoder, never built."""
+
+    request_id: str
+    conversation_id: str = ""
+    tenant: str = "default"
+    seq: int
+    text: str
+    worker_id: str = ""
+    v: int = 1
+
+
+CHUNKS = (TokenChunk, Chunk)
 
 
 @dataclass
@@ -88,11 +106,15 @@ class Audit:
 
     def add(self, topic: str, partition: int, offset: int, timestamp: int, event: Event) -> None:
         self.events += 1
-        self.first_ms = timestamp if not self.first_ms else min(self.first_ms, timestamp)
-        self.last_ms = max(self.last_ms, timestamp)
-        self.conversation_id = self.conversation_id or event.conversation_id
-        self.tenant = self.tenant or event.tenant
-        if isinstance(event, TokenChunk) and topic == TOKENS.name:
+        if not self.first_ms or timestamp < self.first_ms:
+            self.first_ms = timestamp
+        if timestamp > self.last_ms:
+            self.last_ms = timestamp
+        if not self.conversation_id:
+            self.conversation_id = event.conversation_id
+        if not self.tenant:
+            self.tenant = event.tenant
+        if topic == TOKENS.name and isinstance(event, CHUNKS):
             self._chunk(partition, offset, timestamp, event)
             return
         self._note(topic, event, timestamp)
@@ -101,7 +123,7 @@ class Audit:
             self.rows.append(Row(timestamp, topic, f"{partition}@{offset}", type(event).__struct_config__.tag,
                                  describe(event)))
 
-    def _chunk(self, partition: int, offset: int, timestamp: int, chunk: TokenChunk) -> None:
+    def _chunk(self, partition: int, offset: int, timestamp: int, chunk: TokenChunk | Chunk) -> None:
         if chunk.seq in self.seqs:
             self.duplicates += 1
         self.seqs.add(chunk.seq)
