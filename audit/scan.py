@@ -77,6 +77,10 @@ async def merged(consumer: AIOKafkaConsumer, spans: list[Span], order: dict[str,
     tag = {tp: (min(order.get(tp.topic, 99), 255) << _PARTITION_BITS) | tp.partition for tp in stop}
     active = set(stop)  # partitions with records still to come
 
+    def done(tp: TopicPartition) -> None:
+        active.discard(tp)
+        consumer.pause(tp)  # nothing past its stop offset is fetched
+
     def take(batch: dict) -> int:
         got = 0
         for tp, fetched in batch.items():
@@ -85,7 +89,7 @@ async def merged(consumer: AIOKafkaConsumer, spans: list[Span], order: dict[str,
             end = stop[tp]
             if fetched[-1].offset >= end:
                 fetched = [r for r in fetched if r.offset < end]
-                active.discard(tp)
+                done(tp)
             most = latest[tp]
             stamps = times[tp]
             for r in fetched:
@@ -96,15 +100,15 @@ async def merged(consumer: AIOKafkaConsumer, spans: list[Span], order: dict[str,
             records[tp] += fetched
             got += len(fetched)
             if fetched and fetched[-1].offset + 1 >= end:
-                active.discard(tp)
+                done(tp)
         progress(got)
         return got
 
     idle = 0
     while active or any(records.values()):
         low = [tp for tp in active if len(records[tp]) < LOW_WATER]
-        if low:
-            take(await consumer.getmany(*low, timeout_ms=0))
+        if low:  # (all of them: no filter to pass, the partitions done are paused)
+            take(await consumer.getmany(*(low if len(low) < len(active) else ()), timeout_ms=0))
         watermark = min((latest[tp] for tp in active), default=None)
         if watermark is not None and watermark < 0:
             watermark = -1  # a partition not yet heard from holds everything back
@@ -134,7 +138,7 @@ async def merged(consumer: AIOKafkaConsumer, spans: list[Span], order: dict[str,
         got = take(await consumer.getmany(*behind, timeout_ms=WAIT_MS))
         for tp in behind:
             if tp in active and not records[tp] and await consumer.position(tp) >= stop[tp]:
-                active.discard(tp)  # nothing more before its stop offset (a gap, or transaction markers)
+                done(tp)  # nothing more before its stop offset (a gap, or transaction markers)
         idle = 0 if got else idle + 1
         if idle > IDLE_ROUNDS:
             raise TimeoutError(f"no records from {sorted(map(str, behind))} for a minute")

@@ -28,7 +28,7 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
-from schemas import ChatRequest, Completion, InferenceRequest, ToolCall, ToolResult, TraceContext
+from schemas import ChatRequest, Completion, InferenceRequest, ToolCall, TraceContext
 
 log = logging.getLogger(__name__)
 
@@ -196,8 +196,8 @@ def completion_attributes(done: Completion, model: str | None = None) -> dict[st
 TOOL_TYPES = {"file_search": "datastore"}  # server tools: "extension"; client functions: "function"
 
 
-def tool_attributes(call: ToolCall, result: ToolResult | None = None) -> dict[str, Any]:
-    attrs = {
+def tool_attributes(call: ToolCall) -> dict[str, Any]:
+    return {
         "gen_ai.operation.name": "execute_tool",
         "gen_ai.provider.name": PROVIDER,
         "gen_ai.tool.name": call.name,
@@ -206,9 +206,6 @@ def tool_attributes(call: ToolCall, result: ToolResult | None = None) -> dict[st
         "gen_ai.conversation.id": call.conversation_id or None,
         "tokenstream.request_id": call.request_id,
     }
-    if result is not None:
-        attrs["tokenstream.tool.ok"] = result.ok
-    return attrs
 
 
 def record_attributes(topic: str, partition: int, offset: int, group: str | None = None) -> dict[str, Any]:
