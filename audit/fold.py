@@ -100,42 +100,51 @@ class Audit:
     refused: bool = False  # that verdict blocked: the client got the refusal
     timeline: bool = True  # False: only what the gap check and a summary need (range scans)
     marks: Marks = field(default_factory=Marks)  # when the request reached each hop (audit.hops)
+    first_token_ms: int = 0  # the first generated chunk's timestamp (the mark, kept cheaply)
     _run: list = field(default_factory=list)  # token chunks not yet folded into a row
 
     # ------------------------------------------------------------------ folding
 
     def add(self, topic: str, partition: int, offset: int, timestamp: int, event: Event) -> None:
+        if topic == TOKENS.name and isinstance(event, CHUNKS):
+            self.chunk(partition, offset, timestamp, event)
+            return
         self.events += 1
         if not self.first_ms or timestamp < self.first_ms:
             self.first_ms = timestamp
         if timestamp > self.last_ms:
             self.last_ms = timestamp
-        if not self.conversation_id:
-            self.conversation_id = event.conversation_id
         if not self.tenant:
-            self.tenant = event.tenant
-        if topic == TOKENS.name and isinstance(event, CHUNKS):
-            self._chunk(partition, offset, timestamp, event)
-            return
+            self.conversation_id, self.tenant = event.conversation_id, event.tenant
         self._note(topic, event, timestamp)
         if self.timeline:
             self._flush()
             self.rows.append(Row(timestamp, topic, f"{partition}@{offset}", type(event).__struct_config__.tag,
                                  describe(event)))
 
-    def _chunk(self, partition: int, offset: int, timestamp: int, chunk: TokenChunk | Chunk) -> None:
-        if chunk.seq in self.seqs:
+    def chunk(self, partition: int, offset: int, timestamp: int, chunk: TokenChunk | Chunk) -> None:
+        """A token chunk on the tokens topic: most of every request's events, so kept to the essentials."""
+        self.events += 1
+        if timestamp > self.last_ms:
+            self.last_ms = timestamp
+        if not self.first_ms or timestamp < self.first_ms:
+            self.first_ms = timestamp
+        if not self.tenant:
+            self.conversation_id, self.tenant = chunk.conversation_id, chunk.tenant
+        seq, seqs = chunk.seq, self.seqs
+        if seq in seqs:
             self.duplicates += 1
-        self.seqs.add(chunk.seq)
+        else:
+            seqs.add(seq)
         if chunk.worker_id:
             self.reached_worker = True
-            if self.marks.first_token is None or timestamp / 1000 < self.marks.first_token:
-                self.marks.first_token = timestamp / 1000
+            if not self.first_token_ms or timestamp < self.first_token_ms:
+                self.first_token_ms = timestamp
         if self.client_done:
             self.withheld += 1
-        elif chunk.seq >= self.next_seq:
+        elif seq >= self.next_seq:
             self.client_text.append(chunk.text)
-            self.next_seq = chunk.seq + 1
+            self.next_seq = seq + 1
         if self.timeline:
             self._run.append((partition, offset, timestamp, chunk))
 
@@ -222,6 +231,7 @@ class Audit:
     @property
     def hops(self) -> list[tuple[str, float]]:
         """(hop, seconds) from admission to the Completion (audit.hops)."""
+        self.marks.first_token = self.first_token_ms / 1000 if self.first_token_ms else None
         return hop_times(self.marks)
 
     @property

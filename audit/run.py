@@ -8,6 +8,8 @@ only the requests still in flight at the scan's current time.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import inspect
 import time
 from collections.abc import Awaitable, Callable
@@ -18,7 +20,7 @@ import msgspec
 from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
-from audit.fold import Audit, Chunk
+from audit.fold import CHUNKS, Audit, Chunk
 from audit.scan import Span, merged, spans_between
 from audit.sources import (
     admitted_ms,
@@ -30,12 +32,16 @@ from audit.sources import (
 from schemas import DecodeError, Event, TokenChunk
 from schemas.codec import SUPPORTED_VERSIONS, decoder
 from topics.admin import partition_counts
-from topics.registry import FLOW, TopicSpec
+from topics.registry import FLOW, TOKENS, TopicSpec
 
 #: offsets_for_times starts this much before a request's admission (clock skew between hosts).
 CLOCK_MARGIN_MS = 5_000
 SWEEP_EVERY = 5_000  # records between two looks for requests that can have nothing more
 FETCH_BYTES = 512 * 1024  # fetched per partition at a time: what memory holds per partition, at most
+#: allocations between two young-generation garbage collections while scanning (Python's default is
+#: 2,000): every record makes several objects that live until its batch is folded, and collecting
+#: every 2,000 of them cost about 45% of the fold's CPU time; cycles are still collected, less often
+GC_THRESHOLD = 50_000
 
 
 @dataclass
@@ -222,40 +228,55 @@ class Auditor:
         decoders, export, timeline = self.scan_decoders, self.opts.export, keep_all or self.timelines
         filtered = {n for n, spec in self.specs.items() if keyed_by_request(spec)} if keys is not None else set()
         records = undecodable = since_sweep = 0
-        tenant_ok = self._tenant_ok
-        async for batch in merged(self.consumer, spans, self.order, progress):
-            records += len(batch)
-            for record in batch:
-                topic = record.topic
-                if topic in filtered and record.key not in keys:
-                    continue
-                try:
-                    event = decoders[topic](record.value or b"")
-                except (msgspec.DecodeError, msgspec.ValidationError, ValueError):
-                    undecodable += 1
-                    continue
-                if event.v not in SUPPORTED_VERSIONS:
-                    undecodable += 1
-                    continue
-                rid = event.request_id
-                audit = live.get(rid)
-                if audit is None:
-                    if not wanted(rid, record.timestamp):
+        tenant_ok, tokens = self._tenant_ok, TOKENS.name
+        async with _fewer_collections():
+            async for batch in merged(self.consumer, spans, self.order, progress):
+                records += len(batch)
+                for record in batch:
+                    topic = record.topic
+                    if topic in filtered and record.key not in keys:
                         continue
-                    audit = live[rid] = Audit(rid, timeline=timeline)
-                audit.add(topic, record.partition, record.offset, record.timestamp, event)
-                if export is not None and tenant_ok(event):
-                    export({"topic": topic, "partition": record.partition, "offset": record.offset,
-                            "timestamp": record.timestamp, "event": msgspec.to_builtins(event)})
-            since_sweep += len(batch)
-            if not keep_all and since_sweep >= SWEEP_EVERY:  # finish requests that can have nothing more
-                since_sweep = 0
-                await sweep(batch[-1].timestamp)
+                    try:
+                        event = decoders[topic](record.value or b"")
+                    except (msgspec.DecodeError, msgspec.ValidationError, ValueError):
+                        undecodable += 1
+                        continue
+                    if event.v not in SUPPORTED_VERSIONS:
+                        undecodable += 1
+                        continue
+                    rid = event.request_id
+                    audit = live.get(rid)
+                    if audit is None:
+                        if not wanted(rid, record.timestamp):
+                            continue
+                        audit = live[rid] = Audit(rid, timeline=timeline)
+                    if topic == tokens and type(event) in CHUNKS:  # the bulk: straight to the chunk fold
+                        audit.chunk(record.partition, record.offset, record.timestamp, event)
+                    else:
+                        audit.add(topic, record.partition, record.offset, record.timestamp, event)
+                    if export is not None and tenant_ok(event):
+                        export({"topic": topic, "partition": record.partition, "offset": record.offset,
+                                "timestamp": record.timestamp, "event": msgspec.to_builtins(event)})
+                since_sweep += len(batch)
+                if not keep_all and since_sweep >= SWEEP_EVERY:  # finish requests that can have nothing more
+                    since_sweep = 0
+                    await sweep(batch[-1].timestamp)
         for audit in live.values():
             await close(audit)
         outcome.records = records
         outcome.undecodable = undecodable
         return outcome
+
+
+@contextlib.asynccontextmanager
+async def _fewer_collections():
+    """Young-generation collections every GC_THRESHOLD allocations while a scan runs (see there)."""
+    before = gc.get_threshold()
+    gc.set_threshold(max(before[0], GC_THRESHOLD), *before[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*before)
 
 
 def _raw_decoder(spec: TopicSpec, lean: bool) -> Callable[[bytes], Event]:

@@ -5,13 +5,14 @@ order the request meets the topics, then partition, then offset), so a request's
 every topic interleave as they happened. A partition's timestamps are made non-decreasing (each
 record counts at the latest time seen so far in its partition), so its log order is never changed.
 
-The merge works in rounds, on whole batches: it takes what the fetcher has ready for every
-partition holding fewer than LOW_WATER records, then hands on, sorted in one C-level sort, every
-buffered record older than the watermark (the oldest "latest time seen" among the partitions not
-yet done: nothing older can come from any of them). It waits on the fetcher only for the partitions
-that hold the watermark back. A partition holding LOW_WATER records or more is not drained, so
-aiokafka keeps at most one fetched response for it (`max_partition_fetch_bytes`): memory is
-bounded per partition, and a year-long range costs what a minute costs.
+The merge works in rounds, on whole batches: it takes up to TAKE records of what the fetcher has
+ready for each partition holding fewer than LOW_WATER records, then hands on, sorted in one C-level
+sort, every buffered record older than the watermark (the oldest "latest time seen" among the
+partitions not yet done: nothing older can come from any of them). It waits on the fetcher only for
+the partitions that hold the watermark back. aiokafka keeps at most one fetched response per
+partition (`max_partition_fetch_bytes`, parsed only as records are taken) and fetches the next
+only once it is used up, so memory is bounded per partition and a year-long range costs what a
+minute costs.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from dataclasses import dataclass
 from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
-LOW_WATER = 2000  # records buffered per partition below which what is fetched for it is taken
+LOW_WATER = 1000  # records buffered per partition below which more is taken from what was fetched
+TAKE = 1000  # records taken from a partition's fetched response at a time (parsed lazily by aiokafka)
 WAIT_MS = 500  # longest wait for a partition that holds the watermark back
 IDLE_ROUNDS = 120  # waits in a row without a record before the scan gives up (a minute)
 _RANK_BITS, _PARTITION_BITS = 8, 16  # the sort key: timestamp, topic rank, partition packed in one int
@@ -106,9 +108,8 @@ async def merged(consumer: AIOKafkaConsumer, spans: list[Span], order: dict[str,
 
     idle = 0
     while active or any(records.values()):
-        low = [tp for tp in active if len(records[tp]) < LOW_WATER]
-        if low:  # (all of them: no filter to pass, the partitions done are paused)
-            take(await consumer.getmany(*(low if len(low) < len(active) else ()), timeout_ms=0))
+        for tp in [tp for tp in active if len(records[tp]) < LOW_WATER]:
+            take(await consumer.getmany(tp, timeout_ms=0, max_records=TAKE))
         watermark = min((latest[tp] for tp in active), default=None)
         if watermark is not None and watermark < 0:
             watermark = -1  # a partition not yet heard from holds everything back
@@ -135,7 +136,7 @@ async def merged(consumer: AIOKafkaConsumer, spans: list[Span], order: dict[str,
         behind = [tp for tp in active if latest[tp] <= watermark]  # (all at the watermark: taken however many)
         if not behind:
             continue
-        got = take(await consumer.getmany(*behind, timeout_ms=WAIT_MS))
+        got = take(await consumer.getmany(*behind, timeout_ms=WAIT_MS, max_records=TAKE))
         for tp in behind:
             if tp in active and not records[tp] and await consumer.position(tp) >= stop[tp]:
                 done(tp)  # nothing more before its stop offset (a gap, or transaction markers)
