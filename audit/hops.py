@@ -11,8 +11,9 @@
     decode        -> the Completion on ts.tokens (the rest of the answer)
     delivery      -> received by the client (only where the client's clock is known: bench pipeline)
 
-A record's timestamp is its producer's clock (CreateTime) and the Timings are the worker's, so
-the figures are exact on one host and as good as the hosts' clock sync across hosts. A hop whose
+A record's timestamp is its producer's clock (CreateTime; ts.tokens stamps the broker's append
+time) and the Timings are the worker's, so the figures are exact on one host and as good as the
+hosts' clock sync across hosts. A hop whose
 mark is missing is left out and its time counts towards the next one found. `bench pipeline`
 computes its per-hop shares of time to first token with the same function.
 """

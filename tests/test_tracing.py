@@ -113,7 +113,7 @@ def test_hops_in_process_parent_through_the_headers_with_genai_attributes():
     exporter = InMemorySpanExporter()
     assert tracing.setup("test", exporter=exporter)
     try:
-        request = ChatRequest(request_id="r1", conversation_id="c1", tenant="t", model="m",
+        request = ChatRequest(request_id="r1", conversation_id="c1", tenant="t", model="m", messages=[],
                               sampling=SamplingParams(max_tokens=7, temperature=0.5, seed=3))
         with tracing.hop("chat m", None, role="gateway", kind="server",
                          attributes=tracing.request_attributes(request)) as gateway:
