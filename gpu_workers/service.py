@@ -306,6 +306,9 @@ class Worker:
             parser = self.parsers.get(rid)
             span = self.spans.get(rid)
             trace = span.trace if span is not None else None
+            # every chunk names the span only while spans are exported (its children are the output
+            # checks): otherwise the header would add about 70 bytes to each record of ts.tokens
+            chunk_trace = trace if span is not None and span.span is not None else None
             if out.chunk_seq is not None:
                 text, calls, raw = out.text, [], None
                 if parser is not None:  # the model's text -> content and call deltas
@@ -314,7 +317,7 @@ class Worker:
                                    seq=out.chunk_seq, text=text, token_ids=out.token_ids, tool_calls=calls,
                                    raw=raw, worker_id=self.worker_id)
                 await publish(self.producer, TOKENS, chunk, partition=request.reply_partition, wait=False,
-                              trace=trace)
+                              trace=chunk_trace)
             if out.finish_reason is not None:
                 seq = out.seq
                 reason, error = out.finish_reason, out.error
