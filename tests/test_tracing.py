@@ -199,7 +199,8 @@ async def test_one_request_is_one_trace_across_every_role(stack, bootstrap, role
     while True:
         spans = receiver.of_trace(openai_parent.trace_id)
         hops = {s["attributes"].get("tokenstream.hop") for s in spans}
-        if wanted <= hops and any(s["name"] == "record answer" for s in spans):
+        names = {s["name"] for s in spans}
+        if wanted <= hops and {"record answer", "screen_output"} <= names:
             break
         for name, proc in procs.items():
             assert proc.poll() is None, f"{name} exited:\n" + roles.log(proc)[-3000:]
@@ -226,6 +227,8 @@ async def test_one_request_is_one_trace_across_every_role(stack, bootstrap, role
     rekey = next(s for s in by_name["rekey answer"] if s["attributes"]["tokenstream.request_id"] == rid)
     assert rekey["parent"] == worker["span_id"]
     assert one("record answer")["parent"] == rekey["span_id"]
+    for window in by_name["screen_output"]:  # the safety processor's output checks: children of the worker's
+        assert window["parent"] == worker["span_id"]
     assert {s["service"] for s in spans} >= {f"tokenstream-{h}" for h in wanted}
 
     for span in (gateway, prepare, screen, route, worker):
