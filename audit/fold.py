@@ -20,6 +20,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
+
+from audit.hops import Marks, hop_times
 from schemas import (
     REFUSAL,
     Cancel,
@@ -35,9 +38,25 @@ from schemas import (
     Transcript,
     TurnDeadline,
 )
-from topics import PREPARED, TOKENS, TRANSCRIPTS, VERDICTS
+from topics import PREPARED, SCREENED, TOKENS, TRANSCRIPTS, VERDICTS
 
 TEXT_SHOWN = 80  # characters of a message or a text run shown in a timeline row
+
+
+class Chunk(msgspec.Struct, kw_only=True, tag_field="type", tag="token_chunk"):
+    """A TokenChunk as the audit reads it when nothing is exported: the fields the fold uses, the
+    rest of the record (token ids, call deltas, raw text) skipped by the decoder, never built."""
+
+    request_id: str
+    conversation_id: str = ""
+    tenant: str = "default"
+    seq: int
+    text: str
+    worker_id: str = ""
+    v: int = 1
+
+
+CHUNKS = (TokenChunk, Chunk)
 
 
 @dataclass
@@ -83,37 +102,53 @@ class Audit:
     refused: bool = False  # that verdict blocked: the client got the refusal
     timeline: bool = True  # False: only what the gap check and a summary need (range scans)
     tools_only: bool = True  # only ToolCalls and ToolResults so far: no model was asked (a search)
+    marks: Marks = field(default_factory=Marks)  # when the request reached each hop (audit.hops)
+    first_token_ms: int = 0  # the first generated chunk's timestamp (the mark, kept cheaply)
     _run: list = field(default_factory=list)  # token chunks not yet folded into a row
 
     # ------------------------------------------------------------------ folding
 
     def add(self, topic: str, partition: int, offset: int, timestamp: int, event: Event) -> None:
-        self.events += 1
-        self.first_ms = timestamp if not self.first_ms else min(self.first_ms, timestamp)
-        self.last_ms = max(self.last_ms, timestamp)
-        self.conversation_id = self.conversation_id or event.conversation_id
-        self.tenant = self.tenant or event.tenant
-        if isinstance(event, TokenChunk) and topic == TOKENS.name:
-            self._chunk(partition, offset, timestamp, event)
+        if topic == TOKENS.name and isinstance(event, CHUNKS):
+            self.chunk(partition, offset, timestamp, event)
             return
-        self._note(topic, event)
+        self.events += 1
+        if not self.first_ms or timestamp < self.first_ms:
+            self.first_ms = timestamp
+        if timestamp > self.last_ms:
+            self.last_ms = timestamp
+        if not self.tenant:
+            self.conversation_id, self.tenant = event.conversation_id, event.tenant
+        self._note(topic, event, timestamp)
         if self.timeline:
             self._flush()
             self.rows.append(Row(timestamp, topic, f"{partition}@{offset}", type(event).__struct_config__.tag,
                                  describe(event)))
 
-    def _chunk(self, partition: int, offset: int, timestamp: int, chunk: TokenChunk) -> None:
+    def chunk(self, partition: int, offset: int, timestamp: int, chunk: TokenChunk | Chunk) -> None:
+        """A token chunk on the tokens topic: most of every request's events, so kept to the essentials."""
+        self.events += 1
         self.tools_only = False
-        if chunk.seq in self.seqs:
+        if timestamp > self.last_ms:
+            self.last_ms = timestamp
+        if not self.first_ms or timestamp < self.first_ms:
+            self.first_ms = timestamp
+        if not self.tenant:
+            self.conversation_id, self.tenant = chunk.conversation_id, chunk.tenant
+        seq, seqs = chunk.seq, self.seqs
+        if seq in seqs:
             self.duplicates += 1
-        self.seqs.add(chunk.seq)
+        else:
+            seqs.add(seq)
         if chunk.worker_id:
             self.reached_worker = True
+            if not self.first_token_ms or timestamp < self.first_token_ms:
+                self.first_token_ms = timestamp
         if self.client_done:
             self.withheld += 1
-        elif chunk.seq >= self.next_seq:
+        elif seq >= self.next_seq:
             self.client_text.append(chunk.text)
-            self.next_seq = chunk.seq + 1
+            self.next_seq = seq + 1
         if self.timeline:
             self._run.append((partition, offset, timestamp, chunk))
 
@@ -129,20 +164,27 @@ class Audit:
                              "token_chunks", f"{span} {_short(text)!r}"))
         self._run.clear()
 
-    def _note(self, topic: str, event: Event) -> None:
-        """What the gap check and the summary need from one event (no text is built here)."""
+    def _note(self, topic: str, event: Event, timestamp: int) -> None:
+        """What the gap check, the summary and the hop times need from one event (no text is built here)."""
         if not isinstance(event, ToolCall | ToolResult | DeadLetter):
             self.tools_only = False
         if isinstance(event, ChatRequest | InferenceRequest) and event.screening == "parallel":
             self.parallel = True
+        at = timestamp / 1000
         if isinstance(event, ChatRequest):
             self.model = self.model or event.model
+            self.marks.admitted = event.created_at or None
+            self.marks.first("chat", at)
         elif isinstance(event, InferenceRequest):
             if topic == PREPARED.name:
                 self.input_text = next((m.content for m in reversed(event.messages) if m.role == "user"), "")
+                self.marks.first("prepared", at)
+            elif topic == SCREENED.name:
+                self.marks.first("screened", at)
             elif topic.startswith("ts.inference."):
                 self.reached_worker = True
                 self.model = event.model
+                self.marks.first("inference", at)
         elif isinstance(event, SafetyVerdict):
             if topic == VERDICTS.name and event.stage == "input":
                 self.live_input = event
@@ -162,6 +204,8 @@ class Audit:
                 self.client_done = True
         elif isinstance(event, Completion):
             if topic == TOKENS.name:
+                if not self.completions:
+                    self.marks.completion, self.marks.timings = at, event.timings
                 self.completions.append(event)
                 if event.finish_reason == "error":
                     self._ended_before_screening()
@@ -189,6 +233,12 @@ class Audit:
         return self
 
     # --------------------------------------------------------------- results
+
+    @property
+    def hops(self) -> list[tuple[str, float]]:
+        """(hop, seconds) from admission to the Completion (audit.hops)."""
+        self.marks.first_token = self.first_token_ms / 1000 if self.first_token_ms else None
+        return hop_times(self.marks)
 
     @property
     def completed(self) -> bool:

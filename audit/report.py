@@ -35,11 +35,25 @@ def timeline(console: Console, audit: Audit) -> None:
         table.add_row(stamp(row.timestamp), str(row.timestamp - audit.first_ms), row.topic, row.where,
                       row.kind, row.detail)
     console.print(table)
+    hops(console, audit)
     extra = f" · {audit.withheld} chunk(s) generated after the stream ended" if audit.withheld else ""
     extra += f" · {audit.duplicates} duplicate chunk(s) dropped" if audit.duplicates else ""
     console.print(Panel(audit.text or "(nothing)", title="the text the client saw",
                         subtitle=f"finish: {audit.finish_reason or '-'}{extra}", title_align="left"))
     console.print("gap check: " + verdict(audit), highlight=False)
+
+
+def hops(console: Console, audit: Audit) -> None:
+    """The time spent in each hop (audit.hops), from admission to the Completion."""
+    spent = audit.hops
+    if not spent:
+        return
+    total = sum(s for _, s in spent)
+    table = Table("", *(name for name, _ in spent), "total", title="time in each hop (ms)", title_justify="left")
+    table.add_row("ms", *(f"{s * 1000:.0f}" for _, s in spent), f"{total * 1000:.0f}")
+    if total > 0:
+        table.add_row("share", *(f"{s / total:.0%}" for _, s in spent), "100%")
+    console.print(table)
 
 
 class Summary:

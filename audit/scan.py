@@ -1,26 +1,34 @@
 """A time-ordered merge of many topic-partitions, each read between a start and a stop offset.
 
 Each partition is in log order; across partitions records come out by timestamp (ties by the
-order the request meets the topics, then offset), so a request's events from every topic
-interleave as they happened. What the fetcher has ready is taken without waiting every few
-thousand records, so fetches of every partition stay in flight while the merge runs; a
-partition holding BUFFERED_MOST records is paused until the merge has used them, so memory is
-bounded per partition and a year-long range costs what a minute costs.
+order the request meets the topics, then partition, then offset), so a request's events from
+every topic interleave as they happened. A partition's timestamps are made non-decreasing (each
+record counts at the latest time seen so far in its partition), so its log order is never changed.
+
+The merge works in rounds, on whole batches: it takes up to TAKE records of what the fetcher has
+ready for each partition holding fewer than LOW_WATER records, then hands on, sorted in one C-level
+sort, every buffered record older than the watermark (the oldest "latest time seen" among the
+partitions not yet done: nothing older can come from any of them). It waits on the fetcher only for
+the partitions that hold the watermark back. aiokafka keeps at most one fetched response per
+partition (`max_partition_fetch_bytes`, parsed only as records are taken) and fetches the next
+only once it is used up, so memory is bounded per partition and a year-long range costs what a
+minute costs.
 """
 
 from __future__ import annotations
 
-import heapq
-from collections import deque
+from bisect import bisect_left
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
-FETCH_RECORDS = 5000
-BUFFERED_MOST = 500  # records held per partition before its fetching is paused
-ABSORB_EVERY = 2000  # records merged between two non-blocking takes of what the fetcher has ready
+LOW_WATER = 1000  # records buffered per partition below which more is taken from what was fetched
+TAKE = 1000  # records taken from a partition's fetched response at a time (parsed lazily by aiokafka)
+WAIT_MS = 500  # longest wait for a partition that holds the watermark back
+IDLE_ROUNDS = 120  # waits in a row without a record before the scan gives up (a minute)
+_RANK_BITS, _PARTITION_BITS = 8, 16  # the sort key: timestamp, topic rank, partition packed in one int
 
 
 @dataclass
@@ -53,8 +61,8 @@ async def spans_between(consumer: AIOKafkaConsumer, tps: list[TopicPartition], s
 
 
 async def merged(consumer: AIOKafkaConsumer, spans: list[Span], order: dict[str, int],
-                 progress: Callable[[int], None] = lambda n: None) -> AsyncIterator[ConsumerRecord]:
-    """Every record of `spans`, merged by (timestamp, topic order, partition, offset).
+                 progress: Callable[[int], None] = lambda n: None) -> AsyncIterator[list[ConsumerRecord]]:
+    """Every record of `spans` in batches, merged by (timestamp, topic order, partition, offset).
 
     `progress(n)` is told how many records were read since its last call.
     """
@@ -65,74 +73,73 @@ async def merged(consumer: AIOKafkaConsumer, spans: list[Span], order: dict[str,
     consumer.assign(list(stop))
     for s in spans:
         consumer.seek(s.tp, s.start)
-    buffers: dict[TopicPartition, deque[ConsumerRecord]] = {tp: deque() for tp in stop}
-    exhausted: set[TopicPartition] = set()
-    waiting = set(stop)  # partitions whose next record is not in the heap yet
-    heap: list[tuple[int, int, int, int, TopicPartition]] = []
-    idle_rounds = 0
+    records: dict[TopicPartition, list[ConsumerRecord]] = {tp: [] for tp in stop}
+    times: dict[TopicPartition, list[int]] = {tp: [] for tp in stop}  # non-decreasing, one per record
+    latest: dict[TopicPartition, int] = {tp: -1 for tp in stop}  # the latest time seen (-1: none yet)
+    tag = {tp: (min(order.get(tp.topic, 99), 255) << _PARTITION_BITS) | tp.partition for tp in stop}
+    active = set(stop)  # partitions with records still to come
 
-    def push(tp: TopicPartition) -> bool:
-        buf = buffers[tp]
-        if not buf:
-            return False
-        r = buf[0]
-        heapq.heappush(heap, (r.timestamp, order.get(tp.topic, 99), tp.partition, r.offset, tp))
-        return True
-
-    paused: set[TopicPartition] = set()
-    since_absorb = 0
+    def done(tp: TopicPartition) -> None:
+        active.discard(tp)
+        consumer.pause(tp)  # nothing past its stop offset is fetched
 
     def take(batch: dict) -> int:
         got = 0
-        for tp, records in batch.items():
-            buf = buffers[tp]
-            for r in records:
-                if r.offset < stop[tp]:
-                    buf.append(r)
-                    got += 1
-                else:
-                    exhausted.add(tp)
-                    break
-        full = {tp for tp, buf in buffers.items() if len(buf) >= BUFFERED_MOST} - exhausted
-        if full - paused:
-            consumer.pause(*(full - paused))
-        drained = {tp for tp in paused if len(buffers[tp]) < BUFFERED_MOST // 2}
-        if drained:
-            consumer.resume(*drained)
-        paused.difference_update(drained)
-        paused.update(full)
+        for tp, fetched in batch.items():
+            if not fetched:
+                continue
+            end = stop[tp]
+            if fetched[-1].offset >= end:
+                fetched = [r for r in fetched if r.offset < end]
+                done(tp)
+            most = latest[tp]
+            stamps = times[tp]
+            for r in fetched:
+                if r.timestamp > most:
+                    most = r.timestamp
+                stamps.append(most)
+            latest[tp] = most
+            records[tp] += fetched
+            got += len(fetched)
+            if fetched and fetched[-1].offset + 1 >= end:
+                done(tp)
         progress(got)
         return got
 
-    while waiting or heap:
-        if since_absorb >= ABSORB_EVERY:  # keep every partition's next fetch in flight
-            since_absorb = 0
-            take(await consumer.getmany(timeout_ms=0, max_records=FETCH_RECORDS))
-        if waiting:
-            for tp in list(waiting):
-                if push(tp):
-                    waiting.discard(tp)
-        if waiting:
-            if paused & waiting:
-                consumer.resume(*(paused & waiting))
-                paused.difference_update(waiting)
-            got = take(await consumer.getmany(*waiting, timeout_ms=500, max_records=FETCH_RECORDS))
-            for tp in list(waiting):
-                if not buffers[tp] and (tp in exhausted or await consumer.position(tp) >= stop[tp]):
-                    waiting.discard(tp)  # nothing more before its stop offset
-            idle_rounds = 0 if got else idle_rounds + 1
-            if idle_rounds > 120:  # a minute without a record from a partition that is not done
-                raise TimeoutError(f"no records from {sorted(map(str, waiting))} for a minute")
+    idle = 0
+    while active or any(records.values()):
+        for tp in [tp for tp in active if len(records[tp]) < LOW_WATER]:
+            take(await consumer.getmany(tp, timeout_ms=0, max_records=TAKE))
+        watermark = min((latest[tp] for tp in active), default=None)
+        if watermark is not None and watermark < 0:
+            watermark = -1  # a partition not yet heard from holds everything back
+        out_records: list[ConsumerRecord] = []
+        keys: list[int] = []
+        for tp, buffered in records.items():
+            if not buffered:
+                continue
+            cut = len(buffered) if watermark is None else bisect_left(times[tp], watermark)
+            if not cut:
+                continue
+            shift = tag[tp]
+            keys += [(t << (_RANK_BITS + _PARTITION_BITS)) | shift for t in times[tp][:cut]]
+            out_records += buffered[:cut]
+            del buffered[:cut], times[tp][:cut]
+        if out_records:
+            idle = 0
+            if len(keys) > 1:
+                ranked = sorted(range(len(keys)), key=keys.__getitem__)  # stable: log order within a partition
+                out_records = [out_records[i] for i in ranked]
+            yield out_records
             continue
-        _, rank, partition, _, tp = heapq.heappop(heap)
-        buf, end = buffers[tp], stop[tp]
-        while True:  # this partition's records, as long as they come before every other head
-            record = buf.popleft()
-            since_absorb += 1
-            if record.offset + 1 >= end:
-                exhausted.add(tp)
-            yield record
-            if not buf or (heap and (buf[0].timestamp, rank, partition) > heap[0][:3]):
-                break
-        if not push(tp) and tp not in exhausted:
-            waiting.add(tp)
+        # nothing can go out yet: wait for the partitions that hold the watermark back
+        behind = [tp for tp in active if latest[tp] <= watermark]  # (all at the watermark: taken however many)
+        if not behind:
+            continue
+        got = take(await consumer.getmany(*behind, timeout_ms=WAIT_MS, max_records=TAKE))
+        for tp in behind:
+            if tp in active and not records[tp] and await consumer.position(tp) >= stop[tp]:
+                done(tp)  # nothing more before its stop offset (a gap, or transaction markers)
+        idle = 0 if got else idle + 1
+        if idle > IDLE_ROUNDS:
+            raise TimeoutError(f"no records from {sorted(map(str, behind))} for a minute")

@@ -8,7 +8,9 @@ to a Kafka started on free loopback ports, then reads the whole range twice over
 spans: the baseline is a bare group-less consumer counting records (no decoding), the measured
 run is `audit range` (time-ordered merge, decoding, folding, the gap check on every request).
 Peak memory is the process's RSS sampled every 50,000 records; "flat" compares the RSS at a
-quarter of the scan with the RSS at its end. Writes bench/results/audit.json.
+quarter of the scan with the RSS at its end. Beside the wall-clock rates, the CPU time each scan
+used (this process's, `time.process_time`) per event: on a machine shared with other work the
+wall-clock rate is what the scan got, the CPU time what it costs. Writes bench/results/audit.json.
 
 The run is written in well under a minute, so the audit's horizon (how long after admission a
 request may still write) is set to 10 s here; on a real log, requests spread over the range and
@@ -79,8 +81,8 @@ async def write_run(bootstrap: str, requests: int, chunks: int, say) -> tuple[in
     return events, since, int(time.time() * 1000) + 1
 
 
-async def baseline_scan(bootstrap: str, spans) -> tuple[int, float]:
-    """A bare consumer over the same spans: records counted, nothing decoded."""
+async def baseline_scan(bootstrap: str, spans) -> tuple[int, float, float]:
+    """A bare consumer over the same spans: records counted, nothing decoded. (records, seconds, CPU s)"""
     from aiokafka import AIOKafkaConsumer
 
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False,
@@ -92,14 +94,14 @@ async def baseline_scan(bootstrap: str, spans) -> tuple[int, float]:
         for s in spans:
             if s.size:
                 consumer.seek(s.tp, s.start)
-        count, started = 0, time.perf_counter()
+        count, started, cpu = 0, time.perf_counter(), time.process_time()
         while stop:
             batch = await consumer.getmany(timeout_ms=500, max_records=5000)
             for tp, records in batch.items():
                 count += sum(1 for r in records if r.offset < stop.get(tp, 0))
                 if records and records[-1].offset + 1 >= stop.get(tp, 0):
                     stop.pop(tp, None)
-        return count, time.perf_counter() - started
+        return count, time.perf_counter() - started, time.process_time() - cpu
     finally:
         await consumer.stop()
 
@@ -126,11 +128,12 @@ async def audit_scan(bootstrap: str, since: int, until: int) -> dict:
     rss_before = proc.memory_info().rss
     async with Auditor(Options(bootstrap, horizon_s=HORIZON_S, progress=progress)) as auditor:
         auditor.timelines = False  # as `audit range` runs without --timeline
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         outcome = await auditor.range(since, until, keep)
-        elapsed = time.perf_counter() - started
+        elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
         spans = auditor.last_spans
-    return {"records": outcome.records, "seconds": elapsed, "requests": outcome.requests, "failed": outcome.failed,
+    return {"records": outcome.records, "seconds": elapsed, "cpu_seconds": cpu, "requests": outcome.requests,
+            "failed": outcome.failed,
             "rss_before": rss_before, "samples": samples, "spans": spans}
 
 
@@ -163,7 +166,7 @@ def main(events: int = typer.Option(1_000_000, help="events to write and replay 
             written, since, until = asyncio.run(write_run(bootstrap, requests, chunks, say))
             say(f"written {written:,} events; replaying")
             measured = asyncio.run(audit_scan(bootstrap, since, until))
-            base_count, base_s = asyncio.run(baseline_scan(bootstrap, measured["spans"]))
+            base_count, base_s, base_cpu = asyncio.run(baseline_scan(bootstrap, measured["spans"]))
         finally:
             stack.kafka.stop(lambda m: None)
     samples = measured["samples"]
@@ -179,18 +182,24 @@ def main(events: int = typer.Option(1_000_000, help="events to write and replay 
         "events_written": written, "requests": requests,
         "audit": {"records": measured["records"], "seconds": round(measured["seconds"], 2),
                   "events_per_s": round(rates["audit_range_events_per_s"]),
+                  "cpu_seconds": round(measured["cpu_seconds"], 2),
+                  "cpu_us_per_event": round(measured["cpu_seconds"] / measured["records"] * 1e6, 2),
                   "requests_checked": measured["requests"], "requests_failing": measured["failed"],
                   "rss_mib_before": round(measured["rss_before"] / 2**20, 1), "rss_mib_peak": round(peak / 2**20, 1),
                   "rss_mib_at_quarter": round(quarter / 2**20, 1), "rss_mib_at_end": round(end / 2**20, 1),
                   "rss_mib_by_records": [[n, round(r / 2**20, 1)] for n, r in samples]},
         "baseline_bare_consumer": {"records": base_count, "seconds": round(base_s, 2),
-                                   "events_per_s": round(rates["bare_consumer_events_per_s"])},
+                                   "events_per_s": round(rates["bare_consumer_events_per_s"]),
+                                   "cpu_seconds": round(base_cpu, 2),
+                                   "cpu_us_per_event": round(base_cpu / base_count * 1e6, 2)},
         "ratio_audit_vs_bare": round(rates["audit_range_events_per_s"] / rates["bare_consumer_events_per_s"], 3),
         "target_events_per_s": 50_000,
     }
     table = Table("measure", "audit range", "bare consumer (baseline)", title=f"bench audit: {written:,} events")
     table.add_row("events/s", f"{result['audit']['events_per_s']:,}", f"{result['baseline_bare_consumer']['events_per_s']:,}")
     table.add_row("seconds", str(result["audit"]["seconds"]), str(result["baseline_bare_consumer"]["seconds"]))
+    table.add_row("CPU µs per event", str(result["audit"]["cpu_us_per_event"]),
+                  str(result["baseline_bare_consumer"]["cpu_us_per_event"]))
     table.add_row("RSS MiB before / at 1/4 / peak / end", f"{result['audit']['rss_mib_before']} / "
                   f"{result['audit']['rss_mib_at_quarter']} / {result['audit']['rss_mib_peak']} / "
                   f"{result['audit']['rss_mib_at_end']}", "-")

@@ -12,11 +12,12 @@ For each request:
   worker TTFT    the worker's own queue + prefill time, from the request's Completion
   overhead       client TTFT - worker TTFT: everything the pipeline adds (HTTP, five broker hops,
                  three processors with the input classifier, fan-out and SSE)
-and each hop's share from the broker's record timestamps (all processes share this host's clock):
-gateway (sent -> ts.chat.requests), conversation (-> ts.requests.prepared), safety
-(-> ts.requests.screened, serial only), router (-> ts.inference.<model>), fetch (-> received by
-the worker, from Completion.timings.pipeline_s), engine (the worker's own TTFT), publish (-> the
-first ts.tokens record) and delivery (-> the client). Results go to bench/results/pipeline.json.
+and each hop's share from the broker's record timestamps (all processes share this host's clock),
+computed by `audit.hops.hop_times` (what `tokenstream audit` shows per request): gateway (sent ->
+ts.chat.requests), conversation (-> ts.requests.prepared), safety (-> ts.requests.screened, serial
+only), router (-> ts.inference.<model>), fetch (-> received by the worker, from
+Completion.timings.pipeline_s), engine (the worker's own TTFT), publish (-> the first ts.tokens
+record) and delivery (-> the client). Results go to bench/results/pipeline.json.
 """
 
 from __future__ import annotations
@@ -30,12 +31,14 @@ from pathlib import Path
 
 import typer
 
+from audit.hops import HOPS as ALL_HOPS
+from audit.hops import Marks, hop_times
 from bench.rawhttp import chat_post, first_token
 
 RESULTS = Path(__file__).parent / "results" / "pipeline.json"
 MODEL = "smollm2"
 MODES = ("serial", "parallel")
-HOPS = ("gateway", "conversation", "safety", "router", "fetch", "engine", "publish", "delivery")
+HOPS = tuple(h for h in ALL_HOPS if h != "decode")  # shares of the time to first token
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -101,7 +104,7 @@ class Timeline:
         from topics import CHAT_REQUESTS, PREPARED, SCREENED, TOKENS, inference_topic
 
         self.bootstrap = bootstrap
-        self.marks: dict[str, dict] = {}
+        self.marks: dict[str, Marks] = {}
         self.topics = {CHAT_REQUESTS.name: "chat", PREPARED.name: "prepared", SCREENED.name: "screened",
                        inference_topic(model).name: "inference", TOKENS.name: "tokens"}
 
@@ -123,7 +126,7 @@ class Timeline:
 
     async def _run(self) -> None:
         from producers.publish import decode_record
-        from schemas import Completion, TokenChunk
+        from schemas import ChatRequest, Completion, TokenChunk
         from topics.registry import spec_for
 
         while True:
@@ -134,19 +137,22 @@ class Timeline:
                         event = decode_record(record, spec)
                     except Exception:  # noqa: BLE001 - not ours to judge here
                         continue
-                    marks = self.marks.setdefault(event.request_id, {})
+                    marks = self.marks.setdefault(event.request_id, Marks())
                     name = self.topics[tp.topic]
                     if name == "tokens":
-                        if isinstance(event, TokenChunk) and "first_token" not in marks:
-                            marks["first_token"] = record.timestamp / 1000
+                        if isinstance(event, TokenChunk):
+                            marks.first("first_token", record.timestamp / 1000)
                         elif isinstance(event, Completion):
-                            marks["completion"] = event
+                            marks.timings = event.timings
+                            marks.first("completion", record.timestamp / 1000)
                     else:
-                        marks.setdefault(name, record.timestamp / 1000)
+                        if isinstance(event, ChatRequest):
+                            marks.admitted = event.created_at
+                        marks.first(name, record.timestamp / 1000)
 
     async def settle(self, rids: list[str], timeout: float = 30) -> None:
         deadline = time.monotonic() + timeout
-        while any("completion" not in self.marks.get(r, {}) for r in rids) and time.monotonic() < deadline:
+        while any(getattr(self.marks.get(r), "timings", None) is None for r in rids) and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
 
     async def stop(self) -> None:
@@ -159,24 +165,16 @@ def _summarise(samples: list[dict], timeline: Timeline) -> dict:
     client, worker, overhead = [], [], []
     hops: dict[str, list[float]] = {h: [] for h in HOPS}
     for s in samples:
-        marks = timeline.marks.get(s["rid"], {})
-        done = marks.get("completion")
-        if s["first"] is None or done is None or "first_token" not in marks:
+        marks = timeline.marks.get(s["rid"])
+        if s["first"] is None or marks is None or marks.timings is None or marks.first_token is None:
             continue
-        own = done.timings.queue_s + done.timings.prefill_s
+        own = marks.timings.queue_s + marks.timings.prefill_s
         ttft = s["first"] - s["sent"]
         client.append(ttft * 1000)
         worker.append(own * 1000)
         overhead.append((ttft - own) * 1000)
-        received = marks["chat"] + done.timings.pipeline_s  # the worker's receipt (gateway clock + its share)
-        points = [("gateway", marks.get("chat")), ("conversation", marks.get("prepared")),
-                  ("safety", marks.get("screened")), ("router", marks.get("inference")), ("fetch", received),
-                  ("engine", received + own), ("publish", marks["first_token"]), ("delivery", s["first"])]
-        last = s["sent"]
-        for hop, at in points:
-            if at is not None:
-                hops[hop].append((at - last) * 1000)
-                last = at
+        for hop, seconds in hop_times(marks, sent=s["sent"], delivered=s["first"], through="first_token"):
+            hops[hop].append(seconds * 1000)
     return {
         "requests": len(overhead),
         "client_ttft_ms": {"p50": pct(client, 50), "p99": pct(client, 99)},

@@ -36,14 +36,18 @@ class KeepAlive(ServerSentEvent):
         return b": ping\r\n"
 
 
-def live_events(gw: Gateway, stream: Stream) -> AsyncIterator[list[Event]]:
+def live_events(gw: Gateway, stream: Stream,
+                observe: Callable[[list[Event]], None] | None = None) -> AsyncIterator[list[Event]]:
     """Batches of a subscribed stream until none comes within the progress timeout; held back until
-    the input verdict when this instance screens in parallel."""
+    the input verdict when this instance screens in parallel. `observe` sees each batch as it
+    arrives (the request's trace span)."""
     async def live() -> AsyncIterator[list[Event]]:
         while True:
             batch = await stream.take(gw.cfg.progress_timeout_s)
             if not batch:
                 return
+            if observe is not None:
+                observe(batch)
             yield batch
 
     return held_until_screened(live()) if gw.cfg.screening == "parallel" else live()

@@ -23,6 +23,9 @@ def gateway(
                                        instance_count=instance_count, models=model or None).items()
                  if v is not None}
     cfg = GatewaySettings(**overrides)
+    from tokenstream import tracing
+
+    tracing.setup("gateway")
     base = settings()
     app = create_app(cfg, base.kafka_bootstrap, base.redis_url)
     typer.echo(f"gateway {cfg.instance_id}: chat page http://{cfg.host}:{cfg.port}/ "

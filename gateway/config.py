@@ -7,7 +7,7 @@ import socket
 from functools import lru_cache
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -83,6 +83,14 @@ class GatewaySettings(BaseSettings):
     # Semantic cache (opt-in per key): least cosine similarity of a hit, entry lifetime.
     semantic_cache_threshold: float = Field(0.9, gt=0, le=1)
     semantic_cache_ttl_s: float = Field(86_400.0, gt=0)
+
+    @model_validator(mode="after")
+    def _index_below_count(self) -> GatewaySettings:
+        # refused at start (a StatefulSet pod whose ordinal is not below the replica count it was given)
+        if not self.reply_partitions and self.instance_index >= self.instance_count:
+            raise ValueError(f"instance index {self.instance_index} must be below the instance count "
+                             f"{self.instance_count}")
+        return self
 
     def owned_partitions(self, total: int) -> list[int]:
         if self.reply_partitions:

@@ -38,9 +38,12 @@ from schemas import (
     Timings,
     TokenChunk,
     ToolCall,
+    TraceContext,
     Usage,
     encode,
 )
+from schemas.headers import EVENT_TYPE
+from tokenstream import tracing
 from topics import CONTROL, TOKENS, TOOL_CALLS, inference_topic
 
 COMPLETED_KEPT = 10_000  # request ids remembered as done, to drop a duplicate of one
@@ -89,6 +92,7 @@ class Worker:
         self.ready = asyncio.Event()
         self.pending_completions: set[asyncio.Task] = set()
         self.parsers: dict[str, ToolCallParser] = {}  # requests with tools: their calls so far
+        self.spans: dict[str, tracing.Hop] = {}  # each owned request's span (tokenstream.tracing)
         self.grammars: Grammars | None = None
 
     # ---- lifecycle ----
@@ -123,6 +127,8 @@ class Worker:
             await asyncio.gather(*tasks, return_exceptions=True)
             await asyncio.gather(*self.pending_completions, return_exceptions=True)
             await self._commit()
+            for rid in list(self.spans):
+                self._end_span(rid, {"tokenstream.unfinished": True})
             await self.consumer.stop()
             await self.control.stop()
             await self.tokens.stop()
@@ -152,6 +158,7 @@ class Worker:
             for rid in lost:
                 self.owned.pop(rid, None)
                 self.parsers.pop(rid, None)
+                self._end_span(rid, {"tokenstream.handed_over": True})
             await self.producer.flush()
         if lost:
             log.info("worker %s gave up %d in-flight requests on rebalance", self.worker_id, len(lost))
@@ -186,6 +193,7 @@ class Worker:
         """Start the fetched requests; those a previous owner may have started resume where it stopped,
         all looked up in one read of the tokens topic (a takeover of a whole batch costs one scan)."""
         taken: list[tuple[TopicPartition, int, InferenceRequest]] = []
+        parents: dict[str, TraceContext | None] = {}
         seen: set[str] = set()
         for tp, rec in fetched:
             if self.epoch.get(tp, 0) != epochs.get(tp, 0):
@@ -204,6 +212,7 @@ class Worker:
                 await self._done(tp, rec.offset)
                 continue
             seen.add(rid)
+            parents[rid] = TraceContext.from_headers(rec.headers)
             taken.append((tp, rec.offset, request))
         resumed = [(r.request_id, r.reply_partition, r.created_at - self.cfg.takeover_margin_s)
                    for tp, offset, r in taken if offset < self.takeover_below.get(tp, -1)]
@@ -226,6 +235,11 @@ class Worker:
                 seq.emitted_text = before.text
                 seq.next_seq = len(before.chunks)
             self.owned[request.request_id] = (tp, offset, request, seq)
+            self.spans[request.request_id] = tracing.hop(
+                f"chat {request.model}", parents.get(request.request_id), role="worker", kind="internal",
+                attributes={**tracing.request_attributes(request),
+                            **tracing.record_attributes(tp.topic, tp.partition, offset, self.group),
+                            "tokenstream.worker_id": self.worker_id, "tokenstream.resumed_tokens": seq.resumed})
             if request.output.callable_tools:
                 parser = self.parsers[request.request_id] = ToolCallParser(request.request_id)
                 parser.feed(seq.emitted_text)  # a request taken over: the calls emitted so far
@@ -292,6 +306,11 @@ class Worker:
                 continue  # aborted: its partition belongs to another worker now
             tp, offset, request, _ = owned
             parser = self.parsers.get(rid)
+            span = self.spans.get(rid)
+            trace = span.trace if span is not None else None
+            # every chunk names the span only while spans are exported (its children are the output
+            # checks): otherwise the header would add about 70 bytes to each record of ts.tokens
+            chunk_trace = trace if span is not None and span.span is not None else None
             if out.chunk_seq is not None:
                 text, calls, raw = out.text, [], None
                 if parser is not None:  # the model's text -> content and call deltas
@@ -299,7 +318,8 @@ class Worker:
                 chunk = TokenChunk(request_id=rid, conversation_id=request.conversation_id, tenant=request.tenant,
                                    seq=out.chunk_seq, text=text, token_ids=out.token_ids, tool_calls=calls,
                                    raw=raw, worker_id=self.worker_id)
-                await publish(self.producer, TOKENS, chunk, partition=request.reply_partition, wait=False)
+                await publish(self.producer, TOKENS, chunk, partition=request.reply_partition, wait=False,
+                              trace=chunk_trace)
             if out.finish_reason is not None:
                 seq = out.seq
                 reason, error = out.finish_reason, out.error
@@ -313,7 +333,7 @@ class Worker:
                         await publish(self.producer, TOOL_CALLS, ToolCall(
                             request_id=rid, conversation_id=request.conversation_id, tenant=request.tenant,
                             call_id=call.id, name=call.function.name, arguments=call.function.arguments),
-                            wait=False)
+                            wait=False, trace=trace)
                 queue, prefill, decode = seq.timings()
                 done = Completion(
                     request_id=rid, conversation_id=request.conversation_id, tenant=request.tenant,
@@ -327,7 +347,13 @@ class Worker:
                     dropped_messages=request.dropped_messages, worker_id=self.worker_id)
                 future = await self.producer.send(TOKENS.name, encode(done), key=rid.encode(),
                                                   partition=request.reply_partition,
-                                                  headers=[("event-type", b"completion")])
+                                                  headers=[(EVENT_TYPE, b"completion"),
+                                                           *(trace.headers() if trace else ())])
+                if span is not None and span.span is not None:
+                    span.set(tracing.completion_attributes(done, request.model))
+                    if reason == "error":
+                        span.fail(error or "error")
+                self._end_span(rid)
                 self.owned.pop(rid, None)
                 self.completed[rid] = None
                 while len(self.completed) > COMPLETED_KEPT:
@@ -335,6 +361,12 @@ class Worker:
                 task = asyncio.create_task(self._after_delivery(future, tp, offset))
                 self.pending_completions.add(task)
                 task.add_done_callback(self.pending_completions.discard)
+
+    def _end_span(self, rid: str, attributes: dict | None = None) -> None:
+        span = self.spans.pop(rid, None)
+        if span is not None:
+            span.set(attributes or {})
+            span.end()
 
     async def _after_delivery(self, future, tp: TopicPartition, offset: int) -> None:
         await future  # acknowledged by the broker (acks=all): now the request may be committed
@@ -391,6 +423,7 @@ async def run_worker(cfg: WorkerConfig, stop: asyncio.Event | None = None, *, lo
              loaded.device, cfg.model, loaded.source, loaded.params / 1e6, loaded.dtype, loaded.quantization,
              cache.allocator.num_blocks, cache.block_size, cache.capacity_tokens, cache.nbytes() / 2**20,
              engine.max_model_len, cfg.max_running, cfg.prefill_chunk, cfg.metrics_port or "off")
+    tracing.setup("worker")
     # only checked: topics are the operator's (`tokenstream topics apply`), a worker never rewrites them
     await require([inference_topic(cfg.model), TOKENS, CONTROL, TOOL_CALLS], bootstrap)
     worker = Worker(cfg, engine, metrics, bootstrap)

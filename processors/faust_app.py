@@ -13,6 +13,7 @@ from faust.types import EventT
 from processors.delivery import at_least_once
 from schemas import DeadLetter, DecodeError, Event, TraceContext, decode, encode
 from schemas.headers import EVENT_TYPE as TYPE_HEADER
+from tokenstream import tracing
 from tokenstream.config import settings
 from topics import DEAD_LETTER, TopicSpec, processor_group
 
@@ -72,11 +73,13 @@ def table(app: faust.App, spec: TopicSpec, name: str) -> faust.Table:
     return app.Table(name, partitions=spec.partitions, key_type=bytes, value_type=bytes)  # bytes: raw
 
 
-def trace_of(event: EventT) -> TraceContext:
-    headers = event.message.headers or []
-    items = headers.items() if isinstance(headers, dict) else headers
-    found = TraceContext.from_headers([(k, v) for k, v in items])
-    return (found or TraceContext.new()).child()
+def traced(raw: EventT, name: str, attributes: dict | None = None) -> tracing.Hop:
+    """The span of this processor's handling of `raw`, a child of the hop that wrote it (its
+    traceparent header); `.trace` is what the events written meanwhile carry. Use it with `with`."""
+    message = raw.message
+    group = raw.app.conf.id
+    return tracing.hop(name, tracing.parent_of(message.headers), role=group.removeprefix("ts-"), attributes={
+        **tracing.record_attributes(message.topic, message.partition, message.offset, group), **(attributes or {})})
 
 
 async def typed(stream: faust.StreamT, specs: dict[str, TopicSpec],
@@ -135,6 +138,7 @@ def run(app: faust.App, loglevel: str = "warn", warm_up: Callable[[], object] | 
     """
     from faust.worker import Worker
 
+    tracing.setup(app.conf.id.removeprefix("ts-"))
     if warm_up is not None:
         started = time.monotonic()
         warm_up()

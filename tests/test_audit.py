@@ -175,6 +175,44 @@ async def test_each_kind_of_request_replays_with_the_text_its_client_saw(topics_
     assert held.problems() == [] and held.withheld == 3  # two chunks held, one after the verdict
 
 
+async def test_the_time_in_each_hop_comes_from_the_broker_timestamps_and_the_worker_timings(topics_ready,
+                                                                                         bootstrap):
+    """Records written with known timestamps (ms after admission) and a Completion with known Timings;
+    ts.tokens stamps its records with the broker's append time, read back from the acknowledgements."""
+    from schemas import Timings, encode
+
+    t0 = int(time.time() * 1000)
+    rid = new_request_id(5, t0 / 1000)
+    ids = dict(request_id=rid, conversation_id=rid, tenant="t-hops")
+    question = [ChatMessage(role="user", content="How long did each hop take?")]
+    prepared = InferenceRequest(**ids, model=MODEL, messages=question, reply_partition=5)
+    done = Completion(**ids, seq=1, finish_reason="stop", text="Fast.", worker_id="w1",
+                      timings=Timings(pipeline_s=0.060, queue_s=0.010, prefill_s=0.100, decode_s=0.2))
+    written = [(CHAT_REQUESTS, ChatRequest(**ids, model=MODEL, messages=question, reply_partition=5,
+                                           created_at=t0 / 1000), 3, None),
+               (PREPARED, prepared, 13, None), (SCREENED, prepared, 53, None),
+               (inference_topic(MODEL), prepared, 58, None),
+               (TOKENS, TokenChunk(**ids, seq=0, text="Fast.", worker_id="w1"), 175, 5), (TOKENS, done, 400, 5)]
+    producer = await start_producer(bootstrap)
+    try:
+        stamped = [(await producer.send_and_wait(spec.name, encode(event), key=rid.encode(), partition=partition,
+                                                 timestamp_ms=t0 + after_ms)).timestamp
+                   for spec, event, after_ms, partition in written]
+    finally:
+        await producer.stop()
+    first_token, completion = stamped[-2:]  # the broker's append times
+    audit = await audit_of(bootstrap, rid)
+    assert [(hop, round(s * 1000)) for hop, s in audit.hops] == [
+        ("gateway", 3), ("conversation", 10), ("safety", 40), ("router", 5), ("fetch", 2), ("engine", 110),
+        ("publish", first_token - (t0 + 170)), ("decode", completion - first_token)]
+    out = cli("request", rid, "--horizon", "30")
+    assert out.returncode == 0, out.stdout + out.stderr
+    table = out.stdout[out.stdout.index("time in each hop"):]
+    for hop in ("gateway", "conversation", "safety", "router", "fetch", "engine", "publish", "decode",
+                str(completion - t0)):
+        assert hop in table
+
+
 async def test_the_conversation_audit_finds_every_request_and_exports_json_lines(topics_ready, bootstrap, tmp_path):
     producer = await start_producer(bootstrap)
     try:

@@ -123,7 +123,9 @@ async def test_harmful_input_is_refused_and_no_generated_token_reaches_the_clien
             messages=[{"role": "user", "content": HARMFUL}], stream=True, max_tokens=300, **greedy())
         chunks = [c async for c in stream]
         rid = rid_of(chunks[0].id)
-        [verdict] = await verdicts.wait_for(lambda e: isinstance(e, SafetyVerdict) and e.request_id == rid)
+        # (the input verdict: the refusal's own output window may be judged and recorded too)
+        [verdict] = await verdicts.wait_for(lambda e: isinstance(e, SafetyVerdict) and e.request_id == rid
+                                            and e.stage == "input")
         if SCREENING[gateway] == "serial":
             await asyncio.sleep(1.0)  # time for a wrongly forwarded request to show up before asserting none did
             assert queued.matching(of(rid)) == []

@@ -42,7 +42,35 @@ def build(folder: Path) -> list[dict]:
     for gen in spec.get("configMapGenerator", []):
         data = {Path(f).name: (folder / f).read_text() for f in gen["files"]}
         out.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": gen["name"]}, "data": data})
+    for rule in spec.get("replacements", []):
+        replace(out, rule)
     return out
+
+
+def _path(field_path: str) -> list[str]:
+    """kustomize's field path: dots between names, [name] for a name holding dots."""
+    return [m.group(1) or m.group(2) for m in re.finditer(r"\[([^\]]+)\]|([^.\[\]]+)", field_path)]
+
+
+def _selected(res: dict, select: dict) -> bool:
+    return res["kind"] == select["kind"] and res["metadata"]["name"] == select["name"]
+
+
+def replace(resources: list[dict], rule: dict) -> None:
+    """A kustomize replacement of the simple form these files use (a source field into target fields;
+    a scalar copied into a string field stays a string, as kustomize writes it)."""
+    [source] = [r for r in resources if _selected(r, rule["source"])]
+    value = source
+    for name in _path(rule["source"]["fieldPath"]):
+        value = value[name]
+    for target in rule["targets"]:
+        for res in (r for r in resources if _selected(r, target["select"])):
+            for field_path in target["fieldPaths"]:
+                *parents, last = _path(field_path)
+                node = res
+                for name in parents:
+                    node = node[name]
+                node[last] = str(value) if isinstance(node[last], str) else value
 
 
 FOLDERS = [K8S / "base", K8S / "overlays" / "canary", K8S / "monitoring"]
@@ -154,3 +182,51 @@ def test_kustomize_builds_what_the_loader_reads(folder):
     assert out.returncode == 0, out.stderr
     built = {(d["kind"], d["metadata"]["name"]) for d in yaml.safe_load_all(out.stdout) if d}
     assert built == {(r["kind"], r["metadata"]["name"]) for r in build(folder)}
+
+
+def _gateway(resources: list[dict]) -> dict:
+    [gateway] = [r for r in resources if r["kind"] == "StatefulSet" and r["metadata"]["name"] == "gateway"]
+    return gateway
+
+
+def _downward(container: dict, env: str) -> str:
+    [var] = [e for e in container["env"] if e["name"] == env]
+    return var["valueFrom"]["fieldRef"]["fieldPath"]
+
+
+@pytest.mark.parametrize("folder", [K8S / "base", K8S / "overlays" / "canary"], ids=lambda p: p.name)
+def test_the_gateway_instance_count_is_its_replica_count(folder):
+    """Index from the pod ordinal, count from spec.replicas (copied into an annotation): nothing hard-coded."""
+    gateway = _gateway(build(folder))
+    [container] = gateway["spec"]["template"]["spec"]["containers"]
+    assert not any("instance" in a for a in container.get("args", []) + container.get("command", []))
+    assert _downward(container, "TOKENSTREAM_GATEWAY_INSTANCE_INDEX") == "metadata.labels['apps.kubernetes.io/pod-index']"
+    count = re.fullmatch(r"metadata\.annotations\['([^']+)'\]",
+                         _downward(container, "TOKENSTREAM_GATEWAY_INSTANCE_COUNT")).group(1)
+    assert gateway["spec"]["template"]["metadata"]["annotations"][count] == str(gateway["spec"]["replicas"])
+    # what the gateway makes of those variables: pod i of n owns the partitions p % n == i
+    from gateway.config import GatewaySettings
+
+    n = gateway["spec"]["replicas"]
+    owned = [GatewaySettings(_env_file=None, instance_index=i, instance_count=n).owned_partitions(12) for i in range(n)]
+    assert sorted(p for share in owned for p in share) == list(range(12))
+    with pytest.raises(ValueError, match="must be below the instance count"):  # a pod past the count
+        GatewaySettings(_env_file=None, instance_index=n, instance_count=n)
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
+def test_an_overlay_that_scales_the_gateway_scales_its_instance_count(tmp_path):
+    overlay = K8S / "overlays" / f"_test-{os.getpid()}"
+    base = yaml.safe_load((K8S / "base" / "kustomization.yaml").read_text())
+    overlay.mkdir()
+    try:
+        (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
+            "resources": ["../../base"], "replicas": [{"name": "gateway", "count": 5}],
+            "replacements": base["replacements"]}))
+        out = subprocess.run(["kubectl", "kustomize", str(overlay)], capture_output=True, text=True, timeout=60)
+    finally:
+        shutil.rmtree(overlay)
+    assert out.returncode == 0, out.stderr
+    gateway = _gateway([d for d in yaml.safe_load_all(out.stdout) if d])
+    assert gateway["spec"]["replicas"] == 5
+    assert gateway["spec"]["template"]["metadata"]["annotations"]["tokenstream.io/gateway-instances"] == "5"

@@ -20,7 +20,8 @@ import uuid
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from producers import commit_past, dead_letter, decode_record, publish, start_consumer, start_producer, stop_clients
-from schemas import DecodeError, ToolCall, ToolResult
+from schemas import DecodeError, ToolCall, ToolResult, TraceContext
+from tokenstream import tracing
 from tools.base import Outcome, Tool, ToolError, builtin_tools
 from tools.config import ToolSettings, tool_settings
 from tools.ledger import CallLedger
@@ -63,14 +64,14 @@ class ToolProcessor:
         self.slots = asyncio.Semaphore(self.cfg.concurrency)
         self.producer = self.consumer = None
 
-    async def handle(self, call: ToolCall, key: str) -> str:
+    async def handle(self, call: ToolCall, key: str, trace: TraceContext | None = None) -> str:
         """Bring `call` to a published result; returns what happened (for the log)."""
         if await self.ledger.published(call.call_id):
             return "already published"
         while True:
             stored = await self.ledger.result(call.call_id)
             if stored is not None:
-                await self._publish(stored, key)
+                await self._publish(stored, key, trace)
                 return "replayed"
             if await self.ledger.claim(call.call_id):
                 break
@@ -82,11 +83,11 @@ class ToolProcessor:
         except BaseException:
             await asyncio.shield(self.ledger.release(call.call_id))
             raise
-        await self._publish(result, key)
+        await self._publish(result, key, trace)
         return "ran" if result.ok else f"ran, failed: {result.error}"
 
-    async def _publish(self, result: ToolResult, key: str) -> None:
-        await publish(self.producer, TOOL_RESULTS, result, key=key)
+    async def _publish(self, result: ToolResult, key: str, trace: TraceContext | None = None) -> None:
+        await publish(self.producer, TOOL_RESULTS, result, key=key, trace=trace)
         await self.ledger.mark_published(result.call_id)
 
     async def _partition(self, tp: TopicPartition, records: list[ConsumerRecord]) -> None:
@@ -98,7 +99,12 @@ class ToolProcessor:
                 call = None
             if call is not None and call.name in self.tools:
                 key = record.key.decode() if record.key else call.request_id
-                what = await self.handle(call, key)
+                with tracing.hop(f"execute_tool {call.name}", tracing.parent_of(record.headers), role="tools",
+                                 attributes={**tracing.tool_attributes(call),
+                                             **tracing.record_attributes(tp.topic, tp.partition, record.offset,
+                                                                         GROUP)}) as span:
+                    what = await self.handle(call, key, span.trace)
+                    span.set({"tokenstream.tool.outcome": what})
                 log.info("call %s (%s) of %s: %s", call.call_id, call.name, call.request_id, what)
             if not await commit_past(self.consumer, tp, record.offset, log):
                 return
@@ -107,6 +113,7 @@ class ToolProcessor:
         for tool in self.tools.values():
             if hasattr(tool, "warm_up"):
                 await asyncio.to_thread(tool.warm_up)
+        tracing.setup("tools")
         self.producer = await start_producer()
         # few records per poll, and a poll interval that outlasts them all run back to back, so a
         # batch of slow calls never makes the group think this process is dead

@@ -32,9 +32,12 @@ from schemas import (
     FunctionCall,
     MessageToolCall,
     OutputSpec,
+    SafetyVerdict,
     SamplingParams,
+    TraceContext,
 )
 from schemas.keys import ApiKey, conversation_key
+from tokenstream import tracing
 from tokenstream.presets import presets
 from topics import CHAT_REQUESTS, TOKENS
 
@@ -126,19 +129,27 @@ async def _chat(gw: Gateway, body: api.ChatCompletionRequest, request: Request, 
     include_usage = body.include_usage()
     note = {"tenant": key.tenant, "model": body.model, "created": created, "include_usage": include_usage,
             **ticket.note()}
+    # the root of the request's trace (or the child of the client's W3C traceparent), ended with the answer
+    span = tracing.hop(f"chat {body.model}", TraceContext.parse(request.headers.get("traceparent")),
+                       role="gateway", kind="server", attributes={
+                           **tracing.request_attributes(event), "http.request.method": "POST",
+                           "http.route": "/v1/chat/completions", "tokenstream.stream": body.stream,
+                           "tokenstream.screening": gw.cfg.screening, "tokenstream.gateway_id": gw.cfg.instance_id})
     if caches.entry is not None:
-        return await _from_cache(gw, body, request, event, note, headers, caches.entry, started)
+        return await _from_cache(gw, body, request, event, note, headers, caches.entry, started, span)
     fanout = gw.fanout
     stream = fanout.subscribe(rid)
     # the write to the pipeline and the two Redis notes go out together
     written, _, generation = await asyncio.gather(
-        asyncio.wait_for(publish(gw.producer, CHAT_REQUESTS, event,
+        asyncio.wait_for(publish(gw.producer, CHAT_REQUESTS, event, trace=span.trace,
                                  key=conversation_key(key.tenant, event.conversation_id)), timeout=10),
         gw.remember(rid, {**note, "screening": gw.cfg.screening}),  # a resume holds the answer like this one
         gw.canceller.attach(rid), return_exceptions=True)
     if isinstance(written, BaseException) or isinstance(generation, BaseException):
         fanout.unsubscribe(rid)
         exc = written if isinstance(written, BaseException) else generation
+        span.fail(f"not handed to the pipeline: {exc or type(exc).__name__}", "unavailable")
+        span.end()
         raise api.unavailable(f"Could not hand the request to the pipeline: {exc or type(exc).__name__}")
     gw.metrics.requests.labels(body.model, "true" if body.stream else "false", "200").inc()
 
@@ -149,17 +160,35 @@ async def _chat(gw: Gateway, body: api.ChatCompletionRequest, request: Request, 
                 chunks=sent, finish_reason=done.finish_reason, request_id=rid,
                 prompt_tokens=done.usage.prompt_tokens, completion_tokens=done.usage.completion_tokens))
 
-    source = live_events(gw, stream)
+    def cleanup() -> None:
+        fanout.unsubscribe(rid)
+        span.end()
+
+    source = live_events(gw, stream, observe=lambda batch: observe(span, batch, body.model))
     if body.stream:
         framer = Framer(rid, body.model, created, include_usage, NOTHING_SEEN)
-        return sse_response(gw, framer, source, generation, started, cleanup=lambda: fanout.unsubscribe(rid),
+        return sse_response(gw, framer, source, generation, started, cleanup=cleanup,
                             settle=settle, headers=headers)
     return await collect(gw, rid, body.model, created, source, generation, request,
-                         cleanup=lambda: fanout.unsubscribe(rid), settle=settle, headers=headers)
+                         cleanup=cleanup, settle=settle, headers=headers)
+
+
+def observe(span: tracing.Hop, batch: list[Event], model: str) -> None:
+    """What the request's span records of the answer as it passes: its end, or a blocking verdict."""
+    if span.span is None:
+        return
+    for ev in batch:
+        if isinstance(ev, Completion):
+            span.set(tracing.completion_attributes(ev, model))
+            if ev.finish_reason == "error":
+                span.fail(ev.error or "error", ev.error_code or "error")
+        elif isinstance(ev, SafetyVerdict) and ev.blocked:
+            span.set({"gen_ai.response.finish_reasons": ["content_filter"],
+                      "tokenstream.safety.blocked_stage": ev.stage})
 
 
 async def _from_cache(gw: Gateway, body: api.ChatCompletionRequest, request: Request, event: ChatRequest,
-                      note: dict, headers: dict[str, str], entry: Entry, started: float):
+                      note: dict, headers: dict[str, str], entry: Entry, started: float, span: tracing.Hop):
     """Answer from the exact cache, framed like a live answer under a request id of its own.
 
     The request (marked `cached_from`) and its answer's events are written to the log as well:
@@ -167,9 +196,12 @@ async def _from_cache(gw: Gateway, body: api.ChatCompletionRequest, request: Req
     """
     rid = event.request_id
     events = hit_events(entry, event)
+    span.set({"tokenstream.cache": "hit", "tokenstream.cached_request": entry.request_id})
+    observe(span, events, body.model)
+    span.end()  # answered here: nothing further of this request is traced
     _, generation = await asyncio.gather(gw.remember(rid, note), gw.canceller.attach(rid))
     audit = msgspec.structs.replace(event, cached_from=entry.request_id)
-    gw.background(_write(gw, audit, events))  # while the answer goes out: a resume waits for it on the log
+    gw.background(_write(gw, audit, events, span.trace))  # while the answer goes out: a resume waits for it on the log
     gw.metrics.requests.labels(body.model, "true" if body.stream else "false", "200").inc()
     headers = {**headers, "x-tokenstream-cached-request": entry.request_id}
 
@@ -188,13 +220,14 @@ async def _from_cache(gw: Gateway, body: api.ChatCompletionRequest, request: Req
                          cleanup=lambda: None, settle=settle, headers=headers)
 
 
-async def _write(gw: Gateway, audit: ChatRequest, events: list[Event]) -> None:
+async def _write(gw: Gateway, audit: ChatRequest, events: list[Event], trace: TraceContext) -> None:
     """The cached answer's request and events onto the log (acks=all)."""
     try:
         key = conversation_key(audit.tenant, audit.conversation_id)
-        acks = [await publish(gw.producer, CHAT_REQUESTS, audit, key=key, wait=False)]
+        acks = [await publish(gw.producer, CHAT_REQUESTS, audit, key=key, wait=False, trace=trace)]
         for ev in events:
-            acks.append(await publish(gw.producer, TOKENS, ev, partition=audit.reply_partition, wait=False))
+            acks.append(await publish(gw.producer, TOKENS, ev, partition=audit.reply_partition, wait=False,
+                                      trace=trace))
         await asyncio.gather(*acks)
     except Exception as exc:  # noqa: BLE001
         log.warning("cached answer %s not written to the log: %s", audit.request_id, exc)

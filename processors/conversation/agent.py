@@ -36,7 +36,7 @@ from processors.conversation.history import (
 from processors.conversation.presets import apply_preset, presets
 from processors.conversation.window import PromptTooLong, chat_template_counter, trim
 from processors.effects import Ledger
-from processors.faust_app import get, make_app, put, send, table, topic, trace_of, typed
+from processors.faust_app import get, make_app, put, send, table, topic, traced, typed
 from schemas import (
     ChatMessage,
     ChatRequest,
@@ -49,6 +49,7 @@ from schemas import (
     decode,
 )
 from schemas.keys import conversation_key
+from tokenstream import tracing
 from tokenstream.config import settings
 from tokenstream.models import load_tokenizer, prompt_budget
 from topics import (
@@ -262,13 +263,18 @@ async def conversations(stream):
                 continue  # nothing waits there
             state = ConversationHistory(request_id=event.request_id, conversation_id=key, tenant=event.tenant)
         if isinstance(event, ChatRequest):
-            await _on_request(event, state, trace_of(raw))
+            with traced(raw, f"prepare {event.model}", tracing.request_attributes(event)) as span:
+                await _on_request(event, state, span.trace)
         elif isinstance(event, ToolResult):
-            await _on_result(event, state, trace_of(raw))
+            with traced(raw, f"record tool result {event.name}", {"tokenstream.request_id": event.request_id,
+                                                                 "gen_ai.tool.call.id": event.call_id}) as span:
+                await _on_result(event, state, span.trace)
         elif isinstance(event, TurnDeadline):
-            await _on_deadline(state, trace_of(raw))
+            with traced(raw, "turn deadline", {"tokenstream.request_id": event.request_id}) as span:
+                await _on_deadline(state, span.trace)
         else:
-            await _on_answer(event, state, trace_of(raw))
+            with traced(raw, "record answer", tracing.completion_attributes(event)) as span:
+                await _on_answer(event, state, span.trace)
         state.request_id = event.request_id
         put(history_table, key, state)
         _index(key.encode(), state)
@@ -309,8 +315,9 @@ async def answers(stream):
     """Completions, re-keyed by conversation so the history agent sees them in its partition."""
     async for event, raw in typed(stream, {TOKENS.name: TOKENS}, dead_letters):
         if isinstance(event, Completion) and event.conversation_id:
-            await send(turns_out, CONVERSATION_TURNS, event, key=conversation_key(event.tenant, event.conversation_id),
-                       trace=trace_of(raw))
+            with traced(raw, "rekey answer", {"tokenstream.request_id": event.request_id}) as span:
+                await send(turns_out, CONVERSATION_TURNS, event,
+                           key=conversation_key(event.tenant, event.conversation_id), trace=span.trace)
 
 
 @app.agent(results_in)
@@ -318,5 +325,6 @@ async def results(stream):
     """Tool results, re-keyed by conversation so a response run goes on in its conversation's partition."""
     async for event, raw in typed(stream, {TOOL_RESULTS.name: TOOL_RESULTS}, dead_letters):
         if event.conversation_id:
-            await send(turns_out, CONVERSATION_TURNS, event, key=conversation_key(event.tenant, event.conversation_id),
-                       trace=trace_of(raw))
+            with traced(raw, "rekey tool result", {"tokenstream.request_id": event.request_id}) as span:
+                await send(turns_out, CONVERSATION_TURNS, event,
+                           key=conversation_key(event.tenant, event.conversation_id), trace=span.trace)

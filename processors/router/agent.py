@@ -14,13 +14,14 @@ import msgspec
 from aiokafka.structs import TopicPartition
 
 from processors.effects import Ledger
-from processors.faust_app import make_app, send, topic, trace_of, typed
+from processors.faust_app import make_app, send, topic, traced, typed
 from processors.router.config import Route, RouterSettings
 from processors.router.policy import decide
 from producers import start_consumer
 from producers.consume import caught_up
 from producers.lag import LagSampler
 from schemas import Completion, DecodeError, InferenceRequest, RouteUpdate, decode
+from tokenstream import tracing
 from tokenstream.config import settings
 from topics import DEAD_LETTER, PREPARED, ROUTES, SCREENED, TOKENS, inference_topic, worker_group
 
@@ -107,14 +108,18 @@ async def route(stream):
         if raw.message.topic == PREPARED.name and request.screening != "parallel":
             continue  # screened in series: it comes back on ts.requests.screened if it passes
         # a request routed before a restart is not routed again
-        await ledger.once("routed", request.request_id, lambda: forward(request, trace_of(raw)))
+        with traced(raw, f"route {request.model}", tracing.request_attributes(request)) as span:
+            await ledger.once("routed", request.request_id, lambda: forward(request, span))
 
 
-async def forward(request: InferenceRequest, trace) -> None:
+async def forward(request: InferenceRequest, span: tracing.Hop) -> None:
     """Send the request to its target's worker topic, or end it with an error if none serves it."""
     tier = request.tier or cfg.tenant_tiers.get(request.tenant, cfg.default_tier)
     decision = decide(request.request_id, request.model, routes.get(request.model), tier, waits(),
                       cfg.wait_budget_s, request.priority)
+    trace = span.trace
+    span.set({"gen_ai.response.model": decision.target, "tokenstream.route.reason": decision.reason,
+              "tokenstream.tier": tier})
     if not await exists(decision.target):
         await send(tokens_out, TOKENS, Completion(
             request_id=request.request_id, conversation_id=request.conversation_id, tenant=request.tenant,

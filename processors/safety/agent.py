@@ -14,10 +14,11 @@ import asyncio
 import logging
 
 from processors.effects import Ledger
-from processors.faust_app import get, make_app, put, send, table, topic, trace_of, typed
+from processors.faust_app import get, make_app, put, send, table, topic, traced, typed
 from processors.safety.classifier import Judgement, SafetyClassifier
 from processors.safety.windows import WindowSettings, due, fold, judged
 from schemas import REFUSAL, Cancel, Completion, InferenceRequest, OutputWindow, SafetyVerdict, TokenChunk
+from tokenstream import tracing
 from topics import CONTROL, DEAD_LETTER, PREPARED, SAFETY_WINDOWS, SCREENED, TOKENS, VERDICTS
 
 log = logging.getLogger(__name__)
@@ -59,10 +60,11 @@ def verdict(of, judgement: Judgement, stage: str, window_end_seq: int = -1) -> S
 async def screen_inputs(stream):
     async for request, raw in typed(stream, {PREPARED.name: PREPARED}, dead_letters):
         # a request judged and forwarded before a restart is not judged again
-        await ledger.once("input", request.request_id, lambda: screen(request, trace_of(raw)))
+        with traced(raw, f"screen_input {request.model}", tracing.request_attributes(request)) as span:
+            await ledger.once("input", request.request_id, lambda: screen(request, span))
 
 
-async def screen(request: InferenceRequest, trace) -> None:
+async def screen(request: InferenceRequest, span: tracing.Hop) -> None:
     """Judge the newest user message; forward the request, or refuse it where its client listens.
 
     In parallel screening the request is being generated already: the verdict goes in band to its
@@ -70,6 +72,8 @@ async def screen(request: InferenceRequest, trace) -> None:
     """
     newest = next((m.content for m in reversed(request.messages) if m.role == "user"), "")
     result = await judge(newest)
+    trace = span.trace
+    span.set(verdict_attributes(result))
     judged_input = verdict(request, result, "input")
     await send(verdicts_out, VERDICTS, judged_input, key=request.request_id, trace=trace)
     if request.screening == "parallel":
@@ -110,15 +114,23 @@ async def watch_outputs(stream):
             if window is None:
                 continue  # replayed chunk
         if due(window, windows_cfg, final=final):
-            result = await judge(window.text)
-            trace = trace_of(raw)
-            await send(verdicts_out, VERDICTS, verdict(event, result, "output", window.last_seq),
-                       key=event.request_id, trace=trace)
-            if result.blocked:
-                await ledger.once("block", event.request_id,
-                                  lambda: block_output(event, result, window, raw.message.partition, trace))
+            with traced(raw, "screen_output", {"tokenstream.request_id": event.request_id,
+                                               "tokenstream.safety.window_end_seq": window.last_seq}) as span:
+                result = await judge(window.text)
+                span.set(verdict_attributes(result))
+                trace = span.trace
+                await send(verdicts_out, VERDICTS, verdict(event, result, "output", window.last_seq),
+                           key=event.request_id, trace=trace)
+                if result.blocked:
+                    await ledger.once("block", event.request_id,
+                                      lambda: block_output(event, result, window, raw.message.partition, trace))
             window = judged(window, windows_cfg, result.blocked)
         put(windows_table, event.request_id, None if final else window)
+
+
+def verdict_attributes(result: Judgement) -> dict:
+    return {"tokenstream.safety.blocked": result.blocked, "tokenstream.safety.policy": result.policy_version,
+            "tokenstream.safety.categories": list(result.categories)}
 
 
 async def block_output(event, result: Judgement, window: OutputWindow, partition: int, trace) -> None:
