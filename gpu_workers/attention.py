@@ -116,7 +116,8 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     heads, kv_heads, dim = query.shape[1], key.shape[1], query.shape[3]
     group = heads // kv_heads
     # 1. every new key/value into its slot: [T, 2, KVH, D] at (slot, position)
-    pool[plan.on(plan.slots, dev), :, :, plan.on(plan.positions, dev)] = torch.stack((key[0], value[0]), 1).transpose(0, 2)
+    new = torch.stack((key[0], value[0]), 1).transpose(0, 2)
+    pool[plan.on(plan.slots, dev), :, :, plan.on(plan.positions, dev)] = new
     outs = []
     q_all = query[0].transpose(0, 1)  # [T, H, D]
     for s in plan.segments:
