@@ -175,13 +175,13 @@ async def run_worker_bench(loaded, work: list[Work], bootstrap: str, max_running
     from gpu_workers.service import run_worker
     from producers import decode_record, publish, start_producer
     from schemas import ChatMessage, Completion, InferenceRequest, SamplingParams
-    from topics import CONTROL, TOKENS, inference_topic
+    from topics import CONTROL, TOKENS, TOOL_CALLS, inference_topic
     from topics.admin import apply
 
     res = Result("worker via Kafka")
     cfg = WorkerConfig(model="smollm2-bench", max_running=max_running, max_waiting=64, prefill_chunk=prefill_chunk,
                        kv_memory_gb=1.0, worker_id="bench")
-    await apply([inference_topic(cfg.model), TOKENS, CONTROL], bootstrap)
+    await apply([inference_topic(cfg.model), TOKENS, CONTROL, TOOL_CALLS], bootstrap)
     stop, ready = asyncio.Event(), asyncio.Event()
     holder = {}
     task = asyncio.create_task(run_worker(cfg, stop, loaded=loaded, bootstrap=bootstrap,

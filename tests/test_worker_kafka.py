@@ -21,7 +21,7 @@ from gpu_workers.random_model import build
 from gpu_workers.service import run_worker
 from producers import decode_record, publish, start_producer
 from schemas import Cancel, ChatMessage, Completion, InferenceRequest, SamplingParams, TokenChunk
-from topics import CONTROL, TOKENS, inference_topic
+from topics import CONTROL, TOKENS, TOOL_CALLS, inference_topic
 from topics.admin import apply
 
 REPLY = 5
@@ -109,7 +109,7 @@ async def committed(bootstrap: str, model: str) -> int:
 
 
 async def start_inprocess(cfg: WorkerConfig, loaded, bootstrap: str):
-    await apply([inference_topic(cfg.model), TOKENS, CONTROL], bootstrap)  # the operator's step
+    await apply([inference_topic(cfg.model), TOKENS, CONTROL, TOOL_CALLS], bootstrap)  # the operator's step
     stop, ready = asyncio.Event(), asyncio.Event()
     task = asyncio.create_task(run_worker(cfg, stop, loaded=loaded, bootstrap=bootstrap,
                                           on_ready=lambda w: ready.set()))
@@ -211,7 +211,7 @@ def wait_for_log(roles, proc, text: str, timeout: float = 90) -> None:
 async def test_kill9_mid_stream_second_worker_finishes_gap_free(bootstrap, unique, roles, tiny_dir, tiny_loaded):
     tokenizer = tiny_loaded.tokenizer
     model = f"tiny-{unique}"
-    await apply([inference_topic(model), TOKENS, CONTROL], bootstrap)
+    await apply([inference_topic(model), TOKENS, CONTROL, TOOL_CALLS], bootstrap)
     args = ["worker", "--model", model, "--model-path", str(tiny_dir), "--step-delay", "0.05"]
     a = roles.start(*args, "--worker-id", "A", name="worker-A")
     b = roles.start(*args, "--worker-id", "B", name="worker-B")
@@ -257,7 +257,7 @@ async def test_kill9_mid_stream_second_worker_finishes_gap_free(bootstrap, uniqu
 async def test_worker_joining_mid_stream_hands_over_without_gap_or_duplicate(bootstrap, unique, roles, tiny_dir,
                                                                              tiny_loaded):
     model = f"tiny-{unique}"
-    await apply([inference_topic(model), TOKENS, CONTROL], bootstrap)
+    await apply([inference_topic(model), TOKENS, CONTROL, TOOL_CALLS], bootstrap)
     args = ["worker", "--model", model, "--model-path", str(tiny_dir), "--step-delay", "0.05"]
     a = roles.start(*args, "--worker-id", "A", name="worker-A")
     await asyncio.to_thread(wait_for_log, roles, a, "worker ready")
@@ -316,7 +316,7 @@ async def test_takeover_of_32_in_flight_requests_resumes_them_together(bootstrap
     """A worker killed with 32 requests in flight: its successor emits the next token of every one of them
     within 5 s of being assigned their partitions (one read of the tokens topic for all of them)."""
     model = f"tiny-{unique}"
-    await apply([inference_topic(model), TOKENS, CONTROL], bootstrap)
+    await apply([inference_topic(model), TOKENS, CONTROL, TOOL_CALLS], bootstrap)
     a = roles.start("worker", "--model", model, "--model-path", str(tiny_dir), "--step-delay", "0.1",
                     "--max-running", "32", "--worker-id", "A", name="worker-A")
     await asyncio.to_thread(wait_for_log, roles, a, "worker ready")
