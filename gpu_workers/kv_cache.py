@@ -102,8 +102,6 @@ class PagedKVCache:
                 for d in self.devices]
 
 
-
-
 class SlotPool:
     """Per layer [slots, 2, kv_heads, max_len, head_dim]; a running request holds one slot.
 
