@@ -4,12 +4,13 @@ Each `step()`:
   1. takes in new requests, cancellations and aborts (thread-safe queues fed by the service);
   2. admits waiting requests by tier (gpu_workers/priority.py), FIFO within a tier, while their
      worst-case pages (prompt + max_tokens) fit the KV budget and the batch has room: load can
-     never exhaust the pool, so nothing is preempted; an admitted request first takes the longest
-     cached prefix of its tokens (prefix_cache.py);
-  3. runs ONE forward over the packed tokens of the step: at most `prefill_chunk` prompt tokens
-     (chunked prefill: a long prompt is spread over several steps, so running streams get a
-     token every step) and one token of every decoding request, without padding; attention
-     reads each request's contiguous KV (kv_cache.py);
+     never exhaust the pool, so nothing is preempted; an admitted request gets a KV slot
+     (kv_cache.SlotPool) and, when it is first scheduled, the longest cached prefix of its
+     tokens (prefix_cache.py: requests admitted together share what the earlier ones prefilled);
+  3. runs ONE forward over the packed tokens of the step: one token of every decoding request
+     (in slot order) and at most `prefill_chunk` prompt tokens (chunked prefill: a long prompt is
+     spread over several steps, so running streams get a token every step), without padding;
+     attention reads the slots in place, the decoding rows batched (attention.py);
   4. samples the batch on the device, detokenises incrementally, applies stop strings, stores
      the full prompt pages of requests that finished prefilling in the prefix cache, and frees
      the pages of every request that finished, at once.
@@ -25,8 +26,9 @@ import torch
 
 from gpu_workers.detokenizer import Detokenizer
 from gpu_workers.grammar import advance, mask_rows
-from gpu_workers.kv_cache import PagedKVCache, Row, install
-from gpu_workers.prefix_cache import PrefixCache
+from gpu_workers.attention import Chunk, StepPlan, install
+from gpu_workers.kv_cache import PagedKVCache, SlotPool
+from gpu_workers.prefix_cache import PrefixCache, page_hashes
 from gpu_workers.priority import enqueue
 from gpu_workers.sampling import new_seed, sample
 from gpu_workers.sequence import Output, Sequence
@@ -66,6 +68,7 @@ class Engine:
         self.steps = 0
         pages = cache.allocator.num_blocks // 2 if prefix_cache is True else int(prefix_cache)
         self.prefix_cache = PrefixCache(cache, pages) if pages > 0 else None
+        self.slots = SlotPool(cache, max_running, self.max_model_len)
         self._mask_cache: dict[tuple[int, int], torch.Tensor] = {}
 
     # ---- called from any thread ----
@@ -151,32 +154,52 @@ class Engine:
             self.waiting.popleft()
             self.reserved_blocks += need
             seq.scheduled_at = time.time()
-            seq.kv = self.cache.storage(self.blocks_for(seq.limit) * self.cache.block_size)
+            seq.slot = self.slots.take(seq.limit)
+            seq.kv = self.slots.view(seq.slot)
             seq.detok = Detokenizer(self.tokenizer, seq.generated)
             seq.text = seq.detok.text
             seq.computed = 0
-            if self.prefix_cache is not None:  # at least the last token is computed: its logits are needed
-                all_ids = seq.all_ids
-                pages = self.prefix_cache.match(all_ids, seq.tenant, len(all_ids) - 1)
-                seq.computed = self.prefix_cache.load(seq.kv, pages)
-                seq.cached_tokens = min(seq.computed, len(seq.prompt_ids))
-                self._take_pages(seq, seq.computed)
+            seq.matched = self.prefix_cache is None
+            if self.prefix_cache is not None:
+                seq.page_keys = page_hashes(seq.all_ids, seq.tenant, self.cache.block_size)
             self.running.append(seq)
             if self.metrics is not None:
                 self.metrics.scheduled(seq)
 
     def _schedule(self) -> list[tuple[Sequence, int]]:
-        """Rows of the step's single forward: prefill chunks (within the token budget) and decodes."""
+        """Rows of the step's single forward: decodes in slot order, then prefill chunks within the budget."""
         budget = self.prefill_chunk
-        rows: list[tuple[Sequence, int]] = []
+        decodes: list[tuple[Sequence, int]] = []
+        chunks: list[tuple[Sequence, int]] = []
+        busy = {k for s in self.running if s.matched and s.pending > 1 for k in s.page_keys}  # being prefilled
         for seq in self.running:
+            if not seq.matched and (budget > 0 or seq.pending <= 1):
+                if self._sibling_prefills(seq, busy):
+                    continue  # the pages it would compute next are being computed: take them when stored
+                self._match_prefix(seq)
+                busy.update(seq.page_keys)
             if seq.pending == 1:
-                rows.append((seq, 1))
+                decodes.append((seq, 1))
             elif budget > 0:
                 n = min(seq.pending, budget)
                 budget -= n
-                rows.append((seq, n))
-        return rows
+                chunks.append((seq, n))
+        decodes.sort(key=lambda r: r[0].slot)
+        return decodes + chunks
+
+    def _sibling_prefills(self, seq: Sequence, busy: set[bytes]) -> bool:
+        keys = seq.page_keys[:(seq.pending - 1) // self.cache.block_size]
+        n = self.prefix_cache.cached(keys)
+        return n < len(keys) and keys[n] in busy
+
+    def _match_prefix(self, seq: Sequence) -> None:
+        """At its first scheduling (not at admission): what requests prefilled meanwhile is reused too."""
+        seq.matched = True
+        all_ids = seq.all_ids  # at least the last token is computed: its logits are needed
+        pages = self.prefix_cache.match(all_ids, seq.tenant, len(all_ids) - 1, seq.page_keys)
+        seq.computed = self.prefix_cache.load(seq.kv, pages)
+        seq.cached_tokens = min(seq.computed, len(seq.prompt_ids))
+        self._take_pages(seq, seq.computed)
 
     def _take_pages(self, seq: Sequence, tokens: int) -> None:
         need = self.blocks_for(tokens) - len(seq.blocks)
@@ -199,26 +222,39 @@ class Engine:
     def _run(self, rows: list[tuple[Sequence, int]], outputs: list[Output]) -> None:
         ids: list[int] = []
         pos: list[int] = []
-        plan: list[Row] = []
+        slots: list[int] = []
+        decodes: list[tuple[int, int]] = []
+        chunks: list[Chunk] = []
+        ends: list[int] = []
         for seq, n in rows:
             start = seq.computed
             self._take_pages(seq, start + n)
             a = len(ids)
-            ids += seq.all_ids[start:start + n] if n > 1 else [seq.all_ids[start]]
-            pos += range(start, start + n)
-            plan.append(Row(seq.kv, a, a + n, start, self._mask(start, n)))
+            if n == 1:
+                ids.append(seq.prompt_ids[start] if start < len(seq.prompt_ids)
+                           else seq.generated[start - len(seq.prompt_ids)])
+                pos.append(start)
+                slots.append(seq.slot)
+                decodes.append((seq.slot, start + 1))
+            else:
+                ids += seq.all_ids[start:start + n]
+                pos += range(start, start + n)
+                slots += [seq.slot] * n
+                chunks.append(Chunk(seq.slot, a, a + n, start, self._mask(start, n)))
+            ends.append(a + n)
         dev = self.input_device
-        out = self.decoder(input_ids=torch.tensor([ids], device=dev), position_ids=torch.tensor([pos], device=dev),
+        plan = StepPlan.build(self.slots.layers, decodes, chunks, slots, pos, dev)
+        out = self.decoder(input_ids=torch.tensor([ids], device=dev), position_ids=plan.positions.unsqueeze(0),
                            attention_mask=_NO_MASK.to(dev), use_cache=False, ts_plan=plan)
         hidden = out.last_hidden_state[0]
         to_sample = []
-        for (seq, n), r in zip(rows, plan):
+        for (seq, n), end in zip(rows, ends):
             seq.computed += n
+            if self.prefix_cache is not None and n > 1:
+                # the full pages of the prompt (and any resumed tokens) prefilled so far may serve others
+                self.prefix_cache.store(seq.kv, seq.all_ids, seq.tenant, seq.computed, seq.page_keys)
             if seq.pending == 0:
-                to_sample.append(r.b - 1)
-                if self.prefix_cache is not None and len(seq.generated) == seq.resumed:
-                    # the prompt (and any resumed tokens) is complete: its full pages may serve others
-                    self.prefix_cache.store(seq.kv, seq.all_ids, seq.tenant, seq.computed)
+                to_sample.append(end - 1)
         if not to_sample:
             return
         picked = [seq for seq, _ in rows if seq.pending == 0]
@@ -283,7 +319,9 @@ class Engine:
             seq.blocks = []
             if self.prefix_cache is not None and reason is not None and seq.computed:
                 self.prefix_cache.store(seq.kv, seq.all_ids, seq.tenant, seq.computed)  # prompt + answer
+            self.slots.give(seq.slot, seq.computed)
             seq.kv = None
+            seq.slot = None
         if reason is None:
             return
         outputs.append(Output(seq, finish_reason=reason, completion_seq=seq.next_seq, error=error,

@@ -1,29 +1,26 @@
-"""The KV budget in pages, each running request's KV kept contiguous, and the attention that reads it.
+"""The KV budget in pages, and the slots that hold each running request's keys/values.
 
 Budget: a fixed number of pages of `block_size` tokens (`BlockAllocator`); a request is admitted
 only while the worst case of every running request fits (engine.py), and takes pages as its
-tokens arrive, so load can never exhaust memory. Storage: each running request owns, per layer,
-one tensor [2 (k, v), kv_heads, capacity, head_dim] sized at admission to its worst case
-(prompt + max_tokens). Attention then reads a request's keys as a plain slice: no page table
-gather and no padded dense copy per step, which on a CPU costs more than the attention itself
-(a paged-attention kernel would be the GPU's answer; transformers' attention interface lets a
-CUDA kernel take this function's place). On a CPU the tensor's untouched pages cost no physical
-memory (the OS maps them on first write).
+tokens arrive, so load can never exhaust the budget.
 
-`paged_attention` is registered with transformers as attention implementation "tokenstream":
-with a `ts_plan` keyword (the engine's forward) it writes the step's new keys/values into each
-row's storage and runs SDPA per row over the slice; without one (plain `generate()` on the same
-model object) it is transformers' SDPA attention, so the model keeps working for other callers.
+Storage (`SlotPool`): per layer ONE tensor [slots, 2 (k, v), kv_heads, max_len, head_dim], one
+slot per running request (`max_running` slots of the model's context each). A request's keys are
+a plain slice of its slot (no page table gather), and because every slot lives in one tensor the
+decoding rows of a step are attended together: one SDPA call per layer over a range of slots
+(attention.py) instead of one per row. On a CPU untouched storage costs no physical memory (the
+OS maps pages on first write; a slot whose request ran long is handed back to the OS when it is
+freed), so the pool's size is virtual and the page budget is what bounds admission. A GPU holds
+the whole pool (slots x context x bytes per token) and would want a paged-attention kernel in
+attention.py's place.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import ctypes
+import sys
 
 import torch
-import torch.nn.functional as F
-
-ATTN_NAME = "tokenstream"
 
 
 class BlockAllocator:
@@ -105,51 +102,70 @@ class PagedKVCache:
                 for d in self.devices]
 
 
-@dataclass(slots=True)
-class Row:
-    """One request in a packed forward: its new tokens are positions a..b of the step's token axis."""
+class SlotPool:
+    """Per layer [slots, 2, kv_heads, max_len, head_dim]; a running request holds one slot.
 
-    kv: list[torch.Tensor]
-    a: int
-    b: int
-    start: int  # tokens already in its storage
-    mask: torch.Tensor | None  # [n, start + n] for a chunk after earlier tokens; None: none or causal
+    Short requests take the lowest free slot and long ones the highest, so rows of similar length
+    sit next to each other and a range of slots attended in one call carries little padding.
+    """
+
+    LONG = 256  # tokens (prompt + max_tokens) from which a request counts as long
+
+    def __init__(self, cache: PagedKVCache, slots: int, max_len: int) -> None:
+        self.slots = slots
+        self.max_len = max_len
+        self.layers = [torch.empty(slots, 2, cache.kv_heads, max_len, cache.head_dim, dtype=cache.dtype, device=d)
+                       for d in cache.devices]
+        self._free = set(range(slots))
+        self._touched = [0] * slots  # highest position ever written per slot (what the OS has mapped)
 
     @property
-    def end(self) -> int:
-        return self.start + self.b - self.a
+    def free(self) -> int:
+        return len(self._free)
+
+    def take(self, limit: int) -> int:
+        slot = max(self._free) if limit >= self.LONG else min(self._free)
+        self._free.remove(slot)
+        return slot
+
+    def view(self, slot: int) -> list[torch.Tensor]:
+        """The slot's storage per layer: [2, kv_heads, max_len, head_dim], the layout of `cache.storage`."""
+        return [layer[slot] for layer in self.layers]
+
+    def give(self, slot: int, used: int) -> None:
+        """Free `slot`; on a CPU a slot that held more than LONG tokens returns its memory to the OS."""
+        self._touched[slot] = max(self._touched[slot], used)
+        if self._touched[slot] > self.LONG and _release([layer[slot] for layer in self.layers]):
+            self._touched[slot] = 0
+        self._free.add(slot)
 
 
-def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """query [1, H, T, D], key/value [1, KVH, T, D] of the step's T packed tokens -> [1, T, H, D]."""
-    plan = kwargs.pop("ts_plan", None)
-    if plan is None:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                                      **kwargs)
-    layer = module.layer_idx
-    new = torch.stack((key[0], value[0]))  # [2, KVH, T, D]: one copy into storage per row
-    outs = []
-    for r in plan:
-        kv = r.kv[layer]
-        end = r.end
-        kv[:, :, r.start:end] = new[:, :, r.a:r.b]
-        mask = r.mask if r.mask is None or r.mask.device == query.device else r.mask.to(query.device)
-        o = F.scaled_dot_product_attention(query[:, :, r.a:r.b], kv[0, :, :end].unsqueeze(0),
-                                           kv[1, :, :end].unsqueeze(0), attn_mask=mask,
-                                           is_causal=r.mask is None and r.b - r.a > 1, scale=scaling, enable_gqa=True)
-        outs.append(o[0].transpose(0, 1))
-    out = torch.cat(outs).unsqueeze(0) if len(outs) > 1 else outs[0].unsqueeze(0)
-    return out, None
+_PAGE = 4096
 
 
-def install(model) -> None:
-    """Make `model` use `paged_attention` (idempotent); masks for other callers stay SDPA's."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+def _release(views: list[torch.Tensor]) -> bool:
+    """madvise(MADV_DONTNEED) the whole pages of these contiguous CPU tensors (Linux; else a no-op)."""
+    if not sys.platform.startswith("linux") or any(v.device.type != "cpu" for v in views):
+        return False
+    libc = _libc()
+    if libc is None:
+        return False
+    for v in views:
+        start = v.data_ptr()
+        end = start + v.numel() * v.element_size()
+        lo, hi = -(-start // _PAGE) * _PAGE, end // _PAGE * _PAGE
+        if hi > lo:
+            libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), 4)  # 4: MADV_DONTNEED
+    return True
 
-    AttentionInterface.register(ATTN_NAME, paged_attention)
-    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
-    if model.config._attn_implementation != ATTN_NAME:
-        model.set_attn_implementation(ATTN_NAME)
+
+_LIBC: list = []
+
+
+def _libc():
+    if not _LIBC:
+        try:
+            _LIBC.append(ctypes.CDLL(None, use_errno=True))
+        except OSError:
+            _LIBC.append(None)
+    return _LIBC[0]

@@ -5,7 +5,9 @@ page's parent is the tenant: identical prefixes of one tenant share entries, two
 do. When a request is admitted the engine looks up its prompt page by page (the longest chain
 present) and copies those pages into the request's own contiguous KV (one copy per layer, a
 memory copy instead of a forward over those tokens), so turn N of a chat prefills only what is
-new. After a request's prompt is prefilled, and when it finishes, its full pages are stored.
+new. After each prefill chunk, and when a request finishes, its full pages are stored. A request
+admitted while another one prefills the same pages waits for them (engine.py) instead of
+computing them a second time: requests that arrive together share their common prefix too.
 
 The pool is a fixed number of pages per layer (allocated once, lazily mapped on a CPU); entries
 are evicted least recently used. A running request copies what it matched at admission and never
@@ -58,11 +60,21 @@ class PrefixCache:
         idx = torch.tensor(pages, dtype=torch.long).unsqueeze(1) * bs + torch.arange(bs)
         return idx.reshape(-1).to(device)
 
-    def match(self, tokens: list[int], tenant: str, limit: int) -> list[int]:
-        """Pages holding the longest cached prefix of `tokens`, at most `limit` tokens long."""
+    def cached(self, keys: list[bytes]) -> int:
+        """How many of the leading `keys` are in the pool (a lookup that touches nothing)."""
+        n = 0
+        while n < len(keys) and keys[n] in self.table:
+            n += 1
+        return n
+
+    def match(self, tokens: list[int], tenant: str, limit: int, keys: list[bytes] | None = None) -> list[int]:
+        """Pages holding the longest cached prefix of `tokens`, at most `limit` tokens long.
+
+        keys: the page keys of `tokens` when the caller has them already (`page_hashes`)."""
         self.lookups += 1
         pages = []
-        for key in page_hashes(tokens, tenant, self.block_size, limit // self.block_size):
+        n = limit // self.block_size
+        for key in page_hashes(tokens, tenant, self.block_size, n) if keys is None else keys[:n]:
             page = self.table.get(key)
             if page is None:
                 break
@@ -80,9 +92,11 @@ class PrefixCache:
             kv[layer][:, :, :n] = pool.index_select(2, self._slots(pages, pool.device))
         return n
 
-    def store(self, kv: list[torch.Tensor], tokens: list[int], tenant: str, upto: int) -> None:
+    def store(self, kv: list[torch.Tensor], tokens: list[int], tenant: str, upto: int,
+              keys: list[bytes] | None = None) -> None:
         """Keep the full pages of tokens[:upto] (their KV is in `kv`) that are not cached yet."""
-        keys = page_hashes(tokens, tenant, self.block_size, upto // self.block_size)
+        n = upto // self.block_size
+        keys = page_hashes(tokens, tenant, self.block_size, n) if keys is None or len(keys) < n else keys[:n]
         new = [(i, k) for i, k in enumerate(keys) if k not in self.table][:self.num_pages]
         for k in keys:
             if k in self.table:

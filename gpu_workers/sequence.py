@@ -30,7 +30,10 @@ class Sequence:
     tenant: str = ""  # prefix KV entries are shared only within one tenant
 
     blocks: list[int] = field(default_factory=list)  # pages of the KV budget this request holds
-    kv: list | None = None  # its keys/values: per layer [2, kv_heads, capacity, head_dim]
+    slot: int | None = None  # its slot of the KV storage (kv_cache.SlotPool) while running
+    kv: list | None = None  # the slot's keys/values: per layer [2, kv_heads, max_len, head_dim]
+    matched: bool = False  # the prefix cache was consulted (at its first scheduling)
+    page_keys: list = field(default_factory=list)  # prefix-cache keys of its full pages at admission
     computed: int = 0  # tokens whose keys/values are in the cache
     cached_tokens: int = 0  # prompt tokens whose keys/values came from the prefix cache
     detok: Detokenizer | None = None

@@ -94,6 +94,7 @@ class Worker:
         self.parsers: dict[str, ToolCallParser] = {}  # requests with tools: their calls so far
         self.spans: dict[str, tracing.Hop] = {}  # each owned request's span (tokenstream.tracing)
         self.grammars: Grammars | None = None
+        self.unsent: list[Output] = []  # the last step's events, published while the next step runs
 
     # ---- lifecycle ----
     async def run(self, stop: asyncio.Event) -> None:
@@ -152,6 +153,7 @@ class Worker:
         for rid in lost:
             self.engine.abort(self.owned[rid][3])
         async with self.step_lock:
+            await self._publish_unsent()  # what the last step produced for them is written first
             for tp in tps:
                 self.tracker.drop(tp)
                 self.takeover_below.pop(tp, None)
@@ -290,13 +292,23 @@ class Worker:
                 continue
             async with self.step_lock:
                 t0 = time.perf_counter()
-                outputs = await asyncio.to_thread(self.engine.step)
+                step = asyncio.ensure_future(asyncio.to_thread(self.engine.step))
+                # the previous step's events are encoded and queued while this step's forward runs
+                # (torch releases the GIL in its kernels); they leave before the step's own
+                await self._publish_unsent()
+                outputs = await step
                 self.metrics.step_seconds.labels(self.cfg.model).observe(time.perf_counter() - t0)
-                await self._publish(outputs)
+                self.unsent = outputs
+                if not self.engine.has_work or self.cfg.step_delay_s:
+                    await self._publish_unsent()
             if self.cfg.step_delay_s:
                 await asyncio.sleep(self.cfg.step_delay_s)
             else:
                 await asyncio.sleep(0)
+
+    async def _publish_unsent(self) -> None:
+        outputs, self.unsent = self.unsent, []
+        await self._publish(outputs)
 
     async def _publish(self, outputs: list[Output]) -> None:
         for out in outputs:

@@ -135,3 +135,34 @@ def test_multi_turn_greedy_identical_with_and_without_reuse_on_smollm2(smol):
         outs[reuse] = (answers, cached)
     assert outs[True][0] == outs[False][0]
     assert outs[False][1] == [0, 0, 0] and outs[True][1][0] == 0 and outs[True][1][2] > outs[True][1][1] > 0
+
+
+def test_requests_admitted_together_share_the_prefix_one_of_them_prefills(tiny):
+    shared = [100 + (i * 37) % 5000 for i in range(200)]
+
+    def batch(eng):
+        seqs = [Sequence(f"r{i}", shared + [7 + i, 9], max_tokens=12, temperature=0) for i in range(3)]
+        seqs.append(Sequence("other", [5 + (i * 11) % 4000 for i in range(60)], max_tokens=12, temperature=0))
+        eng.generate(seqs)
+        return seqs
+
+    reuse, alone = batch(engine(tiny, prefill_chunk=512)), batch(engine(tiny, prefill_chunk=512, prefix_cache=False))
+    assert [s.generated for s in reuse] == [s.generated for s in alone]
+    # the first prefills the 200 shared tokens; the other two wait one step and take its 12 full pages
+    assert [s.cached_tokens for s in reuse] == [0, 192, 192, 0]
+    assert all(s.cached_tokens == 0 for s in alone)
+    assert reuse[1].first_token_at > reuse[0].first_token_at and reuse[3].first_token_at == reuse[0].first_token_at
+
+
+def test_slots_keep_short_and_long_requests_apart_and_release_long_ones(tiny):
+    from gpu_workers.kv_cache import SlotPool
+
+    cache = PagedKVCache.for_model(tiny.model, 64, 16, 1.0)
+    pool = SlotPool(cache, 4, 2048)
+    short, long_ = pool.take(40), pool.take(SlotPool.LONG + 1)
+    assert (short, long_) == (0, 3) and pool.take(10) == 1
+    view = pool.view(long_)
+    assert view[0].shape == (2, cache.kv_heads, 2048, cache.head_dim)
+    view[0][:, :, :1500] = 1.0
+    pool.give(long_, 1500)  # its memory goes back to the OS: the pages read as zeros again
+    assert float(view[0][:, :, 100:1400].abs().sum()) == 0.0 and pool.free == 2
