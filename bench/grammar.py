@@ -69,8 +69,8 @@ def _throughput(rows, max_tokens, repeats, device, pairs, figures, console):
     from gpu_workers.grammar import Grammars
     from gpu_workers.kv_cache import PagedKVCache
     from gpu_workers.model_loader import load
-    from gpu_workers.service import prompt_ids
-    from schemas import ChatMessage, InferenceRequest
+    from schemas import ChatMessage
+    from schemas.prompt import prompt_ids
 
     loaded = load("smollm2", device=device)
     engine = Engine(loaded.model, loaded.tokenizer, PagedKVCache.for_model(loaded.model, 4096, 16, 1.0),

@@ -6,7 +6,7 @@
     per token:   advance(seq, token)
 
 Calls are written in one documented format (also how tools are described to the model, see
-gpu_workers/tool_prompt.py):
+schemas/prompt.py):
 
     <tool_call>{"name": "NAME", "arguments": {...}}</tool_call>
 
@@ -39,9 +39,9 @@ import llguidance.torch
 import torch
 
 from schemas import OutputSpec
+from schemas.prompt import CALL_CLOSE, CALL_OPEN
 from schemas.structured import schema_key
 
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 EMPTY_OBJECT = {"type": "object", "properties": {}, "additionalProperties": False}
 # values not walked by closed(): literals, and allOf (closing its parts would change the intersection)

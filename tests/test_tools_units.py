@@ -16,7 +16,7 @@ from bench.tool_schemas import tools
 from gateway.tool_params import BadField, Tool, check_tool_messages, output_spec
 from gpu_workers.grammar import GrammarError, Grammars, grammar_text
 from gpu_workers.tool_calls import ToolCallParser
-from gpu_workers.tool_prompt import render
+from schemas.prompt import render
 from schemas import ChatMessage, ChatRequest, FunctionCall, MessageToolCall, OutputSpec, call_id, decode, encode
 from tokenstream.models import load_tokenizer
 

@@ -6,6 +6,8 @@ tenant of the caller's key, else 404 (the same answer as for an id that never ex
 
 from __future__ import annotations
 
+import contextlib
+
 from fastapi import APIRouter, Depends, Header
 
 from gateway import openai_api as api
@@ -65,7 +67,7 @@ async def resume(completion: str, last_event_id: str | None = Header(None),
         source = held_until_screened(source)
 
     async def settle(done: Completion, _: list[str]) -> None:
-        await gw.settle(rid, meta, done)  # once per request: a no-op if the first connection counted it
+        await gw.limiter.settle_answer(rid, meta, done)  # once per request: a no-op if already counted
 
     return sse_response(gw, framer, source, generation, 0.0, cleanup=lambda: None, settle=settle)
 
@@ -76,4 +78,6 @@ async def cancel(completion: str, gw: Gateway = Depends(pipeline), key: ApiKey =
     rid = request_id(completion)
     await owned(gw, rid, completion, key)
     await gw.canceller.cancel(rid, "client_cancelled")
+    with contextlib.suppress(Exception):  # its slot, whichever instance admitted it (else its lease lapses)
+        await gw.limiter.release(rid, meta)
     return {"id": completion, "object": "chat.completion.cancel", "cancelled": True}

@@ -21,10 +21,18 @@ from processors.conversation.history import (
     with_answer,
 )
 from processors.conversation.presets import apply_preset, presets
-from processors.conversation.window import PromptTooLong, chat_template_counter, trim
+from processors.conversation.window import PromptTooLong, prompt_counter, trim
 from processors.effects import Ledger
 from processors.faust_app import get, make_app, put, send, table, topic, trace_of, typed
-from schemas import ChatMessage, ChatRequest, Completion, ConversationHistory, InferenceRequest, Transcript
+from schemas import (
+    ChatMessage,
+    ChatRequest,
+    Completion,
+    ConversationHistory,
+    InferenceRequest,
+    OutputSpec,
+    Transcript,
+)
 from schemas.keys import conversation_key
 from tokenstream.config import settings
 from tokenstream.models import load_tokenizer, prompt_budget
@@ -47,18 +55,18 @@ dead_letters = topic(app, DEAD_LETTER)
 transcripts_out = topic(app, TRANSCRIPTS)
 
 
-def _counter(model: str):
+def _counter(model: str, output: OutputSpec):
     name = cfg.tokenizer_by_model.get(model, model)
     try:
-        return chat_template_counter(load_tokenizer(name))
+        return prompt_counter(load_tokenizer(name), output)
     except ValueError:
-        return chat_template_counter(load_tokenizer("smollm2"))
+        return prompt_counter(load_tokenizer("smollm2"), output)
 
 
 def warm_up() -> None:
     """Load the tokenizers before consuming (see processors.faust_app.run for why)."""
     for model in {"smollm2", *settings().models, *cfg.tokenizer_by_model}:
-        _counter(model)([ChatMessage(role="user", content="warm-up")])
+        _counter(model, OutputSpec())([ChatMessage(role="user", content="warm-up")])
 
 
 async def _refuse(request: ChatRequest, reason: str, trace, code: str) -> None:
@@ -89,7 +97,7 @@ async def _prepare(request: ChatRequest, state: ConversationHistory, trace) -> b
                       trace, "context_length_exceeded")
         return False
     try:
-        prompt, dropped = trim(messages, _counter(model), prompt_budget(window, sampling.max_tokens))
+        prompt, dropped = trim(messages, _counter(model, request.output), prompt_budget(window, sampling.max_tokens))
     except PromptTooLong as exc:
         await _refuse(request, f"{exc} (context window {window} tokens)", trace, "context_length_exceeded")
         return False
