@@ -148,7 +148,7 @@ async def _chat(gw: Gateway, body: api.ChatCompletionRequest, request: Request, 
     gw.metrics.requests.labels(body.model, "true" if body.stream else "false", "200").inc()
 
     async def settle(done: Completion, sent: list[str]) -> None:
-        await gw.inflight.finish(rid, done)  # a no-op when the fan-out saw the Completion first (it does)
+        # usage and the slot: gw.inflight, from the Completion on the log (before this stream saw it)
         if not done.error:
             await caches.store(gw, key.tenant, body.model, Entry(
                 chunks=sent, finish_reason=done.finish_reason, request_id=rid,
