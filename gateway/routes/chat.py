@@ -104,7 +104,7 @@ async def _chat(gw: Gateway, body: api.ChatCompletionRequest, request: Request, 
     output = output_of(body)
     messages = messages_of(body)
     await context.check(body.model, messages, sampling.max_tokens,
-                        "max_completion_tokens" if body.max_completion_tokens else "max_tokens")
+                        "max_completion_tokens" if body.max_completion_tokens else "max_tokens", output)
     admit(gw, body.model)
     partition = gw.reply_partition()
     created_at = time.time()
