@@ -71,15 +71,17 @@ def main(
     out.write_text(json.dumps(figures, indent=2) + "\n")
 
 
-def constrained_column(loaded, rows: int = 32, max_tokens: int = 64, repeats: int = 3, *, say=print):
+def constrained_column(loaded, rows: int = 32, max_tokens: int = 64, repeats: int = 3, timed_steps: int = 32, *,
+                       say=print):
     """Decode tokens/s of the engine at exactly `rows` running rows, with a grammar on every row
     (tool_choice "required", one of the 50 benchmark tools each) against the same rows without one.
 
     Both columns use the same prompts (the tools rendered into them), the same engine and model.
-    Each batch is prefilled first (not timed); then only the steps in which all `rows` requests are
-    running and decoding are timed (each samples `rows` tokens), until the first request ends. So
-    the figure is decode throughput at `rows` running rows, with and without masking, not diluted by
-    prefill or by a tail of fewer rows. The columns alternate `repeats` times; medians are reported.
+    Only the steps in which all `rows` requests are running and decoding are timed (each samples
+    `rows` tokens), `timed_steps` of them per run; a request that ends is replaced at once by the
+    same request anew, and the steps that prefill it are not timed. So the figure is decode
+    throughput at `rows` running rows, with and without masking, not diluted by prefill or by a
+    tail of fewer rows. The columns alternate `repeats` times; medians are reported.
     Returns (figures, the Grammars used).
     """
     from bench.tool_schemas import tools
@@ -100,45 +102,52 @@ def constrained_column(loaded, rows: int = 32, max_tokens: int = 64, repeats: in
         spec = output_spec([Tool(**tool)], "required", None, None)
         work.append((spec, prompt_ids(loaded.tokenizer, [ChatMessage(role="user", content=prompt)], spec)))
 
-    async def states() -> list:
-        return [await grammars.state_for(spec) for spec, _ in work]
+    serial = iter(range(10**9))
+
+    def fresh(i: int, constrained: bool) -> Sequence:
+        spec, ids = work[i]
+        seq = Sequence(f"r{i}-{next(serial)}", list(ids), max_tokens=max_tokens, temperature=0)
+        seq.tag = i
+        if constrained:
+            seq.grammar = asyncio.run(grammars.state_for(spec))  # compiled once, then a copy of the cached one
+        return seq
 
     def batch(constrained: bool) -> tuple[int, float, int]:
         """(tokens sampled in the timed steps, their seconds, how many steps)."""
-        seqs = [Sequence(f"r{i}", list(ids), max_tokens=max_tokens, temperature=0) for i, (_, ids) in enumerate(work)]
-        if constrained:
-            for seq, state in zip(seqs, asyncio.run(states())):
-                seq.grammar = state
-        for seq in seqs:
-            engine.add(seq)
+        for i in range(rows):
+            engine.add(fresh(i, constrained))
         tokens, seconds, steps = 0, 0.0, 0
-        while engine.has_work:
-            full = len(engine.running) == rows and all(s.pending == 1 for s in engine.running)
+        while steps < timed_steps:
+            full = (len(engine.running) == rows and not engine.waiting
+                    and all(s.pending == 1 for s in engine.running))
             started = time.perf_counter()
-            engine.step()
+            outputs = engine.step()
             if full:
                 seconds += time.perf_counter() - started
                 tokens += rows
                 steps += 1
-            elif steps:  # a request has ended: what follows runs fewer rows
-                while engine.has_work:
-                    engine.step()
+            for out in outputs:  # a request that ended is replaced at once by the same one anew
+                if out.finish_reason is not None:
+                    engine.add(fresh(out.seq.tag, constrained))
+        for seq in [*engine.running, *engine.waiting, *engine._inbox]:  # noqa: SLF001
+            engine.cancel(seq.request_id)
+        while engine.has_work:
+            engine.step()
         return tokens, seconds, steps
 
     batch(True)  # warm-up: compiles and caches the grammars, first masks
     runs: dict[str, list[float]] = {"free": [], "constrained": []}
-    timed_steps: dict[str, list[int]] = {"free": [], "constrained": []}
     for r in range(repeats):
         for name in ("free", "constrained") if r % 2 == 0 else ("constrained", "free"):
             n, wall, steps = batch(name == "constrained")
             runs[name].append(n / wall)
-            timed_steps[name].append(steps)
             say(f"run {r + 1}/{repeats} {name}: {steps} steps of {rows} rows, {n / wall:.1f} tokens/s")
     free, constrained = statistics.median(runs["free"]), statistics.median(runs["constrained"])
-    return {"rows": rows, "max_tokens": max_tokens, "repeats": repeats, "device": loaded.device,
+    return {"rows": rows, "max_tokens": max_tokens, "repeats": repeats, "timed_steps_per_run": timed_steps,
+            "device": loaded.device,
             "free_tok_s": round(free, 1), "constrained_tok_s": round(constrained, 1),
             "constrained_vs_free": round(constrained / free, 3), "masking_cost": round(1 - constrained / free, 3),
-            "timed_steps": timed_steps, "runs_tok_s": {k: [round(x, 1) for x in v] for k, v in runs.items()}}, grammars
+            "runs_tok_s": {k: [round(x, 1) for x in v] for k, v in runs.items()}}, grammars
 
 
 def column_table(column: dict):
