@@ -202,9 +202,9 @@ class Worker:
             if self.epoch.get(tp, 0) != epochs.get(tp, 0):
                 continue  # revoked during the read: the new owner takes it from the commit
             s = request.sampling
-            seq = Sequence(request.request_id, prompt_ids(self.engine.tokenizer, request.messages, request.output), max_tokens=s.max_tokens,
-                           temperature=s.temperature, top_p=s.top_p, seed=s.seed, stop=list(s.stop),
-                           arrival=time.time(), tag=(tp, offset), priority=request.priority, tenant=request.tenant)
+            ids = prompt_ids(self.engine.tokenizer, request.messages, request.output)
+            seq = Sequence(request.request_id, ids, max_tokens=s.max_tokens, temperature=s.temperature,
+                           top_p=s.top_p, seed=s.seed, stop=list(s.stop), arrival=time.time(), tag=(tp, offset), priority=request.priority, tenant=request.tenant)
             before = emitted.get(request.request_id)
             if before is not None and before.completion is not None:
                 await self._done(tp, offset)

@@ -161,13 +161,16 @@ async def test_a_conversation_id_of_another_tenant_reaches_none_of_its_history(p
     assert (pa.tier, pa.priority, pb.tier) == ("paid", 1, "free")  # the key's tier travels to the worker
 
 
+def numbered_turns(n: int) -> list[ChatMessage]:
+    """n questions and answers of a long conversation."""
+    return [m for i in range(n) for m in (
+        ChatMessage(role="user", content=f"Question {i}: tell me something about the number {i}."),
+        ChatMessage(role="assistant", content=f"The number {i} is a fine number, " * 2))]
+
+
 async def test_history_longer_than_the_window_is_trimmed_oldest_first(processors):
     system = ChatMessage(role="system", content="Answer briefly.")
-    turns = []
-    for i in range(30):
-        turns.append(ChatMessage(role="user", content=f"Question {i}: tell me something about the number {i}."))
-        turns.append(ChatMessage(role="assistant", content=f"The number {i} is a fine number, " * 2))
-    turns.append(ChatMessage(role="user", content="Final question: what did I ask first?"))
+    turns = [*numbered_turns(30), ChatMessage(role="user", content="Final question: what did I ask first?")]
     async with Tap(PREPARED) as prepared:
         producer = await start_producer()
         try:
@@ -194,11 +197,7 @@ async def test_the_tools_rendered_into_the_prompt_count_against_the_window(proce
                                               "order": {"type": "string", "description": "the order number"}}}))
     output = OutputSpec(tools=[tool], tool_choice="auto")
     system = ChatMessage(role="system", content="Answer briefly.")
-    turns = []
-    for i in range(12):
-        turns.append(ChatMessage(role="user", content=f"Question {i}: tell me something about the number {i}."))
-        turns.append(ChatMessage(role="assistant", content=f"The number {i} is a fine number, " * 2))
-    turns.append(ChatMessage(role="user", content="Where is order 42?"))
+    turns = [*numbered_turns(12), ChatMessage(role="user", content="Where is order 42?")]
     tok = load_tokenizer("smollm2")
     with_tools, plain = prompt_counter(tok, output), prompt_counter(tok, OutputSpec())
     budget = WINDOW - 64
