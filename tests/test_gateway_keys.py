@@ -220,12 +220,20 @@ async def test_tokens_per_minute_reserve_up_front_and_reconcile_at_completion(ga
 
 async def open_stream(stack: contextlib.AsyncExitStack, http: httpx.AsyncClient, url: str, key: str, model: str,
                       text: str) -> tuple[httpx.Response, str]:
-    """A streamed request kept open (until `stack` closes): its response and its request id."""
+    """A streamed request read by a client until `stack` closes: its response and its request id."""
     r = await stack.enter_async_context(http.stream("POST", f"{url}/v1/chat/completions", headers=auth_headers(key),
                                                     json=ask(model, text, stream=True)))
     assert r.status_code == 200, await r.aread()
-    event_id, _ = await anext(sse(r))
+    events = sse(r)
+    event_id, _ = await anext(events)
+    reader = asyncio.ensure_future(_read_all(events))
+    stack.callback(reader.cancel)
     return r, event_id.split(":")[0]
+
+
+async def _read_all(events) -> None:
+    async for _ in events:
+        pass
 
 
 async def admitted_within(http: httpx.AsyncClient, url: str, key: str, model: str, seconds: float) -> float:
