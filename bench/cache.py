@@ -7,8 +7,10 @@ with the synthetic worker of `bench gateway` answering at once (its own TTFT ~0)
     `--requests` deterministic requests answered live (misses, each a new question), then of the
     same requests again (hits). Target: hit TTFT p50 < 20 ms.
 (b) rate limiter: the limiter's Redis round trip (one Lua script taking from four minute
-    counters), called directly `--limiter-calls` times; baseline in the same run: a Redis PING
-    over the same connection pool (the least any Redis call costs). Target: p50/p99 < 2 ms.
+    counters and one of the key's open-request slots), called directly `--limiter-calls` times
+    (each slot released again after the timing, as when an answer ends); baseline in the same run:
+    a Redis PING over the same connection pool just before each call (the least any Redis call
+    costs). Target: p50/p99 < 2 ms.
 (c) semantic cache lookup: the Weaviate query (near vector, scoped by tenant and model) over
     `--entries` stored answers, and the CPU embedding of the question before it, measured apart;
     baseline in the same run: the exact cache's Redis GET.
@@ -73,6 +75,7 @@ async def _run(requests: int, limiter_calls: int, entries: int, lookups: int) ->
                 await worker.stop()
         say(f"(b) rate limiter: {limiter_calls} round trips")
         limiter = await _limiter(stack.redis.address, limiter_calls)
+        limiter["load_average_1m"] = round(os.getloadavg()[0], 2)
         say(f"(c) semantic cache: {entries} entries, {lookups} lookups")
         semantic = await _semantic(stack, entries, lookups)
         return {
@@ -169,14 +172,19 @@ async def _limiter(redis_url: str, n: int) -> dict:
         t0 = time.perf_counter()
         await r.ping()
         t1 = time.perf_counter()
-        await limiter.take(key, 300)
+        ticket = await limiter.take(key, 300, f"bench-{i}", max_streams=10**6, lease_s=30)
         t2 = time.perf_counter()
+        await limiter.release(f"bench-{i}", ticket.note())  # when the answer ends (not on the request's path)
         if i >= 50:
             ping.append((t1 - t0) * 1000)
             take.append((t2 - t1) * 1000)
     await r.aclose()
     return {"take_ms": _stats(take), "redis_ping_ms": _stats(ping),
-            "overhead_over_ping_ms": {"p50": round(_pct(take, 50) - _pct(ping, 50), 3)}}
+            "overhead_over_ping_ms": {"p50": round(_pct(take, 50) - _pct(ping, 50), 3),
+                                      "p99": round(_pct(take, 99) - _pct(ping, 99), 3)},
+            # the host's scheduling shows in both: the share of calls over the 2 ms target, each
+            "share_over_2ms": {"take": round(sum(t > 2 for t in take) / len(take), 4),
+                               "redis_ping": round(sum(p > 2 for p in ping) / len(ping), 4)}}
 
 
 async def _semantic(stack, entries: int, lookups: int) -> dict:
@@ -236,7 +244,9 @@ def _table(r: dict) -> None:
     t.add_row("(a) exact-cache hit: client TTFT", pair(e["hit_ttft_ms"]), f"miss (live): {pair(e['miss_ttft_ms'])}",
               f"p50 < 20 ms {'[green]ok' if ok_hit else '[red]missed'}")
     t.add_row("(a) floor: GET /v1/models", pair(e["models_get_ms"]), "", "")
-    t.add_row("(b) rate limiter round trip", pair(lim["take_ms"]), f"Redis PING: {pair(lim['redis_ping_ms'])}",
+    over = lim["share_over_2ms"]
+    t.add_row("(b) rate limiter round trip", pair(lim["take_ms"]) + f" ({over['take']:.1%} over 2 ms)",
+              f"Redis PING: {pair(lim['redis_ping_ms'])} ({over['redis_ping']:.1%} over 2 ms)",
               f"< 2 ms {'[green]ok' if ok_lim else '[red]missed'}")
     t.add_row("(c) semantic lookup: Weaviate query", pair(s["query_ms"]),
               f"exact-cache GET: {pair(s['exact_cache_get_ms'])}", "")

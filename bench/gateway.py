@@ -92,7 +92,7 @@ async def synthetic_gateway(stack, tmp: Path, key_name: str):
                 await asyncio.sleep(0.2)
         else:
             raise RuntimeError("gateway did not become ready: " + (tmp / "gateway.log").read_text())
-        key, _ = KeyStore(stack.redis.address).create("bench", tier="paid", name=key_name)
+        key, _ = KeyStore(stack.redis.address).create("bench", tier="paid", name=key_name, max_streams=-1)
         yield gateway, port, key
     finally:
         gateway.terminate()

@@ -1,4 +1,6 @@
-"""`tokenstream bench worker`: sequential generate() vs static batches of 8 vs the worker through Kafka.
+"""`tokenstream bench worker`: sequential generate() vs static batches of 8 vs the worker through Kafka,
+and the constrained column (decode tokens/s at 32 running rows with a grammar on every row against
+the same rows without: bench/grammar.py's `constrained_column`).
 
 One run, one workload: N requests (default 64) of mixed prompt lengths (short questions, notes
 to summarise, long documents) and output lengths (16-64 new tokens, greedy), arriving over time
@@ -263,6 +265,7 @@ def main(
     seed: int = typer.Option(0, help="workload seed"),
     max_running: int = typer.Option(32, help="worker batch limit"),
     prefill_chunk: int = typer.Option(256, help="worker: most prompt tokens prefilled per step"),
+    grammar_rows: int = typer.Option(32, help="constrained column: running rows (0: leave it out)"),
     out: Path = typer.Option(RESULTS, help="where the JSON figures go"),
 ) -> None:
     """Sequential vs static batching vs the Kafka worker on SmolLM2: throughput, TTFT, ITL, memory."""
@@ -307,6 +310,12 @@ def main(
                                                            prefill_chunk)))
         finally:
             stack.kafka.stop(lambda m: None)
+    constrained = None
+    if grammar_rows:
+        from bench.grammar import column_table, constrained_column
+
+        console.print(f"[bold]constrained column: {grammar_rows} rows with and without grammars[/]")
+        constrained, _ = constrained_column(loaded, grammar_rows, say=lambda m: console.print(m, highlight=False))
     summaries = {r.name: r.summary() for r in results}
     seq, static, worker = (summaries[r.name] for r in results)
     ratios = {"worker_vs_sequential": round(worker["throughput_tok_s"] / seq["throughput_tok_s"], 2),
@@ -322,6 +331,8 @@ def main(
     console.print(f"worker throughput: {ratios['worker_vs_sequential']}x sequential (target 3x), "
                   f"{ratios['worker_vs_static8']}x static batching (target 1.5x); "
                   f"batch reached {worker.get('max_batch')}, peak KV usage {worker.get('peak_kv_usage')}")
+    if constrained is not None:
+        console.print(column_table(constrained))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"workload": {"requests": len(work), "rate_per_s": rate, "seed": seed,
                                             "output_tokens": "16-64 (greedy)", "device": loaded.device,
@@ -330,5 +341,5 @@ def main(
                                             "torch_threads": torch.get_num_threads(),
                                             "requests_detail": [asdict(w) | {"prompt_ids": len(w.prompt_ids)}
                                                                 for w in work]},
-                               "results": summaries, "ratios": ratios}, indent=2))
+                               "results": summaries, "ratios": ratios, "constrained_column": constrained}, indent=2))
     console.print(f"figures written to {out}")

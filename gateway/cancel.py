@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from aiokafka import AIOKafkaProducer
 
@@ -29,6 +30,7 @@ class Canceller:
         self.grace_s = grace_s
         self.metrics = metrics
         self.producer: AIOKafkaProducer | None = None
+        self.on_cancel: Callable[[str], None] = lambda request_id: None  # after a Cancel was written
         self._local: dict[str, int] = {}
         self._timers: set[asyncio.Task] = set()
         self._redis = None
@@ -94,6 +96,7 @@ class Canceller:
             raise RuntimeError("gateway not connected to the broker")
         await publish(self.producer, CONTROL, Cancel(request_id=request_id, reason=reason), key=request_id)
         self._local.pop(request_id, None)
+        self.on_cancel(request_id)
         self.metrics.cancels.labels(reason).inc()
         log.info("cancelled %s (%s)", request_id, reason)
 

@@ -58,6 +58,14 @@ class GatewaySettings(BaseSettings):
     # Connections waiting on tokens at once; beyond this, 429 (a hard cap next to the lag check).
     max_active_streams: int = Field(20_000, ge=1)
 
+    # Open requests one API key may hold at once across every gateway instance, by tier, for keys
+    # created without --max-streams (a tier missing here, or 0: no limit). A request holds its slot
+    # from admission until it ends (completion, cancel, error, deadline; a client that disconnects
+    # keeps it for the resume grace period). The admitting instance renews the slot's lease in Redis
+    # every stream_lease_s / 3; an instance that dies stops renewing, so its slots lapse after the lease.
+    tier_max_streams: dict[str, int] = {"free": 16, "paid": 64, "enterprise": 256}
+    stream_lease_s: float = Field(30.0, ge=3)
+
     # Admission: reject when the estimated queue wait of the model's worker group exceeds this.
     admission_budget_s: float = Field(10.0, gt=0)
     admission_poll_s: float = Field(0.5, gt=0)
@@ -83,6 +91,12 @@ class GatewaySettings(BaseSettings):
     # Semantic cache (opt-in per key): least cosine similarity of a hit, entry lifetime.
     semantic_cache_threshold: float = Field(0.9, gt=0, le=1)
     semantic_cache_ttl_s: float = Field(86_400.0, gt=0)
+
+    def max_streams(self, max_streams: int, tier: str) -> int:
+        """The open-request limit of a key (its own, else its tier's); 0 means none."""
+        if max_streams:
+            return max(0, max_streams)
+        return max(0, self.tier_max_streams.get(tier, 0))
 
     @model_validator(mode="after")
     def _index_below_count(self) -> GatewaySettings:

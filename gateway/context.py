@@ -2,9 +2,10 @@
 
 The context comes from `tokenstream.models.context_length` (the figure the conversation processor
 trims to and the worker enforces). The processor keeps what fits by dropping older turns; what it
-cannot fix is the newest message alone (with the system prompt) being too long, or `max_tokens`
-beyond the context: those are refused here with 400 instead of travelling the pipeline to an error.
-Counting tokens costs a tokenizer pass, so it runs only when the byte length cannot rule it out.
+cannot fix is the newest message alone (with the system prompt and the tools the worker renders
+into it, schemas/prompt.py) being too long, or `max_tokens` beyond the context: those are refused
+here with 400 instead of travelling the pipeline to an error. Counting tokens costs a tokenizer
+pass, so it runs only when the byte length cannot rule it out.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import asyncio
 from functools import lru_cache
 
 from gateway import openai_api as api
-from schemas import ChatMessage
+from schemas import ChatMessage, OutputSpec
+from schemas.prompt import instructions, prompt_ids
 from tokenstream.models import context_length, load_tokenizer, prompt_budget, tokens_at_most
 
 
@@ -25,17 +27,14 @@ def window(model: str) -> int | None:
         return None
 
 
-def _count(model: str, messages: list[ChatMessage]) -> int:
-    tokenizer = load_tokenizer(model)
-    rendered = [{"role": m.role, "content": m.content} for m in messages]
-    ids = tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=True)
-    if hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return len(ids)
+def _count(model: str, messages: list[ChatMessage], output: OutputSpec) -> int:
+    return len(prompt_ids(load_tokenizer(model), messages, output))
 
 
-async def check(model: str, messages: list[ChatMessage], max_tokens: int, max_tokens_param: str) -> None:
-    """Raise a 400 when `max_tokens`, or the newest message with the system prompt, cannot fit."""
+async def check(model: str, messages: list[ChatMessage], max_tokens: int, max_tokens_param: str,
+                output: OutputSpec | None = None) -> None:
+    """Raise a 400 when `max_tokens`, or the newest message with the system prompt and tools, cannot fit."""
+    output = output or OutputSpec()
     context = window(model)
     if context is None:
         return  # a model this gateway has no files for: the processor and the worker decide
@@ -45,11 +44,13 @@ async def check(model: str, messages: list[ChatMessage], max_tokens: int, max_to
                            param=max_tokens_param, code="invalid_value")
     budget = prompt_budget(context, max_tokens)
     kept = [m for m in messages if m.role == "system"] + [messages[-1]]
-    if tokens_at_most([m.content for m in kept]) <= budget:
+    # the tools and response format are written into the prompt as this text: its bytes bound its tokens too
+    if tokens_at_most([m.content for m in kept] + [instructions(output)]) <= budget:
         return
-    tokens = await asyncio.to_thread(_count, model, kept)
+    tokens = await asyncio.to_thread(_count, model, kept, output)
     if tokens > budget:
+        with_tools = " and the tools" if output.callable_tools else ""
         raise api.APIError(400, f"This model's maximum context length is {context} tokens. However, the newest "
-                                f"message with the system prompt takes {tokens} tokens and the answer "
+                                f"message with the system prompt{with_tools} takes {tokens} tokens and the answer "
                                 f"{min(max_tokens, context // 2)}. Please shorten the message.",
                            "invalid_request_error", param="messages", code="context_length_exceeded")

@@ -10,6 +10,10 @@ until the client has drained its buffer; then it delivers the parked records and
 A client that keeps its partition paused longer than `slow_reader_s` holds up every other
 stream on it: its Stream is dropped instead (its connection ends with an error event, and the
 client resumes from the log with Last-Event-ID, at its own pace), and the partition resumes.
+
+Besides the connections, a `watcher` (gateway/inflight.py) hears of every event of the requests
+this instance admitted, with or without a connection, and gets each one's Completion decoded
+(told apart by the event-type header, so other events of unwatched requests are never decoded).
 """
 
 from __future__ import annotations
@@ -18,14 +22,18 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Callable
+from typing import Protocol
 
 import msgspec
 from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from gateway.metrics import Metrics
-from schemas import DecodeError, Event, TokenChunk, decode
+from schemas import Completion, DecodeError, Event, TokenChunk, decode
+from schemas.headers import EVENT_TYPE
 from topics import TOKENS
+
+COMPLETION_TYPE = Completion.__struct_config__.tag.encode()
 
 log = logging.getLogger(__name__)
 
@@ -88,10 +96,22 @@ class Stream:
         return batch
 
 
+class Watcher(Protocol):
+    def __contains__(self, request_id: str) -> bool: ...
+
+    def heard(self, request_id: str, event: Completion | None) -> None: ...
+
+
+def _is_completion(record: ConsumerRecord) -> bool:
+    return any(k == EVENT_TYPE and v == COMPLETION_TYPE for k, v in record.headers or ())
+
+
 class Fanout:
     def __init__(self, consumer: AIOKafkaConsumer, partitions: list[int], metrics: Metrics,
-                 capacity: int = 64, coalesce_chars: int = 4096, slow_reader_s: float = 30.0) -> None:
+                 capacity: int = 64, coalesce_chars: int = 4096, slow_reader_s: float = 30.0,
+                 watcher: Watcher | None = None) -> None:
         self.consumer = consumer
+        self.watcher = watcher
         self.slow_reader_s = slow_reader_s
         self.partitions = [TopicPartition(TOKENS.name, p) for p in partitions]
         self.metrics = metrics
@@ -165,20 +185,23 @@ class Fanout:
         while records:
             record = records[0]
             key = record.key.decode() if record.key else ""
-            stream = self.streams.get(key) or self.aliases.get(key)
-            if stream is not None:  # else nobody holds this request here (gone, or a replay serves it)
+            stream = self.streams.get(key) or self.aliases.get(key)  # a response run's later steps: its stream
+            watched = self.watcher is not None and key in self.watcher
+            event = None
+            if stream is not None or (watched and _is_completion(record)):
                 try:
                     event = decode(record.value or b"", *TOKENS.events)
                 except DecodeError as exc:
                     log.warning("undecodable token event %s@%d: %s", tp, record.offset, exc)
-                    event = None
-                if event is not None:
-                    before = stream.coalesced
-                    if not stream.offer(event):
-                        stream.blocked_on = tp
-                        return False
-                    if stream.coalesced != before:
-                        self.metrics.coalesced.inc()
+            if stream is not None and event is not None:  # else nobody holds it here (gone, or a replay serves it)
+                before = stream.coalesced
+                if not stream.offer(event):
+                    stream.blocked_on = tp
+                    return False
+                if stream.coalesced != before:
+                    self.metrics.coalesced.inc()
+            if watched:
+                self.watcher.heard(key, event if isinstance(event, Completion) else None)
             records.popleft()
         return True
 

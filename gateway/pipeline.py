@@ -19,13 +19,13 @@ from gateway.cache import ExactCache
 from gateway.cancel import Canceller
 from gateway.config import GatewaySettings
 from gateway.fanout import Fanout
+from gateway.inflight import Inflight
 from gateway.metrics import Metrics
 from gateway.ratelimit import RateLimiter
 from gateway.searches import ToolSearches
 from gateway.semantic import SemanticCache
 from gateway.uploads import Uploads
 from producers import start_consumer, start_producer
-from schemas import Completion
 from schemas import keys as K
 from schemas.keys import GATEWAY_META_TTL_S as META_TTL_S
 from tokenstream.config import settings
@@ -47,6 +47,9 @@ class Gateway:
         self.canceller = Canceller(redis_url, cfg.cancel_grace_s, self.metrics)
         self.redis = self.canceller._redis  # noqa: SLF001 - one connection pool for both uses
         self.limiter = RateLimiter(self.redis, self.metrics)
+        self.inflight = Inflight(self.limiter, self.canceller, lease_s=cfg.stream_lease_s,
+                                 progress_timeout_s=cfg.progress_timeout_s)
+        self.inflight.attached = lambda rid: self.fanout is not None and rid in self.fanout.streams
         self.exact_cache = ExactCache(self.redis, cfg.exact_cache_ttl_s, cfg.exact_cache_max_chars, self.metrics)
         base = settings()
         self.semantic_cache = SemanticCache(base.weaviate_host, base.weaviate_http_port, base.weaviate_grpc_port,
@@ -82,6 +85,7 @@ class Gateway:
     async def start(self) -> None:
         self._tasks.append(asyncio.create_task(self._connect(), name="gateway-connect"))
         self._tasks.append(asyncio.create_task(self.admission.run(), name="gateway-admission"))
+        self._tasks.append(asyncio.create_task(self.inflight.run(), name="gateway-inflight"))
 
     async def _connect(self) -> None:
         while True:
@@ -101,7 +105,7 @@ class Gateway:
                 if not self.partitions:
                     raise RuntimeError("this instance owns no tokens partition")
                 fanout = Fanout(consumer, self.partitions, self.metrics, self.cfg.buffer_events,
-                                self.cfg.coalesce_chars, self.cfg.slow_reader_s)
+                                self.cfg.coalesce_chars, self.cfg.slow_reader_s, watcher=self.inflight)
                 await fanout.start()
                 self.fanout = fanout
                 log.info("gateway %s owns tokens partitions %s", self.cfg.instance_id, self.partitions)
@@ -141,11 +145,6 @@ class Gateway:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-
-    async def settle(self, request_id: str, note: dict, done: Completion, cached: int = 0) -> None:
-        """An answer was delivered: its usage is counted and its unused token reservation given back."""
-        await self.limiter.settle(request_id, note, done.usage.prompt_tokens, done.usage.completion_tokens,
-                                  cached)
 
     def reply_partition(self) -> int:
         return self.partitions[next(self._next) % len(self.partitions)]

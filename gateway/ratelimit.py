@@ -9,6 +9,11 @@ The token reservation is the prompt estimate plus the requested max output; at c
 difference to the real usage is given back (`settle`), once per request whichever instance sees
 the completion, and the same script adds the real usage to the key's daily totals
 (`tokenstream keys usage`).
+
+The same script takes one of the key's open-request slots (`max_streams`): a sorted set of the
+key's open requests scored by the end of their lease, lapsed ones dropped first, so all gateway
+instances together hold at most N at once. The admitting instance renews its requests' leases
+(`renew`) and removes each when it ends (`release`); see gateway/inflight.py.
 """
 
 from __future__ import annotations
@@ -18,11 +23,14 @@ import time
 from dataclasses import dataclass, field
 
 from gateway import openai_api as api
+from schemas import Completion
 from schemas import keys as K
 
-# KEYS: 4 bucket prefixes (key requests, key tokens, tenant requests, tenant tokens)
-# ARGV: their 4 limits (0 = no limit: not counted), tokens to reserve
-# returns {admitted 0|1, index of the limit hit (0 if none), minute number, seconds to its end, used 1..4}
+# KEYS: 4 bucket prefixes (key requests, key tokens, tenant requests, tenant tokens), the key's open-streams set
+# ARGV: their 4 limits (0 = no limit: not counted), tokens to reserve, most open streams (0 = no limit),
+#       request id, lease seconds
+# returns {admitted 0|1, index of the limit hit (0 if none, 5: open streams), minute number, seconds to its
+#          end, used 1..4, open streams}
 TAKE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1])
@@ -36,8 +44,18 @@ for i = 1, 4 do
     local cur = tonumber(redis.call('GET', KEYS[i] .. ':' .. window) or '0')
     used[i] = cur
     if cur + cost[i] > limit then
-      return {0, i, window, reset, used[1] or 0, used[2] or 0, used[3] or 0, used[4] or 0}
+      return {0, i, window, reset, used[1] or 0, used[2] or 0, used[3] or 0, used[4] or 0, 0}
     end
+  end
+end
+local streams = tonumber(ARGV[6])
+local open = 0
+local exact = now + tonumber(t[2]) / 1000000
+if streams > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', exact)
+  open = redis.call('ZCARD', KEYS[5])
+  if open >= streams then
+    return {0, 5, window, reset, used[1] or 0, used[2] or 0, used[3] or 0, used[4] or 0, open}
   end
 end
 for i = 1, 4 do
@@ -47,7 +65,28 @@ for i = 1, 4 do
     redis.call('EXPIRE', k, 120)
   end
 end
-return {1, 0, window, reset, used[1] or 0, used[2] or 0, used[3] or 0, used[4] or 0}
+if streams > 0 then
+  local lease = tonumber(ARGV[8])
+  redis.call('ZADD', KEYS[5], exact + lease, ARGV[7])
+  redis.call('EXPIRE', KEYS[5], math.ceil(lease) + 60)
+  open = open + 1
+end
+return {1, 0, window, reset, used[1] or 0, used[2] or 0, used[3] or 0, used[4] or 0, open}
+"""
+
+# KEYS: open-streams sets of some keys; ARGV: lease seconds, then per key: how many ids, the request ids
+RENEW = """
+local t = redis.call('TIME')
+local lease = tonumber(ARGV[1])
+local till = tonumber(t[1]) + tonumber(t[2]) / 1000000 + lease
+local a = 2
+for k = 1, #KEYS do
+  local n = tonumber(ARGV[a])
+  for i = a + 1, a + n do redis.call('ZADD', KEYS[k], 'XX', till, ARGV[i]) end
+  redis.call('EXPIRE', KEYS[k], math.ceil(lease) + 60)
+  a = a + n + 1
+end
+return 1
 """
 
 # KEYS: done flag, key tok prefix, tenant tok prefix, usage hash
@@ -91,11 +130,12 @@ class Ticket:
     reserved: int = 0
     key_tpm: bool = False
     tenant_tpm: bool = False
+    slot: bool = False  # holds one of the key's open-stream slots
     headers: dict[str, str] = field(default_factory=dict)
 
     def note(self) -> dict:
         return {"key_id": self.key_id, "window": self.window, "reserved": self.reserved,
-                "key_tpm": self.key_tpm, "tenant_tpm": self.tenant_tpm}
+                "key_tpm": self.key_tpm, "tenant_tpm": self.tenant_tpm, "slot": self.slot}
 
 
 def _headers(limits: list[int], used: list[int], reset_s: int) -> dict[str, str]:
@@ -121,26 +161,40 @@ class RateLimiter:
         self.metrics = metrics
         self._take = redis.register_script(TAKE) if redis is not None else None
         self._settle = redis.register_script(SETTLE) if redis is not None else None
+        self._renew = redis.register_script(RENEW) if redis is not None else None
 
-    async def take(self, key: K.ApiKey, tokens: int) -> Ticket:
-        """Take one request and `tokens` from the key's and tenant's minute; 429 when over a limit."""
+    async def take(self, key: K.ApiKey, tokens: int, request_id: str = "", max_streams: int = 0,
+                   lease_s: float = 30.0) -> Ticket:
+        """Take one request and `tokens` from the key's and tenant's minute, and one of the key's
+        `max_streams` open-request slots for `request_id` (0: no limit); 429 when over a limit."""
         ticket = Ticket(key.key_id, key.tenant, reserved=tokens, key_tpm=key.tpm > 0, tenant_tpm=key.tenant_tpm > 0)
         limits = [key.rpm, key.tpm, key.tenant_rpm, key.tenant_tpm]
-        if not any(limits):
+        if not any(limits) and max_streams <= 0:
             return ticket
         if self._take is None:
             raise api.unavailable("Rate limits cannot be checked: the gateway has no Redis.")
         buckets = [K.rate_bucket("key", key.key_id, "requests"), K.rate_bucket("key", key.key_id, "tokens"),
-                   K.rate_bucket("tenant", key.tenant, "requests"), K.rate_bucket("tenant", key.tenant, "tokens")]
+                   K.rate_bucket("tenant", key.tenant, "requests"), K.rate_bucket("tenant", key.tenant, "tokens"),
+                   K.open_streams(key.key_id)]
         started = time.perf_counter()
         try:
-            admitted, failed, window, reset, *used = await self._take(keys=buckets, args=[*limits, tokens])
+            admitted, failed, window, reset, *used, open_now = await self._take(
+                keys=buckets, args=[*limits, tokens, max(0, max_streams), request_id, lease_s])
         except Exception:  # noqa: BLE001
             raise api.unavailable("Rate limits cannot be checked right now (Redis unreachable).") from None
         finally:
             self.metrics.ratelimit_seconds.observe(time.perf_counter() - started)
         used = [int(u) for u in used]
         ticket.window, ticket.headers = int(window), _headers(limits, used, int(reset))
+        if max_streams > 0 and int(failed) in (0, 5):
+            ticket.headers["x-tokenstream-limit-streams"] = str(max_streams)
+            ticket.headers["x-tokenstream-open-streams"] = str(int(open_now))
+        if int(failed) == 5:
+            self.metrics.rate_limited.labels("streams").inc()
+            raise api.APIError(429, f"This API key already has {int(open_now)} requests open, its limit at once "
+                                    f"({max_streams}); retry when one of them has ended.", "rate_limit_exceeded",
+                               code="too_many_concurrent_requests", headers={**ticket.headers, "Retry-After": "1"})
+        ticket.slot = max_streams > 0
         if not admitted:
             failed = int(failed) - 1
             scope = "API key" if failed < 2 else f"tenant {key.tenant}"
@@ -156,6 +210,26 @@ class RateLimiter:
                                     f"(used {used[failed]}); retry after {retry}s.", "rate_limit_exceeded",
                                code="rate_limit_exceeded", headers={**ticket.headers, "Retry-After": str(retry)})
         return ticket
+
+    async def renew(self, slots: dict[str, list[str]], lease_s: float) -> None:
+        """Extend the leases of open requests, {key id: [request id, ...]}, by `lease_s` from now."""
+        if self._renew is None or not slots:
+            return
+        args: list = [lease_s]
+        for rids in slots.values():
+            args += [len(rids), *rids]
+        await self._renew(keys=[K.open_streams(key_id) for key_id in slots], args=args)
+
+    async def release(self, request_id: str, note: dict) -> None:
+        """Free the open-request slot `request_id` holds (if it holds one)."""
+        if self.redis is not None and note.get("slot") and note.get("key_id"):
+            await self.redis.zrem(K.open_streams(note["key_id"]), request_id)
+
+    async def settle_answer(self, request_id: str, note: dict, done: Completion) -> bool:
+        """`settle` with the usage of the request's Completion (all of it cached for a cache hit)."""
+        usage = done.usage
+        return await self.settle(request_id, note, usage.prompt_tokens, usage.completion_tokens,
+                                 usage.total_tokens if note.get("cached") else 0)
 
     async def settle(self, request_id: str, note: dict, prompt: int, completion: int, cached: int = 0) -> bool:
         """Give back what was reserved but not used and add the usage to the key's day; once per request."""

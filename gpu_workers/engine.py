@@ -32,9 +32,11 @@ from gpu_workers.prefix_cache import PrefixCache, page_hashes
 from gpu_workers.priority import enqueue
 from gpu_workers.sampling import new_seed, sample
 from gpu_workers.sequence import Output, Sequence
+from gpu_workers.stops import StopMatcher
 
 __all__ = ["Engine", "Output", "Sequence"]
 
+NO_STOPS = StopMatcher([])  # what may be streamed when no stop string applies: all but a split character
 _NO_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)  # a 4D mask is passed through untouched; attention masks per row
 
 
@@ -281,13 +283,20 @@ class Engine:
         seq.unsent_ids.append(token)
         seq.text += seq.detok.add(token)
         text = seq.text
-        at = seq.matcher.find(text, len(seq.emitted_text)) if seq.matcher.stops else None
+        region = text  # stop strings never apply inside what a grammar forces (a tool call, a JSON answer)
+        if seq.matcher.stops and seq.grammar is not None:
+            region = seq.grammar.stop_region(text)
+        at = seq.matcher.find(region, len(seq.emitted_text)) if seq.matcher.stops and region else None
         if at is not None:
             self._emit(seq, text[:at], outputs)
             self._finish(seq, "stop", outputs)
             return
         done = len(seq.generated) >= seq.max_tokens
-        self._emit(seq, self._final_text(seq) if done else text[:seq.matcher.safe_end(text)], outputs)
+        if region is None:  # free text or a call: not known yet, so nothing is streamed yet
+            safe = 0
+        else:
+            safe = (seq.matcher if region is text else NO_STOPS).safe_end(text)
+        self._emit(seq, self._final_text(seq) if done else text[:safe], outputs)
         if done:
             self._finish(seq, "length", outputs)
 

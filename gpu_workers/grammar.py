@@ -6,7 +6,7 @@
     per token:   advance(seq, token)
 
 Calls are written in one documented format (also how tools are described to the model, see
-gpu_workers/tool_prompt.py):
+schemas/prompt.py):
 
     <tool_call>{"name": "NAME", "arguments": {...}}</tool_call>
 
@@ -39,9 +39,9 @@ import llguidance.torch
 import torch
 
 from schemas import OutputSpec
+from schemas.prompt import CALL_CLOSE, CALL_OPEN
 from schemas.structured import schema_key
 
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 EMPTY_OBJECT = {"type": "object", "properties": {}, "additionalProperties": False}
 # values not walked by closed(): literals, and allOf (closing its parts would change the intersection)
@@ -108,13 +108,36 @@ def grammar_text(spec: OutputSpec, max_calls: int = MAX_PARALLEL_CALLS) -> str |
     return text + "\n".join([calls, call, *lines]) + "\n"
 
 
+def stop_scope(spec: OutputSpec) -> str:
+    """Where a request's stop strings apply: never inside what the grammar forces.
+
+    "all": the answer is free text (tool_choice none); "text": free text unless the model opens a
+    call with its first characters (auto); "none": the answer is calls or JSON the grammar forces
+    (required, a named choice, json_object, json_schema), which a stop string would cut into an
+    invalid call or document. The same rule as vLLM's for reasoning (stops apply to content only).
+    """
+    if spec.callable_tools:
+        return "text" if spec.tool_choice == "auto" and spec.response_format == "text" else "none"
+    return "all" if spec.response_format == "text" else "none"
+
+
 class GrammarState:
     """One request's position in its grammar."""
 
-    def __init__(self, owner: Grammars, matcher: llguidance.LLMatcher) -> None:
+    def __init__(self, owner: Grammars, matcher: llguidance.LLMatcher, stops: str = "all") -> None:
         self.owner = owner
         self.matcher = matcher
+        self.stops = stops  # stop_scope of its spec
         self.error: str | None = None
+
+    def stop_region(self, text: str) -> str | None:
+        """The part of the answer `text` stop strings apply to; None while that is not known yet (auto:
+        text that could still become the opening of a call)."""
+        if self.stops == "all":
+            return text
+        if self.stops == "none" or text.startswith(CALL_OPEN):
+            return ""
+        return None if CALL_OPEN.startswith(text) else text
 
     def advance(self, token: int) -> None:
         if self.error is None and not self.matcher.consume_token(token):
@@ -173,7 +196,7 @@ class Grammars:
         except TimeoutError:
             raise GrammarError(f"the output grammar did not compile within {self.timeout_s:g} s "
                                "(simplify the schema)") from None
-        state = GrammarState(self, matcher.deep_copy())
+        state = GrammarState(self, matcher.deep_copy(), stop_scope(spec))
         if consumed and not state.matcher.consume_tokens(list(consumed)):
             raise GrammarError("the tokens already generated do not fit the grammar: "
                                + state.matcher.get_error()[:300])

@@ -28,7 +28,6 @@ from gpu_workers.metrics import WorkerMetrics
 from gpu_workers.offsets import OffsetTracker
 from gpu_workers.recovery import TokenLog
 from gpu_workers.tool_calls import ToolCallParser
-from gpu_workers.tool_prompt import render
 from producers import dead_letter, decode_record, publish, start_consumer, start_producer
 from schemas import (
     Cancel,
@@ -44,19 +43,12 @@ from schemas import (
 )
 from schemas.headers import EVENT_TYPE
 from tokenstream import tracing
+from schemas.prompt import prompt_ids
 from topics import CONTROL, TOKENS, TOOL_CALLS, inference_topic
 
 COMPLETED_KEPT = 10_000  # request ids remembered as done, to drop a duplicate of one
 
 log = logging.getLogger(__name__)
-
-
-def prompt_ids(tokenizer, request: InferenceRequest) -> list[int]:
-    messages = render(request.messages, request.output)
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if not isinstance(ids, list) else ids)
-    return tokenizer("\n".join(m["content"] for m in messages))["input_ids"]
 
 
 class _Rebalance(ConsumerRebalanceListener):
@@ -223,9 +215,9 @@ class Worker:
             if self.epoch.get(tp, 0) != epochs.get(tp, 0):
                 continue  # revoked during the read: the new owner takes it from the commit
             s = request.sampling
-            seq = Sequence(request.request_id, prompt_ids(self.engine.tokenizer, request), max_tokens=s.max_tokens,
-                           temperature=s.temperature, top_p=s.top_p, seed=s.seed, stop=list(s.stop),
-                           arrival=time.time(), tag=(tp, offset), priority=request.priority, tenant=request.tenant)
+            ids = prompt_ids(self.engine.tokenizer, request.messages, request.output)
+            seq = Sequence(request.request_id, ids, max_tokens=s.max_tokens, temperature=s.temperature,
+                           top_p=s.top_p, seed=s.seed, stop=list(s.stop), arrival=time.time(), tag=(tp, offset), priority=request.priority, tenant=request.tenant)
             before = emitted.get(request.request_id)
             if before is not None and before.completion is not None:
                 await self._done(tp, offset)

@@ -82,6 +82,14 @@ def rate_bucket(scope: str, ident: str, kind: str) -> str:
     return f"ts:rl:{scope}:{ident}:{kind}"
 
 
+def open_streams(key_id: str) -> str:
+    """Sorted set of a key's open requests, shared by every gateway instance: member the request id,
+    score the end of its lease (seconds of the Redis server's clock). The admitting instance renews
+    the lease while the request is open and removes it when the request ends; the lease of an
+    instance that died lapses, and lapsed members are dropped when the key's next request is admitted."""
+    return f"ts:streams:{key_id}"
+
+
 def usage(key_id: str, day: str) -> str:
     """Hash of token counts (prompt, cached, completion, requests) of one key on one UTC day (YYYY-MM-DD)."""
     return f"ts:usage:{key_id}:{day}"
@@ -142,6 +150,7 @@ class ApiKey(msgspec.Struct, kw_only=True):
     expires_at: float = 0.0
     revoked_at: float = 0.0
     created_at: float = 0.0
+    max_streams: int = 0  # open requests at once, across every gateway; 0: the tier's default, -1: no limit
     admin: bool = False  # may read /metrics
     exact_cache: bool = True
     semantic_cache: bool = False

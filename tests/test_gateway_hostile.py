@@ -177,6 +177,14 @@ async def test_context_limits_of_a_real_model_are_400_before_queueing(gateway, p
                 await sdk.chat.completions.create(model="smollm2", stream=stream,
                                                   messages=[{"role": "user", "content": long_text}])
             assert info.value.code == "context_length_exceeded" and "8192" in info.value.message
+        # the tools the worker renders into the prompt count too: a short message with 4 long tool
+        # descriptions (about 3,000 tokens each) does not fit
+        tools = [{"type": "function", "function": {"name": f"tool_{t}", "description": " ".join(
+            f"d{t}x{i}" for i in range(500))}} for t in range(4)]
+        with pytest.raises(openai.BadRequestError) as info:
+            await sdk.chat.completions.create(model="smollm2", tools=tools,
+                                              messages=[{"role": "user", "content": "hi"}])
+        assert info.value.code == "context_length_exceeded" and "and the tools" in info.value.message
         # a later request reaches the topic: everything before it would have too
         await served_normally(gateway, pipeline.model)
         await queued.wait_for(lambda e: e.model == pipeline.model)

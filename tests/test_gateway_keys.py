@@ -4,6 +4,7 @@ Redis of the test stack and the `tokenstream keys` commands."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
@@ -181,7 +182,7 @@ async def test_requests_per_minute_hold_across_two_gateways(gateways, pipeline):
 
 async def test_tokens_per_minute_reserve_up_front_and_reconcile_at_completion(gateways, pipeline):
     tpm, max_tokens, n = 2400, 100, 30
-    key = new_key("tpm-tenant", tpm=tpm)
+    key = new_key("tpm-tenant", tpm=tpm, max_streams=-1)  # all n at once: the open-requests limit stays out
     await wait_for_fresh_minute(redis.Redis.from_url(os.environ["TOKENSTREAM_REDIS_URL"]))
     text = "[[repeat 10]] x y"  # 20 words at 50 ms: every answer is still running while the others arrive
     async with httpx.AsyncClient(timeout=60) as http:
@@ -215,6 +216,153 @@ async def test_tokens_per_minute_reserve_up_front_and_reconcile_at_completion(ga
     while int(r.get(bucket)) != (len(ok) + 1) * used:
         assert time.monotonic() < deadline, (int(r.get(bucket)), len(ok), used)
         await asyncio.sleep(0.2)
+
+
+async def open_stream(stack: contextlib.AsyncExitStack, http: httpx.AsyncClient, url: str, key: str, model: str,
+                      text: str) -> tuple[httpx.Response, str]:
+    """A streamed request read by a client until `stack` closes: its response and its request id."""
+    r = await stack.enter_async_context(http.stream("POST", f"{url}/v1/chat/completions", headers=auth_headers(key),
+                                                    json=ask(model, text, stream=True)))
+    assert r.status_code == 200, await r.aread()
+    events = sse(r)
+    event_id, _ = await anext(events)
+    reader = asyncio.ensure_future(_read_all(events))
+    stack.callback(reader.cancel)
+    return r, event_id.split(":")[0]
+
+
+async def _read_all(events) -> None:
+    async for _ in events:
+        pass
+
+
+async def admitted_within(http: httpx.AsyncClient, url: str, key: str, model: str, seconds: float) -> float:
+    """Ask until a request is admitted (not a 429 for open requests); seconds it took."""
+    started = time.monotonic()
+    while True:
+        r = await http.post(f"{url}/v1/chat/completions", headers=auth_headers(key), json=ask(model, "short"))
+        if r.status_code == 200:
+            return time.monotonic() - started
+        assert r.status_code == 429 and r.json()["error"]["code"] == "too_many_concurrent_requests", r.text
+        assert time.monotonic() - started < seconds, "the slot was never freed"
+        await asyncio.sleep(0.2)
+
+
+async def started_on_pipeline(pipeline: FakePipeline, tenant: str, known: set[str]) -> str:
+    """The id of a request of `tenant`, not in `known`, once the pipeline has sent its first token."""
+    deadline = time.monotonic() + 15
+    while True:
+        for rid, s in list(pipeline.served.items()):
+            if s.request.tenant == tenant and rid not in known and s.first_token_at:
+                return rid
+        assert time.monotonic() < deadline, "the request never started"
+        await asyncio.sleep(0.1)
+
+
+async def test_open_requests_per_key_hold_across_two_gateways(gateways, pipeline):
+    a, b = gateways
+    key = new_key("streams-tenant", max_streams=2)
+    long = "[[repeat 200]] s t"  # 400 words at 50 ms: open for 20 s unless ended
+    async with httpx.AsyncClient(timeout=60) as http, contextlib.AsyncExitStack() as streams:
+        first, first_rid = await open_stream(streams, http, a, key, pipeline.model, long)
+        assert first.headers["x-tokenstream-limit-streams"] == "2"
+        _, second_rid = await open_stream(streams, http, b, key, pipeline.model, long)
+        for url in (a, b):  # a third at once is refused on either instance
+            r = await http.post(f"{url}/v1/chat/completions", headers=auth_headers(key), json=ask(pipeline.model))
+            assert r.status_code == 429, r.text
+            err = r.json()["error"]
+            assert (err["type"], err["code"]) == ("rate_limit_exceeded", "too_many_concurrent_requests")
+            assert r.headers["retry-after"] == "1" and r.headers["x-tokenstream-open-streams"] == "2"
+            assert "2 requests open" in err["message"]
+        # a cancel on the other instance frees the slot at once; the short requests that take it complete
+        # and free it again
+        cancel = await http.post(f"{b}/v1/chat/completions/chatcmpl-{first_rid}/cancel", headers=auth_headers(key))
+        assert cancel.status_code == 200
+        await admitted_within(http, b, key, pipeline.model, 10)
+        await admitted_within(http, a, key, pipeline.model, 10)
+        # a non-streamed client that leaves: its request is cancelled (no resume is possible), its slot freed
+        gone = asyncio.create_task(http.post(f"{a}/v1/chat/completions", headers=auth_headers(key),
+                                             json=ask(pipeline.model, long)))
+        gone_rid = await started_on_pipeline(pipeline, "streams-tenant", {first_rid, second_rid} | {
+            rid for rid, s in pipeline.served.items() if s.request.messages[-1].content != long})
+        r = await http.post(f"{b}/v1/chat/completions", headers=auth_headers(key), json=ask(pipeline.model))
+        assert r.status_code == 429  # both slots held again
+        gone.cancel()
+        await admitted_within(http, b, key, pipeline.model, 15)
+        deadline = time.monotonic() + 10
+        while pipeline.served[gone_rid].finish_reason is None:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.1)
+        assert pipeline.served[gone_rid].finish_reason == "cancelled"
+        assert pipeline.served[second_rid].finish_reason is None  # still streaming, still holding its slot
+
+
+async def test_a_dead_gateways_slots_lapse_with_their_lease(stack, gateways, pipeline, tmp_path):
+    a, _ = gateways
+    roles = Roles(stack, tmp_path)
+    try:
+        c, proc = start_gateway(roles, [pipeline.model], index=0, count=2,
+                                env={"TOKENSTREAM_GATEWAY_STREAM_LEASE_S": "3",
+                                     "TOKENSTREAM_GATEWAY_ADMISSION_BUDGET_S": "1000"})
+        key = new_key("lease-tenant", max_streams=1)
+        async with httpx.AsyncClient(timeout=60) as http, contextlib.AsyncExitStack() as streams:
+            await open_stream(streams, http, c, key, pipeline.model, "[[repeat 200]] s t")
+            held_until = time.monotonic() + 8  # more than two leases: renewed while the request is open
+            while time.monotonic() < held_until:
+                r = await http.post(f"{a}/v1/chat/completions", headers=auth_headers(key), json=ask(pipeline.model))
+                assert r.status_code == 429 and r.json()["error"]["code"] == "too_many_concurrent_requests"
+                await asyncio.sleep(1.0)
+            proc.kill()  # kill -9: nobody renews or releases its slot now
+            proc.wait()
+            took = await admitted_within(http, a, key, pipeline.model, 15)
+            assert took < 3 + 5
+    finally:
+        roles.stop_all()
+
+
+async def test_usage_of_a_request_whose_client_left_is_counted_at_its_completion(gateways, pipeline):
+    a, b = gateways
+    tpm = 100_000
+    key = new_key("left-tenant", tpm=tpm)
+    key_id = K.digest(key)[:16]
+    r = redis.Redis.from_url(os.environ["TOKENSTREAM_REDIS_URL"])
+    await wait_for_fresh_minute(r, margin_s=15)
+    text = "[[repeat 20]] u v"  # 40 words at 50 ms
+    async with httpx.AsyncClient(timeout=60) as http:
+        # a stream whose client leaves after two chunks: nobody resumes it within the grace period (30 s
+        # here), so the pipeline finishes it with no client attached
+        async with http.stream("POST", f"{a}/v1/chat/completions", headers=auth_headers(key),
+                               json=ask(pipeline.model, text, stream=True, max_tokens=30)) as resp:
+            assert resp.status_code == 200
+            events = sse(resp)
+            rid = (await anext(events))[0].split(":")[0]
+            await anext(events)
+        # a non-streamed request whose client leaves: cancelled at once, the worker's partial usage counted
+        gone = asyncio.create_task(http.post(f"{b}/v1/chat/completions", headers=auth_headers(key),
+                                             json=ask(pipeline.model, text, max_tokens=30)))
+        deadline = time.monotonic() + 10
+        while not [s for s in pipeline.served.values() if s.request.tenant == "left-tenant"
+                   and s.request.request_id != rid and s.first_token_at]:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.1)
+        gone.cancel()
+    deadline = time.monotonic() + 30
+    while not all(s.finish_reason for s in pipeline.served.values() if s.request.tenant == "left-tenant") \
+            or int((r.hget(K.usage(key_id, K.usage_day()), "requests") or b"0")) < 2:
+        assert time.monotonic() < deadline, r.hgetall(K.usage(key_id, K.usage_day()))
+        await asyncio.sleep(0.2)
+    served = [s for s in pipeline.served.values() if s.request.tenant == "left-tenant"]
+    assert sorted(s.finish_reason for s in served) == ["cancelled", "length"]
+    assert pipeline.served[rid].finish_reason == "length"  # finished for nobody, 30 chunks
+    usage = {k.decode(): int(v) for k, v in r.hgetall(K.usage(key_id, K.usage_day())).items()}
+    prompt = len(text.split())  # the pipeline double counts words
+    cancelled = next(s for s in served if s.finish_reason == "cancelled")
+    assert usage["requests"] == 2 and usage["prompt"] == 2 * prompt
+    partial = usage["completion"] - 30
+    assert 0 < partial < 30  # the cancelled one's real output, not its reservation
+    # the minute's token bucket holds the real usage of both, their reservations given back
+    [bucket] = r.keys(K.rate_bucket("key", key_id, "tokens") + ":*")
+    assert int(r.get(bucket)) == usage["prompt"] + usage["completion"], (cancelled.request.request_id, usage)
 
 
 def test_the_local_key_of_make_run_is_kept_and_replaced_when_revoked(stack, tmp_path):

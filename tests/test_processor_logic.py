@@ -9,11 +9,20 @@ import pytest
 
 from processors.conversation.history import bounded, carries_full_history, merge, with_answer
 from processors.conversation.presets import apply_preset, presets as configured_presets
-from processors.conversation.window import PromptTooLong, chat_template_counter, trim
+from processors.conversation.window import PromptTooLong, prompt_counter, trim
 from processors.router.config import Route
 from processors.router.policy import decide, weighted_pick
 from processors.safety.windows import WindowSettings, due, fold, judged
-from schemas import ChatMessage, Completion, OutputWindow, SamplingParams, TokenChunk
+from schemas import (
+    ChatMessage,
+    Completion,
+    FunctionSpec,
+    OutputSpec,
+    OutputWindow,
+    SamplingParams,
+    TokenChunk,
+    ToolSpec,
+)
 from tokenstream.models import load_tokenizer
 
 
@@ -59,7 +68,7 @@ def test_presets_set_system_prompt_and_sampling():
 
 @pytest.fixture(scope="module")
 def count():
-    return chat_template_counter(load_tokenizer("smollm2"))
+    return prompt_counter(load_tokenizer("smollm2"), OutputSpec())
 
 
 def test_trim_keeps_system_and_newest_turns_within_budget(count):
@@ -88,6 +97,20 @@ def test_trim_counts_no_tokens_when_the_bytes_prove_the_prompt_fits(count):
 def test_trim_refuses_when_even_the_newest_message_does_not_fit(count):
     with pytest.raises(PromptTooLong):
         trim([SYSTEM, user("word " * 500)], count, 50)
+
+
+def test_trim_counts_the_tools_the_worker_renders_into_the_prompt(count):
+    tools = OutputSpec(tools=[ToolSpec(function=FunctionSpec(name=f"tool_{i}", description="does a thing " * 10))
+                              for i in range(3)])
+    with_tools = prompt_counter(load_tokenizer("smollm2"), tools)
+    turns = [m for i in range(10) for m in (user(f"question {i} about something"), bot(f"answer {i} " * 5))]
+    messages = [SYSTEM, *turns, user("last")]
+    budget = count(messages)  # fits without the tools, not with them
+    assert with_tools(messages) > budget and trim(messages, count, budget) == (messages, 0)
+    kept, dropped = trim(messages, with_tools, budget)
+    assert dropped > 0 and with_tools(kept) <= budget and kept[-1] == user("last")
+    with pytest.raises(PromptTooLong, match="tools"):
+        trim([SYSTEM, user("last")], with_tools, count([SYSTEM, user("last")]))
 
 
 def test_weighted_pick_is_deterministic_and_follows_the_weights():

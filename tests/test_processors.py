@@ -18,17 +18,20 @@ import uuid
 import pytest
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
-from processors.conversation.window import chat_template_counter
+from processors.conversation.window import prompt_counter, trim
 from producers import publish, start_producer
 from schemas import (
     Cancel,
     ChatMessage,
     ChatRequest,
     Completion,
+    FunctionSpec,
     InferenceRequest,
+    OutputSpec,
     SafetyVerdict,
     SamplingParams,
     TokenChunk,
+    ToolSpec,
 )
 from schemas.keys import conversation_key
 from tests.kafka_support import Tap, group_settled
@@ -193,13 +196,16 @@ async def test_a_conversation_id_of_another_tenant_reaches_none_of_its_history(p
     assert (pa.tier, pa.priority, pb.tier) == ("paid", 1, "free")  # the key's tier travels to the worker
 
 
+def numbered_turns(n: int) -> list[ChatMessage]:
+    """n questions and answers of a long conversation."""
+    return [m for i in range(n) for m in (
+        ChatMessage(role="user", content=f"Question {i}: tell me something about the number {i}."),
+        ChatMessage(role="assistant", content=f"The number {i} is a fine number, " * 2))]
+
+
 async def test_history_longer_than_the_window_is_trimmed_oldest_first(processors):
     system = ChatMessage(role="system", content="Answer briefly.")
-    turns = []
-    for i in range(30):
-        turns.append(ChatMessage(role="user", content=f"Question {i}: tell me something about the number {i}."))
-        turns.append(ChatMessage(role="assistant", content=f"The number {i} is a fine number, " * 2))
-    turns.append(ChatMessage(role="user", content="Final question: what did I ask first?"))
+    turns = [*numbered_turns(30), ChatMessage(role="user", content="Final question: what did I ask first?")]
     async with Tap(PREPARED) as prepared:
         producer = await start_producer()
         try:
@@ -208,7 +214,7 @@ async def test_history_longer_than_the_window_is_trimmed_oldest_first(processors
             [p] = await prepared.wait_for(by_id(request.request_id))
         finally:
             await producer.stop()
-    count = chat_template_counter(load_tokenizer("smollm2"))
+    count = prompt_counter(load_tokenizer("smollm2"), OutputSpec())
     assert count(p.messages) <= WINDOW - 64
     assert p.dropped_messages > 0 and len(p.messages) == 1 + len(turns) - p.dropped_messages
     assert p.messages[0] == system and p.messages[-1] == turns[-1]
@@ -216,6 +222,34 @@ async def test_history_longer_than_the_window_is_trimmed_oldest_first(processors
     assert p.messages[1:] == turns[p.dropped_messages:]  # what is kept is the newest, unchanged
     # and nothing newer could have been kept: one more turn would not fit
     assert count([system, *turns[p.dropped_messages - 2:]]) > WINDOW - 64
+
+
+async def test_the_tools_rendered_into_the_prompt_count_against_the_window(processors):
+    """The worker writes the tools into the system message: the trimmed prompt, tools included, fits."""
+    tool = ToolSpec(function=FunctionSpec(name="look_up_order", description="Find an order by its number and "
+                                          "return its state, items, prices and delivery address. " * 3,
+                                          parameters={"type": "object", "properties": {
+                                              "order": {"type": "string", "description": "the order number"}}}))
+    output = OutputSpec(tools=[tool], tool_choice="auto")
+    system = ChatMessage(role="system", content="Answer briefly.")
+    turns = [*numbered_turns(12), ChatMessage(role="user", content="Where is order 42?")]
+    tok = load_tokenizer("smollm2")
+    with_tools, plain = prompt_counter(tok, output), prompt_counter(tok, OutputSpec())
+    budget = WINDOW - 64
+    assert with_tools([system, *turns]) > budget  # the tools take about 150 tokens of the window
+    _, dropped_if_uncounted = trim([system, *turns], plain, budget)
+    async with Tap(PREPARED) as prepared:
+        producer = await start_producer()
+        try:
+            request = await chat(producer, f"conv-{rid()}", [system, *turns], output=output,
+                                 sampling=SamplingParams(max_tokens=64))
+            [p] = await prepared.wait_for(by_id(request.request_id))
+        finally:
+            await producer.stop()
+    assert p.output == output and p.messages[-1] == turns[-1]
+    assert with_tools(p.messages) <= budget  # exactly what the worker will feed the model
+    assert p.dropped_messages > dropped_if_uncounted
+    assert with_tools([system, *turns[p.dropped_messages - 2:]]) > budget  # and not a turn more than needed
 
 
 async def test_what_cannot_fit_the_window_is_refused_as_the_clients_fault(processors):

@@ -16,7 +16,7 @@ from bench.tool_schemas import tools
 from gateway.tool_params import BadField, Tool, check_tool_messages, output_spec
 from gpu_workers.grammar import GrammarError, Grammars, grammar_text
 from gpu_workers.tool_calls import ToolCallParser
-from gpu_workers.tool_prompt import render
+from schemas.prompt import render
 from schemas import ChatMessage, ChatRequest, FunctionCall, MessageToolCall, OutputSpec, call_id, decode, encode
 from tokenstream.models import load_tokenizer
 
@@ -192,3 +192,65 @@ def test_history_keeps_calls_and_finds_unanswered_tool_messages():
     turn = [ChatMessage(role="tool", content="12 C", tool_call_id="call_1")]
     assert unmatched_tool_message(merge(history, turn)) is None  # only the new message was sent
     assert unmatched_tool_message(merge(history, [ChatMessage(role="tool", content="x", tool_call_id="c9")])) == "c9"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from gpu_workers.model_loader import load
+    from gpu_workers.random_model import build
+
+    return load("tiny", build(tmp_path_factory.mktemp("tiny-model")))
+
+
+def test_stop_strings_never_cut_what_the_grammar_forces(tiny):
+    """A stop string inside a forced call or JSON answer does not end it; in free text it does."""
+    from gpu_workers.engine import Engine, Sequence
+    from gpu_workers.kv_cache import PagedKVCache
+    from schemas.prompt import prompt_ids
+
+    engine = Engine(tiny.model, tiny.tokenizer, PagedKVCache.for_model(tiny.model, 256, 16, 1.0))
+    grammars = Grammars(tiny.tokenizer, engine.eos_ids, timeout_s=30)
+    shape = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+             "required": ["n"]}
+    cases = {"call": spec([WEATHER], "required", parallel=False),
+             "json": OutputSpec(response_format="json_schema", json_schema=shape),
+             "text": spec([WEATHER], "none")}
+    stops = {"call": ['"arguments"', "city", "<tool_call>", '"}'], "json": ['{"n"', ": "]}
+
+    async def run(name: str, stop: list[str]) -> Sequence:
+        ids = prompt_ids(tiny.tokenizer, [ChatMessage(role="user", content="Weather in Paris?")], cases[name])
+        seq = Sequence(name, ids, max_tokens=160 if name != "text" else 24, temperature=0, stop=stop)
+        seq.grammar = await grammars.state_for(cases[name])
+        engine.generate([seq])
+        return seq
+
+    async def main():
+        for name in ("call", "json"):
+            free, stopped = await run(name, []), await run(name, stops[name])
+            assert all(s in free.emitted_text for s in stops[name])  # each stop string is inside the answer
+            assert stopped.emitted_text == free.emitted_text and stopped.finish_reason == free.finish_reason == "stop"
+            assert stopped.grammar.error is None
+        call = (await run("call", stops["call"])).emitted_text
+        assert call.startswith('<tool_call>{"name": "get_weather", "arguments": ') and call.endswith("</tool_call>")
+        assert isinstance(json.loads(call.removeprefix("<tool_call>").removesuffix("</tool_call>"))["arguments"]["city"],
+                          str)
+        assert json.loads((await run("json", stops["json"])).emitted_text)["n"] in range(100)
+        # free text (tool_choice none): the stop string ends the answer where it first occurs
+        text = (await run("text", [])).emitted_text
+        cut = text[6:9]
+        assert len(cut) == 3
+        stopped = await run("text", [cut])
+        assert stopped.finish_reason == "stop" and stopped.emitted_text == text[:text.index(cut)]
+
+    asyncio.run(main())
+
+
+def test_the_stop_region_of_auto_is_free_text_until_a_call_opens():
+    from gpu_workers.grammar import GrammarState, stop_scope
+
+    assert stop_scope(spec([WEATHER], "auto")) == "text" and stop_scope(spec([WEATHER], "none")) == "all"
+    assert stop_scope(spec([WEATHER], "required")) == stop_scope(OutputSpec(response_format="json_object")) == "none"
+    auto = GrammarState(None, None, "text")
+    assert auto.stop_region("") is None and auto.stop_region("<tool_") is None  # could still open a call
+    assert auto.stop_region('<tool_call>{"name": "x"') == ""
+    assert auto.stop_region("<b>Sunny</b>") == "<b>Sunny</b>" and auto.stop_region("Sunny") == "Sunny"

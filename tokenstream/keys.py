@@ -39,8 +39,8 @@ class KeyStore:
         self.r = redis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=5)
 
     def create(self, tenant: str, *, tier: str = "free", name: str = "", rpm: int = 0, tpm: int = 0,
-               tenant_rpm: int = 0, tenant_tpm: int = 0, expires: str | None = None, admin: bool = False,
-               exact_cache: bool = True, semantic_cache: bool = False) -> tuple[str, K.ApiKey]:
+               tenant_rpm: int = 0, tenant_tpm: int = 0, max_streams: int = 0, expires: str | None = None,
+               admin: bool = False, exact_cache: bool = True, semantic_cache: bool = False) -> tuple[str, K.ApiKey]:
         """A new key: (the secret, shown once; its record)."""
         if not K.TENANT_PATTERN.match(tenant):
             raise ValueError("tenant: 1-64 characters of letters, digits, '_', '.', '-'")
@@ -48,10 +48,13 @@ class KeyStore:
             raise ValueError(f"tier: one of {', '.join(K.TIERS)}")
         if min(rpm, tpm, tenant_rpm, tenant_tpm) < 0:
             raise ValueError("limits must be >= 0 (0: unlimited)")
+        if max_streams < -1:
+            raise ValueError("max_streams: a number of open requests, 0 for the tier's default, -1 for no limit")
         secret = K.new_secret()
         h = K.digest(secret)
         record = K.ApiKey(key_id=h[:16], tenant=tenant, tier=tier, name=name, rpm=rpm, tpm=tpm,
-                          tenant_rpm=tenant_rpm, tenant_tpm=tenant_tpm, expires_at=parse_expiry(expires),
+                          tenant_rpm=tenant_rpm, tenant_tpm=tenant_tpm, max_streams=max_streams,
+                          expires_at=parse_expiry(expires),
                           created_at=time.time(), admin=admin, exact_cache=exact_cache,
                           semantic_cache=semantic_cache)
         pipe = self.r.pipeline()

@@ -33,6 +33,8 @@ def create(tenant: str = typer.Option(..., help="the tenant the key acts for"),
            tpm: int = typer.Option(0, help="tokens per minute for this key (0: unlimited)"),
            tenant_rpm: int = typer.Option(0, help="requests per minute shared by the tenant's keys (0: unlimited)"),
            tenant_tpm: int = typer.Option(0, help="tokens per minute shared by the tenant's keys (0: unlimited)"),
+           max_streams: int = typer.Option(0, help="open requests at once across every gateway "
+                                                   "(0: the tier's default, -1: no limit)"),
            expires: str = typer.Option(None, help="30d, 12h, 90m from now, or an ISO date (default: never)"),
            admin: bool = typer.Option(False, help="may also read /metrics"),
            exact_cache: bool = typer.Option(True, help="serve deterministic requests from the exact cache"),
@@ -40,7 +42,7 @@ def create(tenant: str = typer.Option(..., help="the tenant the key acts for"),
     """Create a key and print it once (only its sha256 is stored)."""
     try:
         secret, rec = _store().create(tenant, tier=tier, name=name, rpm=rpm, tpm=tpm, tenant_rpm=tenant_rpm,
-                                      tenant_tpm=tenant_tpm, expires=expires, admin=admin,
+                                      tenant_tpm=tenant_tpm, max_streams=max_streams, expires=expires, admin=admin,
                                       exact_cache=exact_cache, semantic_cache=semantic_cache)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
@@ -52,8 +54,8 @@ def create(tenant: str = typer.Option(..., help="the tenant the key acts for"),
 @app.command("list")
 def list_keys() -> None:
     """Every key: id, tenant, tier, limits, state."""
-    table = Table("key id", "tenant", "tier", "name", "rpm", "tpm", "tenant rpm/tpm", "caches", "created",
-                  "expires", "state")
+    table = Table("key id", "tenant", "tier", "name", "rpm", "tpm", "tenant rpm/tpm", "streams", "caches",
+                  "created", "expires", "state")
     for _, rec in _store().all():
         state = rec.problem() or "active"
         colour = {"active": "green", "revoked": "red", "expired": "yellow"}[state]
@@ -61,6 +63,7 @@ def list_keys() -> None:
         shared = f"{rec.tenant_rpm or '∞'}/{rec.tenant_tpm or '∞'}"
         table.add_row(rec.key_id, rec.tenant, rec.tier + (" admin" if rec.admin else ""), rec.name or "-",
                       str(rec.rpm or "∞"), str(rec.tpm or "∞"), shared,
+                      {0: "tier", -1: "∞"}.get(rec.max_streams, str(rec.max_streams)),
                       caches or "-", _when(rec.created_at), _when(rec.expires_at), f"[{colour}]{state}[/]")
     console.print(table)
 

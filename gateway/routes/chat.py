@@ -109,26 +109,31 @@ async def _chat(gw: Gateway, body: api.ChatCompletionRequest, request: Request, 
     output = output_of(body)
     messages = messages_of(body)
     await context.check(body.model, messages, sampling.max_tokens,
-                        "max_completion_tokens" if body.max_completion_tokens else "max_tokens")
+                        "max_completion_tokens" if body.max_completion_tokens else "max_tokens", output)
     admit(gw, body.model)
-    reserve = estimate_prompt_tokens([m.content for m in messages]) + sampling.max_tokens
-    ticket = await gw.limiter.take(key, reserve)
-    caches = await look_up(gw, key, body, messages, sampling)
-    headers = {**ticket.headers, **caches.headers}
-
     partition = gw.reply_partition()
-    started = time.monotonic()
     created_at = time.time()
     rid = new_request_id(partition, created_at)
+    reserve = estimate_prompt_tokens([m.content for m in messages]) + sampling.max_tokens
+    ticket = await gw.limiter.take(key, reserve, rid, gw.cfg.max_streams(key.max_streams, key.tier),
+                                   gw.cfg.stream_lease_s)
+    created = int(created_at)
+    note = {"tenant": key.tenant, "model": body.model, "created": created, "include_usage": body.include_usage(),
+            **ticket.note()}
+    gw.inflight.track(rid, note)  # from here its slot is released and its usage counted when it ends
+    try:
+        caches = await look_up(gw, key, body, messages, sampling)
+    except BaseException:
+        await gw.inflight.finish(rid, None)  # never reached the pipeline: nothing there will end it
+        raise
+    headers = {**ticket.headers, **caches.headers}
+    started = time.monotonic()
     event = ChatRequest(request_id=rid, conversation_id=body.conversation_id or rid, created_at=created_at,
                         tenant=key.tenant, tier=key.tier, priority=key.priority, model=body.model,
                         messages=messages, sampling=sampling, output=output, stream=body.stream, user=body.user,
                         assistant=body.assistant, reply_partition=partition, gateway_id=gw.cfg.instance_id,
                         screening=gw.cfg.screening)
-    created = int(created_at)
-    include_usage = body.include_usage()
-    note = {"tenant": key.tenant, "model": body.model, "created": created, "include_usage": include_usage,
-            **ticket.note()}
+    include_usage = note["include_usage"]
     # the root of the request's trace (or the child of the client's W3C traceparent), ended with the answer
     span = tracing.hop(f"chat {body.model}", TraceContext.parse(request.headers.get("traceparent")),
                        role="gateway", kind="server", attributes={
@@ -136,6 +141,7 @@ async def _chat(gw: Gateway, body: api.ChatCompletionRequest, request: Request, 
                            "http.route": "/v1/chat/completions", "tokenstream.stream": body.stream,
                            "tokenstream.screening": gw.cfg.screening, "tokenstream.gateway_id": gw.cfg.instance_id})
     if caches.entry is not None:
+        note["cached"] = True
         return await _from_cache(gw, body, request, event, note, headers, caches.entry, started, span)
     fanout = gw.fanout
     stream = fanout.subscribe(rid)
@@ -147,6 +153,7 @@ async def _chat(gw: Gateway, body: api.ChatCompletionRequest, request: Request, 
         gw.canceller.attach(rid), return_exceptions=True)
     if isinstance(written, BaseException) or isinstance(generation, BaseException):
         fanout.unsubscribe(rid)
+        await gw.inflight.finish(rid, None)
         exc = written if isinstance(written, BaseException) else generation
         span.fail(f"not handed to the pipeline: {exc or type(exc).__name__}", "unavailable")
         span.end()
@@ -154,7 +161,7 @@ async def _chat(gw: Gateway, body: api.ChatCompletionRequest, request: Request, 
     gw.metrics.requests.labels(body.model, "true" if body.stream else "false", "200").inc()
 
     async def settle(done: Completion, sent: list[str]) -> None:
-        await gw.settle(rid, note, done)
+        # usage and the slot: gw.inflight, from the Completion on the log (before this stream saw it)
         if not done.error:
             await caches.store(gw, key.tenant, body.model, Entry(
                 chunks=sent, finish_reason=done.finish_reason, request_id=rid,
@@ -206,7 +213,7 @@ async def _from_cache(gw: Gateway, body: api.ChatCompletionRequest, request: Req
     headers = {**headers, "x-tokenstream-cached-request": entry.request_id}
 
     async def settle(done: Completion, _: list[str]) -> None:
-        await gw.settle(rid, note, done, cached=done.usage.total_tokens)
+        await gw.inflight.finish(rid, done)  # unless the fan-out saw the hit's Completion on the log first
 
     async def source() -> AsyncIterator[list[Event]]:
         for ev in events:

@@ -119,12 +119,12 @@ async def create(body: ResponseCreate, gw: Gateway = Depends(pipeline), key: K.A
                                     "false and cannot be continued.", "invalid_request_error",
                                param="previous_response_id", code="not_found")
         conversation = before["conversation_id"]
-    await context.check(body.model, messages, sampling.max_tokens, "max_output_tokens")
+    await context.check(body.model, messages, sampling.max_tokens, "max_output_tokens", output)
     admit(gw, body.model)
-    ticket = await gw.limiter.take(key, estimate_prompt_tokens([m.content for m in messages]) + sampling.max_tokens)
-
     partition, created_at = gw.reply_partition(), time.time()
     rid = new_request_id(partition, created_at)
+    ticket = await gw.limiter.take(key, estimate_prompt_tokens([m.content for m in messages]) + sampling.max_tokens,
+                                   rid, gw.cfg.max_streams(key.max_streams, key.tier), gw.cfg.stream_lease_s)
     conversation = conversation or rid
     event = ChatRequest(request_id=rid, conversation_id=conversation, created_at=created_at, tenant=key.tenant,
                         tier=key.tier, priority=key.priority, model=body.model, messages=messages, sampling=sampling,
@@ -134,6 +134,7 @@ async def create(body: ResponseCreate, gw: Gateway = Depends(pipeline), key: K.A
     note = {"tenant": key.tenant, "model": body.model, "created": created, "conversation_id": conversation,
             "store": body.store, "screening": gw.cfg.screening, "echo": _echo(body, tools, sampling),
             "run": {"server_tools": run.server_tools, "max_steps": run.max_steps}, **ticket.note()}
+    gw.inflight.track(rid, note)  # its slot held while it runs; released, and usage counted, by _finish
     steps = tuple(step_request_id(rid, k) for k in range(1, run.max_steps))
     stream = gw.fanout.subscribe(rid, steps)
     written, _, generation = await asyncio.gather(
@@ -142,6 +143,7 @@ async def create(body: ResponseCreate, gw: Gateway = Depends(pipeline), key: K.A
         gw.remember(rid, note), gw.canceller.attach(rid), return_exceptions=True)
     if isinstance(written, BaseException) or isinstance(generation, BaseException):
         gw.fanout.unsubscribe(rid)
+        await gw.inflight.finish(rid, None)
         exc = written if isinstance(written, BaseException) else generation
         raise api.unavailable(f"Could not hand the request to the pipeline: {exc or type(exc).__name__}")
 
@@ -178,7 +180,10 @@ async def _finish(gw: Gateway, rid: str, note: dict, framer: ResponseFramer) -> 
     prompt, completion, cached = framer.tokens
     done = Completion(request_id=rid, seq=0, finish_reason="stop",
                       usage=Usage(prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached))
-    await gw.settle(rid, note, done)
+    if rid in gw.inflight:
+        await gw.inflight.finish(rid, done)  # frees its open-request slot too
+    else:  # read to its end through a resume on this instance: usage counted once, whichever instance
+        await gw.limiter.settle_answer(rid, note, done)
     if note.get("store") and gw.redis is not None:
         try:
             await gw.redis.set(K.stored_response(rid), json.dumps(framer.response), ex=K.RESPONSE_TTL_S)

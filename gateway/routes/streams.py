@@ -6,6 +6,8 @@ tenant of the caller's key, else 404 (the same answer as for an id that never ex
 
 from __future__ import annotations
 
+import contextlib
+
 from fastapi import APIRouter, Depends, Header
 
 from gateway import openai_api as api
@@ -65,7 +67,10 @@ async def resume(completion: str, last_event_id: str | None = Header(None),
         source = held_until_screened(source)
 
     async def settle(done: Completion, _: list[str]) -> None:
-        await gw.settle(rid, meta, done)  # once per request: a no-op if the first connection counted it
+        # once per request: a no-op if the admitting instance counted it already (it normally has); a
+        # blocking verdict ends the stream before the worker's own Completion, which counts the usage
+        if done.finish_reason != "content_filter":
+            await gw.limiter.settle_answer(rid, meta, done)
 
     return sse_response(gw, framer, source, generation, 0.0, cleanup=lambda: None, settle=settle)
 
@@ -74,6 +79,8 @@ async def resume(completion: str, last_event_id: str | None = Header(None),
 async def cancel(completion: str, gw: Gateway = Depends(pipeline), key: ApiKey = Depends(principal)) -> dict:
     """Stop generating now (the chat page's stop button)."""
     rid = request_id(completion)
-    await owned(gw, rid, completion, key)
+    meta = await owned(gw, rid, completion, key)
     await gw.canceller.cancel(rid, "client_cancelled")
+    with contextlib.suppress(Exception):  # its slot, whichever instance admitted it (else its lease lapses)
+        await gw.limiter.release(rid, meta)
     return {"id": completion, "object": "chat.completion.cancel", "cancelled": True}

@@ -34,7 +34,7 @@ from processors.conversation.history import (
     without_unanswered,
 )
 from processors.conversation.presets import apply_preset, presets
-from processors.conversation.window import PromptTooLong, chat_template_counter, trim
+from processors.conversation.window import PromptTooLong, prompt_counter, trim
 from processors.effects import Ledger
 from processors.faust_app import get, make_app, put, send, table, topic, traced, typed
 from schemas import (
@@ -43,6 +43,7 @@ from schemas import (
     Completion,
     ConversationHistory,
     InferenceRequest,
+    OutputSpec,
     ToolResult,
     Transcript,
     TurnDeadline,
@@ -83,18 +84,18 @@ transcripts_out = topic(app, TRANSCRIPTS)
 parked_due: dict[bytes, tuple[float, ChatRequest]] = {}
 
 
-def _counter(model: str):
+def _counter(model: str, output: OutputSpec):
     name = cfg.tokenizer_by_model.get(model, model)
     try:
-        return chat_template_counter(load_tokenizer(name))
+        return prompt_counter(load_tokenizer(name), output)
     except ValueError:
-        return chat_template_counter(load_tokenizer("smollm2"))
+        return prompt_counter(load_tokenizer("smollm2"), output)
 
 
 def warm_up() -> None:
     """Load the tokenizers before consuming (see processors.faust_app.run for why)."""
     for model in {"smollm2", *settings().models, *cfg.tokenizer_by_model}:
-        _counter(model)([ChatMessage(role="user", content="warm-up")])
+        _counter(model, OutputSpec())([ChatMessage(role="user", content="warm-up")])
 
 
 async def _refuse(request: ChatRequest, reason: str, trace, code: str) -> None:
@@ -125,7 +126,8 @@ async def _prepare(request: ChatRequest, state: ConversationHistory, trace) -> b
                       trace, "context_length_exceeded")
         return False
     try:
-        prompt, dropped = trim(messages, _counter(model), prompt_budget(window, sampling.max_tokens))
+        prompt, dropped = trim(messages, _counter(model, request.output), prompt_budget(window, sampling.max_tokens),
+                               request.output)
     except PromptTooLong as exc:
         await _refuse(request, f"{exc} (context window {window} tokens)", trace, "context_length_exceeded")
         return False

@@ -4,37 +4,38 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from schemas import ChatMessage
+from schemas import ChatMessage, OutputSpec
+from schemas.prompt import instructions, prompt_ids
 from tokenstream.models import tokens_at_most
 
 
 class PromptTooLong(ValueError):
-    """Even the newest message alone does not fit."""
+    """Even the newest message alone (with the system messages and the tools) does not fit."""
 
 
-def chat_template_counter(tokenizer) -> Callable[[list[ChatMessage]], int]:
-    """Tokens of the prompt exactly as the worker will render it (chat template, generation prompt)."""
+def prompt_counter(tokenizer, output: OutputSpec) -> Callable[[list[ChatMessage]], int]:
+    """Tokens of the prompt exactly as the worker will render it (schemas.prompt: the tools and the
+    response format written into the system message, earlier calls, the chat template and the
+    generation prompt)."""
 
     def count(messages: list[ChatMessage]) -> int:
-        rendered = [{"role": m.role, "content": m.content} for m in messages]
-        ids = tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return len(ids)
+        return len(prompt_ids(tokenizer, messages, output))
 
     return count
 
 
 def trim(messages: list[ChatMessage], count: Callable[[list[ChatMessage]], int],
-         budget: int) -> tuple[list[ChatMessage], int]:
+         budget: int, output: OutputSpec | None = None) -> tuple[list[ChatMessage], int]:
     """Drop the oldest turns until the prompt takes at most `budget` tokens.
 
     System messages and the newest message always stay; the kept part starts with a user
     turn. Returns the kept messages and how many were dropped. Binary search over the cut,
     since the count only falls as more is dropped. A prompt whose byte length already proves it
-    fits is not counted (a chat-template pass costs milliseconds on every request).
+    fits is not counted (a chat-template pass costs milliseconds on every request): the contents
+    and the tools' and format's instructions (`output`), as long as no earlier call is rendered.
     """
-    if tokens_at_most([m.content for m in messages]) <= budget:
+    rendered = instructions(output) if output is not None else ""
+    if not any(m.tool_calls for m in messages) and tokens_at_most([m.content for m in messages] + [rendered]) <= budget:
         return list(messages), 0
     system = [m for m in messages if m.role == "system"]
     rest = [m for m in messages if m.role != "system"]
@@ -42,7 +43,8 @@ def trim(messages: list[ChatMessage], count: Callable[[list[ChatMessage]], int],
         return list(messages), 0
     low, high = 1, len(rest) - 1  # drop rest[:cut]; cut=len(rest)-1 keeps only the newest message
     if high < low or count([*system, rest[-1]]) > budget:
-        raise PromptTooLong(f"the newest message alone exceeds the {budget}-token budget")
+        raise PromptTooLong(f"the newest message alone, with the system messages and the tools rendered into "
+                            f"the prompt, exceeds the {budget}-token budget")
     while low < high:
         mid = (low + high) // 2
         if count([*system, *rest[mid:]]) <= budget:

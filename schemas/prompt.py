@@ -1,4 +1,5 @@
-"""The prompt of a request with tools, calls or a response format, through the model's chat template.
+"""The prompt of a request exactly as the worker feeds it to the model: shared by the worker (which
+renders it) and the conversation processor (which trims history so that it fits the context).
 
 SmolLM2's chat template only joins role and content (it has no `tools` support), and the call
 format must be the one the grammar enforces, so every model gets one documented rendering, which
@@ -16,9 +17,10 @@ from __future__ import annotations
 
 import json
 
-from schemas import ChatMessage, OutputSpec
-from gpu_workers.grammar import CALL_CLOSE, CALL_OPEN
+from schemas.requests import ChatMessage
+from schemas.structured import OutputSpec
 
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 DEFAULT_SYSTEM = "You are a helpful assistant."
 
 
@@ -58,3 +60,13 @@ def render(messages: list[ChatMessage], spec: OutputSpec) -> list[dict]:
         else:
             out.insert(0, {"role": "system", "content": DEFAULT_SYSTEM + "\n\n" + extra})
     return out
+
+
+def prompt_ids(tokenizer, messages: list[ChatMessage], spec: OutputSpec) -> list[int]:
+    """The token ids the model is fed: the rendering through the tokenizer's chat template (with the
+    generation prompt), or the contents joined by newlines for a tokenizer without one."""
+    rendered = render(messages, spec)
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if not isinstance(ids, list) else ids)
+    return tokenizer("\n".join(m["content"] for m in rendered))["input_ids"]
