@@ -49,7 +49,20 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(BaseModel):
+class UnicodeBody(BaseModel):
+    """A request body whose strings must all be valid Unicode: a lone UTF-16 surrogate (JSON's
+    \\ud800 escape) could not be written to the pipeline or Redis, so it is a 400 here."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        where = lone_surrogate(data)
+        if where is not None:
+            raise ValueError(f"{where or 'the body'} holds a lone UTF-16 surrogate (not valid Unicode text)")
+        return data
+
+
+class ChatCompletionRequest(UnicodeBody):
     """The fields tokenstream honours; unknown fields are accepted and ignored, like OpenAI's."""
 
     model_config = ConfigDict(extra="allow")
@@ -77,14 +90,6 @@ class ChatCompletionRequest(BaseModel):
     assistant: str | None = Field(None, min_length=1, max_length=MAX_NAME_CHARS, description="an assistant preset: system prompt, "
                                                                   "model and sampling settings")
     cache: bool = Field(True, description="false: never answer this request from the response cache")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_unicode(cls, data: Any) -> Any:
-        where = lone_surrogate(data)
-        if where is not None:
-            raise ValueError(f"{where or 'the body'} holds a lone UTF-16 surrogate (not valid Unicode text)")
-        return data
 
     @field_validator("stop")
     @classmethod

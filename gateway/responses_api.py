@@ -142,7 +142,7 @@ class TextConfig(_Strict):
     verbosity: Literal["medium"] | None = None
 
 
-class ResponseCreate(BaseModel):
+class ResponseCreate(api.UnicodeBody):
     model_config = ConfigDict(extra="allow")
 
     model: str = Field(min_length=1, max_length=api.MAX_NAME_CHARS)
@@ -164,14 +164,6 @@ class ResponseCreate(BaseModel):
     text: TextConfig | None = None
     # tokenstream extensions (extra_body): an assistant preset; no response cache applies here
     assistant: str | None = Field(None, min_length=1, max_length=api.MAX_NAME_CHARS)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_unicode(cls, data: Any) -> Any:
-        where = api.lone_surrogate(data)
-        if where is not None:
-            raise ValueError(f"{where or 'the body'} holds a lone UTF-16 surrogate (not valid Unicode text)")
-        return data
 
     def unsupported(self) -> str | None:
         """The first field sent that this server does not implement."""

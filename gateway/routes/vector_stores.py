@@ -14,7 +14,7 @@ import json
 from typing import Any, Literal
 
 from fastapi import APIRouter, Depends
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from gateway import openai_api as api
 from gateway.auth import principal
@@ -33,19 +33,11 @@ MAX_QUERY_CHARS = 2000  # the file_search tool's limits
 MAX_RESULTS = 20
 
 
-class Body(BaseModel):
+class Body(api.UnicodeBody):
     """A request body: fields not listed are refused (400 naming them), and so is text that is not
     valid Unicode (a lone surrogate, which Redis could not store)."""
 
     model_config = ConfigDict(extra="forbid")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_unicode(cls, data: Any) -> Any:
-        where = api.lone_surrogate(data)
-        if where is not None:
-            raise ValueError(f"{where or 'the body'} holds a lone UTF-16 surrogate (not valid Unicode text)")
-        return data
 
 
 class Chunking(BaseModel):
