@@ -18,6 +18,8 @@ attention.py's place.
 from __future__ import annotations
 
 import ctypes
+import math
+import mmap
 import sys
 
 import torch
@@ -114,8 +116,8 @@ class SlotPool:
     def __init__(self, cache: PagedKVCache, slots: int, max_len: int) -> None:
         self.slots = slots
         self.max_len = max_len
-        self.layers = [torch.empty(slots, 2, cache.kv_heads, max_len, cache.head_dim, dtype=cache.dtype, device=d)
-                       for d in cache.devices]
+        shape = (slots, 2, cache.kv_heads, max_len, cache.head_dim)
+        self.layers = [_zeros(shape, cache.dtype, d) for d in cache.devices]
         self._free = set(range(slots))
         self._touched = [0] * slots  # highest position ever written per slot (what the OS has mapped)
 
@@ -141,6 +143,18 @@ class SlotPool:
 
 
 _PAGE = 4096
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled pool. Batched attention reads the padding beyond a row's length (masked), so it
+    must hold finite numbers: memory reused from earlier tensors may hold NaN, and NaN survives a mask
+    (NaN + -inf is NaN). On a CPU the pool lies on fresh anonymous memory, which the OS maps as zero
+    pages on first touch, so untouched slots still cost nothing; elsewhere it is zeroed outright."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS  # private: madvise(DONTNEED) gives its pages back as zeros
+    return torch.frombuffer(mmap.mmap(-1, max(size, 1), flags=private), dtype=dtype, count=math.prod(shape)).view(shape)
 
 
 def _release(views: list[torch.Tensor]) -> bool:

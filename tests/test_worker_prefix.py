@@ -166,3 +166,17 @@ def test_slots_keep_short_and_long_requests_apart_and_release_long_ones(tiny):
     view[0][:, :, :1500] = 1.0
     pool.give(long_, 1500)  # its memory goes back to the OS: the pages read as zeros again
     assert float(view[0][:, :, 100:1400].abs().sum()) == 0.0 and pool.free == 2
+
+
+def test_the_pool_starts_zeroed_even_over_reused_memory(tiny):
+    """Batched decode attention reads each slot range up to its longest row, so the padding of the
+    shorter rows must be finite: NaN in it survives the mask (NaN + -inf is NaN) and turns a row's
+    logits into NaN. Memory freed by earlier tensors is reused by the allocator and may hold NaN."""
+    from gpu_workers.kv_cache import SlotPool
+
+    cache = PagedKVCache.for_model(tiny.model, 64, 16, 1.0)
+    for _ in range(3):  # leave NaN-filled blocks of the pool's size behind in the allocator
+        poison = torch.full((4, 2, cache.kv_heads, 2048, cache.head_dim), float("nan"), dtype=cache.dtype)
+        del poison
+    pool = SlotPool(cache, 4, 2048)
+    assert all(int(torch.count_nonzero(layer)) == 0 for layer in pool.layers)
