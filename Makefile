@@ -15,11 +15,11 @@ run: install-services
 	@$(TS) system status
 
 ## make test: the suite against a real Kafka, Redis and Weaviate it starts on free ports
-## (all but the `heavy` acceptance runs, to stay near 15 minutes on 2 cores)
+## (all but the `heavy` acceptance runs and drills, to stay near 15 minutes on 2 cores)
 test: install-services
 	.venv/bin/python -m pytest -ra -m "not heavy" $(PYTEST_ARGS)
 
-## make test-all: everything, the heavy acceptance runs included (about 6 minutes more)
+## make test-all: everything, the heavy runs and drills included (about 12 minutes more)
 test-all: install-services
 	.venv/bin/python -m pytest -ra $(PYTEST_ARGS)
 

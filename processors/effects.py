@@ -37,7 +37,7 @@ class RedisUnavailable(RuntimeError):
 
 class Ledger:
     """Per-request records in Redis. A Redis outage is ridden out: each call retries with back-off
-    (0.1 s doubling to 2 s) for up to `outage_s` (TOKENSTREAM_REDIS_OUTAGE_S), holding the agent's
+    (0.1 s doubling to 1 s) for up to `outage_s` (TOKENSTREAM_REDIS_OUTAGE_S), holding the agent's
     input meanwhile; beyond that it raises RedisUnavailable, which ends the process (see
     processors.faust_app.make_app) so that its supervisor restarts it."""
 
@@ -62,7 +62,7 @@ class Ledger:
                                 self.role, exc, self.outage_s)
                     warned = True
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+                delay = min(delay * 2, 1.0)
                 continue
             if warned:
                 log.warning("%s: redis reachable again", self.role)

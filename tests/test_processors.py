@@ -496,6 +496,7 @@ async def test_a_member_joining_and_one_leaving_under_load_loses_and_repeats_not
     assert not any(lag.values()), lag
 
 
+@pytest.mark.heavy  # a kill -9 / scale drill: make test-all (the chaos drill covers it in reduced form)
 async def test_kill9_of_each_processor_loses_and_duplicates_nothing(processors):
     n = 60
     ids = [rid() for _ in range(n)]
