@@ -26,6 +26,8 @@ from pathlib import Path
 
 import typer
 
+from bench.stats import inclusive
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "engine.json"
 PLOT = ROOT / "bench" / "results" / "engine.png"
@@ -34,8 +36,7 @@ QUESTIONS = ["What is a Kafka consumer group?", "Why do glaciers move?", "How do
              "Explain the printing press briefly.", "What makes a chess opening good?"]
 
 
-def pct(xs: list[float], p: int) -> float | None:
-    return round(statistics.quantiles(xs, n=100, method="inclusive")[p - 1], 4) if len(xs) > 1 else None
+pct = inclusive
 
 
 def useful(tokens: list[int], limit: int, eos: set[int]) -> list[int]:

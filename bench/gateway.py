@@ -26,16 +26,13 @@ from pathlib import Path
 import typer
 
 from bench.rawhttp import ID_RE, chat_post, first_token
+from bench.stats import nearest_rank
 
 RESULTS = Path(__file__).parent / "results" / "gateway.json"
 MODEL = "bench-synthetic"
 
 
-def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
+_pct = nearest_rank
 
 
 def main(

@@ -34,6 +34,7 @@ import typer
 from audit.hops import HOPS as ALL_HOPS
 from audit.hops import Marks, hop_times
 from bench.rawhttp import chat_post, first_token
+from bench.stats import nearest_rank
 
 RESULTS = Path(__file__).parent / "results" / "pipeline.json"
 MODEL = "smollm2"
@@ -42,10 +43,7 @@ HOPS = tuple(h for h in ALL_HOPS if h != "decode")  # shares of the time to firs
 
 
 def pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    return round(s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))], 2)
+    return round(nearest_rank(values, q), 2) if values else None
 
 
 def main(

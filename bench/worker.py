@@ -22,6 +22,8 @@ from pathlib import Path
 
 import typer
 
+from bench.stats import inclusive
+
 RESULTS = Path(__file__).parent / "results" / "worker.json"
 SUBJECTS = ["Kafka consumer groups", "the water cycle", "Roman aqueducts", "sourdough bread", "black holes",
             "the French revolution", "photosynthesis", "TCP congestion control", "honey bees", "chess openings",
@@ -51,9 +53,7 @@ class Result:
     extra: dict = field(default_factory=dict)
 
     def summary(self) -> dict:
-        def pct(xs, p):
-            return round(statistics.quantiles(xs, n=100, method="inclusive")[p - 1], 4) if len(xs) > 1 else None
-
+        pct = inclusive
         return {"tokens": self.tokens, "wall_s": round(self.wall_s, 2),
                 "throughput_tok_s": round(self.tokens / self.wall_s, 2) if self.wall_s else 0,
                 "ttft_p50_s": pct(self.ttft, 50), "ttft_p99_s": pct(self.ttft, 99),
