@@ -152,6 +152,11 @@ def install(model) -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+    if any(p.is_cuda for p in model.parameters()):
+        # cuDNN's SDPA builds an execution plan per new shape, and a decode step's key length grows
+        # every step: measured on an H200, 2.8 ms of host time per call, 72% of a 128-row step. The
+        # flash and memory-efficient kernels need no plan. (Process-wide: one engine per worker.)
+        torch.backends.cuda.enable_cudnn_sdp(False)
     AttentionInterface.register(ATTN_NAME, paged_attention)
     AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
     if model.config._attn_implementation != ATTN_NAME:

@@ -65,18 +65,30 @@ class PagedKVCache:
         return 2 * num_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     @staticmethod
+    def key_dtype(model, layer, hidden: int, device: torch.device) -> torch.dtype:
+        """The dtype keys and values come out in: what the key projection returns for the hidden
+        states' dtype (bitsandbytes' 8-bit layers return bf16 beside float32 parameters, so neither
+        the parameters' dtype nor the config's is it)."""
+        embed = model.get_input_embeddings().weight.dtype
+        proj = getattr(getattr(layer, "self_attn", None), "k_proj", None)
+        if proj is not None:
+            with torch.no_grad():
+                dtype = proj(torch.zeros(1, hidden, dtype=embed, device=device)).dtype
+        else:
+            dtype = embed
+        compute = getattr(getattr(model.config, "quantization_config", None), "bnb_4bit_compute_dtype", None)
+        if isinstance(compute, torch.dtype):
+            dtype = compute
+        return dtype if dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
+
+    @staticmethod
     def model_shape(model) -> tuple[int, int, int, torch.dtype, list[torch.device]]:
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         layers = list(model.get_decoder().layers)
-        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            dtype = torch.float32
-        compute = getattr(getattr(model.config, "quantization_config", None), "bnb_4bit_compute_dtype", None)
-        if isinstance(compute, torch.dtype):
-            dtype = compute
         devices = [next(layer.parameters()).device for layer in layers]
+        dtype = PagedKVCache.key_dtype(model, layers[0], cfg.hidden_size, devices[0])
         return len(layers), kv_heads, head_dim, dtype, devices
 
     @classmethod

@@ -234,3 +234,26 @@ def test_cli_modules_are_import_light():
 
     code = "import sys, gpu_workers.cli, bench.worker; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+class _Bf16Keys(torch.nn.Module):
+    """A key projection returning bf16 beside float32 parameters, as bitsandbytes' 8-bit layers do on
+    a GPU (where the engine's KV pool, typed after the parameters, refused the first write)."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x).to(torch.bfloat16)
+
+
+def test_kv_pool_dtype_is_what_the_key_projection_returns(tiny):
+    attn = tiny.model.get_decoder().layers[0].self_attn
+    real = attn.k_proj
+    assert PagedKVCache.model_shape(tiny.model)[3] == torch.float32
+    attn.k_proj = _Bf16Keys(real)
+    try:
+        assert PagedKVCache.model_shape(tiny.model)[3] == torch.bfloat16
+    finally:
+        attn.k_proj = real
