@@ -282,3 +282,117 @@ async def test_broker_restart_under_the_running_system(system: System, stack):
     await until_ready(system.gateways[0], True, timeout=30)
     end = await answer
     assert end in ("stop", "length") or end.startswith("error: "), end
+
+
+async def test_weaviate_outage_under_the_running_system(system: System, stack):
+    """Weaviate stopped under the running system with a tool processor: chat is answered (the semantic
+    cache misses at once), a vector store search gets a clear 503, a file added meanwhile is held, the
+    gateway and tool processor say `degraded` while staying ready; within 10 s of Weaviate's return the
+    cached answer, the search and the held file are all back."""
+    from tests.gateway_support import free_port, new_key
+    from tests.test_file_search import FACTS, document
+    from tests.tool_support import sandbox_root, tools_env
+
+    health_port = free_port()
+    tools = system.roles.start("tools", "--health-port", str(health_port), env=tools_env(sandbox_root()),
+                               name="tools")
+    tools_ready = f"http://127.0.0.1:{health_port}"
+    key = new_key(f"vec-{uuid.uuid4().hex[:6]}", semantic_cache=True, exact_cache=False)
+    client = openai.AsyncOpenAI(base_url=system.gateways[0] + "/v1", api_key=key, max_retries=0, timeout=120)
+    question, near = "What is the capital of France?", "What is the capital city of France?"
+
+    async def ask(text: str) -> tuple[str, str]:
+        raw = await client.chat.completions.with_raw_response.create(
+            messages=[{"role": "user", "content": text}], max_tokens=8, **greedy())
+        done = raw.parse()
+        assert done.choices[0].finish_reason in ("stop", "length"), done
+        return raw.headers.get("x-tokenstream-cache", ""), done.choices[0].message.content
+
+    async def until_hit(timeout: float) -> float:
+        started = time.monotonic()
+        while (await ask(near))[0] != "semantic-hit":
+            assert time.monotonic() - started < timeout, "the near duplicate never hit"
+            await asyncio.sleep(0.3)
+        return time.monotonic() - started
+
+    fact, query, expected = FACTS[0]
+    uploaded = await client.files.create(file=("nordvik.md", document().encode(), "text/markdown"),
+                                         purpose="assistants")
+    store = await client.vector_stores.create(name="nordvik", file_ids=[uploaded.id])
+    assert (await ask(question))[0] == "miss"  # answered live, then stored
+    await until_hit(timeout=30)
+    deadline = time.monotonic() + 120
+    while True:  # (its health server answers once the process has imported its modules)
+        try:
+            await until_ready(tools_ready, True, timeout=120)
+            break
+        except httpx.HTTPError:
+            assert time.monotonic() < deadline and tools.poll() is None, system.roles.log(tools)[-3000:]
+            await asyncio.sleep(0.5)
+    deadline = time.monotonic() + 120
+    while (await client.vector_stores.retrieve(store.id)).status != "completed":
+        assert time.monotonic() < deadline and tools.poll() is None, system.roles.log(tools)[-3000:]
+        await asyncio.sleep(0.3)
+
+    async def search() -> list:
+        return (await client.vector_stores.search(store.id, query=query, max_num_results=3)).data
+    assert any(expected in hit.content[0].text for hit in await search())
+    started = time.monotonic()
+    assert (await ask("Name a colour of the grass."))[0] == "miss"
+    normal = time.monotonic() - started
+
+    await asyncio.to_thread(stack.weaviate.stop, lambda _m: None)
+    try:
+        # ready, and degraded: serving all that does not need Weaviate
+        deadline = time.monotonic() + 10
+        while (body := await until_ready(system.gateways[0], True, timeout=10))["weaviate"]:
+            assert time.monotonic() < deadline, body
+            await asyncio.sleep(0.2)
+        assert body["degraded"] and "weaviate" in body["degraded"][0], body
+        tools_body = await until_ready(tools_ready, True, timeout=10)
+        assert tools_body["checks"]["weaviate"] is False and "weaviate" in tools_body["degraded"][0], tools_body
+
+        # chat: the cached question is answered live now (its lookup a miss at once), and so is a new one
+        started = time.monotonic()
+        assert (await ask(near))[0] == "miss"
+        assert (await ask("Name a colour of the sky."))[0] == "miss"
+        took = (time.monotonic() - started) / 2
+        assert took < normal + 5, (took, normal)  # no lookup waited on the missing Weaviate
+        # search: a clear 503 saying why, quickly (the tool's own timeout is 5 s)
+        started = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as refused:
+            await search()
+        assert time.monotonic() - started < 10
+        assert refused.value.status_code == 503 and "Weaviate" in refused.value.message, refused.value.message
+        # a file added now: held (in progress) while the tool processor says so
+        held = await client.files.create(file=("ferry.md", b"The Lindholm ferry horn is tuned to B flat.\n",
+                                               "text/markdown"), purpose="assistants")
+        await client.vector_stores.files.create(vector_store_id=store.id, file_id=held.id)
+        deadline = time.monotonic() + 20
+        while not any(d.startswith("ingestion: an event held") for d in tools_body["degraded"]):
+            assert time.monotonic() < deadline, tools_body
+            await asyncio.sleep(0.3)
+            tools_body = await until_ready(tools_ready, True, timeout=10)
+        assert (await client.vector_stores.files.retrieve(held.id, vector_store_id=store.id)).status == "in_progress"
+        assert tools.poll() is None
+    finally:
+        await asyncio.to_thread(stack.weaviate.start, lambda _m: None)
+    back = time.monotonic()
+
+    # within 10 s: the cached answer, the search, the held file, and health saying so
+    await until_hit(timeout=SERVED_WITHIN_S)
+    while True:
+        try:
+            if any(expected in hit.content[0].text for hit in await search()):
+                break
+        except openai.APIStatusError as exc:
+            assert exc.status_code == 503, exc
+        assert time.monotonic() - back < SERVED_WITHIN_S, "search did not come back"
+        await asyncio.sleep(0.3)
+    while (await client.vector_stores.files.retrieve(held.id, vector_store_id=store.id)).status != "completed":
+        assert time.monotonic() - back < SERVED_WITHIN_S, "the held file was not indexed"
+        await asyncio.sleep(0.3)
+    recovered = time.monotonic() - back
+    assert recovered < SERVED_WITHIN_S, recovered
+    assert (await until_ready(system.gateways[0], True, timeout=5))["weaviate"] is True
+    assert (await until_ready(tools_ready, True, timeout=5))["degraded"] == []

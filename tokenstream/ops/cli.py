@@ -59,13 +59,21 @@ def lag(model: list[str] = typer.Option(None, help="models served (default: TOKE
 
 
 @app.command("probe")
-def probe(group: str = typer.Option(..., help="the consumer group this process joins"),
+def probe(group: str = typer.Option(None, help="the consumer group this process joins"),
           host: str = typer.Option(None, help="this process's address as the broker sees it (default: "
                                    "this host's address)"),
           redis: bool = typer.Option(True, help="also require Redis to answer (every processor keeps its "
-                                                "ledger of done effects there and holds its input without it)")) -> None:
+                                                "ledger of done effects there and holds its input without it)"),
+          url: str = typer.Option(None, help="instead: a role's /health/ready (worker, tool processor, "
+                                             "gateway), e.g. http://127.0.0.1:9400/health/ready")) -> None:
     """Exit 0 when a member of GROUP on this host holds a partition (and Redis answers): a processor pod's
-    readiness."""
+    readiness. With --url, exit 0 when that readiness endpoint answers 200; either way print why."""
+    if url:
+        ok, why = _probe_url(url)
+        typer.echo(why)
+        raise typer.Exit(0 if ok else 1)
+    if not group:
+        raise typer.BadParameter("give --group (a processor) or --url (a role's /health/ready)")
     import socket
 
     from tokenstream.ops.lag import member_of
@@ -86,6 +94,24 @@ def probe(group: str = typer.Option(..., help="the consumer group this process j
     raise typer.Exit(0 if ok else 1)
 
 
+def _probe_url(url: str) -> tuple[bool, str]:
+    import httpx
+
+    from tokenstream.stack.roles import describe
+
+    try:
+        answer = httpx.get(url, timeout=5)
+    except httpx.HTTPError as exc:
+        return False, f"{url} does not answer ({type(exc).__name__}: {exc})"
+    try:
+        body = answer.json()
+    except ValueError:
+        body = {}
+    detail = describe(body if isinstance(body, dict) else {})
+    ok = answer.status_code == 200
+    return ok, ("ready" if ok else f"not ready ({answer.status_code})") + (f": {detail}" if detail else "")
+
+
 def _local():
     """The local stack's run folder, the wanted counts and a supervisor over them."""
     from tokenstream.stack import Stack
@@ -96,7 +122,8 @@ def _local():
     wanted = Wanted.load(run_dir)
 
     def make():
-        return instances(stack.folders, cfg.models, cfg.gateway_port, cfg.worker_metrics_port, Wanted.load(run_dir))
+        return instances(stack.folders, cfg.models, cfg.gateway_port, cfg.worker_metrics_port,
+                         Wanted.load(run_dir), cfg.tools_health_port)
 
     return wanted, Supervisor(run_dir, make, _say)
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 import json
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
-from tokenstream.stack.service import Service
+from tokenstream.stack.service import Service, Status
 
 
 class Role(Service):
@@ -57,8 +58,36 @@ class Role(Service):
     def is_ready(self) -> bool:
         if self.probe_url is None:
             return self.pid() is not None and time.monotonic() - self._started >= self.settle_s
+        return self.probe()[0]
+
+    def probe(self) -> tuple[bool, dict]:
+        """(200?, the JSON body) of the role's readiness endpoint; (False, {}) when it does not answer."""
         try:
-            with urllib.request.urlopen(self.probe_url, timeout=1) as response:
-                return response.status == 200
+            with urllib.request.urlopen(self.probe_url, timeout=2) as response:
+                return response.status == 200, _json(response.read())
+        except urllib.error.HTTPError as error:  # 503: not ready, and the body says why
+            return False, _json(error.read())
         except OSError:
-            return False
+            return False, {}
+
+    def status(self) -> Status:
+        pid = self.pid()
+        if pid is None or self.probe_url is None:
+            return super().status()
+        ok, body = self.probe()
+        return Status(self.name, True, ok, pid, self.address, self.log_file, detail=describe(body))
+
+
+def _json(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+def describe(body: dict) -> str:
+    """One line from a /health/ready body: what is missing, then what is degraded."""
+    parts = [str(d) for d in body.get("detail") or []]
+    parts += [f"degraded: {d}" for d in body.get("degraded") or []]
+    return "; ".join(parts)

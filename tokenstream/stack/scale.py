@@ -87,7 +87,7 @@ class Wanted:
 
 
 def instances(folders: tuple[Path, Path, Path, Path], models: list[str], gateway_port: int,
-              worker_metrics_port: int, wanted: Wanted) -> list[Role]:
+              worker_metrics_port: int, wanted: Wanted, tools_health_port: int = 9450) -> list[Role]:
     """Every process `wanted` asks for, in start order (processors, the tool processor, workers, gateways)."""
     roles: list[Role] = []
 
@@ -98,14 +98,16 @@ def instances(folders: tuple[Path, Path, Path, Path], models: list[str], gateway
         roles += [Role(named(kind, i), ["processor", kind], folders, settle_s=settle)
                   for i in range(wanted.count(kind))]
     # the tool processor loads MiniLM and tries its sandbox before it serves (it exits if that fails)
-    roles += [Role(named("tools", i), ["tools"], folders, settle_s=10.0) for i in range(wanted.count("tools"))]
+    roles += [Role(named("tools", i), ["tools", "--health-port", str(tools_health_port + i)], folders,
+                   probe_url=f"http://127.0.0.1:{tools_health_port + i}/health/ready")
+              for i in range(wanted.count("tools"))]
     port = worker_metrics_port
     for m, model in enumerate(models):
         key = "worker" if m == 0 else f"worker:{model}"
         base = "worker" if m == 0 else f"worker.{model}"
         for i in range(wanted.count(key) if m == 0 or key in wanted.counts else 0):
             roles.append(Role(named(base, i), ["worker", "--model", model, "--metrics-port", str(port)], folders,
-                              probe_url=f"http://127.0.0.1:{port}/metrics"))
+                              probe_url=f"http://127.0.0.1:{port}/health/ready"))
             port += 1
     n = wanted.count("gateway")
     for i in range(n):
