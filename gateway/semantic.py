@@ -57,6 +57,13 @@ class SemanticCache:
         self._client = None
         self._lock = asyncio.Lock()
         self._embedder = None
+        self._closing: set[asyncio.Task] = set()
+
+    def _close_later(self, client) -> None:
+        """Close a client in the background: a request never waits on a server that is gone."""
+        task = asyncio.get_running_loop().create_task(_close_quietly(client))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     async def _collection(self):
         async with self._lock:
@@ -70,7 +77,7 @@ class SemanticCache:
                     await client.connect()
                     await self._ensure(client)
                 except BaseException:
-                    await _close_quietly(client)
+                    self._close_later(client)
                     raise
                 self._client = client
         return self._client.collections.get(SEMANTIC_CACHE_COLLECTION)
@@ -93,7 +100,7 @@ class SemanticCache:
                             self.breaker.last_error, pause)
             client, self._client = self._client, None
             if client is not None:
-                asyncio.get_running_loop().create_task(_close_quietly(client))
+                self._close_later(client)
             return _SKIPPED
         if not self.breaker.up:
             log.warning("semantic cache: Weaviate answers again")

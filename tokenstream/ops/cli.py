@@ -68,48 +68,18 @@ def probe(group: str = typer.Option(None, help="the consumer group this process 
                                              "gateway), e.g. http://127.0.0.1:9400/health/ready")) -> None:
     """Exit 0 when a member of GROUP on this host holds a partition (and Redis answers): a processor pod's
     readiness. With --url, exit 0 when that readiness endpoint answers 200; either way print why."""
+    from tokenstream.ops.probe import group_ready, url_ready
+
     if url:
-        ok, why = _probe_url(url)
-        typer.echo(why)
-        raise typer.Exit(0 if ok else 1)
-    if not group:
+        ok, why = url_ready(url)
+    elif group:
+        import socket
+
+        ok, why = group_ready(group, host or socket.gethostbyname(socket.gethostname()), redis)
+    else:
         raise typer.BadParameter("give --group (a processor) or --url (a role's /health/ready)")
-    import socket
-
-    from tokenstream.ops.lag import member_of
-
-    host = host or socket.gethostbyname(socket.gethostname())
-    try:
-        ok, why = asyncio.run(member_of(settings().kafka_bootstrap, group, host))
-    except Exception as exc:  # noqa: BLE001 - no broker or no coordinator yet: not ready
-        ok, why = False, f"the broker could not say ({type(exc).__name__}: {exc})"
-    if ok and redis:
-        import redis as redis_client
-
-        try:
-            redis_client.Redis.from_url(settings().redis_url, socket_timeout=2, socket_connect_timeout=2).ping()
-        except redis_client.RedisError as exc:
-            ok, why = False, f"{why}, but Redis does not answer ({exc}): its input is held"
     typer.echo(why)
     raise typer.Exit(0 if ok else 1)
-
-
-def _probe_url(url: str) -> tuple[bool, str]:
-    import httpx
-
-    from tokenstream.stack.roles import describe
-
-    try:
-        answer = httpx.get(url, timeout=5)
-    except httpx.HTTPError as exc:
-        return False, f"{url} does not answer ({type(exc).__name__}: {exc})"
-    try:
-        body = answer.json()
-    except ValueError:
-        body = {}
-    detail = describe(body if isinstance(body, dict) else {})
-    ok = answer.status_code == 200
-    return ok, ("ready" if ok else f"not ready ({answer.status_code})") + (f": {detail}" if detail else "")
 
 
 def _local():

@@ -18,16 +18,17 @@ from tokenstream.stack.service import Service, Status
 
 
 class Role(Service):
-    """One `tokenstream <args>` process. Ready when `probe_url` answers 200, or after `settle_s` alive."""
+    """One `tokenstream <args>` process. Ready when `probe_url` answers 200, or after `settle_s` alive.
+    `status()` also asks the broker about a processor's `group` (as `ops probe --group` does)."""
 
     ready_timeout_s = 300.0  # a first worker start converts SmolLM2 to safetensors
     stop_timeout_s = 20.0
 
     def __init__(self, name: str, args: list[str], folders: tuple[Path, Path, Path, Path], *,
-                 probe_url: str | None = None, settle_s: float = 3.0) -> None:
+                 probe_url: str | None = None, settle_s: float = 3.0, group: str | None = None) -> None:
         self.name = name
         super().__init__(*folders)
-        self.args, self.probe_url, self.settle_s = args, probe_url, settle_s
+        self.args, self.probe_url, self.settle_s, self.group = args, probe_url, settle_s, group
         self._started = 0.0
 
     @property
@@ -72,10 +73,15 @@ class Role(Service):
 
     def status(self) -> Status:
         pid = self.pid()
-        if pid is None or self.probe_url is None:
-            return super().status()
-        ok, body = self.probe()
-        return Status(self.name, True, ok, pid, self.address, self.log_file, detail=describe(body))
+        if pid is not None and self.probe_url is not None:
+            ok, body = self.probe()
+            return Status(self.name, True, ok, pid, self.address, self.log_file, detail=describe(body))
+        if pid is not None and self.group is not None and self.is_ready():
+            from tokenstream.ops.probe import group_ready
+
+            ok, why = group_ready(self.group, "127.0.0.1")  # a local process, as the broker sees it
+            return Status(self.name, True, ok, pid, self.address, self.log_file, detail="" if ok else why)
+        return super().status()
 
 
 def _json(raw: bytes) -> dict:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tokenstream.stack.roles import Role
-from topics.registry import CHAT_REQUESTS, PREPARED, SCREENED, TOKENS, TOOL_CALLS, inference_topic
+from topics.registry import CHAT_REQUESTS, PREPARED, SCREENED, TOKENS, TOOL_CALLS, inference_topic, processor_group
 
 SCALABLE = ("conversation", "safety", "router", "tools", "worker", "gateway")
 BACKOFF_FIRST_S, BACKOFF_MAX_S, STABLE_S = 1.0, 60.0, 60.0
@@ -95,7 +95,7 @@ def instances(folders: tuple[Path, Path, Path, Path], models: list[str], gateway
         return base if i == 0 else f"{base}-{i + 1}"
 
     for kind, settle in (("conversation", 3.0), ("safety", 5.0), ("router", 3.0)):
-        roles += [Role(named(kind, i), ["processor", kind], folders, settle_s=settle)
+        roles += [Role(named(kind, i), ["processor", kind], folders, settle_s=settle, group=processor_group(kind))
                   for i in range(wanted.count(kind))]
     # the tool processor loads MiniLM and tries its sandbox before it serves (it exits if that fails)
     roles += [Role(named("tools", i), ["tools", "--health-port", str(tools_health_port + i)], folders,
