@@ -33,7 +33,7 @@ VIOLENT = ("First get a knife, then wait for the victim outside the house and st
 
 @pytest.fixture(scope="module")
 def system(stack, tmp_path_factory):
-    s = System.start(stack, tmp_path_factory.mktemp("full-chain"))
+    s = System.start(stack, tmp_path_factory.mktemp("full-chain"), tools=True)
     yield s
     s.stop()
 
@@ -289,14 +289,14 @@ async def test_weaviate_outage_under_the_running_system(system: System, stack):
     cache misses at once), a vector store search gets a clear 503, a file added meanwhile is held, the
     gateway and tool processor say `degraded` while staying ready; within 10 s of Weaviate's return the
     cached answer, the search and the held file are all back."""
-    from tests.gateway_support import free_port, new_key
+    from tests.gateway_support import new_key
     from tests.test_file_search import FACTS, document
-    from tests.tool_support import sandbox_root, tools_env
 
-    health_port = free_port()
-    tools = system.roles.start("tools", "--health-port", str(health_port), env=tools_env(sandbox_root()),
-                               name="tools")
-    tools_ready = f"http://127.0.0.1:{health_port}"
+    tools, tools_ready = system.procs["tools"], system.tools_health
+    began = time.monotonic()
+
+    def phase(name: str) -> None:
+        print(f"{name}: +{time.monotonic() - began:.1f} s")
     key = new_key(f"vec-{uuid.uuid4().hex[:6]}", semantic_cache=True, exact_cache=False)
     client = openai.AsyncOpenAI(base_url=system.gateways[0] + "/v1", api_key=key, max_retries=0, timeout=120)
     question, near = "What is the capital of France?", "What is the capital city of France?"
@@ -316,32 +316,39 @@ async def test_weaviate_outage_under_the_running_system(system: System, stack):
         return time.monotonic() - started
 
     fact, query, expected = FACTS[0]
-    uploaded = await client.files.create(file=("nordvik.md", document().encode(), "text/markdown"),
-                                         purpose="assistants")
-    store = await client.vector_stores.create(name="nordvik", file_ids=[uploaded.id])
-    assert (await ask(question))[0] == "miss"  # answered live, then stored
-    await until_hit(timeout=30)
-    deadline = time.monotonic() + 120
-    while True:  # (its health server answers once the process has imported its modules)
-        try:
-            await until_ready(tools_ready, True, timeout=120)
-            break
-        except httpx.HTTPError:
-            assert time.monotonic() < deadline and tools.poll() is None, system.roles.log(tools)[-3000:]
-            await asyncio.sleep(0.5)
-    deadline = time.monotonic() + 120
-    while (await client.vector_stores.retrieve(store.id)).status != "completed":
-        assert time.monotonic() < deadline and tools.poll() is None, system.roles.log(tools)[-3000:]
-        await asyncio.sleep(0.3)
 
     async def search() -> list:
         return (await client.vector_stores.search(store.id, query=query, max_num_results=3)).data
-    assert any(expected in hit.content[0].text for hit in await search())
-    started = time.monotonic()
-    assert (await ask("Name a colour of the grass."))[0] == "miss"
-    normal = time.monotonic() - started
+
+    async def cached() -> float:
+        assert (await ask(question))[0] == "miss"  # answered live, then stored
+        await until_hit(timeout=30)
+        started = time.monotonic()
+        assert (await ask("Name a colour of the grass."))[0] == "miss"
+        return time.monotonic() - started  # a live answer, before the outage
+
+    async def indexed() -> None:
+        deadline = time.monotonic() + 120
+        while True:  # (its health server answers once the process has imported its modules)
+            try:
+                await until_ready(tools_ready, True, timeout=120)
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline and tools.poll() is None, system.roles.log(tools)[-3000:]
+                await asyncio.sleep(0.5)
+        while (await client.vector_stores.retrieve(store.id)).status != "completed":
+            assert time.monotonic() < deadline and tools.poll() is None, system.roles.log(tools)[-3000:]
+            await asyncio.sleep(0.3)
+        assert any(expected in hit.content[0].text for hit in await search())
+
+    uploaded = await client.files.create(file=("nordvik.md", document().encode(), "text/markdown"),
+                                         purpose="assistants")
+    store = await client.vector_stores.create(name="nordvik", file_ids=[uploaded.id])
+    normal, _ = await asyncio.gather(cached(), indexed())
+    phase("indexed, cached, searched")
 
     await asyncio.to_thread(stack.weaviate.stop, lambda _m: None)
+    phase("weaviate stopped")
     try:
         # ready, and degraded: serving all that does not need Weaviate
         deadline = time.monotonic() + 10
@@ -375,9 +382,11 @@ async def test_weaviate_outage_under_the_running_system(system: System, stack):
             tools_body = await until_ready(tools_ready, True, timeout=10)
         assert (await client.vector_stores.files.retrieve(held.id, vector_store_id=store.id)).status == "in_progress"
         assert tools.poll() is None
+        phase("outage checked")
     finally:
         await asyncio.to_thread(stack.weaviate.start, lambda _m: None)
     back = time.monotonic()
+    phase("weaviate ready again")
 
     # within 10 s: the cached answer, the search, the held file, and health saying so
     await until_hit(timeout=SERVED_WITHIN_S)
@@ -393,6 +402,7 @@ async def test_weaviate_outage_under_the_running_system(system: System, stack):
         assert time.monotonic() - back < SERVED_WITHIN_S, "the held file was not indexed"
         await asyncio.sleep(0.3)
     recovered = time.monotonic() - back
+    phase(f"all back ({recovered:.1f} s after weaviate)")
     assert recovered < SERVED_WITHIN_S, recovered
     assert (await until_ready(system.gateways[0], True, timeout=5))["weaviate"] is True
     assert (await until_ready(tools_ready, True, timeout=5))["degraded"] == []

@@ -303,8 +303,10 @@ def test_a_worker_whose_engine_made_no_step_with_work_in_it_is_neither_ready_nor
     h.standing = s
     h.step_loop_turned()
     c.now += 29
+    s.answered_at = c.now  # the broker keeps answering
     assert h.report().ready
     c.now += 2
+    s.answered_at = c.now
     report = h.report()
     assert not report.ready and not report.live
     assert report.detail == ["engine: no step for 31 s with 2 running and 3 waiting"]

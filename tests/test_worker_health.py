@@ -71,6 +71,7 @@ async def test_a_worker_is_not_ready_while_its_broker_is_away_and_ready_again_af
     await asyncio.to_thread(stack.kafka.stop, lambda _m: None)
     try:
         body, took = await until(url, False, timeout=15)  # broker_stale_s (5 s) + a check or two
+        print(f"not ready {took:.1f} s after the broker stopped: {body['detail']}")
         assert body["checks"]["broker"] is False and body["detail"][0].startswith("broker: no answer"), body
         code, said = await asyncio.to_thread(probe, "--url", url)
         assert code == 1 and "broker: no answer" in said, said
@@ -81,5 +82,6 @@ async def test_a_worker_is_not_ready_while_its_broker_is_away_and_ready_again_af
     finally:
         await asyncio.to_thread(stack.kafka.start, lambda _m: None)
     body, took = await until(url, True, timeout=60)
+    print(f"ready again {took:.1f} s after the broker was back")
     assert body["checks"]["member"] is True and body["checks"]["partitions"] > 0, body
     assert worker.poll() is None, roles.log(worker)[-3000:]
