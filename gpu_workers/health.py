@@ -8,7 +8,9 @@ Ready only while the worker can take work:
   no more members than partitions (an extra member, idle by design, stays ready);
 - the engine loop is not stuck: with requests in the engine, a step ended within `stuck_s` (30 s).
 
-Live unless the engine is stuck (the one fault a restart cures; the others pass when the broker does).
+Live unless the engine is stuck while the broker answers: the one fault a restart cures. (A step loop
+waiting on a broker that is away, to publish its tokens, is not stuck by its own fault: it goes on when
+the broker is back, and a restart would only lose its batch.)
 """
 
 from __future__ import annotations
@@ -50,8 +52,9 @@ class WorkerHealth:
                           f"{self.engine.queued} waiting")
         s = self.standing
         age = s.broker_age_s()
-        return Report(ready=not detail, live=not stuck, detail=detail, checks={
-            "broker": age is not None and age <= self.cfg.broker_stale_s,
+        broker = age is not None and age <= self.cfg.broker_stale_s
+        return Report(ready=not detail, live=not (stuck and broker), detail=detail, checks={
+            "broker": broker,
             "broker_age_s": None if age is None else round(age, 1), "group": s.group, "member": s.member,
             "partitions": s.partitions, "group_state": s.state, "members": s.members,
             "engine_stalled_s": round(stalled, 1)})

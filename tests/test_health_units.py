@@ -310,6 +310,10 @@ def test_a_worker_whose_engine_made_no_step_with_work_in_it_is_neither_ready_nor
     report = h.report()
     assert not report.ready and not report.live
     assert report.detail == ["engine: no step for 31 s with 2 running and 3 waiting"]
+    c.now += 10  # the broker away too: the loop may be waiting on it, so not a fault a restart cures
+    report = h.report()
+    assert not report.ready and report.live and len(report.detail) == 2
+    s.answered_at = c.now
     h.engine.has_work = False  # idle: no step is due
     assert h.report().ready and h.report().live
     h.engine.has_work = True
