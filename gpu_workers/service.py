@@ -411,24 +411,24 @@ class Worker:
 
 async def run_worker(cfg: WorkerConfig, stop: asyncio.Event | None = None, *, loaded=None,
                      bootstrap: str | None = None, on_ready=None) -> None:
-    """Load the model (unless given), build the engine and serve until `stop` is set. The health and
-    metrics endpoint answers from the start (not ready while the model loads)."""
+    """Load the model (unless given), build the engine and serve until `stop` is set. The metrics and
+    health endpoint answers once the model is loaded (not ready until the consumer holds partitions)."""
     from tokenstream.config import settings
 
     stop = stop or asyncio.Event()
     bootstrap = bootstrap or settings().kafka_bootstrap
     metrics = WorkerMetrics(cfg.model)
     health = WorkerHealth(cfg)
-    server = HealthServer(cfg.metrics_port, health.report, metrics.registry) if cfg.metrics_port else None
+    server: list[HealthServer] = []
     try:
-        await _serve(cfg, stop, bootstrap, loaded, metrics, health, on_ready)
+        await _serve(cfg, stop, bootstrap, loaded, metrics, health, on_ready, server)
     finally:
-        if server is not None:
-            server.close()
+        for s in server:
+            s.close()
 
 
 async def _serve(cfg: WorkerConfig, stop: asyncio.Event, bootstrap: str, loaded, metrics: WorkerMetrics,
-                 health: WorkerHealth, on_ready) -> None:
+                 health: WorkerHealth, on_ready, server: list[HealthServer]) -> None:
     from gpu_workers.kv_cache import PagedKVCache
     from gpu_workers.model_loader import load
     from tokenstream.models import context_length
@@ -438,6 +438,9 @@ async def _serve(cfg: WorkerConfig, stop: asyncio.Event, bootstrap: str, loaded,
         loaded = await asyncio.to_thread(load, cfg.model, cfg.model_path, cfg.dtype, cfg.quantization,
                                          cfg.device, cfg.device_map)
     cache = PagedKVCache.for_model(loaded.model, cfg.kv_blocks, cfg.block_size, cfg.kv_memory_gb)
+    health.phase = "building the engine"
+    if cfg.metrics_port:  # (its port answering means the model is loaded, as it always has)
+        server.append(HealthServer(cfg.metrics_port, health.report, metrics.registry))
     context = (cfg.max_model_len or context_length(cfg.model, cfg.model_path)
                or loaded.model.config.max_position_embeddings)
     if cache.capacity_tokens < context:
