@@ -142,7 +142,8 @@ class GroupWatch:
                     await self._admin.start()
                 state = await describe(self._admin, s.group)
         except (KafkaError, OSError, TimeoutError) as exc:  # down or restarting: start afresh next time
-            s.error = f"{type(exc).__name__}: {exc}"[:200] if str(exc) else type(exc).__name__
+            name, said = type(exc).__name__, str(exc)
+            s.error = (said if said.startswith(name) else f"{name}: {said}" if said else name)[:200]
             await self._close()
             return s
         except Exception as exc:  # noqa: BLE001 - it answered, but aiokafka could not read the answer
