@@ -54,7 +54,8 @@ class Gateway:
         base = settings()
         self.semantic_cache = SemanticCache(base.weaviate_host, base.weaviate_http_port, base.weaviate_grpc_port,
                                             cfg.semantic_cache_threshold, cfg.semantic_cache_ttl_s,
-                                            cfg.exact_cache_max_chars, self.metrics)
+                                            cfg.exact_cache_max_chars, self.metrics,
+                                            timeout_s=cfg.semantic_cache_timeout_s)
         # files and vector stores: their own Redis connection, with room for a file's bytes
         self.files_redis = (aioredis.from_url(redis_url, socket_timeout=10, socket_connect_timeout=2)
                             if redis_url else None)

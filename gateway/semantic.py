@@ -21,8 +21,10 @@ from dataclasses import dataclass
 from gateway.cache import Entry
 from schemas import ChatMessage
 from schemas.keys import SEMANTIC_CACHE_COLLECTION
+from tokenstream.vectordb import Breaker, client_config
 
 log = logging.getLogger(__name__)
+STORE_TIMEOUT_S = 5.0  # a store follows the answer: time for a first connect and the collection's creation
 
 
 def single_turn(messages: list[ChatMessage]) -> tuple[str, str] | None:
@@ -41,13 +43,27 @@ class Hit:
 
 
 class SemanticCache:
+    """Each lookup bounded by `timeout_s` (connecting included), each store (after the answer) by
+    STORE_TIMEOUT_S or `timeout_s` if longer; while Weaviate is away (a failure, then a pause
+    doubling to 2 s, see tokenstream.vectordb.Breaker) every lookup is a miss at once and nothing is
+    stored, and the next try after the pause connects a new client."""
+
     def __init__(self, host: str, http_port: int, grpc_port: int, threshold: float, ttl_s: float,
-                 max_chars: int, metrics) -> None:
+                 max_chars: int, metrics, timeout_s: float = 1.0) -> None:
         self.host, self.http_port, self.grpc_port = host, http_port, grpc_port
         self.threshold, self.ttl_s, self.max_chars, self.metrics = threshold, ttl_s, max_chars, metrics
+        self.timeout_s = timeout_s
+        self.breaker = Breaker()
         self._client = None
         self._lock = asyncio.Lock()
         self._embedder = None
+        self._closing: set[asyncio.Task] = set()
+
+    def _close_later(self, client) -> None:
+        """Close a client in the background: a request never waits on a server that is gone."""
+        task = asyncio.get_running_loop().create_task(_close_quietly(client))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     async def _collection(self):
         async with self._lock:
@@ -55,11 +71,41 @@ class SemanticCache:
                 import weaviate
 
                 client = weaviate.use_async_with_local(host=self.host, port=self.http_port,
-                                                       grpc_port=self.grpc_port)
-                await client.connect()
-                await self._ensure(client)
+                                                       grpc_port=self.grpc_port, skip_init_checks=True,
+                                                       additional_config=client_config(self.timeout_s))
+                try:
+                    await client.connect()
+                    await self._ensure(client)
+                except BaseException:
+                    self._close_later(client)
+                    raise
                 self._client = client
         return self._client.collections.get(SEMANTIC_CACHE_COLLECTION)
+
+    async def _bounded(self, work, timeout_s: float):
+        """`work()` within timeout_s; _SKIPPED at once while the breaker is open, or when it fails (which
+        opens the breaker and drops the client, so that the next try connects afresh)."""
+        if not self.breaker.allow():
+            return _SKIPPED
+        import weaviate  # noqa: F401 - imported (once, slowly) outside the timeout
+        try:
+            async with asyncio.timeout(timeout_s):
+                result = await work()
+        except Exception as exc:  # noqa: BLE001 - without Weaviate every request is a miss
+            was_up = self.breaker.up
+            pause = self.breaker.failed(exc if not isinstance(exc, TimeoutError)
+                                        else f"no answer within {timeout_s:g} s")
+            if was_up:
+                log.warning("semantic cache: Weaviate failed (%s); lookups are misses, next try in %.2f s",
+                            self.breaker.last_error, pause)
+            client, self._client = self._client, None
+            if client is not None:
+                self._close_later(client)
+            return _SKIPPED
+        if not self.breaker.up:
+            log.warning("semantic cache: Weaviate answers again")
+        self.breaker.succeeded()
+        return result
 
     @staticmethod
     async def _ensure(client) -> None:
@@ -99,19 +145,23 @@ class SemanticCache:
         from weaviate.classes.query import Filter, MetadataQuery
 
         started = time.perf_counter()
-        try:
+
+        async def query():
             collection = await self._collection()
-            found = await collection.query.near_vector(
+            return await collection.query.near_vector(
                 near_vector=vector, limit=1, distance=1 - self.threshold,
                 filters=(Filter.by_property("tenant").equal(tenant) & Filter.by_property("model").equal(model)
                          & Filter.by_property("system").equal(system)
                          & Filter.by_property("created_at").greater_than(time.time() - self.ttl_s)),
                 return_metadata=MetadataQuery(distance=True))
-        except Exception as exc:  # noqa: BLE001 - without Weaviate every request is a miss
-            log.warning("semantic cache lookup failed: %s", exc)
-            return None
+
+        try:
+            found = await self._bounded(query, self.timeout_s)
         finally:
             self.metrics.semantic_lookup_seconds.observe(time.perf_counter() - started)
+        if found is _SKIPPED:
+            self.metrics.cache.labels("semantic", "unavailable").inc()
+            return None
         for obj in found.objects:
             p = obj.properties
             similarity = 1 - float(obj.metadata.distance)
@@ -129,16 +179,30 @@ class SemanticCache:
                     entry: Entry) -> None:
         if entry.finish_reason not in ("stop", "length") or sum(len(c) for c in entry.chunks) > self.max_chars:
             return
-        try:
+
+        async def insert():
             collection = await self._collection()
             await collection.data.insert(
                 {"tenant": tenant, "model": model, "system": system, "prompt": prompt,
                  "chunks": json.dumps(entry.chunks), "finish_reason": entry.finish_reason,
                  "request_id": entry.request_id, "prompt_tokens": entry.prompt_tokens,
                  "completion_tokens": entry.completion_tokens, "created_at": time.time()}, vector=vector)
-        except Exception as exc:  # noqa: BLE001
-            log.warning("semantic cache: could not store %s: %s", entry.request_id, exc)
+            return True
+
+        if await self._bounded(insert, max(STORE_TIMEOUT_S, self.timeout_s)) is _SKIPPED:
+            log.info("semantic cache: %s not stored (Weaviate unavailable)", entry.request_id)
 
     async def close(self) -> None:
         if self._client is not None:
-            await self._client.close()
+            await _close_quietly(self._client)
+
+
+_SKIPPED = object()  # what _bounded returns when Weaviate was not (or could not be) asked
+
+
+async def _close_quietly(client) -> None:
+    try:
+        async with asyncio.timeout(2.0):
+            await client.close()
+    except Exception:  # noqa: BLE001 - closing a client whose server is gone
+        pass

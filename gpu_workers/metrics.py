@@ -6,7 +6,7 @@ vLLM uses. Colons are legal in Prometheus metric names, so vLLM's `vllm:` prefix
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
 _LONG = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
@@ -43,9 +43,6 @@ class WorkerMetrics:
                                labels, registry=r)
         self.step_seconds = Histogram("tokenstream_worker_step_seconds", "Duration of one engine step", labels,
                                       buckets=_LATENCY, registry=r)
-
-    def serve(self, port: int) -> None:
-        start_http_server(port, registry=self.registry)
 
     # engine hooks
     def engine_state(self, running: int, waiting: int, kv: float) -> None:

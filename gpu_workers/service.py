@@ -24,11 +24,13 @@ from aiokafka.structs import TopicPartition
 from gpu_workers.config import WorkerConfig
 from gpu_workers.engine import Engine, Output, Sequence
 from gpu_workers.grammar import GrammarError, Grammars
+from gpu_workers.health import WorkerHealth
 from gpu_workers.metrics import WorkerMetrics
 from gpu_workers.offsets import OffsetTracker
 from gpu_workers.recovery import TokenLog
 from gpu_workers.tool_calls import ToolCallParser
 from producers import dead_letter, decode_record, publish, start_consumer, start_producer
+from producers.membership import GroupWatch, member_client_id
 from schemas import (
     Cancel,
     Completion,
@@ -43,6 +45,7 @@ from schemas import (
 )
 from schemas.headers import EVENT_TYPE
 from tokenstream import tracing
+from tokenstream.health import HealthServer
 from schemas.prompt import prompt_ids
 from topics import CONTROL, TOKENS, TOOL_CALLS, inference_topic
 
@@ -63,8 +66,11 @@ class _Rebalance(ConsumerRebalanceListener):
 
 
 class Worker:
-    def __init__(self, cfg: WorkerConfig, engine: Engine, metrics: WorkerMetrics, bootstrap: str) -> None:
+    def __init__(self, cfg: WorkerConfig, engine: Engine, metrics: WorkerMetrics, bootstrap: str,
+                 health: WorkerHealth | None = None) -> None:
         self.cfg = cfg
+        self.health = health or WorkerHealth(cfg)
+        self.health.engine = engine
         self.engine = engine
         self.metrics = metrics
         self.bootstrap = bootstrap
@@ -101,13 +107,19 @@ class Worker:
         self.control = await start_consumer(CONTROL, group=None, bootstrap=self.bootstrap)
         for tp in self.control.assignment():
             await self.control.position(tp)  # fixes "latest" now, so no cancel sent after start is missed
+        client_id = member_client_id("worker")
         self.consumer = await start_consumer(
             group=self.group, bootstrap=self.bootstrap, from_beginning=True,
             session_timeout_ms=self.cfg.session_timeout_ms, heartbeat_interval_ms=1000,
-            max_poll_interval_ms=600_000)
+            max_poll_interval_ms=600_000, client_id=client_id)
         self.consumer.subscribe([self.spec.name], listener=_Rebalance(self))
+        # the group's standing as the broker sees it, for /health/ready (gpu_workers/health.py)
+        self.watch = GroupWatch(self.bootstrap, self.group, client_id, interval_s=self.cfg.health_interval_s,
+                                topic_partitions=lambda: len(self.consumer.partitions_for_topic(self.spec.name)
+                                                             or ()))
         tasks = [asyncio.create_task(self._consume(stop)), asyncio.create_task(self._steps(stop)),
                  asyncio.create_task(self._cancels(stop))]
+        watching = asyncio.create_task(self.watch.run())
         try:
             done, _ = await asyncio.wait([*tasks, asyncio.create_task(stop.wait())],
                                          return_when=asyncio.FIRST_COMPLETED)
@@ -115,9 +127,9 @@ class Worker:
                 if t in tasks and t.exception():
                     raise t.exception()
         finally:
-            for t in tasks:
+            for t in (*tasks, watching):
                 t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*tasks, watching, return_exceptions=True)
             await asyncio.gather(*self.pending_completions, return_exceptions=True)
             await self._commit()
             for rid in list(self.spans):
@@ -135,6 +147,7 @@ class Worker:
         log.info("worker %s assigned %d partitions of %s", self.worker_id, len(tps), self.spec.name)
         if not self.ready.is_set():
             log.info("worker ready: %s in group %s", self.worker_id, self.group)
+            self.health.standing = self.watch.standing
             self.ready.set()
 
     async def revoked(self, tps: set[TopicPartition]) -> None:
@@ -275,6 +288,7 @@ class Worker:
     # ---- stepping and publishing ----
     async def _steps(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
+            self.health.step_loop_turned()
             if not self.engine.has_work:
                 self.work.clear()
                 try:
@@ -397,22 +411,36 @@ class Worker:
 
 async def run_worker(cfg: WorkerConfig, stop: asyncio.Event | None = None, *, loaded=None,
                      bootstrap: str | None = None, on_ready=None) -> None:
-    """Load the model (unless given), build the engine and serve until `stop` is set."""
-    from gpu_workers.kv_cache import PagedKVCache
-    from gpu_workers.model_loader import load
+    """Load the model (unless given), build the engine and serve until `stop` is set. The metrics and
+    health endpoint answers once the model is loaded (not ready until the consumer holds partitions)."""
     from tokenstream.config import settings
-    from tokenstream.models import context_length
-    from topics.admin import require
 
     stop = stop or asyncio.Event()
     bootstrap = bootstrap or settings().kafka_bootstrap
+    metrics = WorkerMetrics(cfg.model)
+    health = WorkerHealth(cfg)
+    server: list[HealthServer] = []
+    try:
+        await _serve(cfg, stop, bootstrap, loaded, metrics, health, on_ready, server)
+    finally:
+        for s in server:
+            s.close()
+
+
+async def _serve(cfg: WorkerConfig, stop: asyncio.Event, bootstrap: str, loaded, metrics: WorkerMetrics,
+                 health: WorkerHealth, on_ready, server: list[HealthServer]) -> None:
+    from gpu_workers.kv_cache import PagedKVCache
+    from gpu_workers.model_loader import load
+    from tokenstream.models import context_length
+    from topics.admin import require
+
     if loaded is None:
         loaded = await asyncio.to_thread(load, cfg.model, cfg.model_path, cfg.dtype, cfg.quantization,
                                          cfg.device, cfg.device_map)
     cache = PagedKVCache.for_model(loaded.model, cfg.kv_blocks, cfg.block_size, cfg.kv_memory_gb)
-    metrics = WorkerMetrics(cfg.model)
-    if cfg.metrics_port:
-        metrics.serve(cfg.metrics_port)
+    health.phase = "building the engine"
+    if cfg.metrics_port:  # (its port answering means the model is loaded, as it always has)
+        server.append(HealthServer(cfg.metrics_port, health.report, metrics.registry))
     context = (cfg.max_model_len or context_length(cfg.model, cfg.model_path)
                or loaded.model.config.max_position_embeddings)
     if cache.capacity_tokens < context:
@@ -430,7 +458,8 @@ async def run_worker(cfg: WorkerConfig, stop: asyncio.Event | None = None, *, lo
     tracing.setup("worker")
     # only checked: topics are the operator's (`tokenstream topics apply`), a worker never rewrites them
     await require([inference_topic(cfg.model), TOKENS, CONTROL, TOOL_CALLS], bootstrap)
-    worker = Worker(cfg, engine, metrics, bootstrap)
+    health.phase = f"joining group worker.{cfg.model}"
+    worker = Worker(cfg, engine, metrics, bootstrap, health)
     if on_ready is not None:
         asyncio.get_running_loop().create_task(_when_ready(worker, on_ready))
     await worker.run(stop)

@@ -33,16 +33,25 @@ class System:
     roles: Roles
     gateways: list[str] = field(default_factory=list)
     worker_metrics: str = ""
+    tools_health: str = ""  # the tool processor's health URL, when started (tools=True)
     procs: dict[str, object] = field(default_factory=dict)
 
     @classmethod
     def start(cls, stack, log_dir, *, processor_env: dict[str, str] | None = None,
-              gateway_env: dict[str, str] | None = None, worker_args: tuple[str, ...] = ()) -> System:
+              gateway_env: dict[str, str] | None = None, worker_args: tuple[str, ...] = (),
+              tools: bool = False) -> System:
         asyncio.run(apply(all_topics([MODEL]), stack.kafka.address))
         system = cls(Roles(stack, log_dir))
         for name in ("conversation", "safety", "router"):
             system.procs[name] = system.roles.start("processor", name, "--loglevel", "info",
                                                     env=processor_env, name=f"processor-{name}")
+        if tools:  # (started now: it loads its embedder while the worker loads its model)
+            from tests.tool_support import sandbox_root, tools_env
+
+            port = free_port()
+            system.tools_health = f"http://127.0.0.1:{port}"
+            system.procs["tools"] = system.roles.start("tools", "--health-port", str(port),
+                                                       env=tools_env(sandbox_root()), name="tools")
         port = free_port()
         system.worker_metrics = f"http://127.0.0.1:{port}/metrics"
         system.procs["worker"] = system.roles.start("worker", "--model", MODEL, "--metrics-port", str(port),

@@ -33,7 +33,7 @@ VIOLENT = ("First get a knife, then wait for the victim outside the house and st
 
 @pytest.fixture(scope="module")
 def system(stack, tmp_path_factory):
-    s = System.start(stack, tmp_path_factory.mktemp("full-chain"))
+    s = System.start(stack, tmp_path_factory.mktemp("full-chain"), tools=True)
     yield s
     s.stop()
 
@@ -282,3 +282,141 @@ async def test_broker_restart_under_the_running_system(system: System, stack):
     await until_ready(system.gateways[0], True, timeout=30)
     end = await answer
     assert end in ("stop", "length") or end.startswith("error: "), end
+
+
+async def test_weaviate_outage_under_the_running_system(system: System, stack):
+    """Weaviate stopped under the running system with a tool processor: chat is answered (the semantic
+    cache misses at once), a vector store search gets a clear 503, a file added meanwhile is held, the
+    gateway and tool processor say `degraded` while staying ready; within 10 s of Weaviate's return the
+    cached answer, the search and the held file are all back."""
+    from tests.gateway_support import new_key
+    from tests.test_file_search import FACTS, document
+
+    tools, tools_ready = system.procs["tools"], system.tools_health
+    began = time.monotonic()
+
+    def phase(name: str) -> None:
+        print(f"{name}: +{time.monotonic() - began:.1f} s")
+    key = new_key(f"vec-{uuid.uuid4().hex[:6]}", semantic_cache=True, exact_cache=False)
+    client = openai.AsyncOpenAI(base_url=system.gateways[0] + "/v1", api_key=key, max_retries=0, timeout=120)
+    question, near = "What is the capital of France?", "What is the capital city of France?"
+
+    async def ask(text: str) -> tuple[str, str]:
+        raw = await client.chat.completions.with_raw_response.create(
+            messages=[{"role": "user", "content": text}], max_tokens=8, **greedy())
+        done = raw.parse()
+        assert done.choices[0].finish_reason in ("stop", "length"), done
+        return raw.headers.get("x-tokenstream-cache", ""), done.choices[0].message.content
+
+    async def until_hit(timeout: float) -> float:
+        started = time.monotonic()
+        while (await ask(near))[0] != "semantic-hit":
+            assert time.monotonic() - started < timeout, "the near duplicate never hit"
+            await asyncio.sleep(0.3)
+        return time.monotonic() - started
+
+    fact, query, expected = FACTS[0]
+
+    async def search() -> list:
+        return (await client.vector_stores.search(store.id, query=query, max_num_results=3)).data
+
+    async def cached() -> float:
+        assert (await ask(question))[0] == "miss"  # answered live, then stored
+        phase("a first semantic-cache request answered (the gateway's embedder loaded)")
+        await until_hit(timeout=30)
+        phase("a near duplicate hit")
+        started = time.monotonic()
+        assert (await ask("Name a colour of the grass."))[0] == "miss"
+        return time.monotonic() - started  # a live answer, before the outage
+
+    async def indexed() -> None:
+        deadline = time.monotonic() + 120
+        while True:  # (its health server answers once the process has imported its modules)
+            try:
+                await until_ready(tools_ready, True, timeout=120)
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline and tools.poll() is None, system.roles.log(tools)[-3000:]
+                await asyncio.sleep(0.5)
+        phase("the tool processor ready")
+        while (await client.vector_stores.retrieve(store.id)).status != "completed":
+            assert time.monotonic() < deadline and tools.poll() is None, system.roles.log(tools)[-3000:]
+            await asyncio.sleep(0.3)
+        phase("the store indexed")
+        assert any(expected in hit.content[0].text for hit in await search())
+
+    uploaded = await client.files.create(file=("nordvik.md", document().encode(), "text/markdown"),
+                                         purpose="assistants")
+    store = await client.vector_stores.create(name="nordvik", file_ids=[uploaded.id])
+    normal, _ = await asyncio.gather(cached(), indexed())
+    phase("indexed, cached, searched")
+
+    await asyncio.to_thread(stack.weaviate.stop, lambda _m: None)
+    phase("weaviate stopped")
+    try:
+        # ready, and degraded: serving all that does not need Weaviate
+        deadline = time.monotonic() + 10
+        while (body := await until_ready(system.gateways[0], True, timeout=10))["weaviate"]:
+            assert time.monotonic() < deadline, body
+            await asyncio.sleep(0.2)
+        assert body["degraded"] and "weaviate" in body["degraded"][0], body
+        tools_body = await until_ready(tools_ready, True, timeout=10)
+        assert tools_body["checks"]["weaviate"] is False and "weaviate" in tools_body["degraded"][0], tools_body
+
+        async def chat() -> None:  # the cached question is answered live now (a miss at once), a new one too
+            started = time.monotonic()
+            assert (await ask(near))[0] == "miss"
+            assert (await ask("Name a colour of the sky."))[0] == "miss"
+            took = (time.monotonic() - started) / 2
+            assert took < normal + 10, (took, normal)  # no lookup waited on the missing Weaviate
+
+        async def refused() -> None:  # a clear 503 saying why, quickly (the tool's own timeout is 5 s)
+            started = time.monotonic()
+            with pytest.raises(openai.APIStatusError) as caught:
+                await search()
+            assert time.monotonic() - started < 10
+            assert caught.value.status_code == 503 and "Weaviate" in caught.value.message, caught.value.message
+
+        async def held_file():  # a file added now: held (in progress) while the tool processor says so
+            held = await client.files.create(file=("ferry.md", b"The Lindholm ferry horn is tuned to B flat.\n",
+                                                   "text/markdown"), purpose="assistants")
+            await client.vector_stores.files.create(vector_store_id=store.id, file_id=held.id)
+            body, deadline = tools_body, time.monotonic() + 20
+            while not any(d.startswith("ingestion: an event held") for d in body["degraded"]):
+                assert time.monotonic() < deadline, body
+                await asyncio.sleep(0.3)
+                body = await until_ready(tools_ready, True, timeout=10)
+            assert (await client.vector_stores.files.retrieve(held.id, vector_store_id=store.id)).status \
+                == "in_progress"
+            return held
+
+        _, _, held = await asyncio.gather(chat(), refused(), held_file())
+        assert tools.poll() is None
+        phase("outage checked")
+    finally:
+        await asyncio.to_thread(stack.weaviate.start, lambda _m: None)
+    back = time.monotonic()
+    phase("weaviate ready again")
+
+    # within 10 s: the cached answer, the search, the held file, and health saying so
+    async def found() -> None:
+        while True:
+            try:
+                if any(expected in hit.content[0].text for hit in await search()):
+                    return
+            except openai.APIStatusError as exc:
+                assert exc.status_code == 503, exc
+            assert time.monotonic() - back < SERVED_WITHIN_S, "search did not come back"
+            await asyncio.sleep(0.3)
+
+    async def indexed_held() -> None:
+        while (await client.vector_stores.files.retrieve(held.id, vector_store_id=store.id)).status != "completed":
+            assert time.monotonic() - back < SERVED_WITHIN_S, "the held file was not indexed"
+            await asyncio.sleep(0.3)
+
+    await asyncio.gather(until_hit(timeout=SERVED_WITHIN_S), found(), indexed_held())
+    recovered = time.monotonic() - back
+    phase(f"all back ({recovered:.1f} s after weaviate)")
+    assert recovered < SERVED_WITHIN_S, recovered
+    assert (await until_ready(system.gateways[0], True, timeout=5))["weaviate"] is True
+    assert (await until_ready(tools_ready, True, timeout=5))["degraded"] == []

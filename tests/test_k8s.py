@@ -139,6 +139,18 @@ def test_every_role_has_probes():
             assert "readinessProbe" in container and "livenessProbe" in container, res["metadata"]["name"]
 
 
+def test_workers_are_ready_only_by_their_health_and_live_unless_stuck():
+    workers = [r for r in [*build(K8S / "base"), *build(K8S / "overlays" / "canary")]
+               if r["kind"] == "Deployment" and r["metadata"]["name"].startswith("worker-")]
+    assert {w["metadata"]["name"] for w in workers} >= {"worker-smollm2", "worker-smollm2-v2"}
+    for worker in workers:
+        [container] = worker["spec"]["template"]["spec"]["containers"]
+        paths = {probe: container[probe]["httpGet"]["path"] for probe in
+                 ("startupProbe", "readinessProbe", "livenessProbe")}
+        assert paths == {"startupProbe": "/health/live", "readinessProbe": "/health/ready",
+                         "livenessProbe": "/health/live"}, worker["metadata"]["name"]
+
+
 def test_the_tool_processor_runs_with_its_group_probe_and_a_sandbox_folder():
     [tools] = [r for r in build(K8S / "base") if r["kind"] == "Deployment" and r["metadata"]["name"] == "tools"]
     [container] = tools["spec"]["template"]["spec"]["containers"]

@@ -56,7 +56,9 @@ def test_instances_get_their_own_names_ports_and_gateway_partitions(tmp_path):
     wanted = Wanted(tmp_path / "scale.json", {"worker": 2, "gateway": 2, "router": 0})
     roles = {r.name: r for r in instances(folders(tmp_path), ["smollm2"], 8000, 9400, wanted)}
     assert set(roles) == {"conversation", "safety", "tools", "worker", "worker-2", "gateway", "gateway-2"}
-    assert roles["tools"].args == ["tools"]
+    assert roles["tools"].args == ["tools", "--health-port", "9450"]
+    assert roles["tools"].probe_url == "http://127.0.0.1:9450/health/ready"
+    assert roles["worker"].probe_url == "http://127.0.0.1:9400/health/ready"
     assert roles["worker-2"].args[-1] == "9401" and roles["worker"].args[-1] == "9400"
     assert roles["gateway-2"].args == ["gateway", "--port", "8001", "--instance-index", "1", "--instance-count", "2"]
 

@@ -57,10 +57,13 @@ def stack_status() -> None:
 
 
 def _print_status(kind: str, statuses) -> None:
-    table = Table(kind, "state", "pid", "address", "log")
+    table = Table(kind, "state", "pid", "address", "detail", "log")
     for s in statuses:
-        state = "[green]ready[/]" if s.ready else ("[yellow]starting[/]" if s.running else "[red]stopped[/]")
-        table.add_row(s.name, state, str(s.pid or "-"), s.address, str(s.log))
+        if s.ready:
+            state = "[yellow]degraded[/]" if "degraded:" in s.detail else "[green]ready[/]"
+        else:
+            state = "[yellow]not ready[/]" if s.running else "[red]stopped[/]"
+        table.add_row(s.name, state, str(s.pid or "-"), s.address, s.detail or "", str(s.log))
     console.print(table)
 
 
@@ -75,7 +78,7 @@ def _roles():
 
     cfg, stack = settings(), Stack.default()
     return instances(stack.folders, cfg.models, cfg.gateway_port, cfg.worker_metrics_port,
-                     Wanted.load(stack.kafka.run_dir))
+                     Wanted.load(stack.kafka.run_dir), cfg.tools_health_port)
 
 
 @system_app.command("up")

@@ -39,7 +39,9 @@ class Settings(BaseSettings):
 
     models: list[str] = ["smollm2"]
     gateway_port: int = Field(8000, description="port of the gateway `system up` starts")
-    worker_metrics_port: int = Field(9400, description="Prometheus port of the worker `system up` starts")
+    worker_metrics_port: int = Field(9400, description="Prometheus and health port of the worker `system up` "
+                                     "starts")
+    tools_health_port: int = Field(9450, description="health port of the tool processor `system up` starts")
     model_paths: dict[str, Path] = Field(
         default_factory=dict, description="served model name -> local Hugging Face folder (JSON object)")
     context_tokens: dict[str, int] = Field(

@@ -22,6 +22,15 @@ class ToolError(Exception):
     """A call the tool refuses or cannot complete; its message goes back to the model."""
 
 
+class ToolUnavailable(ToolError):
+    """A dependency of the tool is away (Weaviate for file_search): the call fails at once with this
+    message and its result says which dependency (`meta["unavailable"]`), so a caller may try again."""
+
+    def __init__(self, message: str, dependency: str) -> None:
+        super().__init__(message)
+        self.dependency = dependency
+
+
 @dataclass
 class Outcome:
     output: str

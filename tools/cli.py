@@ -2,17 +2,39 @@
 
 from __future__ import annotations
 
+import typer
 
-def tools() -> None:
+EXIT_INDEX_UNAVAILABLE = 70  # as a processor whose agent cannot go on: the supervisor restarts it
+
+
+def tools(health_port: int = typer.Option(None, help="serve /health/live and /health/ready on this port "
+                                                      "(default: TOKENSTREAM_TOOLS_HEALTH_PORT, else none)")) -> None:
     """Server tools (code interpreter, web fetch, file search): ts.tool.calls -> ts.tool.results,
     and file ingestion: ts.files.ingest -> Weaviate (group ts-ingest)."""
     import asyncio
+    import logging
 
+    from tokenstream.health import HealthServer
+    from tools import health
+    from tools.config import tool_settings
     from tools.ingestion import Ingestor
     from tools.processor import ToolProcessor
+    from tools.search.retry import IndexUnavailable
+
+    processor, ingestor = ToolProcessor(), Ingestor()
+    port = health_port or tool_settings().health_port
+    server = HealthServer(port, lambda: health.report(processor, ingestor)) if port else None
 
     async def main() -> None:
         ready = asyncio.Event()  # ingestion starts once the tools (the embedder) are warm
-        await asyncio.gather(ToolProcessor().run(ready), Ingestor().run(after=ready))
+        await asyncio.gather(processor.run(ready), ingestor.run(after=ready))
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except IndexUnavailable as exc:
+        logging.getLogger("tools").critical("%s: exiting with %d for the supervisor to restart this process "
+                                            "(the held event is read again)", exc, EXIT_INDEX_UNAVAILABLE)
+        raise typer.Exit(EXIT_INDEX_UNAVAILABLE) from None
+    finally:
+        if server is not None:
+            server.close()

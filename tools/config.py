@@ -44,9 +44,17 @@ class ToolSettings(BaseSettings):
     files_listed: int = Field(50, ge=0, description="written files reported per call")
     file_preview_kb: int = Field(4, ge=0, description="text of each written file returned")
 
+    # Weaviate (file search and ingestion)
+    index_timeout_s: float = Field(5.0, gt=0, description="connecting to Weaviate and each search; a file_search "
+                                   "call fails after this (and at once for a while after a failure)")
+    health_port: int | None = Field(None, description="port of /health/live and /health/ready (None: none)")
+
     # File ingestion (ts.files.ingest)
-    ingest_attempts: int = Field(5, ge=1, description="tries of a file against an unreachable index "
+    ingest_attempts: int = Field(5, ge=1, description="tries of a file that fails while Weaviate answers "
                                  "(1, 2, 4 ... s apart) before it is recorded as failed")
+    ingest_outage_s: float = Field(600.0, gt=0, description="how long an event is held while Weaviate does not "
+                                   "answer (tried again 0.25 s doubling to 2 s apart) before the process exits "
+                                   "for its supervisor to restart it (the event is read again)")
 
     # Web fetch
     web_allow_hosts: list[str] = Field(default_factory=list, description="hosts the web tool may fetch")

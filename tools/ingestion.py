@@ -26,8 +26,10 @@ from producers import commit_past, dead_letter, decode_record, start_consumer, s
 from schemas import DecodeError, FileIngest
 from schemas import keys as K
 from schemas.files import COMPLETED, FAILED, IN_PROGRESS
+from tokenstream import vectordb
 from tokenstream.config import settings
 from tools.config import ToolSettings, tool_settings
+from tools.search.retry import IndexRetry, IndexUnavailable
 from topics.registry import FILE_INGEST, INGEST_GROUP
 
 log = logging.getLogger("tools.ingestion")
@@ -47,13 +49,14 @@ class Ingestor:
         self.redis = aioredis.Redis.from_url(redis_url or settings().redis_url)
         self._record = self.redis.register_script(RECORD)
         self._index = None
+        self.retrying: IndexRetry | None = None
         self.producer = self.consumer = None
 
     def index(self):
         from tools.search.index import ChunkIndex
 
         if self._index is None:
-            self._index = ChunkIndex.connect()
+            self._index = ChunkIndex.connect(timeout_s=self.cfg.index_timeout_s)
         return self._index
 
     def _forget_index(self) -> None:
@@ -101,7 +104,9 @@ class Ingestor:
         except ValueError as exc:  # too large for the index
             await self.record(event, status=FAILED, error_code="invalid_file", error=str(exc))
             return f"failed: {exc}"
-        except Exception as exc:  # noqa: BLE001 - the index stayed unreachable through every attempt
+        except IndexUnavailable:
+            raise  # held: the process exits without committing, and the event is read again
+        except Exception as exc:  # noqa: BLE001 - the index failed this file through every attempt
             await self.record(event, status=FAILED, error_code="server_error",
                               error=f"the file could not be indexed ({type(exc).__name__}); add it again")
             return f"failed: {exc!r}"
@@ -110,23 +115,37 @@ class Ingestor:
                 + ("" if written else " (the file was removed meanwhile; its remove event takes them out)"))
 
     async def _with_index(self, work):
-        """Run `work(index)` in a thread; on a failure of the index (Weaviate away), reconnect and try
-        again after 1, 2, 4 ... s, `ingest_attempts` times in all, then raise."""
+        """Run `work(index)` in a thread; a failure drops the client and tries again as
+        tools/search/retry.py says: held through a Weaviate outage (IndexUnavailable past the
+        budget), `ingest_attempts` tries in all for a failure while Weaviate answers."""
         from tools.search.extract import UnsupportedFile
 
-        for attempt in range(1, self.cfg.ingest_attempts + 1):
+        async def reachable() -> bool:
+            return await asyncio.to_thread(vectordb.ready, 1.0)
+
+        async def once():
             try:
                 return await asyncio.to_thread(lambda: work(self.index()))
             except (UnsupportedFile, ValueError):
                 raise
-            except Exception as exc:  # noqa: BLE001 - Weaviate's client raises assorted errors
-                if attempt == self.cfg.ingest_attempts:
-                    raise
-                log.warning("the index failed (%s); attempt %d of %d in %d s", exc, attempt + 1,
-                            self.cfg.ingest_attempts, 2 ** (attempt - 1))
+            except Exception:
                 await asyncio.to_thread(self._forget_index)
-                await asyncio.sleep(2 ** (attempt - 1))
-        raise AssertionError("unreachable")
+                raise
+
+        retry = IndexRetry(self.cfg.ingest_attempts, self.cfg.ingest_outage_s, reachable,
+                           permanent=(UnsupportedFile, ValueError))
+        self.retrying = retry
+        try:
+            return await retry.run(once)
+        finally:
+            self.retrying = None
+
+    def holding(self) -> str | None:
+        """What ingestion waits for now, if it holds an event through an outage (for the health report)."""
+        retry = self.retrying
+        if retry is None or retry.outage_since is None:
+            return None
+        return f"ingestion: an event held {time.monotonic() - retry.outage_since:.0f} s, waiting for Weaviate"
 
     async def _partition(self, tp: TopicPartition, records) -> None:
         for record in records:

@@ -20,9 +20,11 @@ import uuid
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from producers import commit_past, dead_letter, decode_record, publish, start_consumer, start_producer, stop_clients
+from producers.membership import GroupWatch, member_client_id
 from schemas import DecodeError, ToolCall, ToolResult, TraceContext
 from tokenstream import tracing
-from tools.base import Outcome, Tool, ToolError, builtin_tools
+from tokenstream.config import settings
+from tools.base import Outcome, Tool, ToolError, ToolUnavailable, builtin_tools
 from tools.config import ToolSettings, tool_settings
 from tools.ledger import CallLedger
 from topics.registry import TOOL_CALLS, TOOL_RESULTS, processor_group
@@ -45,6 +47,8 @@ async def run_tool(tool: Tool, call: ToolCall, timeout_s: float) -> ToolResult:
             raise ToolError(f"{call.name} took longer than {timeout_s:g} s and was stopped") from None
     except json.JSONDecodeError as exc:
         outcome = Outcome("", ok=False, error=f"arguments are not valid JSON: {exc}")
+    except ToolUnavailable as exc:
+        outcome = Outcome("", ok=False, error=str(exc), meta={"unavailable": exc.dependency})
     except ToolError as exc:
         outcome = Outcome("", ok=False, error=str(exc))
     except Exception as exc:  # noqa: BLE001 - a bug in one tool must not stop the processor
@@ -63,6 +67,7 @@ class ToolProcessor:
         self.ledger = CallLedger(self.owner, self.cfg.claim_lease_s)
         self.slots = asyncio.Semaphore(self.cfg.concurrency)
         self.producer = self.consumer = None
+        self.watch: GroupWatch | None = None  # the consumer's standing in its group, for /health/ready
 
     async def handle(self, call: ToolCall, key: str, trace: TraceContext | None = None) -> str:
         """Bring `call` to a published result; returns what happened (for the log)."""
@@ -119,9 +124,14 @@ class ToolProcessor:
         # batch of slow calls never makes the group think this process is dead
         batch = 2 * self.cfg.concurrency
         slowest_s = self.cfg.call_timeout_s + 5
+        client_id = member_client_id("tools")
         self.consumer = await start_consumer(
             TOOL_CALLS, group=GROUP, from_beginning=True, max_poll_records=batch,
-            max_poll_interval_ms=int(max(300.0, batch * slowest_s + 60) * 1000))
+            max_poll_interval_ms=int(max(300.0, batch * slowest_s + 60) * 1000), client_id=client_id)
+        self.watch = GroupWatch(settings().kafka_bootstrap, GROUP, client_id,
+                                topic_partitions=lambda: len(self.consumer.partitions_for_topic(TOOL_CALLS.name)
+                                                             or ()))
+        watching = asyncio.create_task(self.watch.run())
         log.info("tool processor %s serving %s (group %s)", self.owner, ", ".join(sorted(self.tools)), GROUP)
         if ready is not None:
             ready.set()
@@ -130,6 +140,8 @@ class ToolProcessor:
                 batches = await self.consumer.getmany(timeout_ms=500)
                 await asyncio.gather(*(self._partition(tp, records) for tp, records in batches.items()))
         finally:
+            watching.cancel()
+            await asyncio.gather(watching, return_exceptions=True)
             await self.close()
 
     async def close(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 from fastapi import APIRouter, Depends
@@ -10,6 +11,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from gateway.auth import admin
 from gateway.deps import pipeline
 from gateway.pipeline import Gateway
+from tokenstream import vectordb
 
 STATIC = Path(__file__).parent.parent / "static"
 router = APIRouter()
@@ -28,11 +30,17 @@ async def live(gw: Gateway = Depends(pipeline)) -> dict:
 @router.get("/health/ready")
 async def ready(gw: Gateway = Depends(pipeline)) -> JSONResponse:
     """200 only while a request can be served: the broker answers, the tokens fan-out runs and Redis
-    (API keys, rate limits) answers; otherwise 503 with what is missing."""
-    redis = await gw.redis_reachable()
+    (API keys, rate limits) answers; otherwise 503 with what is missing. Weaviate (the semantic cache)
+    is optional: while it is away the answer stays 200 and `degraded` says so (lookups are misses)."""
+    redis, weaviate = await asyncio.gather(gw.redis_reachable(), vectordb.aready(timeout_s=0.5))
     ready = gw.ready and redis
+    broker, fanout = gw.admission.healthy(), gw.fanout is not None
+    missing = [what for what, ok in (("broker: no answer", broker), ("tokens fan-out: not connected", fanout),
+                                     ("redis: no answer (API keys, rate limits)", redis)) if not ok]
+    degraded = [] if weaviate else ["weaviate: no answer (semantic cache lookups are misses)"]
     body = {"ready": ready, "instance": gw.cfg.instance_id, "partitions": gw.partitions,
-            "broker": gw.admission.healthy(), "fanout": gw.fanout is not None, "redis": redis}
+            "broker": broker, "fanout": fanout, "redis": redis, "weaviate": weaviate,
+            "detail": missing, "degraded": degraded}
     return JSONResponse(body, status_code=200 if ready else 503)
 
 

@@ -253,6 +253,9 @@ async def search(vs_id: str, body: Search, gw: Gateway = Depends(pipeline), key:
         raise api.APIError(504, str(exc), "server_error", code="search_timeout") from None
     except Exception:  # noqa: BLE001 - the broker did not take the call
         raise api.unavailable("The search could not be sent (broker unavailable); try again.") from None
+    if not result.ok and result.meta.get("unavailable"):
+        raise api.APIError(503, f"The search is unavailable: {result.error}", "service_unavailable",
+                           code="index_unavailable", headers={"Retry-After": "2"})
     if not result.ok:
         raise api.APIError(502, f"The search failed: {result.error}", "server_error", code="search_failed")
     hits = json.loads(result.output)["results"]

@@ -59,29 +59,25 @@ def lag(model: list[str] = typer.Option(None, help="models served (default: TOKE
 
 
 @app.command("probe")
-def probe(group: str = typer.Option(..., help="the consumer group this process joins"),
+def probe(group: str = typer.Option(None, help="the consumer group this process joins"),
           host: str = typer.Option(None, help="this process's address as the broker sees it (default: "
                                    "this host's address)"),
           redis: bool = typer.Option(True, help="also require Redis to answer (every processor keeps its "
-                                                "ledger of done effects there and holds its input without it)")) -> None:
+                                                "ledger of done effects there and holds its input without it)"),
+          url: str = typer.Option(None, help="instead: a role's /health/ready (worker, tool processor, "
+                                             "gateway), e.g. http://127.0.0.1:9400/health/ready")) -> None:
     """Exit 0 when a member of GROUP on this host holds a partition (and Redis answers): a processor pod's
-    readiness."""
-    import socket
+    readiness. With --url, exit 0 when that readiness endpoint answers 200; either way print why."""
+    from tokenstream.ops.probe import group_ready, url_ready
 
-    from tokenstream.ops.lag import member_of
+    if url:
+        ok, why = url_ready(url)
+    elif group:
+        import socket
 
-    host = host or socket.gethostbyname(socket.gethostname())
-    try:
-        ok, why = asyncio.run(member_of(settings().kafka_bootstrap, group, host))
-    except Exception as exc:  # noqa: BLE001 - no broker or no coordinator yet: not ready
-        ok, why = False, f"the broker could not say ({type(exc).__name__}: {exc})"
-    if ok and redis:
-        import redis as redis_client
-
-        try:
-            redis_client.Redis.from_url(settings().redis_url, socket_timeout=2, socket_connect_timeout=2).ping()
-        except redis_client.RedisError as exc:
-            ok, why = False, f"{why}, but Redis does not answer ({exc}): its input is held"
+        ok, why = group_ready(group, host or socket.gethostbyname(socket.gethostname()), redis)
+    else:
+        raise typer.BadParameter("give --group (a processor) or --url (a role's /health/ready)")
     typer.echo(why)
     raise typer.Exit(0 if ok else 1)
 
@@ -96,7 +92,8 @@ def _local():
     wanted = Wanted.load(run_dir)
 
     def make():
-        return instances(stack.folders, cfg.models, cfg.gateway_port, cfg.worker_metrics_port, Wanted.load(run_dir))
+        return instances(stack.folders, cfg.models, cfg.gateway_port, cfg.worker_metrics_port,
+                         Wanted.load(run_dir), cfg.tools_health_port)
 
     return wanted, Supervisor(run_dir, make, _say)
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 from aiokafka import AIOKafkaConsumer
 from aiokafka.admin import AIOKafkaAdminClient
-from aiokafka.coordinator.protocol import ConsumerProtocolMemberAssignment
 from aiokafka.structs import TopicPartition
 
+from producers.membership import GroupState, states
 from topics.admin import partition_counts
 from topics.registry import TopicSpec
 
@@ -43,15 +43,6 @@ class PartitionLag:
         return self.lag / self.rate if self.rate > 0 else (0.0 if self.lag == 0 else None)
 
 
-@dataclass
-class GroupState:
-    group: str
-    state: str
-    members: int
-    owners: dict[TopicPartition, str]
-    hosts: dict[str, int]  # member host (as the broker sees it) -> partitions it holds
-
-
 async def _group_states(admin: AIOKafkaAdminClient, groups: list[str]) -> dict[str, GroupState]:
     """Each group described on its own: a group whose description cannot be read (aiokafka fails to
     decode some brokers' answers for some groups) shows as unknown instead of failing the table."""
@@ -63,31 +54,7 @@ async def _group_states(admin: AIOKafkaAdminClient, groups: list[str]) -> dict[s
             log.warning("could not describe group %s: %s", group, exc)
             out[group] = GroupState(group, "unknown", 0, {}, {})
             continue
-        out.update(_states(responses))
-    return out
-
-
-def _states(responses) -> dict[str, GroupState]:
-    out = {}
-    for response in responses:
-        for g in response.to_object()["groups"]:
-            owners: dict[TopicPartition, str] = {}
-            hosts: dict[str, int] = {}
-            for m in g["members"]:
-                host = m["client_host"].lstrip("/")
-                hosts.setdefault(host, 0)
-                raw = m.get("member_assignment") or b""
-                if not raw:
-                    continue
-                try:
-                    assignment = ConsumerProtocolMemberAssignment.decode(raw)
-                except Exception:  # noqa: BLE001 - a non-consumer protocol: no partitions to show
-                    continue
-                for topic, partitions in assignment.assignment:
-                    hosts[host] += len(partitions)
-                    for p in partitions:
-                        owners[TopicPartition(topic, p)] = m["client_id"]
-            out[g["group"]] = GroupState(g["group"], g["state"], len(g["members"]), owners, hosts)
+        out.update(states(responses))
     return out
 
 

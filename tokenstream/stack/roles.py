@@ -10,23 +10,25 @@ from __future__ import annotations
 import json
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
-from tokenstream.stack.service import Service
+from tokenstream.stack.service import Service, Status
 
 
 class Role(Service):
-    """One `tokenstream <args>` process. Ready when `probe_url` answers 200, or after `settle_s` alive."""
+    """One `tokenstream <args>` process. Ready when `probe_url` answers 200, or after `settle_s` alive.
+    `status()` also asks the broker about a processor's `group` (as `ops probe --group` does)."""
 
     ready_timeout_s = 300.0  # a first worker start converts SmolLM2 to safetensors
     stop_timeout_s = 20.0
 
     def __init__(self, name: str, args: list[str], folders: tuple[Path, Path, Path, Path], *,
-                 probe_url: str | None = None, settle_s: float = 3.0) -> None:
+                 probe_url: str | None = None, settle_s: float = 3.0, group: str | None = None) -> None:
         self.name = name
         super().__init__(*folders)
-        self.args, self.probe_url, self.settle_s = args, probe_url, settle_s
+        self.args, self.probe_url, self.settle_s, self.group = args, probe_url, settle_s, group
         self._started = 0.0
 
     @property
@@ -57,8 +59,41 @@ class Role(Service):
     def is_ready(self) -> bool:
         if self.probe_url is None:
             return self.pid() is not None and time.monotonic() - self._started >= self.settle_s
+        return self.probe()[0]
+
+    def probe(self) -> tuple[bool, dict]:
+        """(200?, the JSON body) of the role's readiness endpoint; (False, {}) when it does not answer."""
         try:
-            with urllib.request.urlopen(self.probe_url, timeout=1) as response:
-                return response.status == 200
+            with urllib.request.urlopen(self.probe_url, timeout=2) as response:
+                return response.status == 200, _json(response.read())
+        except urllib.error.HTTPError as error:  # 503: not ready, and the body says why
+            return False, _json(error.read())
         except OSError:
-            return False
+            return False, {}
+
+    def status(self) -> Status:
+        pid = self.pid()
+        if pid is not None and self.probe_url is not None:
+            ok, body = self.probe()
+            return Status(self.name, True, ok, pid, self.address, self.log_file, detail=describe(body))
+        if pid is not None and self.group is not None and self.is_ready():
+            from tokenstream.ops.probe import group_ready
+
+            ok, why = group_ready(self.group, "127.0.0.1")  # a local process, as the broker sees it
+            return Status(self.name, True, ok, pid, self.address, self.log_file, detail="" if ok else why)
+        return super().status()
+
+
+def _json(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+def describe(body: dict) -> str:
+    """One line from a /health/ready body: what is missing, then what is degraded."""
+    parts = [str(d) for d in body.get("detail") or []]
+    parts += [f"degraded: {d}" for d in body.get("degraded") or []]
+    return "; ".join(parts)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tokenstream.stack.roles import Role
-from topics.registry import CHAT_REQUESTS, PREPARED, SCREENED, TOKENS, TOOL_CALLS, inference_topic
+from topics.registry import CHAT_REQUESTS, PREPARED, SCREENED, TOKENS, TOOL_CALLS, inference_topic, processor_group
 
 SCALABLE = ("conversation", "safety", "router", "tools", "worker", "gateway")
 BACKOFF_FIRST_S, BACKOFF_MAX_S, STABLE_S = 1.0, 60.0, 60.0
@@ -87,7 +87,7 @@ class Wanted:
 
 
 def instances(folders: tuple[Path, Path, Path, Path], models: list[str], gateway_port: int,
-              worker_metrics_port: int, wanted: Wanted) -> list[Role]:
+              worker_metrics_port: int, wanted: Wanted, tools_health_port: int = 9450) -> list[Role]:
     """Every process `wanted` asks for, in start order (processors, the tool processor, workers, gateways)."""
     roles: list[Role] = []
 
@@ -95,17 +95,19 @@ def instances(folders: tuple[Path, Path, Path, Path], models: list[str], gateway
         return base if i == 0 else f"{base}-{i + 1}"
 
     for kind, settle in (("conversation", 3.0), ("safety", 5.0), ("router", 3.0)):
-        roles += [Role(named(kind, i), ["processor", kind], folders, settle_s=settle)
+        roles += [Role(named(kind, i), ["processor", kind], folders, settle_s=settle, group=processor_group(kind))
                   for i in range(wanted.count(kind))]
     # the tool processor loads MiniLM and tries its sandbox before it serves (it exits if that fails)
-    roles += [Role(named("tools", i), ["tools"], folders, settle_s=10.0) for i in range(wanted.count("tools"))]
+    roles += [Role(named("tools", i), ["tools", "--health-port", str(tools_health_port + i)], folders,
+                   probe_url=f"http://127.0.0.1:{tools_health_port + i}/health/ready")
+              for i in range(wanted.count("tools"))]
     port = worker_metrics_port
     for m, model in enumerate(models):
         key = "worker" if m == 0 else f"worker:{model}"
         base = "worker" if m == 0 else f"worker.{model}"
         for i in range(wanted.count(key) if m == 0 or key in wanted.counts else 0):
             roles.append(Role(named(base, i), ["worker", "--model", model, "--metrics-port", str(port)], folders,
-                              probe_url=f"http://127.0.0.1:{port}/metrics"))
+                              probe_url=f"http://127.0.0.1:{port}/health/ready"))
             port += 1
     n = wanted.count("gateway")
     for i in range(n):

@@ -53,6 +53,7 @@ class Status:
     pid: int | None
     address: str
     log: Path
+    detail: str = ""  # why not ready, or what is degraded (from a role's /health/ready)
 
 
 class ServiceError(RuntimeError):

@@ -23,6 +23,7 @@ from weaviate.classes.tenants import Tenant
 from weaviate.util import generate_uuid5
 
 from tokenstream.config import settings
+from tokenstream.vectordb import client_config
 from tools.search.embed import embedder
 
 COLLECTION = "TsFileChunk"
@@ -50,12 +51,18 @@ class ChunkIndex:
         self._tenants: set[str] = set()
 
     @classmethod
-    def connect(cls) -> "ChunkIndex":
+    def connect(cls, timeout_s: float = 5.0, insert_s: float = 90.0) -> "ChunkIndex":
+        """Connecting and each query time out after `timeout_s`, each insert after `insert_s`."""
         cfg = settings()
         # skip_init_checks: no version look-up on PyPI at connect (tools run offline)
         client = weaviate.connect_to_local(host=cfg.weaviate_host, port=cfg.weaviate_http_port,
-                                           grpc_port=cfg.weaviate_grpc_port, skip_init_checks=True)
-        return cls(client)
+                                           grpc_port=cfg.weaviate_grpc_port, skip_init_checks=True,
+                                           additional_config=client_config(timeout_s, insert_s))
+        try:
+            return cls(client)
+        except BaseException:
+            client.close()
+            raise
 
     def close(self) -> None:
         self.client.close()

@@ -1,0 +1,35 @@
+"""What the tool processor's /health/ready says (with --health-port; tokenstream/health.py serves it).
+
+Ready while its tool-call consumer can take work: started (sandbox tried, embedder loaded), the broker
+answered the group check within 5 s, and it is a member of `ts-tools` holding a partition when it
+should (producers/membership.py). Weaviate is optional (tokenstream/vectordb.py): while it does not
+answer, the process stays ready and `degraded` says what waits on it: file_search calls answer an
+error at once, ingestion holds its event (and says for how long).
+"""
+
+from __future__ import annotations
+
+from tokenstream import vectordb
+from tokenstream.health import Report
+
+BROKER_STALE_S = 5.0
+
+
+def report(processor, ingestor) -> Report:
+    """Called in the health server's thread: reads what the loops recorded, and asks Weaviate."""
+    weaviate = vectordb.ready(timeout_s=0.5)
+    degraded = [] if weaviate else ["weaviate: no answer (file_search calls answer an error at once; "
+                                    "ingestion holds its event)"]
+    held = ingestor.holding()
+    if held:
+        degraded.append(held)
+    watch = processor.watch
+    if watch is None:
+        return Report(ready=False, detail=["starting: trying the sandbox and loading the embedder"],
+                      degraded=degraded, checks={"weaviate": weaviate})
+    s = watch.standing
+    detail = s.problems(BROKER_STALE_S)
+    age = s.broker_age_s()
+    return Report(ready=not detail, detail=detail, degraded=degraded, checks={
+        "broker": age is not None and age <= BROKER_STALE_S, "group": s.group, "member": s.member,
+        "partitions": s.partitions, "weaviate": weaviate})
