@@ -61,9 +61,10 @@ class SafetySettings(BaseSettings):
     batch_size: int = Field(32, ge=1, description="chunks per embedding forward pass")
     num_threads: int | None = Field(
         1, ge=1, description="torch CPU threads (None: torch's default, one per core). One: the classifier judges one "
-                             "short text at a time, where a second thread gains little, and its threads wait for each "
-                             "other at every operation, so on a busy host (the worker, the other processors) two "
-                             "took 0.7-0.8 s per judgement against 40-80 ms for one (2 cores, load 17-28)")
+                             "short text at a time, where a second thread gains little (2-core host at load 10: 16 ms "
+                             "p50 with one, 13-22 ms with two), while two threads wait for each other at every "
+                             "operation and, on an oversubscribed host, took 1.4-1.6 s per judgement against "
+                             "67-88 ms for one (load 17-28)")
 
     @field_validator("categories")
     @classmethod
