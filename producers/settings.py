@@ -8,7 +8,7 @@ that path may hold a record back to batch it:
 - linger 0 everywhere. aiokafka keeps at most one produce request in flight per broker, so while
   one is in flight the records that follow gather in the next batch anyway: under load batching
   happens by itself, and an idle path pays no linger (the worker's publish hop went from 6.3 to
-  1.8 ms p50 when its 5 ms linger went; the gateway's 1 ms one went the same way).
+  1.8 ms p50 when its 5 ms linger went; the gateway's 1 ms linger is gone too).
 - acks=all and (for aiokafka producers) idempotence: an acknowledged event survives the loss of
   a broker and a retried send is never written twice. Not traded for latency: the path's own hop
   time is the send, the acknowledgement is awaited only where a guarantee needs it.
