@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import Union
 
 import msgspec
-from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from audit.fold import CHUNKS, Audit, Chunk
@@ -29,6 +28,7 @@ from audit.sources import (
     keyed_by_request,
     request_partitions,
 )
+from producers import start_consumer
 from schemas import DecodeError, Event, TokenChunk
 from schemas.codec import SUPPORTED_VERSIONS, decoder
 from topics.admin import partition_counts
@@ -77,10 +77,8 @@ class Auditor:
         self.timelines = True  # range scans without --timeline turn this off (only the check is kept)
 
     async def __aenter__(self) -> Auditor:
-        self.consumer = AIOKafkaConsumer(bootstrap_servers=self.opts.bootstrap, group_id=None,
-                                         enable_auto_commit=False, isolation_level="read_committed",
-                                         max_partition_fetch_bytes=FETCH_BYTES, fetch_max_wait_ms=100)
-        await self.consumer.start()
+        self.consumer = await start_consumer(group=None, bootstrap=self.opts.bootstrap,
+                                             max_partition_fetch_bytes=FETCH_BYTES)
         counts = await partition_counts(self.opts.bootstrap)
         self.specs = {s.name: s for s in audited(list(counts))}
         self.partitions = {n: counts[n] for n in self.specs}

@@ -157,8 +157,8 @@ class SyntheticWorker:
         from producers import start_consumer, start_producer
         from topics import CHAT_REQUESTS
 
-        self.producer = await start_producer(self.bootstrap, linger_ms=0)
-        self.consumer = await start_consumer(group=None, bootstrap=self.bootstrap, fetch_max_wait_ms=100)
+        self.producer = await start_producer(self.bootstrap)
+        self.consumer = await start_consumer(group=None, bootstrap=self.bootstrap)
         tps = [TopicPartition(CHAT_REQUESTS.name, p) for p in range(CHAT_REQUESTS.partitions)]
         self.consumer.assign(tps)
         await self.consumer.seek_to_end(*tps)

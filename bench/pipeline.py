@@ -111,7 +111,7 @@ class Timeline:
 
         from producers import start_consumer
 
-        self.consumer = await start_consumer(group=None, bootstrap=self.bootstrap, fetch_max_wait_ms=50)
+        self.consumer = await start_consumer(group=None, bootstrap=self.bootstrap)
         from topics.registry import spec_for
 
         tps = [TopicPartition(t, p) for t in self.topics for p in range(spec_for(t).partitions)]

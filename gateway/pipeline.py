@@ -92,10 +92,9 @@ class Gateway:
         while True:
             consumer = None
             try:
-                self.producer = self.producer or await start_producer(self.bootstrap, linger_ms=1,
-                                                                      request_timeout_ms=10_000)
+                self.producer = self.producer or await start_producer(self.bootstrap, request_timeout_ms=10_000)
                 self.canceller.producer = self.producer
-                consumer = await start_consumer(group=None, bootstrap=self.bootstrap, fetch_max_wait_ms=100)
+                consumer = await start_consumer(group=None, bootstrap=self.bootstrap)
                 total = consumer.partitions_for_topic(TOKENS.name)
                 if not total:
                     await consumer._client.force_metadata_update()  # noqa: SLF001

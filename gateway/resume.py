@@ -11,9 +11,9 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 
-from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import TopicPartition
 
+from producers import start_consumer
 from schemas import Completion, DecodeError, Event, SafetyVerdict, decode
 from schemas.ids import event_id, new_request_id, parse_request_id  # noqa: F401 - re-exported
 from topics import TOKENS
@@ -52,10 +52,7 @@ async def replay(bootstrap: str, request_id: str, *, idle_timeout_s: float = 600
     """
     partition, created_ms = parse_request_id(request_id)
     tp = TopicPartition(TOKENS.name, partition)
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False,
-                                isolation_level="read_committed", auto_offset_reset="earliest",
-                                fetch_max_wait_ms=100)
-    await consumer.start()
+    consumer = await start_consumer(group=None, bootstrap=bootstrap, from_beginning=True)
     try:
         consumer.assign([tp])
         found = (await consumer.offsets_for_times({tp: max(0, created_ms - CLOCK_MARGIN_MS)}))[tp]

@@ -45,7 +45,7 @@ class ToolSearches:
             if self.consumer is not None:
                 with contextlib.suppress(Exception):
                     await self.consumer.stop()
-            consumer = await start_consumer(group=None, bootstrap=self.bootstrap, fetch_max_wait_ms=50)
+            consumer = await start_consumer(group=None, bootstrap=self.bootstrap)
             partitions = consumer.partitions_for_topic(TOOL_RESULTS.name)
             if not partitions:
                 await consumer._client.force_metadata_update()  # noqa: SLF001

@@ -99,9 +99,9 @@ class Worker:
         self.grammars = await asyncio.to_thread(Grammars, self.engine.tokenizer, self.engine.eos_ids,
                                                 timeout_s=self.cfg.grammar_timeout_s,
                                                 max_calls=self.cfg.max_parallel_calls)
-        # no linger: a step's tokens go into one batch anyway (they are appended without yielding to the
-        # sender), so lingering only held each first token back (the 5 ms default was most of the publish hop)
-        self.producer = await start_producer(self.bootstrap, linger_ms=0)
+        # no linger (producers/settings.py): a step's tokens go into one batch anyway, appended without
+        # yielding to the sender
+        self.producer = await start_producer(self.bootstrap)
         self.tokens = TokenLog(self.bootstrap)
         await self.tokens.start()
         self.control = await start_consumer(CONTROL, group=None, bootstrap=self.bootstrap)

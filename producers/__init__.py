@@ -1,6 +1,6 @@
 """The one place every role gets its Kafka clients from.
 
-    producer = await start_producer()             # idempotent, acks=all, lz4, small linger
+    producer = await start_producer()             # idempotent, acks=all, lz4, no linger (producers/settings.py)
     await publish(producer, TOKENS, event, key=event.request_id)
     consumer = await start_consumer(TOKENS, group="gateway")   # manual commits
     await dead_letter(producer, record, exc, group="gateway")  # poison event -> ts.deadletter

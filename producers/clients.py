@@ -4,23 +4,14 @@ from __future__ import annotations
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
+from producers.settings import CONSUMER, FOLLOW_FETCH_MAX_WAIT_MS, PRODUCER
 from tokenstream.config import settings
 from topics import TopicSpec
 
 
 async def start_producer(bootstrap: str | None = None, **overrides) -> AIOKafkaProducer:
-    """Idempotent producer, acks=all: an acknowledged event survives a broker restart and
-    a retried send is never written twice. lz4 and a 5 ms linger batch token events of
-    many requests into one produce request without adding visible latency."""
-    options = dict(
-        bootstrap_servers=bootstrap or settings().kafka_bootstrap,
-        acks="all",
-        enable_idempotence=True,
-        compression_type="lz4",
-        linger_ms=5,
-        max_batch_size=256 * 1024,
-        request_timeout_ms=30_000,
-    )
+    """Idempotent producer, acks=all, lz4, no linger (producers/settings.py says why)."""
+    options = dict(bootstrap_servers=bootstrap or settings().kafka_bootstrap, **PRODUCER)
     options.update(overrides)
     producer = AIOKafkaProducer(**options)
     await producer.start()
@@ -36,16 +27,17 @@ async def start_consumer(
 ) -> AIOKafkaConsumer:
     """Consumer with manual commits (commit after the effect is durable, never before).
 
-    group=None gives a group-less consumer for manual assignment (replays, fan-out).
+    group=None gives a group-less consumer for manual assignment (replays, fan-out), which
+    follows its partitions with a short fetch wait (producers/settings.py).
     """
     options = dict(
         bootstrap_servers=bootstrap or settings().kafka_bootstrap,
         group_id=group,
-        enable_auto_commit=False,
         auto_offset_reset="earliest" if from_beginning else "latest",
-        isolation_level="read_committed",
-        max_poll_records=500,
+        **CONSUMER,
     )
+    if group is None:
+        options["fetch_max_wait_ms"] = FOLLOW_FETCH_MAX_WAIT_MS
     options.update(overrides)
     consumer = AIOKafkaConsumer(*(s.name for s in specs), **options)
     await consumer.start()

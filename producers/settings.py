@@ -1,0 +1,55 @@
+"""Every Kafka client setting in one place: the aiokafka producers and consumers of every role and
+the faust processors' own clients. Why each value is what it is:
+
+A request crosses five broker hops before its first token reaches the client (gateway ->
+conversation -> router -> worker -> gateway, plus safety in series or beside them), so no client on
+that path may hold a record back to batch it:
+
+- linger 0 everywhere. aiokafka keeps at most one produce request in flight per broker, so while
+  one is in flight the records that follow gather in the next batch anyway: under load batching
+  happens by itself, and an idle path pays no linger (the worker's publish hop went from 6.3 to
+  1.8 ms p50 when its 5 ms linger went; the gateway's 1 ms linger is gone too).
+- acks=all and (for aiokafka producers) idempotence: an acknowledged event survives the loss of
+  a broker and a retried send is never written twice. Not traded for latency: the path's own hop
+  time is the send, the acknowledgement is awaited only where a guarantee needs it.
+- lz4: cheap to compress and to check on the broker; token batches and long prompts shrink.
+- consumers commit by hand, after the effect is durable (`enable_auto_commit=False`), and read
+  committed data only.
+- fetch_max_wait: a fetch waits on the broker at most this long when there is no data; data
+  arriving ends the wait at once, so it costs nothing on a busy path. It bounds instead how long a
+  partition assigned, resumed or seeked while a fetch is in flight waits for the next fetch (the
+  gateway's fan-out pauses and resumes its tokens partitions; a search result reader assigns one).
+"""
+
+from __future__ import annotations
+
+PRODUCER = dict(
+    acks="all",
+    enable_idempotence=True,
+    compression_type="lz4",
+    linger_ms=0,
+    max_batch_size=256 * 1024,
+    request_timeout_ms=30_000,
+)
+
+CONSUMER = dict(
+    enable_auto_commit=False,
+    isolation_level="read_committed",
+    max_poll_records=500,
+)
+
+# group-less readers that follow a partition as it is written (fan-out, result readers, benchmarks)
+FOLLOW_FETCH_MAX_WAIT_MS = 100
+
+# the faust processors (conversation, safety, router): their producer is faust's own aiokafka
+# producer; the same choices in faust's terms. faust does not enable idempotence outside its
+# exactly_once mode (rejected, see processors/effects.py); re-sends are absorbed by the ledgers. Its
+# records are single small events, left uncompressed (faust's default).
+FAUST = dict(
+    producer_acks=-1,  # all
+    producer_linger=0.0,
+    broker_commit_every=100,
+    broker_commit_interval=0.2,  # what a crash makes the processors redo, at most (effects.Ledger)
+    broker_session_timeout=10.0,  # a killed member's partitions move on within seconds
+    broker_heartbeat_interval=1.0,
+)
