@@ -138,21 +138,28 @@ class Worker:
             self.ready.set()
 
     async def revoked(self, tps: set[TopicPartition]) -> None:
-        """Hand partitions over cleanly: stop their requests, finish the step, flush what was written."""
+        """Hand partitions over cleanly: stop their requests at once, finish the step, flush what was written.
+
+        Their requests stop being this worker's before anything is awaited, so nothing more is
+        written for them, not even what the step running now produces: a revocation that outlasts
+        the group's rebalance timeout (a slow step on a loaded host) gets this member expelled
+        and the partitions handed to another worker meanwhile; a token written after that came
+        behind the new owner's takeover read, which had started the request afresh, and the log
+        held two versions of its answer (the chaos drill saw a chunk "A" and then a Completion
+        with seq 0 from the new owner). The new owner regenerates what was not written.
+        """
         for tp in tps:
             self.epoch[tp] = self.epoch.get(tp, 0) + 1
         lost = [rid for rid, (tp, *_) in self.owned.items() if tp in tps]
         for rid in lost:
-            self.engine.abort(self.owned[rid][3])
+            self.engine.abort(self.owned.pop(rid)[3])
+            self.parsers.pop(rid, None)
+            self._end_span(rid, {"tokenstream.handed_over": True})
         async with self.step_lock:
-            await self._publish_unsent()  # what the last step produced for them is written first
+            await self._publish_unsent()  # the last step's events of the partitions kept
             for tp in tps:
                 self.tracker.drop(tp)
                 self.takeover_below.pop(tp, None)
-            for rid in lost:
-                self.owned.pop(rid, None)
-                self.parsers.pop(rid, None)
-                self._end_span(rid, {"tokenstream.handed_over": True})
             await self.producer.flush()
         if lost:
             log.info("worker %s gave up %d in-flight requests on rebalance", self.worker_id, len(lost))
@@ -306,8 +313,8 @@ class Worker:
         for out in outputs:
             rid = out.seq.request_id
             owned = self.owned.get(rid)
-            if owned is None:
-                continue  # aborted: its partition belongs to another worker now
+            if owned is None or owned[3] is not out.seq:
+                continue  # aborted: its partition belongs to another worker now (or it was taken over afresh)
             tp, offset, request, _ = owned
             parser = self.parsers.get(rid)
             span = self.spans.get(rid)
@@ -324,7 +331,7 @@ class Worker:
                                    raw=raw, worker_id=self.worker_id)
                 await publish(self.producer, TOKENS, chunk, partition=request.reply_partition, wait=False,
                               trace=chunk_trace)
-            if out.finish_reason is not None:
+            if out.finish_reason is not None and self.owned.get(rid) is owned:  # not revoked meanwhile
                 seq = out.seq
                 reason, error = out.finish_reason, out.error
                 if seq.grammar is not None and seq.grammar.error is not None and reason == "stop":

@@ -333,6 +333,54 @@ async def test_records_fetched_across_a_rebalance_that_gives_the_partition_back_
     assert worker.tracker.inflight(tp) == {7}
 
 
+async def test_nothing_is_written_for_a_revoked_partition_once_its_revocation_began(tiny_loaded):
+    """A revocation waits for the running step; if that outlasts the group's rebalance timeout (a slow
+    step on a loaded host) the member is expelled and another worker takes the request over meanwhile.
+    So neither that step's tokens nor the last step's may be written once the revocation began: the
+    chaos drill found a chunk written by the old owner after the new owner's takeover read, and then
+    the new owner's Completion with seq 0 (two versions of one answer in the log). A unit test with
+    stand-ins for the engine and the producer, the step held exactly while the revocation waits."""
+    from gpu_workers.sequence import Output, Sequence
+
+    model = "tiny-units"
+    tp, kept_tp = TopicPartition(inference_topic(model).name, 0), TopicPartition(inference_topic(model).name, 1)
+    engine = SimpleNamespace(queued=0, tokenizer=tiny_loaded.tokenizer, abort=lambda seq: None)
+    worker = Worker(WorkerConfig(model=model), engine, WorkerMetrics(model), "127.0.0.1:9")
+    sent: list = []
+
+    class Producer:
+        async def send(self, topic, value, key=None, partition=None, headers=None):
+            sent.append(key.decode())
+            future = asyncio.get_running_loop().create_future()
+            future.set_result(None)
+            return future
+
+        async def flush(self):
+            pass
+
+    worker.producer = Producer()
+    seqs = {}
+    for rid, at in (("revoked-one", tp), ("kept-one", kept_tp)):
+        req = request(model, "hello", 4)
+        seqs[rid] = Sequence(rid, [1, 2], max_tokens=4)
+        worker.owned[rid] = (at, 7, req, seqs[rid])
+    worker.unsent = [Output(seqs["revoked-one"], chunk_seq=0, text="A", token_ids=[49])]
+
+    await worker.step_lock.acquire()  # a step is running
+    revoking = asyncio.create_task(worker.revoked({tp}))
+    await asyncio.sleep(0.05)
+    assert not revoking.done()  # it waits for the step
+    # the step ends: the loop publishes the previous step's events, then keeps this step's
+    await worker._publish_unsent()
+    worker.unsent = [Output(seqs["revoked-one"], chunk_seq=1, text="B", token_ids=[50], finish_reason="length",
+                            completion_seq=2),
+                     Output(seqs["kept-one"], chunk_seq=0, text="C", token_ids=[51])]
+    worker.step_lock.release()
+    await asyncio.wait_for(revoking, 10)
+    assert sent == ["kept-one"]  # the kept partition's token only
+    assert "revoked-one" not in worker.owned and "kept-one" in worker.owned
+
+
 async def test_a_duplicate_arriving_while_the_original_runs_is_committed(bootstrap, unique, tiny_loaded):
     """The duplicate a processor may re-emit (README, known issues) must not hold its partition's commits."""
     model = f"tiny-{unique}"
