@@ -80,6 +80,7 @@ class Worker:
         self.epoch: dict[TopicPartition, int] = {}  # bumped when a partition is revoked
         self.step_lock = asyncio.Lock()
         self.commit_lock = asyncio.Lock()
+        self.publish_lock = asyncio.Lock()  # held while events are queued for the producer
         self.work = asyncio.Event()
         self.ready = asyncio.Event()
         self.pending_completions: set[asyncio.Task] = set()
@@ -138,7 +139,7 @@ class Worker:
             self.ready.set()
 
     async def revoked(self, tps: set[TopicPartition]) -> None:
-        """Hand partitions over cleanly: stop their requests at once, finish the step, flush what was written.
+        """Hand partitions over cleanly: stop their requests at once, flush what was written for them.
 
         Their requests stop being this worker's before anything is awaited, so nothing more is
         written for them, not even what the step running now produces: a revocation that outlasts
@@ -155,11 +156,12 @@ class Worker:
             self.engine.abort(self.owned.pop(rid)[3])
             self.parsers.pop(rid, None)
             self._end_span(rid, {"tokenstream.handed_over": True})
-        async with self.step_lock:
-            await self._publish_unsent()  # the last step's events of the partitions kept
-            for tp in tps:
-                self.tracker.drop(tp)
-                self.takeover_below.pop(tp, None)
+        for tp in tps:
+            self.tracker.drop(tp)
+            self.takeover_below.pop(tp, None)
+        # Not waiting for the running step (seconds on a loaded host, which made the member miss the
+        # rebalance timeout): only for a publish under way, so that what it queued is flushed too.
+        async with self.publish_lock:
             await self.producer.flush()
         if lost:
             log.info("worker %s gave up %d in-flight requests on rebalance", self.worker_id, len(lost))
@@ -310,6 +312,10 @@ class Worker:
         await self._publish(outputs)
 
     async def _publish(self, outputs: list[Output]) -> None:
+        async with self.publish_lock:
+            await self._publish_locked(outputs)
+
+    async def _publish_locked(self, outputs: list[Output]) -> None:
         for out in outputs:
             rid = out.seq.request_id
             owned = self.owned.get(rid)

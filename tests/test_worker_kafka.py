@@ -334,12 +334,12 @@ async def test_records_fetched_across_a_rebalance_that_gives_the_partition_back_
 
 
 async def test_nothing_is_written_for_a_revoked_partition_once_its_revocation_began(tiny_loaded):
-    """A revocation waits for the running step; if that outlasts the group's rebalance timeout (a slow
-    step on a loaded host) the member is expelled and another worker takes the request over meanwhile.
-    So neither that step's tokens nor the last step's may be written once the revocation began: the
-    chaos drill found a chunk written by the old owner after the new owner's takeover read, and then
-    the new owner's Completion with seq 0 (two versions of one answer in the log). A unit test with
-    stand-ins for the engine and the producer, the step held exactly while the revocation waits."""
+    """A revocation that waits for the running step can outlast the group's rebalance timeout (a slow
+    step on a loaded host): the member is expelled and another worker takes the request over meanwhile.
+    So the revocation must not wait for the step, and neither that step's tokens nor the last step's
+    may be written once it began: the chaos drill found a chunk written by the old owner after the
+    new owner's takeover read, and then the new owner's Completion with seq 0 (two versions of one
+    answer in the log). A unit test with stand-ins for the engine and the producer."""
     from gpu_workers.sequence import Output, Sequence
 
     model = "tiny-units"
@@ -366,17 +366,13 @@ async def test_nothing_is_written_for_a_revoked_partition_once_its_revocation_be
         worker.owned[rid] = (at, 7, req, seqs[rid])
     worker.unsent = [Output(seqs["revoked-one"], chunk_seq=0, text="A", token_ids=[49])]
 
-    await worker.step_lock.acquire()  # a step is running
-    revoking = asyncio.create_task(worker.revoked({tp}))
-    await asyncio.sleep(0.05)
-    assert not revoking.done()  # it waits for the step
-    # the step ends: the loop publishes the previous step's events, then keeps this step's
-    await worker._publish_unsent()
-    worker.unsent = [Output(seqs["revoked-one"], chunk_seq=1, text="B", token_ids=[50], finish_reason="length",
-                            completion_seq=2),
-                     Output(seqs["kept-one"], chunk_seq=0, text="C", token_ids=[51])]
-    worker.step_lock.release()
-    await asyncio.wait_for(revoking, 10)
+    async with worker.step_lock:  # a step is running: the revocation does not wait for it
+        await asyncio.wait_for(worker.revoked({tp}), 5)
+        # the step ends: the loop publishes the previous step's events, then this step's
+        await worker._publish_unsent()
+        await worker._publish([Output(seqs["revoked-one"], chunk_seq=1, text="B", token_ids=[50],
+                                      finish_reason="length", completion_seq=2),
+                               Output(seqs["kept-one"], chunk_seq=0, text="C", token_ids=[51])])
     assert sent == ["kept-one"]  # the kept partition's token only
     assert "revoked-one" not in worker.owned and "kept-one" in worker.owned
 
