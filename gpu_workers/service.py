@@ -47,6 +47,7 @@ from schemas.prompt import prompt_ids
 from topics import CONTROL, TOKENS, TOOL_CALLS, inference_topic
 
 COMPLETED_KEPT = 10_000  # request ids remembered as done, to drop a duplicate of one
+CANCELS_KEPT_S = 600.0  # a starting worker reads the cancels of this long ago (a request's whole life)
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +101,7 @@ class Worker:
         self.tokens = TokenLog(self.bootstrap)
         await self.tokens.start()
         self.control = await start_consumer(CONTROL, group=None, bootstrap=self.bootstrap)
-        for tp in self.control.assignment():
-            await self.control.position(tp)  # fixes "latest" now, so no cancel sent after start is missed
+        await self._cancels_since(time.time() - CANCELS_KEPT_S)
         self.consumer = await start_consumer(
             group=self.group, bootstrap=self.bootstrap, from_beginning=True,
             session_timeout_ms=self.cfg.session_timeout_ms, heartbeat_interval_ms=1000,
@@ -267,6 +267,19 @@ class Worker:
         if self.owned.get(request.request_id, (None,) * 4)[3] is seq:  # not revoked meanwhile
             self.engine.add(seq)
             self.work.set()
+
+    async def _cancels_since(self, since: float) -> None:
+        """Read the control topic from `since`: a cancel sent while no worker held its request (this
+        one starting, the group rebalancing) still stops it here (the engine keeps recent cancels
+        and ends such a request as soon as it arrives); otherwise a request the gateway had ended
+        with its progress deadline was generated in full by the worker that took it over."""
+        tps = list(self.control.assignment())
+        for tp in tps:
+            await self.control.position(tp)  # fixes "latest" now, so no cancel sent after start is missed
+        found = await self.control.offsets_for_times({tp: int(since * 1000) for tp in tps})
+        for tp, at in found.items():
+            if at is not None:
+                self.control.seek(tp, at.offset)
 
     async def _cancels(self, stop: asyncio.Event) -> None:
         while not stop.is_set():

@@ -202,6 +202,30 @@ async def test_cancel_on_control_topic_ends_request_as_cancelled(bootstrap, uniq
         await producer.stop()
 
 
+async def test_a_cancel_sent_before_the_worker_started_still_stops_its_request(bootstrap, unique, tiny_loaded):
+    """A cancel written while no worker held the request (the gateway's progress deadline during a
+    restart or a rebalance) ends it as cancelled on the worker that gets it later, instead of being
+    generated in full after its client was told it was cancelled."""
+    model = f"tiny-{unique}"
+    await apply([CONTROL], bootstrap)
+    producer = await start_producer(bootstrap)
+    victim, other = request(model, "a long story", 400), request(model, "another story", 8)
+    await publish(producer, CONTROL, Cancel(request_id=victim.request_id, reason="deadline"))
+    stop, task = await start_inprocess(WorkerConfig(model=model, step_delay_s=0.05), tiny_loaded, bootstrap)
+    try:
+        async with TokenReader(bootstrap) as reader:
+            for r in (victim, other):
+                await publish(producer, inference_topic(model), r)
+            await reader.until(lambda rd: rd.all_complete([victim.request_id, other.request_id]), timeout=120)
+        done = assert_gap_free(reader, victim.request_id)
+        assert done.finish_reason == "cancelled" and done.usage.completion_tokens == 0
+        assert assert_gap_free(reader, other.request_id).finish_reason in ("length", "stop")
+    finally:
+        stop.set()
+        await task
+        await producer.stop()
+
+
 def wait_for_log(roles, proc, text: str, timeout: float = 90) -> None:
     deadline = time.monotonic() + timeout
     while text not in roles.log(proc):

@@ -105,6 +105,7 @@ async def run(minutes: float, *, clients: int = 3, every_s: float = 20.0, stall_
         supervisor = asyncio.create_task(system.supervise(supervisor_stop))
         loads = [asyncio.create_task(_user(u, i, outcomes, stop, system.key)) for i, u in enumerate(users)]
         faults = await _inject(system, users, schedule, every_s, stall_s, say)
+        await _until_recovered(faults, outcomes, deadline_s)
         stop.set()
         say("chaos: faults done; waiting for the requests in flight to end")
         await asyncio.gather(*loads)
@@ -158,8 +159,19 @@ async def _inject(system, users: list[Client], schedule: tuple[str, ...], every_
         faults.append(fault)
         lasted = f" (over after {fault.ended_at - fault.at:.0f} s)" if fault.ended_at - fault.at >= 1 else ""
         say(f"chaos: {fault.kind} {fault.target} at +{fault.at - faults[0].at:.0f} s{lasted}")
-    await asyncio.sleep(min(every_s, 15))  # let the last fault's requests finish under load
     return faults
+
+
+async def _until_recovered(faults: list[Fault], outcomes: list[Outcome], timeout: float) -> None:
+    """Keep the load on until every fault has been recovered from (a request sent after it ended
+    was answered in full), or `timeout`: a fixed tail after the last fault (it was 15 s) left the
+    last faults of a run on a loaded host without a request sent after them, so "not recovered"."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        _recoveries(faults, outcomes)
+        if all(f.recovered_at is not None for f in faults):
+            return
+        await asyncio.sleep(1.0)
 
 
 def _recoveries(faults: list[Fault], outcomes: list[Outcome]) -> None:
