@@ -39,8 +39,9 @@ class LogAnswer:
         elif isinstance(event, Completion):
             self.ended, self.end_seq, self.finish_reason = True, event.seq, event.finish_reason
             self.completion_text = event.text
-        elif isinstance(event, SafetyVerdict) and event.blocked:
-            self.ended, self.end_seq, self.finish_reason = True, max(self.chunks, default=-1) + 1, "content_filter"
+        elif isinstance(event, SafetyVerdict) and event.blocked:  # a blocked input (screened in parallel):
+            cut = max(self.chunks, default=-1) + 1 if event.stage == "output" else 0  # nothing was released
+            self.ended, self.end_seq, self.finish_reason = True, cut, "content_filter"
 
     def text(self) -> str | None:
         """The answer's text, or None when it has not ended or is not consistent (see the class)."""
