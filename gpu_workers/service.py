@@ -100,7 +100,7 @@ class Worker:
         self.producer = await start_producer(self.bootstrap, linger_ms=0)
         self.tokens = TokenLog(self.bootstrap)
         await self.tokens.start()
-        self.control = await start_consumer(CONTROL, group=None, bootstrap=self.bootstrap)
+        self.control = await start_consumer(group=None, bootstrap=self.bootstrap)
         await self._cancels_since(time.time() - CANCELS_KEPT_S)
         self.consumer = await start_consumer(
             group=self.group, bootstrap=self.bootstrap, from_beginning=True,
@@ -273,26 +273,36 @@ class Worker:
         one starting, the group rebalancing) still stops it here (the engine keeps recent cancels
         and ends such a request as soon as it arrives); otherwise a request the gateway had ended
         with its progress deadline was generated in full by the worker that took it over."""
-        tps = list(self.control.assignment())
+        # assigned here, not subscribed: a subscription's assignment can still be empty right after
+        # start, and its partitions then began at "latest" later, past the cancels looked for
+        tps = [TopicPartition(CONTROL.name, p) for p in range(CONTROL.partitions)]
+        self.control.assign(tps)
         for tp in tps:
             await self.control.position(tp)  # fixes "latest" now, so no cancel sent after start is missed
         found = await self.control.offsets_for_times({tp: int(since * 1000) for tp in tps})
         for tp, at in found.items():
             if at is not None:
                 self.control.seek(tp, at.offset)
+        # taken in before the first request is: read by the running task, they raced the requests
+        # they cancel, which then began generating
+        ends = await self.control.end_offsets(tps)
+        while [tp for tp in tps if await self.control.position(tp) < ends[tp]]:
+            self._take_cancels(await self.control.getmany(timeout_ms=200))
 
     async def _cancels(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
-            batches = await self.control.getmany(timeout_ms=200)
-            for records in batches.values():
-                for rec in records:
-                    try:
-                        event = decode_record(rec, CONTROL)
-                    except DecodeError:
-                        continue
-                    if isinstance(event, Cancel):
-                        self.engine.cancel(event.request_id)
-                        self.work.set()
+            self._take_cancels(await self.control.getmany(timeout_ms=200))
+
+    def _take_cancels(self, batches: dict) -> None:
+        for records in batches.values():
+            for rec in records:
+                try:
+                    event = decode_record(rec, CONTROL)
+                except DecodeError:
+                    continue
+                if isinstance(event, Cancel):
+                    self.engine.cancel(event.request_id)
+                    self.work.set()
 
     # ---- stepping and publishing ----
     async def _steps(self, stop: asyncio.Event) -> None:
