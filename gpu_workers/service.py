@@ -50,6 +50,7 @@ from schemas.prompt import prompt_ids
 from topics import CONTROL, TOKENS, TOOL_CALLS, inference_topic
 
 COMPLETED_KEPT = 10_000  # request ids remembered as done, to drop a duplicate of one
+CANCELS_KEPT_S = 600.0  # a starting worker reads the cancels of this long ago (a request's whole life)
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,7 @@ class Worker:
         self.epoch: dict[TopicPartition, int] = {}  # bumped when a partition is revoked
         self.step_lock = asyncio.Lock()
         self.commit_lock = asyncio.Lock()
+        self.publish_lock = asyncio.Lock()  # held while events are queued for the producer
         self.work = asyncio.Event()
         self.ready = asyncio.Event()
         self.pending_completions: set[asyncio.Task] = set()
@@ -104,9 +106,8 @@ class Worker:
         self.producer = await start_producer(self.bootstrap)
         self.tokens = TokenLog(self.bootstrap)
         await self.tokens.start()
-        self.control = await start_consumer(CONTROL, group=None, bootstrap=self.bootstrap)
-        for tp in self.control.assignment():
-            await self.control.position(tp)  # fixes "latest" now, so no cancel sent after start is missed
+        self.control = await start_consumer(group=None, bootstrap=self.bootstrap)
+        await self._cancels_since(time.time() - CANCELS_KEPT_S)
         client_id = member_client_id("worker")
         self.consumer = await start_consumer(
             group=self.group, bootstrap=self.bootstrap, from_beginning=True,
@@ -151,21 +152,29 @@ class Worker:
             self.ready.set()
 
     async def revoked(self, tps: set[TopicPartition]) -> None:
-        """Hand partitions over cleanly: stop their requests, finish the step, flush what was written."""
+        """Hand partitions over cleanly: stop their requests at once, flush what was written for them.
+
+        Their requests stop being this worker's before anything is awaited, so nothing more is
+        written for them, not even what the step running now produces: a revocation that outlasts
+        the group's rebalance timeout (a slow step on a loaded host) gets this member expelled
+        and the partitions handed to another worker meanwhile; a token written after that came
+        behind the new owner's takeover read, which had started the request afresh, and the log
+        held two versions of its answer (the chaos drill saw a chunk "A" and then a Completion
+        with seq 0 from the new owner). The new owner regenerates what was not written.
+        """
         for tp in tps:
             self.epoch[tp] = self.epoch.get(tp, 0) + 1
         lost = [rid for rid, (tp, *_) in self.owned.items() if tp in tps]
         for rid in lost:
-            self.engine.abort(self.owned[rid][3])
-        async with self.step_lock:
-            await self._publish_unsent()  # what the last step produced for them is written first
-            for tp in tps:
-                self.tracker.drop(tp)
-                self.takeover_below.pop(tp, None)
-            for rid in lost:
-                self.owned.pop(rid, None)
-                self.parsers.pop(rid, None)
-                self._end_span(rid, {"tokenstream.handed_over": True})
+            self.engine.abort(self.owned.pop(rid)[3])
+            self.parsers.pop(rid, None)
+            self._end_span(rid, {"tokenstream.handed_over": True})
+        for tp in tps:
+            self.tracker.drop(tp)
+            self.takeover_below.pop(tp, None)
+        # Not waiting for the running step (seconds on a loaded host, which made the member miss the
+        # rebalance timeout): only for a publish under way, so that what it queued is flushed too.
+        async with self.publish_lock:
             await self.producer.flush()
         if lost:
             log.info("worker %s gave up %d in-flight requests on rebalance", self.worker_id, len(lost))
@@ -272,18 +281,41 @@ class Worker:
             self.engine.add(seq)
             self.work.set()
 
+    async def _cancels_since(self, since: float) -> None:
+        """Read the control topic from `since`: a cancel sent while no worker held its request (this
+        one starting, the group rebalancing) still stops it here (the engine keeps recent cancels
+        and ends such a request as soon as it arrives); otherwise a request the gateway had ended
+        with its progress deadline was generated in full by the worker that took it over."""
+        # assigned here, not subscribed: a subscription's assignment can still be empty right after
+        # start, and its partitions then began at "latest" later, past the cancels looked for
+        tps = [TopicPartition(CONTROL.name, p) for p in range(CONTROL.partitions)]
+        self.control.assign(tps)
+        for tp in tps:
+            await self.control.position(tp)  # fixes "latest" now, so no cancel sent after start is missed
+        found = await self.control.offsets_for_times({tp: int(since * 1000) for tp in tps})
+        for tp, at in found.items():
+            if at is not None:
+                self.control.seek(tp, at.offset)
+        # taken in before the first request is: read by the running task, they raced the requests
+        # they cancel, which then began generating
+        ends = await self.control.end_offsets(tps)
+        while [tp for tp in tps if await self.control.position(tp) < ends[tp]]:
+            self._take_cancels(await self.control.getmany(timeout_ms=200))
+
     async def _cancels(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
-            batches = await self.control.getmany(timeout_ms=200)
-            for records in batches.values():
-                for rec in records:
-                    try:
-                        event = decode_record(rec, CONTROL)
-                    except DecodeError:
-                        continue
-                    if isinstance(event, Cancel):
-                        self.engine.cancel(event.request_id)
-                        self.work.set()
+            self._take_cancels(await self.control.getmany(timeout_ms=200))
+
+    def _take_cancels(self, batches: dict) -> None:
+        for records in batches.values():
+            for rec in records:
+                try:
+                    event = decode_record(rec, CONTROL)
+                except DecodeError:
+                    continue
+                if isinstance(event, Cancel):
+                    self.engine.cancel(event.request_id)
+                    self.work.set()
 
     # ---- stepping and publishing ----
     async def _steps(self, stop: asyncio.Event) -> None:
@@ -317,11 +349,15 @@ class Worker:
         await self._publish(outputs)
 
     async def _publish(self, outputs: list[Output]) -> None:
+        async with self.publish_lock:
+            await self._publish_locked(outputs)
+
+    async def _publish_locked(self, outputs: list[Output]) -> None:
         for out in outputs:
             rid = out.seq.request_id
             owned = self.owned.get(rid)
-            if owned is None:
-                continue  # aborted: its partition belongs to another worker now
+            if owned is None or owned[3] is not out.seq:
+                continue  # aborted: its partition belongs to another worker now (or it was taken over afresh)
             tp, offset, request, _ = owned
             parser = self.parsers.get(rid)
             span = self.spans.get(rid)
@@ -338,7 +374,7 @@ class Worker:
                                    raw=raw, worker_id=self.worker_id)
                 await publish(self.producer, TOKENS, chunk, partition=request.reply_partition, wait=False,
                               trace=chunk_trace)
-            if out.finish_reason is not None:
+            if out.finish_reason is not None and self.owned.get(rid) is owned:  # not revoked meanwhile
                 seq = out.seq
                 reason, error = out.finish_reason, out.error
                 if seq.grammar is not None and seq.grammar.error is not None and reason == "stop":

@@ -202,6 +202,30 @@ async def test_cancel_on_control_topic_ends_request_as_cancelled(bootstrap, uniq
         await producer.stop()
 
 
+async def test_a_cancel_sent_before_the_worker_started_still_stops_its_request(bootstrap, unique, tiny_loaded):
+    """A cancel written while no worker held the request (the gateway's progress deadline during a
+    restart or a rebalance) ends it as cancelled on the worker that gets it later, instead of being
+    generated in full after its client was told it was cancelled."""
+    model = f"tiny-{unique}"
+    await apply([CONTROL], bootstrap)
+    producer = await start_producer(bootstrap)
+    victim, other = request(model, "a long story", 400), request(model, "another story", 8)
+    await publish(producer, CONTROL, Cancel(request_id=victim.request_id, reason="deadline"))
+    stop, task = await start_inprocess(WorkerConfig(model=model, step_delay_s=0.05), tiny_loaded, bootstrap)
+    try:
+        async with TokenReader(bootstrap) as reader:
+            for r in (victim, other):
+                await publish(producer, inference_topic(model), r)
+            await reader.until(lambda rd: rd.all_complete([victim.request_id, other.request_id]), timeout=120)
+        done = assert_gap_free(reader, victim.request_id)
+        assert done.finish_reason == "cancelled" and done.usage.completion_tokens == 0
+        assert assert_gap_free(reader, other.request_id).finish_reason in ("length", "stop")
+    finally:
+        stop.set()
+        await task
+        await producer.stop()
+
+
 def wait_for_log(roles, proc, text: str, timeout: float = 90) -> None:
     deadline = time.monotonic() + timeout
     while text not in roles.log(proc):
@@ -331,6 +355,50 @@ async def test_records_fetched_across_a_rebalance_that_gives_the_partition_back_
     await asyncio.wait_for(worker._consume(stop), 10)
     assert [seq.request_id for seq in started] == [req.request_id]
     assert worker.tracker.inflight(tp) == {7}
+
+
+async def test_nothing_is_written_for_a_revoked_partition_once_its_revocation_began(tiny_loaded):
+    """A revocation that waits for the running step can outlast the group's rebalance timeout (a slow
+    step on a loaded host): the member is expelled and another worker takes the request over meanwhile.
+    So the revocation must not wait for the step, and neither that step's tokens nor the last step's
+    may be written once it began: the chaos drill found a chunk written by the old owner after the
+    new owner's takeover read, and then the new owner's Completion with seq 0 (two versions of one
+    answer in the log). A unit test with stand-ins for the engine and the producer."""
+    from gpu_workers.sequence import Output, Sequence
+
+    model = "tiny-units"
+    tp, kept_tp = TopicPartition(inference_topic(model).name, 0), TopicPartition(inference_topic(model).name, 1)
+    engine = SimpleNamespace(queued=0, tokenizer=tiny_loaded.tokenizer, abort=lambda seq: None)
+    worker = Worker(WorkerConfig(model=model), engine, WorkerMetrics(model), "127.0.0.1:9")
+    sent: list = []
+
+    class Producer:
+        async def send(self, topic, value, key=None, partition=None, headers=None):
+            sent.append(key.decode())
+            future = asyncio.get_running_loop().create_future()
+            future.set_result(None)
+            return future
+
+        async def flush(self):
+            pass
+
+    worker.producer = Producer()
+    seqs = {}
+    for rid, at in (("revoked-one", tp), ("kept-one", kept_tp)):
+        req = request(model, "hello", 4)
+        seqs[rid] = Sequence(rid, [1, 2], max_tokens=4)
+        worker.owned[rid] = (at, 7, req, seqs[rid])
+    worker.unsent = [Output(seqs["revoked-one"], chunk_seq=0, text="A", token_ids=[49])]
+
+    async with worker.step_lock:  # a step is running: the revocation does not wait for it
+        await asyncio.wait_for(worker.revoked({tp}), 5)
+        # the step ends: the loop publishes the previous step's events, then this step's
+        await worker._publish_unsent()
+        await worker._publish([Output(seqs["revoked-one"], chunk_seq=1, text="B", token_ids=[50],
+                                      finish_reason="length", completion_seq=2),
+                               Output(seqs["kept-one"], chunk_seq=0, text="C", token_ids=[51])])
+    assert sent == ["kept-one"]  # the kept partition's token only
+    assert "revoked-one" not in worker.owned and "kept-one" in worker.owned
 
 
 async def test_a_duplicate_arriving_while_the_original_runs_is_committed(bootstrap, unique, tiny_loaded):

@@ -161,8 +161,8 @@ CONTROL = TopicSpec(
     _retained(1),
     writers=(Writer("gateway", "client disconnected past the grace period, or the cancel endpoint"),
              Writer("safety processor", "an output window was blocked")),
-    readers=(Reader("gpu worker", None, "every worker reads every partition from the latest offset; "
-                    "nothing committed"), AUDITOR),
+    readers=(Reader("gpu worker", None, "every worker reads every partition from 10 minutes before it "
+                    "started (the cancels sent while no worker held a request); nothing committed"), AUDITOR),
 )
 VERDICTS = TopicSpec(
     "ts.safety.verdicts", 12, "request_id", (SafetyVerdict,),

@@ -37,12 +37,14 @@ def as_dict(report) -> dict:
     v = report.verdict
     recoveries = [f.recovery_s for f in report.faults if f.recovery_s is not None]
     return {
-        "seconds": round(report.seconds, 1), "ok": report.ok,
+        "seconds": round(report.seconds, 1), "ok": report.ok, "fault_every_s": round(report.every_s, 2),
         "faults": [{"kind": f.kind, "target": f.target, "recovery_s": f.recovery_s and round(f.recovery_s, 2)}
                    for f in report.faults],
         "requests": {"admitted": v.admitted, "completed": v.completed, "refused": report.refused,
-                     "unacknowledged": report.unacknowledged, "resumes": report.resumes},
-        "lost": v.lost, "unfinished": v.unfinished, "duplicated": v.duplicates,
+                     "unacknowledged": report.unacknowledged, "resumes": report.resumes,
+                     "interrupted": v.interrupted},
+        "lost": v.lost, "differs": v.differs, "log_inconsistent": v.inconsistent, "unfinished": v.unfinished,
+        "duplicated": v.duplicates,
         "worst_recovery_s": round(max(recoveries), 2) if recoveries else None,
         "lag_left": report.lag_left, "running_left": report.running_left, "logs": report.logs,
     }
@@ -58,12 +60,16 @@ def print_report(report) -> None:
     kinds = Counter(f["kind"] for f in d["faults"])
     table = Table("measure", "value", title="chaos drill")
     rows = [("duration", f"{d['seconds']:.0f} s"),
-            ("faults", ", ".join(f"{n} {k}" for k, n in kinds.items()) or "none"),
+            ("faults", (", ".join(f"{n} {k}" for k, n in kinds.items()) or "none")
+             + f" (one every {d['fault_every_s']:.1f} s)"),
             ("requests admitted / completed", f"{d['requests']['admitted']} / {d['requests']['completed']}"),
             ("refused at admission (429/503)", str(d["requests"]["refused"])),
             ("dropped before an id arrived", str(d["requests"]["unacknowledged"])),
+            ("interrupted (error event or drop), resumed", str(d["requests"]["interrupted"])),
             ("resumes", str(d["requests"]["resumes"])),
-            ("lost (client text != log)", str(len(d["lost"]))),
+            ("lost (client text short of the log's)", str(len(d["lost"]))),
+            ("differs (client text not the log's)", str(len(d["differs"]))),
+            ("log inconsistent (not one answer)", str(len(d["log_inconsistent"]))),
             ("unfinished within the deadline", str(len(d["unfinished"]))),
             ("duplicated", str(len(d["duplicated"]))),
             ("worst recovery", f"{d['worst_recovery_s']} s"),

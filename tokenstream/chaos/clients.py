@@ -1,5 +1,6 @@
 """Streaming chat clients that behave like a patient user of the SDK: when a connection drops
-mid-answer they resume with Last-Event-ID on any gateway until the answer ends or a deadline."""
+mid-answer, or the stream ends with an error event (the gateway's progress deadline, a slow reader
+dropped), they resume with Last-Event-ID on any gateway until [DONE] or a deadline."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ class Outcome:
     finished_at: float | None = None
     resumes: int = 0
     errors: list[str] = field(default_factory=list)
+    error_texts: list[str] = field(default_factory=list)  # the text held at each error event or drop
 
     @property
     def text(self) -> str:
@@ -89,6 +91,7 @@ class Client:
                 self.unacknowledged += 1
                 return None
             outcome.errors.append(f"connection lost: {type(exc).__name__}")
+            outcome.error_texts.append(outcome.text)
         if outcome is None:
             self.refused += 1
             return None
@@ -100,8 +103,9 @@ class Client:
         if data == "[DONE]":
             outcome.done, outcome.finished_at = True, time.time()
             return False
-        if event_id is None:  # an error event (no id: it is not part of the answer)
+        if event_id is None:  # an error event (no id: it is not part of the answer); the client resumes
             outcome.errors.append(data[:200])
+            outcome.error_texts.append(outcome.text)
             return False
         position = int(event_id.rpartition(":")[2])
         if outcome.frames and position <= outcome.frames[-1][0]:

@@ -11,20 +11,50 @@ from tokenstream.chaos.clients import Outcome
 
 @dataclass
 class LogAnswer:
-    """One request's answer as ts.tokens holds it (duplicates folded by seq)."""
+    """One request's answer as ts.tokens holds it, in log order (duplicates folded by seq).
+
+    The answer ends at the first Completion, or at a blocking output verdict (the gateway cuts the
+    stream there, as `gateway.framing` does; the worker may write on until it is cancelled). It is
+    consistent when the chunks before that end are exactly seq 0..n-1, no seq was written twice
+    with different text, and, for a Completion with seq n, no chunk has a seq of n or more (before
+    or after it) and the Completion's own text is theirs.
+    """
 
     chunks: dict[int, str] = field(default_factory=dict)
     conflicts: int = 0  # the same seq written twice with different text
-    completion_seq: int | None = None
+    ended: bool = False
+    end_seq: int | None = None  # the Completion's seq, or one past the last chunk before a blocking verdict
     finish_reason: str | None = None
+    completion_text: str | None = None
+
+    def add(self, event) -> None:
+        from schemas import Completion, SafetyVerdict, TokenChunk
+
+        if isinstance(event, TokenChunk):
+            if event.seq in self.chunks and self.chunks[event.seq] != event.text:
+                self.conflicts += 1
+            self.chunks.setdefault(event.seq, event.text)
+        elif self.ended:
+            return
+        elif isinstance(event, Completion):
+            self.ended, self.end_seq, self.finish_reason = True, event.seq, event.finish_reason
+            self.completion_text = event.text
+        elif isinstance(event, SafetyVerdict) and event.blocked:  # a blocked input (screened in parallel):
+            cut = max(self.chunks, default=-1) + 1 if event.stage == "output" else 0  # nothing was released
+            self.ended, self.end_seq, self.finish_reason = True, cut, "content_filter"
 
     def text(self) -> str | None:
-        """The answer's text, or None when the chunks before the completion are not contiguous."""
-        if self.completion_seq is None:
+        """The answer's text, or None when it has not ended or is not consistent (see the class)."""
+        if not self.ended or self.end_seq is None or self.conflicts:
             return None
-        if sorted(self.chunks) != list(range(self.completion_seq)):
+        held = sorted(self.chunks) if self.completion_text is not None else sorted(
+            s for s in self.chunks if s < self.end_seq)
+        if held != list(range(self.end_seq)):
             return None
-        return "".join(self.chunks[s] for s in range(self.completion_seq))
+        text = "".join(self.chunks[s] for s in range(self.end_seq))
+        if self.completion_text is not None and self.completion_text != text:
+            return None
+        return text
 
 
 async def read_answers(bootstrap: str, rids: set[str], since: float) -> dict[str, LogAnswer]:
@@ -32,7 +62,7 @@ async def read_answers(bootstrap: str, rids: set[str], since: float) -> dict[str
     from aiokafka import AIOKafkaConsumer
     from aiokafka.structs import TopicPartition
 
-    from schemas import Completion, DecodeError, TokenChunk, decode
+    from schemas import DecodeError, decode
     from topics import TOKENS
 
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False,
@@ -53,15 +83,9 @@ async def read_answers(bootstrap: str, rids: set[str], since: float) -> dict[str
                     answer = answers.get((record.key or b"").decode())
                     if answer is not None:
                         try:
-                            event = decode(record.value or b"", *TOKENS.events)
+                            answer.add(decode(record.value or b"", *TOKENS.events))
                         except DecodeError:
-                            continue
-                        if isinstance(event, TokenChunk):
-                            if event.seq in answer.chunks and answer.chunks[event.seq] != event.text:
-                                answer.conflicts += 1
-                            answer.chunks.setdefault(event.seq, event.text)
-                        elif isinstance(event, Completion) and answer.completion_seq is None:
-                            answer.completion_seq, answer.finish_reason = event.seq, event.finish_reason
+                            pass
                     if record.offset + 1 >= ends[tp]:
                         remaining.discard(tp)
     finally:
@@ -71,25 +95,50 @@ async def read_answers(bootstrap: str, rids: set[str], since: float) -> dict[str
 
 @dataclass
 class Verdict:
+    """The guarantee, request by request: every admitted request ends, for a client that resumes
+    (Last-Event-ID, on any gateway) after a dropped connection or an error event, with [DONE] and
+    exactly the text the log holds for it, each position once; what the client held at any error
+    event was a prefix of that text; and the log holds one consistent answer (see LogAnswer)."""
+
     admitted: int = 0
     completed: int = 0
-    lost: list[str] = field(default_factory=list)        # the client's text differs from the log's
-    unfinished: list[str] = field(default_factory=list)  # no [DONE] within the deadline
-    duplicates: list[str] = field(default_factory=list)  # a frame delivered twice, or seq conflicts
+    lost: list[str] = field(default_factory=list)          # the client's text is short of the log's
+    differs: list[str] = field(default_factory=list)       # the client's text is not the log's, nor a prefix of it
+    inconsistent: list[str] = field(default_factory=list)  # the log does not hold one consistent answer
+    unfinished: list[str] = field(default_factory=list)    # no [DONE] within the deadline
+    duplicates: list[str] = field(default_factory=list)    # a position delivered twice, or seq conflicts
+    interrupted: int = 0  # requests whose client got an error event or lost its connection, and resumed
+
+    @property
+    def broken(self) -> bool:
+        return bool(self.lost or self.differs or self.inconsistent or self.unfinished or self.duplicates)
 
 
 def judge(outcomes: list[Outcome], answers: dict[str, LogAnswer]) -> Verdict:
     v = Verdict(admitted=len(outcomes))
     for o in outcomes:
         answer = answers.get(o.rid, LogAnswer())
+        logged = answer.text()
+        if o.error_texts:
+            v.interrupted += 1
         if any("delivered again" in e for e in o.errors) or answer.conflicts:
             v.duplicates.append(o.rid)
+        if (answer.ended and logged is None) or (o.done and not answer.ended):
+            v.inconsistent.append(o.rid)  # (a [DONE] with no end in the log is as wrong)
         if not o.done:
             v.unfinished.append(o.rid)
             continue
         v.completed += 1
-        if answer.text() != o.text:
+        if logged is None or o.text == logged:
+            continue
+        if logged.startswith(o.text):
             v.lost.append(o.rid)
+        else:
+            v.differs.append(o.rid)
+    for o in outcomes:  # at an error event the client held part of the answer, never something else
+        logged = answers.get(o.rid, LogAnswer()).text()
+        if logged is not None and o.rid not in v.differs and any(not logged.startswith(t) for t in o.error_texts):
+            v.differs.append(o.rid)
     return v
 
 

@@ -37,6 +37,7 @@ class Process:
     starts: int = 0
     started_at: float = 0.0
     backoff_s: float = 1.0
+    killed: bool = False  # by kill9(): an injected fault, not a crash loop
     logs: list[Path] = field(default_factory=list)
 
     @property
@@ -81,12 +82,16 @@ class LocalSystem:
     def kill9(self, name: str) -> None:
         proc = self.procs[name]
         if proc.alive:
+            proc.killed = True
             os.killpg(proc.popen.pid, signal.SIGKILL)
             proc.popen.wait()
 
     async def supervise(self, stop: asyncio.Event, first_backoff_s: float = 1.0, most_s: float = 30.0) -> None:
         """Start again every process that exited, after a back-off that doubles while it keeps
-        exiting within a minute of its start (and resets once it stays up)."""
+        exiting by itself within a minute of its start (and resets once it stays up). A process
+        killed by `kill9` is started again after the first back-off: an injected fault is no crash
+        loop (doubled, a role killed twice within a minute stayed down up to 30 s, longer than
+        the fault it stood for)."""
         died: dict[str, float] = {}
         while not stop.is_set():
             now = time.monotonic()
@@ -95,6 +100,8 @@ class LocalSystem:
                     if now - proc.started_at > 60:
                         proc.backoff_s = first_backoff_s
                     continue
+                if proc.killed:
+                    proc.killed, proc.backoff_s = False, first_backoff_s
                 since = died.setdefault(proc.name, now)
                 if now - since >= proc.backoff_s:
                     del died[proc.name]
