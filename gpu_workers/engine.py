@@ -185,7 +185,9 @@ class Engine:
             elif budget > 0:
                 n = min(seq.pending, budget)
                 budget -= n
-                chunks.append((seq, n))
+                # a 1-token chunk (the budget's last token) has a decode's shape and is run as one:
+                # it must sit among the decodes, in slot order, before the packed chunks
+                (decodes if n == 1 else chunks).append((seq, n))
         decodes.sort(key=lambda r: r[0].slot)
         return decodes + chunks
 

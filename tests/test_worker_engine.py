@@ -257,3 +257,16 @@ def test_kv_pool_dtype_is_what_the_key_projection_returns(tiny):
         assert PagedKVCache.model_shape(tiny.model)[3] == torch.bfloat16
     finally:
         attn.k_proj = real
+
+
+def test_a_one_token_prefill_chunk_is_attended_as_the_decode_it_is(tiny):
+    """prefill_chunk 5: a's 4-token prompt leaves b a 1-token chunk in the same step. That row has a
+    decode's shape and must sit among the decodes in slot order (it once sat after the chunks, so
+    attention read another row's query for it, or indexed past its slot range)."""
+    a, b, c = greedy("a", ids(4), 6), greedy("b", ids(10, start=300), 6), greedy("c", ids(3, start=900), 6)
+    eng = engine(tiny, prefill_chunk=5)
+    eng.generate([a, b])
+    eng.generate([c])
+    assert a.generated == run_alone(tiny, greedy("a", ids(4), 6))
+    assert b.generated == run_alone(tiny, greedy("b", ids(10, start=300), 6))
+    assert c.generated == run_alone(tiny, greedy("c", ids(3, start=900), 6))
