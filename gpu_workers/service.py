@@ -72,6 +72,7 @@ class Worker:
         self.cfg = cfg
         self.health = health or WorkerHealth(cfg)
         self.health.engine = engine
+        self.watch: GroupWatch | None = None  # the group's standing for /health/ready, set by run()
         self.engine = engine
         self.metrics = metrics
         self.bootstrap = bootstrap
@@ -148,7 +149,8 @@ class Worker:
         log.info("worker %s assigned %d partitions of %s", self.worker_id, len(tps), self.spec.name)
         if not self.ready.is_set():
             log.info("worker ready: %s in group %s", self.worker_id, self.group)
-            self.health.standing = self.watch.standing
+            if self.watch is not None:
+                self.health.standing = self.watch.standing
             self.ready.set()
 
     async def revoked(self, tps: set[TopicPartition]) -> None:
