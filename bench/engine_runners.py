@@ -59,6 +59,7 @@ def run_tokenstream(spec: dict) -> dict:
     seqs = {r["rid"]: Sequence(r["rid"], r["prompt_ids"], max_tokens=r["max_tokens"], temperature=0)
             for r in reqs}
     times: dict[str, list[float]] = {r["rid"]: [] for r in reqs}
+    steps0 = eng.steps
     t0 = time.perf_counter()
     i = 0
     while i < len(reqs) or eng.has_work:
@@ -81,7 +82,7 @@ def run_tokenstream(spec: dict) -> dict:
     info = {"engine": "tokenstream Engine (in-process)", "torch": torch.__version__, "dtype": loaded.dtype,
             "threads": torch.get_num_threads(), "max_running": spec["max_running"],
             "prefill_chunk": spec["prefill_chunk"], "kv_pages": cache.allocator.num_blocks,
-            "page_size": cache.block_size, "prefix_cache": prefix is not None, "steps": eng.steps}
+            "page_size": cache.block_size, "prefix_cache": prefix is not None, "steps": eng.steps - steps0}
     if prefix is not None:
         info["prefix_cache_hit_tokens"] = prefix.hit_tokens
     return {"requests": [{"rid": rid, "times": times[rid], "tokens": seqs[rid].generated} for rid in times],
