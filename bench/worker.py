@@ -167,8 +167,16 @@ def run_static(model, tok, work: list[Work], bpt: int, eos: set[int], batch: int
     return res
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads) a process has used so far (Linux /proc)."""
+    import os
+
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 async def run_worker_bench(loaded, work: list[Work], bootstrap: str, max_running: int,
-                           prefill_chunk: int) -> Result:
+                           prefill_chunk: int, broker_pid: int | None = None) -> Result:
     import asyncio
 
     from aiokafka import AIOKafkaConsumer
@@ -253,6 +261,8 @@ async def run_worker_bench(loaded, work: list[Work], bootstrap: str, max_running
 
     await asyncio.wait_for(warm_up(), 600)
     steps0 = engine.steps
+    cpu0 = time.process_time()
+    broker0 = process_cpu_s(broker_pid) if broker_pid else None
     t0 = time.perf_counter()
     feeder = asyncio.create_task(feed())
     sampler = asyncio.create_task(sample_memory())
@@ -268,6 +278,9 @@ async def run_worker_bench(loaded, work: list[Work], bootstrap: str, max_running
                 else:
                     chunks[ev.request_id].append((now, len(ev.token_ids)))
     res.wall_s = time.perf_counter() - t0
+    cpu = {"process_cpu_s": round(time.process_time() - cpu0, 2)}  # the worker, the client and torch's threads
+    if broker0 is not None:  # the broker shares the cores here: its CPU during the measured run
+        cpu["broker_cpu_s"] = round(process_cpu_s(broker_pid) - broker0, 2)
     await feeder
     await sampler
     for w in work:
@@ -278,7 +291,7 @@ async def run_worker_bench(loaded, work: list[Work], bootstrap: str, max_running
             for (a, _), (b, n) in zip(c, c[1:]):
                 res.itl += [(b - a) / max(n, 1)] * max(n, 1)
     res.extra = {"max_batch": peak["running"], "peak_kv_usage": round(peak["kv"], 3),
-                 "kv_pool_mib": round(engine.cache.nbytes() / 2**20, 1), "steps": engine.steps - steps0}
+                 "kv_pool_mib": round(engine.cache.nbytes() / 2**20, 1), "steps": engine.steps - steps0, **cpu}
     await consumer.stop()
     await producer.stop()
     stop.set()
