@@ -222,7 +222,7 @@ async def run_worker_bench(loaded, work: list[Work], bootstrap: str, max_running
     async def warm_up() -> None:
         """Untimed, like the in-process runner's warm-up request: the engine's first forwards, the
         worker's publish and commit paths and a broker started seconds ago (its JVM compiles its
-        produce and fetch paths under the first few thousand requests, on the same cores as the
+        produce and fetch paths under its first requests, on the same cores as the
         engine) are start-up costs, not the worker's serving rate. Then the prefix cache is emptied,
         as the in-process runner does, so no measured request finds pages of the warm-up."""
         warm = [Work(f"warm-{i}", 0.0, w.messages, min(w.max_tokens, WARM_TOKENS), w.prompt_ids)
