@@ -59,6 +59,8 @@ def run_tokenstream(spec: dict) -> dict:
     seqs = {r["rid"]: Sequence(r["rid"], r["prompt_ids"], max_tokens=r["max_tokens"], temperature=0)
             for r in reqs}
     times: dict[str, list[float]] = {r["rid"]: [] for r in reqs}
+    steps0 = eng.steps
+    cpu0 = time.process_time()
     t0 = time.perf_counter()
     i = 0
     while i < len(reqs) or eng.has_work:
@@ -78,10 +80,12 @@ def run_tokenstream(spec: dict) -> dict:
             if new > 0:
                 times[rid] += [stamp] * new
     wall = time.perf_counter() - t0
+    cpu = round(time.process_time() - cpu0, 2)
     info = {"engine": "tokenstream Engine (in-process)", "torch": torch.__version__, "dtype": loaded.dtype,
             "threads": torch.get_num_threads(), "max_running": spec["max_running"],
             "prefill_chunk": spec["prefill_chunk"], "kv_pages": cache.allocator.num_blocks,
-            "page_size": cache.block_size, "prefix_cache": prefix is not None, "steps": eng.steps}
+            "page_size": cache.block_size, "prefix_cache": prefix is not None, "steps": eng.steps - steps0,
+            "process_cpu_s": cpu}
     if prefix is not None:
         info["prefix_cache_hit_tokens"] = prefix.hit_tokens
     return {"requests": [{"rid": rid, "times": times[rid], "tokens": seqs[rid].generated} for rid in times],
@@ -177,7 +181,7 @@ def run_worker(spec: dict) -> dict:
         stack.kafka.start(lambda m: print(m, file=sys.stderr, flush=True))
         try:
             res = asyncio.run(run_worker_bench(loaded, work, stack.kafka.address, spec["max_running"],
-                                               spec["prefill_chunk"]))
+                                               spec["prefill_chunk"], broker_pid=stack.kafka.pid()))
         finally:
             stack.kafka.stop(lambda m: None)
     info = {"engine": "worker via Kafka (run_worker in-process, client on ts.tokens)", "torch": torch.__version__,

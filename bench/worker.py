@@ -25,6 +25,7 @@ import typer
 from bench.stats import inclusive
 
 RESULTS = Path(__file__).parent / "results" / "worker.json"
+WARM_REQUESTS, WARM_TOKENS = 16, 16  # the worker's untimed warm-up through Kafka (run_worker_bench)
 SUBJECTS = ["Kafka consumer groups", "the water cycle", "Roman aqueducts", "sourdough bread", "black holes",
             "the French revolution", "photosynthesis", "TCP congestion control", "honey bees", "chess openings",
             "volcanoes", "the printing press", "GPU memory", "jazz harmony", "glaciers", "compound interest"]
@@ -166,8 +167,16 @@ def run_static(model, tok, work: list[Work], bpt: int, eos: set[int], batch: int
     return res
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads) a process has used so far (Linux /proc)."""
+    import os
+
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 async def run_worker_bench(loaded, work: list[Work], bootstrap: str, max_running: int,
-                           prefill_chunk: int) -> Result:
+                           prefill_chunk: int, broker_pid: int | None = None) -> Result:
     import asyncio
 
     from aiokafka import AIOKafkaConsumer
@@ -205,17 +214,41 @@ async def run_worker_bench(loaded, work: list[Work], bootstrap: str, max_running
     page_bytes = engine.cache.nbytes() / engine.cache.allocator.num_blocks
     peak = {"running": 0, "kv": 0.0}
 
+    def request(i: int, w: Work) -> InferenceRequest:
+        return InferenceRequest(request_id=w.rid, model=cfg.model, reply_partition=i % TOKENS.partitions,
+                                messages=[ChatMessage(**m) for m in w.messages],
+                                sampling=SamplingParams(max_tokens=w.max_tokens, temperature=0))
+
+    async def warm_up() -> None:
+        """Untimed, like the in-process runner's warm-up request: the engine's first forwards, the
+        worker's publish and commit paths and a broker started seconds ago (its JVM compiles its
+        produce and fetch paths under its first requests, on the same cores as the
+        engine) are start-up costs, not the worker's serving rate. Then the prefix cache is emptied,
+        as the in-process runner does, so no measured request finds pages of the warm-up."""
+        warm = [Work(f"warm-{i}", 0.0, w.messages, min(w.max_tokens, WARM_TOKENS), w.prompt_ids)
+                for i, w in enumerate(work[:WARM_REQUESTS])]
+        pending = {w.rid for w in warm}
+        for i, w in enumerate(warm):
+            await publish(producer, inference_topic(cfg.model), request(i, w), wait=False)
+        while pending:
+            for records in (await consumer.getmany(timeout_ms=100)).values():
+                for rec in records:
+                    ev = decode_record(rec, TOKENS)
+                    if isinstance(ev, Completion):
+                        pending.discard(ev.request_id)
+        while engine.has_work:  # the warm-up's last step: the engine idles before the clock starts
+            await asyncio.sleep(0.01)
+        if engine.prefix_cache is not None:
+            engine.prefix_cache.clear()
+
     async def feed():
         t0 = time.perf_counter()
         for i, w in enumerate(work):
             wait = w.arrival - (time.perf_counter() - t0)
             if wait > 0:
                 await asyncio.sleep(wait)
-            req = InferenceRequest(request_id=w.rid, model=cfg.model, reply_partition=i % TOKENS.partitions,
-                                   messages=[ChatMessage(**m) for m in w.messages],
-                                   sampling=SamplingParams(max_tokens=w.max_tokens, temperature=0))
             sent[w.rid] = time.perf_counter()
-            await publish(producer, inference_topic(cfg.model), req, wait=False)
+            await publish(producer, inference_topic(cfg.model), request(i, w), wait=False)
 
     async def sample_memory():
         while len(done) < len(work):
@@ -226,6 +259,10 @@ async def run_worker_bench(loaded, work: list[Work], bootstrap: str, max_running
                 peak["kv"] = max(peak["kv"], engine.cache.usage())
             await asyncio.sleep(0.1)
 
+    await asyncio.wait_for(warm_up(), 600)
+    steps0 = engine.steps
+    cpu0 = time.process_time()
+    broker0 = process_cpu_s(broker_pid) if broker_pid else None
     t0 = time.perf_counter()
     feeder = asyncio.create_task(feed())
     sampler = asyncio.create_task(sample_memory())
@@ -241,6 +278,9 @@ async def run_worker_bench(loaded, work: list[Work], bootstrap: str, max_running
                 else:
                     chunks[ev.request_id].append((now, len(ev.token_ids)))
     res.wall_s = time.perf_counter() - t0
+    cpu = {"process_cpu_s": round(time.process_time() - cpu0, 2)}  # the worker, the client and torch's threads
+    if broker0 is not None:  # the broker shares the cores here: its CPU during the measured run
+        cpu["broker_cpu_s"] = round(process_cpu_s(broker_pid) - broker0, 2)
     await feeder
     await sampler
     for w in work:
@@ -251,7 +291,7 @@ async def run_worker_bench(loaded, work: list[Work], bootstrap: str, max_running
             for (a, _), (b, n) in zip(c, c[1:]):
                 res.itl += [(b - a) / max(n, 1)] * max(n, 1)
     res.extra = {"max_batch": peak["running"], "peak_kv_usage": round(peak["kv"], 3),
-                 "kv_pool_mib": round(engine.cache.nbytes() / 2**20, 1), "steps": engine.steps}
+                 "kv_pool_mib": round(engine.cache.nbytes() / 2**20, 1), "steps": engine.steps - steps0, **cpu}
     await consumer.stop()
     await producer.stop()
     stop.set()

@@ -16,6 +16,7 @@ import os
 import socket
 import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 
 from aiokafka import ConsumerRebalanceListener
 from aiokafka.errors import KafkaError
@@ -96,6 +97,10 @@ class Worker:
         self.spans: dict[str, tracing.Hop] = {}  # each owned request's span (tokenstream.tracing)
         self.grammars: Grammars | None = None
         self.unsent: list[Output] = []  # the last step's events, published while the next step runs
+        # Every step on ONE thread of its own: torch's OpenMP pool belongs to the thread that opens a
+        # parallel region, and steps sent to asyncio's default executor ran on whichever of its threads
+        # was free (two in a bench run, five in a test that keeps that executor busy): one pool per thread.
+        self.stepper = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
 
     # ---- lifecycle ----
     async def run(self, stop: asyncio.Event) -> None:
@@ -140,6 +145,7 @@ class Worker:
             await self.control.stop()
             await self.tokens.stop()
             await self.producer.stop()
+            self.stepper.shutdown(wait=False)
             log.info("worker %s stopped", self.worker_id)
 
     async def assigned(self, tps: set[TopicPartition]) -> None:
@@ -332,7 +338,7 @@ class Worker:
                 continue
             async with self.step_lock:
                 t0 = time.perf_counter()
-                step = asyncio.ensure_future(asyncio.to_thread(self.engine.step))
+                step = asyncio.get_running_loop().run_in_executor(self.stepper, self.engine.step)
                 # the previous step's events are encoded and queued while this step's forward runs
                 # (torch releases the GIL in its kernels); they leave before the step's own
                 await self._publish_unsent()

@@ -6,6 +6,7 @@ import asyncio
 import os
 import signal
 import socket
+import threading
 import time
 import uuid
 from collections import defaultdict
@@ -171,6 +172,50 @@ async def test_worker_streams_commits_and_exports_metrics(bootstrap, unique, tin
             await asyncio.sleep(0.5)
             assert reader.events[again.request_id] == []
     finally:
+        stop.set()
+        await task
+        await producer.stop()
+
+
+async def test_every_engine_step_runs_on_the_one_step_thread(bootstrap, unique, tiny_loaded):
+    """torch's OpenMP pool belongs to the thread that opens a parallel region: steps must not wander over
+    asyncio's default executor (one pool per thread), even while other work keeps that executor busy."""
+    model = f"tiny-{unique}"
+    cfg = WorkerConfig(model=model, max_running=4, worker_id="w1")
+    await apply([inference_topic(cfg.model), TOKENS, CONTROL, TOOL_CALLS], bootstrap)
+    stop, ready = asyncio.Event(), asyncio.Event()
+    threads: set[int] = set()
+
+    def on_ready(worker):
+        step = worker.engine.step
+
+        def recorded():
+            threads.add(threading.get_ident())
+            return step()
+
+        worker.engine.step = recorded
+        ready.set()
+
+    task = asyncio.create_task(run_worker(cfg, stop, loaded=tiny_loaded, bootstrap=bootstrap, on_ready=on_ready))
+    await asyncio.wait_for(ready.wait(), 60)
+    producer = await start_producer(bootstrap)
+    busy = True
+
+    async def other_thread_work():  # what else the worker runs in threads (grammar compiles)
+        while busy:
+            await asyncio.gather(*(asyncio.to_thread(time.sleep, 0.01) for _ in range(3)))
+
+    occupier = asyncio.create_task(other_thread_work())
+    try:
+        async with TokenReader(bootstrap) as reader:
+            reqs = [request(model, f"Tell me about topic {i}", max_tokens=20) for i in range(6)]
+            for r in reqs:
+                await publish(producer, inference_topic(model), r)
+            await reader.until(lambda rd: rd.all_complete([r.request_id for r in reqs]))
+        assert len(threads) == 1 and threading.get_ident() not in threads, threads
+    finally:
+        busy = False
+        await occupier
         stop.set()
         await task
         await producer.stop()
