@@ -59,12 +59,16 @@ def run_tokenstream(spec: dict) -> dict:
     seqs = {r["rid"]: Sequence(r["rid"], r["prompt_ids"], max_tokens=r["max_tokens"], temperature=0)
             for r in reqs}
     times: dict[str, list[float]] = {r["rid"]: [] for r in reqs}
+    submitted: dict[str, float] = {}
+    one_by_one = spec.get("sequential", False)
     t0 = time.perf_counter()
     i = 0
     while i < len(reqs) or eng.has_work:
         now = time.perf_counter() - t0
-        while i < len(reqs) and reqs[i]["arrival"] <= now:
-            seqs[reqs[i]["rid"]].arrival = time.time() - (now - reqs[i]["arrival"])
+        while i < len(reqs) and (reqs[i]["arrival"] <= now if not one_by_one else not eng.has_work):
+            at = now if one_by_one else reqs[i]["arrival"]
+            seqs[reqs[i]["rid"]].arrival = time.time() - (now - at)
+            submitted[reqs[i]["rid"]] = at
             eng.add(seqs[reqs[i]["rid"]])
             i += 1
         if not eng.has_work:
@@ -84,8 +88,8 @@ def run_tokenstream(spec: dict) -> dict:
             "page_size": cache.block_size, "prefix_cache": prefix is not None, "steps": eng.steps}
     if prefix is not None:
         info["prefix_cache_hit_tokens"] = prefix.hit_tokens
-    return {"requests": [{"rid": rid, "times": times[rid], "tokens": seqs[rid].generated} for rid in times],
-            "wall_s": wall, "info": info}
+    return {"requests": [{"rid": rid, "times": times[rid], "tokens": seqs[rid].generated,
+                          "submitted": submitted[rid]} for rid in times], "wall_s": wall, "info": info}
 
 
 def run_transformers(spec: dict) -> dict:
