@@ -229,7 +229,7 @@ def main(
     from gpu_workers.model_loader import smollm2_dir
     from tokenstream.models import load_tokenizer
 
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 160)  # logs: the tables whole, not cut to 80
     say = lambda m: console.print(f"[dim]{time.strftime('%H:%M:%S')}[/] {m}", highlight=False)  # noqa: E731
     threads = threads or os.cpu_count() or 1
     load_before = os.getloadavg()
