@@ -5,8 +5,9 @@ SmolLM2-135M-Instruct fp32 on the CPUs here). Each engine runs in its own proces
 RSS is its own): tokenstream's engine in-process, the worker through Kafka (bench/worker.py's
 path), transformers' continuous batching, vLLM's CPU build in its own virtualenv (installed on
 first use, see bench/peers.py) and, optionally, the engine as it was before (`--baseline-engine`,
-a folder holding an older `gpu_workers`). Two modes: saturated (every request at t=0: capacity)
-and Poisson arrivals (latency under load). Per engine: useful tokens/s (up to EOS or max_tokens),
+a folder holding an older `gpu_workers`). Modes: saturated (every request at t=0: capacity),
+Poisson arrivals (latency under load) and streams (the first N requests one at a time, then all at
+once: inter-token latency of N concurrent streams against one). Per engine: useful tokens/s (up to EOS or max_tokens),
 TTFT and inter-token latency p50/p99, peak RSS, and greedy agreement with HF `generate()`
 (reference outputs cached under the cache dir). Then 8-turn conversations through the engine with
 and without prefix KV reuse. Import-light at module level.

@@ -48,6 +48,8 @@ def run_tokenstream(spec: dict) -> dict:
     loaded = _setup(spec)
     cache = PagedKVCache.for_model(loaded.model, None, spec.get("block_size", 16), spec.get("kv_gb", 1.0))
     kw = {"prefix_cache": spec.get("prefix_cache", True)} if _has_prefix_cache(Engine) else {}
+    if "packed_linears" in spec:  # A/B of the packed linear layers (gpu_workers/linears.py)
+        kw["packed_linears"] = spec["packed_linears"]
     eng = Engine(loaded.model, loaded.tokenizer, cache, max_running=spec["max_running"],
                  prefill_chunk=spec["prefill_chunk"], **kw)
     warm = Sequence("warm", spec["requests"][0]["prompt_ids"], max_tokens=4, temperature=0)
@@ -85,7 +87,8 @@ def run_tokenstream(spec: dict) -> dict:
     info = {"engine": "tokenstream Engine (in-process)", "torch": torch.__version__, "dtype": loaded.dtype,
             "threads": torch.get_num_threads(), "max_running": spec["max_running"],
             "prefill_chunk": spec["prefill_chunk"], "kv_pages": cache.allocator.num_blocks,
-            "page_size": cache.block_size, "prefix_cache": prefix is not None, "steps": eng.steps}
+            "page_size": cache.block_size, "prefix_cache": prefix is not None, "steps": eng.steps,
+            "packed_linears": getattr(eng, "packed_linears", 0)}
     if prefix is not None:
         info["prefix_cache_hit_tokens"] = prefix.hit_tokens
     return {"requests": [{"rid": rid, "times": times[rid], "tokens": seqs[rid].generated,
