@@ -10,7 +10,8 @@ Each `step()`:
   3. runs ONE forward over the packed tokens of the step: one token of every decoding request
      (in slot order) and at most `prefill_chunk` prompt tokens (chunked prefill: a long prompt is
      spread over several steps, so running streams get a token every step), without padding;
-     attention reads the slots in place, the decoding rows batched (attention.py);
+     attention reads the slots in place, the decoding rows batched (attention.py); on a CPU the
+     linear layers run on weights prepacked once for oneDNN (linears.py);
   4. samples the batch on the device, detokenises incrementally, applies stop strings, stores
      the full prompt pages of requests that finished prefilling in the prefix cache, and frees
      the pages of every request that finished, at once.
