@@ -5,8 +5,9 @@ SmolLM2-135M-Instruct fp32 on the CPUs here). Each engine runs in its own proces
 RSS is its own): tokenstream's engine in-process, the worker through Kafka (bench/worker.py's
 path), transformers' continuous batching, vLLM's CPU build in its own virtualenv (installed on
 first use, see bench/peers.py) and, optionally, the engine as it was before (`--baseline-engine`,
-a folder holding an older `gpu_workers`). Two modes: saturated (every request at t=0: capacity)
-and Poisson arrivals (latency under load). Per engine: useful tokens/s (up to EOS or max_tokens),
+a folder holding an older `gpu_workers`). Modes: saturated (every request at t=0: capacity),
+Poisson arrivals (latency under load) and streams (the first N requests one at a time, then all at
+once: inter-token latency of N concurrent streams against one). Per engine: useful tokens/s (up to EOS or max_tokens),
 TTFT and inter-token latency p50/p99, peak RSS, and greedy agreement with HF `generate()`
 (reference outputs cached under the cache dir). Then 8-turn conversations through the engine with
 and without prefix KV reuse. Import-light at module level.
@@ -54,7 +55,7 @@ def summarise(got: dict, reqs: list[dict], eos: set[int], reference: dict[str, l
         ttft, itl, tokens, agree = agg["ttft"], agg["itl"], agg["tokens"], None
     else:
         by_id = {r["rid"]: r for r in got["requests"]}
-        ttft, itl, tokens, same = [], [], 0, 0
+        ttft, itl, tokens, same, compared = [], [], 0, 0, 0
         for r in reqs:
             g = by_id[r["rid"]]
             out = useful(g["tokens"], r["max_tokens"], eos)
@@ -62,11 +63,12 @@ def summarise(got: dict, reqs: list[dict], eos: set[int], reference: dict[str, l
             tokens += n
             stamps = g["times"][:max(n, 1)]
             if stamps:
-                ttft.append(stamps[0] - r["arrival"])
+                ttft.append(stamps[0] - g.get("submitted", r["arrival"]))
                 itl += [b - a for a, b in zip(stamps, stamps[1:])]
             if reference is not None and r["rid"] in reference:
+                compared += 1
                 same += out == useful(reference[r["rid"]], r["max_tokens"], eos)
-        agree = f"{same}/{len(reference)}" if reference is not None else None
+        agree = f"{same}/{compared}" if reference is not None else None
     wall = got["wall_s"]
     return {"useful_tokens": tokens, "wall_s": round(wall, 2), "tokens_per_s": round(tokens / wall, 1),
             "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99), "itl_p50_s": pct(itl, 50),
@@ -141,13 +143,76 @@ def plot(results: dict, path: Path) -> str | None:
     return None
 
 
+def serve(name: str, spec: dict, baseline_engine: Path | None, say) -> dict:
+    """Run the workload in `spec` through engine `name`, in its own process."""
+    from bench import peers
+
+    if name == "vllm":
+        ready, why = peers.ensure_vllm(say)
+        if not ready:
+            raise RuntimeError(f"vLLM CPU venv not ready: {why}")
+        return run_runner([str(peers.vllm_python()), "bench/engine_vllm.py"], spec,
+                          env=peers.vllm_env(spec["threads"]))
+    if name == "tokenstream-before":
+        return run_runner([sys.executable, "-m", "bench.engine_runners", "tokenstream"],
+                          dict(spec, prefix_cache=False), env=py_env(baseline_engine))
+    return run_runner([sys.executable, "-m", "bench.engine_runners", name], spec, env=py_env())
+
+
+def streams_mode(names: list[str], reqs: list[dict], base: dict, eos: set[int], reference, baseline_engine,
+                 say, console) -> dict:
+    """Inter-token latency of N concurrent streams against one: the same N requests, first each alone
+    (the next submitted when the previous finished), then all at once."""
+    from rich.table import Table
+
+    n = len(reqs)
+    out: dict = {}
+    for name in names:
+        row: dict = {}
+        for label, sequential in (("1_stream", True), (f"{n}_streams", False)):
+            say(f"streams: {name}, {label.replace('_', ' ')} ({n} requests)")
+            try:
+                got = serve(name, dict(base, requests=reqs, sequential=sequential), baseline_engine, say)
+            except Exception as exc:  # noqa: BLE001 - reported, never silently dropped
+                row = {"skipped": str(exc)}
+                say(f"[yellow]skipped {name}: {exc}[/]")
+                break
+            row[label] = summarise(got, reqs, eos, reference)
+        if "skipped" not in row:
+            one, many = row["1_stream"], row[f"{n}_streams"]
+            for q in ("p50", "p99"):
+                a, b = one[f"itl_{q}_s"], many[f"itl_{q}_s"]
+                row[f"itl_{q}_ratio"] = round(b / a, 2) if a and b else None
+            say(f"  ITL p50 {one['itl_p50_s']} s alone, {many['itl_p50_s']} s with {n}: {row['itl_p50_ratio']}x")
+        out[name] = row
+    table = Table(title=f"bench engine, streams: ITL of {n} concurrent streams against one stream (same {n} "
+                        f"requests), load avg {os.getloadavg()[0]:.1f}")
+    for c in ("engine", "streams", "tokens_per_s", "ttft_p50_s", "itl_p50_s", "itl_p99_s", "ITL p50 ratio",
+              "ITL p99 ratio", "greedy_agreement"):
+        table.add_column(c, justify="right")
+    for name, row in out.items():
+        if "skipped" in row:
+            table.add_row(name, "skipped: " + row["skipped"][:60], *[""] * 7)
+            continue
+        for label in ("1_stream", f"{n}_streams"):
+            r = row[label]
+            ratio = label != "1_stream"
+            table.add_row(name, label.split("_")[0], str(r["tokens_per_s"]), str(r["ttft_p50_s"]), str(r["itl_p50_s"]),
+                          str(r["itl_p99_s"]), f"{row['itl_p50_ratio']}x" if ratio else "",
+                          f"{row['itl_p99_ratio']}x" if ratio else "", str(r["greedy_agreement"]))
+    console.print(table)
+    return out
+
+
 def main(
     requests: int = typer.Option(64, help="requests per mode (the worker benchmark's workload)"),
     seed: int = typer.Option(0, help="workload seed"),
     rate: float = typer.Option(8.0, help="Poisson mode: mean arrivals per second"),
-    modes: str = typer.Option("saturated,poisson", help="saturated and/or poisson"),
+    modes: str = typer.Option("saturated,poisson", help="saturated, poisson and/or streams"),
     engines: str = typer.Option("tokenstream,worker,transformers,vllm", help="comma-separated subset"),
     poisson_engines: str = typer.Option("tokenstream,vllm", help="the engines also run in Poisson mode"),
+    streams: int = typer.Option(8, help="streams mode: N concurrent streams against one (the first N requests)"),
+    streams_engines: str = typer.Option("tokenstream,vllm", help="the engines run in streams mode"),
     max_running: int = typer.Option(64, help="batch limit given to every engine"),
     prefill_chunk: int = typer.Option(512, help="most prompt tokens per step (every engine's batch-token limit)"),
     threads: int = typer.Option(0, help="torch threads per engine (0: all cores)"),
@@ -161,12 +226,11 @@ def main(
     from rich.console import Console
     from rich.table import Table
 
-    from bench import peers
     from bench.worker import workload
     from gpu_workers.model_loader import smollm2_dir
     from tokenstream.models import load_tokenizer
 
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 160)  # logs: the tables whole, not cut to 80
     say = lambda m: console.print(f"[dim]{time.strftime('%H:%M:%S')}[/] {m}", highlight=False)  # noqa: E731
     threads = threads or os.cpu_count() or 1
     load_before = os.getloadavg()
@@ -182,28 +246,22 @@ def main(
     reference = None
     for mode in [m.strip() for m in modes.split(",") if m.strip()]:
         work = workload(tok, requests, rate, seed)
-        reqs = [{"rid": w.rid, "arrival": 0.0 if mode == "saturated" else w.arrival, "prompt_ids": w.prompt_ids,
+        reqs = [{"rid": w.rid, "arrival": w.arrival if mode == "poisson" else 0.0, "prompt_ids": w.prompt_ids,
                  "messages": w.messages, "max_tokens": w.max_tokens} for w in work]
         spec = dict(base, requests=reqs)
         if agreement and reference is None:
             reference = reference_outputs(reqs[:agreement], spec, say)
+        if mode == "streams":
+            names = [n for n in chosen if n in {e.strip() for e in streams_engines.split(",")}]
+            results[mode] = streams_mode(names, reqs[:streams], base, eos, reference, baseline_engine, say, console)
+            continue
         results[mode] = {}
         in_mode = chosen if mode == "saturated" else [
             n for n in chosen if n in {e.strip() for e in poisson_engines.split(",")} | {"tokenstream-before"}]
         for name in in_mode:
             say(f"{mode}: {name} ({len(reqs)} requests, last arrival {reqs[-1]['arrival']:.1f} s)")
             try:
-                if name == "vllm":
-                    ready, why = peers.ensure_vllm(say)
-                    if not ready:
-                        raise RuntimeError(f"vLLM CPU venv not ready: {why}")
-                    got = run_runner([str(peers.vllm_python()), "bench/engine_vllm.py"], spec,
-                                     env=peers.vllm_env(threads))
-                elif name == "tokenstream-before":
-                    got = run_runner([sys.executable, "-m", "bench.engine_runners", "tokenstream"],
-                                     dict(spec, prefix_cache=False), env=py_env(baseline_engine))
-                else:
-                    got = run_runner([sys.executable, "-m", "bench.engine_runners", name], spec, env=py_env())
+                got = serve(name, spec, baseline_engine, say)
             except Exception as exc:  # noqa: BLE001 - reported, never silently dropped
                 skipped[name] = str(exc)
                 results[mode][name] = {"skipped": str(exc)}
@@ -263,11 +321,23 @@ def main(
         console.print(table)
         console.print(f"turn {t5 + 1}: TTFT {reuse['turn5']['ttft_ratio']}x (target <= 0.5), prefill tokens "
                       f"{reuse['turn5']['prefill_tokens_ratio']}x (target <= 0.25), greedy outputs identical: {same}")
-    doc = {"workload": {"requests": requests, "seed": seed, "poisson_rate_per_s": rate, "threads": threads,
-                        "max_running": max_running, "prefill_chunk": prefill_chunk, "model": "SmolLM2-135M-Instruct",
-                        "dtype": "float32", "load_avg_before": load_before, "load_avg_after": os.getloadavg()},
-           "results": results, "ratios_saturated": ratios, "prefix_reuse": reuse, "skipped": skipped}
+    # a run of some modes replaces those modes' figures and keeps the others' (each with when and under what load)
+    doc = json.loads(out.read_text()) if out.exists() else {}
+    when = {"at_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "load_avg_before": load_before,
+            "load_avg_after": os.getloadavg(), "engines": chosen}
+    doc["workload"] = {"requests": requests, "seed": seed, "poisson_rate_per_s": rate, "threads": threads,
+                       "streams": streams, "max_running": max_running, "prefill_chunk": prefill_chunk,
+                       "model": "SmolLM2-135M-Instruct", "dtype": "float32", "load_avg_before": load_before,
+                       "load_avg_after": when["load_avg_after"]}
+    doc.setdefault("results", {}).update(results)
+    doc.setdefault("measured", {}).update({m: when for m in results})
+    if "saturated" in results:
+        doc["ratios_saturated"] = ratios
+    if reuse is not None:
+        doc["prefix_reuse"] = reuse
+        doc["measured"]["prefix_reuse"] = when
+    doc.setdefault("skipped", {}).update(skipped)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2))
-    why = plot(results, out.with_suffix(".png"))
+    why = plot(doc["results"], out.with_suffix(".png"))
     say(f"figures written to {out}" + (f"; plot skipped: {why}" if why else f" and {out.with_suffix('.png')}"))

@@ -48,6 +48,8 @@ def run_tokenstream(spec: dict) -> dict:
     loaded = _setup(spec)
     cache = PagedKVCache.for_model(loaded.model, None, spec.get("block_size", 16), spec.get("kv_gb", 1.0))
     kw = {"prefix_cache": spec.get("prefix_cache", True)} if _has_prefix_cache(Engine) else {}
+    if "packed_linears" in spec:  # A/B of the packed linear layers (gpu_workers/linears.py)
+        kw["packed_linears"] = spec["packed_linears"]
     eng = Engine(loaded.model, loaded.tokenizer, cache, max_running=spec["max_running"],
                  prefill_chunk=spec["prefill_chunk"], **kw)
     warm = Sequence("warm", spec["requests"][0]["prompt_ids"], max_tokens=4, temperature=0)
@@ -61,12 +63,16 @@ def run_tokenstream(spec: dict) -> dict:
     times: dict[str, list[float]] = {r["rid"]: [] for r in reqs}
     steps0 = eng.steps
     cpu0 = time.process_time()
+    submitted: dict[str, float] = {}
+    one_by_one = spec.get("sequential", False)
     t0 = time.perf_counter()
     i = 0
     while i < len(reqs) or eng.has_work:
         now = time.perf_counter() - t0
-        while i < len(reqs) and reqs[i]["arrival"] <= now:
-            seqs[reqs[i]["rid"]].arrival = time.time() - (now - reqs[i]["arrival"])
+        while i < len(reqs) and (reqs[i]["arrival"] <= now if not one_by_one else not eng.has_work):
+            at = now if one_by_one else reqs[i]["arrival"]
+            seqs[reqs[i]["rid"]].arrival = time.time() - (now - at)
+            submitted[reqs[i]["rid"]] = at
             eng.add(seqs[reqs[i]["rid"]])
             i += 1
         if not eng.has_work:
@@ -85,11 +91,11 @@ def run_tokenstream(spec: dict) -> dict:
             "threads": torch.get_num_threads(), "max_running": spec["max_running"],
             "prefill_chunk": spec["prefill_chunk"], "kv_pages": cache.allocator.num_blocks,
             "page_size": cache.block_size, "prefix_cache": prefix is not None, "steps": eng.steps - steps0,
-            "process_cpu_s": cpu}
+            "process_cpu_s": cpu, "packed_linears": getattr(eng, "packed_linears", 0)}
     if prefix is not None:
         info["prefix_cache_hit_tokens"] = prefix.hit_tokens
-    return {"requests": [{"rid": rid, "times": times[rid], "tokens": seqs[rid].generated} for rid in times],
-            "wall_s": wall, "info": info}
+    return {"requests": [{"rid": rid, "times": times[rid], "tokens": seqs[rid].generated,
+                          "submitted": submitted[rid]} for rid in times], "wall_s": wall, "info": info}
 
 
 def run_transformers(spec: dict) -> dict:

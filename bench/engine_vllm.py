@@ -35,18 +35,24 @@ async def serve(spec: dict) -> dict:
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    # the same batch limits as every engine: rows per step and tokens per step (vLLM's own default
+    # for AsyncLLM would be 2048 tokens per step)
     args = AsyncEngineArgs(model=spec["model_dir"], dtype="float32", max_num_seqs=spec["max_running"],
-                           max_model_len=2048, enable_prefix_caching=spec.get("prefix_cache", True),
-                           disable_log_stats=True, seed=0)
+                           max_num_batched_tokens=spec["prefill_chunk"], max_model_len=2048,
+                           enable_prefix_caching=spec.get("prefix_cache", True), disable_log_stats=True, seed=0)
     llm = AsyncLLM.from_engine_args(args)
     reqs = sorted(spec["requests"], key=lambda r: r["arrival"])
     times: dict[str, list[float]] = {r["rid"]: [] for r in reqs}
     tokens: dict[str, list[int]] = {r["rid"]: [] for r in reqs}
 
+    submitted: dict[str, float] = {}
+
     async def one(r: dict, t0: float, tag: str = "") -> None:
         wait = r["arrival"] - (time.perf_counter() - t0)
-        if wait > 0:
+        if wait > 0 and not spec.get("sequential"):
             await asyncio.sleep(wait)
+        if not tag:
+            submitted[r["rid"]] = time.perf_counter() - t0
         params = SamplingParams(temperature=0, max_tokens=r["max_tokens"], output_kind=RequestOutputKind.DELTA)
         async for out in llm.generate(TokensPrompt(prompt_token_ids=r["prompt_ids"]), params, r["rid"] + tag):
             if tag:
@@ -61,16 +67,21 @@ async def serve(spec: dict) -> dict:
     if spec.get("prefix_cache", True):
         await llm.reset_prefix_cache()
     t0 = time.perf_counter()
-    await asyncio.gather(*(one(r, t0) for r in reqs))
+    if spec.get("sequential"):  # one stream: each request alone, the next when it has finished
+        for r in reqs:
+            await one(r, t0)
+    else:
+        await asyncio.gather(*(one(r, t0) for r in reqs))
     wall = time.perf_counter() - t0
     info = {"engine": "vLLM AsyncLLM (CPU build)", "vllm": vllm.__version__, "torch": torch.__version__,
             "dtype": "float32", "threads": torch.get_num_threads(), "max_num_seqs": spec["max_running"],
+            "max_num_batched_tokens": llm.vllm_config.scheduler_config.max_num_batched_tokens,
             "prefix_caching": spec.get("prefix_cache", True),
             "omp_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
             "kv_cache_space_gib": os.environ.get("VLLM_CPU_KVCACHE_SPACE")}
     llm.shutdown()
-    return {"requests": [{"rid": rid, "times": times[rid], "tokens": tokens[rid]} for rid in times],
-            "wall_s": wall, "info": info}
+    return {"requests": [{"rid": rid, "times": times[rid], "tokens": tokens[rid], "submitted": submitted[rid]}
+                         for rid in times], "wall_s": wall, "info": info}
 
 
 if __name__ == "__main__":

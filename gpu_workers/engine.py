@@ -10,7 +10,8 @@ Each `step()`:
   3. runs ONE forward over the packed tokens of the step: one token of every decoding request
      (in slot order) and at most `prefill_chunk` prompt tokens (chunked prefill: a long prompt is
      spread over several steps, so running streams get a token every step), without padding;
-     attention reads the slots in place, the decoding rows batched (attention.py);
+     attention reads the slots in place, the decoding rows batched (attention.py); on a CPU the
+     linear layers run on weights prepacked once for oneDNN (linears.py);
   4. samples the batch on the device, detokenises incrementally, applies stop strings, stores
      the full prompt pages of requests that finished prefilling in the prefix cache, and frees
      the pages of every request that finished, at once.
@@ -19,6 +20,7 @@ Each `step()`:
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import time
 
@@ -28,6 +30,7 @@ from gpu_workers.detokenizer import Detokenizer
 from gpu_workers.grammar import advance, mask_rows
 from gpu_workers.attention import Chunk, StepPlan, install
 from gpu_workers.kv_cache import PagedKVCache, SlotPool
+from gpu_workers.linears import engine_forward, pack
 from gpu_workers.prefix_cache import PrefixCache, page_hashes
 from gpu_workers.priority import enqueue
 from gpu_workers.sampling import new_seed, sample
@@ -43,9 +46,12 @@ _NO_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)  # a 4D mask is passed throu
 class Engine:
     def __init__(self, model, tokenizer, cache: PagedKVCache, *, max_running: int = 32,
                  prefill_chunk: int = 256, max_model_len: int = 2048, metrics=None,
-                 prefix_cache: bool | int = True) -> None:
-        """prefix_cache: True (a pool of half the KV budget's pages), a number of pages, or False/0 (off)."""
+                 prefix_cache: bool | int = True, packed_linears: bool = True) -> None:
+        """prefix_cache: True (a pool of half the KV budget's pages), a number of pages, or False/0 (off).
+        packed_linears: the step's linear layers on weights prepacked for oneDNN (CPU; linears.py)."""
         install(model)
+        self.packed_linears = pack(model) if packed_linears else 0
+        self._linears = engine_forward if self.packed_linears else contextlib.nullcontext
         self.model = model
         self.tokenizer = tokenizer
         self.cache = cache
@@ -248,8 +254,9 @@ class Engine:
             ends.append(a + n)
         dev = self.input_device
         plan = StepPlan.build(self.slots.layers, decodes, chunks, slots, pos, dev)
-        out = self.decoder(input_ids=torch.tensor([ids], device=dev), position_ids=plan.positions.unsqueeze(0),
-                           attention_mask=_NO_MASK.to(dev), use_cache=False, ts_plan=plan)
+        with self._linears():
+            out = self.decoder(input_ids=torch.tensor([ids], device=dev), position_ids=plan.positions.unsqueeze(0),
+                               attention_mask=_NO_MASK.to(dev), use_cache=False, ts_plan=plan)
         hidden = out.last_hidden_state[0]
         to_sample = []
         for (seq, n), end in zip(rows, ends):
@@ -263,7 +270,8 @@ class Engine:
             return
         picked = [seq for seq, _ in rows if seq.pending == 0]
         h = hidden[torch.tensor(to_sample, device=hidden.device)]
-        logits = self.lm_head(h.to(self.lm_head.weight.device))
+        with self._linears():
+            logits = self.lm_head(h.to(self.lm_head.weight.device))
         mask_rows(logits, picked)  # grammar hook: constrained rows (tools, response_format) masked
         tokens = sample(logits, [(s.temperature, s.top_p, s.seed, len(s.generated)) for s in picked])
         now = time.time()

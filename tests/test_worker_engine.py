@@ -220,6 +220,35 @@ def test_bitsandbytes_quantized_loading_on_cpu(quantization, smol):
     assert "".join(o.text for o in out["q"]) == s.emitted_text and s.emitted_text.strip()
 
 
+def test_packed_linears_serve_the_engine_forward_only(tiny):
+    import torch.nn.functional as F
+
+    from gpu_workers.linears import engine_forward
+
+    x = torch.tensor([ids(12)])
+    with torch.inference_mode():
+        before = tiny.model(x).logits
+    eng = engine(tiny)
+    if not eng.packed_linears:
+        pytest.skip("this torch build has no oneDNN")
+    assert eng.packed_linears == sum(type(m) is torch.nn.Linear for m in tiny.model.modules())
+    lin = tiny.model.get_decoder().layers[0].mlp.down_proj
+    h = torch.randn(5, lin.in_features)
+    with torch.inference_mode():
+        assert torch.equal(tiny.model(x).logits, before)  # other callers: torch's linear, original weights
+        with engine_forward():
+            inside = lin(h)
+        assert torch.allclose(inside, F.linear(h, lin.weight), atol=1e-4)
+        packed = lin._ts_packed
+        lin._ts_packed = torch.ops.mkldnn._reorder_linear_weight(torch.zeros_like(lin.weight), 64)
+        try:
+            with engine_forward():
+                assert not lin(h).any()  # inside the engine's forward the packed weights are what runs
+            assert torch.equal(lin(h), F.linear(h, lin.weight))
+        finally:
+            lin._ts_packed = packed
+
+
 def test_prompt_longer_than_context_ends_with_error(tiny):
     eng = engine(tiny, blocks=64, block_size=16, max_model_len=128)
     too_long, fine = greedy("long", ids(200), 5), greedy("fine", ids(100), 100)
