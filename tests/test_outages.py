@@ -48,6 +48,27 @@ def start_conversation(roles, **env):
     return roles.start("processor", "conversation", "--loglevel", "info", env=env, name="processor-conversation")
 
 
+async def alone_in_its_group(bootstrap: str, timeout: float = 60) -> None:
+    """Until the conversation group is stable with this processor alone: a member left behind by an
+    earlier test of the session (gone without leaving) would otherwise expire during the outage, and
+    the rebalance it causes (up to the 10 s session timeout) would be counted against the recovery."""
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    from producers.membership import describe
+    from topics.registry import processor_group
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        deadline = time.monotonic() + timeout
+        while (group := await describe(admin, processor_group("conversation"))).state != "Stable" \
+                or group.members != 1:
+            assert time.monotonic() < deadline, f"conversation group never settled: {group}"
+            await asyncio.sleep(0.2)
+    finally:
+        await admin.close()
+
+
 @contextlib.asynccontextmanager
 async def serving(stack, roles, **env):
     """A conversation processor that has prepared a first request: (process, producer, tap of PREPARED)."""
@@ -58,6 +79,7 @@ async def serving(stack, roles, **env):
         async with Tap(PREPARED) as prepared:
             warm = await send(producer, chat_request())
             await prepared.wait_for(by_id(warm), timeout=180)
+            await alone_in_its_group(stack.kafka.address)
             yield proc, producer, prepared
     finally:
         await producer.stop()
@@ -72,8 +94,11 @@ async def test_a_short_redis_outage_is_ridden_out(stack, roles):
         back = time.monotonic()
         after = await send(producer, chat_request())
         await prepared.wait_for(by_id(during), timeout=15)
+        held_s = time.monotonic() - back
         await prepared.wait_for(by_id(after), timeout=15)
-        assert time.monotonic() - back < 10, "requests after the outage were not served within 10 s"
+        took = time.monotonic() - back
+        assert took < 10, (f"requests after the outage were not served within 10 s: the held one "
+                           f"{held_s:.1f} s and the next {took:.1f} s after Redis was back")
     assert proc.poll() is None, roles.log(proc)[-3000:]
     assert "redis unreachable" in roles.log(proc) and "reachable again" in roles.log(proc)
 
