@@ -258,7 +258,10 @@ async def search(vs_id: str, body: Search, gw: Gateway = Depends(pipeline), key:
                            code="index_unavailable", headers={"Retry-After": "2"})
     if not result.ok:
         raise api.APIError(502, f"The search failed: {result.error}", "server_error", code="search_failed")
-    hits = json.loads(result.output)["results"]
+    # a removed file's chunks leave the index when the tool processor handles its "remove" (soon after);
+    # the store's file list changes at once, so a search never shows a file the store no longer has
+    present = {e["file_id"] for e in await uploads_of(gw).store_files(vs_id)}
+    hits = [h for h in json.loads(result.output)["results"] if h["file_id"] in present]
     return {"object": "vector_store.search_results.page", "search_query": [body.query],
             "data": [{"file_id": h["file_id"], "filename": h["filename"], "score": h["score"], "attributes": {},
                       "content": [{"type": "text", "text": h["text"]}]} for h in hits],
