@@ -310,7 +310,8 @@ def stage_vllm() -> None:
 
     k = knobs()
     ps = prompts(k)
-    llm = LLM(model=str(folder_path()), dtype="bfloat16", max_num_seqs=k["max_running"],
+    llm = LLM(model=ENV["MODEL_DIR"], dtype="bfloat16",  # the folder the engine stage built
+              max_num_seqs=k["max_running"],
               max_model_len=k["prompt"] + k["output"] + 16, seed=0)
     params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=k["output"], seed=i) for i in range(len(ps))]
     llm.generate([TokensPrompt(prompt_token_ids=ps[0])], SamplingParams(max_tokens=4))
@@ -321,11 +322,6 @@ def stage_vllm() -> None:
     r = {"tokens": tokens, "wall_s": round(wall, 2), "tokens_per_s": round(tokens / wall, 1), "vllm": vllm.__version__}
     print(f"vllm  bf16  {r}", flush=True)
     write("vllm", r)
-
-
-def folder_path() -> Path:
-    """The model folder the engine stage built (vLLM's python need not import the project)."""
-    return Path(ENV["MODEL_DIR"])
 
 
 def ratio(a: dict, b: dict) -> float | None:
