@@ -179,8 +179,10 @@ def run_worker(spec: dict) -> dict:
     from bench.worker import Work, run_worker_bench
     from tokenstream.stack import Stack
 
+    from gpu_workers.torch_thread import run_on_torch_thread
+
     logging.getLogger("aiokafka").setLevel(logging.ERROR)
-    loaded = _setup(spec)
+    loaded = run_on_torch_thread(_setup, spec)  # where the worker steps: one OpenMP team (torch_thread.py)
     work = [Work(r["rid"], r["arrival"], r["messages"], r["max_tokens"], r["prompt_ids"]) for r in spec["requests"]]
     with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
         stack = Stack.ephemeral(Path(tmp))

@@ -320,12 +320,15 @@ def main(
 
     from gpu_workers.kv_cache import PagedKVCache
     from gpu_workers.model_loader import load
+    from gpu_workers.torch_thread import run_on_torch_thread
     from tokenstream.stack import Stack
 
     console = Console()
     load_before = os.getloadavg()[0]
     logging.getLogger("aiokafka").setLevel(logging.ERROR)
-    loaded = load("smollm2")
+    # every torch call on one thread, the one the worker steps on: a second OpenMP team in the process
+    # would slow every team's barriers (gpu_workers/torch_thread.py), baselines and worker alike
+    loaded = run_on_torch_thread(load, "smollm2")
     model, tok = loaded.model, loaded.tokenizer
     cfg = model.config
     bpt = PagedKVCache.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads,
@@ -335,12 +338,13 @@ def main(
     console.print(f"workload: {len(work)} requests over {work[-1].arrival:.1f} s, prompts "
                   f"{min(len(w.prompt_ids) for w in work)}-{max(len(w.prompt_ids) for w in work)} tokens, "
                   f"outputs 16-64 tokens (greedy); torch threads {torch.get_num_threads()}")
-    model.generate(torch.tensor([work[0].prompt_ids]), max_new_tokens=4, do_sample=False)  # warm-up
+    run_on_torch_thread(model.generate, torch.tensor([work[0].prompt_ids]), max_new_tokens=4,
+                        do_sample=False)  # warm-up
     results = []
     console.print("[bold]1/3 sequential generate()[/]")
-    results.append(run_sequential(model, tok, work, bpt, eos))
+    results.append(run_on_torch_thread(run_sequential, model, tok, work, bpt, eos))
     console.print("[bold]2/3 static batching[/]")
-    results.append(run_static(model, tok, work, bpt, eos))
+    results.append(run_on_torch_thread(run_static, model, tok, work, bpt, eos))
     console.print("[bold]3/3 worker through Kafka[/]")
     with tempfile.TemporaryDirectory(prefix="bench-worker-") as tmp:
         stack = Stack.ephemeral(Path(tmp))
@@ -355,7 +359,8 @@ def main(
         from bench.grammar import column_table, constrained_column
 
         console.print(f"[bold]constrained column: {grammar_rows} rows with and without grammars[/]")
-        constrained, _ = constrained_column(loaded, grammar_rows, say=lambda m: console.print(m, highlight=False))
+        constrained, _ = run_on_torch_thread(constrained_column, loaded, grammar_rows,
+                                             say=lambda m: console.print(m, highlight=False))
     summaries = {r.name: r.summary() for r in results}
     seq, static, worker = (summaries[r.name] for r in results)
     ratios = {"worker_vs_sequential": round(worker["throughput_tok_s"] / seq["throughput_tok_s"], 2),

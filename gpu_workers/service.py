@@ -16,7 +16,6 @@ import os
 import socket
 import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 
 from aiokafka import ConsumerRebalanceListener
 from aiokafka.errors import KafkaError
@@ -30,6 +29,7 @@ from gpu_workers.metrics import WorkerMetrics
 from gpu_workers.offsets import OffsetTracker
 from gpu_workers.recovery import TokenLog
 from gpu_workers.tool_calls import ToolCallParser
+from gpu_workers.torch_thread import on_torch_thread, torch_thread
 from producers import dead_letter, decode_record, publish, start_consumer, start_producer
 from producers.membership import GroupWatch, member_client_id
 from schemas import (
@@ -97,10 +97,10 @@ class Worker:
         self.spans: dict[str, tracing.Hop] = {}  # each owned request's span (tokenstream.tracing)
         self.grammars: Grammars | None = None
         self.unsent: list[Output] = []  # the last step's events, published while the next step runs
-        # Every step on ONE thread of its own: torch's OpenMP pool belongs to the thread that opens a
-        # parallel region, and steps sent to asyncio's default executor ran on whichever of its threads
-        # was free (two in a bench run, five in a test that keeps that executor busy): one pool per thread.
-        self.stepper = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
+        # Every step on the process's torch thread, where the model was loaded and the engine built:
+        # one OpenMP team in the process (gpu_workers/torch_thread.py). Steps sent to asyncio's default
+        # executor ran on whichever of its threads was free, each with a team of its own.
+        self.stepper = torch_thread()
 
     # ---- lifecycle ----
     async def run(self, stop: asyncio.Event) -> None:
@@ -145,7 +145,6 @@ class Worker:
             await self.control.stop()
             await self.tokens.stop()
             await self.producer.stop()
-            self.stepper.shutdown(wait=False)
             log.info("worker %s stopped", self.worker_id)
 
     async def assigned(self, tps: set[TopicPartition]) -> None:
@@ -479,9 +478,12 @@ async def _serve(cfg: WorkerConfig, stop: asyncio.Event, bootstrap: str, loaded,
     from topics.admin import require
 
     if loaded is None:
-        loaded = await asyncio.to_thread(load, cfg.model, cfg.model_path, cfg.dtype, cfg.quantization,
-                                         cfg.device, cfg.device_map)
-    cache = PagedKVCache.for_model(loaded.model, cfg.kv_blocks, cfg.block_size, cfg.kv_memory_gb)
+        loaded = await on_torch_thread(load, cfg.model, cfg.model_path, cfg.dtype, cfg.quantization,
+                                       cfg.device, cfg.device_map)
+    # the pool's allocation and the engine's construction (packing the linears) open parallel regions:
+    # on the torch thread, like every step (gpu_workers/torch_thread.py)
+    cache = await on_torch_thread(PagedKVCache.for_model, loaded.model, cfg.kv_blocks, cfg.block_size,
+                                  cfg.kv_memory_gb)
     health.phase = "building the engine"
     if cfg.metrics_port:  # (its port answering means the model is loaded, as it always has)
         server.append(HealthServer(cfg.metrics_port, health.report, metrics.registry))
@@ -491,8 +493,8 @@ async def _serve(cfg: WorkerConfig, stop: asyncio.Event, bootstrap: str, loaded,
         log.warning("worker: the KV pool holds %d tokens, less than the %d-token context: longer prompts "
                     "are refused here although the conversation processor lets them through",
                     cache.capacity_tokens, context)
-    engine = Engine(loaded.model, loaded.tokenizer, cache, max_running=cfg.max_running,
-                    prefill_chunk=cfg.prefill_chunk, max_model_len=context, metrics=metrics)
+    engine = await on_torch_thread(Engine, loaded.model, loaded.tokenizer, cache, max_running=cfg.max_running,
+                                   prefill_chunk=cfg.prefill_chunk, max_model_len=context, metrics=metrics)
     log.info("worker: device=%s model=%s (%s, %.1fM params) dtype=%s quantization=%s "
              "kv budget=%d pages x %d tokens = %d tokens (%.1f MiB) context=%d max_running=%d prefill_chunk=%d "
              "metrics=%s",

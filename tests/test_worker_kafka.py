@@ -177,14 +177,42 @@ async def test_worker_streams_commits_and_exports_metrics(bootstrap, unique, tin
         await producer.stop()
 
 
-async def test_every_engine_step_runs_on_the_one_step_thread(bootstrap, unique, tiny_loaded):
-    """torch's OpenMP pool belongs to the thread that opens a parallel region: steps must not wander over
-    asyncio's default executor (one pool per thread), even while other work keeps that executor busy."""
+async def test_loading_building_and_every_step_run_on_the_one_torch_thread(bootstrap, unique, tiny_loaded,
+                                                                           monkeypatch):
+    """torch's OpenMP gives each thread that opens a parallel region a team of its own, and more OpenMP
+    threads than cores throttle every team's barriers (gpu_workers/torch_thread.py): the model's
+    loading, the KV pool, the engine's construction and every step run on one thread, and steps do
+    not wander over asyncio's default executor even while other work keeps that executor busy."""
+    import gpu_workers.model_loader
+    import gpu_workers.service
+    from gpu_workers.kv_cache import PagedKVCache
+
     model = f"tiny-{unique}"
     cfg = WorkerConfig(model=model, max_running=4, worker_id="w1")
     await apply([inference_topic(cfg.model), TOKENS, CONTROL, TOOL_CALLS], bootstrap)
     stop, ready = asyncio.Event(), asyncio.Event()
     threads: set[int] = set()
+    built: dict[str, int] = {}
+
+    def loading(*args, **kwargs):
+        built["load"] = threading.get_ident()
+        return tiny_loaded
+
+    pool_for_model = PagedKVCache.for_model
+
+    def pool(*args, **kwargs):
+        built["pool"] = threading.get_ident()
+        return pool_for_model(*args, **kwargs)
+
+    engine_class = gpu_workers.service.Engine
+
+    def engine(*args, **kwargs):
+        built["engine"] = threading.get_ident()
+        return engine_class(*args, **kwargs)
+
+    monkeypatch.setattr(gpu_workers.model_loader, "load", loading)
+    monkeypatch.setattr(PagedKVCache, "for_model", staticmethod(pool))
+    monkeypatch.setattr(gpu_workers.service, "Engine", engine)
 
     def on_ready(worker):
         step = worker.engine.step
@@ -196,7 +224,7 @@ async def test_every_engine_step_runs_on_the_one_step_thread(bootstrap, unique, 
         worker.engine.step = recorded
         ready.set()
 
-    task = asyncio.create_task(run_worker(cfg, stop, loaded=tiny_loaded, bootstrap=bootstrap, on_ready=on_ready))
+    task = asyncio.create_task(run_worker(cfg, stop, bootstrap=bootstrap, on_ready=on_ready))
     await asyncio.wait_for(ready.wait(), 60)
     producer = await start_producer(bootstrap)
     busy = True
@@ -213,6 +241,7 @@ async def test_every_engine_step_runs_on_the_one_step_thread(bootstrap, unique, 
                 await publish(producer, inference_topic(model), r)
             await reader.until(lambda rd: rd.all_complete([r.request_id for r in reqs]))
         assert len(threads) == 1 and threading.get_ident() not in threads, threads
+        assert set(built) == {"load", "pool", "engine"} and set(built.values()) == threads, (built, threads)
     finally:
         busy = False
         await occupier
