@@ -5,7 +5,10 @@ conversation, safety and router processors, a SmolLM2 worker and two gateway ins
 screening order (`serial`: the input check finishes before the request is routed; `parallel`:
 the request is routed at once and its answer held back until the verdict arrives). Requests go
 one at a time, alternating between the two gateways, so both orders are measured side by side on
-the same machine in the same minutes.
+the same machine in the same minutes. What is measured is the steady state: the broker is warmed
+first (`warm_broker`) and every role by untimed requests, and the client pauses after each answer
+(`--think-ms`, as a user reading it would) so that a request does not meet the previous one's
+bookkeeping after [DONE] (history, transcript, output verdict, commits) on the same cores.
 
 For each request:
   client TTFT    request sent -> first content chunk received (the client's clock)
