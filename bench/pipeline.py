@@ -36,6 +36,7 @@ import typer
 
 from audit.hops import HOPS as ALL_HOPS
 from audit.hops import Marks, hop_times
+from bench.broker_warmup import WARM_ROUND_TRIPS, warm_broker
 from bench.rawhttp import chat_post, first_token
 from bench.stats import nearest_rank
 
@@ -43,9 +44,7 @@ RESULTS = Path(__file__).parent / "results" / "pipeline.json"
 MODEL = "smollm2"
 MODES = ("serial", "parallel")
 HOPS = tuple(h for h in ALL_HOPS if h != "decode")  # shares of the time to first token
-WARM_ROUND_TRIPS = 2000  # untimed broker round trips before the requests (warm_broker)
 WARM_REQUESTS = 20  # untimed requests per screening order before the measured ones
-WARM_TOPIC = "bench.warm-up"
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -76,7 +75,7 @@ async def _run(requests: int, max_tokens: int, think_ms: float) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="bench-pipeline-"))
     async with LocalSystem(tmp, MODEL, gateways={mode: {"TOKENSTREAM_GATEWAY_SCREENING": mode}
                                                  for mode in MODES}) as system:
-        await warm_broker(system.stack.kafka.address, WARM_ROUND_TRIPS)
+        await warm_broker(system.stack.kafka.address)
         timeline = await Timeline(system.stack.kafka.address, MODEL).start()
         samples: dict[str, list[dict]] = {mode: [] for mode in MODES}
         warm = WARM_REQUESTS
@@ -108,45 +107,6 @@ async def _run(requests: int, max_tokens: int, think_ms: float) -> dict:
         "modes": by_mode,
         "targets": {"overhead_p50_ms": 30, "overhead_p99_ms": 100},
     }
-
-
-async def warm_broker(bootstrap: str, round_trips: int) -> None:
-    """Untimed produce -> fetch round trips on a scratch topic before any request is measured.
-
-    The benchmark's broker starts with the run, and a JVM runs a code path interpreted until it
-    has been called thousands of times: on this 2-core host one acknowledged produce and its fetch
-    took 4.0 ms p50 over a fresh broker's first 60 round trips and 1.8-2.4 ms after 800. A
-    request crosses five broker hops, so a cold broker adds some 10 ms to every figure measured
-    here, a cost a running deployment paid once, days ago. The requests' own warm-up (below)
-    then warms the roles' paths.
-    """
-    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-    from aiokafka.structs import TopicPartition
-
-    from producers import start_consumer, start_producer
-
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        await admin.create_topics([NewTopic(WARM_TOPIC, 1, 1)])
-        producer = await start_producer(bootstrap)
-        consumer = await start_consumer(group=None, bootstrap=bootstrap)
-        tp = TopicPartition(WARM_TOPIC, 0)
-        consumer.assign([tp])
-        await consumer.seek_to_beginning(tp)
-        try:
-            for i in range(round_trips):
-                await (await producer.send(WARM_TOPIC, b"warm-up", key=b"warm-up"))
-                while not await consumer.getmany(tp, timeout_ms=1000):
-                    pass
-                if (i + 1) % 500 == 0:
-                    print(f"broker warm-up: {i + 1}/{round_trips} round trips", flush=True)
-        finally:
-            await consumer.stop()
-            await producer.stop()
-        await admin.delete_topics([WARM_TOPIC])
-    finally:
-        await admin.close()
 
 
 class Timeline:
