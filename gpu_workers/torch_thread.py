@@ -6,9 +6,9 @@ threads than the machine has cores, libgomp throttles every team's spin-wait at 
 300,000 iterations to 100 (GOMP_SPINCOUNT in libgomp's manual): the pool threads fall asleep on
 a futex between two parallel regions and each of the hundreds of regions in a step pays a wake-up.
 Measured on 2 cores (SmolLM2-135M, 64 requests at once, 69 steps): the engine stepping on a second
-thread after loading on the first (two teams) took 14.2 s where one thread takes 11.5 s, with
+thread after loading on the first (two teams) took 13.2-14.3 s where one thread takes 11.5 s, with
 92,000 voluntary context switches instead of 700; a worker that loaded the model in asyncio's
-default executor, built its engine on the event loop's thread and stepped on a third took 16.4 s.
+default executor, built its engine on the event loop's thread and stepped on a third took 14.6-16.4 s.
 Everything torch does in a worker therefore runs here, on one thread.
 """
 
