@@ -177,9 +177,8 @@ def run_worker(spec: dict) -> dict:
     import torch
 
     from bench.worker import Work, run_worker_bench
-    from tokenstream.stack import Stack
-
     from gpu_workers.torch_thread import run_on_torch_thread
+    from tokenstream.stack import Stack
 
     logging.getLogger("aiokafka").setLevel(logging.ERROR)
     loaded = run_on_torch_thread(_setup, spec)  # where the worker steps: one OpenMP team (torch_thread.py)
