@@ -50,9 +50,16 @@ def useful(tokens: list[int], limit: int, eos: set[int]) -> list[int]:
 
 
 def summarise(got: dict, reqs: list[dict], eos: set[int], reference: dict[str, list[int]] | None) -> dict:
-    if "aggregate" in got:  # the worker via Kafka reports client-side aggregates
+    if "aggregate" in got:  # the worker via Kafka reports client-side aggregates and the streamed token ids
         agg = got["aggregate"]
         ttft, itl, tokens, agree = agg["ttft"], agg["itl"], agg["tokens"], None
+        outputs = got.get("outputs") or {}
+        if reference is not None:
+            limits = {r["rid"]: r["max_tokens"] for r in reqs}
+            compared = [rid for rid in reference if rid in limits]
+            same = sum(useful(outputs.get(rid, []), limits[rid], eos) == useful(reference[rid], limits[rid], eos)
+                       for rid in compared)
+            agree = f"{same}/{len(compared)}"
     else:
         by_id = {r["rid"]: r for r in got["requests"]}
         ttft, itl, tokens, same, compared = [], [], 0, 0, 0
@@ -284,7 +291,7 @@ def main(
                     results[mode][name] = {"skipped": str(exc)}
                     say(f"[yellow]skipped {name}: {exc}[/]")
                     continue
-                r = summarise(got, reqs, eos, reference if name != "worker" else None)
+                r = summarise(got, reqs, eos, reference)
                 runs.setdefault(name, []).append(r)
                 say(f"  {r['tokens_per_s']} tok/s, TTFT p50 {r['ttft_p50_s']} s, ITL p50 {r['itl_p50_s']} s, "
                     f"peak RSS {r['peak_rss_mib']} MiB, agreement {r['greedy_agreement']}")

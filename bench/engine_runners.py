@@ -194,8 +194,8 @@ def run_worker(spec: dict) -> dict:
     info = {"engine": "worker via Kafka (run_worker in-process, client on ts.tokens)", "torch": torch.__version__,
             "dtype": loaded.dtype, "threads": torch.get_num_threads(), "max_running": spec["max_running"],
             "prefill_chunk": spec["prefill_chunk"], **res.extra}
-    return {"aggregate": {"tokens": res.tokens, "ttft": res.ttft, "itl": res.itl}, "wall_s": res.wall_s,
-            "info": info}
+    return {"aggregate": {"tokens": res.tokens, "ttft": res.ttft, "itl": res.itl}, "outputs": res.outputs,
+            "wall_s": res.wall_s, "info": info}
 
 
 def run_conversations(spec: dict) -> dict:

@@ -52,6 +52,7 @@ class Result:
     itl: list[float] = field(default_factory=list)
     mem_per_request: list[float] = field(default_factory=list)
     extra: dict = field(default_factory=dict)
+    outputs: dict[str, list[int]] = field(default_factory=dict)  # token ids per request, as streamed
 
     def summary(self) -> dict:
         pct = inclusive
@@ -277,6 +278,7 @@ async def run_worker_bench(loaded, work: list[Work], bootstrap: str, max_running
                     done[ev.request_id] = ev
                 else:
                     chunks[ev.request_id].append((now, len(ev.token_ids)))
+                    res.outputs.setdefault(ev.request_id, []).extend(ev.token_ids)  # a request's chunks come in order
     res.wall_s = time.perf_counter() - t0
     cpu = {"process_cpu_s": round(time.process_time() - cpu0, 2)}  # the worker, the client and torch's threads
     if broker0 is not None:  # the broker shares the cores here: its CPU during the measured run
