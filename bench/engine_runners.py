@@ -48,7 +48,7 @@ def run_tokenstream(spec: dict) -> dict:
     loaded = _setup(spec)
     cache = PagedKVCache.for_model(loaded.model, None, spec.get("block_size", 16), spec.get("kv_gb", 1.0))
     kw = {"prefix_cache": spec.get("prefix_cache", True)} if _has_prefix_cache(Engine) else {}
-    if "packed_linears" in spec:  # A/B of the packed linear layers (gpu_workers/linears.py)
+    if "packed_linears" in spec:  # A/B of the packed linear layers (gpu_workers/linears.py; RESULTS.md, streams)
         kw["packed_linears"] = spec["packed_linears"]
     eng = Engine(loaded.model, loaded.tokenizer, cache, max_running=spec["max_running"],
                  prefill_chunk=spec["prefill_chunk"], **kw)

@@ -146,8 +146,9 @@ def _engine_run(k: dict, mode: str) -> dict:
 
 def stage_engine() -> None:
     k = knobs()
-    write("versions", versions())
-    print(f"model {folder(k)}; {read('versions')}", flush=True)
+    v = versions()
+    write("versions", v)
+    print(f"model {folder(k)}; {v}", flush=True)
     runs = {}
     for mode in k["modes"]:
         try:

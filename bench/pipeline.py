@@ -103,7 +103,7 @@ async def _run(requests: int, max_tokens: int, think_ms: float) -> dict:
                     "note": "every role, the broker and the client share this host (loopback)"},
         "warm_up": {"broker_round_trips": WARM_ROUND_TRIPS, "requests_per_order": WARM_REQUESTS,
                     "why": "steady state: a broker started seconds before serves its first produce and fetch "
-                           "requests interpreted (about 4 ms a round trip on this host, 1.3-1.8 ms once compiled)"},
+                           "requests interpreted (about 4 ms a round trip on this host, 1.8-2.4 ms once compiled)"},
         "modes": by_mode,
         "targets": {"overhead_p50_ms": 30, "overhead_p99_ms": 100},
     }

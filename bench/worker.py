@@ -169,11 +169,11 @@ def run_static(model, tok, work: list[Work], bpt: int, eos: set[int], batch: int
 
 
 def process_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system, all threads) a process has used so far (Linux /proc)."""
-    import os
+    """CPU seconds (user + system, all threads) a process has used so far."""
+    import psutil
 
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
 
 
 async def run_worker_bench(loaded, work: list[Work], bootstrap: str, max_running: int,

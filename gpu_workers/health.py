@@ -42,17 +42,17 @@ class WorkerHealth:
         return self.clock() - self.progress_at
 
     def report(self) -> Report:
-        if self.standing is None:
+        s = self.standing
+        if s is None:
             return Report(ready=False, detail=[self.phase])
-        detail = self.standing.problems(self.cfg.broker_stale_s)
+        detail = s.problems(self.cfg.broker_stale_s)
         stalled = self.stalled_s()
         stuck = stalled > self.cfg.stuck_s
         if stuck:
             detail.append(f"engine: no step for {stalled:.0f} s with {len(self.engine.running)} running and "
                           f"{self.engine.queued} waiting")
-        s = self.standing
         age = s.broker_age_s()
-        broker = age is not None and age <= self.cfg.broker_stale_s
+        broker = s.broker_ok(self.cfg.broker_stale_s)
         return Report(ready=not detail, live=not (stuck and broker), detail=detail, checks={
             "broker": broker,
             "broker_age_s": None if age is None else round(age, 1), "group": s.group, "member": s.member,

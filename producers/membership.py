@@ -99,10 +99,15 @@ class Standing:
         """A stable group with no more members than partitions gives every member one."""
         return self.state == "Stable" and 0 < self.members <= self.topic_partitions
 
+    def broker_ok(self, broker_stale_s: float) -> bool:
+        """The broker answered the group check within `broker_stale_s`."""
+        age = self.broker_age_s()
+        return age is not None and age <= broker_stale_s
+
     def problems(self, broker_stale_s: float) -> list[str]:
         """Why this consumer cannot take work now (empty when it can)."""
         age = self.broker_age_s()
-        if age is None or age > broker_stale_s:
+        if not self.broker_ok(broker_stale_s):
             since = "never" if age is None else f"for {age:.0f} s"
             return [f"broker: no answer {since}" + (f" ({self.error})" if self.error else "")]
         if not self.member:

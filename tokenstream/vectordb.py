@@ -60,13 +60,21 @@ async def aready(timeout_s: float = 1.0) -> bool:
         return False
 
 
+BACKOFF_FIRST_S, BACKOFF_MOST_S = 0.25, 2.0  # the pause after a failure, doubling: the breaker's and ingestion's
+
+
+def backoff_s(failures: int, first_s: float = BACKOFF_FIRST_S, most_s: float = BACKOFF_MOST_S) -> float:
+    """The pause after `failures` + 1 failures in a row: first_s, doubling, at most most_s."""
+    return min(most_s, first_s * 2 ** failures)
+
+
 @dataclass
 class Breaker:
     """After a failure, callers skip the dependency for a pause (first_s, doubling to most_s); a success
     closes it. `allow()` says whether to try now; `up` whether the last try succeeded."""
 
-    first_s: float = 0.25
-    most_s: float = 2.0
+    first_s: float = BACKOFF_FIRST_S
+    most_s: float = BACKOFF_MOST_S
     clock: Callable[[], float] = field(default=time.monotonic, repr=False)
     failures: int = 0
     open_until: float = 0.0
@@ -79,7 +87,7 @@ class Breaker:
     def failed(self, exc: BaseException | str) -> float:
         """Record a failure; returns the pause before the next try."""
         now = self.clock()
-        pause = min(self.most_s, self.first_s * 2 ** self.failures)
+        pause = backoff_s(self.failures, self.first_s, self.most_s)
         self.failures += 1
         self.open_until = now + pause
         self.last_error = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"[:300]

@@ -48,6 +48,8 @@ class ToolSettings(BaseSettings):
     index_timeout_s: float = Field(5.0, gt=0, description="connecting to Weaviate and each search; a file_search "
                                    "call fails after this (and at once for a while after a failure)")
     health_port: int | None = Field(None, description="port of /health/live and /health/ready (None: none)")
+    broker_stale_s: float = Field(5.0, gt=0, description="not ready once the broker has not answered the "
+                                  "group check for this long")
 
     # File ingestion (ts.files.ingest)
     ingest_attempts: int = Field(5, ge=1, description="tries of a file that fails while Weaviate answers "

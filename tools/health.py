@@ -1,7 +1,7 @@
 """What the tool processor's /health/ready says (with --health-port; tokenstream/health.py serves it).
 
 Ready while its tool-call consumer can take work: started (sandbox tried, embedder loaded), the broker
-answered the group check within 5 s, and it is a member of `ts-tools` holding a partition when it
+answered the group check within `broker_stale_s` (5 s), and it is a member of `ts-tools` holding a partition when it
 should (producers/membership.py). Weaviate is optional (tokenstream/vectordb.py): while it does not
 answer, the process stays ready and `degraded` says what waits on it: file_search calls answer an
 error at once, ingestion holds its event (and says for how long).
@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from tokenstream import vectordb
 from tokenstream.health import Report
-
-BROKER_STALE_S = 5.0
+from tools.config import tool_settings
 
 
 def report(processor, ingestor) -> Report:
@@ -27,9 +26,7 @@ def report(processor, ingestor) -> Report:
     if watch is None:
         return Report(ready=False, detail=["starting: trying the sandbox and loading the embedder"],
                       degraded=degraded, checks={"weaviate": weaviate})
-    s = watch.standing
-    detail = s.problems(BROKER_STALE_S)
-    age = s.broker_age_s()
-    return Report(ready=not detail, detail=detail, degraded=degraded, checks={
-        "broker": age is not None and age <= BROKER_STALE_S, "group": s.group, "member": s.member,
+    s, stale = watch.standing, tool_settings().broker_stale_s
+    return Report(ready=not (detail := s.problems(stale)), detail=detail, degraded=degraded, checks={
+        "broker": s.broker_ok(stale), "group": s.group, "member": s.member,
         "partitions": s.partitions, "weaviate": weaviate})

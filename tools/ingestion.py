@@ -60,12 +60,9 @@ class Ingestor:
         return self._index
 
     def _forget_index(self) -> None:
-        if self._index is not None:
-            try:
-                self._index.close()
-            except Exception:  # noqa: BLE001 - closing a client whose server is gone
-                pass
-            self._index = None
+        index, self._index = self._index, None
+        if index is not None:
+            index.close()
 
     async def record(self, event: FileIngest, **fields) -> bool:
         fields["updated_at"] = f"{time.time():.3f}"
@@ -120,9 +117,6 @@ class Ingestor:
         budget), `ingest_attempts` tries in all for a failure while Weaviate answers."""
         from tools.search.extract import UnsupportedFile
 
-        async def reachable() -> bool:
-            return await asyncio.to_thread(vectordb.ready, 1.0)
-
         async def once():
             try:
                 return await asyncio.to_thread(lambda: work(self.index()))
@@ -132,7 +126,7 @@ class Ingestor:
                 await asyncio.to_thread(self._forget_index)
                 raise
 
-        retry = IndexRetry(self.cfg.ingest_attempts, self.cfg.ingest_outage_s, reachable,
+        retry = IndexRetry(self.cfg.ingest_attempts, self.cfg.ingest_outage_s, vectordb.aready,
                            permanent=(UnsupportedFile, ValueError))
         self.retrying = retry
         try:

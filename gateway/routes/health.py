@@ -33,8 +33,8 @@ async def ready(gw: Gateway = Depends(pipeline)) -> JSONResponse:
     (API keys, rate limits) answers; otherwise 503 with what is missing. Weaviate (the semantic cache)
     is optional: while it is away the answer stays 200 and `degraded` says so (lookups are misses)."""
     redis, weaviate = await asyncio.gather(gw.redis_reachable(), vectordb.aready(timeout_s=0.5))
-    ready = gw.ready and redis
     broker, fanout = gw.admission.healthy(), gw.fanout is not None
+    ready = broker and fanout and redis  # gw.ready, with Redis
     missing = [what for what, ok in (("broker: no answer", broker), ("tokens fan-out: not connected", fanout),
                                      ("redis: no answer (API keys, rate limits)", redis)) if not ok]
     degraded = [] if weaviate else ["weaviate: no answer (semantic cache lookups are misses)"]

@@ -34,16 +34,12 @@ def url_ready(url: str) -> tuple[bool, str]:
     """Whether a role's /health/ready answers 200, and its reasons (tokenstream.stack.roles.describe)."""
     import httpx
 
-    from tokenstream.stack.roles import describe
+    from tokenstream.stack.roles import describe, json_body
 
     try:
         answer = httpx.get(url, timeout=5)
     except httpx.HTTPError as exc:
         return False, f"{url} does not answer ({type(exc).__name__}: {exc})"
-    try:
-        body = answer.json()
-    except ValueError:
-        body = {}
-    detail = describe(body if isinstance(body, dict) else {})
+    detail = describe(json_body(answer.content))
     ok = answer.status_code == 200
     return ok, ("ready" if ok else f"not ready ({answer.status_code})") + (f": {detail}" if detail else "")

@@ -65,9 +65,9 @@ class Role(Service):
         """(200?, the JSON body) of the role's readiness endpoint; (False, {}) when it does not answer."""
         try:
             with urllib.request.urlopen(self.probe_url, timeout=2) as response:
-                return response.status == 200, _json(response.read())
+                return response.status == 200, json_body(response.read())
         except urllib.error.HTTPError as error:  # 503: not ready, and the body says why
-            return False, _json(error.read())
+            return False, json_body(error.read())
         except OSError:
             return False, {}
 
@@ -84,7 +84,8 @@ class Role(Service):
         return super().status()
 
 
-def _json(raw: bytes) -> dict:
+def json_body(raw: bytes) -> dict:
+    """A health answer's JSON object ({} when the body is not one)."""
     try:
         body = json.loads(raw)
     except ValueError:

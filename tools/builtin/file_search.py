@@ -49,10 +49,7 @@ class FileSearch:
     def _forget(self) -> None:
         index, self._index = self._index, None
         if index is not None:
-            try:
-                index.close()
-            except Exception:  # noqa: BLE001 - closing a client whose server is gone
-                pass
+            index.close()
 
     def unavailable(self) -> ToolUnavailable:
         return ToolUnavailable(f"the file index (Weaviate) is unavailable ({self.breaker.last_error}); "
@@ -76,7 +73,7 @@ class FileSearch:
                 hits = await asyncio.to_thread(self._search, call.tenant, stores, query, k)
         except Exception as exc:  # noqa: BLE001 - Weaviate's client raises assorted errors
             await asyncio.to_thread(self._forget)
-            if isinstance(exc, TimeoutError) or not await asyncio.to_thread(vectordb.ready, 1.0):
+            if isinstance(exc, TimeoutError) or not await vectordb.aready(1.0):
                 self.breaker.failed(f"no answer within {timeout_s:g} s" if isinstance(exc, TimeoutError) else exc)
                 raise self.unavailable() from exc
             raise ToolError(f"file search failed: {type(exc).__name__}: {exc}") from exc

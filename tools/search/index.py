@@ -65,7 +65,11 @@ class ChunkIndex:
             raise
 
     def close(self) -> None:
-        self.client.close()
+        """Close the client; an error closing one whose server is gone is of no interest."""
+        try:
+            self.client.close()
+        except Exception:  # noqa: BLE001 - closing a client whose server is gone
+            pass
 
     def _collection(self):
         if not self.client.collections.exists(COLLECTION):

@@ -21,10 +21,11 @@ from typing import TypeVar
 
 from tenacity import AsyncRetrying, RetryCallState
 
+from tokenstream.vectordb import BACKOFF_FIRST_S, BACKOFF_MOST_S, backoff_s
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-OUTAGE_FIRST_S, OUTAGE_MOST_S = 0.25, 2.0
 
 
 class IndexUnavailable(RuntimeError):
@@ -80,7 +81,7 @@ class IndexRetry:
 
     def _wait(self, state: RetryCallState) -> float:
         if self.outage_since is not None:
-            return min(OUTAGE_MOST_S, OUTAGE_FIRST_S * 2 ** (self._outage_tries - 1))
+            return backoff_s(self._outage_tries - 1)  # as the breakers pace their tries (tokenstream/vectordb.py)
         return float(2 ** (self._failures - 1))
 
     def _before_sleep(self, state: RetryCallState) -> None:
@@ -88,7 +89,7 @@ class IndexRetry:
         if self.outage_since is not None:
             if self._outage_tries == 1:
                 log.warning("the index (Weaviate) is unreachable (%s): the event is held and tried again every "
-                            "%.2f-%.0f s for up to %.0f s", exc, OUTAGE_FIRST_S, OUTAGE_MOST_S, self.outage_s)
+                            "%.2f-%.0f s for up to %.0f s", exc, BACKOFF_FIRST_S, BACKOFF_MOST_S, self.outage_s)
         else:
             log.warning("the index failed (%s); attempt %d of %d in %.0f s", exc, self._failures + 1,
                         self.attempts, state.upcoming_sleep)
