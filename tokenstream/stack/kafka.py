@@ -118,7 +118,7 @@ class Kafka(Service):
 
     def command(self) -> list[str]:
         return self._java(MAIN, str(self.properties_file), heap=self.heap,
-                          jvm=("-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20", "-Djava.awt.headless=true"))
+                          jvm=("-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20", "-XX:TieredStopAtLevel=1", "-Djava.awt.headless=true"))
 
     def is_ready(self) -> bool:
         if not port_open(self.port):
