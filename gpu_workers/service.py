@@ -15,7 +15,7 @@ import logging
 import os
 import socket
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 from aiokafka import ConsumerRebalanceListener
 from aiokafka.errors import KafkaError
@@ -96,7 +96,6 @@ class Worker:
         self.parsers: dict[str, ToolCallParser] = {}  # requests with tools: their calls so far
         self.spans: dict[str, tracing.Hop] = {}  # each owned request's span (tokenstream.tracing)
         self.grammars: Grammars | None = None
-        self.unsent: list[Output] = []  # the last step's events, published while the next step runs
         # Every step on the process's torch thread, where the model was loaded and the engine built:
         # one OpenMP team in the process (gpu_workers/torch_thread.py). Steps sent to asyncio's default
         # executor ran on whichever of its threads was free, each with a team of its own.
@@ -326,9 +325,22 @@ class Worker:
 
     # ---- stepping and publishing ----
     async def _steps(self, stop: asyncio.Event) -> None:
+        """Step the engine on the torch thread while there is work, two steps deep.
+
+        The next step is queued on the torch thread while this one runs, so the torch thread goes
+        from one forward straight to the next; the event loop takes each step's outputs and
+        publishes them while the following step runs. A step queued behind the one that finished
+        the last request finds no work and returns nothing. With `step_delay_s` (tests that need
+        slow steps) one step at a time.
+        """
+        loop = asyncio.get_running_loop()
+        depth = 1 if self.cfg.step_delay_s else 2
+        queued: deque[asyncio.Future] = deque()
         while not stop.is_set():
             self.health.step_loop_turned()
-            if not self.engine.has_work:
+            while len(queued) < depth and self.engine.has_work:
+                queued.append(loop.run_in_executor(self.stepper, self._step))
+            if not queued:
                 self.work.clear()
                 try:
                     await asyncio.wait_for(self.work.wait(), 0.05)
@@ -336,24 +348,24 @@ class Worker:
                     pass
                 continue
             async with self.step_lock:
-                t0 = time.perf_counter()
-                step = asyncio.get_running_loop().run_in_executor(self.stepper, self.engine.step)
-                # the previous step's events are encoded and queued while this step's forward runs
-                # (torch releases the GIL in its kernels); they leave before the step's own
-                await self._publish_unsent()
-                outputs = await step
-                self.metrics.step_seconds.labels(self.cfg.model).observe(time.perf_counter() - t0)
-                self.unsent = outputs
-                if not self.engine.has_work or self.cfg.step_delay_s:
-                    await self._publish_unsent()
+                outputs, seconds = await queued.popleft()
+                if seconds is not None:
+                    self.metrics.step_seconds.labels(self.cfg.model).observe(seconds)
+                if len(queued) < depth and self.engine.has_work:  # queued before these are published
+                    queued.append(loop.run_in_executor(self.stepper, self._step))
+                await self._publish(outputs)
             if self.cfg.step_delay_s:
                 await asyncio.sleep(self.cfg.step_delay_s)
             else:
                 await asyncio.sleep(0)
 
-    async def _publish_unsent(self) -> None:
-        outputs, self.unsent = self.unsent, []
-        await self._publish(outputs)
+    def _step(self) -> tuple[list[Output], float | None]:
+        """One engine step and its duration (on the torch thread); nothing if no work is left."""
+        if not self.engine.has_work:
+            return [], None
+        t0 = time.perf_counter()
+        outputs = self.engine.step()
+        return outputs, time.perf_counter() - t0
 
     async def _publish(self, outputs: list[Output]) -> None:
         async with self.publish_lock:

@@ -462,12 +462,11 @@ async def test_nothing_is_written_for_a_revoked_partition_once_its_revocation_be
         req = request(model, "hello", 4)
         seqs[rid] = Sequence(rid, [1, 2], max_tokens=4)
         worker.owned[rid] = (at, 7, req, seqs[rid])
-    worker.unsent = [Output(seqs["revoked-one"], chunk_seq=0, text="A", token_ids=[49])]
 
     async with worker.step_lock:  # a step is running: the revocation does not wait for it
         await asyncio.wait_for(worker.revoked({tp}), 5)
-        # the step ends: the loop publishes the previous step's events, then this step's
-        await worker._publish_unsent()
+        # the step ends and the one queued behind it too (two deep): the loop publishes both
+        await worker._publish([Output(seqs["revoked-one"], chunk_seq=0, text="A", token_ids=[49])])
         await worker._publish([Output(seqs["revoked-one"], chunk_seq=1, text="B", token_ids=[50],
                                       finish_reason="length", completion_seq=2),
                                Output(seqs["kept-one"], chunk_seq=0, text="C", token_ids=[51])])
