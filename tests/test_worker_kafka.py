@@ -474,6 +474,43 @@ async def test_nothing_is_written_for_a_revoked_partition_once_its_revocation_be
     assert "revoked-one" not in worker.owned and "kept-one" in worker.owned
 
 
+async def test_the_next_step_runs_while_the_event_loop_is_busy():
+    """The torch thread does not wait for the event loop between two steps: the next step is queued
+    before this one ends (two deep), so a loop busy with other work (publishing, a client, a fetch)
+    does not idle the engine. A unit test with a stand-in engine whose steps take 50 ms each."""
+    steps: list[tuple[int, float, float]] = []
+
+    class Engine:
+        queued, tokenizer = 0, None
+
+        @property
+        def has_work(self):
+            return len(steps) < 6
+
+        def step(self):
+            t0 = time.perf_counter()
+            time.sleep(0.05)
+            steps.append((len(steps) + 1, t0, time.perf_counter()))
+            return []
+
+    worker = Worker(WorkerConfig(model="tiny-units"), Engine(), WorkerMetrics("tiny-units"), "127.0.0.1:9")
+    stop = asyncio.Event()
+    stepping = asyncio.create_task(worker._steps(stop))
+    while not steps:
+        await asyncio.sleep(0.005)
+    busy_from = time.perf_counter()
+    time.sleep(0.3)  # the event loop's thread busy for 300 ms: nothing awaits the steps meanwhile
+    busy_till = time.perf_counter()
+    while len(steps) < 6:
+        await asyncio.sleep(0.01)
+    stop.set()
+    await asyncio.wait_for(stepping, 5)
+    during = [k for k, start, _ in steps if busy_from < start < busy_till]
+    # the step queued behind the running one started while the loop was busy; the one after it had
+    # to wait for the loop to queue it (stepping one at a time, none would have started)
+    assert len(during) == 1, steps
+
+
 async def test_a_duplicate_arriving_while_the_original_runs_is_committed(bootstrap, unique, tiny_loaded):
     """The duplicate a processor may re-emit (README, known issues) must not hold its partition's commits."""
     model = f"tiny-{unique}"
