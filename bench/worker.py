@@ -184,7 +184,7 @@ async def run_worker_bench(loaded, work: list[Work], bootstrap: str, max_running
     from aiokafka.structs import TopicPartition
 
     from gpu_workers.config import WorkerConfig
-    from gpu_workers.service import run_worker
+    from gpu_workers.startup import run_worker
     from producers import decode_record, publish, start_producer
     from schemas import ChatMessage, Completion, InferenceRequest, SamplingParams
     from topics import CONTROL, TOKENS, TOOL_CALLS, inference_topic

@@ -35,7 +35,7 @@ def worker(
     cfg = WorkerConfig(**{k: v for k, v in given.items() if v is not None})
 
     async def main() -> None:
-        from gpu_workers.service import run_worker
+        from gpu_workers.startup import run_worker
 
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

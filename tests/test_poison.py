@@ -16,7 +16,7 @@ import pytest
 from gpu_workers.config import WorkerConfig
 from gpu_workers.model_loader import load
 from gpu_workers.random_model import build
-from gpu_workers.service import run_worker
+from gpu_workers.startup import run_worker
 from producers import publish, start_producer
 from schemas import ChatMessage, ChatRequest, Completion, DeadLetter, SamplingParams
 from tests.kafka_support import Tap

@@ -22,7 +22,8 @@ from gpu_workers.config import WorkerConfig
 from gpu_workers.metrics import WorkerMetrics
 from gpu_workers.model_loader import load
 from gpu_workers.random_model import build
-from gpu_workers.service import Worker, run_worker
+from gpu_workers.service import Worker
+from gpu_workers.startup import run_worker
 from producers import decode_record, publish, start_producer
 from schemas import Cancel, ChatMessage, Completion, InferenceRequest, SamplingParams, TokenChunk, encode
 from topics import CONTROL, TOKENS, TOOL_CALLS, inference_topic
@@ -184,7 +185,7 @@ async def test_loading_building_and_every_step_run_on_the_one_torch_thread(boots
     loading, the KV pool, the engine's construction and every step run on one thread, and steps do
     not wander over asyncio's default executor even while other work keeps that executor busy."""
     import gpu_workers.model_loader
-    import gpu_workers.service
+    import gpu_workers.startup
     from gpu_workers.kv_cache import PagedKVCache
 
     model = f"tiny-{unique}"
@@ -204,7 +205,7 @@ async def test_loading_building_and_every_step_run_on_the_one_torch_thread(boots
         built["pool"] = threading.get_ident()
         return pool_for_model(*args, **kwargs)
 
-    engine_class = gpu_workers.service.Engine
+    engine_class = gpu_workers.startup.Engine
 
     def engine(*args, **kwargs):
         built["engine"] = threading.get_ident()
@@ -212,7 +213,7 @@ async def test_loading_building_and_every_step_run_on_the_one_torch_thread(boots
 
     monkeypatch.setattr(gpu_workers.model_loader, "load", loading)
     monkeypatch.setattr(PagedKVCache, "for_model", staticmethod(pool))
-    monkeypatch.setattr(gpu_workers.service, "Engine", engine)
+    monkeypatch.setattr(gpu_workers.startup, "Engine", engine)
 
     def on_ready(worker):
         step = worker.engine.step

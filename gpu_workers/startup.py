@@ -1,0 +1,77 @@
+"""A worker's start: load the model, build the KV pool and the engine on the torch thread, check the
+topics, then serve (`Worker` in service.py) until stopped. The health endpoint answers from the
+moment the model is loaded; it reports ready once the consumer holds partitions."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from gpu_workers.config import WorkerConfig
+from gpu_workers.engine import Engine
+from gpu_workers.health import WorkerHealth
+from gpu_workers.kv_cache import PagedKVCache
+from gpu_workers.metrics import WorkerMetrics
+from gpu_workers import model_loader
+from gpu_workers.service import Worker
+from gpu_workers.torch_thread import on_torch_thread
+from tokenstream import tracing
+from tokenstream.config import settings
+from tokenstream.health import HealthServer
+from tokenstream.models import context_length
+from topics import CONTROL, TOKENS, TOOL_CALLS, inference_topic
+from topics.admin import require
+
+log = logging.getLogger(__name__)
+
+
+async def run_worker(cfg: WorkerConfig, stop: asyncio.Event | None = None, *, loaded=None,
+                     bootstrap: str | None = None, on_ready=None) -> None:
+    """Load the model (unless given), build the engine and serve until `stop` is set. The metrics and
+    health endpoint answers once the model is loaded (not ready until the consumer holds partitions)."""
+    stop = stop or asyncio.Event()
+    bootstrap = bootstrap or settings().kafka_bootstrap
+    metrics = WorkerMetrics(cfg.model)
+    health = WorkerHealth(cfg)
+    server: HealthServer | None = None
+    try:
+        if loaded is None:
+            loaded = await on_torch_thread(model_loader.load, cfg.model, cfg.model_path, cfg.dtype, cfg.quantization,
+                                           cfg.device, cfg.device_map)
+        # the pool's allocation and the engine's construction (packing the linears) open parallel regions:
+        # on the torch thread, like every step (gpu_workers/torch_thread.py)
+        cache = await on_torch_thread(PagedKVCache.for_model, loaded.model, cfg.kv_blocks, cfg.block_size,
+                                      cfg.kv_memory_gb)
+        health.phase = "building the engine"
+        if cfg.metrics_port:  # (its port answering means the model is loaded, as it always has)
+            server = HealthServer(cfg.metrics_port, health.report, metrics.registry)
+        context = (cfg.max_model_len or context_length(cfg.model, cfg.model_path)
+                   or loaded.model.config.max_position_embeddings)
+        if cache.capacity_tokens < context:
+            log.warning("worker: the KV pool holds %d tokens, less than the %d-token context: longer prompts "
+                        "are refused here although the conversation processor lets them through",
+                        cache.capacity_tokens, context)
+        engine = await on_torch_thread(Engine, loaded.model, loaded.tokenizer, cache, max_running=cfg.max_running,
+                                       prefill_chunk=cfg.prefill_chunk, max_model_len=context, metrics=metrics)
+        log.info("worker: device=%s model=%s (%s, %.1fM params) dtype=%s quantization=%s "
+                 "kv budget=%d pages x %d tokens = %d tokens (%.1f MiB) context=%d max_running=%d prefill_chunk=%d "
+                 "metrics=%s",
+                 loaded.device, cfg.model, loaded.source, loaded.params / 1e6, loaded.dtype, loaded.quantization,
+                 cache.allocator.num_blocks, cache.block_size, cache.capacity_tokens, cache.nbytes() / 2**20,
+                 engine.max_model_len, cfg.max_running, cfg.prefill_chunk, cfg.metrics_port or "off")
+        tracing.setup("worker")
+        # only checked: topics are the operator's (`tokenstream topics apply`), a worker never rewrites them
+        await require([inference_topic(cfg.model), TOKENS, CONTROL, TOOL_CALLS], bootstrap)
+        health.phase = f"joining group worker.{cfg.model}"
+        worker = Worker(cfg, engine, metrics, bootstrap, health)
+        if on_ready is not None:
+            asyncio.get_running_loop().create_task(_when_ready(worker, on_ready))
+        await worker.run(stop)
+    finally:
+        if server is not None:
+            server.close()
+
+
+async def _when_ready(worker: Worker, on_ready) -> None:
+    await worker.ready.wait()
+    on_ready(worker)
