@@ -7,7 +7,7 @@ to summarise, long documents) and output lengths (16-64 new tokens, greedy), arr
 (Poisson). Each system serves the same arrivals on the same model (SmolLM2-135M-Instruct, fp32
 on the CPUs here); the worker is started in-process against a throwaway Kafka broker and fed
 through the inference topic like production, with TTFT/ITL measured by a client on the tokens
-topic. Output lengths are capped at 64 so the sequential baseline finishes in minutes on 2 cores.
+topic, in a process of its own as the gateway is (bench/worker_client.py). Output lengths are capped at 64 so the sequential baseline finishes in minutes on 2 cores.
 Import-light at module level: torch and transformers load inside `main`.
 """
 
@@ -178,15 +178,16 @@ def process_cpu_s(pid: int) -> float:
 
 async def run_worker_bench(loaded, work: list[Work], bootstrap: str, max_running: int,
                            prefill_chunk: int, broker_pid: int | None = None) -> Result:
+    """The worker in this process (its torch thread: the model loaded here), fed and read by
+    bench/worker_client.py in a process of its own, as the gateway is in production: the client's
+    decoding of every token record does not compete with the worker for this process's GIL."""
     import asyncio
-
-    from aiokafka import AIOKafkaConsumer
-    from aiokafka.structs import TopicPartition
+    import os
+    import sys
+    import tempfile
 
     from gpu_workers.config import WorkerConfig
     from gpu_workers.startup import run_worker
-    from producers import decode_record, publish, start_producer
-    from schemas import ChatMessage, Completion, InferenceRequest, SamplingParams
     from topics import CONTROL, TOKENS, TOOL_CALLS, inference_topic
     from topics.admin import apply
 
@@ -199,103 +200,70 @@ async def run_worker_bench(loaded, work: list[Work], bootstrap: str, max_running
     task = asyncio.create_task(run_worker(cfg, stop, loaded=loaded, bootstrap=bootstrap,
                                           on_ready=lambda w: (holder.update(w=w), ready.set())))
     await asyncio.wait_for(ready.wait(), 120)
-    await asyncio.sleep(1.0)
     engine = holder["w"].engine
-    producer = await start_producer(bootstrap)
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
-    await consumer.start()
-    tps = [TopicPartition(TOKENS.name, p) for p in range(TOKENS.partitions)]
-    consumer.assign(tps)
-    await consumer.seek_to_end(*tps)
-    for tp in tps:
-        await consumer.position(tp)
-    sent: dict[str, float] = {}
-    chunks: dict[str, list[tuple[float, int]]] = {w.rid: [] for w in work}
-    done: dict[str, Completion] = {}
     page_bytes = engine.cache.nbytes() / engine.cache.allocator.num_blocks
     peak = {"running": 0, "kv": 0.0}
-
-    def request(i: int, w: Work) -> InferenceRequest:
-        return InferenceRequest(request_id=w.rid, model=cfg.model, reply_partition=i % TOKENS.partitions,
-                                messages=[ChatMessage(**m) for m in w.messages],
-                                sampling=SamplingParams(max_tokens=w.max_tokens, temperature=0))
-
-    async def warm_up() -> None:
-        """Untimed, like the in-process runner's warm-up request: the engine's first forwards, the
-        worker's publish and commit paths and a broker started seconds ago (its JVM compiles its
-        produce and fetch paths under its first requests, on the same cores as the
-        engine) are start-up costs, not the worker's serving rate. Then the prefix cache is emptied,
-        as the in-process runner does, so no measured request finds pages of the warm-up."""
-        warm = [Work(f"warm-{i}", 0.0, w.messages, min(w.max_tokens, WARM_TOKENS), w.prompt_ids)
-                for i, w in enumerate(work[:WARM_REQUESTS])]
-        pending = {w.rid for w in warm}
-        for i, w in enumerate(warm):
-            await publish(producer, inference_topic(cfg.model), request(i, w), wait=False)
-        while pending:
-            for records in (await consumer.getmany(timeout_ms=100)).values():
-                for rec in records:
-                    ev = decode_record(rec, TOKENS)
-                    if isinstance(ev, Completion):
-                        pending.discard(ev.request_id)
-        while engine.has_work:  # the warm-up's last step: the engine idles before the clock starts
-            await asyncio.sleep(0.01)
-        if engine.prefix_cache is not None:
-            engine.prefix_cache.clear()
-
-    async def feed():
-        t0 = time.perf_counter()
-        for i, w in enumerate(work):
-            wait = w.arrival - (time.perf_counter() - t0)
-            if wait > 0:
-                await asyncio.sleep(wait)
-            sent[w.rid] = time.perf_counter()
-            await publish(producer, inference_topic(cfg.model), request(i, w), wait=False)
-
-    async def sample_memory():
-        while len(done) < len(work):
-            running = len(engine.running)
-            if running:
-                res.mem_per_request.append(engine.cache.allocator.used * page_bytes / running)
-                peak["running"] = max(peak["running"], running)
-                peak["kv"] = max(peak["kv"], engine.cache.usage())
-            await asyncio.sleep(0.1)
-
-    await asyncio.wait_for(warm_up(), 600)
-    steps0 = engine.steps
-    cpu0 = time.process_time()
-    broker0 = process_cpu_s(broker_pid) if broker_pid else None
-    t0 = time.perf_counter()
-    feeder = asyncio.create_task(feed())
-    sampler = asyncio.create_task(sample_memory())
-    while len(done) < len(work):
-        for records in (await consumer.getmany(timeout_ms=100)).values():
-            now = time.perf_counter()
-            for rec in records:
-                ev = decode_record(rec, TOKENS)
-                if ev.request_id not in chunks:
-                    continue
-                if isinstance(ev, Completion):
-                    done[ev.request_id] = ev
-                else:
-                    chunks[ev.request_id].append((now, len(ev.token_ids)))
-                    res.outputs.setdefault(ev.request_id, []).extend(ev.token_ids)  # a request's chunks come in order
-    res.wall_s = time.perf_counter() - t0
-    cpu = {"process_cpu_s": round(time.process_time() - cpu0, 2)}  # the worker, the client and torch's threads
-    if broker0 is not None:  # the broker shares the cores here: its CPU during the measured run
-        cpu["broker_cpu_s"] = round(process_cpu_s(broker_pid) - broker0, 2)
-    await feeder
-    await sampler
+    # Untimed warm-up, like the in-process runner's warm-up request: the engine's first forwards, the
+    # worker's publish and commit paths and a broker started seconds ago (its JVM compiles its produce
+    # and fetch paths under its first requests, on the same cores as the engine) are start-up costs,
+    # not the worker's serving rate. Then the prefix cache is emptied, as the in-process runner does,
+    # so no measured request finds pages of the warm-up.
+    spec = {"model": cfg.model,
+            "warm": [{"rid": f"warm-{i}", "arrival": 0.0, "messages": w.messages,
+                      "max_tokens": min(w.max_tokens, WARM_TOKENS)} for i, w in enumerate(work[:WARM_REQUESTS])],
+            "requests": [{"rid": w.rid, "arrival": w.arrival, "messages": w.messages, "max_tokens": w.max_tokens}
+                         for w in work]}
+    with tempfile.TemporaryDirectory(prefix="bench-client-") as tmp:
+        src, dst = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        src.write_text(json.dumps(spec))
+        client = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "bench.worker_client", bootstrap, str(src), str(dst),
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, cwd=Path(__file__).resolve().parents[1],
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+        try:
+            line = await asyncio.wait_for(client.stdout.readline(), 600)
+            if line.strip() != b"warm":
+                raise RuntimeError(f"bench client: expected 'warm', got {line!r} (exit {await client.wait()})")
+            while engine.has_work:  # the warm-up's last step: the engine idles before the clock starts
+                await asyncio.sleep(0.01)
+            if engine.prefix_cache is not None:
+                engine.prefix_cache.clear()
+            steps0 = engine.steps
+            cpu0 = time.process_time()
+            broker0 = process_cpu_s(broker_pid) if broker_pid else None
+            client.stdin.write(b"go\n")
+            await client.stdin.drain()
+            waiting = asyncio.create_task(client.wait())
+            while not waiting.done():  # the memory the running requests hold, every 0.1 s
+                running = len(engine.running)
+                if running:
+                    res.mem_per_request.append(engine.cache.allocator.used * page_bytes / running)
+                    peak["running"] = max(peak["running"], running)
+                    peak["kv"] = max(peak["kv"], engine.cache.usage())
+                await asyncio.wait([waiting], timeout=0.1)
+            cpu = {"process_cpu_s": round(time.process_time() - cpu0, 2)}  # the worker and torch's threads
+            if broker0 is not None:  # the broker shares the cores here: its CPU during the measured run
+                cpu["broker_cpu_s"] = round(process_cpu_s(broker_pid) - broker0, 2)
+            if waiting.result() != 0:
+                raise RuntimeError(f"bench client exited with {waiting.result()}")
+            got = json.loads(dst.read_text())
+        finally:
+            if client.returncode is None:
+                client.kill()
+                await client.wait()
+    res.wall_s = got["wall_s"]
+    cpu["client_cpu_s"] = got["cpu_s"]
     for w in work:
-        c = chunks[w.rid]
-        res.tokens += done[w.rid].usage.completion_tokens
+        c = got["chunks"][w.rid]
+        res.tokens += got["completion_tokens"][w.rid]
+        if w.rid in got["outputs"]:
+            res.outputs[w.rid] = got["outputs"][w.rid]
         if c:
-            res.ttft.append(c[0][0] - sent[w.rid])
+            res.ttft.append(c[0][0] - got["sent"][w.rid])
             for (a, _), (b, n) in zip(c, c[1:]):
                 res.itl += [(b - a) / max(n, 1)] * max(n, 1)
     res.extra = {"max_batch": peak["running"], "peak_kv_usage": round(peak["kv"], 3),
                  "kv_pool_mib": round(engine.cache.nbytes() / 2**20, 1), "steps": engine.steps - steps0, **cpu}
-    await consumer.stop()
-    await producer.stop()
     stop.set()
     await task
     return res

@@ -584,3 +584,21 @@ async def test_takeover_of_32_in_flight_requests_resumes_them_together(bootstrap
             stop.set()
             await task
         await producer.stop()
+
+
+async def test_the_worker_benchmark_reads_every_answer_through_its_own_client_process(bootstrap, tiny_loaded):
+    """`bench worker` and `bench engine`'s worker column: the worker runs in this process, the client
+    that sends the requests and reads ts.tokens (bench/worker_client.py) in a process of its own, as the
+    gateway does; every request's tokens and first-token time come back from it."""
+    from bench.worker import Work, run_worker_bench
+
+    work = [Work(f"bench-{i}", 0.05 * i, [{"role": "user", "content": f"count to {i + 3}"}], 4 + i)
+            for i in range(6)]
+    res = await asyncio.wait_for(run_worker_bench(tiny_loaded, work, bootstrap, max_running=4, prefill_chunk=64),
+                                 180)
+    assert sorted(res.outputs) == sorted(w.rid for w in work)
+    for w in work:
+        assert 1 <= len(res.outputs[w.rid]) <= w.max_tokens
+    assert res.tokens >= len(work) and len(res.ttft) == len(work) and all(t > 0 for t in res.ttft)
+    assert res.wall_s > 0.05 * (len(work) - 1)  # from the first send to the last Completion
+    assert res.extra["steps"] > 0 and res.extra["client_cpu_s"] > 0
