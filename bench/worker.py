@@ -7,7 +7,8 @@ to summarise, long documents) and output lengths (16-64 new tokens, greedy), arr
 (Poisson). Each system serves the same arrivals on the same model (SmolLM2-135M-Instruct, fp32
 on the CPUs here); the worker is started in-process against a throwaway Kafka broker and fed
 through the inference topic like production, with TTFT/ITL measured by a client on the tokens
-topic, in a process of its own as the gateway is (bench/worker_client.py). Output lengths are capped at 64 so the sequential baseline finishes in minutes on 2 cores.
+topic, in a process of its own as the gateway is (bench/worker_client.py). Output lengths are
+capped at 64 so the sequential baseline finishes in minutes on 2 cores.
 Import-light at module level: torch and transformers load inside `main`.
 """
 
