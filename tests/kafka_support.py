@@ -84,3 +84,17 @@ async def group_settled(bootstrap: str, group: str, members: int, timeout: float
             await asyncio.sleep(0.5)
     finally:
         await admin.close()
+
+
+async def caught_up(group: str, spec: TopicSpec, bootstrap: str) -> None:
+    """Commit `group`'s offsets on `spec` at the log's end, while the group has no members: a
+    processor of that group started next begins with what is written from then on, as a deployed
+    one that kept up would, instead of first working through what earlier tests left on the
+    session's broker."""
+    consumer = await start_consumer(group=group, bootstrap=bootstrap)
+    try:
+        tps = [TopicPartition(spec.name, p) for p in range(spec.partitions)]
+        consumer.assign(tps)
+        await consumer.commit(await consumer.end_offsets(tps))
+    finally:
+        await consumer.stop()
