@@ -11,7 +11,9 @@ async def warm_broker(bootstrap: str, round_trips: int = WARM_ROUND_TRIPS, say=p
 
     The benchmark's broker starts with the run, and a JVM runs a code path interpreted until it
     has been called thousands of times: on this 2-core host one acknowledged produce and its fetch
-    took 4.0 ms p50 over a fresh broker's first 60 round trips and 1.8-2.4 ms after 800. A
+    took 4.0 ms p50 over a fresh broker's first 60 round trips and 1.8-2.4 ms after 800 (measured
+    while the local broker still ran the JVM's C2 compiler; it runs C1 only now, which compiles
+    sooner, and the warm-up stays as the cheap guarantee of a steady state). A
     request of `bench pipeline` crosses five broker hops, so a cold broker added some 10 ms to its
     every figure, a cost a running deployment paid once, days ago. (Tried in `bench engine`'s
     worker run too: the broker's CPU during the measured run stayed 1.3-1.5 s, so not used there.)

@@ -191,7 +191,8 @@ def run_worker(spec: dict) -> dict:
                                                spec["prefill_chunk"], broker_pid=stack.kafka.pid()))
         finally:
             stack.kafka.stop(lambda m: None)
-    info = {"engine": "worker via Kafka (run_worker in-process, client in its own process on ts.tokens)", "torch": torch.__version__,
+    info = {"engine": "worker via Kafka (run_worker in-process, client in its own process on ts.tokens)",
+            "torch": torch.__version__,
             "dtype": loaded.dtype, "threads": torch.get_num_threads(), "max_running": spec["max_running"],
             "prefill_chunk": spec["prefill_chunk"], **res.extra}
     return {"aggregate": {"tokens": res.tokens, "ttft": res.ttft, "itl": res.itl}, "outputs": res.outputs,

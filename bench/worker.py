@@ -183,10 +183,10 @@ async def run_worker_bench(loaded, work: list[Work], bootstrap: str, max_running
     bench/worker_client.py in a process of its own, as the gateway is in production: the client's
     decoding of every token record does not compete with the worker for this process's GIL."""
     import asyncio
-    import os
     import sys
     import tempfile
 
+    from bench.engine import py_env
     from gpu_workers.config import WorkerConfig
     from gpu_workers.startup import run_worker
     from topics import CONTROL, TOKENS, TOOL_CALLS, inference_topic
@@ -219,8 +219,7 @@ async def run_worker_bench(loaded, work: list[Work], bootstrap: str, max_running
         src.write_text(json.dumps(spec))
         client = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "bench.worker_client", bootstrap, str(src), str(dst),
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, cwd=Path(__file__).resolve().parents[1],
-            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=py_env())
         try:
             line = await asyncio.wait_for(client.stdout.readline(), 600)
             if line.strip() != b"warm":

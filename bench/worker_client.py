@@ -47,16 +47,21 @@ async def run(bootstrap: str, spec: dict) -> dict:
     await consumer.seek_to_end(*tps)
     for tp in tps:
         await consumer.position(tp)
+
+    async def read(until, take) -> None:
+        """Read ts.tokens until `until()`, handing `take` each event and when its fetch arrived."""
+        while not until():
+            for records in (await consumer.getmany(timeout_ms=100)).values():
+                now = time.perf_counter()
+                for rec in records:
+                    take(decode_record(rec, TOKENS), now)
+
     try:
         pending = {r["rid"] for r in spec["warm"]}
         for i, r in enumerate(spec["warm"]):
             await publish(producer, topic, _request(spec, i, r), wait=False)
-        while pending:
-            for records in (await consumer.getmany(timeout_ms=100)).values():
-                for rec in records:
-                    ev = decode_record(rec, TOKENS)
-                    if isinstance(ev, Completion):
-                        pending.discard(ev.request_id)
+        await read(lambda: not pending,
+                   lambda ev, _: isinstance(ev, Completion) and pending.discard(ev.request_id))
         print("warm", flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
 
@@ -75,20 +80,18 @@ async def run(bootstrap: str, spec: dict) -> dict:
                 sent[r["rid"]] = time.perf_counter()
                 await publish(producer, topic, _request(spec, i, r), wait=False)
 
+        def take(ev, now: float) -> None:
+            if ev.request_id not in chunks:
+                return
+            if isinstance(ev, Completion):
+                done[ev.request_id] = ev.usage.completion_tokens
+            else:
+                chunks[ev.request_id].append((now, len(ev.token_ids)))
+                outputs.setdefault(ev.request_id, []).extend(ev.token_ids)  # in order per request
+
         cpu0, t0 = time.process_time(), time.perf_counter()
         feeder = asyncio.create_task(feed())
-        while len(done) < len(work):
-            for records in (await consumer.getmany(timeout_ms=100)).values():
-                now = time.perf_counter()
-                for rec in records:
-                    ev = decode_record(rec, TOKENS)
-                    if ev.request_id not in chunks:
-                        continue
-                    if isinstance(ev, Completion):
-                        done[ev.request_id] = ev.usage.completion_tokens
-                    else:
-                        chunks[ev.request_id].append((now, len(ev.token_ids)))
-                        outputs.setdefault(ev.request_id, []).extend(ev.token_ids)  # in order per request
+        await read(lambda: len(done) == len(work), take)
         wall = time.perf_counter() - t0
         await feeder
         return {"sent": sent, "chunks": chunks, "outputs": outputs, "completion_tokens": done, "wall_s": wall,

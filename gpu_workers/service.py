@@ -335,10 +335,14 @@ class Worker:
         loop = asyncio.get_running_loop()
         depth = 1 if self.cfg.step_delay_s else 2
         queued: deque[asyncio.Future] = deque()
-        while not stop.is_set():
-            self.health.step_loop_turned()
+
+        def queue_steps() -> None:
             while len(queued) < depth and self.engine.has_work:
                 queued.append(loop.run_in_executor(self.stepper, self._step))
+
+        while not stop.is_set():
+            self.health.step_loop_turned()
+            queue_steps()
             if not queued:
                 self.work.clear()
                 try:
@@ -350,8 +354,7 @@ class Worker:
                 outputs, seconds = await queued.popleft()
                 if seconds is not None:
                     self.metrics.step_seconds.labels(self.cfg.model).observe(seconds)
-                if len(queued) < depth and self.engine.has_work:  # queued before these are published
-                    queued.append(loop.run_in_executor(self.stepper, self._step))
+                queue_steps()  # the next step is queued before these outputs are published
                 await self._publish(outputs)
             if self.cfg.step_delay_s:
                 await asyncio.sleep(self.cfg.step_delay_s)

@@ -120,8 +120,8 @@ class Kafka(Service):
         # TieredStopAtLevel=1: the JVM's quick (C1) compiler only. This broker shares a small
         # machine's cores with everything it serves: serving a saturated worker on 2 cores it used
         # 1.3-1.6 CPU-s in a 13-s run, half of it in C2's compiler threads, and every step of the
-        # engine next to it waited for the core it took. C1 only: 0.9-1.0 CPU-s in the same run,
-        # about half the CPU to start, and the pipeline benchmark's hops within its run-to-run spread.
+        # engine next to it waited for the core it took. C1 only: 0.9-1.1 CPU-s in the same run,
+        # 2.0 against 3.3 CPU-s to start, and the pipeline benchmark's hops within its run-to-run spread.
         return self._java(MAIN, str(self.properties_file), heap=self.heap,
                           jvm=("-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20", "-XX:TieredStopAtLevel=1",
                                "-Djava.awt.headless=true"))
