@@ -7,6 +7,8 @@ RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends bubblew
  && rm -rf /var/lib/apt/lists/*
 COPY pyproject.toml README.md ./
 COPY tokenstream tokenstream
+COPY common common
+COPY safety_model safety_model
 COPY schemas schemas
 COPY topics topics
 COPY producers producers

@@ -18,7 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from audit.report import Exporter, Summary, timeline
 from audit.run import Auditor, Options, Outcome
-from tokenstream.config import settings
+from common.config import settings
 
 app = typer.Typer(help="Replay requests and conversations from the topics, in order, with a gap check.",
                   no_args_is_help=True)
@@ -128,12 +128,12 @@ def range_(since: str = typer.Option(..., help="ISO 8601 time or a duration back
 def rescreen(policy: str = typer.Option(..., help="a policy name from the policies file (e.g. strict)"),
              since: str = typer.Option(..., help="ISO 8601 time or a duration back from now (15m, 2h, 7d)"),
              until: str = typer.Option(None, help="default: now"), tenant: str = Tenant,
-             policies: Path = typer.Option(None, help="policies file (default processors/safety/policies.json)"),
+             policies: Path = typer.Option(None, help="policies file (default safety_model/policies.json)"),
              horizon: float = Horizon) -> None:
     """Re-judge stored inputs and answers under another safety policy, into its own verdict topic."""
     from audit.rescreen import Rescreener, commit_progress, group_of
-    from processors.safety.classifier import SafetyClassifier
-    from processors.safety.policies import POLICIES_FILE, named_policy
+    from safety_model.classifier import SafetyClassifier
+    from safety_model.policies import POLICIES_FILE, named_policy
     from producers import start_producer
 
     try:

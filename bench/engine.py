@@ -27,6 +27,7 @@ from pathlib import Path
 
 import typer
 
+from bench.runenv import py_env
 from bench.stats import inclusive
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -101,16 +102,9 @@ def run_runner(cmd: list[str], spec: dict, env: dict | None = None, timeout: flo
         return json.loads(dst.read_text())
 
 
-def py_env(engine_path: Path | None = None) -> dict:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    paths = [str(engine_path)] if engine_path else []
-    env["PYTHONPATH"] = os.pathsep.join([*paths, str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    return env
-
-
 def reference_outputs(reqs: list[dict], spec: dict, say) -> dict[str, list[int]]:
     """HF generate() greedy outputs, cached by the hash of the prompts and lengths."""
-    from tokenstream.config import settings
+    from common.config import settings
 
     key = hashlib.sha256(json.dumps([(r["prompt_ids"], r["max_tokens"]) for r in reqs]).encode()).hexdigest()[:16]
     path = settings().cache_dir / "bench" / f"reference-{key}.json"
@@ -243,7 +237,7 @@ def main(
 
     from bench.worker import workload
     from gpu_workers.model_loader import smollm2_dir
-    from tokenstream.models import load_tokenizer
+    from common.models import load_tokenizer
 
     console = Console(width=None if sys.stdout.isatty() else 160)  # logs: the tables whole, not cut to 80
     say = lambda m: console.print(f"[dim]{time.strftime('%H:%M:%S')}[/] {m}", highlight=False)  # noqa: E731

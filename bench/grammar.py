@@ -52,7 +52,7 @@ def main(
         figures.update(column)
         console.print(column_table(column))
     else:
-        from tokenstream.models import load_tokenizer
+        from common.models import load_tokenizer
 
         tok = load_tokenizer("smollm2")
         grammars = Grammars(tok, {tok.eos_token_id}, timeout_s=60)

@@ -29,7 +29,7 @@ SKIP_REQS = {"torch", "torchvision", "torchaudio", "torchcodec"}
 
 
 def peers_dir() -> Path:
-    from tokenstream.config import settings
+    from common.config import settings
 
     return settings().cache_dir / "peers"
 

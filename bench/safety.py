@@ -3,7 +3,7 @@
     tokenstream bench safety [--iterations 100] [--threads N]
 
 Quality: per category precision, recall and false-positive rate of the trained classifier on
-processors/safety/data/eval.jsonl, beside a keyword baseline (a small fixed word list per
+safety_model/data/eval.jsonl, beside a keyword baseline (a small fixed word list per
 category, below) scored in the same run on the same lines. Latency: p50/p99 of judging one
 request's input (one eval line, as the safety processor judges the newest user message), one
 ~64-token output window, and one long (~300-token) input. Writes bench/results/safety.json.
@@ -119,8 +119,8 @@ def main(
     from rich.console import Console
     from rich.table import Table
 
-    from processors.safety.classifier import SafetyClassifier
-    from processors.safety.config import safety_settings
+    from safety_model.classifier import SafetyClassifier
+    from safety_model.config import safety_settings
 
     console = Console()
     if threads:

@@ -143,7 +143,7 @@ def main(
     from rich.console import Console
     from rich.table import Table
 
-    from tokenstream.config import settings
+    from common.config import settings
 
     import logging
 

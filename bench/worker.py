@@ -186,7 +186,7 @@ async def run_worker_bench(loaded, work: list[Work], bootstrap: str, max_running
     import sys
     import tempfile
 
-    from bench.engine import py_env
+    from bench.runenv import py_env
     from gpu_workers.config import WorkerConfig
     from gpu_workers.startup import run_worker
     from topics import CONTROL, TOKENS, TOOL_CALLS, inference_topic

@@ -17,13 +17,13 @@ def gateway(
 
     from gateway.app import create_app
     from gateway.config import GatewaySettings
-    from tokenstream.config import settings
+    from common.config import settings
 
     overrides = {k: v for k, v in dict(host=host, port=port, instance_index=instance_index,
                                        instance_count=instance_count, models=model or None).items()
                  if v is not None}
     cfg = GatewaySettings(**overrides)
-    from tokenstream import tracing
+    from common import tracing
 
     tracing.setup("gateway")
     base = settings()

@@ -92,7 +92,7 @@ class GatewaySettings(BaseSettings):
     semantic_cache_threshold: float = Field(0.9, gt=0, le=1)
     semantic_cache_ttl_s: float = Field(86_400.0, gt=0)
     # Each semantic lookup or store (connecting included) gets this long before it counts as a miss;
-    # after a failure Weaviate is skipped for 0.25 s doubling to 2 s (tokenstream/vectordb.py).
+    # after a failure Weaviate is skipped for 0.25 s doubling to 2 s (common/vectordb.py).
     semantic_cache_timeout_s: float = Field(1.0, gt=0)
 
     def max_streams(self, max_streams: int, tier: str) -> int:

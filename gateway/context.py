@@ -1,6 +1,6 @@
 """Refusing, before anything is queued, what cannot fit the model's context window.
 
-The context comes from `tokenstream.models.context_length` (the figure the conversation processor
+The context comes from `common.models.context_length` (the figure the conversation processor
 trims to and the worker enforces). The processor keeps what fits by dropping older turns; what it
 cannot fix is the newest message alone (with the system prompt and the tools the worker renders
 into it, schemas/prompt.py) being too long, or `max_tokens` beyond the context: those are refused
@@ -16,7 +16,7 @@ from functools import lru_cache
 from gateway import openai_api as api
 from schemas import ChatMessage, OutputSpec
 from schemas.prompt import instructions, prompt_ids
-from tokenstream.models import context_length, load_tokenizer, prompt_budget, tokens_at_most
+from common.models import context_length, load_tokenizer, prompt_budget, tokens_at_most
 
 
 @lru_cache(maxsize=64)

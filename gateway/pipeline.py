@@ -28,7 +28,7 @@ from gateway.uploads import Uploads
 from producers import start_consumer, start_producer
 from schemas import keys as K
 from schemas.keys import GATEWAY_META_TTL_S as META_TTL_S
-from tokenstream.config import settings
+from common.config import settings
 from topics import TOKENS
 
 log = logging.getLogger(__name__)

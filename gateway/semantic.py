@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from gateway.cache import Entry
 from schemas import ChatMessage
 from schemas.keys import SEMANTIC_CACHE_COLLECTION
-from tokenstream.vectordb import Breaker, client_config
+from common.vectordb import Breaker, client_config
 
 log = logging.getLogger(__name__)
 STORE_TIMEOUT_S = 5.0  # a store follows the answer: time for a first connect and the collection's creation
@@ -45,7 +45,7 @@ class Hit:
 class SemanticCache:
     """Each lookup bounded by `timeout_s` (connecting included), each store (after the answer) by
     STORE_TIMEOUT_S or `timeout_s` if longer; while Weaviate is away (a failure, then a pause
-    doubling to 2 s, see tokenstream.vectordb.Breaker) every lookup is a miss at once and nothing is
+    doubling to 2 s, see common.vectordb.Breaker) every lookup is a miss at once and nothing is
     stored, and the next try after the pause connects a new client."""
 
     def __init__(self, host: str, http_port: int, grpc_port: int, threshold: float, ttl_s: float,
@@ -133,7 +133,7 @@ class SemanticCache:
                 import transformers
 
                 transformers.utils.logging.disable_progress_bar()
-                from tokenstream.embeddings import sentence_embedder
+                from common.embeddings import sentence_embedder
 
                 return sentence_embedder()
 

@@ -10,7 +10,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 class WorkerConfig(BaseSettings):
-    """Everything one worker process needs besides the Kafka address (tokenstream.config)."""
+    """Everything one worker process needs besides the Kafka address (common.config)."""
 
     model_config = SettingsConfigDict(env_prefix="TOKENSTREAM_WORKER_", extra="ignore")
 
@@ -28,7 +28,7 @@ class WorkerConfig(BaseSettings):
     max_waiting: int = Field(32, ge=1, description="queued requests before the worker pauses fetching")
     prefill_chunk: int = Field(256, ge=1, description="most prompt tokens prefilled in one step")
     max_model_len: int | None = Field(None, ge=16, description="longest prompt + output, in tokens (default: "
-                                      "the model's context, tokenstream.models.context_length)")
+                                      "the model's context, common.models.context_length)")
 
     worker_id: str = ""
     metrics_port: int | None = Field(None, description="port of /metrics and /health/live, /health/ready "

@@ -1,4 +1,4 @@
-"""What a worker's /health/ready and /health/live say (served on its metrics port, tokenstream/health.py).
+"""What a worker's /health/ready and /health/live say (served on its metrics port, common/health.py).
 
 Ready only while the worker can take work:
 - its model is loaded and its consumer has joined the group once;
@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 from gpu_workers.config import WorkerConfig
 from producers.membership import Standing
-from tokenstream.health import Report
+from common.health import Report
 
 
 class WorkerHealth:

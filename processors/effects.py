@@ -26,7 +26,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from schemas.keys import EFFECT_TTL_S as TTL_S, effect_done
-from tokenstream.config import settings
+from common.config import settings
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from processors.delivery import at_least_once
 from producers.settings import FAUST
 from schemas import DeadLetter, DecodeError, Event, TraceContext, decode, encode
 from schemas.headers import EVENT_TYPE as TYPE_HEADER
-from tokenstream import tracing
-from tokenstream.config import settings
+from common import tracing
+from common.config import settings
 from topics import DEAD_LETTER, TopicSpec, processor_group
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 from producers.settings import CONSUMER, FOLLOW_FETCH_MAX_WAIT_MS, PRODUCER
-from tokenstream.config import settings
+from common.config import settings
 from topics import TopicSpec
 
 

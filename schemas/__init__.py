@@ -41,23 +41,7 @@ from schemas.tokens import Completion, FinishReason, Timings, TokenChunk, Usage
 from schemas.tools import ToolCall, ToolResult
 from schemas.tracing import TraceContext
 
-ALL_EVENTS: tuple[type[Event], ...] = (
-    ChatRequest,
-    InferenceRequest,
-    TokenChunk,
-    Completion,
-    ToolCall,
-    ToolResult,
-    SafetyVerdict,
-    Cancel,
-    RouteUpdate,
-    ConversationHistory,
-    OutputWindow,
-    DeadLetter,
-    Transcript,
-    FileIngest,
-    TurnDeadline,
-)
+from schemas.events import ALL_EVENTS
 
 __all__ = [
     "ALL_EVENTS",

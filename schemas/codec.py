@@ -62,7 +62,7 @@ def decode(data: bytes, *types: type[E]) -> E:
     Raises MalformedEvent or UnsupportedVersion; never returns a half-valid event.
     """
     if not types:
-        from schemas import ALL_EVENTS
+        from schemas.events import ALL_EVENTS
 
         types = ALL_EVENTS  # type: ignore[assignment]
     try:

@@ -26,7 +26,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory):
     try:
         stack.up(say=lambda m: print(m))
         os.environ.update(stack.environment())
-        from tokenstream.config import settings
+        from common.config import settings
 
         settings.cache_clear()
         yield stack

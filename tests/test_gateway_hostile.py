@@ -3,7 +3,7 @@ a (retryable) 5xx, and the gateway goes on serving normal requests.
 
 A real gateway process and a real broker; the pipeline behind the fake model is
 tests.gateway_support.FakePipeline. "smollm2" is served too, for the checks against its real context
-(8,192 tokens, from tokenstream.models) made with its real tokenizer; nothing reaches a worker for it.
+(8,192 tokens, from common.models) made with its real tokenizer; nothing reaches a worker for it.
 """
 
 from __future__ import annotations

@@ -366,7 +366,7 @@ async def test_usage_of_a_request_whose_client_left_is_counted_at_its_completion
 
 
 def test_the_local_key_of_make_run_is_kept_and_replaced_when_revoked(stack, tmp_path):
-    from tokenstream.config import settings
+    from common.config import settings
     from tokenstream.keys_cli import local_key
 
     settings.cache_clear()

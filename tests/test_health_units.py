@@ -21,8 +21,8 @@ from gateway.semantic import STORE_TIMEOUT_S, SemanticCache
 from gpu_workers.config import WorkerConfig
 from gpu_workers.health import WorkerHealth
 from producers.membership import Standing
-from tokenstream.health import HealthServer, Report
-from tokenstream.vectordb import Breaker
+from common.health import HealthServer, Report
+from common.vectordb import Breaker
 from tools.search.retry import IndexRetry, IndexUnavailable
 
 
@@ -197,7 +197,7 @@ async def test_a_semantic_lookup_without_weaviate_is_a_miss_within_its_timeout_t
 @pytest.mark.parametrize("away", ["refusing", "silent"])
 async def test_file_search_without_weaviate_is_a_clear_tool_error_within_its_timeout(monkeypatch, away):
     from schemas import ToolCall
-    from tokenstream.config import settings
+    from common.config import settings
     from tools.base import ToolUnavailable
     from tools.builtin.file_search import FileSearch
     from tools.config import tool_settings
@@ -351,7 +351,7 @@ def test_the_health_server_answers_ready_live_and_metrics():
 
 
 def test_system_status_shows_why_and_what_is_degraded():
-    from tokenstream.stack.roles import describe
+    from tokenstream.ops.probe import describe
 
     assert describe({"detail": ["broker: no answer for 7 s"], "degraded": ["weaviate: no answer"]}) == \
         "broker: no answer for 7 s; degraded: weaviate: no answer"

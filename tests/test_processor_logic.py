@@ -23,7 +23,7 @@ from schemas import (
     TokenChunk,
     ToolSpec,
 )
-from tokenstream.models import load_tokenizer
+from common.models import load_tokenizer
 
 
 def user(text: str) -> ChatMessage:

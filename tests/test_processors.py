@@ -35,7 +35,7 @@ from schemas import (
 )
 from schemas.keys import conversation_key
 from tests.kafka_support import Tap, group_settled
-from tokenstream.models import load_tokenizer
+from common.models import load_tokenizer
 from tokenstream.chaos.verify import drained
 from topics import CHAT_REQUESTS, CONTROL, CONVERSATION_TURNS, PREPARED, SCREENED, TOKENS, VERDICTS, inference_topic
 from topics.admin import apply

@@ -22,8 +22,8 @@ from aiokafka.structs import TopicPartition
 
 from audit.rescreen import Rescreener, commit_progress, group_of
 from audit.run import Auditor, Options
-from processors.safety.classifier import SafetyClassifier
-from processors.safety.config import Policy
+from safety_model.classifier import SafetyClassifier
+from safety_model.config import Policy
 from producers import publish, start_consumer, start_producer
 from schemas import ChatMessage, Completion, InferenceRequest, SafetyVerdict, TokenChunk
 from schemas.ids import new_request_id

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from processors.safety.config import DATA_DIR, Policy, SafetySettings
+from safety_model.config import DATA_DIR, Policy, SafetySettings
 
 pytestmark = pytest.mark.slow  # loads the MiniLM embedder (~3 s, once per session)
 
@@ -32,7 +32,7 @@ SAFE_CHAT = [
 
 @pytest.fixture(scope="module")
 def clf():
-    from processors.safety.classifier import SafetyClassifier
+    from safety_model.classifier import SafetyClassifier
 
     return SafetyClassifier.load(settings=SafetySettings())
 
@@ -127,7 +127,7 @@ def test_policy_version_is_stamped_on_every_judgement(clf):
 
 
 def test_categories_in_config_limit_what_is_judged(clf):
-    from processors.safety.classifier import SafetyClassifier
+    from safety_model.classifier import SafetyClassifier
 
     only_sexual = SafetyClassifier.load(settings=SafetySettings(categories=["sexual"]))
     assert only_sexual.embedder is clf.embedder  # cached in-process, not reloaded

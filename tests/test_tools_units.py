@@ -18,7 +18,7 @@ from gpu_workers.grammar import GrammarError, Grammars, grammar_text
 from gpu_workers.tool_calls import ToolCallParser
 from schemas.prompt import render
 from schemas import ChatMessage, ChatRequest, FunctionCall, MessageToolCall, OutputSpec, call_id, decode, encode
-from tokenstream.models import load_tokenizer
+from common.models import load_tokenizer
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}}}

@@ -1,4 +1,4 @@
-"""OpenTelemetry spans of every hop (tokenstream/tracing.py).
+"""OpenTelemetry spans of every hop (common/tracing.py).
 
 The chain test runs every role as a real process (gateway, conversation, safety and router
 processors, a worker with the tiny random Llama, the tool processor) against the session's broker,
@@ -20,7 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from schemas import ChatRequest, Completion, SamplingParams, ToolCall, TraceContext, Usage
-from tokenstream import tracing
+from common import tracing
 
 
 # ------------------------------------------------------------------ an OTLP/HTTP receiver

@@ -12,7 +12,7 @@ from gpu_workers.model_loader import load
 from gpu_workers.prefix_cache import PrefixCache, page_hashes
 from gpu_workers.random_model import build
 from gpu_workers.sampling import sample
-from tokenstream.models import load_tokenizer
+from common.models import load_tokenizer
 
 
 @pytest.fixture(scope="module")

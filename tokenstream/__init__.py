@@ -1,8 +1,7 @@
-"""tokenstream: an LLM serving system built as an event-driven pipeline over Apache Kafka.
+"""The top of the house: the `tokenstream` CLI, the local stack, operator tools (ops, chaos, keys, plan, route).
 
-This package holds what every role shares: typed configuration (`config`), the
-command line (`cli`) and the local stack manager (`stack`). Roles live in their own
-top-level packages and talk only through `topics` and `schemas`.
+Nothing in the roles or the shared packages imports it (tests/test_layers.py): the roles share
+`schemas`, `common`, `topics` and `producers`, and talk only through topics.
 """
 
 __version__ = "0.1.0"

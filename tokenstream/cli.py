@@ -1,4 +1,4 @@
-"""`tokenstream` command line: the stack, the topics, and (as they land) each role."""
+"""`tokenstream` command line, the top of the house: the stack, the topics, each role and the operator tools."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from tokenstream.config import settings
+from common.config import settings
 from tokenstream.keys_cli import app as keys_app
 from tokenstream.keys_cli import local_key
 from tokenstream.stack import Stack
@@ -232,42 +232,25 @@ ROLE_COMMANDS = {
 TOOL_APPS = {
     "audit": "audit.cli:app",
     "ops": "tokenstream.ops.cli:app",
+    "route": "tokenstream.route_cli:app",
 }
 
 
-def _register_tools() -> None:
+def _register() -> None:
+    """Wire every command of the tables above; a module that fails to import is an error, never a gap."""
     import importlib
 
+    for (parent, name), target in ROLE_COMMANDS.items():
+        module, func = target.split(":")
+        parent.command(name)(getattr(importlib.import_module(module), func))
     for name, target in TOOL_APPS.items():
         module, attr = target.split(":")
         app.add_typer(getattr(importlib.import_module(module), attr), name=name)
 
 
-def _register_route_commands() -> None:
-    import importlib.util
-
-    if importlib.util.find_spec("processors.router.control") is not None:
-        from processors.router.control import app as route_app
-
-        app.add_typer(route_app, name="route")
-
-
-def _register_roles() -> None:
-    import importlib
-    import importlib.util
-
-    for (parent, name), target in ROLE_COMMANDS.items():
-        module, func = target.split(":")
-        if importlib.util.find_spec(module) is None:
-            continue  # that role has not landed yet
-        parent.command(name)(getattr(importlib.import_module(module), func))
-
-
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    _register_roles()
-    _register_route_commands()
-    _register_tools()
+    _register()
     app()
 
 

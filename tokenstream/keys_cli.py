@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from schemas import keys as K
-from tokenstream.config import settings
+from common.config import settings
 from tokenstream.keys import KeyStore
 
 app = typer.Typer(help="API keys: tenant, tier, limits; stored hashed in Redis.", no_args_is_help=True)

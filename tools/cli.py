@@ -14,7 +14,7 @@ def tools(health_port: int = typer.Option(None, help="serve /health/live and /he
     import asyncio
     import logging
 
-    from tokenstream.health import HealthServer
+    from common.health import HealthServer
     from tools import health
     from tools.config import tool_settings
     from tools.ingestion import Ingestor

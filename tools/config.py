@@ -10,7 +10,7 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from tokenstream.config import settings
+from common.config import settings
 
 
 class ToolSettings(BaseSettings):

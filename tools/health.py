@@ -1,16 +1,16 @@
-"""What the tool processor's /health/ready says (with --health-port; tokenstream/health.py serves it).
+"""What the tool processor's /health/ready says (with --health-port; common/health.py serves it).
 
 Ready while its tool-call consumer can take work: started (sandbox tried, embedder loaded), the broker
 answered the group check within `broker_stale_s` (5 s), and it is a member of `ts-tools` holding a
-partition when it should (producers/membership.py). Weaviate is optional (tokenstream/vectordb.py):
+partition when it should (producers/membership.py). Weaviate is optional (common/vectordb.py):
 while it does not answer, the process stays ready and `degraded` says what waits on it: file_search
 calls answer an error at once, ingestion holds its event (and says for how long).
 """
 
 from __future__ import annotations
 
-from tokenstream import vectordb
-from tokenstream.health import Report
+from common import vectordb
+from common.health import Report
 from tools.config import tool_settings
 
 

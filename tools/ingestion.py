@@ -26,8 +26,8 @@ from producers import commit_past, dead_letter, decode_record, start_consumer, s
 from schemas import DecodeError, FileIngest
 from schemas import keys as K
 from schemas.files import COMPLETED, FAILED, IN_PROGRESS
-from tokenstream import vectordb
-from tokenstream.config import settings
+from common import vectordb
+from common.config import settings
 from tools.config import ToolSettings, tool_settings
 from tools.search.retry import IndexRetry, IndexUnavailable
 from topics.registry import FILE_INGEST, INGEST_GROUP

@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 
 from schemas import ToolResult, decode, encode
 from schemas.keys import EFFECT_TTL_S, tool_claim, tool_published, tool_result
-from tokenstream.config import settings
+from common.config import settings
 
 
 class CallLedger:

@@ -22,8 +22,8 @@ from aiokafka.structs import ConsumerRecord, TopicPartition
 from producers import commit_past, dead_letter, decode_record, publish, start_consumer, start_producer, stop_clients
 from producers.membership import GroupWatch, member_client_id
 from schemas import DecodeError, ToolCall, ToolResult, TraceContext
-from tokenstream import tracing
-from tokenstream.config import settings
+from common import tracing
+from common.config import settings
 from tools.base import Outcome, Tool, ToolError, ToolUnavailable, builtin_tools
 from tools.config import ToolSettings, tool_settings
 from tools.ledger import CallLedger

@@ -37,8 +37,8 @@ from schemas import (
     TraceContext,
 )
 from schemas.keys import ApiKey, conversation_key
-from tokenstream import tracing
-from tokenstream.presets import presets
+from common import tracing
+from common.presets import presets
 from topics import CHAT_REQUESTS, TOKENS
 
 log = logging.getLogger(__name__)

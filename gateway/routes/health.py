@@ -11,7 +11,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from gateway.auth import admin
 from gateway.deps import pipeline
 from gateway.pipeline import Gateway
-from tokenstream import vectordb
+from common import vectordb
 
 STATIC = Path(__file__).parent.parent / "static"
 router = APIRouter()

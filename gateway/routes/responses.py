@@ -38,7 +38,7 @@ from producers import publish
 from schemas import ChatRequest, Completion, Event, RunSpec, SamplingParams, Usage
 from schemas import keys as K
 from schemas.ids import event_id, run_id_of, step_request_id
-from tokenstream.presets import presets
+from common.presets import presets
 from topics import CHAT_REQUESTS
 
 log = logging.getLogger(__name__)

@@ -50,9 +50,9 @@ from schemas import (
     decode,
 )
 from schemas.keys import conversation_key
-from tokenstream import tracing
-from tokenstream.config import settings
-from tokenstream.models import load_tokenizer, prompt_budget
+from common import tracing
+from common.config import settings
+from common.models import load_tokenizer, prompt_budget
 from topics import (
     CHAT_REQUESTS,
     CONVERSATION_TURNS,

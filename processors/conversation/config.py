@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from tokenstream.models import SMOLLM2_CONTEXT, context_length
+from common.models import SMOLLM2_CONTEXT, context_length
 
 
 class ConversationSettings(BaseSettings):
@@ -22,6 +22,6 @@ class ConversationSettings(BaseSettings):
                                 "progress timeout (TOKENSTREAM_GATEWAY_PROGRESS_TIMEOUT_S, 60 s)")
 
     def window_for(self, model: str) -> int:
-        """The model's context (tokenstream.models.context_length: TOKENSTREAM_CONTEXT_TOKENS or the
+        """The model's context (common.models.context_length: TOKENSTREAM_CONTEXT_TOKENS or the
         model's config, the same figure the worker uses); SmolLM2's for a model with no files here."""
         return context_length(model) or SMOLLM2_CONTEXT

@@ -1,11 +1,11 @@
-"""Applying an assistant preset (defined in tokenstream.presets, shared with the gateway)."""
+"""Applying an assistant preset (defined in common.presets, shared with the gateway)."""
 
 from __future__ import annotations
 
 import msgspec
 
 from schemas import ChatMessage, SamplingParams
-from tokenstream.presets import Preset, load_presets, presets
+from common.presets import Preset, load_presets, presets
 
 __all__ = ["Preset", "apply_preset", "load_presets", "presets"]
 

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from schemas import ChatMessage, OutputSpec
 from schemas.prompt import instructions, prompt_ids
-from tokenstream.models import tokens_at_most
+from common.models import tokens_at_most
 
 
 class PromptTooLong(ValueError):

@@ -21,8 +21,8 @@ from producers import start_consumer
 from producers.consume import caught_up
 from producers.lag import LagSampler
 from schemas import Completion, DecodeError, InferenceRequest, RouteUpdate, decode
-from tokenstream import tracing
-from tokenstream.config import settings
+from common import tracing
+from common.config import settings
 from topics import DEAD_LETTER, PREPARED, ROUTES, SCREENED, TOKENS, inference_topic, worker_group
 
 log = logging.getLogger(__name__)

@@ -15,10 +15,10 @@ import logging
 
 from processors.effects import Ledger
 from processors.faust_app import get, make_app, put, send, table, topic, traced, typed
-from processors.safety.classifier import Judgement, SafetyClassifier
+from safety_model.classifier import Judgement, SafetyClassifier
 from processors.safety.windows import WindowSettings, due, fold, judged
 from schemas import REFUSAL, Cancel, Completion, InferenceRequest, OutputWindow, SafetyVerdict, TokenChunk
-from tokenstream import tracing
+from common import tracing
 from topics import CONTROL, DEAD_LETTER, PREPARED, SAFETY_WINDOWS, SCREENED, TOKENS, VERDICTS
 
 log = logging.getLogger(__name__)

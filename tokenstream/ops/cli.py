@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from tokenstream.config import settings
+from common.config import settings
 
 app = typer.Typer(help="Operators: consumer-group lag, scaling roles by hand or on lag.", no_args_is_help=True)
 console = Console()

@@ -7,8 +7,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
-from tokenstream.config import settings
+from common.config import settings
 
 
 def group_ready(group: str, host: str, redis: bool = True) -> tuple[bool, str]:
@@ -31,10 +32,8 @@ def group_ready(group: str, host: str, redis: bool = True) -> tuple[bool, str]:
 
 
 def url_ready(url: str) -> tuple[bool, str]:
-    """Whether a role's /health/ready answers 200, and its reasons (tokenstream.stack.roles.describe)."""
+    """Whether a role's /health/ready answers 200, and its reasons (`describe`)."""
     import httpx
-
-    from tokenstream.stack.roles import describe, json_body
 
     try:
         answer = httpx.get(url, timeout=5)
@@ -43,3 +42,19 @@ def url_ready(url: str) -> tuple[bool, str]:
     detail = describe(json_body(answer.content))
     ok = answer.status_code == 200
     return ok, ("ready" if ok else f"not ready ({answer.status_code})") + (f": {detail}" if detail else "")
+
+
+def json_body(raw: bytes) -> dict:
+    """A health answer's JSON object ({} when the body is not one)."""
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+def describe(body: dict) -> str:
+    """One line from a /health/ready body: what is missing, then what is degraded."""
+    parts = [str(d) for d in body.get("detail") or []]
+    parts += [f"degraded: {d}" for d in body.get("degraded") or []]
+    return "; ".join(parts)

@@ -14,6 +14,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from tokenstream.ops.probe import describe, group_ready, json_body
 from tokenstream.stack.service import Service, Status
 
 
@@ -77,24 +78,6 @@ class Role(Service):
             ok, body = self.probe()
             return Status(self.name, True, ok, pid, self.address, self.log_file, detail=describe(body))
         if pid is not None and self.group is not None and self.is_ready():
-            from tokenstream.ops.probe import group_ready
-
             ok, why = group_ready(self.group, "127.0.0.1")  # a local process, as the broker sees it
             return Status(self.name, True, ok, pid, self.address, self.log_file, detail="" if ok else why)
         return super().status()
-
-
-def json_body(raw: bytes) -> dict:
-    """A health answer's JSON object ({} when the body is not one)."""
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        return {}
-    return body if isinstance(body, dict) else {}
-
-
-def describe(body: dict) -> str:
-    """One line from a /health/ready body: what is missing, then what is degraded."""
-    parts = [str(d) for d in body.get("detail") or []]
-    parts += [f"degraded: {d}" for d in body.get("degraded") or []]
-    return "; ".join(parts)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenstream.config import Settings, settings
+from common.config import Settings, settings
 from tokenstream.stack.kafka import Kafka
 from tokenstream.stack.redis import Redis
 from tokenstream.stack.service import Service, Status, free_port

@@ -12,8 +12,8 @@ import json
 from dataclasses import asdict
 
 from schemas import ToolCall
-from tokenstream import vectordb
-from tokenstream.vectordb import Breaker
+from common import vectordb
+from common.vectordb import Breaker
 from tools.base import Outcome, ToolError, ToolUnavailable
 from tools.config import tool_settings
 
@@ -23,7 +23,7 @@ MAX_RESULTS = 20
 
 class FileSearch:
     """While Weaviate is away a call fails within `index_timeout_s` (5 s), and at once for a pause after
-    that (0.25 s doubling to 2 s, tokenstream.vectordb.Breaker), with a ToolUnavailable error that says
+    that (0.25 s doubling to 2 s, common.vectordb.Breaker), with a ToolUnavailable error that says
     so; the next call after the pause connects a new client, so search works again within seconds of
     Weaviate's return."""
 

@@ -22,8 +22,8 @@ from weaviate.classes.query import Filter, MetadataQuery
 from weaviate.classes.tenants import Tenant
 from weaviate.util import generate_uuid5
 
-from tokenstream.config import settings
-from tokenstream.vectordb import client_config
+from common.config import settings
+from common.vectordb import client_config
 from tools.search.embed import embedder
 
 COLLECTION = "TsFileChunk"

@@ -21,7 +21,7 @@ from typing import TypeVar
 
 from tenacity import AsyncRetrying, RetryCallState
 
-from tokenstream.vectordb import BACKOFF_FIRST_S, BACKOFF_MOST_S, backoff_s
+from common.vectordb import BACKOFF_FIRST_S, BACKOFF_MOST_S, backoff_s
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -81,7 +81,7 @@ class IndexRetry:
 
     def _wait(self, state: RetryCallState) -> float:
         if self.outage_since is not None:
-            return backoff_s(self._outage_tries - 1)  # as the breakers pace their tries (tokenstream/vectordb.py)
+            return backoff_s(self._outage_tries - 1)  # as the breakers pace their tries (common/vectordb.py)
         return float(2 ** (self._failures - 1))
 
     def _before_sleep(self, state: RetryCallState) -> None:

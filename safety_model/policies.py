@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from processors.safety.config import Policy, safety_settings
+from safety_model.config import Policy, safety_settings
 
 POLICIES_FILE = Path(__file__).resolve().parent / "policies.json"
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from processors.safety.config import Policy, SafetySettings, safety_settings
+from safety_model.config import Policy, SafetySettings, safety_settings
 
 
 # A sentence: text up to . ! ? (with any closing quotes or brackets), or up to a line break.
@@ -179,7 +179,7 @@ class Head:
 
         if not Path(path).exists():
             raise FileNotFoundError(f"no trained safety head at {path}; "
-                                    "run `python -m processors.safety.train`")
+                                    "run `python -m safety_model.train`")
         with safe_open(str(path), framework="pt") as f:
             meta = dict(f.metadata() or {})
             weight, bias = f.get_tensor("weight").float(), f.get_tensor("bias").float()

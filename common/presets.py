@@ -32,6 +32,6 @@ def load_presets(path: Path) -> dict[str, Preset]:
 
 def presets() -> dict[str, Preset]:
     """The configured presets (read once per process)."""
-    from tokenstream.config import settings
+    from common.config import settings
 
     return load_presets(settings().presets_file)

@@ -46,7 +46,7 @@ class Settings(BaseSettings):
         default_factory=dict, description="served model name -> local Hugging Face folder (JSON object)")
     context_tokens: dict[str, int] = Field(
         default_factory=dict, description="served model name -> context window in tokens, overriding the "
-                                          "model's own (JSON object); read through tokenstream.models")
+                                          "model's own (JSON object); read through common.models")
     presets_file: Path = Field(Path(__file__).with_name("presets.json"),
                                description="assistant presets (JSON object: name -> preset), read by the "
                                            "gateway (404 for an unknown one) and the conversation processor")

@@ -32,7 +32,7 @@ def smollm2_gguf() -> Path:
 
 def model_folder(model: str) -> Path | None:
     """A local HF folder configured for `model`, or None for the built-in SmolLM2."""
-    from tokenstream.config import settings
+    from common.config import settings
 
     path = settings().model_paths.get(model)
     if path is not None:
@@ -50,7 +50,7 @@ def load_tokenizer(model: str):
     folder = model_folder(model)
     if folder is not None:
         return AutoTokenizer.from_pretrained(folder)
-    from tokenstream.config import settings
+    from common.config import settings
 
     cached = settings().cache_dir / "tokenizers" / "smollm2-135m-instruct"
     if (cached / "tokenizer_config.json").exists():
@@ -83,7 +83,7 @@ def context_length(model: str, folder: Path | None = None) -> int | None:
     """
     import json
 
-    from tokenstream.config import settings
+    from common.config import settings
 
     override = settings().context_tokens.get(model)
     if override is not None:

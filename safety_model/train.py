@@ -1,9 +1,9 @@
 """Train the safety head: embed data/train.jsonl, fit one logistic regression per category, save.
 
-    python -m processors.safety.train [--epochs 400] [--seed 0] [--cv 5]
+    python -m safety_model.train [--epochs 400] [--seed 0] [--cv 5]
 
 Deterministic (fixed seed, full-batch optimisation on CPU). Writes settings.head_path
-(processors/safety/data/head.safetensors by default) with the category list and the training
+(safety_model/data/head.safetensors by default) with the category list and the training
 metadata in the safetensors header. The eval set is never read here.
 """
 
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from processors.safety.classifier import Head, get_embedder
-from processors.safety.config import DATA_DIR, SafetySettings, safety_settings
+from safety_model.classifier import Head, get_embedder
+from safety_model.config import DATA_DIR, SafetySettings, safety_settings
 
 
 @dataclass(frozen=True)

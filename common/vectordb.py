@@ -24,7 +24,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tokenstream.config import settings
+from common.config import settings
 
 
 def client_config(timeout_s: float, insert_s: float | None = None):
