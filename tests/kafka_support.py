@@ -3,15 +3,56 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
+import itertools
 import time
 from collections.abc import Callable
 
+from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.structs import TopicPartition
 
 from producers import start_consumer
 from producers.publish import decode_record
 from schemas import DecodeError, Event
 from topics import TopicSpec
+
+
+async def wait_for(condition: Callable[[], object], timeout: float, what: str, interval: float = 0.1):
+    """Poll `condition` (a function, or a coroutine function) until it returns something true; that
+    value is returned. Fails naming `what` once `timeout` seconds have passed."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:.0f} s"
+        await asyncio.sleep(interval)  # the poll interval
+
+
+def partition_of(key: str, partitions: int) -> int:
+    """The partition a record keyed `key` goes to (the producers' default partitioner, murmur2)."""
+    every = list(range(partitions))
+    return DefaultPartitioner()(key.encode(), every, every)
+
+
+def key_on_partition_of(key: str, partitions: int, prefix: str = "marker-",
+                        as_key: Callable[[str], str] = lambda k: k) -> str:
+    """A new name whose key (`as_key(name)`) lands on the same partition as `as_key(key)`: a marker
+    written after a record of `key` is handled after it by a consumer that keeps each partition's order."""
+    want = partition_of(as_key(key), partitions)
+    return next(k for k in (f"{prefix}{key}-{i}" for i in itertools.count())
+                if partition_of(as_key(k), partitions) == want)
+
+
+def one_key_per_partition(partitions: int, prefix: str, as_key: Callable[[str], str] = lambda k: k) -> list[str]:
+    """Names `prefix0`, `prefix1`, ... chosen so that their keys (`as_key(name)`) cover every partition."""
+    found: dict[int, str] = {}
+    for i in itertools.count():
+        found.setdefault(partition_of(as_key(f"{prefix}{i}"), partitions), f"{prefix}{i}")
+        if len(found) == partitions:
+            return [found[p] for p in range(partitions)]
 
 
 class Tap:
@@ -49,6 +90,16 @@ class Tap:
         self._task.cancel()
         await asyncio.gather(self._task, return_exceptions=True)
         await self.consumer.stop()
+
+    async def caught_up(self, timeout: float = 30.0) -> None:
+        """Wait until this tap has read every partition to the end the topic has now (committed
+        records only): whatever was written before this call is in `events` once it returns."""
+        tps = [TopicPartition(self.spec.name, p) for p in range(self.spec.partitions)]
+        ends = await self.consumer.end_offsets(tps)
+
+        async def read() -> bool:
+            return all([await self.consumer.position(tp) >= ends[tp] for tp in tps])
+        await wait_for(read, timeout, f"{self.spec.name}: read to its end", interval=0.05)
 
     def matching(self, predicate: Callable[[Event], bool]) -> list[Event]:
         return [e for e, _ in self.events if predicate(e)]
