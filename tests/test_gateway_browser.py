@@ -1,6 +1,6 @@
 """The chat page in a real headless Chromium: streamed multi-turn answers, the stop button, and a
 dropped connection (the gateway killed mid-answer, another one started) resumed from the log.
-Saves a screenshot of a streamed answer to bench/results/chat-page.png."""
+Screenshots of the page are taken into the test's temporary folder and checked there."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import os
 import shutil
 import signal
 import uuid
-from pathlib import Path
 
 import pytest
 
@@ -23,9 +22,9 @@ from tests.gateway_support import (
     free_port,
     start_gateway,
 )
+from tests.kafka_support import wait_for as until
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-SCREENSHOT = Path(__file__).resolve().parent.parent / "bench" / "results" / "chat-page.png"
 pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="Debian's chromium is not installed")
 
 
@@ -101,10 +100,7 @@ async def test_chat_page(stack, pipeline, browser, tmp_path):
         stopped = (await js(answers))[2]
         assert 3 <= len(stopped.split()) < 60
         rid = (await js("window.tokenstream.completionId")).removeprefix("chatcmpl-")
-        for _ in range(100):
-            if rid not in pipeline.active:
-                break
-            await asyncio.sleep(0.05)
+        await until(lambda: rid not in pipeline.active, 10, "the stopped answer's slot freed")
         assert rid not in pipeline.active and pipeline.served[rid].finish_reason == "cancelled"
 
         # a dropped connection: kill the gateway mid-answer, start another; the page resumes
@@ -119,8 +115,8 @@ async def test_chat_page(stack, pipeline, browser, tmp_path):
         assert (await js(answers))[3] == expected_answer(turn4)
         assert await js("window.tokenstream.resumes") >= 1
         assert "resumed" in await js("document.querySelectorAll('.assistant')[3].textContent")
-        SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
-        await asyncio.to_thread(browser.screenshot, SCREENSHOT)  # streamed, stopped and resumed answers
-        assert SCREENSHOT.stat().st_size > 10_000
+        shot = tmp_path / "chat-page.png"
+        await asyncio.to_thread(browser.screenshot, shot)  # streamed, stopped and resumed answers
+        assert shot.stat().st_size > 10_000
     finally:
         await asyncio.to_thread(roles.stop_all)
