@@ -82,7 +82,7 @@ def test_conversation_folders_are_hashes_apart_per_tenant():
 
 def test_the_registry_names_the_group_the_processor_joins():
     from tools.processor import GROUP
-    from topics.registry import TOOL_CALLS, TOOL_RESULTS
+    from topics.registry import TOOL_CALLS, TOOL_RESULTS, Role
 
     assert TOOL_CALLS.groups == [GROUP] == ["ts-tools"]
-    assert any(w.role == "tool processor" for w in TOOL_RESULTS.writers)
+    assert [w.role for w in TOOL_RESULTS.writers] == [Role.TOOLS]

@@ -9,21 +9,32 @@ import sys
 
 from schemas import headers, keys
 from schemas.ids import event_id, new_request_id, parse_request_id
-from topics.registry import REGISTRY, all_topics, flow, inference_topic, worker_group
+from topics.registry import REGISTRY, Role, all_topics, flow, inference_topic, worker_group
 
 MODELS = ["smollm2", "other-model"]
 
 
 def test_every_topic_names_who_writes_and_who_reads_it():
+    """Roles are data (tests/test_topic_map_code.py holds them against the code); the words beside them
+    say when a role writes and how it commits."""
     for spec in all_topics(MODELS):
         assert spec.writers, f"{spec.name} has no writer"
         assert spec.readers, f"{spec.name} has no reader"
+        for writer in spec.writers:
+            assert isinstance(writer.role, Role) and writer.when, f"{spec.name}: {writer}"
         for reader in spec.readers:
+            assert isinstance(reader.role, Role), f"{spec.name}: {reader}"
             assert reader.commit, f"{spec.name}: {reader.role} has no commit rule"
         assert spec.placement in ("key", "reply_partition")
 
 
 def test_the_groups_are_the_ones_the_roles_join():
+    owners: dict[str, set[Role]] = {}
+    for spec in all_topics(MODELS):
+        for reader in spec.readers:
+            if reader.group:
+                owners.setdefault(reader.group, set()).add(reader.role)
+    assert all(len(roles) == 1 for roles in owners.values()), f"a group shared by roles: {owners}"
     assert inference_topic("smollm2").groups == [worker_group("smollm2")] == ["worker.smollm2"]
     groups = {g for spec in REGISTRY for g in spec.groups}
     assert {"ts-conversation", "ts-safety", "ts-router", "ts-tools", "ts-ingest"} <= groups
@@ -65,3 +76,5 @@ def test_topics_describe_flow_prints_the_map_without_a_broker():
     for spec in flow(["smollm2"]):
         assert spec.name in out.stdout
     assert "worker.smollm2" in out.stdout and "group-less" in out.stdout
+    for role in Role:
+        assert role.title in out.stdout

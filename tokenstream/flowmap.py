@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
+from rich.markup import escape
 from rich.table import Table
 
-from topics.registry import TopicSpec
+from topics.registry import Reader, TopicSpec, Writer
+
+
+def _writers(writers: tuple[Writer, ...]) -> str:
+    """One line per distinct `when`, naming every role that writes then (ts.deadletter: five roles, one rule)."""
+    by_when: dict[str, list[str]] = {}
+    for w in writers:
+        by_when.setdefault(w.when, []).append(w.role.title)
+    return "\n".join(f"[bold]{escape(', '.join(roles))}[/]: {escape(when)}" for when, roles in by_when.items())
+
+
+def _reader(r: Reader) -> str:
+    purpose = f" ({escape(r.purpose)})" if r.purpose else ""
+    return f"[bold]{escape(r.role.title)}[/]{purpose} [cyan]{escape(r.group or 'group-less')}[/]: {escape(r.commit)}"
 
 
 def flow_table(specs: list[TopicSpec]) -> Table:
@@ -12,9 +26,8 @@ def flow_table(specs: list[TopicSpec]) -> Table:
     table = Table("#", "topic", "key / placement", "events", "written by", "read by (group: commit rule)",
                   title="The way of a request", show_lines=True)
     for n, spec in enumerate(specs, 1):
-        writers = "\n".join(f"[bold]{w.role}[/]: {w.when}" for w in spec.writers) or "-"
-        readers = "\n".join(
-            f"[bold]{r.role}[/] [cyan]{r.group or 'group-less'}[/]: {r.commit}" for r in spec.readers) or "-"
+        writers = _writers(spec.writers) or "-"
+        readers = "\n".join(_reader(r) for r in spec.readers) or "-"
         placement = spec.key if spec.placement == "key" else f"{spec.key}\n(partition: {spec.placement})"
         table.add_row(str(n), spec.name, placement, ", ".join(e.__name__ for e in spec.events), writers, readers)
     return table

@@ -1,8 +1,9 @@
 """Topic specifications. `tokenstream topics apply` makes the cluster match this file.
 
-Every topic also names who writes it and who reads it (role, consumer group or group-less,
-commit rule): the map `tokenstream topics describe --flow` prints, and what `tokenstream audit`
-and `tokenstream ops` are built on.
+Every topic also names who writes it and who reads it: a `Role` (one per role's package), and for
+a reader its consumer group (or None: group-less) and commit rule. That is the map `tokenstream
+topics describe --flow` prints, what `tokenstream audit` and `tokenstream ops` are built on, and
+what tests/test_topic_map_code.py holds against the code of every role.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from schemas import (
     Cancel,
@@ -47,21 +49,57 @@ def worker_group(model: str) -> str:
     return f"worker.{model}"
 
 
+class Role(StrEnum):
+    """Who writes or reads a topic: one value per role's package (tests/test_topic_map_code.py
+    derives each role's writes and reads from its package's code and compares them with this map)."""
+
+    GATEWAY = "gateway"  # gateway/
+    CONVERSATION = "conversation"  # processors/conversation
+    SAFETY = "safety"  # processors/safety
+    ROUTER = "router"  # processors/router
+    WORKER = "worker"  # gpu_workers/
+    TOOLS = "tools"  # tools/ (the tool processor and file ingestion)
+    AUDIT = "audit"  # audit/ (`tokenstream audit`)
+    OPERATOR = "operator"  # tokenstream/ (the top-level CLI: `tokenstream route`, `tokenstream chaos`)
+
+    @property
+    def title(self) -> str:
+        """The role as the map prints it."""
+        return _TITLES[self]
+
+
+_TITLES = {
+    Role.GATEWAY: "gateway", Role.CONVERSATION: "conversation processor", Role.SAFETY: "safety processor",
+    Role.ROUTER: "router", Role.WORKER: "gpu worker", Role.TOOLS: "tool processor",
+    Role.AUDIT: "auditor", Role.OPERATOR: "operator",
+}
+
+
 @dataclass(frozen=True)
 class Writer:
-    """A role that writes the topic, and when."""
+    """A role that writes the topic; `when` says when, in words."""
 
-    role: str
+    role: Role
     when: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.role, Role):
+            raise TypeError(f"writer role {self.role!r} is not a Role")
 
 
 @dataclass(frozen=True)
 class Reader:
-    """A role that reads the topic. group None: group-less (manual assignment, nothing committed)."""
+    """A role that reads the topic, in consumer group `group` (None: group-less, manual assignment,
+    nothing committed) under the commit rule `commit`; `purpose`, in words, what the role reads it for."""
 
-    role: str
+    role: Role
     group: str | None
     commit: str
+    purpose: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.role, Role):
+            raise TypeError(f"reader role {self.role!r} is not a Role")
 
 
 # Commit rules, named once.
@@ -104,7 +142,10 @@ def _retained(days: float, **extra: str) -> dict[str, str]:
     return {"cleanup.policy": "delete", "retention.ms": str(int(days * DAY_MS)), **extra}
 
 
-AUDITOR = Reader("auditor (`tokenstream audit`)", None, "scan by time (offsets_for_times), nothing committed")
+AUDITOR = Reader(Role.AUDIT, None, "scan by time (offsets_for_times), nothing committed",
+                 "`tokenstream audit`: a request, a conversation or a time range")
+# Roles that write what they cannot decode or handle to ts.deadletter (DEAD_LETTER's writers).
+DEAD_LETTERING = (Role.CONVERSATION, Role.SAFETY, Role.ROUTER, Role.WORKER, Role.TOOLS)
 
 # min.insync.replicas=1 because the local stack has one broker; a production cluster
 # overrides it (and the replication factor) through TOKENSTREAM_KAFKA_REPLICATION.
@@ -112,24 +153,25 @@ CHAT_REQUESTS = TopicSpec(
     "ts.chat.requests", 12, "tenant:conversation_id", (ChatRequest,),
     "requests as the gateway admitted them; input to the conversation processor",
     _retained(7),
-    writers=(Writer("gateway", "once per admitted request, before the client gets its first byte"),),
-    readers=(Reader("conversation processor", CONVERSATION_GROUP, FAUST_COMMIT), AUDITOR),
+    writers=(Writer(Role.GATEWAY, "once per admitted request, before the client gets its first byte; a request "
+                    "answered from the cache too, beside its answer's events on ts.tokens, for the audit"),),
+    readers=(Reader(Role.CONVERSATION, CONVERSATION_GROUP, FAUST_COMMIT, "the turns it prepares"), AUDITOR),
 )
 PREPARED = TopicSpec(
     "ts.requests.prepared", 12, "request_id", (InferenceRequest,),
     "requests with their full, trimmed history; input to the safety processor (and, for requests "
     "screened in parallel, to the router at once)",
     _retained(7),
-    writers=(Writer("conversation processor", "history, preset and trimming applied"),),
-    readers=(Reader("safety processor (input)", SAFETY_GROUP, FAUST_COMMIT),
-             Reader("router (requests screened in parallel only)", ROUTER_GROUP, FAUST_COMMIT), AUDITOR),
+    writers=(Writer(Role.CONVERSATION, "history, preset and trimming applied"),),
+    readers=(Reader(Role.SAFETY, SAFETY_GROUP, FAUST_COMMIT, "the input check"),
+             Reader(Role.ROUTER, ROUTER_GROUP, FAUST_COMMIT, "requests screened in parallel only"), AUDITOR),
 )
 SCREENED = TopicSpec(
     "ts.requests.screened", 12, "request_id", (InferenceRequest,),
     "requests whose input passed safety (screened in series); input to the router",
     _retained(7),
-    writers=(Writer("safety processor", "the input verdict allowed a request screened in series"),),
-    readers=(Reader("router", ROUTER_GROUP, FAUST_COMMIT), AUDITOR),
+    writers=(Writer(Role.SAFETY, "the input verdict allowed a request screened in series"),),
+    readers=(Reader(Role.ROUTER, ROUTER_GROUP, FAUST_COMMIT, "requests screened in series"), AUDITOR),
 )
 TOKENS = TopicSpec(
     "ts.tokens", 12, "request_id", (TokenChunk, Completion, SafetyVerdict, ToolResult),
@@ -138,19 +180,24 @@ TOKENS = TopicSpec(
     "the partition is chosen by the gateway that holds the connection",
     _retained(1, **{"message.timestamp.type": "LogAppendTime"}),
     writers=(
-        Writer("gpu worker", "TokenChunk seq 0..n-1 per engine step, then Completion seq n"),
-        Writer("safety processor", "a refusal (blocked input screened in series), the input verdict of a "
+        Writer(Role.WORKER, "TokenChunk seq 0..n-1 per engine step, then Completion seq n"),
+        Writer(Role.SAFETY, "a refusal (blocked input screened in series), the input verdict of a "
                "request screened in parallel, or a blocking output verdict, in band"),
-        Writer("conversation processor / router", "an error Completion for a request they cannot pass on"),
-        Writer("conversation processor (runs)", "each server tool's ToolResult of a response run, keyed by "
-               "the step's request id, once per call id, before the next step is prepared"),
+        Writer(Role.CONVERSATION, "an error Completion for a request it cannot pass on; each server tool's "
+               "ToolResult of a response run, keyed by the step's request id, once per call id, before the "
+               "next step is prepared"),
+        Writer(Role.ROUTER, "an error Completion for a request no worker group serves"),
+        Writer(Role.GATEWAY, "the events of an answer served from the cache, on the request's own partition"),
     ),
     readers=(
-        Reader("gateway", None, "owns a fixed set of partitions per instance, reads from the end; "
-               "a resume seeks by the request id's admission time; nothing committed"),
-        Reader("gpu worker (takeover)", None, "reads the tokens already written for a request it takes over"),
-        Reader("safety processor (output)", SAFETY_GROUP, FAUST_COMMIT),
-        Reader("conversation processor (answers)", CONVERSATION_GROUP, FAUST_COMMIT),
+        Reader(Role.GATEWAY, None, "owns a fixed set of partitions per instance, reads from the end; "
+               "a resume seeks by the request id's admission time; nothing committed", "the streams it serves"),
+        Reader(Role.WORKER, None, "reads the tokens already written for a request it takes over; nothing "
+               "committed", "takeover"),
+        Reader(Role.SAFETY, SAFETY_GROUP, FAUST_COMMIT, "the output windows"),
+        Reader(Role.CONVERSATION, CONVERSATION_GROUP, FAUST_COMMIT, "the answers, re-keyed to the turns"),
+        Reader(Role.OPERATOR, None, "every partition from the drill's start to its end; nothing committed",
+               "`tokenstream chaos`: the drill's check of every answer"),
         AUDITOR,
     ),
     placement="reply_partition",
@@ -159,45 +206,46 @@ CONTROL = TopicSpec(
     "ts.control", 3, "request_id", (Cancel,),
     "cancellations, read by every worker",
     _retained(1),
-    writers=(Writer("gateway", "client disconnected past the grace period, or the cancel endpoint"),
-             Writer("safety processor", "an output window was blocked")),
-    readers=(Reader("gpu worker", None, "every worker reads every partition from 10 minutes before it "
-                    "started (the cancels sent while no worker held a request); nothing committed"), AUDITOR),
+    writers=(Writer(Role.GATEWAY, "client disconnected past the grace period, or the cancel endpoint"),
+             Writer(Role.SAFETY, "an output window was blocked, or the input of a request screened in parallel")),
+    readers=(Reader(Role.WORKER, None, "every worker reads every partition from 10 minutes before it "
+                    "started (the cancels sent while no worker held a request); nothing committed",
+                    "the cancels of the requests it holds"), AUDITOR),
 )
 VERDICTS = TopicSpec(
     "ts.safety.verdicts", 12, "request_id", (SafetyVerdict,),
     "safety classifications of inputs and output windows",
     _retained(30),
-    writers=(Writer("safety processor", "every verdict, allowed or not, with its policy version"),),
+    writers=(Writer(Role.SAFETY, "every verdict, allowed or not, with its policy version"),),
     readers=(AUDITOR,),
 )
 TOOL_CALLS = TopicSpec(
     "ts.tool.calls", 6, "request_id", (ToolCall,), "tool invocations asked for by a model", _retained(7),
-    writers=(Writer("gpu worker", "a generated call, once whole (id from the request id and the call's index), "
+    writers=(Writer(Role.WORKER, "a generated call, once whole (id from the request id and the call's index), "
                     "besides its deltas on ts.tokens"),
-             Writer("gateway", "a file_search call per POST /v1/vector_stores/{id}/search (the tenant the key's)")),
-    readers=(Reader("tool processor", processor_group("tools"), "a call's offset is committed only after its "
+             Writer(Role.GATEWAY, "a file_search call per POST /v1/vector_stores/{id}/search (the tenant the key's)")),
+    readers=(Reader(Role.TOOLS, processor_group("tools"), "a call's offset is committed only after its "
                     "ToolResult is acknowledged; each call runs to completion once (Redis claim and result "
-                    "per call id)"),
+                    "per call id)", "the server tools' calls"),
              AUDITOR),
 )
 TOOL_RESULTS = TopicSpec(
     "ts.tool.results", 6, "request_id", (ToolResult,), "outcomes of tool invocations", _retained(7),
-    writers=(Writer("tool processor", "one result per server-tool ToolCall, keyed like the call"),),
-    readers=(Reader("conversation processor (results)", CONVERSATION_GROUP, FAUST_COMMIT),
-             Reader("gateway (vector store search)", None, "every partition from the end while it waits on "
-                    "its own search calls; nothing committed"), AUDITOR),
+    writers=(Writer(Role.TOOLS, "one result per server-tool ToolCall, keyed like the call"),),
+    readers=(Reader(Role.CONVERSATION, CONVERSATION_GROUP, FAUST_COMMIT, "the results, re-keyed to the turns"),
+             Reader(Role.GATEWAY, None, "every partition from the end while it waits on its own search calls; "
+                    "nothing committed", "vector store search"), AUDITOR),
 )
 INGEST_GROUP = processor_group("ingest")
 FILE_INGEST = TopicSpec(
     "ts.files.ingest", 6, "vector_store_id:file_id", (FileIngest,),
     "uploaded files added to or taken out of a vector store; the tool processor indexes them in Weaviate",
     _retained(7),
-    writers=(Writer("gateway", "a file added to a vector store (add), or taken out of it, deleted, or its "
+    writers=(Writer(Role.GATEWAY, "a file added to a vector store (add), or taken out of it, deleted, or its "
                     "store deleted (remove); after the store-file record is written in Redis"),),
-    readers=(Reader("tool processor (ingestion)", INGEST_GROUP, "an event's offset is committed only after "
-                    "its outcome is recorded in the store-file record (Redis); an add whose generation the "
-                    "record no longer holds, or that is already completed or failed, is passed over"),),
+    readers=(Reader(Role.TOOLS, INGEST_GROUP, "an event's offset is committed only after its outcome is "
+                    "recorded in the store-file record (Redis); an add whose generation the record no longer "
+                    "holds, or that is already completed or failed, is passed over", "ingestion"),),
 )
 CONVERSATION_TURNS = TopicSpec(
     "ts.conversation.turns", 12, "tenant:conversation_id", (Completion, ToolResult, TurnDeadline),
@@ -205,10 +253,9 @@ CONVERSATION_TURNS = TopicSpec(
     "them (and a response run go on to its next step); and the deadline of a turn parked for an "
     "answer that did not come",
     _retained(7),
-    writers=(Writer("conversation processor (answers, results)", "every Completion on ts.tokens and every "
-                    "ToolResult on ts.tool.results, re-keyed"),
-             Writer("conversation processor (timer)", "a TurnDeadline when a parked turn's deadline passes")),
-    readers=(Reader("conversation processor (history)", CONVERSATION_GROUP, FAUST_COMMIT), AUDITOR),
+    writers=(Writer(Role.CONVERSATION, "every Completion on ts.tokens and every ToolResult on ts.tool.results, "
+                    "re-keyed; a TurnDeadline when a parked turn's deadline passes (its timer)"),),
+    readers=(Reader(Role.CONVERSATION, CONVERSATION_GROUP, FAUST_COMMIT, "the history"), AUDITOR),
 )
 # Changelogs of the processors' faust tables. Faust names them <app id>-<table>-changelog;
 # they are listed here so that `topics apply` owns their partitions and configs.
@@ -216,29 +263,32 @@ CONVERSATIONS = TopicSpec(
     "ts-conversation-history-changelog", 12, "tenant:conversation_id", (ConversationHistory,),
     "history of each conversation, the conversation processor's table (compacted)",
     {"cleanup.policy": "compact", "min.cleanable.dirty.ratio": "0.1", "segment.ms": str(DAY_MS)},
-    writers=(Writer("conversation processor", "every change of a conversation's table row"),),
-    readers=(Reader("conversation processor", None, CHANGELOG_READ),),
+    writers=(Writer(Role.CONVERSATION, "every change of a conversation's table row"),),
+    readers=(Reader(Role.CONVERSATION, None, CHANGELOG_READ, "its table"),),
 )
 SAFETY_WINDOWS = TopicSpec(
     "ts-safety-windows-changelog", 12, "request_id", (OutputWindow,),
     "the text window under review of each streaming answer, the safety processor's table (compacted)",
     {"cleanup.policy": "compact", "min.cleanable.dirty.ratio": "0.1", "segment.ms": str(DAY_MS)},
-    writers=(Writer("safety processor", "every change of an answer's window; a tombstone at its end"),),
-    readers=(Reader("safety processor", None, CHANGELOG_READ),),
+    writers=(Writer(Role.SAFETY, "every change of an answer's window; a tombstone at its end"),),
+    readers=(Reader(Role.SAFETY, None, CHANGELOG_READ, "its table"),),
 )
 ROUTES = TopicSpec(
     "ts.routes", 1, "model", (RouteUpdate,),
     "routing weights per requested model (compacted: the latest weights win)",
     {"cleanup.policy": "compact"},
-    writers=(Writer("operator (`tokenstream route set | rollback`)", "a change of weights"),),
-    readers=(Reader("router", None, "every router reads it from the beginning, then follows it; "
-                    "nothing committed"),),
+    writers=(Writer(Role.OPERATOR, "a change of weights (`tokenstream route set | rollback`)"),),
+    readers=(Reader(Role.ROUTER, None, "every router reads it from the beginning, then follows it; "
+                    "nothing committed", "the weights it routes by"),
+             Reader(Role.OPERATOR, None, "from the beginning to the end; nothing committed",
+                    "`tokenstream route show`")),
 )
 DEAD_LETTER = TopicSpec(
     "ts.deadletter", 3, "original key", (DeadLetter,),
     "events no processor could decode or handle, with the reason and the original bytes",
     _retained(30),
-    writers=(Writer("any role", "a record it cannot decode or handle, before committing past it"),),
+    writers=tuple(Writer(role, "a record it cannot decode or handle, before committing past it")
+                  for role in DEAD_LETTERING),
     readers=(AUDITOR,),
 )
 #: How long the transcripts topic keeps the final record of each request (the per-token topic
@@ -248,8 +298,8 @@ TRANSCRIPTS = TopicSpec(
     "ts.audit.transcripts", 12, "conversation_id", (Transcript,),
     "the final record of each request (question and whole answer), kept for audits",
     _retained(TRANSCRIPT_RETENTION_DAYS),
-    writers=(Writer("conversation processor (history)", "once per answer, when it appends the answer "
-                    "to the conversation's history"),),
+    writers=(Writer(Role.CONVERSATION, "once per answer, when it appends the answer to the conversation's "
+                    "history"),),
     readers=(AUDITOR,),
 )
 RESCREEN_GROUP_PREFIX = "ts-audit-rescreen."
@@ -257,7 +307,7 @@ RESCREENED = TopicSpec(
     "ts.audit.rescreen.verdicts", 12, "request_id", (SafetyVerdict,),
     "verdicts of stored requests and answers re-judged under another safety policy (never the live ones)",
     _retained(TRANSCRIPT_RETENTION_DAYS),
-    writers=(Writer("auditor (`tokenstream audit rescreen`)", "one verdict per stored input and answer, "
+    writers=(Writer(Role.AUDIT, "`tokenstream audit rescreen`: one verdict per stored input and answer, "
                     "stamped with the policy version it was judged under; the offsets it re-judged are "
                     "committed in group ts-audit-rescreen.<policy>"),),
     readers=(AUDITOR,),
@@ -272,14 +322,15 @@ def inference_topic(model: str) -> TopicSpec:
     slug = re.sub(r"[^a-zA-Z0-9._-]+", "-", model).strip("-").lower()
     if not slug:
         raise ValueError(f"model name {model!r} gives an empty topic name")
+    lag = "reads the group's committed offsets and end offsets (lag), never records"
     return TopicSpec(
         f"ts.inference.{slug}", INFERENCE_PARTITIONS, "request_id", (InferenceRequest,),
         f"inference requests for model {model}; its worker group consumes them",
         _retained(INFERENCE_RETENTION_DAYS),
-        writers=(Writer("router", "the request's route chose this model"),),
-        readers=(Reader("gpu worker", worker_group(model), WORKER_COMMIT),
-                 Reader("gateway admission, router", None, "read the group's committed offsets "
-                        "and end offsets (lag), never records"), AUDITOR),
+        writers=(Writer(Role.ROUTER, "the request's route chose this model"),),
+        readers=(Reader(Role.WORKER, worker_group(model), WORKER_COMMIT, "the requests it serves"),
+                 Reader(Role.GATEWAY, None, lag, "admission"),
+                 Reader(Role.ROUTER, None, lag, "overflow to another model"), AUDITOR),
     )
 
 
