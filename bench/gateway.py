@@ -113,6 +113,7 @@ async def _run(streams: int, rate: float, tokens: int, light_requests: int) -> d
     say = lambda m: print(m, flush=True)  # noqa: E731
     stack.kafka.start(say)
     stack.redis.start(say)
+    stack.cache.start(say)
     try:
         async with synthetic_gateway(stack, tmp, "bench gateway") as (gateway, port, key):
             bootstrap = stack.kafka.address
@@ -135,6 +136,7 @@ async def _run(streams: int, rate: float, tokens: int, light_requests: int) -> d
                 "targets": {"overhead_p50_ms": 15, "overhead_p99_ms": 50},
             }
     finally:
+        stack.cache.stop(say)
         stack.redis.stop(say)
         stack.kafka.stop(say)
 

@@ -23,7 +23,11 @@ class Settings(BaseSettings):
     kafka_controller_port: int | None = Field(None, description="KRaft controller port of `stack up` "
                                               "(default: the bootstrap port + 1)")
     kafka_replication: int = Field(1, ge=1, description="replication factor of created topics")
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="the durable Redis (noeviction): API keys, "
+                           "usage, files, vector stores, stored responses, ledgers, rate-limit counters")
+    cache_redis_url: str = Field("redis://127.0.0.1:6380/0", description="the evicting Redis (allkeys-lru): "
+                                 "the exact response cache alone; losing any key there loses nothing")
+    cache_redis_maxmemory: str = Field("256mb", description="maxmemory of the cache Redis `stack up` starts")
     redis_outage_s: float = Field(30.0, gt=0, description="how long a role retries an unreachable Redis "
                                   "(back-off, input held) before it exits for its supervisor to restart it")
     weaviate_host: str = "127.0.0.1"

@@ -29,8 +29,9 @@ from gateway.routes import ROUTERS
 UPLOAD_FORM_BYTES = 64 * 1024  # the multipart framing and the purpose field around an uploaded file
 
 
-def create_app(cfg: GatewaySettings, bootstrap: str, redis_url: str | None = None) -> FastAPI:
-    gw = Gateway(cfg, bootstrap, redis_url)
+def create_app(cfg: GatewaySettings, bootstrap: str, redis_url: str | None = None,
+               cache_url: str | None = None) -> FastAPI:
+    gw = Gateway(cfg, bootstrap, redis_url, cache_url)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):

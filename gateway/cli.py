@@ -27,7 +27,7 @@ def gateway(
 
     tracing.setup("gateway")
     base = settings()
-    app = create_app(cfg, base.kafka_bootstrap, base.redis_url)
+    app = create_app(cfg, base.kafka_bootstrap, base.redis_url, base.cache_redis_url)
     typer.echo(f"gateway {cfg.instance_id}: chat page http://{cfg.host}:{cfg.port}/ "
                f"(OpenAI base URL http://{cfg.host}:{cfg.port}/v1), models {cfg.models}")
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False,

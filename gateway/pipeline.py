@@ -37,7 +37,10 @@ log = logging.getLogger(__name__)
 class Gateway:
     """Connections to the broker and the per-instance machinery; connects in the background."""
 
-    def __init__(self, cfg: GatewaySettings, bootstrap: str, redis_url: str | None) -> None:
+    def __init__(self, cfg: GatewaySettings, bootstrap: str, redis_url: str | None,
+                 cache_url: str | None = None) -> None:
+        """redis_url: the durable store (keys, limits, usage, files, ledgers; never evicts); cache_url: the
+        evicting store, which holds the exact response cache alone (no cache_url: no exact cache)."""
         self.cfg = cfg
         self.bootstrap = bootstrap
         self.metrics = Metrics()
@@ -50,7 +53,10 @@ class Gateway:
         self.inflight = Inflight(self.limiter, self.canceller, lease_s=cfg.stream_lease_s,
                                  progress_timeout_s=cfg.progress_timeout_s)
         self.inflight.attached = lambda rid: self.fanout is not None and rid in self.fanout.streams
-        self.exact_cache = ExactCache(self.redis, cfg.exact_cache_ttl_s, cfg.exact_cache_max_chars, self.metrics)
+        self.cache_redis = (aioredis.from_url(cache_url, socket_timeout=1, socket_connect_timeout=1)
+                            if cache_url else None)
+        self.exact_cache = ExactCache(self.cache_redis, cfg.exact_cache_ttl_s, cfg.exact_cache_max_chars,
+                                      self.metrics)
         base = settings()
         self.semantic_cache = SemanticCache(base.weaviate_host, base.weaviate_http_port, base.weaviate_grpc_port,
                                             cfg.semantic_cache_threshold, cfg.semantic_cache_ttl_s,
@@ -74,14 +80,13 @@ class Gateway:
         return self.fanout is not None and self.admission.healthy()
 
     async def redis_reachable(self) -> bool:
-        """Whether Redis answers now: without it no API key or rate limit can be checked (503s)."""
-        if self.redis is None:
-            return False
-        try:
-            async with asyncio.timeout(1.0):
-                return bool(await self.redis.ping())
-        except Exception:  # noqa: BLE001 - unreachable, refused, timed out: not ready
-            return False
+        """Whether the durable Redis answers now: without it no API key or rate limit can be checked (503s)."""
+        return await _answers(self.redis)
+
+    async def cache_reachable(self) -> bool:
+        """Whether the cache Redis answers now (without it the exact cache misses: degraded, still ready);
+        True when no cache store is configured, as there is nothing missing then."""
+        return self.cache_redis is None or await _answers(self.cache_redis)
 
     async def start(self) -> None:
         self._tasks.append(asyncio.create_task(self._connect(), name="gateway-connect"))
@@ -130,9 +135,10 @@ class Gateway:
         await self.canceller.close()
         await self.semantic_cache.close()
         await self.searches.close()
-        if self.files_redis is not None:
-            with contextlib.suppress(Exception):
-                await self.files_redis.aclose()
+        for client in (self.files_redis, self.cache_redis):
+            if client is not None:
+                with contextlib.suppress(Exception):
+                    await client.aclose()
         if self.fanout is not None:
             with contextlib.suppress(Exception):
                 await self.fanout.consumer.stop()
@@ -164,3 +170,13 @@ class Gateway:
                 return {}
             return json.loads(raw) if raw else None
         return {}
+
+
+async def _answers(client) -> bool:
+    if client is None:
+        return False
+    try:
+        async with asyncio.timeout(1.0):
+            return bool(await client.ping())
+    except Exception:  # noqa: BLE001 - unreachable, refused, timed out: not answering
+        return False

@@ -1,6 +1,11 @@
 """Contracts kept in Redis: the name of every Redis key tokenstream writes (with how long each
 lives), API key records, and the conversation key that scopes a history to its tenant.
 
+Two stores: every key below lives in the durable Redis (TOKENSTREAM_REDIS_URL, `noeviction`: a full
+store refuses writes rather than drop an API key, a file or a ledger entry) except
+`ts:cache:exact:*`, which alone lives in the evicting cache Redis (TOKENSTREAM_CACHE_REDIS_URL,
+`allkeys-lru` under maxmemory).
+
     ts:gateway:req:<request_id>              JSON notes a resume on any gateway needs (owner tenant,
                                              model, created, include_usage); GATEWAY_META_TTL_S
     ts:gateway:attach:<request_id>           attachment generation of the connection serving the

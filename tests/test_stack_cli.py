@@ -36,6 +36,7 @@ def test_stack_up_twice_is_harmless_and_down_leaves_nothing(tmp_path: Path):
         "TOKENSTREAM_KAFKA_BOOTSTRAP": f"127.0.0.1:{kafka}",
         "TOKENSTREAM_KAFKA_CONTROLLER_PORT": str(free_port()),
         "TOKENSTREAM_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0",
+        "TOKENSTREAM_CACHE_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0",
         "TOKENSTREAM_WEAVIATE_HTTP_PORT": str(free_port()),
         "TOKENSTREAM_WEAVIATE_GRPC_PORT": str(free_port()),
         "TOKENSTREAM_WEAVIATE_CLUSTER_PORTS": json.dumps([free_port() for _ in range(4)]),
@@ -44,18 +45,18 @@ def test_stack_up_twice_is_harmless_and_down_leaves_nothing(tmp_path: Path):
     try:
         first = cli(env, "stack", "up")
         assert first.returncode == 0, first.stdout + first.stderr
-        for name in ("kafka", "redis", "weaviate"):
+        for name in ("kafka", "redis", "redis-cache", "weaviate"):
             assert f"{name}: ready" in first.stdout
         pids = {p.pid for p in processes_under(tmp_path)}
-        assert len(pids) >= 3
+        assert len(pids) >= 4
 
         second = cli(env, "stack", "up")
         assert second.returncode == 0, second.stdout + second.stderr
-        assert second.stdout.count("already running") == 3
+        assert second.stdout.count("already running") == 4
         assert {p.pid for p in processes_under(tmp_path)} == pids  # nothing new, nothing restarted
 
         status = cli(env, "stack", "status")
-        assert status.stdout.count("ready") == 3, status.stdout
+        assert status.stdout.count("ready") == 4, status.stdout
 
         applied = cli(env, "topics", "apply")
         assert applied.returncode == 0 and "ts.tokens" in applied.stdout and "created" in applied.stdout
@@ -64,6 +65,6 @@ def test_stack_up_twice_is_harmless_and_down_leaves_nothing(tmp_path: Path):
     finally:
         down = cli(env, "stack", "down")
     assert down.returncode == 0, down.stdout + down.stderr
-    assert down.stdout.count("stopped") == 3
+    assert down.stdout.count("stopped") == 4
     assert processes_under(tmp_path) == []
     assert "stopped" in cli(env, "stack", "status").stdout

@@ -31,15 +31,19 @@ async def live(gw: Gateway = Depends(pipeline)) -> dict:
 async def ready(gw: Gateway = Depends(pipeline)) -> JSONResponse:
     """200 only while a request can be served: the broker answers, the tokens fan-out runs and Redis
     (API keys, rate limits) answers; otherwise 503 with what is missing. Weaviate (the semantic cache)
-    is optional: while it is away the answer stays 200 and `degraded` says so (lookups are misses)."""
-    redis, weaviate = await asyncio.gather(gw.redis_reachable(), vectordb.aready(timeout_s=0.5))
+    and the cache Redis (the exact cache) are optional: while one is away the answer stays 200 and
+    `degraded` says so (lookups are misses)."""
+    redis, cache, weaviate = await asyncio.gather(gw.redis_reachable(), gw.cache_reachable(),
+                                                  vectordb.aready(timeout_s=0.5))
     broker, fanout = gw.admission.healthy(), gw.fanout is not None
     ready = broker and fanout and redis  # gw.ready, with Redis
     missing = [what for what, ok in (("broker: no answer", broker), ("tokens fan-out: not connected", fanout),
                                      ("redis: no answer (API keys, rate limits)", redis)) if not ok]
-    degraded = [] if weaviate else ["weaviate: no answer (semantic cache lookups are misses)"]
+    degraded = [what for what, ok in (("weaviate: no answer (semantic cache lookups are misses)", weaviate),
+                                      ("cache redis: no answer (exact cache lookups are misses)", cache))
+                if not ok]
     body = {"ready": ready, "instance": gw.cfg.instance_id, "partitions": gw.partitions,
-            "broker": broker, "fanout": fanout, "redis": redis, "weaviate": weaviate,
+            "broker": broker, "fanout": fanout, "redis": redis, "cache": cache, "weaviate": weaviate,
             "detail": missing, "degraded": degraded}
     return JSONResponse(body, status_code=200 if ready else 503)
 

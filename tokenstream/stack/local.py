@@ -121,6 +121,7 @@ class LocalSystem:
 
         self.stack.kafka.start(self.say)
         self.stack.redis.start(self.say)
+        self.stack.cache.start(self.say)
         from tokenstream.keys import KeyStore
 
         self.key, _ = KeyStore(self.stack.redis.address).create("local", tier="paid", name="local system",
@@ -169,6 +170,7 @@ class LocalSystem:
                     proc.popen.wait(20)
                 except subprocess.TimeoutExpired:
                     os.killpg(proc.popen.pid, signal.SIGKILL)
+        self.stack.cache.stop(self.say)
         self.stack.redis.stop(self.say)
         self.stack.kafka.stop(self.say)
 

@@ -1,4 +1,11 @@
-"""Redis from Debian's redis-server package: caches, rate limits, small shared state."""
+"""Redis from Debian's redis-server package, in two instances with different eviction rules.
+
+`Redis` is the durable store (API keys, usage, uploaded files, vector stores, stored responses, the
+once-per-effect ledgers, rate-limit counters): `noeviction`, so a full store refuses a write with an
+error instead of silently dropping a key, and append-only persistence when `persistent`. `RedisCache`
+holds only what may be lost at any moment (the exact response cache): `allkeys-lru` under a
+`maxmemory` bound, no persistence. See docs/security.md ("Durable state").
+"""
 
 from __future__ import annotations
 
@@ -24,11 +31,14 @@ class Redis(Service):
         if shutil.which("redis-server") is None:
             raise ServiceError("redis-server not found: apt-get install redis-server")
 
+    def base_command(self) -> list[str]:
+        return ["redis-server", "--bind", "127.0.0.1", "--port", str(self.port), "--dir", str(self.data_dir),
+                "--daemonize", "no", "--protected-mode", "yes"]
+
     def command(self) -> list[str]:
-        cmd = ["redis-server", "--bind", "127.0.0.1", "--port", str(self.port), "--dir", str(self.data_dir),
-               "--daemonize", "no", "--protected-mode", "yes", "--maxmemory-policy", "allkeys-lru"]
+        cmd = [*self.base_command(), "--maxmemory-policy", "noeviction"]
         if self.persistent:
-            return [*cmd, "--appendonly", "yes", "--save", "60 1000"]
+            return [*cmd, "--appendonly", "yes", "--appendfsync", "everysec", "--save", "60 1000"]
         return [*cmd, "--save", "", "--appendonly", "no"]
 
     def is_ready(self) -> bool:
@@ -38,3 +48,17 @@ class Redis(Service):
             return bool(redis.Redis.from_url(self.address, socket_timeout=1).ping())
         except redis.RedisError:
             return False
+
+
+class RedisCache(Redis):
+    """The evicting store: least recently used keys go first once `maxmemory` is reached."""
+
+    name = "redis-cache"
+
+    def __init__(self, *args, port: int = 6380, maxmemory: str = "256mb") -> None:
+        super().__init__(*args, port=port, persistent=False)
+        self.maxmemory = maxmemory
+
+    def command(self) -> list[str]:
+        return [*self.base_command(), "--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru",
+                "--save", "", "--appendonly", "no"]

@@ -1,4 +1,4 @@
-"""The three services together, in start order."""
+"""The services together, in start order: Kafka, the durable Redis, the cache Redis, Weaviate."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 from common.config import Settings, settings
 from tokenstream.stack.kafka import Kafka
-from tokenstream.stack.redis import Redis
+from tokenstream.stack.redis import Redis, RedisCache
 from tokenstream.stack.service import Service, Status, free_port
 from tokenstream.stack.weaviate import Weaviate
 
@@ -17,17 +17,19 @@ class Stack:
     kafka: Kafka
     redis: Redis
     weaviate: Weaviate
+    cache: RedisCache
 
     @property
     def services(self) -> list[Service]:
-        return [self.kafka, self.redis, self.weaviate]
+        return [self.kafka, self.redis, self.cache, self.weaviate]
 
     @classmethod
     def default(cls, cfg: Settings | None = None) -> Stack:
         """The stack `tokenstream stack up` manages: data under cfg.data_dir, kept across restarts."""
         cfg = cfg or settings()
         kafka_port = int(cfg.kafka_bootstrap.rsplit(":", 1)[1])
-        redis_port = int(cfg.redis_url.rsplit(":", 1)[1].split("/")[0])
+        redis_port, cache_port = (int(url.rsplit(":", 1)[1].split("/")[0])
+                                  for url in (cfg.redis_url, cfg.cache_redis_url))
         folders = _folders(cfg.data_dir, cfg.cache_dir)
         return cls(
             Kafka(*folders, port=kafka_port, controller_port=cfg.kafka_controller_port or kafka_port + 1),
@@ -35,6 +37,7 @@ class Stack:
             Weaviate(*folders, port=cfg.weaviate_http_port, grpc_port=cfg.weaviate_grpc_port,
                      **dict(zip(("gossip_port", "data_port", "raft_port", "raft_rpc_port"),
                                 cfg.weaviate_cluster_ports, strict=True))),
+            RedisCache(*folders, port=cache_port, maxmemory=cfg.cache_redis_maxmemory),
         )
 
     @classmethod
@@ -46,6 +49,7 @@ class Stack:
             Redis(*folders, port=free_port(), persistent=False),
             Weaviate(*folders, port=free_port(), grpc_port=free_port(), gossip_port=free_port(),
                      data_port=free_port(), raft_port=free_port(), raft_rpc_port=free_port()),
+            RedisCache(*folders, port=free_port(), maxmemory="32mb"),
         )
 
     def up(self, say=print) -> None:
@@ -69,6 +73,7 @@ class Stack:
         return {
             "TOKENSTREAM_KAFKA_BOOTSTRAP": self.kafka.address,
             "TOKENSTREAM_REDIS_URL": self.redis.address,
+            "TOKENSTREAM_CACHE_REDIS_URL": self.cache.address,
             "TOKENSTREAM_WEAVIATE_HTTP_PORT": str(self.weaviate.port),
             "TOKENSTREAM_WEAVIATE_GRPC_PORT": str(self.weaviate.grpc_port),
         }
