@@ -14,7 +14,6 @@ import os
 import time
 
 import httpx
-import pytest
 import redis
 import redis.asyncio as aioredis
 
@@ -27,6 +26,7 @@ from tests.gateway_support import new_key, start_gateway
 from tools.ledger import CallLedger
 from topics.admin import apply
 from topics.registry import all_topics
+
 
 def _info(url: str, section: str) -> dict:
     client = redis.Redis.from_url(url)
