@@ -9,9 +9,10 @@ import openai
 import pytest
 
 from producers import publish, start_producer
-from schemas import SafetyVerdict
+from schemas import SafetyVerdict, TokenChunk
 from tests.conftest import Roles
 from tests.gateway_support import FakePipeline, default_key, start_gateway
+from tests.kafka_support import Tap, wait_for
 from topics import TOKENS
 
 LONG = " ".join(f"word{i}" for i in range(60))
@@ -38,10 +39,11 @@ async def test_output_verdict_cuts_the_answer_with_content_filter(gateway, pipel
     producer = await start_producer()
 
     async def cut_when_started() -> None:
-        while not (new := [r for rid, r in pipeline.requests.items() if rid not in cut]):
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(1.0)  # some tokens are out by now
-        request = new[0]
+        [request] = await wait_for(lambda: [r for rid, r in pipeline.requests.items() if rid not in cut], 30,
+                                   "the request reaching the pipeline")
+        # cut once the worker double has written past the verdict's window (seq 0..3) and a few more
+        await tokens.wait_for(lambda e: isinstance(e, TokenChunk) and e.request_id == request.request_id
+                              and e.seq >= 5, timeout=30)
         cut.add(request.request_id)
         await publish(producer, TOKENS, SafetyVerdict(request_id=request.request_id, stage="output", blocked=True,
                                                       categories=["violence"], policy_version="test",
@@ -49,21 +51,23 @@ async def test_output_verdict_cuts_the_answer_with_content_filter(gateway, pipel
                       partition=request.reply_partition)
 
     cut: set[str] = set(pipeline.requests)
-    cutter = asyncio.create_task(cut_when_started())
-    try:
-        messages = [{"role": "user", "content": LONG}]
-        if stream:
-            text, reasons = "", []
-            async for chunk in await client.chat.completions.create(model=pipeline.model, messages=messages,
-                                                                   stream=True):
-                text += chunk.choices[0].delta.content or ""
-                if chunk.choices[0].finish_reason:
-                    reasons.append(chunk.choices[0].finish_reason)
-        else:
-            answer = await client.chat.completions.create(model=pipeline.model, messages=messages)
-            text, reasons = answer.choices[0].message.content, [answer.choices[0].finish_reason]
-        await cutter
-    finally:
-        await producer.stop()
+    async with Tap(TOKENS) as tokens:
+        cutter = asyncio.create_task(cut_when_started())
+        try:
+            messages = [{"role": "user", "content": LONG}]
+            if stream:
+                text, reasons = "", []
+                async for chunk in await client.chat.completions.create(model=pipeline.model, messages=messages,
+                                                                       stream=True):
+                    text += chunk.choices[0].delta.content or ""
+                    if chunk.choices[0].finish_reason:
+                        reasons.append(chunk.choices[0].finish_reason)
+            else:
+                answer = await client.chat.completions.create(model=pipeline.model, messages=messages)
+                text, reasons = answer.choices[0].message.content, [answer.choices[0].finish_reason]
+            await cutter
+        finally:
+            cutter.cancel()
+            await producer.stop()
     assert reasons == ["content_filter"]
     assert 0 < len(text.split()) < 60 and LONG.startswith(text.strip())
