@@ -48,7 +48,7 @@ class GatewaySettings(BaseSettings):
     max_body_bytes: int = Field(512 * 1024, ge=1024, le=900 * 1024)
 
     # Uploaded files (/v1/files): largest file, and all of a tenant's files together (kept in Redis:
-    # see README, "Files and vector stores"); files one vector store may hold; a search's wait for
+    # see docs/clients.md, "Files and vector stores"); files one vector store may hold; a search's wait for
     # the tool processor's answer.
     file_max_bytes: int = Field(8 * 1024 * 1024, ge=1024, le=64 * 1024 * 1024)
     tenant_files_max_bytes: int = Field(256 * 1024 * 1024, ge=1024)

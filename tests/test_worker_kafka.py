@@ -513,7 +513,7 @@ async def test_the_next_step_runs_while_the_event_loop_is_busy():
 
 
 async def test_a_duplicate_arriving_while_the_original_runs_is_committed(bootstrap, unique, tiny_loaded):
-    """The duplicate a processor may re-emit (README, known issues) must not hold its partition's commits."""
+    """The duplicate a processor may re-emit (docs/guarantees.md, known issues) must not hold its partition's commits."""
     model = f"tiny-{unique}"
     cfg = WorkerConfig(model=model, max_running=4, worker_id="w-dup", step_delay_s=0.05)
     stop, task = await start_inprocess(cfg, tiny_loaded, bootstrap)

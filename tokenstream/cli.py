@@ -185,7 +185,7 @@ def topics_grow(topic: str, partitions: int = typer.Option(..., help="the new pa
         console.print(f"[red]refused:[/] growing {', '.join(names)} moves existing keys of {', '.join(keyed)} to "
                       "other partitions, so processors no longer find rows (conversation histories) where their "
                       "next events arrive. Stop the processors, grow with --yes, and accept that history rows "
-                      "start afresh; see the README.", highlight=False)
+                      "start afresh; see docs/operators.md.", highlight=False)
         raise typer.Exit(2)
     try:
         changes = asyncio.run(grow(names, partitions, settings().kafka_bootstrap))
