@@ -12,6 +12,7 @@ import pytest
 
 from tests.conftest import Roles
 from tests.gateway_support import FakePipeline, default_key, metric, metrics_text, rss_bytes, start_gateway
+from tests.kafka_support import wait_for
 
 WORDS = " ".join(f"v{i}" for i in range(10))
 
@@ -106,12 +107,10 @@ async def test_slow_client_gets_coalesced_chunks_and_partition_pauses(gateway, f
     await writer.drain()
     body = await reader.read(2048)  # headers and the first events, then stall
     rss_before = rss_bytes(proc.pid)
-    for _ in range(100):  # the worker double writes all its tokens meanwhile
-        await asyncio.sleep(0.1)
-        if fast.served and all(s.finish_reason for s in fast.served.values()):
-            break
-    await asyncio.sleep(0.5)
-    assert metric(url, "gateway_partition_pauses_total") >= 1
+    # the worker double writes all its tokens meanwhile, and the gateway pauses the partition
+    await wait_for(lambda: fast.served and all(s.finish_reason for s in fast.served.values()), 60,
+                   "the worker double writing the whole answer")
+    await wait_for(lambda: metric(url, "gateway_partition_pauses_total") >= 1, 30, "a partition pause")
     rss_stalled = rss_bytes(proc.pid)
     while chunk := await reader.read(65536):
         body += chunk
