@@ -25,6 +25,7 @@ from tests.gateway_support import (
     sse,
     start_gateway,
 )
+from tests.kafka_support import wait_for
 
 LONG = " ".join(f"w{i}" for i in range(40))
 GRACE = 1.0
@@ -93,7 +94,8 @@ async def test_resume_on_another_instance(gateways, pipeline):
         cid = json.loads(first[0][1])["id"]
         last_id = first[-1][0]
         assert last_id.startswith(cid.removeprefix("chatcmpl-") + ":")
-        await asyncio.sleep(0.3)
+        disconnect_cancels = metric(a, "gateway_cancels_total", 'reason="client_disconnected"')
+        await asyncio.sleep(0.3)  # the client comes back after a moment, within the grace period
         rest: list[tuple[str, str]] = []
         async with http.stream("GET", f"{b}/v1/chat/completions/{cid}/stream",
                                headers={"Last-Event-ID": last_id}) as r:
@@ -113,11 +115,28 @@ async def test_resume_on_another_instance(gateways, pipeline):
                                                   messages=[{"role": "user", "content": LONG}])
     assert joined == "".join([c.choices[0].delta.content or "" async for c in stream])
 
-    # resumed within the grace period: never cancelled, it ran to its end
-    await asyncio.sleep(GRACE + 0.5)
+    # resumed within the grace period: never cancelled, it ran to its end. A stream dropped on the same
+    # instance after it, and not resumed, is cancelled when its grace period ends: this one's would have
+    # come before
     rid = cid.removeprefix("chatcmpl-")
+    later = await dropped(a, pipeline.model)
+    await wait_for(lambda: later in pipeline.cancels, GRACE + 15, "the later dropped stream cancelled")
     assert rid not in pipeline.cancels
+    assert metric(a, "gateway_cancels_total", 'reason="client_disconnected"') == disconnect_cancels + 1
     assert pipeline.served[rid].finish_reason == "stop"
+
+
+async def dropped(url: str, model: str) -> str:
+    """The request id of a stream whose client leaves after three chunks and does not come back."""
+    async with httpx.AsyncClient(timeout=30, headers=auth_headers()) as http:
+        async with http.stream("POST", url + "/v1/chat/completions", json=body(model, LONG)) as r:
+            n = 0
+            async for _, data in sse(r):
+                cid = json.loads(data)["id"]
+                n += bool(content_of(data))
+                if n >= 3:
+                    break
+    return cid.removeprefix("chatcmpl-")
 
 
 async def test_resume_from_the_start_and_after_the_end(gateways, pipeline):
@@ -144,15 +163,7 @@ async def test_resume_from_the_start_and_after_the_end(gateways, pipeline):
 
 async def test_disconnect_cancels_after_grace_and_frees_the_slot(gateways, pipeline):
     a, _ = gateways
-    async with httpx.AsyncClient(timeout=30, headers=auth_headers()) as http:
-        async with http.stream("POST", a + "/v1/chat/completions", json=body(pipeline.model, LONG)) as r:
-            n = 0
-            async for _, data in sse(r):
-                cid = json.loads(data)["id"]
-                n += bool(content_of(data))
-                if n >= 3:
-                    break
-    rid = cid.removeprefix("chatcmpl-")
+    rid = await dropped(a, pipeline.model)
     assert rid in pipeline.active, "still generating right after the disconnect (grace period)"
     deadline = time.monotonic() + GRACE + 5
     while rid in pipeline.active and time.monotonic() < deadline:
