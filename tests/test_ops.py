@@ -18,7 +18,7 @@ from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
 from producers import publish, start_consumer, start_producer
 from schemas import ChatMessage, InferenceRequest
-from tests.kafka_support import group_settled
+from tests.kafka_support import group_settled, wait_for
 from tokenstream.stack.service import free_port
 from tokenstream.stack.scale import (
     ScaleError,
@@ -148,9 +148,7 @@ async def test_ops_probe_says_whether_this_hosts_member_holds_partitions(bootstr
     assert absent.returncode == 1, absent.stdout  # no members (or, on a fresh broker, no coordinator yet)
     consumer = await start_consumer(spec, group=group, bootstrap=bootstrap)
     try:
-        deadline = time.monotonic() + 60
-        while not consumer.assignment() and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
+        await wait_for(consumer.assignment, 60, "the consumer's partitions")
         ready = await asyncio.to_thread(cli, "ops", "probe", "--group", group, "--host", "127.0.0.1")
         assert ready.returncode == 0, ready.stdout + ready.stderr
         assert "holds 12 partition(s)" in ready.stdout
