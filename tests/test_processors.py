@@ -163,6 +163,7 @@ async def test_a_turn_parked_for_an_answer_that_never_comes_is_refused_at_its_de
             waited = time.time() - second.created_at
             assert done.finish_reason == "error" and done.error_code == "previous_turn_unanswered", done
             assert first.request_id in done.error and waited >= PARKED_S
+            await prepared.caught_up()  # (had it been prepared, that was before its refusal)
             assert prepared.matching(by_id(second.request_id)) == []  # never started without its history
 
             again = await chat(producer, conv, [ChatMessage(role="user", content="Another one?")])
@@ -277,6 +278,7 @@ async def test_what_cannot_fit_the_window_is_refused_as_the_clients_fault(proces
                     assert (done.finish_reason, done.error_code) == ("error", code), done
                     assert tokens.matching(by_id(request.request_id)) == [done]
             await prepared.wait_for(by_id(fine.request_id))  # the next request is served
+            await prepared.caught_up()  # (a refused request prepared anyway would have been before its refusal)
         finally:
             await producer.stop()
     refused = {r.request_id for rs in sent.values() for r in rs}
