@@ -27,7 +27,9 @@ from tests.gateway_support import api_client, auth_headers, new_key, start_gatew
 from tests.kafka_support import Tap
 from tests.test_worker_kafka import wait_for_log
 from tests.tool_support import sandbox_root, tools_env, wait_ready
-from topics import TOKENS, TOOL_CALLS, TOOL_RESULTS
+from tokenstream.chaos.verify import drained
+from topics import CONVERSATION_TURNS, TOKENS, TOOL_CALLS, TOOL_RESULTS
+from topics.registry import processor_group
 
 pytestmark = pytest.mark.slow
 MODEL = f"smollm2-resp-{uuid.uuid4().hex[:6]}"
@@ -265,5 +267,12 @@ async def test_kill_9_of_the_tool_processor_mid_run_completes_the_run_each_call_
         while min(once(results.events).values()) == 0:  # every result published before the run went on
             assert asyncio.get_running_loop().time() < deadline
             await asyncio.sleep(0.1)
+        # a call run again after the restart would have its result out (and relayed) by the time the tool
+        # processor, then the conversation processor, have committed past everything: then count
+        for group, spec in (("tools", TOOL_CALLS), ("conversation", TOOL_RESULTS), ("conversation", CONVERSATION_TURNS)):
+            lag = await drained(bootstrap, [(processor_group(group), spec.name)], timeout=60)
+            assert not any(lag.values()), lag
+        await results.caught_up()
+        await tokens.caught_up()
         # each call: one result on ts.tool.results, one in band in the response's stream
         assert set(once(results.events).values()) == {1} and set(once(tokens.events).values()) == {1}
