@@ -228,16 +228,13 @@ def test_the_gateway_instance_count_is_its_replica_count(folder):
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
 def test_an_overlay_that_scales_the_gateway_scales_its_instance_count(tmp_path):
-    overlay = K8S / "overlays" / f"_test-{os.getpid()}"
+    overlay = tmp_path / "overlay"  # outside the repository: the base is referred to by a relative path
     base = yaml.safe_load((K8S / "base" / "kustomization.yaml").read_text())
     overlay.mkdir()
-    try:
-        (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
-            "resources": ["../../base"], "replicas": [{"name": "gateway", "count": 5}],
-            "replacements": base["replacements"]}))
-        out = subprocess.run(["kubectl", "kustomize", str(overlay)], capture_output=True, text=True, timeout=60)
-    finally:
-        shutil.rmtree(overlay)
+    (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
+        "resources": [os.path.relpath(K8S / "base", overlay)], "replicas": [{"name": "gateway", "count": 5}],
+        "replacements": base["replacements"]}))
+    out = subprocess.run(["kubectl", "kustomize", str(overlay)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     gateway = _gateway([d for d in yaml.safe_load_all(out.stdout) if d])
     assert gateway["spec"]["replicas"] == 5
