@@ -11,7 +11,7 @@ from schemas.files import file_kind
 from schemas.ids import FILE_ID, VECTOR_STORE_ID, new_file_id, new_vector_store_id
 from tools import seccomp
 from tools.config import ToolSettings
-from tools.sandbox import Sandbox, folder_usage, undo_writes
+from tools.sandbox import Budget, Sandbox, budget, folder_usage, undo_writes
 
 
 def test_the_seccomp_program_compiles_to_bpf():
@@ -22,6 +22,17 @@ def test_the_seccomp_program_compiles_to_bpf():
         assert os.read(fd, len(program) + 1) == program
     finally:
         os.close(fd)
+
+
+def test_the_quota_is_shared_by_the_folder_tmp_and_shm():
+    mib = 1 << 20
+    assert budget(64 * mib, 0, 8 * mib, 4 * mib) == Budget(folder=52 * mib, tmp=8 * mib, shm=4 * mib)
+    nearly = budget(64 * mib, 60 * mib, 8 * mib, 4 * mib)  # 4 MiB left: a quarter and an eighth of it
+    assert nearly == Budget(folder=64 * mib - (1536 << 10), tmp=1 * mib, shm=512 << 10)
+    assert nearly.folder > 60 * mib  # what the folder holds already always fits its share
+    assert all(b % 4096 == 0 for b in (nearly.tmp, nearly.shm))  # whole pages: tmpfs rounds up
+    assert budget(64 * mib, 64 * mib - 16 * 1024, 8 * mib, 4 * mib) is None  # too little left: full
+    assert budget(64 * mib, 64 * mib, 8 * mib, 4 * mib) is None
 
 
 def test_undo_removes_only_what_the_run_wrote(tmp_path):

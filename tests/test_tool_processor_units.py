@@ -1,14 +1,19 @@
-"""Pieces of the tool processor that need no broker: run_tool's error handling, web checks, chunks, folders."""
+"""Pieces of the tool processor: run_tool's error handling, web checks, chunks, folders (no broker), and the
+call ledger's claims against the stack's real Redis."""
 
 from __future__ import annotations
 
 import asyncio
+import time
+import uuid
 
 import pytest
 
 from schemas import ToolCall
+from schemas.keys import tool_claim, tool_published
 from tools.base import Outcome, ToolError, builtin_tools
 from tools.config import ToolSettings
+from tools.ledger import CallLedger
 from tools.processor import run_tool
 from tools.sandbox import folder_name
 from tools.web import allowed, resolve
@@ -86,3 +91,28 @@ def test_the_registry_names_the_group_the_processor_joins():
 
     assert TOOL_CALLS.groups == [GROUP] == ["ts-tools"]
     assert [w.role for w in TOOL_RESULTS.writers] == [Role.TOOLS]
+
+
+async def test_a_slow_processor_never_renews_or_releases_a_claim_another_now_holds(stack):
+    call_id = f"call-{uuid.uuid4().hex}"
+    slow, fresh = CallLedger("tools-slow", lease_s=0.3), CallLedger("tools-fresh", lease_s=30)
+    try:
+        assert await slow.claim(call_id) and await slow.renew(call_id)  # its own claim: renewed
+        assert not await fresh.claim(call_id)
+        deadline = time.monotonic() + 10  # the slow one stalls: its lease lapses
+        while await slow.redis.exists(tool_claim(call_id)) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert await fresh.claim(call_id)
+        # the slow processor wakes up: its renewal, its release (its run failed) and its published mark
+        # (its run completed first) all leave the other's claim as it was
+        assert not await slow.renew(call_id) and not await slow.release(call_id)
+        await slow.mark_published(call_id)
+        assert await fresh.redis.get(tool_claim(call_id)) == b"tools-fresh"
+        assert await fresh.redis.pttl(tool_claim(call_id)) > 20_000  # the fresh lease, not the slow one's
+        assert await fresh.published(call_id)
+        assert await fresh.renew(call_id) and await fresh.release(call_id)
+        assert not await fresh.redis.exists(tool_claim(call_id))
+    finally:
+        await fresh.redis.delete(tool_claim(call_id), tool_published(call_id))
+        await slow.close()
+        await fresh.close()

@@ -36,9 +36,14 @@ class ToolSettings(BaseSettings):
     open_files: int = Field(64, ge=16, description="open file descriptors (RLIMIT_NOFILE)")
     file_mb: int = Field(16, ge=1, description="largest file the code may write (RLIMIT_FSIZE)")
     output_kb: int = Field(64, ge=1, description="stdout and stderr kept, each; more stops the run")
-    folder_mb: int = Field(64, ge=1, description="size of a conversation's working folder (all its files); "
-                           "a call finding it full is refused, a run filling it is stopped and its writes undone")
+    folder_mb: int = Field(64, ge=1, description="a conversation's quota: its working folder (all its files) and, "
+                           "during a run, that run's /tmp and /dev/shm (tmp_mb, shm_mb); a call finding the folder "
+                           "full is refused, a run filling it is stopped and its writes undone")
     folder_files: int = Field(10_000, ge=1, description="files and folders in a conversation's working folder")
+    tmp_mb: int = Field(8, ge=1, description="size of a run's /tmp (a tmpfs, emptied after each run); taken "
+                        "out of folder_mb for the run, at most a quarter of what the folder leaves free")
+    shm_mb: int = Field(4, ge=1, description="size of a run's /dev/shm (a tmpfs); taken out of folder_mb for the "
+                        "run like tmp_mb, at most an eighth of what the folder leaves free")
     seccomp: bool = Field(True, description="a seccomp filter (tools/seccomp.py) on the sandboxed code; the "
                           "processor refuses to start when it cannot be built")
     files_listed: int = Field(50, ge=0, description="written files reported per call")

@@ -1,8 +1,11 @@
 """Once per call id: a claim while a call runs, its result once it completed, a mark once published.
 
-    claim      SET NX with a lease renewed while the call runs. A processor killed mid-run stops
-               renewing; the lease lapses and the next processor to read the call runs it again
-               (the run it interrupted never completed, so the call still completes once).
+    claim      SET NX of this processor's token with a lease renewed while the call runs. A processor
+               killed mid-run stops renewing; the lease lapses and the next processor to read the call
+               runs it again (the run it interrupted never completed, so the call still completes once).
+               Renewing and releasing act only while the claim still holds this processor's token
+               (one Lua script each, so the check and the act are one step in Redis): a processor
+               stalled past its lease finds another's claim and leaves it alone.
     result     the encoded ToolResult, written when the run completes and before it is published:
                a processor that dies after this replays the stored result, it never re-runs.
     published  set after the broker acknowledged the result; a call read again is then skipped.
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 
 import redis.asyncio as aioredis
 
@@ -22,11 +26,22 @@ from schemas import ToolResult, decode, encode
 from schemas.keys import EFFECT_TTL_S, tool_claim, tool_published, tool_result
 from common.config import settings
 
+log = logging.getLogger("tools.ledger")
+
+# KEYS[1] the claim; ARGV[1] the holder's token (ARGV[2] the lease, ms). 1 when done, 0 when not ours.
+RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
+RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+# KEYS[1] the published mark, KEYS[2] the claim; ARGV[1] the token, ARGV[2] the mark's lifetime (s)
+PUBLISHED = ("redis.call('set', KEYS[1], 1, 'EX', ARGV[2]) "
+             "if redis.call('get', KEYS[2]) == ARGV[1] then redis.call('del', KEYS[2]) end return 1")
+
 
 class CallLedger:
     def __init__(self, owner: str, lease_s: float, url: str | None = None) -> None:
         self.owner, self.lease_ms = owner, max(1, int(lease_s * 1000))
         self.redis = aioredis.Redis.from_url(url or settings().redis_url)
+        self._renew, self._release = self.redis.register_script(RENEW), self.redis.register_script(RELEASE)
+        self._published = self.redis.register_script(PUBLISHED)
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -42,16 +57,24 @@ class CallLedger:
         """True when this process now holds the call (no live processor holds it)."""
         return bool(await self.redis.set(tool_claim(call_id), self.owner, nx=True, px=self.lease_ms))
 
-    async def release(self, call_id: str) -> None:
-        await self.redis.delete(tool_claim(call_id))
+    async def renew(self, call_id: str) -> bool:
+        """Extend this process's claim by a lease; False (and nothing done) when the claim is not its own."""
+        return bool(await self._renew(keys=[tool_claim(call_id)], args=[self.owner, self.lease_ms]))
+
+    async def release(self, call_id: str) -> bool:
+        """Drop this process's claim; False (and nothing done) when the claim is not its own."""
+        return bool(await self._release(keys=[tool_claim(call_id)], args=[self.owner]))
 
     @contextlib.asynccontextmanager
     async def holding(self, call_id: str):
-        """Renew the claim every third of the lease while the body runs."""
+        """Renew the claim every third of the lease while the body runs; stop once it is another's."""
         async def renew() -> None:
             while True:
                 await asyncio.sleep(self.lease_ms / 3000)
-                await self.redis.set(tool_claim(call_id), self.owner, xx=True, px=self.lease_ms)
+                if not await self.renew(call_id):
+                    log.warning("the claim of call %s lapsed and is held by another processor (or none): "
+                                "this run goes on; only the first result stored is published", call_id)
+                    return
 
         task = asyncio.create_task(renew())
         try:
@@ -68,7 +91,5 @@ class CallLedger:
         return await self.result(result.call_id) or result
 
     async def mark_published(self, call_id: str) -> None:
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.set(tool_published(call_id), 1, ex=EFFECT_TTL_S)
-            pipe.delete(tool_claim(call_id))
-            await pipe.execute()
+        """Mark the call published and drop the claim if it is still this process's (one step)."""
+        await self._published(keys=[tool_published(call_id), tool_claim(call_id)], args=[self.owner, EFFECT_TTL_S])

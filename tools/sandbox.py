@@ -8,10 +8,15 @@ The chain started for each call:
       bwrap --unshare-all ...          (new user, pid, net, ipc, uts and mount namespaces)
         /usr/bin/python3 -I -c <runner>  (sets the rlimits, then runs the code; see sandbox_runner.py)
 
-Inside, the filesystem is /usr read-only, an empty /tmp, a minimal /dev and /proc, and the
-conversation's folder at /work (read-write): bwrap binds it as the sandbox user, so the
-sandbox root and every folder above it must be searchable (x) by that user (see tools/README.md). The wall-clock limit is enforced from here by killing
-bwrap's process group; --die-with-parent takes the sandbox's pid namespace down with it.
+setpriv and bwrap start with an environment of PATH alone: the sandbox's pid 1 is bwrap, and its
+/proc/1/environ is readable inside, so nothing of this process's environment may reach it.
+
+Inside, the filesystem is /usr read-only, /tmp and /dev/shm as tmpfs of a fixed size (taken out of
+the conversation's quota for the run: folder + /tmp + /dev/shm never exceed folder_mb), a minimal
+read-only /dev and /proc, and the conversation's folder at /work (read-write): bwrap binds it as
+the sandbox user, so the sandbox root and every folder above it must be searchable (x) by that
+user (see tools/README.md). The wall-clock limit is enforced from here by killing bwrap's process
+group; --die-with-parent takes the sandbox's pid namespace down with it.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import asyncio
 import hashlib
 import json
 import os
+import shutil
 import signal
 import stat
 import time
@@ -32,6 +38,27 @@ from tools.config import ToolSettings
 RUNNER_SOURCE = Path(__file__).with_name("sandbox_runner.py").read_text()
 PYTHON = "/usr/bin/python3"
 WATCH_S = 0.1  # how often a running call's folder is measured against its quota
+PAGE = 4096
+ENV = {"PATH": "/usr/bin:/bin"}  # all setpriv and bwrap are started with (bwrap is the sandbox's pid 1)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How a run shares the conversation's quota: its folder may grow to `folder` bytes, and its /tmp
+    and /dev/shm are tmpfs of `tmp` and `shm` bytes (memory, gone when the run ends)."""
+    folder: int
+    tmp: int
+    shm: int
+
+
+def budget(quota: int, used: int, tmp_max: int, shm_max: int) -> Budget | None:
+    """/tmp gets up to a quarter and /dev/shm an eighth of what is left, the folder the rest; None when
+    too little is left for either (a tmpfs of size 0 would have no limit at all)."""
+    left = quota - used
+    tmp, shm = min(tmp_max, left // 4) // PAGE * PAGE, min(shm_max, left // 8) // PAGE * PAGE
+    if tmp <= 0 or shm <= 0:
+        return None
+    return Budget(folder=quota - tmp - shm, tmp=tmp, shm=shm)
 
 
 @dataclass
@@ -68,23 +95,32 @@ class Sandbox:
                 os.chown(path, self.cfg.sandbox_uid, self.cfg.sandbox_gid)
         return path
 
+    def budget(self, used: int) -> Budget | None:
+        return budget(self.cfg.folder_mb << 20, used, self.cfg.tmp_mb << 20, self.cfg.shm_mb << 20)
+
     def command(self, workdir: Path, report_fd: int, seccomp_fd: int | None = None,
-                file_bytes: int | None = None) -> list[str]:
+                file_bytes: int | None = None, share: Budget | None = None) -> list[str]:
         cfg = self.cfg
+        share = share or self.budget(0)
         limits = {"cpu_s": cfg.cpu_s, "memory_mb": cfg.memory_mb, "processes": cfg.processes,
                   "open_files": cfg.open_files, "file_bytes": file_bytes or cfg.file_mb << 20,
                   "value_chars": cfg.output_kb * 1024}
-        drop = (["setpriv", f"--reuid={cfg.sandbox_uid}", f"--regid={cfg.sandbox_gid}", "--clear-groups", "--"]
-                if os.geteuid() == 0 else [])
+        bwrap = _program("bwrap", "bubblewrap")
+        drop = ([_program("setpriv", "util-linux"), f"--reuid={cfg.sandbox_uid}", f"--regid={cfg.sandbox_gid}",
+                 "--clear-groups", "--"] if os.geteuid() == 0 else [])
         return [
-            *drop, "bwrap",
+            *drop, bwrap,
             "--unshare-all", "--die-with-parent", "--new-session", "--clearenv",
             "--ro-bind", "/usr", "/usr",
+            "--ro-bind-try", "/etc/alternatives", "/etc/alternatives",  # links into /usr (Debian's BLAS)
             "--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64", "--symlink", "usr/bin", "/bin",
-            "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
+            "--proc", "/proc",
+            # /dev: null, zero, full, random, urandom, tty (and pts); read-only but for its shm
+            "--dev", "/dev", "--size", str(share.shm), "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
+            "--size", str(share.tmp), "--tmpfs", "/tmp",
             "--bind", str(workdir), "/work", "--chdir", "/work",
             "--setenv", "HOME", "/work", "--setenv", "PATH", "/usr/bin", "--setenv", "LANG", "C.UTF-8",
-            "--remount-ro", "/",  # bwrap's own root tmpfs: nothing outside /work and /tmp is writable
+            "--remount-ro", "/",  # bwrap's own root tmpfs: only /work, /tmp and /dev/shm are writable
             "--setenv", "PYTHONDONTWRITEBYTECODE", "1", "--setenv", "OPENBLAS_NUM_THREADS", "1",
             *(["--seccomp", str(seccomp_fd)] if seccomp_fd is not None else []),
             "--", PYTHON, "-I", "-c", RUNNER_SOURCE, json.dumps(limits), str(report_fd),
@@ -92,9 +128,9 @@ class Sandbox:
 
     async def run(self, tenant: str, conversation_id: str, code: str) -> Run:
         workdir = self.workdir(tenant, conversation_id)
-        quota = self.cfg.folder_mb << 20
         used, entries = await asyncio.to_thread(folder_usage, workdir)
-        if used >= quota or entries >= self.cfg.folder_files:
+        share = self.budget(used)
+        if share is None or entries >= self.cfg.folder_files:
             return Run(error=f"the working folder is full ({used >> 10:,} KiB in {entries:,} entries; the quota is "
                              f"{self.cfg.folder_mb} MiB and {self.cfg.folder_files:,} entries): delete files first")
         report_r, report_w = os.pipe()
@@ -102,12 +138,13 @@ class Sandbox:
         started = time.monotonic()
         since = time.time() - 0.05  # file times are a few ms coarse
         try:
-            # no single file may be larger than what is left of the folder's quota
-            command = self.command(workdir, report_w, seccomp_fd, min(self.cfg.file_mb << 20, quota - used))
+            # no single file may be larger than what is left of the folder's share of the quota
+            command = self.command(workdir, report_w, seccomp_fd, min(self.cfg.file_mb << 20, share.folder - used),
+                                   share)
             proc = await asyncio.create_subprocess_exec(
                 *command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE, pass_fds=(report_w,) + ((seccomp_fd,) if seccomp_fd else ()),
-                start_new_session=True)
+                start_new_session=True, env=ENV)
         except OSError as exc:
             os.close(report_r)
             raise RuntimeError(f"the sandbox cannot start (is bubblewrap installed?): {exc}") from exc
@@ -117,7 +154,7 @@ class Sandbox:
                 os.close(seccomp_fd)
         run = Run()
         full = asyncio.Event()
-        watcher = asyncio.ensure_future(self._watch(workdir, proc.pid, full))
+        watcher = asyncio.ensure_future(self._watch(workdir, proc.pid, full, share.folder))
         cap = self.cfg.output_kb * 1024
         over = asyncio.Event()
 
@@ -177,17 +214,16 @@ class Sandbox:
         elif run.error is None:
             run.error = _death(proc.returncode, self.cfg)
         used, entries = await asyncio.to_thread(folder_usage, workdir)
-        if full.is_set() or used > quota or entries > self.cfg.folder_files:
+        if full.is_set() or used > share.folder or entries > self.cfg.folder_files:
             await asyncio.to_thread(undo_writes, workdir, since)
             run.error = (f"working folder quota exceeded ({self.cfg.folder_mb} MiB, {self.cfg.folder_files:,} "
                          "entries): the run was stopped and the files it wrote were removed")
         run.files = self.written(workdir, since)
         return run
 
-    async def _watch(self, workdir: Path, pid: int, full: asyncio.Event) -> None:
-        """Stop the run as soon as its folder passes the quota (each file is held below what was left
-        by RLIMIT_FSIZE; this catches many files, each under it)."""
-        quota = self.cfg.folder_mb << 20
+    async def _watch(self, workdir: Path, pid: int, full: asyncio.Event, quota: int) -> None:
+        """Stop the run as soon as its folder passes its share of the quota (each file is held below what
+        was left by RLIMIT_FSIZE; this catches many files, each under it)."""
         while True:
             await asyncio.sleep(WATCH_S)
             used, entries = await asyncio.to_thread(folder_usage, workdir)
@@ -257,6 +293,14 @@ def undo_writes(workdir: Path, since: float) -> None:
                     os.rmdir(path)  # only when empty
             except OSError:
                 pass
+
+
+def _program(name: str, package: str) -> str:
+    """The absolute path (found on this process's PATH: the sandbox chain is started with PATH alone)."""
+    found = shutil.which(name)
+    if found is None:
+        raise FileNotFoundError(f"{name} is not installed (Debian package {package})")
+    return found
 
 
 def _read_all(fd: int) -> bytes:

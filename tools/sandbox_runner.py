@@ -11,6 +11,7 @@ import os
 import resource
 import sys
 import traceback
+import types
 
 
 def limit(which, value):
@@ -34,7 +35,9 @@ def main():
     try:
         tree = ast.parse(code, "<code>")
         last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
-        scope = {"__name__": "__main__"}
+        main_module = types.ModuleType("__main__")  # the code's module: functions it defines pickle
+        sys.modules["__main__"] = main_module       # by name, so multiprocessing's workers find them
+        scope = main_module.__dict__
         exec(compile(tree, "<code>", "exec"), scope)
         if last is not None:
             result = eval(compile(ast.Expression(last.value), "<code>", "eval"), scope)
