@@ -13,6 +13,7 @@ command -v redis-server >/dev/null || need_apt+=(redis-server)
 command -v chromium >/dev/null || need_apt+=(chromium)
 command -v bwrap >/dev/null || need_apt+=(bubblewrap)  # the code interpreter's sandbox
 /sbin/ldconfig -p | grep -q 'libseccomp\.so\.2' || need_apt+=(libseccomp2)  # its seccomp filter (pyseccomp)
+dpkg -s python3-numpy >/dev/null 2>&1 || need_apt+=(python3-numpy)  # numpy for code run in the sandbox
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "bootstrap: apt-get install ${need_apt[*]}"
   export DEBIAN_FRONTEND=noninteractive
