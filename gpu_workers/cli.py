@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 import typer
 
+VENV_FLAG = "TOKENSTREAM_WORKER_IN_VLLM_VENV"
+
 
 def worker(
+    backend: str = typer.Option(None, help="transformers (the own engine, default) | vllm (vLLM's engine, run in "
+                                "vLLM's virtualenv: installed on first use, see gpu_workers/vllm_env.py)"),
     model: str = typer.Option(None, help="served model name (topic ts.inference.<model>, group worker.<model>)"),
     model_path: Path = typer.Option(None, help="local Hugging Face model folder (default: offline SmolLM2)"),
     dtype: str = typer.Option(None, help="auto | float32 | bfloat16 | float16"),
@@ -28,7 +34,9 @@ def worker(
 
     from gpu_workers.config import WorkerConfig
 
-    given = dict(model=model, model_path=model_path, dtype=dtype, quantization=quantization, device=device,
+    if (backend or os.environ.get("TOKENSTREAM_WORKER_BACKEND")) == "vllm":
+        _into_vllm_venv()
+    given = dict(backend=backend, model=model, model_path=model_path, dtype=dtype, quantization=quantization, device=device,
                  device_map=device_map, kv_blocks=kv_blocks, block_size=block_size, max_running=max_running,
                  prefill_chunk=prefill_chunk, metrics_port=metrics_port, worker_id=worker_id,
                  step_delay_s=step_delay)
@@ -44,3 +52,30 @@ def worker(
         await run_worker(cfg, stop)
 
     asyncio.run(main())
+
+
+def _into_vllm_venv() -> None:
+    """Re-execute this command under vLLM's virtualenv (vLLM pins its own torch), with vLLM's CPU
+    environment; prepares the venv first when it is not there (minutes, once). Exits with the reason
+    when it cannot be had."""
+    if os.environ.get(VENV_FLAG) == "1":
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            raise SystemExit(f"worker --backend vllm: running under {sys.executable}, which cannot import vllm")
+        return
+    from gpu_workers.vllm_env import ensure_worker_deps, vllm_dir, vllm_env, vllm_python, worker_ready
+
+    ok, why = worker_ready()
+    if not ok:
+        print(f"worker --backend vllm: preparing vLLM's virtualenv under {vllm_dir()} ({why})", file=sys.stderr,
+              flush=True)
+        ok, why = ensure_worker_deps(lambda m: print(m, file=sys.stderr, flush=True))
+    if not ok:
+        raise SystemExit(f"worker --backend vllm: vLLM's virtualenv is not usable: {why}\n"
+                         f"(prepare it with `python -m bench.peers vllm`; after a failure remove "
+                         f"{vllm_dir() / 'failed'} to retry)")
+    env = vllm_env()
+    env[VENV_FLAG] = "1"
+    py = str(vllm_python())
+    os.execve(py, [py, "-m", "tokenstream.cli", "worker", *sys.argv[sys.argv.index("worker") + 1:]], env)

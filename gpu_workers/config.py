@@ -14,6 +14,8 @@ class WorkerConfig(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="TOKENSTREAM_WORKER_", extra="ignore")
 
+    backend: Literal["transformers", "vllm"] = Field("transformers", description="the engine: the own engine "
+                                                     "over transformers, or vLLM's (in vLLM's virtualenv)")
     model: str = Field("smollm2", description="served model name: the inference topic and consumer group")
     model_path: Path | None = Field(None, description="local Hugging Face model folder (default: offline SmolLM2)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"

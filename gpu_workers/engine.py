@@ -27,7 +27,7 @@ import time
 import torch
 
 from gpu_workers.detokenizer import Detokenizer
-from gpu_workers.grammar import advance, mask_rows
+from gpu_workers.grammar import mask_rows
 from gpu_workers.attention import Chunk, StepPlan, install
 from gpu_workers.kv_cache import PagedKVCache, SlotPool
 from gpu_workers.linears import engine_forward, pack
@@ -35,15 +35,14 @@ from gpu_workers.prefix_cache import PrefixCache, page_hashes
 from gpu_workers.priority import enqueue
 from gpu_workers.sampling import new_seed, sample
 from gpu_workers.sequence import Output, Sequence
-from gpu_workers.stops import StopMatcher
+from gpu_workers.streaming import TextStream
 
 __all__ = ["Engine", "Output", "Sequence"]
 
-NO_STOPS = StopMatcher([])  # what may be streamed when no stop string applies: all but a split character
 _NO_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)  # a 4D mask is passed through untouched; attention masks per row
 
 
-class Engine:
+class Engine(TextStream):
     def __init__(self, model, tokenizer, cache: PagedKVCache, *, max_running: int = 32,
                  prefill_chunk: int = 256, max_model_len: int = 2048, metrics=None,
                  prefix_cache: bool | int = True, packed_linears: bool = True) -> None:
@@ -277,56 +276,6 @@ class Engine:
         now = time.time()
         for seq, token in zip(picked, tokens):
             self._append(seq, token, now, outputs)
-
-    def _append(self, seq: Sequence, token: int, now: float, outputs: list[Output]) -> None:
-        advance(seq, token)  # grammar hook: the request's grammar state follows the sampled token
-        if self.metrics is not None:
-            self.metrics.token(seq, now)
-        if seq.first_token_at is None:
-            seq.first_token_at = now
-        seq.last_token_at = now
-        if token in self.eos_ids:  # flush text held back for a stop string that never came
-            self._emit(seq, self._final_text(seq), outputs)
-            self._finish(seq, "stop", outputs)
-            return
-        seq.generated.append(token)
-        seq.unsent_ids.append(token)
-        seq.text += seq.detok.add(token)
-        text = seq.text
-        region = text  # stop strings never apply inside what a grammar forces (a tool call, a JSON answer)
-        if seq.matcher.stops and seq.grammar is not None:
-            region = seq.grammar.stop_region(text)
-        at = seq.matcher.find(region, len(seq.emitted_text)) if seq.matcher.stops and region else None
-        if at is not None:
-            self._emit(seq, text[:at], outputs)
-            self._finish(seq, "stop", outputs)
-            return
-        done = len(seq.generated) >= seq.max_tokens
-        if region is None:  # free text or a call: not known yet, so nothing is streamed yet
-            safe = 0
-        else:
-            safe = (seq.matcher if region is text else NO_STOPS).safe_end(text)
-        self._emit(seq, self._final_text(seq) if done else text[:safe], outputs)
-        if done:
-            self._finish(seq, "length", outputs)
-
-    def _final_text(self, seq: Sequence) -> str:
-        """All the text: what the detokenizer completed plus any incomplete character at the end."""
-        d = seq.detok
-        if d is None or d.read_offset == len(d.ids):
-            return seq.text
-        return seq.text + self.tokenizer.decode(d.ids[d.prefix_offset:], skip_special_tokens=True)[
-            len(self.tokenizer.decode(d.ids[d.prefix_offset:d.read_offset], skip_special_tokens=True)):]
-
-    def _emit(self, seq: Sequence, upto: str, outputs: list[Output]) -> None:
-        n = len(seq.emitted_text)
-        delta = upto[n:] if len(upto) > n and upto.startswith(seq.emitted_text) else ""
-        if not delta:
-            return
-        seq.emitted_text += delta
-        outputs.append(Output(seq, chunk_seq=seq.next_seq, text=delta, token_ids=seq.unsent_ids))
-        seq.unsent_ids = []
-        seq.next_seq += 1
 
     def _finish(self, seq: Sequence, reason: str | None, outputs: list[Output], error: str | None = None) -> None:
         seq.finished_at = time.time()

@@ -124,8 +124,9 @@ def stop_scope(spec: OutputSpec) -> str:
 class GrammarState:
     """One request's position in its grammar."""
 
-    def __init__(self, owner: Grammars, matcher: llguidance.LLMatcher, stops: str = "all") -> None:
+    def __init__(self, owner: Grammars, matcher: llguidance.LLMatcher, stops: str = "all", text: str = "") -> None:
         self.owner = owner
+        self.text = text  # the llguidance (lark) grammar: what a backend with its own structured outputs runs
         self.matcher = matcher
         self.stops = stops  # stop_scope of its spec
         self.error: str | None = None
@@ -196,7 +197,7 @@ class Grammars:
         except TimeoutError:
             raise GrammarError(f"the output grammar did not compile within {self.timeout_s:g} s "
                                "(simplify the schema)") from None
-        state = GrammarState(self, matcher.deep_copy(), stop_scope(spec))
+        state = GrammarState(self, matcher.deep_copy(), stop_scope(spec), text)
         if consumed and not state.matcher.consume_tokens(list(consumed)):
             raise GrammarError("the tokens already generated do not fit the grammar: "
                                + state.matcher.get_error()[:300])

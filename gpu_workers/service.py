@@ -22,12 +22,13 @@ from aiokafka.errors import KafkaError
 from aiokafka.structs import TopicPartition
 
 from gpu_workers.config import WorkerConfig
-from gpu_workers.engine import Engine, Output, Sequence
+from gpu_workers.backend import Backend
 from gpu_workers.grammar import GrammarError, Grammars
 from gpu_workers.health import WorkerHealth
 from gpu_workers.metrics import WorkerMetrics
 from gpu_workers.offsets import OffsetTracker
 from gpu_workers.recovery import TokenLog
+from gpu_workers.sequence import Output, Sequence
 from gpu_workers.tool_calls import ToolCallParser
 from gpu_workers.torch_thread import torch_thread
 from producers import dead_letter, decode_record, publish, start_consumer, start_producer
@@ -67,7 +68,7 @@ class _Rebalance(ConsumerRebalanceListener):
 
 
 class Worker:
-    def __init__(self, cfg: WorkerConfig, engine: Engine, metrics: WorkerMetrics, bootstrap: str,
+    def __init__(self, cfg: WorkerConfig, engine: Backend, metrics: WorkerMetrics, bootstrap: str,
                  health: WorkerHealth | None = None) -> None:
         self.cfg = cfg
         self.health = health or WorkerHealth(cfg)

@@ -1,11 +1,14 @@
-"""A worker's start: load the model, build the KV pool and the engine on the torch thread, check the
-topics, then serve (`Worker` in service.py) until stopped. The health endpoint answers from the
-moment the model is loaded; it reports ready once the consumer holds partitions."""
+"""A worker's start: load the model, build the KV pool and the engine on the torch thread (or, with
+`backend="vllm"`, vLLM's engine: gpu_workers/backend_vllm.py), check the topics, then serve (`Worker`
+in service.py) until stopped. The health endpoint answers from the moment the model is loaded; it
+reports ready once the consumer holds partitions."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import os
 
 from gpu_workers.config import WorkerConfig
 from gpu_workers.engine import Engine
@@ -35,30 +38,16 @@ async def run_worker(cfg: WorkerConfig, stop: asyncio.Event | None = None, *, lo
     health = WorkerHealth(cfg)
     server: HealthServer | None = None
     try:
-        if loaded is None:
-            loaded = await on_torch_thread(model_loader.load, cfg.model, cfg.model_path, cfg.dtype, cfg.quantization,
-                                           cfg.device, cfg.device_map)
-        # the pool's allocation and the engine's construction (packing the linears) open parallel regions:
-        # on the torch thread, like every step (gpu_workers/torch_thread.py)
-        cache = await on_torch_thread(PagedKVCache.for_model, loaded.model, cfg.kv_blocks, cfg.block_size,
-                                      cfg.kv_memory_gb)
-        health.phase = "building the engine"
-        if cfg.metrics_port:  # (its port answering means the model is loaded, as it always has)
-            server = HealthServer(cfg.metrics_port, health.report, metrics.registry)
-        context = (cfg.max_model_len or context_length(cfg.model, cfg.model_path)
-                   or loaded.model.config.max_position_embeddings)
-        if cache.capacity_tokens < context:
-            log.warning("worker: the KV pool holds %d tokens, less than the %d-token context: longer prompts "
-                        "are refused here although the conversation processor lets them through",
-                        cache.capacity_tokens, context)
-        engine = await on_torch_thread(Engine, loaded.model, loaded.tokenizer, cache, max_running=cfg.max_running,
-                                       prefill_chunk=cfg.prefill_chunk, max_model_len=context, metrics=metrics)
-        log.info("worker: device=%s model=%s (%s, %.1fM params) dtype=%s quantization=%s "
-                 "kv budget=%d pages x %d tokens = %d tokens (%.1f MiB) context=%d max_running=%d prefill_chunk=%d "
-                 "metrics=%s",
-                 loaded.device, cfg.model, loaded.source, loaded.params / 1e6, loaded.dtype, loaded.quantization,
-                 cache.allocator.num_blocks, cache.block_size, cache.capacity_tokens, cache.nbytes() / 2**20,
-                 engine.max_model_len, cfg.max_running, cfg.prefill_chunk, cfg.metrics_port or "off")
+        if cfg.backend == "vllm":
+            health.phase = "starting vLLM"
+            engine = await on_torch_thread(_vllm_engine, cfg, metrics)
+            if cfg.metrics_port:
+                server = HealthServer(cfg.metrics_port, health.report, metrics.registry)
+            log.info("worker: backend=vllm model=%s context=%d max_running=%d prefill_chunk=%d kv=%s GiB metrics=%s",
+                     cfg.model, engine.max_model_len, cfg.max_running, cfg.prefill_chunk,
+                     os.environ.get("VLLM_CPU_KVCACHE_SPACE"), cfg.metrics_port or "off")
+        else:
+            engine, server = await _own_engine(cfg, metrics, health, loaded)
         tracing.setup("worker")
         # only checked: topics are the operator's (`tokenstream topics apply`), a worker never rewrites them
         await require([inference_topic(cfg.model), TOKENS, CONTROL, TOOL_CALLS], bootstrap)
@@ -70,6 +59,58 @@ async def run_worker(cfg: WorkerConfig, stop: asyncio.Event | None = None, *, lo
     finally:
         if server is not None:
             server.close()
+
+
+async def _own_engine(cfg: WorkerConfig, metrics: WorkerMetrics, health: WorkerHealth, loaded):
+    """The transformers backend: the model, its KV pool and the own engine, all on the torch thread."""
+    server = None
+    if loaded is None:
+        loaded = await on_torch_thread(model_loader.load, cfg.model, cfg.model_path, cfg.dtype, cfg.quantization,
+                                       cfg.device, cfg.device_map)
+    # the pool's allocation and the engine's construction (packing the linears) open parallel regions:
+    # on the torch thread, like every step (gpu_workers/torch_thread.py)
+    cache = await on_torch_thread(PagedKVCache.for_model, loaded.model, cfg.kv_blocks, cfg.block_size,
+                                  cfg.kv_memory_gb)
+    health.phase = "building the engine"
+    if cfg.metrics_port:  # (its port answering means the model is loaded, as it always has)
+        server = HealthServer(cfg.metrics_port, health.report, metrics.registry)
+    context = (cfg.max_model_len or context_length(cfg.model, cfg.model_path)
+               or loaded.model.config.max_position_embeddings)
+    if cache.capacity_tokens < context:
+        log.warning("worker: the KV pool holds %d tokens, less than the %d-token context: longer prompts "
+                    "are refused here although the conversation processor lets them through",
+                    cache.capacity_tokens, context)
+    engine = await on_torch_thread(Engine, loaded.model, loaded.tokenizer, cache, max_running=cfg.max_running,
+                                   prefill_chunk=cfg.prefill_chunk, max_model_len=context, metrics=metrics)
+    log.info("worker: device=%s model=%s (%s, %.1fM params) dtype=%s quantization=%s "
+             "kv budget=%d pages x %d tokens = %d tokens (%.1f MiB) context=%d max_running=%d prefill_chunk=%d "
+             "metrics=%s",
+             loaded.device, cfg.model, loaded.source, loaded.params / 1e6, loaded.dtype, loaded.quantization,
+             cache.allocator.num_blocks, cache.block_size, cache.capacity_tokens, cache.nbytes() / 2**20,
+             engine.max_model_len, cfg.max_running, cfg.prefill_chunk, cfg.metrics_port or "off")
+    return engine, server
+
+
+def _vllm_engine(cfg: WorkerConfig, metrics: WorkerMetrics):
+    """The vLLM backend (gpu_workers/backend_vllm.py), built on the torch thread. Options that have no
+    meaning for vLLM are refused rather than ignored."""
+    from gpu_workers.backend_vllm import VllmEngine
+    from common.models import model_folder
+
+    refused = [name for name, given in (("--quantization", cfg.quantization != "none"),
+                                        ("--device-map", cfg.device_map is not None),
+                                        ("--kv-blocks", cfg.kv_blocks is not None)) if given]
+    if refused:
+        raise SystemExit(f"worker --backend vllm: {', '.join(refused)} not supported with vLLM "
+                         "(its KV budget is TOKENSTREAM_WORKER_KV_MEMORY_GB, in whole GiB)")
+    if cfg.device not in ("auto", "cpu"):
+        raise SystemExit(f"worker --backend vllm: device {cfg.device!r}: the vLLM installed here is its CPU build")
+    folder = cfg.model_path or model_folder(cfg.model) or model_loader.smollm2_dir()
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(cfg.kv_memory_gb)))  # read when the engine starts
+    context = cfg.max_model_len or context_length(cfg.model, cfg.model_path) or 2048
+    dtype = "float32" if cfg.dtype == "auto" else cfg.dtype  # as the own engine on a CPU
+    return VllmEngine(folder, dtype=dtype, max_running=cfg.max_running, prefill_chunk=cfg.prefill_chunk,
+                      max_model_len=context, metrics=metrics, block_size=cfg.block_size)
 
 
 async def _when_ready(worker: Worker, on_ready) -> None:

@@ -1,0 +1,50 @@
+"""The seam between the Kafka side (`service.Worker`) and an engine: what a backend provides.
+
+Two backends: `transformers` (the own engine, `gpu_workers/engine.py`, over a transformers model)
+and `vllm` (vLLM's engine in this process, `gpu_workers/backend_vllm.py`, in vLLM's virtualenv).
+`tokenstream worker --backend vllm|transformers` (or `TOKENSTREAM_WORKER_BACKEND`) selects one.
+
+A request goes in as a `Sequence` (prompt ids, max_tokens, temperature, top_p, seed, stop strings,
+grammar state with its grammar text, priority tier, tenant = prefix-cache salt; on a takeover the
+tokens, text and chunk number already emitted); what comes out of each `step()` is a list of
+`Output`s: text chunks with their token ids and gap-free chunk numbers, then one end with the
+finish reason (the request's `cached_tokens` set by then). Everything here is called from the
+event loop except `step()`, which runs on the torch thread (`torch_thread.py`).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from gpu_workers.sequence import Output, Sequence
+
+BACKENDS = ("transformers", "vllm")
+
+
+class Backend(Protocol):
+    tokenizer: object  # a transformers tokenizer: prompts are rendered with its chat template
+    eos_ids: set[int]
+    max_model_len: int
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a request (thread-safe); its seed and grammar are set already."""
+
+    def cancel(self, request_id: str) -> None:
+        """End the request as `cancelled` at the next step, freeing its slot; remembered if it comes later."""
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop the request without any output (its partition moved to another worker)."""
+
+    def step(self) -> list[Output]:
+        """Take in what was queued, run one step, return its chunks and ends (torch thread)."""
+
+    @property
+    def has_work(self) -> bool: ...
+
+    @property
+    def queued(self) -> int:
+        """Requests taken but not yet running (the service pauses fetching while this is at max_waiting)."""
+
+    @property
+    def running(self) -> list[Sequence]:
+        """Requests in the running batch (health and metrics)."""

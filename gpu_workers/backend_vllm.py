@@ -1,0 +1,226 @@
+"""The vLLM backend: vLLM's engine (`LLMEngine`, the engine core in this process) behind the seam of
+`gpu_workers/backend.py`, stepped on the worker's torch thread like the own engine.
+
+Runs in vLLM's own virtualenv (`gpu_workers/vllm_env.py`; `tokenstream worker --backend vllm`
+re-executes itself there). Per request:
+
+- prompt: the prompt ids, plus the tokens already emitted on a takeover (re-prefilled; what vLLM's
+  prefix cache holds is not computed again), `cache_salt` = the tenant (prefix blocks are shared
+  within one tenant only), `priority` = minus the tier (vLLM serves lower values first; the engine is
+  built with `scheduling_policy="priority"`);
+- sampling: temperature, top_p, seed, max_tokens; vLLM returns token ids only (`detokenize=False`,
+  no stop strings): detokenisation, stop strings and chunking are the own engine's
+  (`gpu_workers/streaming.py`), so both backends stream the same text in the same chunks;
+- constraints (tools, response_format): the request's llguidance grammar (the very text the own engine
+  uses, `grammar.grammar_text`) as `StructuredOutputsParams(grammar=...)` on vLLM's guidance backend;
+  the worker's own grammar state follows each token too (stop-string scope, tool-call parsing, errors).
+  A constrained request taken over with tokens already emitted runs without vLLM's constraint (vLLM
+  cannot start a grammar mid-answer); its own grammar state still checks every token and a departure
+  ends it as an error;
+- usage: `cached_tokens` from `RequestOutput.num_cached_tokens` (at most the prompt's length).
+
+Limits against the own engine: a seeded sample (temperature > 0) follows vLLM's generator, so it
+differs from the own engine's and does not continue the same draw after a takeover (greedy does);
+the queue/prefill split of the timings is taken at the hand-over to vLLM (vLLM's own queue time
+counts as prefill).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import time
+from pathlib import Path
+
+from gpu_workers.detokenizer import Detokenizer
+from gpu_workers.sequence import Output, Sequence
+from gpu_workers.streaming import TextStream
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
+
+log = logging.getLogger(__name__)
+
+_REASONS = {"stop": "stop", "length": "length"}
+
+
+class VllmEngine(TextStream):
+    """The seam (add, cancel, abort, step, has_work, queued, running, tokenizer, eos_ids) over vLLM."""
+
+    def __init__(self, folder: Path, *, dtype: str = "float32", max_running: int = 32, prefill_chunk: int = 256,
+                 max_model_len: int = 2048, metrics=None, prefix_cache: bool = True, seed: int = 0,
+                 block_size: int | None = None) -> None:
+        from transformers import AutoTokenizer, GenerationConfig
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        try:
+            eos = GenerationConfig.from_pretrained(folder).eos_token_id
+        except OSError:
+            eos = None
+        eos = eos if isinstance(eos, list) else [eos]
+        self.eos_ids = {e for e in [*eos, self.tokenizer.eos_token_id] if e is not None}
+        self.max_model_len = max_model_len
+        self.max_running = max_running
+        self.prefill_chunk = prefill_chunk
+        self.metrics = metrics
+        # the own engine's per-step work: one token of every running row plus a prefill chunk
+        args = EngineArgs(model=str(folder), tokenizer=str(folder), dtype=dtype, max_num_seqs=max_running,
+                          max_num_batched_tokens=prefill_chunk + max_running, max_model_len=max_model_len,
+                          enable_prefix_caching=prefix_cache, scheduling_policy="priority", seed=seed,
+                          disable_log_stats=True, structured_outputs_config={"backend": "guidance"},
+                          block_size=block_size)
+        self.llm = LLMEngine.from_engine_args(args)
+        self._inbox: collections.deque[Sequence] = collections.deque()
+        self._cancels: collections.deque[str] = collections.deque()
+        self._aborts: collections.deque[Sequence] = collections.deque()
+        self._recent_cancels: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.live: dict[str, Sequence] = {}  # vLLM request id -> request, while in vLLM
+        self._vid: dict[Sequence, str] = {}
+        self._n = 0
+        self.steps = 0
+
+    # ---- called from any thread ----
+    def add(self, seq: Sequence) -> None:
+        self._inbox.append(seq)
+
+    def cancel(self, request_id: str) -> None:
+        self._cancels.append(request_id)
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop this request without any output (its partition moved to another worker)."""
+        self._aborts.append(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._inbox or self._cancels or self._aborts or self.live)
+
+    @property
+    def running(self) -> list[Sequence]:
+        return [s for s in self.live.values() if s.first_token_at is not None]
+
+    @property
+    def queued(self) -> int:
+        return len(self._inbox) + sum(1 for s in self.live.values() if s.first_token_at is None)
+
+    def kv_usage(self) -> float:
+        try:
+            return float(self.llm.engine_core.engine_core.scheduler.kv_cache_manager.usage)
+        except AttributeError:
+            return 0.0
+
+    # ---- the step loop (the torch thread) ----
+    def step(self) -> list[Output]:
+        outputs: list[Output] = []
+        self._take_inbox(outputs)
+        self._take_cancels(outputs)
+        if self.live:
+            for ro in self.llm.step():
+                self._take(ro, outputs)
+        self.steps += 1
+        if self.metrics is not None:
+            self.metrics.engine_state(len(self.running), self.queued, self.kv_usage())
+        return outputs
+
+    def _take_inbox(self, outputs: list[Output]) -> None:
+        while self._inbox:
+            seq = self._inbox.popleft()
+            if seq.request_id in self._recent_cancels:
+                self._finish(seq, "cancelled", outputs)
+            elif len(seq.prompt_ids) + 1 > self.max_model_len or not seq.prompt_ids:
+                self._finish(seq, "error", outputs,
+                             error=f"prompt of {len(seq.prompt_ids)} tokens does not fit {self.max_model_len}")
+            elif seq.generated and len(seq.generated) >= seq.max_tokens:
+                self._finish(seq, "length", outputs)
+            else:
+                seq.max_tokens = min(seq.max_tokens, self.max_model_len - len(seq.prompt_ids))
+                self._submit(seq, outputs)
+
+    def _submit(self, seq: Sequence, outputs: list[Output]) -> None:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+        constraint = None
+        if seq.grammar is not None and not seq.generated and seq.grammar.text:
+            constraint = StructuredOutputsParams(grammar=seq.grammar.text)
+        greedy = seq.temperature <= 0
+        params = SamplingParams(n=1, temperature=0.0 if greedy else seq.temperature,
+                                top_p=1.0 if greedy else seq.top_p, seed=None if greedy else seq.seed,
+                                max_tokens=seq.max_tokens - len(seq.generated), detokenize=False,
+                                skip_special_tokens=False, output_kind=RequestOutputKind.DELTA,
+                                structured_outputs=constraint)
+        prompt = {"prompt_token_ids": seq.all_ids}
+        if seq.tenant:
+            prompt["cache_salt"] = seq.tenant
+        self._n += 1
+        vid = f"{seq.request_id}#{self._n}"
+        seq.detok = Detokenizer(self.tokenizer, seq.generated)
+        seq.text = seq.detok.text
+        try:
+            self.llm.add_request(vid, prompt, params, priority=-seq.priority)
+        except Exception as exc:  # noqa: BLE001 - vLLM refused this request (e.g. its grammar): it alone ends
+            self._finish(seq, "error", outputs, error=f"vllm: {exc}"[:400])
+            return
+        seq.scheduled_at = time.time()
+        self.live[vid] = seq
+        self._vid[seq] = vid
+        if self.metrics is not None:
+            self.metrics.scheduled(seq)
+
+    def _take_cancels(self, outputs: list[Output]) -> None:
+        while self._aborts:
+            self._finish(self._aborts.popleft(), None, outputs)
+        while self._cancels:
+            rid = self._cancels.popleft()
+            self._recent_cancels[rid] = None
+            while len(self._recent_cancels) > 10_000:
+                self._recent_cancels.popitem(last=False)
+            for seq in [s for s in self.live.values() if s.request_id == rid]:
+                self._finish(seq, "cancelled", outputs)
+
+    def _take(self, ro, outputs: list[Output]) -> None:
+        seq = self.live.get(ro.request_id)
+        if seq is None:
+            return  # ended here meanwhile (cancelled, aborted, a stop string)
+        if seq.first_token_at is None and ro.num_cached_tokens is not None:
+            seq.cached_tokens = min(ro.num_cached_tokens, len(seq.prompt_ids))
+        done = ro.outputs[0]
+        tokens = list(done.token_ids)
+        if ro.finished and done.finish_reason == "stop" and tokens:
+            seq.vllm_ended = True
+            tokens[-1:] = [next(iter(self.eos_ids))] if self.eos_ids else []  # its stop token, as EOS
+        elif ro.finished:
+            seq.vllm_ended = True
+        now = time.time()
+        for token in tokens:
+            if self._vid.get(seq) is None:
+                return  # ended by the last token (EOS, stop string, max_tokens)
+            self._append(seq, token, now, outputs)
+        if ro.finished and self._vid.get(seq) is not None:  # vLLM ended it for a reason of its own
+            self._emit(seq, self._final_text(seq), outputs)
+            reason = _REASONS.get(done.finish_reason or "", "error")
+            self._finish(seq, reason, outputs, error=None if reason != "error" else
+                         f"vllm ended the request: {done.finish_reason} {done.stop_reason or ''}".strip())
+
+    def _finish(self, seq: Sequence, reason: str | None, outputs: list[Output], error: str | None = None) -> None:
+        seq.finished_at = time.time()
+        seq.finish_reason = reason
+        vid = self._vid.pop(seq, None)
+        if vid is not None:
+            self.live.pop(vid, None)
+            if not getattr(seq, "vllm_ended", False):
+                self.llm.abort_request([vid])  # frees its KV blocks and its batch slot now
+        if reason is None:
+            return
+        outputs.append(Output(seq, finish_reason=reason, completion_seq=seq.next_seq, error=error,
+                              token_ids=seq.unsent_ids))
+        seq.unsent_ids = []
+        seq.next_seq += 1
+        if self.metrics is not None:
+            self.metrics.finished(seq)
+
+    def close(self) -> None:
+        for vid in list(self.live):
+            self.llm.abort_request([vid])
+        self.live.clear()
