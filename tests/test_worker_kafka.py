@@ -507,9 +507,10 @@ async def test_the_next_step_runs_while_the_event_loop_is_busy():
     stop.set()
     await asyncio.wait_for(stepping, 5)
     during = [k for k, start, _ in steps if busy_from < start < busy_till]
-    # the step queued behind the running one started while the loop was busy; the one after it had
-    # to wait for the loop to queue it (stepping one at a time, none would have started)
-    assert len(during) == 1, steps
+    # the step queued behind the running one started while the loop was busy (stepping one at a time,
+    # none would have started); a second one too when the loop had queued it, on the first step's end,
+    # just before it turned busy; more would mean steps queued deeper than two
+    assert 1 <= len(during) <= 2, steps
 
 
 async def test_a_duplicate_arriving_while_the_original_runs_is_committed(bootstrap, unique, tiny_loaded):
