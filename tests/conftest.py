@@ -50,6 +50,14 @@ def unique() -> str:
     return uuid.uuid4().hex[:8]
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL it when the test session's process ends, however it ends (a
+    pytest killed by a timeout runs no teardown, and a role outlives a dead broker by design)."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 class Roles:
     """Starts tokenstream roles as real processes (`tokenstream ...`) pointed at the test stack.
 
@@ -67,7 +75,7 @@ class Roles:
         proc = subprocess.Popen(
             [sys.executable, "-m", "tokenstream.cli", *args],
             env={**os.environ, **self.stack.environment(), "PYTHONUNBUFFERED": "1", **(env or {})},
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent,
         )
         proc.log_path = log.name  # type: ignore[attr-defined]
         self.procs.append(proc)
