@@ -48,3 +48,17 @@ class Backend(Protocol):
     @property
     def running(self) -> list[Sequence]:
         """Requests in the running batch (health and metrics)."""
+
+
+def refusal(seq: Sequence, max_model_len: int, cancelled) -> tuple[str, str | None] | None:
+    """Why a request taken in must end before it is scheduled, as (finish reason, error), or None:
+    cancelled before it started, a prompt that does not fit the context, or a takeover that had already
+    written all its tokens. Otherwise caps its max_tokens at what the context leaves and returns None."""
+    if seq.request_id in cancelled:
+        return "cancelled", None
+    if len(seq.prompt_ids) + 1 > max_model_len or not seq.prompt_ids:
+        return "error", f"prompt of {len(seq.prompt_ids)} tokens does not fit {max_model_len}"
+    if seq.generated and len(seq.generated) >= seq.max_tokens:
+        return "length", None
+    seq.max_tokens = min(seq.max_tokens, max_model_len - len(seq.prompt_ids))
+    return None

@@ -26,6 +26,7 @@ import time
 
 import torch
 
+from gpu_workers.backend import refusal
 from gpu_workers.detokenizer import Detokenizer
 from gpu_workers.grammar import mask_rows
 from gpu_workers.attention import Chunk, StepPlan, install
@@ -124,15 +125,10 @@ class Engine(TextStream):
     def _take_inbox(self, outputs: list[Output]) -> None:
         while self._inbox:
             seq = self._inbox.popleft()
-            if seq.request_id in self._recent_cancels:
-                self._finish(seq, "cancelled", outputs)
-            elif len(seq.prompt_ids) + 1 > self.max_model_len or not seq.prompt_ids:
-                self._finish(seq, "error", outputs,
-                             error=f"prompt of {len(seq.prompt_ids)} tokens does not fit {self.max_model_len}")
-            elif seq.generated and len(seq.generated) >= seq.max_tokens:
-                self._finish(seq, "length", outputs)
+            refused = refusal(seq, self.max_model_len, self._recent_cancels)
+            if refused:
+                self._finish(seq, refused[0], outputs, error=refused[1])
             else:
-                seq.max_tokens = min(seq.max_tokens, self.max_model_len - len(seq.prompt_ids))
                 enqueue(self.waiting, seq)
 
     def _take_cancels(self, outputs: list[Output]) -> None:
