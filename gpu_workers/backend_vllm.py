@@ -50,7 +50,7 @@ class VllmEngine(TextStream):
 
     def __init__(self, folder: Path, *, dtype: str = "float32", max_running: int = 32, prefill_chunk: int = 256,
                  max_model_len: int = 2048, metrics=None, prefix_cache: bool = True, seed: int = 0,
-                 block_size: int | None = None) -> None:
+                 block_size: int | None = None, enforce_eager: bool = False) -> None:
         from transformers import AutoTokenizer, GenerationConfig
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
@@ -71,7 +71,7 @@ class VllmEngine(TextStream):
                           max_num_batched_tokens=prefill_chunk + max_running, max_model_len=max_model_len,
                           enable_prefix_caching=prefix_cache, scheduling_policy="priority", seed=seed,
                           disable_log_stats=True, structured_outputs_config={"backend": "guidance"},
-                          block_size=block_size)
+                          block_size=block_size, enforce_eager=enforce_eager)
         self.llm = LLMEngine.from_engine_args(args)
         self._inbox: collections.deque[Sequence] = collections.deque()
         self._cancels: collections.deque[str] = collections.deque()

@@ -22,6 +22,8 @@ def worker(
     device_map: str = typer.Option(None, help="'auto' shards the model across all visible GPUs"),
     kv_blocks: int = typer.Option(None, help="KV pages in the pool (the KV budget)"),
     block_size: int = typer.Option(None, help="tokens per KV page"),
+    enforce_eager: bool = typer.Option(None, "--enforce-eager", help="vllm backend: skip torch.compile (fast "
+                                       "start, slower steps)"),
     max_running: int = typer.Option(None, help="most requests in the running batch"),
     prefill_chunk: int = typer.Option(None, help="most prompt tokens prefilled per step"),
     metrics_port: int = typer.Option(None, help="serve Prometheus metrics on this port"),
@@ -37,7 +39,8 @@ def worker(
     if (backend or os.environ.get("TOKENSTREAM_WORKER_BACKEND")) == "vllm":
         _into_vllm_venv()
     given = dict(backend=backend, model=model, model_path=model_path, dtype=dtype, quantization=quantization, device=device,
-                 device_map=device_map, kv_blocks=kv_blocks, block_size=block_size, max_running=max_running,
+                 device_map=device_map, kv_blocks=kv_blocks, block_size=block_size,
+                 enforce_eager=enforce_eager, max_running=max_running,
                  prefill_chunk=prefill_chunk, metrics_port=metrics_port, worker_id=worker_id,
                  step_delay_s=step_delay)
     cfg = WorkerConfig(**{k: v for k, v in given.items() if v is not None})

@@ -23,6 +23,8 @@ class WorkerConfig(BaseSettings):
     device: str = Field("auto", description="cpu, cuda, cuda:1 ... (auto: cuda when present)")
     device_map: str | None = Field(None, description="'auto' shards the model across every visible GPU")
 
+    enforce_eager: bool = Field(False, description="vllm backend: no torch.compile warm-up (starts in seconds "
+                                "instead of minutes on a CPU; slower steps); the own engine has nothing to skip")
     block_size: int = Field(16, ge=1, description="tokens per KV page")
     kv_blocks: int | None = Field(None, description="KV pages in the pool (default: from kv_memory_fraction)")
     kv_memory_gb: float = Field(1.0, gt=0, description="KV pool size when kv_blocks is not given")

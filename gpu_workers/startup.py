@@ -64,6 +64,8 @@ async def run_worker(cfg: WorkerConfig, stop: asyncio.Event | None = None, *, lo
 async def _own_engine(cfg: WorkerConfig, metrics: WorkerMetrics, health: WorkerHealth, loaded):
     """The transformers backend: the model, its KV pool and the own engine, all on the torch thread."""
     server = None
+    if cfg.enforce_eager:
+        raise SystemExit("worker: --enforce-eager is a vLLM option (--backend vllm); the own engine compiles nothing")
     if loaded is None:
         loaded = await on_torch_thread(model_loader.load, cfg.model, cfg.model_path, cfg.dtype, cfg.quantization,
                                        cfg.device, cfg.device_map)
@@ -110,7 +112,10 @@ def _vllm_engine(cfg: WorkerConfig, metrics: WorkerMetrics):
     context = cfg.max_model_len or context_length(cfg.model, cfg.model_path) or 2048
     dtype = "float32" if cfg.dtype == "auto" else cfg.dtype  # as the own engine on a CPU
     return VllmEngine(folder, dtype=dtype, max_running=cfg.max_running, prefill_chunk=cfg.prefill_chunk,
-                      max_model_len=context, metrics=metrics, block_size=cfg.block_size)
+                      max_model_len=context, metrics=metrics,
+                      # vLLM's own page size unless one is asked for (its CPU kernels want a multiple of 32)
+                      block_size=cfg.block_size if "block_size" in cfg.model_fields_set else None,
+                      enforce_eager=cfg.enforce_eager)
 
 
 async def _when_ready(worker: Worker, on_ready) -> None:
