@@ -1,5 +1,5 @@
 # The two commands of the README. Both are idempotent and set everything up on first use.
-.PHONY: run test test-all setup install-services stop status
+.PHONY: run test test-all setup install-services vllm-venv stop status
 
 TS := .venv/bin/tokenstream
 
@@ -19,8 +19,12 @@ run: install-services
 test: install-services
 	.venv/bin/python -m pytest -ra -m "not heavy" $(PYTEST_ARGS)
 
-## make test-all: everything, the heavy runs and drills included (about 12 minutes more)
-test-all: install-services
+## vLLM's CPU build in its own virtualenv with the project (the worker's `vllm` backend; once, minutes)
+vllm-venv: setup
+	.venv/bin/python -m bench.peers vllm
+
+## make test-all: everything, the heavy runs and drills included, the vLLM backend's too (about 20 minutes more)
+test-all: install-services vllm-venv
 	.venv/bin/python -m pytest -ra $(PYTEST_ARGS)
 
 stop:

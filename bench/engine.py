@@ -150,15 +150,31 @@ def plot(results: dict, path: Path) -> str | None:
     return None
 
 
+def cpu_info() -> dict:
+    """The CPU every figure was measured on: its model, cores and the vector ISA its kernels can use."""
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")), "?")
+    flags = set(next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), []))
+    isa = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8") if f in flags]
+    best = "AMX" if "amx_bf16" in flags else "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "?"
+    return {"cpu": model, "cores": os.cpu_count(), "isa": best, "flags": isa}
+
+
 def serve(name: str, spec: dict, baseline_engine: Path | None, say) -> dict:
     """Run the workload in `spec` through engine `name`, in its own process."""
     from bench import peers
 
-    if name == "vllm":
+    if name in ("vllm", "vllm-defaults"):
         ready, why = peers.ensure_vllm(say)
         if not ready:
             raise RuntimeError(f"vLLM CPU venv not ready: {why}")
-        return run_runner([str(peers.vllm_python()), "bench/engine_vllm.py"], spec,
+        return run_runner([str(peers.vllm_python()), "bench/engine_vllm.py"],
+                          dict(spec, defaults=name == "vllm-defaults"), env=peers.vllm_env(spec["threads"]))
+    if name in ("worker-vllm", "worker-vllm-fp32"):  # the worker with its vLLM backend, in vLLM's virtualenv
+        ready, why = peers.ensure_worker_deps(say)
+        if not ready:
+            raise RuntimeError(f"vLLM worker venv not ready: {why}")
+        return run_runner([str(peers.vllm_python()), "-m", "bench.engine_runners", name], spec,
                           env=peers.vllm_env(spec["threads"]))
     if name == "tokenstream-before":
         return run_runner([sys.executable, "-m", "bench.engine_runners", "tokenstream"],
@@ -216,7 +232,9 @@ def main(
     seed: int = typer.Option(0, help="workload seed"),
     rate: float = typer.Option(8.0, help="Poisson mode: mean arrivals per second"),
     modes: str = typer.Option("saturated,poisson", help="saturated, poisson and/or streams"),
-    engines: str = typer.Option("tokenstream,worker,transformers,vllm", help="comma-separated subset"),
+    engines: str = typer.Option("tokenstream,worker,worker-vllm,worker-vllm-fp32,vllm-defaults,vllm",
+                                help="comma-separated subset of tokenstream, worker, worker-vllm, worker-vllm-fp32, "
+                                     "vllm-defaults, vllm (same limits as ours), transformers"),
     poisson_engines: str = typer.Option("tokenstream,vllm", help="the engines also run in Poisson mode"),
     streams: int = typer.Option(8, help="streams mode: N concurrent streams against one (the first N requests)"),
     streams_engines: str = typer.Option("tokenstream,vllm", help="the engines run in streams mode"),
@@ -288,8 +306,9 @@ def main(
                     f"peak RSS {r['peak_rss_mib']} MiB, agreement {r['greedy_agreement']}")
         for name, got_runs in runs.items():
             results[mode][name] = median_run(got_runs)
-        table = Table(title=f"bench engine, {mode}: {len(reqs)} requests, SmolLM2-135M fp32, {threads} threads, "
-                            f"load avg {os.getloadavg()[0]:.1f}")
+        machine = cpu_info()
+        table = Table(title=f"bench engine, {mode}: {len(reqs)} requests, SmolLM2-135M fp32, {threads} threads of "
+                            f"{machine['cpu']} ({machine['isa']}), load avg {os.getloadavg()[0]:.1f}")
         table.add_column("engine")
         keys = ("tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "peak_rss_mib",
                 "greedy_agreement")
@@ -302,9 +321,13 @@ def main(
     ratios = {}
     sat = results.get("saturated", {})
     ts = sat.get("tokenstream", {}).get("tokens_per_s")
-    for other in ("vllm", "transformers", "worker", "tokenstream-before"):
+    for other in ("vllm-defaults", "vllm", "transformers", "worker", "tokenstream-before"):
         if ts and sat.get(other, {}).get("tokens_per_s"):
             ratios[f"tokenstream_vs_{other}"] = round(ts / sat[other]["tokens_per_s"], 2)
+    for mine, peer in (("worker-vllm", "vllm-defaults"), ("worker-vllm-fp32", "vllm"), ("worker", "tokenstream")):
+        a, b = sat.get(mine, {}).get("tokens_per_s"), sat.get(peer, {}).get("tokens_per_s")
+        if a and b:
+            ratios[f"{mine}_vs_{peer}"] = round(a / b, 2)
     if ratios:
         console.print("saturated ratios: " + ", ".join(f"{k} {v}x" for k, v in ratios.items()))
     reuse = None
@@ -342,6 +365,7 @@ def main(
     doc = json.loads(out.read_text()) if out.exists() else {}
     when = {"at_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "load_avg_before": load_before,
             "load_avg_after": os.getloadavg(), "engines": chosen}
+    doc["machine"] = cpu_info()
     doc["workload"] = {"requests": requests, "seed": seed, "poisson_rate_per_s": rate, "threads": threads,
                        "streams": streams, "max_running": max_running, "prefill_chunk": prefill_chunk,
                        "repeats": repeats,

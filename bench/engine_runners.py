@@ -168,8 +168,11 @@ def run_reference(spec: dict) -> dict:
     return {"requests": out, "wall_s": time.perf_counter() - t0, "info": {"engine": "HF generate()"}}
 
 
-def run_worker(spec: dict) -> dict:
-    """The worker through Kafka (bench/worker.py's path): a throwaway broker, the real service."""
+def run_worker(spec: dict, backend: str = "transformers", dtype: str = "auto") -> dict:
+    """The worker through Kafka (bench/worker.py's path): a throwaway broker, the real service. With
+    `backend="vllm"` (run in vLLM's virtualenv) its engine is vLLM's at vLLM's own batch limits and,
+    unless `dtype` says otherwise, vLLM's own dtype: `tokenstream worker --backend vllm` as it runs
+    when none of them is given."""
     import asyncio
     import logging
     import tempfile
@@ -181,20 +184,28 @@ def run_worker(spec: dict) -> dict:
     from tokenstream.stack import Stack
 
     logging.getLogger("aiokafka").setLevel(logging.ERROR)
-    loaded = run_on_torch_thread(_setup, spec)  # where the worker steps: one OpenMP team (torch_thread.py)
+    loaded = None
+    if backend == "transformers":
+        loaded = run_on_torch_thread(_setup, spec)  # where the worker steps: one OpenMP team (torch_thread.py)
+    limits = (spec["max_running"], spec["prefill_chunk"]) if backend == "transformers" else (None, None)
     work = [Work(r["rid"], r["arrival"], r["messages"], r["max_tokens"], r["prompt_ids"]) for r in spec["requests"]]
     with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
         stack = Stack.ephemeral(Path(tmp))
         stack.kafka.start(lambda m: print(m, file=sys.stderr, flush=True))
         try:
-            res = asyncio.run(run_worker_bench(loaded, work, stack.kafka.address, spec["max_running"],
-                                               spec["prefill_chunk"], broker_pid=stack.kafka.pid()))
+            res = asyncio.run(run_worker_bench(loaded, work, stack.kafka.address, *limits,
+                                               broker_pid=stack.kafka.pid(), backend=backend,
+                                               model_path=Path(spec["model_dir"]), dtype=dtype))
         finally:
             stack.kafka.stop(lambda m: None)
-    info = {"engine": "worker via Kafka (run_worker in-process, client in its own process on ts.tokens)",
-            "torch": torch.__version__,
-            "dtype": loaded.dtype, "threads": torch.get_num_threads(), "max_running": spec["max_running"],
-            "prefill_chunk": spec["prefill_chunk"], **res.extra}
+    info = {"engine": "worker via Kafka (run_worker in-process, client in its own process on ts.tokens)"
+                      + (", vLLM backend at vLLM's batch limits" if backend == "vllm" else ""),
+            "torch": torch.__version__, "dtype": res.extra.pop("dtype"), "threads": torch.get_num_threads(),
+            "max_running": limits[0] or "vLLM's default", "prefill_chunk": limits[1] or "vLLM's default", **res.extra}
+    if backend == "vllm":
+        import vllm
+
+        info["vllm"] = vllm.__version__
     return {"aggregate": {"tokens": res.tokens, "ttft": res.ttft, "itl": res.itl}, "outputs": res.outputs,
             "wall_s": res.wall_s, "info": info}
 
@@ -235,7 +246,9 @@ def run_conversations(spec: dict) -> dict:
 
 
 RUNNERS = {"tokenstream": run_tokenstream, "transformers": run_transformers, "reference": run_reference,
-           "worker": run_worker, "conversations": run_conversations}
+           "worker": run_worker, "worker-vllm": lambda spec: run_worker(spec, "vllm"),
+           "worker-vllm-fp32": lambda spec: run_worker(spec, "vllm", "float32"),
+           "conversations": run_conversations}
 
 if __name__ == "__main__":
     engine, src, dst = sys.argv[1:4]

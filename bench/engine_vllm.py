@@ -35,11 +35,13 @@ async def serve(spec: dict) -> dict:
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    # the same batch limits as every engine: rows per step and tokens per step (vLLM's own default
-    # for AsyncLLM would be 2048 tokens per step)
-    args = AsyncEngineArgs(model=spec["model_dir"], dtype="float32", max_num_seqs=spec["max_running"],
-                           max_num_batched_tokens=spec["prefill_chunk"], max_model_len=2048,
-                           enable_prefix_caching=spec.get("prefix_cache", True), disable_log_stats=True, seed=0)
+    if spec.get("defaults"):  # vLLM as its users run it: nothing but the model (its dtype is fp32 already)
+        args = AsyncEngineArgs(model=spec["model_dir"], disable_log_stats=True)
+    else:  # the same batch limits as every engine: rows per step and tokens per step
+        args = AsyncEngineArgs(model=spec["model_dir"], dtype="float32", max_num_seqs=spec["max_running"],
+                               max_num_batched_tokens=spec["prefill_chunk"], max_model_len=2048,
+                               enable_prefix_caching=spec.get("prefix_cache", True), disable_log_stats=True,
+                               seed=0)
     llm = AsyncLLM.from_engine_args(args)
     reqs = sorted(spec["requests"], key=lambda r: r["arrival"])
     times: dict[str, list[float]] = {r["rid"]: [] for r in reqs}
@@ -64,7 +66,7 @@ async def serve(spec: dict) -> dict:
 
     warm = dict(reqs[0], arrival=0.0, max_tokens=4)
     await one(warm, time.perf_counter(), tag="-warm")
-    if spec.get("prefix_cache", True):
+    if llm.vllm_config.cache_config.enable_prefix_caching:
         await llm.reset_prefix_cache()
     t0 = time.perf_counter()
     if spec.get("sequential"):  # one stream: each request alone, the next when it has finished
@@ -73,10 +75,15 @@ async def serve(spec: dict) -> dict:
     else:
         await asyncio.gather(*(one(r, t0) for r in reqs))
     wall = time.perf_counter() - t0
-    info = {"engine": "vLLM AsyncLLM (CPU build)", "vllm": vllm.__version__, "torch": torch.__version__,
-            "dtype": "float32", "threads": torch.get_num_threads(), "max_num_seqs": spec["max_running"],
+    how = " at its defaults" if spec.get("defaults") else ", held to the benchmark's batch limits"
+    info = {"engine": "vLLM AsyncLLM (CPU build)" + how, "vllm": vllm.__version__, "torch": torch.__version__,
+            "dtype": str(llm.vllm_config.model_config.dtype).removeprefix("torch."),
+            "threads": torch.get_num_threads(),
+            "max_num_seqs": llm.vllm_config.scheduler_config.max_num_seqs,
             "max_num_batched_tokens": llm.vllm_config.scheduler_config.max_num_batched_tokens,
-            "prefix_caching": spec.get("prefix_cache", True),
+            "prefix_caching": llm.vllm_config.cache_config.enable_prefix_caching,
+            "max_model_len": llm.vllm_config.model_config.max_model_len,
+            "compiled": not llm.vllm_config.model_config.enforce_eager,
             "omp_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
             "kv_cache_space_gib": os.environ.get("VLLM_CPU_KVCACHE_SPACE")}
     llm.shutdown()

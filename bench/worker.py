@@ -177,8 +177,10 @@ def process_cpu_s(pid: int) -> float:
     return times.user + times.system
 
 
-async def run_worker_bench(loaded, work: list[Work], bootstrap: str, max_running: int,
-                           prefill_chunk: int, broker_pid: int | None = None) -> Result:
+async def run_worker_bench(loaded, work: list[Work], bootstrap: str, max_running: int | None,
+                           prefill_chunk: int | None, broker_pid: int | None = None,
+                           backend: str = "transformers", model_path: Path | None = None,
+                           dtype: str = "auto") -> Result:
     """The worker in this process (its torch thread: the model loaded here), fed and read by
     bench/worker_client.py in a process of its own, as the gateway is in production: the client's
     decoding of every token record does not compete with the worker for this process's GIL."""
@@ -192,9 +194,10 @@ async def run_worker_bench(loaded, work: list[Work], bootstrap: str, max_running
     from topics import CONTROL, TOKENS, TOOL_CALLS, inference_topic
     from topics.admin import apply
 
-    res = Result("worker via Kafka")
-    cfg = WorkerConfig(model="smollm2-bench", max_running=max_running, max_waiting=64, prefill_chunk=prefill_chunk,
-                       kv_memory_gb=1.0, worker_id="bench")
+    res = Result("worker via Kafka" + (" (vLLM backend)" if backend == "vllm" else ""))
+    limits = {k: v for k, v in (("max_running", max_running), ("prefill_chunk", prefill_chunk)) if v is not None}
+    cfg = WorkerConfig(model="smollm2-bench", backend=backend, max_waiting=64, kv_memory_gb=1.0, worker_id="bench",
+                       model_path=model_path, dtype=dtype, **limits)
     await apply([inference_topic(cfg.model), TOKENS, CONTROL, TOOL_CALLS], bootstrap)  # what run_worker requires
     stop, ready = asyncio.Event(), asyncio.Event()
     holder = {}
@@ -202,7 +205,8 @@ async def run_worker_bench(loaded, work: list[Work], bootstrap: str, max_running
                                           on_ready=lambda w: (holder.update(w=w), ready.set())))
     await asyncio.wait_for(ready.wait(), 120)
     engine = holder["w"].engine
-    page_bytes = engine.cache.nbytes() / engine.cache.allocator.num_blocks
+    pool = getattr(engine, "cache", None)  # the own engine's KV pool (vLLM's is its own)
+    page_bytes = pool.nbytes() / pool.allocator.num_blocks if pool is not None else 0.0
     peak = {"running": 0, "kv": 0.0}
     # Untimed warm-up, like the in-process runner's warm-up request: the engine's first forwards, the
     # worker's publish and commit paths and a broker started seconds ago (its JVM compiles its produce
@@ -226,8 +230,7 @@ async def run_worker_bench(loaded, work: list[Work], bootstrap: str, max_running
                 raise RuntimeError(f"bench client: expected 'warm', got {line!r} (exit {await client.wait()})")
             while engine.has_work:  # the warm-up's last step: the engine idles before the clock starts
                 await asyncio.sleep(0.01)
-            if engine.prefix_cache is not None:
-                engine.prefix_cache.clear()
+            engine.reset_prefix_cache()
             steps0 = engine.steps
             cpu0 = time.process_time()
             broker0 = process_cpu_s(broker_pid) if broker_pid else None
@@ -237,9 +240,10 @@ async def run_worker_bench(loaded, work: list[Work], bootstrap: str, max_running
             while not waiting.done():  # the memory the running requests hold, every 0.1 s
                 running = len(engine.running)
                 if running:
-                    res.mem_per_request.append(engine.cache.allocator.used * page_bytes / running)
+                    if pool is not None:
+                        res.mem_per_request.append(pool.allocator.used * page_bytes / running)
                     peak["running"] = max(peak["running"], running)
-                    peak["kv"] = max(peak["kv"], engine.cache.usage())
+                    peak["kv"] = max(peak["kv"], engine.kv_usage())
                 await asyncio.wait([waiting], timeout=0.1)
             cpu = {"process_cpu_s": round(time.process_time() - cpu0, 2)}  # the worker and torch's threads
             if broker0 is not None:  # the broker shares the cores here: its CPU during the measured run
@@ -262,8 +266,9 @@ async def run_worker_bench(loaded, work: list[Work], bootstrap: str, max_running
             res.ttft.append(c[0][0] - got["sent"][w.rid])
             for (a, _), (b, n) in zip(c, c[1:]):
                 res.itl += [(b - a) / max(n, 1)] * max(n, 1)
-    res.extra = {"max_batch": peak["running"], "peak_kv_usage": round(peak["kv"], 3),
-                 "kv_pool_mib": round(engine.cache.nbytes() / 2**20, 1), "steps": engine.steps - steps0, **cpu}
+    res.extra = {"dtype": getattr(engine, "dtype", None) or str(loaded.dtype), "max_batch": peak["running"], "peak_kv_usage": round(peak["kv"], 3),
+                 "kv_pool_mib": round(pool.nbytes() / 2**20, 1) if pool is not None else None,
+                 "steps": engine.steps - steps0, **cpu}
     stop.set()
     await task
     return res

@@ -38,6 +38,12 @@ class Backend(Protocol):
     def step(self) -> list[Output]:
         """Take in what was queued, run one step, return its chunks and ends (torch thread)."""
 
+    def kv_usage(self) -> float:
+        """The share of the KV budget in use (health and metrics)."""
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (benchmarks: no measured request finds pages of the warm-up)."""
+
     @property
     def has_work(self) -> bool: ...
 

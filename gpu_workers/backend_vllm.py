@@ -48,9 +48,11 @@ _REASONS = {"stop": "stop", "length": "length"}
 class VllmEngine(TextStream):
     """The seam (add, cancel, abort, step, has_work, queued, running, tokenizer, eos_ids) over vLLM."""
 
-    def __init__(self, folder: Path, *, dtype: str = "float32", max_running: int = 32, prefill_chunk: int = 256,
+    def __init__(self, folder: Path, *, dtype: str = "auto", max_running: int | None = None,
+                 prefill_chunk: int | None = None,
                  max_model_len: int = 2048, metrics=None, prefix_cache: bool = True, seed: int = 0,
-                 block_size: int | None = None, enforce_eager: bool = False) -> None:
+                 block_size: int | None = None, enforce_eager: bool = False, tensor_parallel_size: int = 1,
+                 pipeline_parallel_size: int = 1) -> None:
         from transformers import AutoTokenizer, GenerationConfig
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
@@ -63,16 +65,24 @@ class VllmEngine(TextStream):
         eos = eos if isinstance(eos, list) else [eos]
         self.eos_ids = {e for e in [*eos, self.tokenizer.eos_token_id] if e is not None}
         self.max_model_len = max_model_len
-        self.max_running = max_running
-        self.prefill_chunk = prefill_chunk
         self.metrics = metrics
-        # the own engine's per-step work: one token of every running row plus a prefill chunk
-        args = EngineArgs(model=str(folder), tokenizer=str(folder), dtype=dtype, max_num_seqs=max_running,
-                          max_num_batched_tokens=prefill_chunk + max_running, max_model_len=max_model_len,
+        # vLLM's own batch limits unless the operator set ours: then the own engine's per-step work,
+        # one token of every running row plus a prefill chunk
+        limits = {}
+        if max_running is not None:
+            limits["max_num_seqs"] = max_running
+        if prefill_chunk is not None:
+            limits["max_num_batched_tokens"] = prefill_chunk + (max_running or 0)
+        args = EngineArgs(model=str(folder), tokenizer=str(folder), dtype=dtype, max_model_len=max_model_len,
                           enable_prefix_caching=prefix_cache, scheduling_policy="priority", seed=seed,
                           disable_log_stats=True, structured_outputs_config={"backend": "guidance"},
-                          block_size=block_size, enforce_eager=enforce_eager)
+                          block_size=block_size, enforce_eager=enforce_eager,
+                          tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+                          **limits)
         self.llm = LLMEngine.from_engine_args(args)
+        self.dtype = str(self.llm.vllm_config.model_config.dtype).removeprefix("torch.")
+        scheduler = self.llm.vllm_config.scheduler_config
+        self.max_running, self.prefill_chunk = scheduler.max_num_seqs, scheduler.max_num_batched_tokens
         self._inbox: collections.deque[Sequence] = collections.deque()
         self._cancels: collections.deque[str] = collections.deque()
         self._aborts: collections.deque[Sequence] = collections.deque()
@@ -104,6 +114,9 @@ class VllmEngine(TextStream):
     @property
     def queued(self) -> int:
         return len(self._inbox) + sum(1 for s in self.live.values() if s.first_token_at is None)
+
+    def reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
 
     def kv_usage(self) -> float:
         try:

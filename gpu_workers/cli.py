@@ -24,6 +24,8 @@ def worker(
     block_size: int = typer.Option(None, help="tokens per KV page"),
     enforce_eager: bool = typer.Option(None, "--enforce-eager", help="vllm backend: skip torch.compile (fast "
                                        "start, slower steps)"),
+    tensor_parallel_size: int = typer.Option(None, help="vllm backend: shard every layer over this many processes"),
+    pipeline_parallel_size: int = typer.Option(None, help="vllm backend: split the layers into this many stages"),
     max_running: int = typer.Option(None, help="most requests in the running batch"),
     prefill_chunk: int = typer.Option(None, help="most prompt tokens prefilled per step"),
     metrics_port: int = typer.Option(None, help="serve Prometheus metrics on this port"),
@@ -36,13 +38,14 @@ def worker(
 
     from gpu_workers.config import WorkerConfig
 
-    if (backend or os.environ.get("TOKENSTREAM_WORKER_BACKEND")) == "vllm":
-        _into_vllm_venv()
     given = dict(backend=backend, model=model, model_path=model_path, dtype=dtype, quantization=quantization, device=device,
                  device_map=device_map, kv_blocks=kv_blocks, block_size=block_size,
-                 enforce_eager=enforce_eager, max_running=max_running,
+                 enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
+                 pipeline_parallel_size=pipeline_parallel_size, max_running=max_running,
                  prefill_chunk=prefill_chunk, metrics_port=metrics_port, worker_id=worker_id,
                  step_delay_s=step_delay)
+    if (backend or os.environ.get("TOKENSTREAM_WORKER_BACKEND")) == "vllm":
+        _into_vllm_venv(given)
     cfg = WorkerConfig(**{k: v for k, v in given.items() if v is not None})
 
     async def main() -> None:
@@ -57,7 +60,7 @@ def worker(
     asyncio.run(main())
 
 
-def _into_vllm_venv() -> None:
+def _into_vllm_venv(given: dict) -> None:
     """Re-execute this command under vLLM's virtualenv (vLLM pins its own torch), with vLLM's CPU
     environment; prepares the venv first when it is not there (minutes, once). Exits with the reason
     when it cannot be had."""
@@ -78,7 +81,10 @@ def _into_vllm_venv() -> None:
         raise SystemExit(f"worker --backend vllm: vLLM's virtualenv is not usable: {why}\n"
                          f"(prepare it with `python -m bench.peers vllm`; after a failure remove "
                          f"{vllm_dir() / 'failed'} to retry)")
-    env = vllm_env()
+    from gpu_workers.config import WorkerConfig
+
+    cfg = WorkerConfig(**{k: v for k, v in given.items() if v is not None})
+    env = vllm_env(ranks=cfg.tensor_parallel_size * cfg.pipeline_parallel_size)
     env[VENV_FLAG] = "1"
     py = str(vllm_python())
     os.execve(py, [py, "-m", "tokenstream.cli", "worker", *sys.argv[sys.argv.index("worker") + 1:]], env)

@@ -25,6 +25,8 @@ class WorkerConfig(BaseSettings):
 
     enforce_eager: bool = Field(False, description="vllm backend: no torch.compile warm-up (starts in seconds "
                                 "instead of minutes on a CPU; slower steps); the own engine has nothing to skip")
+    tensor_parallel_size: int = Field(1, ge=1, description="vllm backend: processes each layer is sharded over")
+    pipeline_parallel_size: int = Field(1, ge=1, description="vllm backend: stages the layers are split into")
     block_size: int = Field(16, ge=1, description="tokens per KV page")
     kv_blocks: int | None = Field(None, description="KV pages in the pool (default: from kv_memory_fraction)")
     kv_memory_gb: float = Field(1.0, gt=0, description="KV pool size when kv_blocks is not given")
@@ -34,6 +36,8 @@ class WorkerConfig(BaseSettings):
     max_model_len: int | None = Field(None, ge=16, description="longest prompt + output, in tokens (default: "
                                       "the model's context, common.models.context_length)")
 
+    announce_prefixes: bool = Field(True, description="tell routers on ts.kv.prefixes which conversation "
+                                    "prefixes this worker's KV cache holds (prefix-aware routing)")
     worker_id: str = ""
     metrics_port: int | None = Field(None, description="port of /metrics and /health/live, /health/ready "
                                      "(None: no endpoint)")

@@ -103,6 +103,14 @@ class Engine(TextStream):
     def queued(self) -> int:
         return len(self.waiting) + len(self._inbox)
 
+    def kv_usage(self) -> float:
+        """The share of the KV budget's pages in use."""
+        return self.cache.usage()
+
+    def reset_prefix_cache(self) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.cache.block_size)
 
@@ -119,7 +127,7 @@ class Engine(TextStream):
             self._run(rows, outputs)
         self.steps += 1
         if self.metrics is not None:
-            self.metrics.engine_state(len(self.running), self.queued, self.cache.usage())
+            self.metrics.engine_state(len(self.running), self.queued, self.kv_usage())
         return outputs
 
     def _take_inbox(self, outputs: list[Output]) -> None:

@@ -24,6 +24,7 @@ from aiokafka.structs import TopicPartition
 from gpu_workers.config import WorkerConfig
 from gpu_workers.backend import Backend
 from gpu_workers.grammar import GrammarError, Grammars
+from gpu_workers.announce import Announcer
 from gpu_workers.health import WorkerHealth
 from gpu_workers.metrics import WorkerMetrics
 from gpu_workers.offsets import OffsetTracker
@@ -74,6 +75,7 @@ class Worker:
         self.health = health or WorkerHealth(cfg)
         self.health.engine = engine
         self.watch: GroupWatch | None = None  # the group's standing for /health/ready, set by run()
+        self.announcer = Announcer(None, cfg.model, "", bootstrap, enabled=False)  # run() makes the real one
         self.engine = engine
         self.metrics = metrics
         self.bootstrap = bootstrap
@@ -123,9 +125,12 @@ class Worker:
         self.watch = GroupWatch(self.bootstrap, self.group, client_id, interval_s=self.cfg.health_interval_s,
                                 topic_partitions=lambda: len(self.consumer.partitions_for_topic(self.spec.name)
                                                              or ()))
+        self.announcer = Announcer(self.producer, self.cfg.model, self.worker_id, self.bootstrap,
+                                   self.cfg.announce_prefixes)
+        await self.announcer.start()
         tasks = [asyncio.create_task(self._consume(stop)), asyncio.create_task(self._steps(stop)),
                  asyncio.create_task(self._cancels(stop))]
-        watching = asyncio.create_task(self.watch.run())
+        watching = asyncio.gather(self.watch.run(), self.announcer.heartbeat(self, stop))
         try:
             done, _ = await asyncio.wait([*tasks, asyncio.create_task(stop.wait())],
                                          return_when=asyncio.FIRST_COMPLETED)
@@ -430,6 +435,8 @@ class Worker:
                     if reason == "error":
                         span.fail(error or "error")
                 self._end_span(rid)
+                if reason in ("stop", "length"):  # its messages and answer are in the KV cache now
+                    await self.announcer.held(request, done.text)
                 self.owned.pop(rid, None)
                 self.completed[rid] = None
                 while len(self.completed) > COMPLETED_KEPT:

@@ -43,8 +43,9 @@ async def run_worker(cfg: WorkerConfig, stop: asyncio.Event | None = None, *, lo
             engine = await on_torch_thread(_vllm_engine, cfg, metrics)
             if cfg.metrics_port:
                 server = HealthServer(cfg.metrics_port, health.report, metrics.registry)
-            log.info("worker: backend=vllm model=%s context=%d max_running=%d prefill_chunk=%d kv=%s GiB metrics=%s",
-                     cfg.model, engine.max_model_len, cfg.max_running, cfg.prefill_chunk,
+            log.info("worker: backend=vllm model=%s dtype=%s context=%d max_num_seqs=%d max_num_batched_tokens=%d "
+                     "kv=%s GiB metrics=%s", cfg.model, engine.dtype, engine.max_model_len, engine.max_running,
+                     engine.prefill_chunk,
                      os.environ.get("VLLM_CPU_KVCACHE_SPACE"), cfg.metrics_port or "off")
         else:
             engine, server = await _own_engine(cfg, metrics, health, loaded)
@@ -64,8 +65,11 @@ async def run_worker(cfg: WorkerConfig, stop: asyncio.Event | None = None, *, lo
 async def _own_engine(cfg: WorkerConfig, metrics: WorkerMetrics, health: WorkerHealth, loaded):
     """The transformers backend: the model, its KV pool and the own engine, all on the torch thread."""
     server = None
-    if cfg.enforce_eager:
-        raise SystemExit("worker: --enforce-eager is a vLLM option (--backend vllm); the own engine compiles nothing")
+    vllm_only = [name for name, given in (("--enforce-eager", cfg.enforce_eager),
+                                          ("--tensor-parallel-size", cfg.tensor_parallel_size > 1),
+                                          ("--pipeline-parallel-size", cfg.pipeline_parallel_size > 1)) if given]
+    if vllm_only:  # (the own engine shards a model over GPUs with --device-map auto)
+        raise SystemExit(f"worker: {', '.join(vllm_only)}: vLLM options (--backend vllm), not the own engine's")
     if loaded is None:
         loaded = await on_torch_thread(model_loader.load, cfg.model, cfg.model_path, cfg.dtype, cfg.quantization,
                                        cfg.device, cfg.device_map)
@@ -110,12 +114,16 @@ def _vllm_engine(cfg: WorkerConfig, metrics: WorkerMetrics):
     folder = cfg.model_path or model_folder(cfg.model) or model_loader.smollm2_dir()
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(cfg.kv_memory_gb)))  # read when the engine starts
     context = cfg.max_model_len or context_length(cfg.model, cfg.model_path) or 2048
-    dtype = "float32" if cfg.dtype == "auto" else cfg.dtype  # as the own engine on a CPU
-    return VllmEngine(folder, dtype=dtype, max_running=cfg.max_running, prefill_chunk=cfg.prefill_chunk,
+    dtype = cfg.dtype  # "auto": vLLM's choice (on a CPU with bf16 support, bfloat16 for an fp32 model)
+    # vLLM's own batch limits and page size unless they are asked for (its CPU kernels want pages of a
+    # multiple of 32 tokens; the own engine's defaults are no vLLM user's)
+    asked = cfg.model_fields_set
+    return VllmEngine(folder, dtype=dtype, max_running=cfg.max_running if "max_running" in asked else None,
+                      prefill_chunk=cfg.prefill_chunk if "prefill_chunk" in asked else None,
                       max_model_len=context, metrics=metrics,
-                      # vLLM's own page size unless one is asked for (its CPU kernels want a multiple of 32)
-                      block_size=cfg.block_size if "block_size" in cfg.model_fields_set else None,
-                      enforce_eager=cfg.enforce_eager)
+                      block_size=cfg.block_size if "block_size" in asked else None,
+                      enforce_eager=cfg.enforce_eager, tensor_parallel_size=cfg.tensor_parallel_size,
+                      pipeline_parallel_size=cfg.pipeline_parallel_size)
 
 
 async def _when_ready(worker: Worker, on_ready) -> None:

@@ -198,11 +198,15 @@ def ensure_worker_deps(say: Callable[[str], None] = print) -> tuple[bool, str]:
     return True, ""
 
 
-def vllm_env(threads: int | None = None) -> dict[str, str]:
-    """Environment for running vLLM on CPU as its docs advise: thread binding, tcmalloc, Intel OpenMP."""
+def vllm_env(threads: int | None = None, ranks: int = 1) -> dict[str, str]:
+    """Environment for running vLLM on CPU as its docs advise: thread binding (the cores split into one
+    group per rank when a model is sharded over `ranks` processes, "0|1" for two on two cores),
+    tcmalloc, Intel OpenMP."""
     env = dict(os.environ)
     threads = threads or os.cpu_count() or 1
-    env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}"
+    per = max(1, threads // ranks)
+    env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+        f"{r * per}" if per == 1 else f"{r * per}-{r * per + per - 1}" for r in range(ranks))
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env["HF_HUB_OFFLINE"] = env["TRANSFORMERS_OFFLINE"] = "1"
     env["VLLM_NO_USAGE_STATS"] = "1"

@@ -8,6 +8,7 @@ Read this package and `topics/` to follow a request end to end:
                                                                InferenceRequest (schemas/runs.py)
     Cancel (control), DeadLetter (anything undecodable), Transcript (the audit record)
     FileIngest (an uploaded file into a vector store's index, or out of it)
+    PrefixHeld, WorkerLoad (which worker holds which conversation prefix: prefix-aware routing)
 
 All events are msgspec Structs, encoded as JSON by `schemas.codec`.
 """
@@ -26,6 +27,7 @@ from schemas.conversation import ConversationHistory, RunState, TurnDeadline
 from schemas.deadletter import DeadLetter
 from schemas.files import FileIngest
 from schemas.requests import ChatMessage, ChatRequest, InferenceRequest, SamplingParams, Screening
+from schemas.routing import PrefixHeld, WorkerLoad, conversation_digest
 from schemas.runs import SERVER_TOOLS, RunSpec
 from schemas.safety import REFUSAL, OutputWindow, SafetyVerdict
 from schemas.structured import (
@@ -59,6 +61,7 @@ __all__ = [
     "InferenceRequest",
     "MalformedEvent",
     "OutputWindow",
+    "PrefixHeld",
     "REFUSAL",
     "RouteUpdate",
     "RunSpec",
@@ -75,6 +78,8 @@ __all__ = [
     "Transcript",
     "TurnDeadline",
     "UnsupportedVersion",
+    "WorkerLoad",
+    "conversation_digest",
     "FunctionCall",
     "FunctionSpec",
     "MessageToolCall",

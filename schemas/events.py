@@ -9,6 +9,7 @@ from schemas.conversation import ConversationHistory, TurnDeadline
 from schemas.deadletter import DeadLetter
 from schemas.files import FileIngest
 from schemas.requests import ChatRequest, InferenceRequest
+from schemas.routing import PrefixHeld, WorkerLoad
 from schemas.safety import OutputWindow, SafetyVerdict
 from schemas.tokens import Completion, TokenChunk
 from schemas.tools import ToolCall, ToolResult
@@ -29,4 +30,6 @@ ALL_EVENTS: tuple[type[Event], ...] = (
     Transcript,
     FileIngest,
     TurnDeadline,
+    PrefixHeld,
+    WorkerLoad,
 )

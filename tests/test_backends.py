@@ -57,7 +57,7 @@ class Chain:
         self.roles = Roles(stack, log_dir)
         for name in ("conversation", "safety", "router"):
             self.roles.start("processor", name, "--loglevel", "info", name=f"processor-{name}")
-        extra = ("--backend", "vllm", "--enforce-eager") if backend == "vllm" else ()
+        extra = ("--backend", "vllm", "--enforce-eager", "--dtype", "float32") if backend == "vllm" else ()
         self.workers, self.metrics = {}, {}
         for wid in ("A", "B"):
             port = free_port()

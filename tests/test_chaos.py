@@ -15,6 +15,10 @@ from tokenstream.chaos.drill import run
 pytestmark = pytest.mark.slow
 
 
+# make test-all: two minutes of ten processes under load on two cores, over make test's budget; make
+# test keeps kill -9 of the conversation and tool processors (test_processors, test_responses) and
+# `tokenstream chaos` runs this drill against a deployment
+@pytest.mark.heavy
 @pytest.mark.timeout(1200)  # start-up of ten processes, 70 s of load, then the checks
 async def test_kill_each_role_and_restart_the_broker_under_load(tmp_path):
     report = await run(1.2, clients=2, every_s=11, max_tokens=16, kinds=("kill",) * 5 + ("broker",),

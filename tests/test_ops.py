@@ -169,7 +169,7 @@ def tiny_model(tmp_path_factory) -> Path:
     return build(tmp_path_factory.mktemp("tiny-ops-model"))
 
 
-@pytest.mark.heavy  # a kill -9 / scale drill: make test-all (the chaos drill covers it in reduced form)
+@pytest.mark.heavy  # a kill -9 / scale drill: make test-all, beside the chaos drill (test_chaos.py)
 async def test_scaling_the_worker_group_up_and_down_keeps_every_stream_intact(stack, bootstrap, tmp_path, monkeypatch,
                                                                             tiny_model):
     """ops scale worker=2, then worker=1 while both stream: the stopped worker hands its requests over

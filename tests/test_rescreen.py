@@ -125,6 +125,7 @@ async def test_rescreen_reports_the_differences_and_leaves_live_verdicts_alone(s
     assert committed and any(tp.topic == VERDICTS.name for tp in committed)
 
 
+@pytest.mark.heavy  # the CLI's table over the logic tested above, as its own process: make test-all
 async def test_the_rescreen_command_prints_what_would_change(stack, bootstrap, classifier, tmp_path):
     await apply(all_topics(["m"]), bootstrap)
     tenant = "t-" + uuid.uuid4().hex[:6]

@@ -34,7 +34,7 @@ def spec() -> OutputSpec:
     return output_spec([Tool(**TOOL)], "required", None, None)
 
 
-@pytest.mark.heavy  # a kill -9 / scale drill: make test-all (the chaos drill covers it in reduced form)
+@pytest.mark.heavy  # a kill -9 / scale drill: make test-all, beside the chaos drill (test_chaos.py)
 async def test_kill9_mid_call_second_worker_finishes_the_same_calls(bootstrap, unique, roles, tiny_dir, tiny_loaded):
     tokenizer = tiny_loaded.tokenizer
     model = f"tiny-tools-{unique}"

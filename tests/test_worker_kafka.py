@@ -310,7 +310,7 @@ def wait_for_log(roles, proc, text: str, timeout: float = 90) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.heavy  # a kill -9 / scale drill: make test-all (the chaos drill covers it in reduced form)
+@pytest.mark.heavy  # a kill -9 / scale drill: make test-all, beside the chaos drill (test_chaos.py)
 async def test_kill9_mid_stream_second_worker_finishes_gap_free(bootstrap, unique, roles, tiny_dir, tiny_loaded):
     tokenizer = tiny_loaded.tokenizer
     model = f"tiny-{unique}"
@@ -357,7 +357,7 @@ async def test_kill9_mid_stream_second_worker_finishes_gap_free(bootstrap, uniqu
 
 
 @pytest.mark.slow
-@pytest.mark.heavy  # a kill -9 / scale drill: make test-all (the chaos drill covers it in reduced form)
+@pytest.mark.heavy  # a kill -9 / scale drill: make test-all, beside the chaos drill (test_chaos.py)
 async def test_worker_joining_mid_stream_hands_over_without_gap_or_duplicate(bootstrap, unique, roles, tiny_dir,
                                                                              tiny_loaded):
     model = f"tiny-{unique}"
@@ -537,7 +537,7 @@ async def test_a_duplicate_arriving_while_the_original_runs_is_committed(bootstr
 
 
 @pytest.mark.slow
-@pytest.mark.heavy  # a kill -9 / scale drill: make test-all (the chaos drill covers it in reduced form)
+@pytest.mark.heavy  # a kill -9 / scale drill: make test-all, beside the chaos drill (test_chaos.py)
 async def test_takeover_of_32_in_flight_requests_resumes_them_together(bootstrap, unique, roles, tiny_dir,
                                                                       tiny_loaded):
     """A worker killed with 32 requests in flight: its successor emits the next token of every one of them

@@ -221,6 +221,7 @@ ROLE_COMMANDS = {
     (bench_app, "cache"): "bench.cache:main",
     (bench_app, "grammar"): "bench.grammar:main",
     (bench_app, "engine"): "bench.engine:main",
+    (bench_app, "routing"): "bench.routing:main",
     (processor_app, "conversation"): "processors.cli:conversation",
     (processor_app, "safety"): "processors.cli:safety",
     (processor_app, "router"): "processors.cli:router",

@@ -23,6 +23,7 @@ from schemas import (
     FileIngest,
     InferenceRequest,
     OutputWindow,
+    PrefixHeld,
     RouteUpdate,
     SafetyVerdict,
     TokenChunk,
@@ -30,6 +31,7 @@ from schemas import (
     ToolResult,
     Transcript,
     TurnDeadline,
+    WorkerLoad,
 )
 
 DAY_MS = 24 * 3600 * 1000
@@ -283,6 +285,18 @@ ROUTES = TopicSpec(
              Reader(Role.OPERATOR, None, "from the beginning to the end; nothing committed",
                     "`tokenstream route show`")),
 )
+KV_PREFIXES = TopicSpec(
+    "ts.kv.prefixes", 1, "digest (PrefixHeld) or worker (WorkerLoad)", (PrefixHeld, WorkerLoad),
+    "which worker holds each conversation prefix in its KV cache, and each worker's partitions and load "
+    "(compacted: the latest holder of a prefix, the latest heartbeat of a worker; a day at most)",
+    {"cleanup.policy": "compact,delete", "retention.ms": str(DAY_MS), "min.cleanable.dirty.ratio": "0.1",
+     "segment.ms": str(DAY_MS // 24)},
+    writers=(Writer(Role.WORKER, "a PrefixHeld at each answer that ended in text (stop or length); a "
+                    "WorkerLoad every second"),),
+    readers=(Reader(Role.ROUTER, None, "every router reads it from the beginning, then follows it; nothing "
+                    "committed", "prefix-aware routing: a conversation's next turn to the worker holding "
+                    "its prefix"),),
+)
 DEAD_LETTER = TopicSpec(
     "ts.deadletter", 3, "original key", (DeadLetter,),
     "events no processor could decode or handle, with the reason and the original bytes",
@@ -336,7 +350,8 @@ def inference_topic(model: str) -> TopicSpec:
 
 REGISTRY: tuple[TopicSpec, ...] = (
     CHAT_REQUESTS, PREPARED, SCREENED, TOKENS, CONTROL, VERDICTS, TOOL_CALLS, TOOL_RESULTS,
-    FILE_INGEST, CONVERSATION_TURNS, CONVERSATIONS, SAFETY_WINDOWS, ROUTES, DEAD_LETTER, TRANSCRIPTS, RESCREENED,
+    FILE_INGEST, CONVERSATION_TURNS, CONVERSATIONS, SAFETY_WINDOWS, ROUTES, KV_PREFIXES, DEAD_LETTER, TRANSCRIPTS,
+    RESCREENED,
 )
 
 
@@ -357,7 +372,7 @@ def all_topics(models: list[str]) -> list[TopicSpec]:
 #: The way of a request through the topics, in order (`topics describe --flow`).
 FLOW: tuple[str, ...] = (
     CHAT_REQUESTS.name, CONVERSATIONS.name, PREPARED.name, VERDICTS.name, SCREENED.name,
-    ROUTES.name, "ts.inference.<model>", TOOL_CALLS.name, TOOL_RESULTS.name, FILE_INGEST.name, TOKENS.name,
+    ROUTES.name, KV_PREFIXES.name, "ts.inference.<model>", TOOL_CALLS.name, TOOL_RESULTS.name, FILE_INGEST.name, TOKENS.name,
     SAFETY_WINDOWS.name, CONTROL.name, CONVERSATION_TURNS.name, TRANSCRIPTS.name, RESCREENED.name,
     DEAD_LETTER.name,
 )

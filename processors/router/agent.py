@@ -11,19 +11,21 @@ import asyncio
 import logging
 
 import msgspec
+from aiokafka.errors import KafkaError
 from aiokafka.structs import TopicPartition
 
 from processors.effects import Ledger
 from processors.faust_app import make_app, send, topic, traced, typed
 from processors.router.config import Route, RouterSettings
 from processors.router.policy import decide
+from processors.router.prefixes import PrefixMap
 from producers import start_consumer
 from producers.consume import caught_up
 from producers.lag import LagSampler
-from schemas import Completion, DecodeError, InferenceRequest, RouteUpdate, decode
+from schemas import Completion, DecodeError, InferenceRequest, PrefixHeld, RouteUpdate, WorkerLoad, decode
 from common import tracing
 from common.config import settings
-from topics import DEAD_LETTER, PREPARED, ROUTES, SCREENED, TOKENS, inference_topic, worker_group
+from topics import DEAD_LETTER, KV_PREFIXES, PREPARED, ROUTES, SCREENED, TOKENS, inference_topic, worker_group
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +40,8 @@ tokens_out, dead_letters = topic(app, TOKENS), topic(app, DEAD_LETTER)
 routes: dict[str, Route] = dict(cfg.routes)  # a cache of config + ts.routes, rebuilt at every start
 routes_ready = asyncio.Event()
 sampler = LagSampler(settings().kafka_bootstrap)
+prefixes = PrefixMap(stale_s=cfg.prefix_stale_s)
+_prefix_reader: dict[str, object] = {}  # the consumer following ts.kv.prefixes, while it runs
 _outputs: dict[str, object] = {}
 
 
@@ -68,6 +72,50 @@ async def follow_routes() -> None:
                 routes_ready.set()
     finally:
         await consumer.stop()
+
+
+@app.task
+async def follow_prefixes() -> None:
+    """Read ts.kv.prefixes from the beginning (compacted: the latest holder of each prefix and each
+    worker's latest heartbeat), then follow it. Until it is read, turns are placed by their key."""
+    if not cfg.prefix_routing:
+        return
+    consumer = await start_consumer(group=None)
+    try:
+        tps = [TopicPartition(KV_PREFIXES.name, p) for p in range(KV_PREFIXES.partitions)]
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        _prefix_reader["consumer"] = consumer
+        while True:
+            for records in (await consumer.getmany(timeout_ms=200)).values():
+                for record in records:
+                    try:
+                        prefixes.apply(decode(record.value or b"", PrefixHeld, WorkerLoad))
+                    except DecodeError as exc:
+                        log.warning("ignoring a bad %s record at offset %d: %s", KV_PREFIXES.name, record.offset,
+                                    exc.reason)
+    finally:
+        _prefix_reader.pop("consumer", None)
+        await consumer.stop()
+
+
+async def placement(request: InferenceRequest, target: str):
+    """Where the request goes by prefix (processors/router/prefixes.py). A later turn whose prefix is
+    not known yet waits (at most prefix_catch_up_s) until ts.kv.prefixes is read to its end: the
+    answer before it was announced just before its client saw it."""
+    place = prefixes.place(request, target)
+    consumer = _prefix_reader.get("consumer")
+    if place.reason != "no-prefix" or consumer is None:
+        return place
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + cfg.prefix_catch_up_s
+    try:
+        ends = await consumer.end_offsets(list(consumer.assignment()))
+        while not await caught_up(consumer, ends) and loop.time() < deadline:
+            await asyncio.sleep(0.005)
+    except KafkaError as exc:  # the broker away: placed by its key
+        log.debug("prefix map not caught up: %s", exc)
+    return prefixes.place(request, target)
 
 
 def targets() -> set[str]:
@@ -128,6 +176,10 @@ async def forward(request: InferenceRequest, span: tracing.Hop) -> None:
         return
     spec = inference_topic(decision.target)
     out = _outputs.get(spec.name) or _outputs.setdefault(spec.name, topic(app, spec))
+    place = await placement(request, decision.target) if cfg.prefix_routing else None
+    if place is not None:
+        span.set({"tokenstream.route.prefix": place.reason, "tokenstream.route.prefix_worker": place.worker_id})
     await send(out, spec, msgspec.structs.replace(request, model=decision.target), key=request.request_id,
-               trace=trace)
-    log.debug("routed %s: %s -> %s (%s)", request.request_id, request.model, decision.target, decision.reason)
+               partition=place.partition if place is not None else None, trace=trace)
+    log.debug("routed %s: %s -> %s (%s; prefix: %s)", request.request_id, request.model, decision.target,
+              decision.reason, place.reason if place is not None else "off")

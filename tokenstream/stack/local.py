@@ -47,12 +47,14 @@ class Process:
 
 class LocalSystem:
     def __init__(self, root: Path, model: str, gateways: dict[str, dict[str, str]], *, instances: int = 1,
-                 processor_env: dict[str, str] | None = None, worker_args: tuple[str, ...] = ()) -> None:
+                 processor_env: dict[str, str] | None = None, worker_args: tuple[str, ...] = (),
+                 workers: int | None = None) -> None:
         from tokenstream.stack import Stack
 
         self.root, self.model, self.gateway_envs, self.instances = root, model, gateways, instances
         self.processor_env = processor_env or {}
         self.worker_args = worker_args
+        self.workers = instances if workers is None else workers
         self.stack = Stack.ephemeral(root)
         self.procs: dict[str, Process] = {}
         self.ports: dict[str, int] = {}
@@ -130,6 +132,7 @@ class LocalSystem:
         for i in range(self.instances):
             for name in PROCESSORS:
                 self.add(f"{name}-{i}", name, "processor", name, env=self.processor_env)
+        for i in range(self.workers):
             port = free_port()
             self.add(f"worker-{i}", "worker", "worker", "--model", self.model, "--metrics-port", str(port),
                      "--worker-id", f"worker-{i}", *self.worker_args,
