@@ -38,7 +38,7 @@ def paragraph(rng: random.Random, words: int) -> str:
 
 async def ask(port: int, key: str, body: dict) -> dict:
     """One streamed chat completion: TTFT, the answering worker's usage (from the last frame)."""
-    data = json.dumps(body).encode()
+    data = json.dumps({**body, "stream_options": {"include_usage": True}}).encode()
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     sent = time.perf_counter()
     writer.write((f"POST /v1/chat/completions HTTP/1.0\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
@@ -79,7 +79,7 @@ async def _run(routing: bool, conversations: int, turns: int, words: int, answer
             for name in names:
                 got = await ask(port, system.key, {
                     "model": MODEL, "stream": True, "max_tokens": answer_tokens, "temperature": 0,
-                    "stream_options": {"include_usage": True}, "conversation_id": name,
+                    "conversation_id": name,
                     "messages": [{"role": "user", "content": paragraph(rng, words) + " Summarise this."}]})
                 rows.append(got)
                 await asyncio.sleep(0.1)  # a user reads the answer before the next question

@@ -189,7 +189,7 @@ async def test_streamed_tool_call_equals_the_plain_one_and_json_schema_validates
 
 async def test_prefix_reuse_stays_within_a_tenant(chain: Chain):
     """The same long system prompt: reused for the next question of the same tenant, never across."""
-    own, other = chain.client(), chain.client(new_key("other-tenant", tier="paid", exact_cache=False))
+    own = chain.client()
 
     async def ask(client, question: str):
         return await client.chat.completions.create(
@@ -199,6 +199,8 @@ async def test_prefix_reuse_stays_within_a_tenant(chain: Chain):
     # both workers serve the model: the first question of each pair primes whichever worker gets it,
     # so a pair is asked until both questions landed on the same worker (the request ids decide)
     for attempt in range(12):
+        # a tenant never seen before: nothing of it can be in any cache
+        other = chain.client(new_key(f"other-{uuid.uuid4().hex[:8]}", tier="paid", exact_cache=False))
         async with Tap(TOKENS) as tap:
             first = await ask(own, f"Is the harbour open today? ({attempt})")
             second = await ask(own, f"When does the ferry leave? ({attempt})")
