@@ -25,6 +25,7 @@ from pathlib import Path
 import typer
 
 from bench.broker_warmup import warm_broker
+from bench.rawhttp import chat_post
 
 RESULTS = Path(__file__).parent / "results" / "routing.json"
 MODEL = "smollm2"
@@ -38,11 +39,10 @@ def paragraph(rng: random.Random, words: int) -> str:
 
 async def ask(port: int, key: str, body: dict) -> dict:
     """One streamed chat completion: TTFT, the answering worker's usage (from the last frame)."""
-    data = json.dumps({**body, "stream_options": {"include_usage": True}}).encode()
+    request = chat_post(port, {**body, "stream_options": {"include_usage": True}}, key=key)
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     sent = time.perf_counter()
-    writer.write((f"POST /v1/chat/completions HTTP/1.0\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                  f"Authorization: Bearer {key}\r\nContent-Length: {len(data)}\r\n\r\n").encode() + data)
+    writer.write(request)
     buf, first = b"", None
     while chunk := await reader.read(65536):
         buf += chunk

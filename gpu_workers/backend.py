@@ -14,6 +14,8 @@ event loop except `step()`, which runs on the torch thread (`torch_thread.py`).
 
 from __future__ import annotations
 
+import collections
+import threading
 from typing import Protocol
 
 from gpu_workers.sequence import Output, Sequence
@@ -68,3 +70,53 @@ def refusal(seq: Sequence, max_model_len: int, cancelled) -> tuple[str, str | No
         return "length", None
     seq.max_tokens = min(seq.max_tokens, max_model_len - len(seq.prompt_ids))
     return None
+
+
+class Intake:
+    """The way into an engine, shared by both backends: requests, cancels and aborts queued from any
+    thread (`add`, `cancel`, `abort`, each waking the step loop), taken by the step on the torch
+    thread. A cancel is remembered (the latest 10,000) so that a request arriving after it still
+    ends as cancelled. A class using it calls `_init_intake()` and provides `_accept(seq, outputs)`
+    (schedule a request that passed `refusal`), `_finish` and `max_model_len`."""
+
+    RECENT_CANCELS = 10_000
+
+    def _init_intake(self) -> None:
+        self._inbox: collections.deque[Sequence] = collections.deque()
+        self._cancels: collections.deque[str] = collections.deque()
+        self._aborts: collections.deque[Sequence] = collections.deque()
+        self._recent_cancels: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.wakeup = threading.Event()
+
+    def add(self, seq: Sequence) -> None:
+        self._inbox.append(seq)
+        self.wakeup.set()
+
+    def cancel(self, request_id: str) -> None:
+        self._cancels.append(request_id)
+        self.wakeup.set()
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop this request without any output (its partition moved to another worker)."""
+        self._aborts.append(seq)
+        self.wakeup.set()
+
+    def _take_inbox(self, outputs: list[Output]) -> None:
+        while self._inbox:
+            seq = self._inbox.popleft()
+            refused = refusal(seq, self.max_model_len, self._recent_cancels)
+            if refused:
+                self._finish(seq, refused[0], outputs, error=refused[1])
+            else:
+                self._accept(seq, outputs)
+
+    def _taken_cancels(self) -> list[str]:
+        """The request ids cancelled since the last step, remembered for requests still to come."""
+        taken = []
+        while self._cancels:
+            rid = self._cancels.popleft()
+            self._recent_cancels[rid] = None
+            taken.append(rid)
+        while len(self._recent_cancels) > self.RECENT_CANCELS:
+            self._recent_cancels.popitem(last=False)
+        return taken

@@ -27,13 +27,12 @@ counts as prefill).
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import time
 from pathlib import Path
 
-from gpu_workers.backend import refusal
+from gpu_workers.backend import Intake
 from gpu_workers.detokenizer import Detokenizer
 from gpu_workers.sequence import Output, Sequence
 from gpu_workers.streaming import TextStream
@@ -45,7 +44,7 @@ log = logging.getLogger(__name__)
 _REASONS = {"stop": "stop", "length": "length"}
 
 
-class VllmEngine(TextStream):
+class VllmEngine(Intake, TextStream):
     """The seam (add, cancel, abort, step, has_work, queued, running, tokenizer, eos_ids) over vLLM."""
 
     def __init__(self, folder: Path, *, dtype: str = "auto", max_running: int | None = None,
@@ -83,26 +82,13 @@ class VllmEngine(TextStream):
         self.dtype = str(self.llm.vllm_config.model_config.dtype).removeprefix("torch.")
         scheduler = self.llm.vllm_config.scheduler_config
         self.max_running, self.prefill_chunk = scheduler.max_num_seqs, scheduler.max_num_batched_tokens
-        self._inbox: collections.deque[Sequence] = collections.deque()
-        self._cancels: collections.deque[str] = collections.deque()
-        self._aborts: collections.deque[Sequence] = collections.deque()
-        self._recent_cancels: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._init_intake()
         self.live: dict[str, Sequence] = {}  # vLLM request id -> request, while in vLLM
         self._vid: dict[Sequence, str] = {}
         self._n = 0
         self.steps = 0
 
-    # ---- called from any thread ----
-    def add(self, seq: Sequence) -> None:
-        self._inbox.append(seq)
-
-    def cancel(self, request_id: str) -> None:
-        self._cancels.append(request_id)
-
-    def abort(self, seq: Sequence) -> None:
-        """Drop this request without any output (its partition moved to another worker)."""
-        self._aborts.append(seq)
-
+    # ---- called from any thread (add, cancel, abort: backend.Intake) ----
     @property
     def has_work(self) -> bool:
         return bool(self._inbox or self._cancels or self._aborts or self.live)
@@ -137,16 +123,8 @@ class VllmEngine(TextStream):
             self.metrics.engine_state(len(self.running), self.queued, self.kv_usage())
         return outputs
 
-    def _take_inbox(self, outputs: list[Output]) -> None:
-        while self._inbox:
-            seq = self._inbox.popleft()
-            refused = refusal(seq, self.max_model_len, self._recent_cancels)
-            if refused:
-                self._finish(seq, refused[0], outputs, error=refused[1])
-            else:
-                self._submit(seq, outputs)
-
-    def _submit(self, seq: Sequence, outputs: list[Output]) -> None:
+    def _accept(self, seq: Sequence, outputs: list[Output]) -> None:
+        """Hand a request that passed `refusal` to vLLM."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
@@ -180,11 +158,7 @@ class VllmEngine(TextStream):
     def _take_cancels(self, outputs: list[Output]) -> None:
         while self._aborts:
             self._finish(self._aborts.popleft(), None, outputs)
-        while self._cancels:
-            rid = self._cancels.popleft()
-            self._recent_cancels[rid] = None
-            while len(self._recent_cancels) > 10_000:
-                self._recent_cancels.popitem(last=False)
+        for rid in self._taken_cancels():
             for seq in [s for s in self.live.values() if s.request_id == rid]:
                 self._finish(seq, "cancelled", outputs)
 

@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import threading
 import time
 
 import torch
 
-from gpu_workers.backend import refusal
+from gpu_workers.backend import Intake
 from gpu_workers.detokenizer import Detokenizer
 from gpu_workers.grammar import mask_rows
 from gpu_workers.attention import Chunk, StepPlan, install
@@ -43,7 +42,7 @@ __all__ = ["Engine", "Output", "Sequence"]
 _NO_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)  # a 4D mask is passed through untouched; attention masks per row
 
 
-class Engine(TextStream):
+class Engine(Intake, TextStream):
     def __init__(self, model, tokenizer, cache: PagedKVCache, *, max_running: int = 32,
                  prefill_chunk: int = 256, max_model_len: int = 2048, metrics=None,
                  prefix_cache: bool | int = True, packed_linears: bool = True) -> None:
@@ -68,11 +67,7 @@ class Engine(TextStream):
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.reserved_blocks = 0
-        self._inbox: collections.deque[Sequence] = collections.deque()
-        self._cancels: collections.deque[str] = collections.deque()
-        self._aborts: collections.deque[Sequence] = collections.deque()
-        self._recent_cancels: collections.OrderedDict[str, None] = collections.OrderedDict()
-        self.wakeup = threading.Event()
+        self._init_intake()
         self.steps = 0
         pages = cache.allocator.num_blocks // 2 if prefix_cache is True else int(prefix_cache)
         self.prefix_cache = PrefixCache(cache, pages) if pages > 0 else None
@@ -83,17 +78,7 @@ class Engine(TextStream):
     def add(self, seq: Sequence) -> None:
         if seq.seed is None:
             seq.seed = new_seed()
-        self._inbox.append(seq)
-        self.wakeup.set()
-
-    def cancel(self, request_id: str) -> None:
-        self._cancels.append(request_id)
-        self.wakeup.set()
-
-    def abort(self, seq: Sequence) -> None:
-        """Drop this request without any output (its partition moved to another worker)."""
-        self._aborts.append(seq)
-        self.wakeup.set()
+        super().add(seq)
 
     @property
     def has_work(self) -> bool:
@@ -130,14 +115,8 @@ class Engine(TextStream):
             self.metrics.engine_state(len(self.running), self.queued, self.kv_usage())
         return outputs
 
-    def _take_inbox(self, outputs: list[Output]) -> None:
-        while self._inbox:
-            seq = self._inbox.popleft()
-            refused = refusal(seq, self.max_model_len, self._recent_cancels)
-            if refused:
-                self._finish(seq, refused[0], outputs, error=refused[1])
-            else:
-                enqueue(self.waiting, seq)
+    def _accept(self, seq: Sequence, outputs: list[Output]) -> None:
+        enqueue(self.waiting, seq)
 
     def _take_cancels(self, outputs: list[Output]) -> None:
         while self._aborts:
@@ -145,11 +124,7 @@ class Engine(TextStream):
             if seq in self.waiting:
                 self.waiting.remove(seq)
             self._finish(seq, None, outputs)
-        while self._cancels:
-            rid = self._cancels.popleft()
-            self._recent_cancels[rid] = None
-            while len(self._recent_cancels) > 10_000:
-                self._recent_cancels.popitem(last=False)
+        for rid in self._taken_cancels():
             for seq in [s for s in self.waiting if s.request_id == rid]:
                 self.waiting.remove(seq)
                 self._finish(seq, "cancelled", outputs)
