@@ -35,7 +35,7 @@ async def serve(spec: dict) -> dict:
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    if spec.get("defaults"):  # vLLM as its users run it: nothing but the model (its dtype is fp32 already)
+    if spec.get("defaults"):  # vLLM as its users run it: nothing but the model (and no periodic stats log)
         args = AsyncEngineArgs(model=spec["model_dir"], disable_log_stats=True)
     else:  # the same batch limits as every engine: rows per step and tokens per step
         args = AsyncEngineArgs(model=spec["model_dir"], dtype="float32", max_num_seqs=spec["max_running"],
