@@ -29,6 +29,8 @@ from pathlib import Path
 
 import typer
 
+from common import kafka_auth
+
 RESULTS = Path(__file__).resolve().parent / "results" / "audit.json"
 MODEL = "bench-audit"
 #: How long after admission a request may still write, for this compressed run (see the docstring).
@@ -85,7 +87,8 @@ async def baseline_scan(bootstrap: str, spans) -> tuple[int, float, float]:
     """A bare consumer over the same spans: records counted, nothing decoded. (records, seconds, CPU s)"""
     from aiokafka import AIOKafkaConsumer
 
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False,
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, **kafka_auth.client_options(),
+                                group_id=None, enable_auto_commit=False,
                                 max_partition_fetch_bytes=4 * 1024 * 1024, fetch_max_wait_ms=100)
     await consumer.start()
     try:

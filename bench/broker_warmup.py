@@ -21,9 +21,10 @@ async def warm_broker(bootstrap: str, round_trips: int = WARM_ROUND_TRIPS, say=p
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic
     from aiokafka.structs import TopicPartition
 
+    from common import kafka_auth
     from producers import start_consumer, start_producer
 
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, **kafka_auth.client_options())
     await admin.start()
     try:
         await admin.create_topics([NewTopic(WARM_TOPIC, 1, 1)])

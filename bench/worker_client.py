@@ -34,13 +34,15 @@ async def run(bootstrap: str, spec: dict) -> dict:
     from aiokafka import AIOKafkaConsumer
     from aiokafka.structs import TopicPartition
 
+    from common import kafka_auth
     from producers import decode_record, publish, start_producer
     from schemas import Completion
     from topics import TOKENS, inference_topic
 
     topic = inference_topic(spec["model"])
     producer = await start_producer(bootstrap)
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, **kafka_auth.client_options(),
+                                enable_auto_commit=False)
     await consumer.start()
     tps = [TopicPartition(TOKENS.name, p) for p in range(TOKENS.partitions)]
     consumer.assign(tps)

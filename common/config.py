@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -23,6 +24,16 @@ class Settings(BaseSettings):
     kafka_controller_port: int | None = Field(None, description="KRaft controller port of `stack up` "
                                               "(default: the bootstrap port + 1)")
     kafka_replication: int = Field(1, ge=1, description="replication factor of created topics")
+    kafka_security: Literal["sasl_plaintext", "sasl_ssl", "plaintext"] = Field(
+        "sasl_plaintext", description="how every client authenticates to the broker: SASL/SCRAM-SHA-512 "
+        "(over TLS with sasl_ssl), or plaintext for a broker without SASL (common/kafka_auth.py)")
+    kafka_user: str | None = Field(None, description="this process's broker user (default: its role's, "
+                                   "admin for the operator's tools)")
+    kafka_password: SecretStr | None = Field(None, description="the password of TOKENSTREAM_KAFKA_USER")
+    kafka_credentials_dir: Path | None = Field(None, description="a folder with one password file per broker "
+                                               "user (the local stack's: written by `stack up`, `topics apply`)")
+    kafka_ssl_cafile: Path | None = Field(None, description="the CA that signed the brokers' certificates "
+                                          "(sasl_ssl)")
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="the durable Redis (noeviction): API keys, "
                            "usage, files, vector stores, stored responses, ledgers, rate-limit counters")
     cache_redis_url: str = Field("redis://127.0.0.1:6380/0", description="the evicting Redis (allkeys-lru): "

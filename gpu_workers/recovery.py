@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import TopicPartition
 
+from common import kafka_auth
 from producers import decode_record
 from schemas import Completion, DecodeError, TokenChunk
 from topics import TOKENS
@@ -48,7 +49,8 @@ class TokenLog:
         self._lock = asyncio.Lock()
 
     async def start(self) -> None:
-        self._consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, group_id=None,
+        self._consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, **kafka_auth.client_options(),
+                                          group_id=None,
                                           enable_auto_commit=False, isolation_level="read_committed")
         await self._consumer.start()
 

@@ -15,7 +15,7 @@ from processors.delivery import at_least_once
 from producers.settings import FAUST
 from schemas import DeadLetter, DecodeError, Event, TraceContext, decode, encode
 from schemas.headers import EVENT_TYPE as TYPE_HEADER
-from common import tracing
+from common import kafka_auth, tracing
 from common.config import settings
 from topics import DEAD_LETTER, TopicSpec, processor_group
 
@@ -41,6 +41,9 @@ def make_app(role: str, **overrides) -> faust.App:
         stream_wait_empty=False,
         **FAUST,  # the Kafka client settings, beside every other role's (producers/settings.py)
     )
+    credentials = kafka_auth.faust_credentials()  # the role's own broker user (topics/access.py)
+    if credentials is not None:
+        options["broker_credentials"] = credentials
     options.update(overrides)
     app = faust.App(processor_group(role), **options)
     # faust would log "Agent ... Crashed" and go on as a live process that consumes nothing (and

@@ -5,13 +5,15 @@ from __future__ import annotations
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 from producers.settings import CONSUMER, FOLLOW_FETCH_MAX_WAIT_MS, PRODUCER
+from common import kafka_auth
 from common.config import settings
 from topics import TopicSpec
 
 
 async def start_producer(bootstrap: str | None = None, **overrides) -> AIOKafkaProducer:
     """Idempotent producer, acks=all, lz4, no linger (producers/settings.py says why)."""
-    options = dict(bootstrap_servers=bootstrap or settings().kafka_bootstrap, **PRODUCER)
+    options = dict(bootstrap_servers=bootstrap or settings().kafka_bootstrap, **kafka_auth.client_options(),
+                   **PRODUCER)
     options.update(overrides)
     producer = AIOKafkaProducer(**options)
     await producer.start()
@@ -32,6 +34,7 @@ async def start_consumer(
     """
     options = dict(
         bootstrap_servers=bootstrap or settings().kafka_bootstrap,
+        **kafka_auth.client_options(),
         group_id=group,
         auto_offset_reset="earliest" if from_beginning else "latest",
         **CONSUMER,

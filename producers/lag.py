@@ -19,6 +19,8 @@ from aiokafka import AIOKafkaConsumer
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.structs import TopicPartition
 
+from common import kafka_auth
+
 
 @dataclass
 class Load:
@@ -56,9 +58,11 @@ class LagSampler:
     async def _clients(self) -> tuple[AIOKafkaAdminClient, AIOKafkaConsumer]:
         if self._admin is None or self._consumer is None:
             await self.close()
-            self._admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap, request_timeout_ms=5000)
+            self._admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap, **kafka_auth.client_options(),
+                                              request_timeout_ms=5000)
             await self._admin.start()
-            self._consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, group_id=None,
+            self._consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, **kafka_auth.client_options(),
+                                              group_id=None,
                                               request_timeout_ms=5000, enable_auto_commit=False)
             await self._consumer.start()
         return self._admin, self._consumer

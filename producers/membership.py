@@ -25,6 +25,8 @@ from aiokafka.coordinator.protocol import ConsumerProtocolMemberAssignment
 from aiokafka.errors import KafkaError
 from aiokafka.structs import TopicPartition
 
+from common import kafka_auth
+
 log = logging.getLogger(__name__)
 
 
@@ -142,7 +144,7 @@ class GroupWatch:
         try:
             async with asyncio.timeout(self.timeout_s):
                 if self._admin is None:
-                    self._admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap,
+                    self._admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap, **kafka_auth.client_options(),
                                                       request_timeout_ms=int(self.timeout_s * 1000))
                     await self._admin.start()
                 state = await describe(self._admin, s.group)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.structs import TopicPartition
 
+from common import kafka_auth
 from producers import start_consumer
 from producers.publish import decode_record
 from schemas import DecodeError, Event
@@ -123,7 +124,7 @@ async def group_settled(bootstrap: str, group: str, members: int, timeout: float
 
     from tokenstream.ops.lag import _group_states
 
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, **kafka_auth.client_options())
     await admin.start()
     try:
         deadline = time.monotonic() + timeout

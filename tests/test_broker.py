@@ -6,6 +6,7 @@ import asyncio
 
 from aiokafka.admin import AIOKafkaAdminClient
 
+from common import kafka_auth
 from producers import events, publish, start_consumer, start_producer
 from producers.publish import decode_record, trace_of
 from schemas import ALL_EVENTS, DeadLetter, TokenChunk, TraceContext
@@ -126,7 +127,7 @@ async def test_acknowledged_events_survive_a_broker_restart(stack, unique):
         assert seqs == list(range(n))
     finally:
         await consumer.stop()
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, **kafka_auth.client_options())
     await admin.start()
     try:
         assert topic.name in await admin.list_topics()

@@ -18,6 +18,7 @@ import uuid
 
 import pytest
 
+from common import kafka_auth
 from producers import publish, start_producer
 from schemas import ChatMessage, ChatRequest
 from tests.kafka_support import Tap
@@ -57,7 +58,7 @@ async def alone_in_its_group(bootstrap: str, timeout: float = 60) -> None:
     from producers.membership import describe
     from topics.registry import processor_group
 
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, **kafka_auth.client_options())
     await admin.start()
     try:
         deadline = time.monotonic() + timeout

@@ -18,6 +18,7 @@ import uuid
 import pytest
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
+from common import kafka_auth
 from processors.conversation.window import prompt_counter, trim
 from producers import publish, start_producer
 from schemas import (
@@ -404,7 +405,8 @@ async def commit_offsets(bootstrap: str, group: str, offsets: dict[TopicPartitio
     """Commit `offsets` for `group` (None: the end of every partition of `topic`), as its workers would."""
     from aiokafka import AIOKafkaConsumer
 
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False)
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, **kafka_auth.client_options(),
+                                group_id=group, enable_auto_commit=False)
     await consumer.start()
     try:
         if offsets is None:

@@ -20,6 +20,7 @@ import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.structs import TopicPartition
 
+from common import kafka_auth
 from audit.rescreen import Rescreener, commit_progress, group_of
 from audit.run import Auditor, Options
 from safety_model.classifier import SafetyClassifier
@@ -116,7 +117,7 @@ async def test_rescreen_reports_the_differences_and_leaves_live_verdicts_alone(s
     assert outputs.judged == len(answered) and outputs.blocked_now == (len(answered) if answer_blocked else 0)
     assert {e.policy_version for e in mine} == {"test-strict-1"}
     assert {(e.request_id, e.stage) for e in mine} == {(r, "input") for r in rids} | {(r, "output") for r in answered}
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, **kafka_auth.client_options())
     await admin.start()
     try:
         committed = await admin.list_consumer_group_offsets(group_of("test-strict"))

@@ -18,6 +18,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
+from common import kafka_auth
 from gpu_workers.config import WorkerConfig
 from gpu_workers.metrics import WorkerMetrics
 from gpu_workers.model_loader import load
@@ -62,7 +63,8 @@ class TokenReader:
         self.events: dict[str, list] = defaultdict(list)
 
     async def __aenter__(self):
-        self.consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, enable_auto_commit=False)
+        self.consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, **kafka_auth.client_options(),
+                                         enable_auto_commit=False)
         await self.consumer.start()
         self.tp = TopicPartition(TOKENS.name, REPLY)
         self.consumer.assign([self.tp])
@@ -105,7 +107,8 @@ def assert_gap_free(reader: TokenReader, rid: str) -> Completion:
 
 async def committed(bootstrap: str, model: str) -> int:
     spec = inference_topic(model)
-    c = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=f"worker.{model}", enable_auto_commit=False)
+    c = AIOKafkaConsumer(bootstrap_servers=bootstrap, **kafka_auth.client_options(),
+                         group_id=f"worker.{model}", enable_auto_commit=False)
     await c.start()
     try:
         return sum([(await c.committed(TopicPartition(spec.name, p))) or 0 for p in range(spec.partitions)])

@@ -249,8 +249,31 @@ def _register() -> None:
         app.add_typer(getattr(importlib.import_module(module), attr), name=name)
 
 
+# The broker user each role's command runs as (its ACLs: topics/access.py); every other command is the
+# operator's and runs as admin. TOKENSTREAM_KAFKA_USER, when set, wins (common/kafka_auth.py).
+BROKER_USERS = {
+    ("worker",): "worker", ("gateway",): "gateway", ("tools",): "tools",
+    ("processor", "conversation"): "conversation", ("processor", "safety"): "safety",
+    ("processor", "router"): "router", ("audit",): "audit", ("route",): "operator",
+}
+
+
+def _broker_user(argv: list[str]) -> str:
+    from common.kafka_auth import ADMIN
+
+    for words, user in BROKER_USERS.items():
+        if tuple(argv[: len(words)]) == words:
+            return user
+    return ADMIN
+
+
 def main() -> None:
+    import sys
+
+    from common import kafka_auth
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    kafka_auth.act_as(_broker_user(sys.argv[1:]))
     _register()
     app()
 

@@ -11,6 +11,8 @@ from aiokafka.admin import AIOKafkaAdminClient, NewPartitions, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.structs import TopicPartition
 
+from common import kafka_auth
+from topics.access_admin import apply_access
 from topics.registry import TopicSpec
 
 
@@ -34,11 +36,13 @@ class TopicInfo:
 
 
 def _admin(bootstrap: str) -> AIOKafkaAdminClient:
-    return AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=30_000)
+    return AIOKafkaAdminClient(bootstrap_servers=bootstrap, **kafka_auth.client_options(),
+                               request_timeout_ms=30_000)
 
 
 async def apply(specs: list[TopicSpec], bootstrap: str, replication: int = 1) -> list[Change]:
-    """Create missing topics; bring configs and partition counts of existing ones to the spec.
+    """Create missing topics; bring configs and partition counts of existing ones to the spec; on a
+    broker with SASL, create the role users and the grants `specs` need (topics/access.py).
 
     Idempotent: a second run reports every topic unchanged. Partitions only grow (Kafka
     cannot shrink them); configs not named in the spec go back to the broker default.
@@ -62,6 +66,10 @@ async def apply(specs: list[TopicSpec], bootstrap: str, replication: int = 1) ->
             counts = await _partition_counts(admin, [s.name for s in present])
             for spec in present:
                 changes.append(await _reconcile(admin, spec, current[spec.name], counts[spec.name]))
+        users, added = await apply_access(specs, bootstrap)
+        changes += [Change(f"User:{u}", "created", "SCRAM-SHA-512 user") for u in users]
+        if added:
+            changes.append(Change("acls", "created", f"{len(added)} grants (`topics describe --access`)"))
         return changes
     finally:
         await admin.close()
@@ -77,7 +85,8 @@ async def require(specs: list[TopicSpec], bootstrap: str, timeout_s: float = 30.
     Roles call this instead of `apply`: topic settings are the operator's, and a role of an older
     release must never revert them. Raises MissingTopics naming what to run.
     """
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False,
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, **kafka_auth.client_options(),
+                                enable_auto_commit=False,
                                 request_timeout_ms=int(timeout_s * 1000))
     await consumer.start()
     try:
@@ -163,7 +172,8 @@ async def partition_counts(bootstrap: str) -> dict[str, int]:
 async def describe(names: list[str], bootstrap: str) -> list[TopicInfo]:
     admin = _admin(bootstrap)
     await admin.start()
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, **kafka_auth.client_options(),
+                                enable_auto_commit=False)
     await consumer.start()
     try:
         names = [n for n in names if n in set(await admin.list_topics())]

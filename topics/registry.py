@@ -110,6 +110,7 @@ FAUST_COMMIT = ("faust at-least-once: commits every 0.2 s what the agent has han
 WORKER_COMMIT = ("a request's offset is committed only after its Completion is acknowledged "
                  "(the lowest unfinished request holds the partition's commit back)")
 CHANGELOG_READ = "from the beginning at start, to rebuild the table (faust recovery); nothing committed"
+LAG_READ = "reads the group's committed offsets and end offsets (lag), never records"
 
 
 @dataclass(frozen=True)
@@ -336,15 +337,14 @@ def inference_topic(model: str) -> TopicSpec:
     slug = re.sub(r"[^a-zA-Z0-9._-]+", "-", model).strip("-").lower()
     if not slug:
         raise ValueError(f"model name {model!r} gives an empty topic name")
-    lag = "reads the group's committed offsets and end offsets (lag), never records"
     return TopicSpec(
         f"ts.inference.{slug}", INFERENCE_PARTITIONS, "request_id", (InferenceRequest,),
         f"inference requests for model {model}; its worker group consumes them",
         _retained(INFERENCE_RETENTION_DAYS),
         writers=(Writer(Role.ROUTER, "the request's route chose this model"),),
         readers=(Reader(Role.WORKER, worker_group(model), WORKER_COMMIT, "the requests it serves"),
-                 Reader(Role.GATEWAY, None, lag, "admission"),
-                 Reader(Role.ROUTER, None, lag, "overflow to another model"), AUDITOR),
+                 Reader(Role.GATEWAY, None, LAG_READ, "admission"),
+                 Reader(Role.ROUTER, None, LAG_READ, "overflow to another model"), AUDITOR),
     )
 
 

@@ -6,6 +6,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from common import kafka_auth
 from tokenstream.chaos.clients import Outcome
 
 
@@ -65,7 +66,8 @@ async def read_answers(bootstrap: str, rids: set[str], since: float) -> dict[str
     from schemas import DecodeError, decode
     from topics import TOKENS
 
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False,
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, **kafka_auth.client_options(),
+                                group_id=None, enable_auto_commit=False,
                                 auto_offset_reset="earliest")
     await consumer.start()
     answers = {rid: LogAnswer() for rid in rids}

@@ -17,6 +17,7 @@ from aiokafka import AIOKafkaConsumer
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.structs import TopicPartition
 
+from common import kafka_auth
 from producers.membership import GroupState, states
 from topics.admin import partition_counts
 from topics.registry import TopicSpec
@@ -61,8 +62,10 @@ async def _group_states(admin: AIOKafkaAdminClient, groups: list[str]) -> dict[s
 async def sample(bootstrap: str, specs: list[TopicSpec], interval_s: float = 2.0) -> tuple[
         list[PartitionLag], dict[str, GroupState]]:
     """Two readings `interval_s` apart; the rows carry the second reading and the rate between."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=10_000)
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False)
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, **kafka_auth.client_options(),
+                                request_timeout_ms=10_000)
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, **kafka_auth.client_options(),
+                                group_id=None, enable_auto_commit=False)
     await admin.start()
     await consumer.start()
     try:
@@ -98,7 +101,8 @@ async def sample(bootstrap: str, specs: list[TopicSpec], interval_s: float = 2.0
 
 async def member_of(bootstrap: str, group: str, host: str) -> tuple[bool, str]:
     """Whether a member of `group` on `host` holds at least one partition (a pod's readiness)."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=5_000)
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, **kafka_auth.client_options(),
+                                request_timeout_ms=5_000)
     await admin.start()
     try:
         state = (await _group_states(admin, [group])).get(group)

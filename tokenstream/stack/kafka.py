@@ -1,20 +1,33 @@
-"""Apache Kafka 4.x, single node in KRaft mode, from Maven Central jars (no Docker)."""
+"""Apache Kafka 4.x, single node in KRaft mode, from Maven Central jars (no Docker).
+
+Secure by default: clients authenticate with SASL/SCRAM-SHA-512 on the one client listener and
+the StandardAuthorizer refuses whatever no ACL allows (the ACLs come from the registry, see
+topics/access.py). `admin` (the operator's tools, and the broker itself between its listeners) is
+the super user, created when the log folder is formatted; the controller listener takes SASL/PLAIN
+from a user only this file names (KRaft controllers cannot check SCRAM). Passwords live in
+`credentials/`, one file per user, mode 0600.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import os
 import shutil
 import subprocess
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from common.kafka_auth import ensure_password
 from tokenstream.stack.service import Service, ServiceError, port_open
 
 KAFKA_VERSION = "4.4.0"
 POM = Path(__file__).with_name("kafka.pom.xml")
 MAIN = "kafka.Kafka"
+SCRAM = "SCRAM-SHA-512"
+ADMIN = "admin"  # the super user (the operator's tools; the broker itself on its client listener)
+CONTROLLER_USER = "controller"  # the controller listener's only user (SASL/PLAIN)
 
 LOG4J2 = """\
 status = warn
@@ -38,12 +51,29 @@ class Kafka(Service):
     ready_timeout_s = 120.0
 
     def __init__(self, *args, port: int = 9092, controller_port: int = 9093,
-                 heap: str = "512m", test_mode: bool = False) -> None:
+                 heap: str = "512m", test_mode: bool = False, secure: bool = True) -> None:
         super().__init__(*args)
         self.port = port
         self.controller_port = controller_port
         self.heap = heap
         self.test_mode = test_mode
+        self.secure = secure
+
+    @property
+    def credentials_dir(self) -> Path:
+        """One password file per broker user (`topics apply` adds the roles')."""
+        return self.data_dir / "credentials"
+
+    def secret(self, user: str) -> str:
+        """The password of `user`, made on first use."""
+        return ensure_password(self.credentials_dir, user)
+
+    def client_options(self) -> dict:
+        """aiokafka keyword arguments for this broker's super user (the stack's own checks)."""
+        if not self.secure:
+            return {}
+        return dict(security_protocol="SASL_PLAINTEXT", sasl_mechanism=SCRAM,
+                    sasl_plain_username=ADMIN, sasl_plain_password=self.secret(ADMIN))
 
     @property
     def address(self) -> str:
@@ -87,6 +117,7 @@ class Kafka(Service):
             "controller.listener.names": "CONTROLLER",
             "inter.broker.listener.name": "PLAINTEXT",
             "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+            **(self._security() if self.secure else {}),
             "log.dirs": str(self.data_dir / "log"),
             "auto.create.topics.enable": "false",
             "offsets.topic.replication.factor": "1",
@@ -103,18 +134,52 @@ class Kafka(Service):
             props["transaction.state.log.num.partitions"] = "6"
         return props
 
+    def _security(self) -> dict[str, str]:
+        admin, controller = self.secret(ADMIN), self.secret(CONTROLLER_USER)
+        return {
+            "listeners": f"CLIENT://127.0.0.1:{self.port},CONTROLLER://127.0.0.1:{self.controller_port}",
+            "advertised.listeners": f"CLIENT://127.0.0.1:{self.port}",
+            "inter.broker.listener.name": "CLIENT",
+            "listener.security.protocol.map": "CLIENT:SASL_PLAINTEXT,CONTROLLER:SASL_PLAINTEXT",
+            "sasl.mechanism.inter.broker.protocol": SCRAM,
+            "sasl.mechanism.controller.protocol": "PLAIN",
+            "listener.name.client.sasl.enabled.mechanisms": SCRAM,
+            f"listener.name.client.{SCRAM.lower()}.sasl.jaas.config":
+                f'org.apache.kafka.common.security.scram.ScramLoginModule required username="{ADMIN}" '
+                f'password="{admin}";',
+            "listener.name.controller.sasl.enabled.mechanisms": "PLAIN",
+            "listener.name.controller.plain.sasl.jaas.config":
+                f'org.apache.kafka.common.security.plain.PlainLoginModule required username="{CONTROLLER_USER}" '
+                f'password="{controller}" user_{CONTROLLER_USER}="{controller}";',
+            "authorizer.class.name": "org.apache.kafka.metadata.authorizer.StandardAuthorizer",
+            "super.users": f"User:{ADMIN};User:{CONTROLLER_USER}",
+            "allow.everyone.if.no.acl.found": "false",
+        }
+
     def prepare(self) -> None:
         (self.data_dir / "log4j2.properties").write_text(LOG4J2)
-        self.properties_file.write_text("".join(f"{k}={v}\n" for k, v in self.properties().items()))
+        fd = os.open(self.properties_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds passwords
+        with os.fdopen(fd, "w") as f:
+            f.write("".join(f"{k}={v}\n" for k, v in self.properties().items()))
+        os.chmod(self.properties_file, 0o600)
+        marker = self.data_dir / "log" / ".scram-admin"
         if (self.data_dir / "log" / "meta.properties").exists():
+            if self.secure and not marker.exists():
+                raise ServiceError(
+                    f"kafka: {self.data_dir / 'log'} was formatted without SASL users (an older stack); "
+                    f"keep it with TOKENSTREAM_KAFKA_SECURITY=plaintext, or start afresh: "
+                    f"tokenstream stack down && rm -r {self.data_dir}")
             return  # formatted before: keep the data
         # The same form as `StorageTool random-uuid`: a URL-safe base64 UUID without padding.
         cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        scram = (["--add-scram", f"{SCRAM}=[name={ADMIN},password={self.secret(ADMIN)}]"] if self.secure else [])
         subprocess.run(
             self._java("kafka.tools.StorageTool", "format", "--standalone", f"--cluster-id={cluster_id}",
-                       "-c", str(self.properties_file)),
+                       "-c", str(self.properties_file), *scram),
             check=True, stdout=subprocess.DEVNULL,
         )
+        if self.secure:
+            marker.write_text(ADMIN)
 
     def command(self) -> list[str]:
         # TieredStopAtLevel=1: the JVM's quick (C1) compiler only. This broker shares a small
@@ -131,13 +196,13 @@ class Kafka(Service):
             return False
         # A thread of its own, so the check also works when called from inside an event loop.
         with ThreadPoolExecutor(1) as pool:
-            return pool.submit(asyncio.run, _cluster_answers(self.address)).result()
+            return pool.submit(asyncio.run, _cluster_answers(self.address, self.client_options())).result()
 
 
-async def _cluster_answers(bootstrap: str) -> bool:
+async def _cluster_answers(bootstrap: str, options: dict) -> bool:
     from aiokafka.admin import AIOKafkaAdminClient
 
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=3000)
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=3000, **options)
     try:
         await admin.start()
         cluster = await admin.describe_cluster()

@@ -32,7 +32,8 @@ class Stack:
                                   for url in (cfg.redis_url, cfg.cache_redis_url))
         folders = _folders(cfg.data_dir, cfg.cache_dir)
         return cls(
-            Kafka(*folders, port=kafka_port, controller_port=cfg.kafka_controller_port or kafka_port + 1),
+            Kafka(*folders, port=kafka_port, controller_port=cfg.kafka_controller_port or kafka_port + 1,
+                  secure=cfg.kafka_security != "plaintext"),
             Redis(*folders, port=redis_port, persistent=True),
             Weaviate(*folders, port=cfg.weaviate_http_port, grpc_port=cfg.weaviate_grpc_port,
                      **dict(zip(("gossip_port", "data_port", "raft_port", "raft_rpc_port"),
@@ -45,7 +46,8 @@ class Stack:
         """A throwaway stack on free ports under `root` (tests, benchmarks)."""
         folders = _folders(root, cache_dir or settings().cache_dir)
         return cls(
-            Kafka(*folders, port=free_port(), controller_port=free_port(), test_mode=True),
+            Kafka(*folders, port=free_port(), controller_port=free_port(), test_mode=True,
+                  secure=settings().kafka_security != "plaintext"),
             Redis(*folders, port=free_port(), persistent=False),
             Weaviate(*folders, port=free_port(), grpc_port=free_port(), gossip_port=free_port(),
                      data_port=free_port(), raft_port=free_port(), raft_rpc_port=free_port()),
@@ -72,6 +74,8 @@ class Stack:
         """TOKENSTREAM_* variables that point a role at this stack."""
         return {
             "TOKENSTREAM_KAFKA_BOOTSTRAP": self.kafka.address,
+            "TOKENSTREAM_KAFKA_SECURITY": "sasl_plaintext" if self.kafka.secure else "plaintext",
+            "TOKENSTREAM_KAFKA_CREDENTIALS_DIR": str(self.kafka.credentials_dir),
             "TOKENSTREAM_REDIS_URL": self.redis.address,
             "TOKENSTREAM_CACHE_REDIS_URL": self.cache.address,
             "TOKENSTREAM_WEAVIATE_HTTP_PORT": str(self.weaviate.port),

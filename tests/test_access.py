@@ -1,0 +1,120 @@
+"""Who may write what: the broker's SASL users and ACLs are the registry's writers and readers.
+
+On the test stack (SASL/SCRAM and the StandardAuthorizer, as `make run`'s), each role's credentials
+may write the topics the registry names it a writer of and nothing else; a client without
+credentials, or with a wrong password, is not let in; and the one topic where a tenant enters the
+log (ts.chat.requests, a ChatRequest's tenant) takes records from the gateway's user alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.errors import KafkaConnectionError, KafkaError, TopicAuthorizationFailedError
+
+from common import kafka_auth
+from schemas import ChatMessage, ChatRequest, encode
+from topics import CHAT_REQUESTS, REGISTRY, TOOL_RESULTS, inference_topic
+from topics.access import USERS, Grant, by_user, grants
+from topics.access_admin import broker_grants
+from topics.admin import apply
+from topics.registry import Role
+
+MODEL = "access-model"
+SPECS = [*REGISTRY, inference_topic(MODEL)]
+
+
+def test_only_the_gateway_may_write_requests_and_only_the_tool_processor_tool_results():
+    writers = {g.user for g in grants(SPECS) if g.operation == "write" and g.name == CHAT_REQUESTS.name}
+    assert writers == {"gateway"}
+    writers = {g.user for g in grants(SPECS) if g.operation == "write" and g.name == TOOL_RESULTS.name}
+    assert writers == {"tools"}
+
+
+def test_every_grant_comes_from_the_registry_or_is_listed_with_its_reason():
+    named = {s.name for s in SPECS}
+    for grant in grants(SPECS):
+        if grant.resource == "topic" and grant.pattern == "literal":
+            assert grant.name in named, grant
+    # A role's user may write a topic only if the registry names the role among its writers.
+    for spec in SPECS:
+        allowed = {w.role.value for w in spec.writers}
+        assert {g.user for g in grants(SPECS) if g.name == spec.name and g.operation == "write"} == allowed
+    assert set(by_user(SPECS)) == {r.value for r in Role}
+
+
+async def _produce(bootstrap: str, user: str, password: str, topic: str) -> str:
+    """'ok', or the name of the error that refused the write."""
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, security_protocol="SASL_PLAINTEXT",
+                                sasl_mechanism=kafka_auth.MECHANISM, sasl_plain_username=user,
+                                sasl_plain_password=password, acks="all", enable_idempotence=True,
+                                request_timeout_ms=10_000, metadata_max_age_ms=1000)
+    try:
+        await producer.start()
+        request = ChatRequest(request_id=f"forged-{user}", tenant="victim", conversation_id="c1",
+                              model=MODEL, messages=[ChatMessage(role="user", content="forged")])
+        await asyncio.wait_for(producer.send_and_wait(topic, encode(request), key=b"victim:c1"), 15)
+        return "ok"
+    except (KafkaError, TimeoutError) as exc:
+        return type(exc).__name__
+    finally:
+        await producer.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_roles_credentials_write_what_the_registry_says_and_nothing_else(stack, bootstrap):
+    await apply(SPECS, bootstrap)
+    on_broker = await broker_grants(bootstrap)
+    assert set(grants(SPECS)) <= on_broker
+    passwords = {user: kafka_auth.password(user) for user in USERS}
+    # Where a tenant enters the log: every role but the gateway is refused.
+    for user in USERS:
+        outcome = await _produce(bootstrap, user, passwords[user], CHAT_REQUESTS.name)
+        assert outcome == ("ok" if user == "gateway" else "TopicAuthorizationFailedError"), (user, outcome)
+    # And a topic each role does own takes its records.
+    assert await _produce(bootstrap, "tools", passwords["tools"], TOOL_RESULTS.name) == "ok"
+    assert await _produce(bootstrap, "worker", passwords["worker"], TOOL_RESULTS.name) == \
+        "TopicAuthorizationFailedError"
+
+
+@pytest.mark.asyncio
+async def test_a_role_cannot_read_or_join_what_it_does_not_own(stack, bootstrap):
+    await apply(SPECS, bootstrap)
+    worker = dict(security_protocol="SASL_PLAINTEXT", sasl_mechanism=kafka_auth.MECHANISM,
+                  sasl_plain_username="worker", sasl_plain_password=kafka_auth.password("worker"))
+    # ts.chat.requests holds every tenant's messages: the worker has no business reading it.
+    consumer = AIOKafkaConsumer(CHAT_REQUESTS.name, bootstrap_servers=bootstrap, group_id=None,
+                                auto_offset_reset="earliest", **worker)
+    try:
+        with pytest.raises(TopicAuthorizationFailedError):
+            await asyncio.wait_for(consumer.start(), 20)
+            await asyncio.wait_for(consumer.getmany(timeout_ms=5000), 20)
+    finally:
+        await consumer.stop()
+    # Nor may it join the conversation processor's group (and take its partitions).
+    consumer = AIOKafkaConsumer(inference_topic(MODEL).name, bootstrap_servers=bootstrap,
+                                group_id="ts-conversation", **worker)
+    try:
+        with pytest.raises(KafkaError) as refused:
+            await asyncio.wait_for(consumer.start(), 20)
+            await asyncio.wait_for(consumer.getmany(timeout_ms=5000), 20)
+        assert "GroupAuthorizationFailed" in type(refused.value).__name__, refused.value
+    finally:
+        await consumer.stop()
+
+
+@pytest.mark.asyncio
+async def test_no_credentials_or_a_wrong_password_are_not_let_in(stack, bootstrap):
+    assert await _produce(bootstrap, "gateway", "not-its-password", CHAT_REQUESTS.name) == \
+        "KafkaConnectionError"
+    anonymous = AIOKafkaProducer(bootstrap_servers=bootstrap, request_timeout_ms=5000)
+    with pytest.raises(KafkaConnectionError):
+        await asyncio.wait_for(anonymous.start(), 30)
+    await anonymous.stop()
+
+
+def test_grants_print_as_acls():
+    assert str(Grant("audit", "group", "ts-audit-rescreen.", "read", "prefixed")) == \
+        "User:audit read group ts-audit-rescreen.*"

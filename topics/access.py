@@ -1,0 +1,81 @@
+"""Who may write and read what: the broker's users and ACLs, derived from the registry alone.
+
+Each role is one broker user named for it (`Role.value`). A topic's writers may WRITE it, its readers
+READ it (both DESCRIBE it), a reader's consumer group may be joined by that role alone. Nothing else
+is allowed: the broker runs the StandardAuthorizer with allow.everyone.if.no.acl.found=false, so the
+gateway alone can put a ChatRequest (a tenant's request) on the log, the tool processor alone a
+ToolResult. What the registry cannot say in a topic's writers and readers is listed here, each with
+its reason (`_extra`): the faust processors' own topics, the audit's rescreen groups, the lag readers'
+view of a worker group's offsets.
+
+`topics apply` creates the users whose passwords the credentials folder holds (the local stack's) and
+adds every grant; `grants()` is also what `topics export --format strimzi-users` writes as KafkaUser
+resources, and what tests/test_access.py holds the broker to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from topics.registry import FAUST_COMMIT, LAG_READ, RESCREEN_GROUP_PREFIX, Role, TopicSpec, processor_group
+
+#: Every role's broker user. The operator's tools run as `admin`, the super user (common/kafka_auth.py).
+USERS: tuple[str, ...] = tuple(role.value for role in Role)
+
+
+@dataclass(frozen=True, order=True)
+class Grant:
+    """One ACL: `user` may do `operation` on the `resource` (topic or group) named `name`
+    (`pattern` literal: exactly that name; prefixed: every name starting with it)."""
+
+    user: str
+    resource: str  # topic | group
+    name: str
+    operation: str  # read | write | describe | create
+    pattern: str = "literal"
+
+    def __str__(self) -> str:
+        star = "*" if self.pattern == "prefixed" else ""
+        return f"User:{self.user} {self.operation} {self.resource} {self.name}{star}"
+
+
+def grants(specs: list[TopicSpec]) -> list[Grant]:
+    """Every ACL the roles need to do what the registry says they do with `specs`, sorted."""
+    out: set[Grant] = set()
+    faust_roles: set[Role] = set()
+    for spec in specs:
+        for writer in spec.writers:
+            out |= {Grant(writer.role.value, "topic", spec.name, op) for op in ("write", "describe")}
+        for reader in spec.readers:
+            out |= {Grant(reader.role.value, "topic", spec.name, op) for op in ("read", "describe")}
+            if reader.group:
+                out.add(Grant(reader.role.value, "group", reader.group, "read"))
+            if reader.commit == LAG_READ:  # the committed offsets of the groups that consume the topic
+                out |= {Grant(reader.role.value, "group", group, "describe") for group in spec.groups}
+            if reader.commit == FAUST_COMMIT:
+                faust_roles.add(reader.role)
+    out |= set(_extra(faust_roles))
+    return sorted(out)
+
+
+def _extra(faust_roles: set[Role]) -> list[Grant]:
+    """The grants that no topic's writers and readers name."""
+    extra = [
+        # `tokenstream audit rescreen` commits what it re-judged in one group per policy version.
+        Grant(Role.AUDIT.value, "group", RESCREEN_GROUP_PREFIX, "read", "prefixed"),
+    ]
+    for role in sorted(faust_roles):
+        # A faust app declares (creates if missing) and uses topics named for its app id: its tables'
+        # changelogs (in the registry) and its assignor's leader topic (faust's own, not in it).
+        prefix = processor_group(role.value) + "-"
+        extra += [Grant(role.value, "topic", prefix, op, "prefixed")
+                  for op in ("create", "read", "write", "describe")]
+    return extra
+
+
+def by_user(specs: list[TopicSpec]) -> dict[str, list[Grant]]:
+    """grants(specs), per user (every role's user listed, even one without grants)."""
+    out: dict[str, list[Grant]] = {user: [] for user in USERS}
+    for grant in grants(specs):
+        out[grant.user].append(grant)
+    return out
