@@ -18,12 +18,19 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from audit.report import Exporter, Summary, timeline
 from audit.run import Auditor, Options, Outcome
+from common import id_key
 from common.config import settings
 
 app = typer.Typer(help="Replay requests and conversations from the topics, in order, with a gap check.",
                   no_args_is_help=True)
 console = Console()
 errors = Console(stderr=True)
+
+
+@app.callback()
+def _start() -> None:
+    """Every command reads request ids, which only the deployment's id key opens (schemas/ids.py)."""
+    id_key.install()
 
 Tenant = typer.Option(None, help="only this tenant's requests")
 Export = typer.Option(None, help="also write every event as JSON Lines to this file")

@@ -41,10 +41,12 @@ async def write_run(bootstrap: str, requests: int, chunks: int, say) -> tuple[in
     from producers import publish, start_producer
     from schemas import (ChatMessage, ChatRequest, Completion, InferenceRequest, SafetyVerdict, TokenChunk,
                          Transcript, Usage)
+    from common import id_key
     from schemas.ids import new_request_id
     from topics import (CHAT_REQUESTS, CONVERSATION_TURNS, PREPARED, SCREENED, TOKENS, TRANSCRIPTS, VERDICTS,
                         inference_topic)
 
+    id_key.install()
     producer = await start_producer(bootstrap, linger_ms=20, max_batch_size=1024 * 1024)
     inference = inference_topic(MODEL)
     words = [f"word{i} " for i in range(chunks)]
@@ -150,6 +152,8 @@ def main(events: int = typer.Option(1_000_000, help="events to write and replay 
     from rich.table import Table
 
     from tokenstream.stack import Stack
+
+    from tokenstream.stack.stack import use
     from topics.admin import apply
     from topics.registry import all_topics
 
@@ -162,6 +166,7 @@ def main(events: int = typer.Option(1_000_000, help="events to write and replay 
     with tempfile.TemporaryDirectory(prefix="bench-audit-") as tmp:
         stack = Stack.ephemeral(Path(tmp))
         stack.kafka.start(say)
+        use(stack.kafka.environment())
         try:
             bootstrap = stack.kafka.address
             asyncio.run(apply(all_topics([MODEL]), bootstrap))

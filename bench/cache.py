@@ -62,10 +62,13 @@ async def _run(requests: int, limiter_calls: int, entries: int, lookups: int) ->
 
     from tokenstream.stack import Stack
 
+    from tokenstream.stack.stack import use
+
     tmp = Path(tempfile.mkdtemp(prefix="bench-cache-"))
     stack = Stack.ephemeral(tmp)
     say = lambda m: print(m, flush=True)  # noqa: E731
     stack.up(say)
+    use(stack.environment())
     try:
         async with synthetic_gateway(stack, tmp, "bench cache") as (_, port, key):
             worker = await SyntheticWorker(stack.kafka.address).start()

@@ -182,6 +182,7 @@ def run_worker(spec: dict, backend: str = "transformers", dtype: str = "auto") -
     from bench.worker import Work, run_worker_bench
     from gpu_workers.torch_thread import run_on_torch_thread
     from tokenstream.stack import Stack
+    from tokenstream.stack.stack import use
 
     logging.getLogger("aiokafka").setLevel(logging.ERROR)
     loaded = None
@@ -192,6 +193,7 @@ def run_worker(spec: dict, backend: str = "transformers", dtype: str = "auto") -
     with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
         stack = Stack.ephemeral(Path(tmp))
         stack.kafka.start(lambda m: print(m, file=sys.stderr, flush=True))
+        use(stack.kafka.environment())
         try:
             res = asyncio.run(run_worker_bench(loaded, work, stack.kafka.address, *limits,
                                                broker_pid=stack.kafka.pid(), backend=backend,

@@ -108,12 +108,15 @@ async def _run(streams: int, rate: float, tokens: int, light_requests: int) -> d
 
     from tokenstream.stack import Stack
 
+    from tokenstream.stack.stack import use
+
     tmp = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
     stack = Stack.ephemeral(tmp)
     say = lambda m: print(m, flush=True)  # noqa: E731
     stack.kafka.start(say)
     stack.redis.start(say)
     stack.cache.start(say)
+    use(stack.kafka.environment())
     try:
         async with synthetic_gateway(stack, tmp, "bench gateway") as (gateway, port, key):
             bootstrap = stack.kafka.address

@@ -8,7 +8,7 @@ import json
 import re
 import time
 
-ID_RE = re.compile(rb"id: ([0-9a-f]{16}p\d+t\d+):(-?\d+)\r?\n")
+ID_RE = re.compile(rb"id: ([0-9a-f]{32}(?:s\d+)?):(-?\d+)\r?\n")
 
 
 def chat_post(port: int, body: dict, *, key: str | None = None) -> bytes:

@@ -297,6 +297,7 @@ def main(
     from gpu_workers.model_loader import load
     from gpu_workers.torch_thread import run_on_torch_thread
     from tokenstream.stack import Stack
+    from tokenstream.stack.stack import use
 
     console = Console()
     load_before = os.getloadavg()[0]
@@ -324,6 +325,7 @@ def main(
     with tempfile.TemporaryDirectory(prefix="bench-worker-") as tmp:
         stack = Stack.ephemeral(Path(tmp))
         stack.kafka.start(lambda m: console.print(m, highlight=False))
+        use(stack.kafka.environment())
         try:
             results.append(asyncio.run(run_worker_bench(loaded, work, stack.kafka.address, max_running,
                                                            prefill_chunk)))

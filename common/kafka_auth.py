@@ -17,11 +17,11 @@ sasl_ssl adds TLS, verified against TOKENSTREAM_KAFKA_SSL_CAFILE (docs/operators
 
 from __future__ import annotations
 
-import os
 import secrets
 import ssl
 from pathlib import Path
 
+from common import secret_files
 from common.config import settings
 
 ADMIN = "admin"
@@ -55,17 +55,8 @@ def credentials_folder() -> Path | None:
 
 
 def ensure_password(folder: Path, name: str) -> str:
-    """The password in folder/name, made first if missing (a file of mode 0600 in a folder of mode 0700)."""
-    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-    path = folder / name
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        pass
-    else:
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_urlsafe(24))
-    return path.read_text().strip()
+    """The password in folder/name, made first if missing."""
+    return secret_files.ensure(folder / name, lambda: secrets.token_urlsafe(24))
 
 
 def password(name: str | None = None) -> str:

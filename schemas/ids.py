@@ -1,39 +1,71 @@
 """Identifier formats every role relies on.
 
-A request id names its reply partition and admission time, `<16 hex>p<partition>t<ms>`: any
-gateway instance finds the request's events in the tokens topic without shared state (the
-topic stamps records with LogAppendTime, so offsets_for_times(admission time) is at or before
-the request's first event), and an auditor finds where and when to start reading.
+A request id is 32 hex digits: one AES block (under the deployment's id key) holding the request's
+reply partition, its admission time in ms, 4 random bytes and a 4-byte mark. Whoever holds the key
+(the gateways, the auditors) reads where and when the request's events are, so any gateway instance
+finds them in the tokens topic without shared state (the topic stamps records with LogAppendTime, so
+offsets_for_times(admission time) is at or before the request's first event) and an auditor knows
+where and when to start reading; a client, who sees the id in `chatcmpl-<id>`, `resp_<id>` and every
+SSE id, learns nothing of either, and an id it makes up fails the mark (1 in 2**32 passes it).
+The key is installed once per process (`use_id_key`; common/id_key.py reads it), before any id is
+made or read.
 
 An SSE event id is `<request_id>:<position>`; positions are the token event seqs (the role
 chunk is -1; the completion at seq c gives the finish chunk c, the usage chunk c+1 and
 [DONE] c+2).
 
 A response (`/v1/responses`) is a run of inference requests: step 0's request id is the run id,
-step k's is `step_request_id(run_id, k)`, the same format with the same reply partition and
-admission time, so every step is found where the run's events are. Its client-facing id is
-`resp_<run id>`; its SSE ids are `<run id>:<sequence_number>` (one per streamed event, in log order).
+step k's is `step_request_id(run_id, k)`, `<run id>s<k>`, which holds the run's reply partition and
+admission time, so every step is found where the run's events are, and which needs no key to make
+(the conversation processor names the steps). Its client-facing id is `resp_<run id>`; its SSE ids
+are `<run id>:<sequence_number>` (one per streamed event, in log order).
 """
 
 from __future__ import annotations
 
-import hashlib
 import re
 import secrets
 
-REQUEST_ID = re.compile(r"^[0-9a-f]{16}p(\d+)t(\d+)$")
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+REQUEST_ID = re.compile(r"^([0-9a-f]{32})(?:s(\d+))?$")
+_MARK = b"tsid"
+_cipher: Cipher | None = None
+
+
+def use_id_key(key: bytes) -> None:
+    """Install this process's id key (32 bytes, the same in every gateway and auditor of a deployment)."""
+    global _cipher
+    if len(key) != 32:
+        raise ValueError("the id key is 32 bytes")
+    # One block per id, each holding 4 random bytes: ECB over single blocks is a keyed permutation of
+    # the block, which is all an opaque, checkable id needs (no block ever repeats).
+    _cipher = Cipher(algorithms.AES(key), modes.ECB())  # noqa: S305 - one block per message
+
+
+def _key_cipher() -> Cipher:
+    if _cipher is None:
+        raise RuntimeError("no id key installed in this process (common.id_key.install)")
+    return _cipher
 
 
 def new_request_id(partition: int, created_at: float) -> str:
-    return f"{secrets.token_hex(8)}p{partition}t{int(created_at * 1000)}"
+    block = (partition.to_bytes(2, "big") + int(created_at * 1000).to_bytes(6, "big") + secrets.token_bytes(4)
+             + _MARK)
+    encryptor = _key_cipher().encryptor()
+    return (encryptor.update(block) + encryptor.finalize()).hex()
 
 
 def parse_request_id(request_id: str) -> tuple[int, int]:
-    """(reply partition, admission time in ms), or ValueError for an id no gateway made."""
+    """(reply partition, admission time in ms), or ValueError for an id no gateway of this deployment made."""
     m = REQUEST_ID.match(request_id)
     if not m:
         raise ValueError(f"not a tokenstream request id: {request_id!r}")
-    return int(m.group(1)), int(m.group(2))
+    decryptor = _key_cipher().decryptor()
+    block = decryptor.update(bytes.fromhex(m.group(1))) + decryptor.finalize()
+    if block[12:] != _MARK:
+        raise ValueError(f"not a tokenstream request id: {request_id!r}")
+    return int.from_bytes(block[:2], "big"), int.from_bytes(block[2:8], "big")
 
 
 def event_id(request_id: str, position: int) -> str:
@@ -43,11 +75,9 @@ def event_id(request_id: str, position: int) -> str:
 def step_request_id(run_id: str, step: int) -> str:
     """The request id of step `step` of a run (step 0 is the run id itself): deterministic, so the
     gateway follows every step of a run from its id alone and a replayed step keeps its id."""
-    if step == 0:
-        return run_id
-    partition, created_ms = parse_request_id(run_id)
-    head = hashlib.sha256(f"{run_id}:{step}".encode()).hexdigest()[:16]
-    return f"{head}p{partition}t{created_ms}"
+    if not REQUEST_ID.match(run_id) or "s" in run_id:
+        raise ValueError(f"not a run id: {run_id!r}")
+    return run_id if step == 0 else f"{run_id}s{step}"
 
 
 RESPONSE_PREFIX = "resp_"
@@ -60,7 +90,7 @@ def response_id(run_id: str) -> str:
 def run_id_of(response: str) -> str:
     """The run id inside a response id; ValueError for an id no gateway made."""
     rid = response.removeprefix(RESPONSE_PREFIX)
-    if rid == response:
+    if rid == response or "s" in rid:
         raise ValueError(f"not a response id: {response!r}")
     parse_request_id(rid)
     return rid

@@ -15,7 +15,12 @@ from pathlib import Path
 
 import pytest
 
+from common import id_key
 from tokenstream.stack import Stack
+
+# One id key for the session's processes (schemas/ids.py): the roles started here inherit it.
+os.environ.setdefault("TOKENSTREAM_ID_KEY", os.urandom(32).hex())
+id_key.install()
 
 
 @pytest.fixture(scope="session")

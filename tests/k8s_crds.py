@@ -1,6 +1,7 @@
 """Structural schemas of the custom resources deploy/k8s uses, written from the CRDs' documented
 fields (KEDA keda.sh/v1alpha1 ScaledObject with a kafka trigger, Strimzi kafka.strimzi.io/v1beta2
-KafkaTopic, prometheus-operator monitoring.coreos.com/v1 PrometheusRule).
+KafkaTopic and KafkaUser, KEDA's TriggerAuthentication, prometheus-operator monitoring.coreos.com/v1
+PrometheusRule).
 
 kubernetes-validate knows the built-in kinds only; these schemas check what each operator
 requires and the types it accepts, with unknown fields refused so a misspelt key fails.
@@ -60,6 +61,35 @@ KAFKA_TOPIC = _resource("kafka.strimzi.io/v1beta2", "KafkaTopic", {
                    "config": {"type": "object", "additionalProperties": {"type": ["string", "integer", "boolean"]}},
                    "topicName": {"type": "string"}},
 })
+KAFKA_USER = _resource("kafka.strimzi.io/v1beta2", "KafkaUser", {
+    "type": "object", "additionalProperties": False,
+    "properties": {
+        "authentication": {"type": "object", "required": ["type"], "additionalProperties": False,
+                           "properties": {"type": {"enum": ["tls", "tls-external", "scram-sha-512"]},
+                                          "password": {"type": "object"}}},
+        "authorization": {"type": "object", "required": ["type", "acls"], "additionalProperties": False,
+                          "properties": {"type": {"const": "simple"}, "acls": {"type": "array", "items": {
+                              "type": "object", "required": ["resource", "operations"], "additionalProperties": False,
+                              "properties": {
+                                  "resource": {"type": "object", "required": ["type"], "additionalProperties": False,
+                                               "properties": {
+                                                   "type": {"enum": ["topic", "group", "cluster", "transactionalId"]},
+                                                   "name": {"type": "string"},
+                                                   "patternType": {"enum": ["literal", "prefix"]}}},
+                                  "operations": {"type": "array", "minItems": 1, "items": {"enum": [
+                                      "Read", "Write", "Create", "Delete", "Alter", "Describe", "ClusterAction",
+                                      "AlterConfigs", "DescribeConfigs", "IdempotentWrite", "All"]}},
+                                  "host": {"type": "string"}, "type": {"enum": ["allow", "deny"]}}}}}},
+        "quotas": {"type": "object"}, "template": {"type": "object"}},
+})
+TRIGGER_AUTHENTICATION = _resource("keda.sh/v1alpha1", "TriggerAuthentication", {
+    "type": "object", "additionalProperties": False,
+    "properties": {"secretTargetRef": {"type": "array", "minItems": 1, "items": {
+        "type": "object", "required": ["parameter", "name", "key"], "additionalProperties": False,
+        "properties": {"parameter": {"enum": ["sasl", "username", "password", "tls", "ca", "cert", "key"]},
+                       "name": {"type": "string"}, "key": {"type": "string"}}}},
+                   "env": {"type": "array"}},
+})
 PROMETHEUS_RULE = _resource("monitoring.coreos.com/v1", "PrometheusRule", {
     "type": "object", "required": ["groups"], "additionalProperties": False,
     "properties": {"groups": {"type": "array", "items": {
@@ -74,4 +104,6 @@ PROMETHEUS_RULE = _resource("monitoring.coreos.com/v1", "PrometheusRule", {
 
 SCHEMAS = {("keda.sh/v1alpha1", "ScaledObject"): SCALED_OBJECT,
            ("kafka.strimzi.io/v1beta2", "KafkaTopic"): KAFKA_TOPIC,
+           ("kafka.strimzi.io/v1beta2", "KafkaUser"): KAFKA_USER,
+           ("keda.sh/v1alpha1", "TriggerAuthentication"): TRIGGER_AUTHENTICATION,
            ("monitoring.coreos.com/v1", "PrometheusRule"): PROMETHEUS_RULE}

@@ -42,7 +42,9 @@ def test_every_grant_comes_from_the_registry_or_is_listed_with_its_reason():
     for spec in SPECS:
         allowed = {w.role.value for w in spec.writers}
         assert {g.user for g in grants(SPECS) if g.name == spec.name and g.operation == "write"} == allowed
-    assert set(by_user(SPECS)) == {r.value for r in Role}
+    assert set(by_user(SPECS)) == {r.value for r in Role} | {"autoscaler"}
+    assert {(g.operation, g.resource) for g in by_user(SPECS)["autoscaler"]} == {("describe", "topic"),
+                                                                               ("describe", "group")}
 
 
 async def _produce(bootstrap: str, user: str, password: str, topic: str) -> str:
@@ -70,7 +72,7 @@ async def test_a_roles_credentials_write_what_the_registry_says_and_nothing_else
     assert set(grants(SPECS)) <= on_broker
     passwords = {user: kafka_auth.password(user) for user in USERS}
     # Where a tenant enters the log: every role but the gateway is refused.
-    for user in USERS:
+    for user in (r.value for r in Role):
         outcome = await _produce(bootstrap, user, passwords[user], CHAT_REQUESTS.name)
         assert outcome == ("ok" if user == "gateway" else "TopicAuthorizationFailedError"), (user, outcome)
     # And a topic each role does own takes its records.

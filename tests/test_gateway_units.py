@@ -102,3 +102,16 @@ async def test_parallel_screening_holds_the_answer_until_the_input_verdict():
     failed = Completion(request_id="r", seq=1, finish_reason="error", error="prompt too long")
     out = await _drain(held_until_screened(_events([chunk(0, "never judged")], [failed])))
     assert out == [failed]
+
+
+def test_a_request_id_reveals_neither_its_partition_nor_its_admission_time():
+    ids = [new_request_id(7, 1700000000.123) for _ in range(50)]
+    assert len(set(ids)) == 50  # the same partition and millisecond, 50 different ids
+    for rid in ids:
+        assert len(rid) == 32 and "1700000000123" not in rid and "p7" not in rid
+        assert parse_request_id(rid) == (7, 1700000000123)
+    # A made-up id, or one sealed under another deployment's key, is refused, not misread.
+    with pytest.raises(ValueError):
+        parse_request_id("0" * 32)
+    with pytest.raises(ValueError):
+        parse_request_id(ids[0][:-1] + ("0" if ids[0][-1] != "0" else "1"))

@@ -19,7 +19,8 @@ import yaml
 
 from tests.k8s_crds import SCHEMAS
 from topics import inference_topic
-from topics.export import strimzi_topics, to_yaml
+from topics.access import USERS
+from topics.export import strimzi_topics, strimzi_users, to_yaml
 from topics.registry import TOOL_CALLS, all_topics, processor_group, worker_group
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,9 +43,23 @@ def build(folder: Path) -> list[dict]:
     for gen in spec.get("configMapGenerator", []):
         data = {Path(f).name: (folder / f).read_text() for f in gen["files"]}
         out.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": gen["name"]}, "data": data})
+    for patch in spec.get("patches", []):  # merge patches (RFC 7386) of resources chosen by kind and name
+        for doc in (d for d in yaml.safe_load_all((folder / patch["path"]).read_text()) if d):
+            [target] = [r for r in out if _selected(r, {"kind": doc["kind"], "name": doc["metadata"]["name"]})]
+            _merge(target, doc)
     for rule in spec.get("replacements", []):
         replace(out, rule)
     return out
+
+
+def _merge(target: dict, patch: dict) -> None:
+    for key, value in patch.items():
+        if value is None:
+            target.pop(key, None)
+        elif isinstance(value, dict) and isinstance(target.get(key), dict):
+            _merge(target[key], value)
+        else:
+            target[key] = value
 
 
 def _path(field_path: str) -> list[str]:
@@ -110,6 +125,46 @@ def test_the_kafka_topics_are_what_the_registry_generates():
     out = subprocess.run([sys.executable, "-m", "tokenstream.cli", "topics", "export", "--format", "strimzi",
                           "--model", "smollm2"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0 and out.stdout == (K8S / "base" / "kafkatopics.yaml").read_text()
+
+
+def test_the_kafka_users_are_what_the_registry_generates():
+    assert (K8S / "base" / "kafkausers.yaml").read_text() == to_yaml(
+        strimzi_users(all_topics(["smollm2"]), "tokenstream"), "strimzi-users")
+    out = subprocess.run([sys.executable, "-m", "tokenstream.cli", "topics", "export", "--format", "strimzi-users",
+                          "--model", "smollm2"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout == (K8S / "base" / "kafkausers.yaml").read_text()
+    # The canary's users: those of both models whose grants differ from the base's.
+    base = {u["metadata"]["name"]: u for u in strimzi_users(all_topics(["smollm2"]), "tokenstream")}
+    both = strimzi_users(all_topics(["smollm2", "smollm2-v2"]), "tokenstream")
+    assert (K8S / "overlays" / "canary" / "kafkausers-smollm2-v2.yaml").read_text() == to_yaml(
+        [u for u in both if base[u["metadata"]["name"]] != u], "strimzi-users")
+    [canary_worker] = [r for r in build(K8S / "overlays" / "canary")
+                       if r["kind"] == "KafkaUser" and r["metadata"]["name"] == "worker"]
+    names = {acl["resource"]["name"] for acl in canary_worker["spec"]["authorization"]["acls"]}
+    assert {"ts.inference.smollm2", "ts.inference.smollm2-v2", "worker.smollm2-v2"} <= names
+
+
+@pytest.mark.parametrize("folder", [K8S / "base", K8S / "overlays" / "canary"], ids=lambda p: p.name)
+def test_each_pod_runs_as_its_roles_broker_user(folder):
+    resources = build(folder)
+    users = {r["metadata"]["name"] for r in resources if r["kind"] == "KafkaUser"}
+    assert users == set(USERS)
+    for res in resources:
+        if res["kind"] not in ("Deployment", "StatefulSet", "Job"):
+            continue
+        [container] = res["spec"]["template"]["spec"]["containers"]
+        env = {e["name"]: e for e in container.get("env", [])}
+        user = env["TOKENSTREAM_KAFKA_USER"]["value"]
+        assert user in users, res["metadata"]["name"]
+        assert env["TOKENSTREAM_KAFKA_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": user, "key": "password"}
+        command = container["args"]
+        expected = {"gateway": "gateway", "worker": "worker", "tools": "tools", "route": "operator"}.get(
+            command[0], command[1] if command[0] == "processor" else None)
+        assert user == expected, (res["metadata"]["name"], user)
+    for scaled in (r for r in resources if r["kind"] == "ScaledObject"):
+        for trigger in scaled["spec"]["triggers"]:
+            assert trigger["metadata"]["sasl"] == "scram_sha512"
+            assert trigger["authenticationRef"] == {"name": "kafka-autoscaler"}
 
 
 @pytest.mark.parametrize("folder", [K8S / "base", K8S / "overlays" / "canary"], ids=lambda p: p.name)

@@ -159,17 +159,22 @@ def topics_describe(model: list[str] = typer.Option(None, help="models served"),
 
 
 @topics_app.command("export")
-def topics_export(fmt: str = typer.Option("strimzi", "--format", help="strimzi: KafkaTopic resources"),
+def topics_export(fmt: str = typer.Option("strimzi", "--format",
+                                          help="strimzi: KafkaTopic resources; strimzi-users: KafkaUser "
+                                               "resources, one per role, with its ACLs"),
                   model: list[str] = typer.Option(None, help="models served (default: TOKENSTREAM_MODELS)"),
                   cluster: str = typer.Option("tokenstream", help="the Strimzi Kafka cluster's name"),
                   replicas: int = typer.Option(3, help="replication factor in the cluster")) -> None:
-    """Print the registry as Kubernetes resources (YAML), for the Strimzi Topic Operator."""
-    from topics.export import strimzi_topics, to_yaml
+    """Print the registry as Kubernetes resources (YAML), for Strimzi's Topic and User Operators."""
+    from topics.export import strimzi_topics, strimzi_users, to_yaml
 
-    if fmt != "strimzi":
-        console.print(f"[red]unknown format {fmt!r}: the one supported is strimzi[/]")
+    if fmt == "strimzi":
+        typer.echo(to_yaml(strimzi_topics(_specs(model), cluster, replicas)), nl=False)
+    elif fmt == "strimzi-users":
+        typer.echo(to_yaml(strimzi_users(_specs(model), cluster), fmt), nl=False)
+    else:
+        console.print(f"[red]unknown format {fmt!r}: strimzi or strimzi-users[/]")
         raise typer.Exit(2)
-    typer.echo(to_yaml(strimzi_topics(_specs(model), cluster, replicas)), nl=False)
 
 
 @topics_app.command("grow")

@@ -6,7 +6,7 @@ is allowed: the broker runs the StandardAuthorizer with allow.everyone.if.no.acl
 gateway alone can put a ChatRequest (a tenant's request) on the log, the tool processor alone a
 ToolResult. What the registry cannot say in a topic's writers and readers is listed here, each with
 its reason (`_extra`): the faust processors' own topics, the audit's rescreen groups, the lag readers'
-view of a worker group's offsets.
+view of a worker group's offsets (theirs, and the autoscaler's, a user of no role).
 
 `topics apply` creates the users whose passwords the credentials folder holds (the local stack's) and
 adds every grant; `grants()` is also what `topics export --format strimzi-users` writes as KafkaUser
@@ -19,8 +19,11 @@ from dataclasses import dataclass
 
 from topics.registry import FAUST_COMMIT, LAG_READ, RESCREEN_GROUP_PREFIX, Role, TopicSpec, processor_group
 
-#: Every role's broker user. The operator's tools run as `admin`, the super user (common/kafka_auth.py).
-USERS: tuple[str, ...] = tuple(role.value for role in Role)
+#: The autoscaler (KEDA on Kubernetes) reads each worker group's lag, nothing else: no role's user.
+AUTOSCALER = "autoscaler"
+#: Every broker user: one per role, and the autoscaler. The operator's tools run as `admin`, the super
+#: user (common/kafka_auth.py).
+USERS: tuple[str, ...] = (*(role.value for role in Role), AUTOSCALER)
 
 
 @dataclass(frozen=True, order=True)
@@ -52,6 +55,8 @@ def grants(specs: list[TopicSpec]) -> list[Grant]:
                 out.add(Grant(reader.role.value, "group", reader.group, "read"))
             if reader.commit == LAG_READ:  # the committed offsets of the groups that consume the topic
                 out |= {Grant(reader.role.value, "group", group, "describe") for group in spec.groups}
+                out |= {Grant(AUTOSCALER, "group", group, "describe") for group in spec.groups}
+                out.add(Grant(AUTOSCALER, "topic", spec.name, "describe"))
             if reader.commit == FAUST_COMMIT:
                 faust_roles.add(reader.role)
     out |= set(_extra(faust_roles))

@@ -68,6 +68,12 @@ class Kafka(Service):
         """The password of `user`, made on first use."""
         return ensure_password(self.credentials_dir, user)
 
+    def environment(self) -> dict[str, str]:
+        """TOKENSTREAM_* variables that point a client at this broker, as the user it names."""
+        return {"TOKENSTREAM_KAFKA_BOOTSTRAP": self.address,
+                "TOKENSTREAM_KAFKA_SECURITY": "sasl_plaintext" if self.secure else "plaintext",
+                "TOKENSTREAM_KAFKA_CREDENTIALS_DIR": str(self.credentials_dir)}
+
     def client_options(self) -> dict:
         """aiokafka keyword arguments for this broker's super user (the stack's own checks)."""
         if not self.secure:

@@ -118,12 +118,14 @@ class LocalSystem:
     # ---------------------------------------------------------------- lifecycle
     async def __aenter__(self) -> LocalSystem:
         from tokenstream.stack.service import free_port
+        from tokenstream.stack.stack import use
         from topics.admin import apply
         from topics.registry import all_topics
 
         self.stack.kafka.start(self.say)
         self.stack.redis.start(self.say)
         self.stack.cache.start(self.say)
+        use(self.stack.kafka.environment())  # this process's own clients (apply, the drill's checks)
         from tokenstream.keys import KeyStore
 
         self.key, _ = KeyStore(self.stack.redis.address).create("local", tier="paid", name="local system",

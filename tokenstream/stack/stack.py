@@ -73,14 +73,21 @@ class Stack:
     def environment(self) -> dict[str, str]:
         """TOKENSTREAM_* variables that point a role at this stack."""
         return {
-            "TOKENSTREAM_KAFKA_BOOTSTRAP": self.kafka.address,
-            "TOKENSTREAM_KAFKA_SECURITY": "sasl_plaintext" if self.kafka.secure else "plaintext",
-            "TOKENSTREAM_KAFKA_CREDENTIALS_DIR": str(self.kafka.credentials_dir),
+            **self.kafka.environment(),
             "TOKENSTREAM_REDIS_URL": self.redis.address,
             "TOKENSTREAM_CACHE_REDIS_URL": self.cache.address,
             "TOKENSTREAM_WEAVIATE_HTTP_PORT": str(self.weaviate.port),
             "TOKENSTREAM_WEAVIATE_GRPC_PORT": str(self.weaviate.grpc_port),
         }
+
+
+def use(environment: dict[str, str]) -> None:
+    """Point this process's own clients at a stack it started (`Stack.environment()`, or one service's):
+    a benchmark's in-process worker or checks then reach that broker, authenticated as it expects."""
+    import os
+
+    os.environ.update(environment)
+    settings.cache_clear()
 
 
 def _folders(root: Path, cache_dir: Path) -> tuple[Path, Path, Path, Path]:
