@@ -56,11 +56,21 @@ def main(
     max_tokens: int = typer.Option(4, help="tokens per answer (only the first one is timed)"),
     think_ms: float = typer.Option(100.0, help="the client's pause after each answer, before its next request"),
     out: Path = typer.Option(RESULTS, help="where the JSON results go"),
+    kafka_security: str = typer.Option("sasl_plaintext", help="the throwaway broker's: sasl_plaintext (SCRAM "
+                                       "users and ACLs, as `make run`) or plaintext (no authentication)"),
 ) -> None:
     """Client TTFT through every role against the worker's own TTFT, serial and parallel screening."""
     import asyncio
 
+    from common.config import settings
+
+    if kafka_security not in ("sasl_plaintext", "plaintext"):
+        raise typer.BadParameter("sasl_plaintext or plaintext", param_hint="--kafka-security")
+    os.environ["TOKENSTREAM_KAFKA_SECURITY"] = kafka_security  # the stack, its roles and this process's clients
+    settings.cache_clear()
     result = asyncio.run(_run(requests, max_tokens, think_ms))
+    result["command"] += f" --kafka-security {kafka_security}"
+    result["kafka_security"] = kafka_security
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     _table(result)

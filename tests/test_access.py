@@ -65,16 +65,47 @@ async def _produce(bootstrap: str, user: str, password: str, topic: str) -> str:
         await producer.stop()
 
 
+async def _written_ids(bootstrap: str, spec) -> set[str]:
+    """The request ids of every record on `spec`'s topic, read as admin up to its end offsets."""
+    from aiokafka.structs import TopicPartition
+
+    from schemas import decode
+
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False,
+                                **kafka_auth.client_options())
+    await consumer.start()
+    try:
+        tps = [TopicPartition(spec.name, p) for p in range(spec.partitions)]
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        ends = await consumer.end_offsets(tps)
+        ids: set[str] = set()
+        async def behind() -> bool:
+            return any([await consumer.position(tp) < ends[tp] for tp in tps])
+
+        while await behind():
+            for records in (await consumer.getmany(timeout_ms=1000)).values():
+                ids |= {decode(r.value, *spec.events).request_id for r in records}
+        return ids
+    finally:
+        await consumer.stop()
+
+
 @pytest.mark.asyncio
 async def test_a_roles_credentials_write_what_the_registry_says_and_nothing_else(stack, bootstrap):
     await apply(SPECS, bootstrap)
     on_broker = await broker_grants(bootstrap)
     assert set(grants(SPECS)) <= on_broker
     passwords = {user: kafka_auth.password(user) for user in USERS}
-    # Where a tenant enters the log: every role but the gateway is refused.
-    for user in (r.value for r in Role):
-        outcome = await _produce(bootstrap, user, passwords[user], CHAT_REQUESTS.name)
-        assert outcome == ("ok" if user == "gateway" else "TopicAuthorizationFailedError"), (user, outcome)
+    # Where a tenant enters the log: every role but the gateway is refused, and the gateway's record,
+    # written last, is the only one the topic holds.
+    others = [r.value for r in Role if r is not Role.GATEWAY]
+    for user in others:
+        assert await _produce(bootstrap, user, passwords[user], CHAT_REQUESTS.name) == \
+            "TopicAuthorizationFailedError", user
+    assert await _produce(bootstrap, "gateway", passwords["gateway"], CHAT_REQUESTS.name) == "ok"
+    forged = {i for i in await _written_ids(bootstrap, CHAT_REQUESTS) if i.startswith("forged-")}
+    assert forged == {"forged-gateway"}  # (other tests of the session write their own requests there)
     # And a topic each role does own takes its records.
     assert await _produce(bootstrap, "tools", passwords["tools"], TOOL_RESULTS.name) == "ok"
     assert await _produce(bootstrap, "worker", passwords["worker"], TOOL_RESULTS.name) == \
@@ -120,3 +151,19 @@ async def test_no_credentials_or_a_wrong_password_are_not_let_in(stack, bootstra
 def test_grants_print_as_acls():
     assert str(Grant("audit", "group", "ts-audit-rescreen.", "read", "prefixed")) == \
         "User:audit read group ts-audit-rescreen.*"
+
+
+@pytest.mark.asyncio
+async def test_topics_describe_access_shows_each_users_grants_held(stack, bootstrap):
+    import os
+    import subprocess
+    import sys
+
+    await apply(SPECS, bootstrap)
+    out = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-m", "tokenstream.cli", "topics", "describe", "--access", "--model", MODEL],
+        capture_output=True, text=True, timeout=120, env={**os.environ, **stack.environment(), "COLUMNS": "200"})
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if "ts.chat.requests" in line]
+    assert any("gateway" in r and "write" in r and "yes" in r for r in rows), out.stdout
+    assert "missing" not in out.stdout

@@ -31,7 +31,8 @@ def processes_under(folder: Path) -> list[psutil.Process]:
 def test_stack_up_twice_is_harmless_and_down_leaves_nothing(tmp_path: Path):
     kafka = free_port()
     env = {
-        **os.environ,
+        # (not the session stack's broker passwords: this stack's are found in its own data folder)
+        **{k: v for k, v in os.environ.items() if k != "TOKENSTREAM_KAFKA_CREDENTIALS_DIR"},
         "TOKENSTREAM_DATA_DIR": str(tmp_path / "data"),
         "TOKENSTREAM_KAFKA_BOOTSTRAP": f"127.0.0.1:{kafka}",
         "TOKENSTREAM_KAFKA_CONTROLLER_PORT": str(free_port()),

@@ -134,8 +134,13 @@ def topics_apply(model: list[str] = typer.Option(None, help="models to serve (de
 @topics_app.command("describe")
 def topics_describe(model: list[str] = typer.Option(None, help="models served"),
                     flow: bool = typer.Option(False, "--flow", help="the way of a request: who writes and "
-                                              "reads each topic (from the registry; no broker needed)")) -> None:
+                                              "reads each topic (from the registry; no broker needed)"),
+                    access: bool = typer.Option(False, "--access", help="each broker user's grants, from the "
+                                                "registry, and whether the broker holds them")) -> None:
     """Partitions, configs and end offsets of every registered topic."""
+    if access:
+        _access_table(model)
+        return
     if flow:
         from tokenstream.flowmap import flow_table
         from topics.registry import flow as flow_order
@@ -155,6 +160,23 @@ def topics_describe(model: list[str] = typer.Option(None, help="models served"),
                       ", ".join(e.__name__ for e in spec.events), configs, f"{info.end_offsets:,}")
     for name in specs.keys() - found:
         table.add_row(name, "[red]missing[/]", specs[name].key, "", "run `tokenstream topics apply`", "")
+    console.print(table)
+
+
+def _access_table(model: list[str] | None) -> None:
+    from topics.access import by_user
+    from topics.access_admin import broker_grants
+
+    held = asyncio.run(broker_grants(settings().kafka_bootstrap))
+    table = Table("user", "resource", "name", "operations", "on the broker")
+    for user, user_grants in by_user(_specs(model)).items():
+        rows: dict[tuple[str, str], list] = {}
+        for g in user_grants:
+            rows.setdefault((g.resource, g.name + ("*" if g.pattern == "prefixed" else "")), []).append(g)
+        for (resource, name), grants in rows.items():
+            missing = [g.operation for g in grants if g not in held]
+            table.add_row(user, resource, name, ", ".join(g.operation for g in grants),
+                          f"[red]missing {', '.join(missing)}[/]" if missing else "yes")
     console.print(table)
 
 
