@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from audit import ledger_cli
 from audit.report import Exporter, Summary, timeline
 from audit.run import Auditor, Options, Outcome
 from common import id_key
@@ -186,3 +187,6 @@ def rescreen(policy: str = typer.Option(..., help="a policy name from the polici
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(app())
+
+
+ledger_cli.register(app, parse_time)

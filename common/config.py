@@ -34,6 +34,8 @@ class Settings(BaseSettings):
                                                "user (the local stack's: written by `stack up`, `topics apply`)")
     id_key: SecretStr | None = Field(None, description="64 hex digits: the key that makes request ids opaque, "
                                      "the same in every gateway and auditor (default: the data folder's id-key)")
+    ledger_key: SecretStr | None = Field(None, description="64 hex digits: the seed of the audit notary's "
+                                         "Ed25519 signing key (default: the data folder's ledger-key)")
     kafka_ssl_cafile: Path | None = Field(None, description="the CA that signed the brokers' certificates "
                                           "(sasl_ssl)")
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="the durable Redis (noeviction): API keys, "

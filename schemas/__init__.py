@@ -7,6 +7,7 @@ Read this package and `topics/` to follow a request end to end:
                  SafetyVerdict       ToolCall -> ToolResult -> (a response run) the next step's
                                                                InferenceRequest (schemas/runs.py)
     Cancel (control), DeadLetter (anything undecodable), Transcript (the audit record)
+    Checkpoint (the tamper-evident ledger: signed digests of every content topic's records)
     FileIngest (an uploaded file into a vector store's index, or out of it)
     PrefixHeld, WorkerLoad (which worker holds which conversation prefix: prefix-aware routing)
 
@@ -26,6 +27,7 @@ from schemas.control import Cancel, RouteUpdate
 from schemas.conversation import ConversationHistory, RunState, TurnDeadline
 from schemas.deadletter import DeadLetter
 from schemas.files import FileIngest
+from schemas.ledger import Checkpoint
 from schemas.requests import ChatMessage, ChatRequest, InferenceRequest, SamplingParams, Screening
 from schemas.routing import PrefixHeld, WorkerLoad, conversation_digest
 from schemas.runs import SERVER_TOOLS, RunSpec
@@ -49,6 +51,7 @@ __all__ = [
     "ALL_EVENTS",
     "SCHEMA_VERSION",
     "Cancel",
+    "Checkpoint",
     "ChatMessage",
     "ChatRequest",
     "Completion",

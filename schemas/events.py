@@ -8,6 +8,7 @@ from schemas.control import Cancel, RouteUpdate
 from schemas.conversation import ConversationHistory, TurnDeadline
 from schemas.deadletter import DeadLetter
 from schemas.files import FileIngest
+from schemas.ledger import Checkpoint
 from schemas.requests import ChatRequest, InferenceRequest
 from schemas.routing import PrefixHeld, WorkerLoad
 from schemas.safety import OutputWindow, SafetyVerdict
@@ -32,4 +33,5 @@ ALL_EVENTS: tuple[type[Event], ...] = (
     TurnDeadline,
     PrefixHeld,
     WorkerLoad,
+    Checkpoint,
 )

@@ -8,6 +8,7 @@ import pytest
 from schemas import (
     ALL_EVENTS,
     Cancel,
+    Checkpoint,
     ChatMessage,
     ChatRequest,
     Completion,
@@ -64,6 +65,9 @@ def sample_events() -> list:
         TurnDeadline(**common),
         PrefixHeld(**common, model="smollm2", worker_id="w1", digest="0f" * 16),
         WorkerLoad(**common, model="smollm2", worker_id="w1", partitions=[0, 3], running=2, waiting=1, max_running=32),
+        Checkpoint(**common, topic="ts.tokens", partition=3, first_offset=10, last_offset=11, offsets=[10, 11],
+                   record_digests=["ab" * 32, "cd" * 32], head="ef" * 32, signed_at=1.5, key_id="k1",
+                   signature="00" * 64),
         DeadLetter(**common, reason="bad", error_type="MalformedEvent", source_topic="t",
                    source_partition=1, source_offset=42, payload=b"\x00\xff", key=b"k",
                    headers=[("traceparent", b"00-x")]),

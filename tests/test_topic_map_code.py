@@ -26,6 +26,10 @@ from topics.registry import (
 
 #: Sites whose topic is known only at run time, and why they are not drawn in the map.
 UNRESOLVED_IN_ROLES = {
+    ("audit/notary.py", "TopicPartition(s.name, p)"):
+        "the notary's topics, audit.notary.ledgered(): the audited topics of the registry",
+    ("audit/notary.py", "TopicPartition(topic, partition)"): "the partition a checkpoint it read attests",
+    ("audit/proof.py", "TopicPartition(topic, partition)"): "the partition a checkpoint attests, or its copy's",
     ("audit/run.py", "TopicPartition(n, p)"):
         "the audited topics, which audit.sources.audited() takes from the registry (a registry-driven read)",
     ("tokenstream/chaos/verify.py", "sampler.sample(group, topic)"):

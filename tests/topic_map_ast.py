@@ -252,6 +252,7 @@ def compare(code: set[Flow], mapped: set[Flow]) -> tuple[set[Flow], set[Flow]]:
     """(in the code, not in the map; in the map, not in the code). A role whose code reads what the
     registry gives it (ANY) reads, by construction, every topic the map has it read group-less."""
     driven = {f.role for f in code if f.topic == ANY}
-    mapped = {Flow("reads", ANY, f.role) if f.kind == "reads" and f.role in driven and f.group is None else f
-              for f in mapped}
+    named = {(f.role, f.topic) for f in code if f.kind == "reads"}  # read by name besides (the ledger)
+    mapped = {Flow("reads", ANY, f.role) if f.kind == "reads" and f.role in driven and f.group is None
+              and (f.role, f.topic) not in named else f for f in mapped}
     return code - mapped, mapped - code

@@ -21,7 +21,8 @@ SCRAM_ITERATIONS = 8192
 def _admin(bootstrap: str):
     from confluent_kafka.admin import AdminClient
 
-    return AdminClient({"bootstrap.servers": bootstrap, **kafka_auth.librdkafka_config()})
+    # log_level 4: librdkafka's warnings and errors only (its notices would fill every role's log)
+    return AdminClient({"bootstrap.servers": bootstrap, "log_level": 4, **kafka_auth.librdkafka_config()})
 
 
 def _binding(grant: Grant):

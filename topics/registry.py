@@ -15,6 +15,7 @@ from enum import StrEnum
 
 from schemas import (
     Cancel,
+    Checkpoint,
     ChatRequest,
     Completion,
     ConversationHistory,
@@ -328,6 +329,18 @@ RESCREENED = TopicSpec(
     readers=(AUDITOR,),
 )
 
+LEDGER = TopicSpec(
+    "ts.audit.ledger", 6, "<topic>/<partition> it attests", (Checkpoint,),
+    "the tamper-evident ledger: signed checkpoints of every audited topic's records, each chained "
+    "to the one before it on its partition (schemas/ledger.py)",
+    _retained(TRANSCRIPT_RETENTION_DAYS),
+    writers=(Writer(Role.AUDIT, "`tokenstream audit notarize`: per partition that moved, every few seconds "
+                    "or 500 records"),),
+    readers=(Reader(Role.AUDIT, None, "from the beginning: the last checkpoint of each partition (notarize), "
+                    "the checkpoints of a range (verify, export); nothing committed",
+                    "`tokenstream audit notarize | verify | export`"),),
+)
+
 INFERENCE_PARTITIONS = 12
 INFERENCE_RETENTION_DAYS = 7
 
@@ -351,7 +364,7 @@ def inference_topic(model: str) -> TopicSpec:
 REGISTRY: tuple[TopicSpec, ...] = (
     CHAT_REQUESTS, PREPARED, SCREENED, TOKENS, CONTROL, VERDICTS, TOOL_CALLS, TOOL_RESULTS,
     FILE_INGEST, CONVERSATION_TURNS, CONVERSATIONS, SAFETY_WINDOWS, ROUTES, KV_PREFIXES, DEAD_LETTER, TRANSCRIPTS,
-    RESCREENED,
+    RESCREENED, LEDGER,
 )
 
 
@@ -374,7 +387,7 @@ FLOW: tuple[str, ...] = (
     CHAT_REQUESTS.name, CONVERSATIONS.name, PREPARED.name, VERDICTS.name, SCREENED.name,
     ROUTES.name, KV_PREFIXES.name, "ts.inference.<model>", TOOL_CALLS.name, TOOL_RESULTS.name, FILE_INGEST.name, TOKENS.name,
     SAFETY_WINDOWS.name, CONTROL.name, CONVERSATION_TURNS.name, TRANSCRIPTS.name, RESCREENED.name,
-    DEAD_LETTER.name,
+    LEDGER.name, DEAD_LETTER.name,
 )
 
 
