@@ -23,13 +23,14 @@ def register(app: typer.Typer, parse_time) -> None:
 
     @app.command("notarize")
     def notarize(follow: bool = typer.Option(False, help="keep attesting new records as they come"),
-                 interval: float = typer.Option(5.0, help="seconds between checkpoints of a partition")) -> None:
+                 interval: float = typer.Option(5.0, help="seconds between checkpoints of a partition"),
+                 heartbeat: Path = typer.Option(None, help="a file touched each round (a liveness probe's)")) -> None:
         """Chain every audited topic's new records and write signed checkpoints to ts.audit.ledger."""
         from audit.notary import notarize as run, run_forever
 
         signer, bootstrap = Signer.load(), settings().kafka_bootstrap
         if follow:
-            asyncio.run(run_forever(bootstrap, signer, interval, say=console.print))
+            asyncio.run(run_forever(bootstrap, signer, interval, heartbeat, say=console.print))
         n = asyncio.run(run(bootstrap, signer, interval_s=interval, say=console.print))
         console.print(f"attested {n:,} records (key {signer.key_id})")
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from aiokafka.structs import TopicPartition
 
@@ -60,7 +61,7 @@ async def read_ledger(bootstrap: str) -> dict[tuple[str, int], list[Checkpoint]]
 
 
 async def notarize(bootstrap: str, signer: Signer, *, follow: bool = False, interval_s: float = 5.0,
-                   max_records: int = MAX_RECORDS, say=print) -> int:
+                   max_records: int = MAX_RECORDS, heartbeat: Path | None = None, say=print) -> int:
     """Attest every record written since the last checkpoints; the number of records attested."""
     counts = await partition_counts(bootstrap)
     specs = ledgered(list(counts))
@@ -81,6 +82,8 @@ async def notarize(bootstrap: str, signer: Signer, *, follow: bool = False, inte
         ends = await consumer.end_offsets(tps)
         last_flush = time.monotonic()
         while True:
+            if heartbeat is not None:  # a liveness probe's: the loop goes round (Kubernetes, deploy/k8s)
+                heartbeat.touch()
             for tp, records in (await consumer.getmany(timeout_ms=500, max_records=2000)).items():
                 chain = chains[tp]
                 for r in records:
@@ -113,11 +116,12 @@ async def _checkpoint(producer, signer: Signer, tp: TopicPartition, chain: Chain
     return len(offsets)
 
 
-async def run_forever(bootstrap: str, signer: Signer, interval_s: float, say=print) -> None:
+async def run_forever(bootstrap: str, signer: Signer, interval_s: float, heartbeat: Path | None = None,
+                      say=print) -> None:
     """`notarize --follow`: starts again after a broker outage (the ledger on the topic is the state)."""
     while True:
         try:
-            await notarize(bootstrap, signer, follow=True, interval_s=interval_s, say=say)
+            await notarize(bootstrap, signer, follow=True, interval_s=interval_s, heartbeat=heartbeat, say=say)
         except Exception as exc:  # noqa: BLE001 - the broker went away: begin again from the ledger
             say(f"notary: {type(exc).__name__}: {exc}; starting again in 5 s")
             await asyncio.sleep(5)

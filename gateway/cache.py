@@ -84,5 +84,6 @@ def hit_events(entry: Entry, request: ChatRequest) -> list[Event]:
                            for i, text in enumerate(entry.chunks)]
     usage = Usage(prompt_tokens=entry.prompt_tokens, completion_tokens=entry.completion_tokens)
     events.append(Completion(**ids, seq=len(entry.chunks), finish_reason=entry.finish_reason,
-                             text="".join(entry.chunks), usage=usage, worker_id=worker))
+                             text="".join(entry.chunks), usage=usage, worker_id=worker, model=request.model,
+                             tier=request.tier))
     return events

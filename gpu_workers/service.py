@@ -425,7 +425,8 @@ class Worker:
                                 cached_tokens=seq.cached_tokens),
                     timings=Timings(queue_s=queue, prefill_s=prefill, decode_s=decode,
                                     pipeline_s=max(0.0, seq.arrival - (request.admitted_at or request.created_at))),
-                    dropped_messages=request.dropped_messages, worker_id=self.worker_id)
+                    dropped_messages=request.dropped_messages, worker_id=self.worker_id, model=self.cfg.model,
+                    tier=request.tier)
                 future = await self.producer.send(TOKENS.name, encode(done), key=rid.encode(),
                                                   partition=request.reply_partition,
                                                   headers=[(EVENT_TYPE, b"completion"),

@@ -78,3 +78,7 @@ class Completion(Event, tag="completion"):
     error_code: str | None = None
     dropped_messages: int = 0
     worker_id: str = ""
+    # what the usage is billed as (`tokenstream usage`): the model that answered (the worker group's, or
+    # the cached answer's) and the request's tier; "" where no model ran (a refusal, an error)
+    model: str = ""
+    tier: str = ""

@@ -158,7 +158,8 @@ def test_each_pod_runs_as_its_roles_broker_user(folder):
         assert user in users, res["metadata"]["name"]
         assert env["TOKENSTREAM_KAFKA_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": user, "key": "password"}
         command = container["args"]
-        expected = {"gateway": "gateway", "worker": "worker", "tools": "tools", "route": "operator"}.get(
+        expected = {"gateway": "gateway", "worker": "worker", "tools": "tools", "route": "operator",
+                    "audit": "audit"}.get(
             command[0], command[1] if command[0] == "processor" else None)
         assert user == expected, (res["metadata"]["name"], user)
     for scaled in (r for r in resources if r["kind"] == "ScaledObject"):

@@ -55,7 +55,8 @@ def test_targets_parse_and_the_partition_ceiling_is_refused_clearly():
 def test_instances_get_their_own_names_ports_and_gateway_partitions(tmp_path):
     wanted = Wanted(tmp_path / "scale.json", {"worker": 2, "gateway": 2, "router": 0})
     roles = {r.name: r for r in instances(folders(tmp_path), ["smollm2"], 8000, 9400, wanted)}
-    assert set(roles) == {"conversation", "safety", "tools", "worker", "worker-2", "gateway", "gateway-2"}
+    assert set(roles) == {"conversation", "safety", "tools", "notary", "worker", "worker-2", "gateway", "gateway-2"}
+    assert roles["notary"].args == ["audit", "notarize", "--follow"]
     assert roles["tools"].args == ["tools", "--health-port", "9450"]
     assert roles["tools"].probe_url == "http://127.0.0.1:9450/health/ready"
     assert roles["worker"].probe_url == "http://127.0.0.1:9400/health/ready"
@@ -93,7 +94,8 @@ def test_supervisor_scales_a_processor_restarts_it_after_a_crash_and_scales_down
     asyncio.run(apply(all_topics(["smollm2"]), stack.kafka.address))
     run_dir = tmp_path / "run"
     wanted = Wanted.load(run_dir)
-    wanted.counts = {"conversation": 0, "safety": 0, "tools": 0, "worker": 0, "gateway": 0, "router": 2}
+    wanted.counts = {"conversation": 0, "safety": 0, "tools": 0, "notary": 0, "worker": 0, "gateway": 0,
+                     "router": 2}
     wanted.save()
     said: list[str] = []
     sup = Supervisor(run_dir, lambda: instances(folders(tmp_path), ["smollm2"], 18000, 19400, Wanted.load(run_dir)),
@@ -184,7 +186,8 @@ async def test_scaling_the_worker_group_up_and_down_keeps_every_stream_intact(st
     monkeypatch.setenv("TOKENSTREAM_WORKER_MODEL_PATH", str(tiny_model))
     monkeypatch.setenv("TOKENSTREAM_WORKER_STEP_DELAY_S", "0.05")
     run_dir = tmp_path / "run"
-    wanted = Wanted(run_dir / "scale.json", {"conversation": 0, "safety": 0, "router": 0, "tools": 0, "gateway": 0, "worker": 2})
+    wanted = Wanted(run_dir / "scale.json", {"conversation": 0, "safety": 0, "router": 0, "tools": 0, "notary": 0,
+                                              "gateway": 0, "worker": 2})
     wanted.save()
     port = free_port_pair()
     sup = Supervisor(run_dir, lambda: instances(folders(tmp_path), [model], 18500, port, Wanted.load(run_dir)),

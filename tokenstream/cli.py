@@ -245,6 +245,7 @@ ROLE_COMMANDS = {
     (bench_app, "tools"): "bench.tools:main",
     (bench_app, "audit"): "bench.audit:main",
     (app, "plan"): "tokenstream.plan_cli:plan_command",
+    (app, "usage"): "tokenstream.usage_cli:usage",
     (bench_app, "cache"): "bench.cache:main",
     (bench_app, "grammar"): "bench.grammar:main",
     (bench_app, "engine"): "bench.engine:main",

@@ -88,7 +88,8 @@ class Wanted:
 
 def instances(folders: tuple[Path, Path, Path, Path], models: list[str], gateway_port: int,
               worker_metrics_port: int, wanted: Wanted, tools_health_port: int = 9450) -> list[Role]:
-    """Every process `wanted` asks for, in start order (processors, the tool processor, workers, gateways)."""
+    """Every process `wanted` asks for, in start order (processors, the tool processor, the notary, workers,
+    gateways)."""
     roles: list[Role] = []
 
     def named(base: str, i: int) -> str:
@@ -101,6 +102,9 @@ def instances(folders: tuple[Path, Path, Path, Path], models: list[str], gateway
     roles += [Role(named("tools", i), ["tools", "--health-port", str(tools_health_port + i)], folders,
                    probe_url=f"http://127.0.0.1:{tools_health_port + i}/health/ready")
               for i in range(wanted.count("tools"))]
+    # the audit ledger's notary: one per cluster, never more (a second would write a second chain)
+    roles += [Role("notary", ["audit", "notarize", "--follow"], folders, settle_s=3.0)
+              for _ in range(min(1, wanted.count("notary")))]
     port = worker_metrics_port
     for m, model in enumerate(models):
         key = "worker" if m == 0 else f"worker:{model}"
