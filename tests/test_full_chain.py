@@ -274,6 +274,7 @@ async def test_redis_outage_under_the_running_system(system: System, stack):
     assert await answer in ("stop", "length")  # its tokens never needed Redis
 
 
+@pytest.mark.heavy  # a drill (tens of seconds): `make test-all`
 async def test_broker_restart_under_the_running_system(system: System, stack):
     normal = await baseline(system)
     answer = await in_flight(system)
@@ -296,6 +297,7 @@ async def test_broker_restart_under_the_running_system(system: System, stack):
     assert end in ("stop", "length") or end.startswith("error: "), end
 
 
+@pytest.mark.heavy  # a drill (tens of seconds): `make test-all`
 async def test_weaviate_outage_under_the_running_system(system: System, stack):
     """Weaviate stopped under the running system with a tool processor: chat is answered (the semantic
     cache misses at once), a vector store search gets a clear 503, a file added meanwhile is held, the

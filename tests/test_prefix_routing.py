@@ -64,6 +64,7 @@ def test_the_latest_holder_wins_and_the_map_is_bounded():
     assert digest not in prefixes.holders and len(prefixes.holders) == 2
 
 
+@pytest.mark.heavy  # the whole chain, five turns (40 s); the placement logic is tested above
 @pytest.mark.slow
 async def test_each_turn_of_a_conversation_is_served_where_its_prefix_is(stack, tmp_path):
     """Two workers, one gateway, the processors; five turns of one conversation by conversation id:

@@ -30,6 +30,7 @@ UNRESOLVED_IN_ROLES = {
         "the notary's topics, audit.notary.ledgered(): the audited topics of the registry",
     ("audit/notary.py", "TopicPartition(topic, partition)"): "the partition a checkpoint it read attests",
     ("audit/proof.py", "TopicPartition(topic, partition)"): "the partition a checkpoint attests, or its copy's",
+    ("audit/usage.py", "TopicPartition(s.name, p)"): "every partition of the transcripts and tokens topics (a tuple)",
     ("audit/run.py", "TopicPartition(n, p)"):
         "the audited topics, which audit.sources.audited() takes from the registry (a registry-driven read)",
     ("tokenstream/chaos/verify.py", "sampler.sample(group, topic)"):

@@ -58,6 +58,7 @@ def probe(*args: str) -> tuple[int, str]:
     return done.returncode, done.stdout + done.stderr
 
 
+@pytest.mark.heavy  # a broker stopped and started (25 s): `make test-all`
 async def test_a_worker_is_not_ready_while_its_broker_is_away_and_ready_again_after(stack, bootstrap, roles,
                                                                                   tiny_model):
     model = f"tiny-health-{uuid.uuid4().hex[:6]}"
