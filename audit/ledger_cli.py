@@ -38,6 +38,7 @@ def register(app: typer.Typer, parse_time) -> None:
     def verify(since: str = typer.Option(None, help="checkpoints signed from (ISO 8601 or 15m, 2h, 7d)"),
                until: str = typer.Option(None, help="checkpoints signed until"),
                tenant: str = typer.Option(None, help="only the partitions holding this tenant's records"),
+               topic: list[str] = typer.Option(None, help="only these topics (repeatable; default: every one)"),
                copy: list[str] = typer.Option(None, help="TOPIC=COPY: check a copy of TOPIC against its "
                                               "checkpoints (repeatable)")) -> None:
         """Prove a range whole and in order, or name the first record changed, removed, reordered or inserted."""
@@ -46,7 +47,8 @@ def register(app: typer.Typer, parse_time) -> None:
         since_ms, until_ms = _range(since, until)
         copies = dict(c.split("=", 1) for c in copy or [])
         proofs = asyncio.run(prove(settings().kafka_bootstrap, Signer.load().public_key, since_ms=since_ms,
-                                   until_ms=until_ms, tenant=tenant, copies=copies))
+                                   until_ms=until_ms, tenant=tenant, copies=copies,
+                                   topics=set(topic) if topic else None))
         table = Table("topic", "partition", "checkpoints", "records", "verdict")
         for p in proofs:
             where = p.topic if p.read_from == p.topic else f"{p.topic} (copy {p.read_from})"

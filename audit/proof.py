@@ -79,12 +79,14 @@ def _tenant_of(record) -> str | None:
 
 
 async def prove(bootstrap: str, public_key: bytes, *, since_ms: int | None = None, until_ms: int | None = None,
-                tenant: str | None = None, copies: dict[str, str] | None = None) -> list[PartitionProof]:
+                tenant: str | None = None, copies: dict[str, str] | None = None,
+                topics: set[str] | None = None) -> list[PartitionProof]:
+    """One proof per attested partition (of `topics` only, or of the `copies`' topics, when given)."""
     copies = copies or {}
     out = []
     for (topic, partition), cps in sorted((await read_ledger(bootstrap)).items()):
         cps = [c for c in cps if _in_range(c, since_ms, until_ms)]
-        if not cps or (copies and topic not in copies):
+        if not cps or (copies and topic not in copies) or (topics is not None and topic not in topics):
             continue
         source = copies.get(topic, topic)
         if source == topic:

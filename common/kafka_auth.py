@@ -12,7 +12,7 @@ Where the identity comes from, first found wins:
   file per user there, mode 0600, written by `stack up` and `topics apply`).
 
 TOKENSTREAM_KAFKA_SECURITY=plaintext turns all of it off (a broker without listeners for SASL);
-sasl_ssl adds TLS, verified against TOKENSTREAM_KAFKA_SSL_CAFILE (docs/operators.md).
+sasl_ssl adds TLS, verified against TOKENSTREAM_KAFKA_SSL_CAFILE (docs/security.md).
 """
 
 from __future__ import annotations

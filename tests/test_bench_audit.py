@@ -7,7 +7,10 @@ import os
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.heavy  # a benchmark's own broker and 20,000 events (20 s): `make test-all`
 def test_bench_audit_replays_every_event_and_reports_its_figures(tmp_path):
     out = tmp_path / "audit.json"
     run = subprocess.run([sys.executable, "-m", "tokenstream.cli", "bench", "audit", "--events", "20000",
