@@ -17,6 +17,7 @@ from pathlib import Path
 from aiokafka.structs import TopicPartition
 
 from audit import ledger_math as lm
+from audit.scan import merged, spans_between
 from audit.signer import Signer
 from audit.sources import audited
 from producers import decode_record, publish, start_consumer, start_producer, stop_clients
@@ -42,19 +43,16 @@ class Chain:
 
 
 async def read_ledger(bootstrap: str) -> dict[tuple[str, int], list[Checkpoint]]:
-    """Every checkpoint on the ledger topic, per attested partition, in the order written."""
+    """Every checkpoint on the ledger topic, per attested partition, in the order written (one attested
+    partition's checkpoints share a key, so a ledger partition, whose order the scan keeps)."""
     consumer = await start_consumer(group=None, bootstrap=bootstrap)
     try:
         tps = [TopicPartition(LEDGER.name, p) for p in range(LEDGER.partitions)]
-        consumer.assign(tps)
-        await consumer.seek_to_beginning(*tps)
-        ends = await consumer.end_offsets(tps)
         out: dict[tuple[str, int], list[Checkpoint]] = {}
-        while [tp for tp in tps if await consumer.position(tp) < ends[tp]]:
-            for records in (await consumer.getmany(timeout_ms=1000)).values():
-                for record in records:
-                    cp = decode_record(record, LEDGER)
-                    out.setdefault((cp.topic, cp.partition), []).append(cp)
+        async for batch in merged(consumer, await spans_between(consumer, tps, None, None), {LEDGER.name: 0}):
+            for record in batch:
+                cp = decode_record(record, LEDGER)
+                out.setdefault((cp.topic, cp.partition), []).append(cp)
         return out
     finally:
         await consumer.stop()

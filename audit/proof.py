@@ -26,6 +26,7 @@ from aiokafka.structs import TopicPartition
 
 from audit import ledger_math as lm
 from audit.notary import read_ledger
+from audit.scan import Span, merged, spans_between
 from audit.signer import as_dict
 from producers import start_consumer
 from schemas import ChatRequest, Checkpoint, Completion, DecodeError, SafetyVerdict, ToolCall, decode
@@ -50,32 +51,35 @@ async def _records(bootstrap: str, topic: str, partition: int, first: int | None
     """The records of one partition from offset `first` through `last` (None: from its start, to its end)."""
     consumer = await start_consumer(group=None, bootstrap=bootstrap, from_beginning=True)
     try:
-        tp = TopicPartition(topic, partition)
-        consumer.assign([tp])
-        if first is None:
-            await consumer.seek_to_beginning(tp)
-        else:
-            consumer.seek(tp, first)
-        end = (await consumer.end_offsets([tp]))[tp]
-        stop = end if last is None else min(end, last + 1)
-        out = []
-        while await consumer.position(tp) < stop:
-            for records in (await consumer.getmany(tp, timeout_ms=1000)).values():
-                out += [r for r in records if r.offset < stop]
-        return out
+        return await _read(consumer, topic, partition, first, last)
     finally:
         await consumer.stop()
+
+
+async def _read(consumer, topic: str, partition: int, first: int | None, last: int | None) -> list:
+    """`_records` with a consumer of the caller's (one for every partition of a proof or an export)."""
+    tp = TopicPartition(topic, partition)
+    [span] = await spans_between(consumer, [tp], None, None) or [Span(tp, 0, 0)]
+    if first is not None:
+        span = Span(tp, first, span.stop if last is None else min(span.stop, last + 1))
+    return [r async for batch in merged(consumer, [span], {topic: 0}) for r in batch]
 
 
 def _digest(record) -> str:
     return lm.record_digest(record.timestamp, record.key, record.value, list(record.headers))
 
 
-def _tenant_of(record) -> str | None:
+def _event(record):
+    """The record's event, or None for bytes no event type reads."""
     try:
-        return decode(record.value or b"").tenant
+        return decode(record.value or b"")
     except DecodeError:
         return None
+
+
+def _tenant_of(record) -> str | None:
+    event = _event(record)
+    return None if event is None else event.tenant
 
 
 async def prove(bootstrap: str, public_key: bytes, *, since_ms: int | None = None, until_ms: int | None = None,
@@ -84,23 +88,36 @@ async def prove(bootstrap: str, public_key: bytes, *, since_ms: int | None = Non
     """One proof per attested partition (of `topics` only, or of the `copies`' topics, when given)."""
     copies = copies or {}
     out = []
-    for (topic, partition), cps in sorted((await read_ledger(bootstrap)).items()):
-        cps = [c for c in cps if _in_range(c, since_ms, until_ms)]
-        if not cps or (copies and topic not in copies) or (topics is not None and topic not in topics):
-            continue
-        source = copies.get(topic, topic)
-        if source == topic:
-            records = await _records(bootstrap, topic, partition, cps[0].first_offset, cps[-1].last_offset)
-        else:  # a copy holds the range from its own start, at offsets of its own
-            records = await _records(bootstrap, source, partition, None, None)
-        if tenant is not None and not any(_tenant_of(r) == tenant for r in records):
-            continue
-        dicts = [as_dict(c) for c in cps]
-        attested = [(o, d) for c in cps for o, d in zip(c.offsets, c.record_digests, strict=True)]
-        problem = lm.check_checkpoints(dicts, public_key) or lm.first_difference(
-            attested, [(r.offset, _digest(r)) for r in records])
-        out.append(PartitionProof(topic, partition, len(cps), len(attested), problem, source))
+    consumer = await start_consumer(group=None, bootstrap=bootstrap, from_beginning=True)
+    try:
+        ledger = await read_ledger(bootstrap)
+        for (topic, partition), cps in sorted(ledger.items()):
+            proof = await _prove_one(consumer, topic, partition, cps, public_key, since_ms, until_ms, tenant,
+                                     copies, topics)
+            if proof is not None:
+                out.append(proof)
+    finally:
+        await consumer.stop()
     return out
+
+
+async def _prove_one(consumer, topic: str, partition: int, cps: list[Checkpoint], public_key: bytes,
+                     since_ms: int | None, until_ms: int | None, tenant: str | None, copies: dict[str, str],
+                     topics: set[str] | None) -> PartitionProof | None:
+    cps = [c for c in cps if _in_range(c, since_ms, until_ms)]
+    if not cps or (copies and topic not in copies) or (topics is not None and topic not in topics):
+        return None
+    source = copies.get(topic, topic)
+    if source == topic:
+        records = await _read(consumer, topic, partition, cps[0].first_offset, cps[-1].last_offset)
+    else:  # a copy holds the range from its own start, at offsets of its own
+        records = await _read(consumer, source, partition, None, None)
+    if tenant is not None and tenant not in {_tenant_of(r) for r in records}:
+        return None
+    attested = [(o, d) for c in cps for o, d in zip(c.offsets, c.record_digests, strict=True)]
+    problem = lm.check_checkpoints([as_dict(c) for c in cps], public_key) or lm.first_difference(
+        attested, [(r.offset, _digest(r)) for r in records])
+    return PartitionProof(topic, partition, len(cps), len(attested), problem, source)
 
 
 def _sha(text: str) -> str:
@@ -132,30 +149,33 @@ async def export(bootstrap: str, signer_public_key: bytes, folder: Path, *, sinc
     folder.mkdir(parents=True, exist_ok=True)
     n_records = n_partitions = 0
     requests: dict[str, dict] = {}
-    with (folder / "checkpoints.jsonl").open("w") as cps_out, (folder / "records.jsonl").open("w") as rec_out:
-        for (topic, partition), cps in sorted((await read_ledger(bootstrap)).items()):
-            cps = [c for c in cps if _in_range(c, since_ms, until_ms)]
-            if not cps:
-                continue
-            records = await _records(bootstrap, topic, partition, cps[0].first_offset, cps[-1].last_offset)
-            if tenant is not None and not any(_tenant_of(r) == tenant for r in records):
-                continue
-            n_partitions += 1
-            for cp in cps:
-                cps_out.write(json.dumps(as_dict(cp)) + "\n")
-            for r in records:
-                n_records += 1
-                row = {"topic": topic, "partition": partition, "offset": r.offset}
-                if tenant is not None and _tenant_of(r) != tenant:
-                    row["digest"] = _digest(r)  # another tenant's record: its place, not its content
-                else:
-                    row.update(timestamp=r.timestamp, key=_b64(r.key), value=_b64(r.value),
-                               headers=[[k, base64.b64encode(bytes(v)).decode()] for k, v in r.headers])
-                    try:
-                        _request_fields(decode(r.value or b""), requests)
-                    except DecodeError:
-                        pass
-                rec_out.write(json.dumps(row) + "\n")
+    consumer = await start_consumer(group=None, bootstrap=bootstrap, from_beginning=True)
+    try:
+        with (folder / "checkpoints.jsonl").open("w") as cps_out, (folder / "records.jsonl").open("w") as rec_out:
+            for (topic, partition), cps in sorted((await read_ledger(bootstrap)).items()):
+                cps = [c for c in cps if _in_range(c, since_ms, until_ms)]
+                if not cps:
+                    continue
+                records = await _read(consumer, topic, partition, cps[0].first_offset, cps[-1].last_offset)
+                events = [_event(r) for r in records]  # each record decoded once
+                if tenant is not None and not any(e is not None and e.tenant == tenant for e in events):
+                    continue
+                n_partitions += 1
+                for cp in cps:
+                    cps_out.write(json.dumps(as_dict(cp)) + "\n")
+                for r, event in zip(records, events, strict=True):
+                    n_records += 1
+                    row = {"topic": topic, "partition": partition, "offset": r.offset}
+                    if tenant is not None and (event is None or event.tenant != tenant):
+                        row["digest"] = _digest(r)  # another tenant's record: its place, not its content
+                    else:
+                        row.update(timestamp=r.timestamp, key=_b64(r.key), value=_b64(r.value),
+                                   headers=[[k, base64.b64encode(bytes(v)).decode()] for k, v in r.headers])
+                        if event is not None:
+                            _request_fields(event, requests)
+                    rec_out.write(json.dumps(row) + "\n")
+    finally:
+        await consumer.stop()
     with (folder / "requests.jsonl").open("w") as out:
         for row in requests.values():
             if "tenant" in row or tenant is None:

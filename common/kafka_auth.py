@@ -91,9 +91,14 @@ def client_options(name: str | None = None) -> dict:
     if not enabled():
         return {"security_protocol": "PLAINTEXT"}
     name = name or user()
-    options = dict(security_protocol=cfg.kafka_security.upper(), sasl_mechanism=MECHANISM,
-                   sasl_plain_username=name, sasl_plain_password=password(name))
-    context = _ssl_context()
+    return scram_options(name, password(name), cfg.kafka_security, _ssl_context())
+
+
+def scram_options(name: str, secret: str, security: str = "sasl_plaintext",
+                  context: ssl.SSLContext | None = None) -> dict:
+    """aiokafka keyword arguments for one SCRAM user (also the local stack's own checks, as admin)."""
+    options = dict(security_protocol=security.upper(), sasl_mechanism=MECHANISM, sasl_plain_username=name,
+                   sasl_plain_password=secret)
     if context is not None:
         options["ssl_context"] = context
     return options

@@ -62,7 +62,7 @@ def _apply(specs: list[TopicSpec], bootstrap: str, folder: Path | None) -> tuple
             future.result(timeout=30)
     # ACLs: each grant `specs` need that the broker lacks (creating one twice is harmless, but the
     # diff is what `topics apply` reports).
-    present = {g for g in map(_grant, _describe(admin)) if g is not None}
+    present = _held(admin)
     missing = [g for g in grants(specs) if g not in present]
     if missing:
         for future in admin.create_acls([_binding(g) for g in missing]).values():
@@ -75,10 +75,15 @@ def _wait_until_seen(admin, expected: set[Grant], timeout_s: float = 30.0) -> No
     """Return once the broker answers with every grant of `expected`: created ACLs take effect when the
     broker has read them from the metadata log, a moment after the controller accepted them."""
     deadline = time.monotonic() + timeout_s
-    while not expected <= {g for g in map(_grant, _describe(admin)) if g is not None}:
+    while not expected <= _held(admin):
         if time.monotonic() > deadline:
             raise RuntimeError(f"the broker did not show the ACLs created within {timeout_s:.0f}s")
         time.sleep(0.1)
+
+
+def _held(admin) -> set[Grant]:
+    """The grants the broker holds now."""
+    return {g for g in map(_grant, _describe(admin)) if g is not None}
 
 
 def _describe(admin) -> list:
@@ -93,7 +98,7 @@ def _describe(admin) -> list:
 #: (bootstrap, grant) this process has seen the broker hold: users and ACLs are not taken away by
 #: anything but an operator, so an `apply` that needs nothing new asks the broker nothing (the test
 #: suite applies its topics hundreds of times in one process).
-_held: set[tuple[str, Grant]] = set()
+_seen: set[tuple[str, Grant]] = set()
 
 
 async def apply_access(specs: list[TopicSpec], bootstrap: str) -> tuple[list[str], list[Grant]]:
@@ -102,13 +107,13 @@ async def apply_access(specs: list[TopicSpec], bootstrap: str) -> tuple[list[str
     if not kafka_auth.enabled():
         return [], []
     wanted = grants(specs)
-    if all((bootstrap, g) in _held for g in wanted):
+    if all((bootstrap, g) in _seen for g in wanted):
         return [], []
     users, added = await asyncio.to_thread(_apply, specs, bootstrap, kafka_auth.credentials_folder())
-    _held.update((bootstrap, g) for g in wanted)
+    _seen.update((bootstrap, g) for g in wanted)
     return users, added
 
 
 async def broker_grants(bootstrap: str) -> set[Grant]:
     """Every ACL on the broker, as grants (tests, `topics describe --access`)."""
-    return {g for g in map(_grant, await asyncio.to_thread(_describe, _admin(bootstrap))) if g is not None}
+    return await asyncio.to_thread(_held, _admin(bootstrap))

@@ -19,7 +19,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from common.kafka_auth import ensure_password
+from common.kafka_auth import ensure_password, scram_options
 from tokenstream.stack.service import Service, ServiceError, port_open
 
 KAFKA_VERSION = "4.4.0"
@@ -78,8 +78,7 @@ class Kafka(Service):
         """aiokafka keyword arguments for this broker's super user (the stack's own checks)."""
         if not self.secure:
             return {}
-        return dict(security_protocol="SASL_PLAINTEXT", sasl_mechanism=SCRAM,
-                    sasl_plain_username=ADMIN, sasl_plain_password=self.secret(ADMIN))
+        return scram_options(ADMIN, self.secret(ADMIN))
 
     @property
     def address(self) -> str:
