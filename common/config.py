@@ -24,6 +24,10 @@ class Settings(BaseSettings):
     kafka_controller_port: int | None = Field(None, description="KRaft controller port of `stack up` "
                                               "(default: the bootstrap port + 1)")
     kafka_replication: int = Field(1, ge=1, description="replication factor of created topics")
+    kafka_session_timeout_s: float = Field(
+        3.0, ge=1, le=300, description="how long a group member may stay silent before the broker hands its "
+        "partitions to the others: the takeover time after a kill -9 (heartbeats every sixth of it); the "
+        "brokers' group.min.session.timeout.ms must allow it (Kafka's default, 6 s, does not allow 3)")
     kafka_security: Literal["sasl_plaintext", "sasl_ssl", "plaintext"] = Field(
         "sasl_plaintext", description="how every client authenticates to the broker: SASL/SCRAM-SHA-512 "
         "(over TLS with sasl_ssl), or plaintext for a broker without SASL (common/kafka_auth.py)")

@@ -46,7 +46,6 @@ class WorkerConfig(BaseSettings):
     stuck_s: float = Field(30.0, gt=0, description="not ready, and not live, once the engine has made no step "
                            "for this long with requests in it")
     health_interval_s: float = Field(1.0, gt=0, description="seconds between two checks of the group's standing")
-    session_timeout_ms: int = 6000
     takeover_margin_s: float = Field(5.0, description="look this far before created_at for emitted tokens")
     step_delay_s: float = Field(0.0, ge=0, description="sleep after each step (throttling / failover tests)")
     grammar_timeout_s: float = Field(5.0, gt=0, description="longest wait for an output grammar to compile "

@@ -118,7 +118,6 @@ class Worker:
         client_id = member_client_id("worker")
         self.consumer = await start_consumer(
             group=self.group, bootstrap=self.bootstrap, from_beginning=True,
-            session_timeout_ms=self.cfg.session_timeout_ms, heartbeat_interval_ms=1000,
             max_poll_interval_ms=600_000, client_id=client_id)
         self.consumer.subscribe([self.spec.name], listener=_Rebalance(self))
         # the group's standing as the broker sees it, for /health/ready (gpu_workers/health.py)

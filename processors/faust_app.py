@@ -12,7 +12,7 @@ import faust
 from faust.types import EventT
 
 from processors.delivery import at_least_once
-from producers.settings import FAUST
+from producers.settings import FAUST, faust_liveness
 from schemas import DeadLetter, DecodeError, Event, TraceContext, decode, encode
 from schemas.headers import EVENT_TYPE as TYPE_HEADER
 from common import kafka_auth, tracing
@@ -22,12 +22,35 @@ from topics import DEAD_LETTER, TopicSpec, processor_group
 log = logging.getLogger(__name__)
 
 
+def _commit_nothing_revoked() -> None:
+    """faust commits only the offsets of partitions still assigned; when a rebalance has just taken
+    every one of them (a fellow member died: eager rebalancing revokes all), what is left is empty,
+    and aiokafka's `commit({})` raises ValueError, which faust treats as fatal: the *surviving*
+    member crashed and the role had no live member until its supervisor restarted both (the chaos
+    drill's conversation takeover took 17-27 s). Committing nothing is what it should do."""
+    from faust.transport.drivers.aiokafka import AIOKafkaConsumerThread
+
+    commit = AIOKafkaConsumerThread._commit  # noqa: SLF001 - the method that crashes
+    if getattr(commit, "keeps_empty_commits", False):
+        return
+
+    async def _commit(self, offsets):
+        assigned = self.assignment()
+        if not any(tp in assigned for tp in offsets):
+            return False  # nothing of ours to commit; the next owner reads from the last commit
+        return await commit(self, offsets)
+
+    _commit.keeps_empty_commits = True
+    AIOKafkaConsumerThread._commit = _commit  # noqa: SLF001
+
+
 def make_app(role: str, **overrides) -> faust.App:
     """A faust app whose id (and consumer group) is `ts-<role>`, processing at-least-once.
 
     Re-processing after a crash is made harmless by `processors.effects.Ledger` (see there
     why not faust's exactly_once).
     """
+    _commit_nothing_revoked()
     cfg = settings()
     brokers = ";".join(f"kafka://{b.strip()}" for b in cfg.kafka_bootstrap.split(","))
     options = dict(
@@ -40,6 +63,7 @@ def make_app(role: str, **overrides) -> faust.App:
         topic_partitions=12,
         stream_wait_empty=False,
         **FAUST,  # the Kafka client settings, beside every other role's (producers/settings.py)
+        **faust_liveness(),
     )
     credentials = kafka_auth.faust_credentials()  # the role's own broker user (topics/access.py)
     if credentials is not None:

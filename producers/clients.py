@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
-from producers.settings import CONSUMER, FOLLOW_FETCH_MAX_WAIT_MS, PRODUCER
+from producers.settings import CONSUMER, FOLLOW_FETCH_MAX_WAIT_MS, PRODUCER, liveness
 from common import kafka_auth
 from common.config import settings
 from topics import TopicSpec
@@ -41,6 +41,8 @@ async def start_consumer(
     )
     if group is None:
         options["fetch_max_wait_ms"] = FOLLOW_FETCH_MAX_WAIT_MS
+    else:
+        options.update(liveness())
     options.update(overrides)
     consumer = AIOKafkaConsumer(*(s.name for s in specs), **options)
     await consumer.start()

@@ -23,6 +23,8 @@ that path may hold a record back to batch it:
 
 from __future__ import annotations
 
+from common.config import settings
+
 PRODUCER = dict(
     acks="all",
     enable_idempotence=True,
@@ -50,6 +52,24 @@ FAUST = dict(
     producer_linger=0.0,
     broker_commit_every=100,
     broker_commit_interval=0.2,  # what a crash makes the processors redo, at most (effects.Ledger)
-    broker_session_timeout=10.0,  # a killed member's partitions move on within seconds
-    broker_heartbeat_interval=1.0,
 )
+
+
+def liveness() -> dict[str, int]:
+    """How a consumer group member shows it is alive (aiokafka's terms); faust's in `faust_liveness`.
+
+    The session timeout *is* the takeover time after a kill -9: the classic group protocol only
+    notices a dead member when its heartbeats stop for that long (a clean stop leaves at once).
+    3 s (Kafka's client default is 45 s, aiokafka's 10): heartbeats every 0.5 s, six a session,
+    so a member must miss six in a row, which an event loop busy for a moment does not do (the
+    worker's steps run on a thread of their own, faust's consumer too). Cutting it further buys
+    little: a rebalance and the takeover's re-prefill follow it anyway.
+    """
+    session_ms = int(settings().kafka_session_timeout_s * 1000)
+    return dict(session_timeout_ms=session_ms, heartbeat_interval_ms=max(100, session_ms // 6))
+
+
+def faust_liveness() -> dict[str, float]:
+    ms = liveness()
+    return dict(broker_session_timeout=ms["session_timeout_ms"] / 1000,
+                broker_heartbeat_interval=ms["heartbeat_interval_ms"] / 1000)

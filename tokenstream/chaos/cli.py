@@ -36,18 +36,27 @@ def chaos(
 def as_dict(report) -> dict:
     v = report.verdict
     recoveries = [f.recovery_s for f in report.faults if f.recovery_s is not None]
+    kill_stalls = [f.stall_s for f in report.faults if f.kind == "kill -9" and f.stall_s is not None]
     return {
         "seconds": round(report.seconds, 1), "ok": report.ok, "fault_every_s": round(report.every_s, 2),
-        "faults": [{"kind": f.kind, "target": f.target, "recovery_s": f.recovery_s and round(f.recovery_s, 2)}
-                   for f in report.faults],
+        "faults": [{"kind": f.kind, "target": f.target, "recovery_s": f.recovery_s and round(f.recovery_s, 2),
+                    "stall_s": _rounded(f.stall_s)} for f in report.faults],
         "requests": {"admitted": v.admitted, "completed": v.completed, "refused": report.refused,
                      "unacknowledged": report.unacknowledged, "resumes": report.resumes,
                      "interrupted": v.interrupted},
         "lost": v.lost, "differs": v.differs, "log_inconsistent": v.inconsistent, "unfinished": v.unfinished,
         "duplicated": v.duplicates,
         "worst_recovery_s": round(max(recoveries), 2) if recoveries else None,
+        "worst_kill_stall_s": _rounded(max(kill_stalls)) if kill_stalls else None,
+        "baseline_stall_s": _rounded(report.baseline_stall_s),
         "lag_left": report.lag_left, "running_left": report.running_left, "logs": report.logs,
     }
+
+
+def _rounded(seconds: float | None) -> float | str | None:
+    if seconds is None:
+        return None
+    return "never" if seconds == float("inf") else round(seconds, 2)
 
 
 def print_report(report) -> None:
@@ -72,15 +81,17 @@ def print_report(report) -> None:
             ("log inconsistent (not one answer)", str(len(d["log_inconsistent"]))),
             ("unfinished within the deadline", str(len(d["unfinished"]))),
             ("duplicated", str(len(d["duplicated"]))),
-            ("worst recovery", f"{d['worst_recovery_s']} s"),
+            ("worst recovery (the next request answered in full)", f"{d['worst_recovery_s']} s"),
+            ("worst stall after a kill (a stream's wait for its next token)", f"{d['worst_kill_stall_s']} s"),
+            ("worst stall without a fault (before the first)", f"{d['baseline_stall_s']} s"),
             ("lag left", ", ".join(f"{g}={n}" for g, n in d["lag_left"].items() if n) or "0"),
             ("still generating", f"{d['running_left']:g}"),
             ("verdict", "PASS" if d["ok"] else "FAIL")]
     for name, value in rows:
         table.add_row(name, value)
     Console(width=120).print(table)
-    faults = Table("fault", "target", "recovery s", title="faults")
+    faults = Table("fault", "target", "stall s", "recovery s", title="faults")
     for f in d["faults"]:
-        faults.add_row(f["kind"], f["target"], str(f["recovery_s"]))
+        faults.add_row(f["kind"], f["target"], str(f["stall_s"]), str(f["recovery_s"]))
     Console(width=120).print(faults)
     print(f"logs: {d['logs']}")

@@ -20,6 +20,7 @@ class Outcome:
     rid: str
     sent: float
     frames: list[tuple[int, str]] = field(default_factory=list)  # (SSE position, content)
+    arrivals: list[float] = field(default_factory=list)  # when each frame reached the client (wall clock)
     done: bool = False
     finished_at: float | None = None
     resumes: int = 0
@@ -29,6 +30,16 @@ class Outcome:
     @property
     def text(self) -> str:
         return "".join(content for _, content in self.frames)
+
+    def wait_from(self, instant: float) -> float | None:
+        """How long this request waited, from `instant` (or from being sent, if later), for its next
+        frame or its end: a stream's stall across a fault, a new request's wait for its first token.
+        None when it had ended by then; inf when nothing more came."""
+        if self.finished_at is not None and self.finished_at <= instant:
+            return None
+        start = max(instant, self.sent)
+        after = [t for t in self.arrivals if t > start] + ([self.finished_at] if self.finished_at else [])
+        return min(after) - start if after else float("inf")
 
     @property
     def last_id(self) -> str | None:
@@ -113,6 +124,7 @@ class Client:
         content = content_of(data)
         if content and position >= 0:
             outcome.frames.append((position, content))
+            outcome.arrivals.append(time.time())
             return True
         return False
 

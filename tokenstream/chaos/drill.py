@@ -39,6 +39,7 @@ class Fault:
     at: float
     ended_at: float = 0.0  # when the fault was over (the broker back); recovery counts from here
     recovered_at: float | None = None
+    stall_s: float | None = None  # the longest wait, from the fault, of a stream in flight for its next frame
 
     @property
     def recovery_s(self) -> float | None:
@@ -57,6 +58,7 @@ class Report:
     running_left: float = 0.0
     logs: str = ""
     every_s: float = 0.0  # the time between two faults
+    baseline_stall_s: float | None = None  # the same wait measured without a fault (before the first)
 
     @property
     def ok(self) -> bool:
@@ -104,17 +106,19 @@ async def run(minutes: float, *, clients: int = 3, every_s: float = 20.0, stall_
         supervisor_stop = asyncio.Event()
         supervisor = asyncio.create_task(system.supervise(supervisor_stop))
         loads = [asyncio.create_task(_user(u, i, outcomes, stop, system.key)) for i, u in enumerate(users)]
+        warm_at = await _first_answer(outcomes, deadline_s)
         faults = await _inject(system, users, schedule, every_s, stall_s, say)
         await _until_recovered(faults, outcomes, deadline_s)
         stop.set()
         say("chaos: faults done; waiting for the requests in flight to end")
         await asyncio.gather(*loads)
         _recoveries(faults, outcomes)
+        baseline = _stalls(faults, outcomes, warm_at)
         say(f"chaos: load stopped after {time.time() - started:.0f} s; checking the log and the lag")
         answers = await read_answers(system.stack.kafka.address, {o.rid for o in outcomes}, started - 5)
         report = Report(time.time() - started, faults, judge(outcomes, answers), every_s=every_s,
                         refused=sum(u.refused for u in users), unacknowledged=sum(u.unacknowledged for u in users),
-                        resumes=sum(o.resumes for o in outcomes), logs=str(root))
+                        resumes=sum(o.resumes for o in outcomes), logs=str(root), baseline_stall_s=baseline)
         report.lag_left = await drained(system.stack.kafka.address, _groups(), timeout=90)
         report.running_left = await _running(system)
         supervisor_stop.set()
@@ -133,6 +137,18 @@ async def _user(client: Client, index: int, outcomes: list[Outcome], stop: async
                 await asyncio.sleep(0.5)  # refused: back off a little, like a client honouring Retry-After
             else:
                 outcomes.append(outcome)
+
+
+async def _first_answer(outcomes: list[Outcome], timeout: float) -> float:
+    """When the first answer completed (the faults' clock starts then: until the system is warm,
+    a wait measures its start-up, not a fault)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done = [o.finished_at for o in outcomes if o.finished_at]
+        if done:
+            return min(done)
+        await asyncio.sleep(0.25)
+    return time.time()
 
 
 async def _inject(system, users: list[Client], schedule: tuple[str, ...], every_s: float, stall_s: float,
@@ -183,6 +199,28 @@ def _recoveries(faults: list[Fault], outcomes: list[Outcome]) -> None:
     for fault in faults:
         done = [o.finished_at for o in outcomes if o.done and o.sent >= fault.ended_at and o.finished_at]
         fault.recovered_at = min(done) if done else None
+
+
+def worst_stall(outcomes: list[Outcome], start: float, end: float) -> float | None:
+    """The longest wait for a next frame of any request in flight at `start` or sent before `end`
+    (each counted from `start` or from its sending, whichever is later); None when there was none."""
+    waits = [w for o in outcomes if o.sent < end and (w := o.wait_from(start)) is not None]
+    return max(waits) if waits else None
+
+
+def _stalls(faults: list[Fault], outcomes: list[Outcome], quiet_from: float) -> float | None:
+    """Each kill's and broker restart's stall: the worst wait of a request in flight when it struck or
+    sent before half the time from its end to the next fault has passed (a new request whose
+    partition the dead process held waits for the takeover too). Returns the same measure over the
+    quiet time before the first fault, when the system was warm and nothing had failed yet."""
+    for i, fault in enumerate(faults):
+        if fault.kind == "client stall":  # there the client itself stops reading
+            continue
+        until = faults[i + 1].at if i + 1 < len(faults) else time.time()
+        fault.stall_s = worst_stall(outcomes, fault.at, fault.ended_at + (until - fault.ended_at) / 2)
+    if not faults or quiet_from >= faults[0].at:
+        return None
+    return worst_stall(outcomes, quiet_from, faults[0].at - 1.0)  # 1 s: a wait may not run into the fault
 
 
 def _groups() -> list[tuple[str, str]]:

@@ -132,6 +132,9 @@ class Kafka(Service):
             "share.coordinator.state.topic.min.isr": "1",
             "min.insync.replicas": "1",
             "group.initial.rebalance.delay.ms": "0",
+            # members' session timeouts as short as TOKENSTREAM_KAFKA_SESSION_TIMEOUT_S may go
+            # (producers/settings.py: the takeover time after a kill -9); Kafka's floor is 6 s
+            "group.min.session.timeout.ms": "1000",
             "num.partitions": "1",
         }
         if self.test_mode:

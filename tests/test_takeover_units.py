@@ -1,0 +1,94 @@
+"""What a takeover depends on, unit by unit: a surviving faust member must live through the rebalance
+that a dead member's expiry starts, every group member must show itself alive often enough to be
+replaced within seconds, and the chaos drill must measure the stall a fault causes (the drill itself:
+tests/test_chaos.py, `tokenstream chaos`)."""
+
+from __future__ import annotations
+
+import pytest
+from aiokafka.util import commit_structure_validate
+from faust.transport.drivers.aiokafka import AIOKafkaConsumerThread
+from faust.types import TP
+
+from common.config import settings
+from processors.faust_app import make_app
+from producers.settings import faust_liveness, liveness
+from tokenstream.chaos.clients import Outcome
+from tokenstream.chaos.drill import worst_stall
+
+
+@pytest.fixture(autouse=True)
+def _no_broker(monkeypatch):
+    """No broker is reached here: the apps are only built, with no credentials to look up."""
+    monkeypatch.setenv("TOKENSTREAM_KAFKA_SECURITY", "plaintext")
+    settings.cache_clear()
+    yield
+    monkeypatch.undo()
+    settings.cache_clear()
+
+
+class _Consumer:
+    """aiokafka's consumer as faust's commit reaches it: the same structure check, which raised
+    ValueError({}) when every partition had just been revoked."""
+
+    def __init__(self) -> None:
+        self.committed: list[dict] = []
+
+    async def commit(self, offsets) -> None:
+        commit_structure_validate(offsets)
+        self.committed.append(offsets)
+
+
+class _Thread:
+    def __init__(self, assigned: set[TP]) -> None:
+        self.assigned, self.consumer, self.crashes = assigned, _Consumer(), []
+        self.tp_last_committed_at: dict = {}
+
+    def assignment(self) -> set[TP]:
+        return self.assigned
+
+    def _ensure_consumer(self) -> _Consumer:
+        return self.consumer
+
+    async def crash(self, exc: BaseException) -> None:
+        self.crashes.append(exc)
+
+    class log:  # noqa: N801 - faust's logger, as the method calls it
+        @staticmethod
+        def exception(*args, **kwargs) -> None:
+            pass
+
+
+async def test_a_survivor_commits_nothing_when_the_rebalance_took_every_partition():
+    make_app("conversation")  # installs the fix
+    kept, taken = TP("ts.chat.requests", 0), TP("ts.chat.requests", 1)
+    thread = _Thread(assigned={TP("ts-conversation-__assignor-__leader", 0)})
+    assert await AIOKafkaConsumerThread._commit(thread, {taken: 5}) is False
+    assert thread.crashes == [] and thread.consumer.committed == []
+    thread.assigned.add(kept)
+    assert await AIOKafkaConsumerThread._commit(thread, {taken: 5, kept: 7}) is True
+    assert [{tp.partition: o.offset for tp, o in c.items()} for c in thread.consumer.committed] == [{0: 7}]
+
+
+def test_every_member_is_replaced_within_the_session_timeout(monkeypatch):
+    monkeypatch.setenv("TOKENSTREAM_KAFKA_SESSION_TIMEOUT_S", "3")
+    settings.cache_clear()
+    assert liveness() == {"session_timeout_ms": 3000, "heartbeat_interval_ms": 500}
+    assert faust_liveness() == {"broker_session_timeout": 3.0, "broker_heartbeat_interval": 0.5}
+    app = make_app("router")
+    assert (app.conf.broker_session_timeout, app.conf.broker_heartbeat_interval) == (3.0, 0.5)
+    monkeypatch.setenv("TOKENSTREAM_KAFKA_SESSION_TIMEOUT_S", "6")
+    settings.cache_clear()
+    assert liveness() == {"session_timeout_ms": 6000, "heartbeat_interval_ms": 1000}
+
+
+def test_a_stall_counts_from_the_fault_or_from_the_sending():
+    in_flight = Outcome("a", sent=10.0, arrivals=[10.5, 11.0, 14.0, 14.2], finished_at=14.3, done=True)
+    sent_after = Outcome("b", sent=12.0, arrivals=[16.0], finished_at=16.5, done=True)
+    ended_before = Outcome("c", sent=9.0, arrivals=[9.5], finished_at=10.9, done=True)
+    never = Outcome("d", sent=11.5)
+    assert in_flight.wait_from(11.2) == 14.0 - 11.2
+    assert sent_after.wait_from(11.2) == 4.0 and ended_before.wait_from(11.2) is None
+    assert worst_stall([in_flight, sent_after, ended_before], 11.2, 13.0) == 4.0
+    assert worst_stall([in_flight, sent_after], 11.2, 11.9) == 14.0 - 11.2  # b was sent after the window
+    assert worst_stall([never], 11.2, 13.0) == float("inf")
