@@ -8,6 +8,8 @@ turn (or, with `schedule`, exactly those faults spread evenly over the run):
   kill     kill -9 one process of a role (the roles in turn, a random instance);
   broker   stop the broker (SIGTERM) and start it again;
   stall    the next request's client stops reading for `stall_s` seconds mid-answer.
+The faults start once a first answer is complete. Each kill's stall is the longest wait for a next
+token it caused (`_stalls`), beside the same measure over the quiet time before the first fault.
 Afterwards (`verify.Verdict`): every admitted request must have ended for its client with [DONE]
 and exactly the text the log holds, each position once, and whatever the client held when its
 stream broke off must have been a prefix of that text; ts.tokens must hold one consistent answer
@@ -39,7 +41,7 @@ class Fault:
     at: float
     ended_at: float = 0.0  # when the fault was over (the broker back); recovery counts from here
     recovered_at: float | None = None
-    stall_s: float | None = None  # the longest wait, from the fault, of a stream in flight for its next frame
+    stall_s: float | None = None  # the longest wait it caused for a next token (drill._stalls)
 
     @property
     def recovery_s(self) -> float | None:
