@@ -82,7 +82,7 @@ def print_report(report) -> None:
             ("unfinished within the deadline", str(len(d["unfinished"]))),
             ("duplicated", str(len(d["duplicated"]))),
             ("worst recovery (the next request answered in full)", f"{d['worst_recovery_s']} s"),
-            ("worst stall after a kill (a stream's wait for its next token)", f"{d['worst_kill_stall_s']} s"),
+            ("worst stall after a kill (next token of a stream, first of a new request)", f"{d['worst_kill_stall_s']} s"),
             ("worst stall without a fault (before the first)", f"{d['baseline_stall_s']} s"),
             ("lag left", ", ".join(f"{g}={n}" for g, n in d["lag_left"].items() if n) or "0"),
             ("still generating", f"{d['running_left']:g}"),

@@ -115,7 +115,11 @@ async def run(minutes: float, *, clients: int = 3, every_s: float = 20.0, stall_
         say("chaos: faults done; waiting for the requests in flight to end")
         await asyncio.gather(*loads)
         _recoveries(faults, outcomes)
-        baseline = _stalls(faults, outcomes, warm_at)
+        _stalls(faults, outcomes)
+        # the same measure over the warm, quiet time before the first fault (1 s short of it: a wait
+        # there may not run into the fault)
+        quiet = bool(faults) and warm_at < faults[0].at
+        baseline = worst_stall(outcomes, warm_at, faults[0].at - 1.0) if quiet else None
         say(f"chaos: load stopped after {time.time() - started:.0f} s; checking the log and the lag")
         answers = await read_answers(system.stack.kafka.address, {o.rid for o in outcomes}, started - 5)
         report = Report(time.time() - started, faults, judge(outcomes, answers), every_s=every_s,
@@ -210,19 +214,15 @@ def worst_stall(outcomes: list[Outcome], start: float, end: float) -> float | No
     return max(waits) if waits else None
 
 
-def _stalls(faults: list[Fault], outcomes: list[Outcome], quiet_from: float) -> float | None:
+def _stalls(faults: list[Fault], outcomes: list[Outcome]) -> None:
     """Each kill's and broker restart's stall: the worst wait of a request in flight when it struck or
     sent before half the time from its end to the next fault has passed (a new request whose
-    partition the dead process held waits for the takeover too). Returns the same measure over the
-    quiet time before the first fault, when the system was warm and nothing had failed yet."""
+    partition the dead process held waits for the takeover too)."""
     for i, fault in enumerate(faults):
         if fault.kind == "client stall":  # there the client itself stops reading
             continue
         until = faults[i + 1].at if i + 1 < len(faults) else time.time()
         fault.stall_s = worst_stall(outcomes, fault.at, fault.ended_at + (until - fault.ended_at) / 2)
-    if not faults or quiet_from >= faults[0].at:
-        return None
-    return worst_stall(outcomes, quiet_from, faults[0].at - 1.0)  # 1 s: a wait may not run into the fault
 
 
 def _groups() -> list[tuple[str, str]]:
