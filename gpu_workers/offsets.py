@@ -25,6 +25,10 @@ class OffsetTracker:
         if tp in self._inflight:
             self._inflight[tp].discard(offset)
 
+    def tracks(self, tp: TopicPartition, offset: int) -> bool:
+        """Whether `offset` is in flight here (read again after a rebalance that kept its partition)."""
+        return offset in self._inflight.get(tp, ())
+
     def owns(self, tp: TopicPartition) -> bool:
         return tp in self._inflight
 

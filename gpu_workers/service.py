@@ -25,6 +25,7 @@ from gpu_workers.config import WorkerConfig
 from gpu_workers.backend import Backend
 from gpu_workers.grammar import GrammarError, Grammars
 from gpu_workers.announce import Announcer
+from gpu_workers.handover import Handover
 from gpu_workers.health import WorkerHealth
 from gpu_workers.metrics import WorkerMetrics
 from gpu_workers.offsets import OffsetTracker
@@ -34,6 +35,7 @@ from gpu_workers.tool_calls import ToolCallParser
 from gpu_workers.torch_thread import torch_thread
 from producers import dead_letter, decode_record, publish, start_consumer, start_producer
 from producers.membership import GroupWatch, member_client_id
+from producers.sticky import StickyAssignor, assignor_strategy, generation_of
 from schemas import (
     Cancel,
     Completion,
@@ -89,6 +91,8 @@ class Worker:
         # after a crash (see processors/effects.py) must not have it generated twice.
         self.completed: OrderedDict[str, None] = OrderedDict()
         self.epoch: dict[TopicPartition, int] = {}  # bumped when a partition is revoked
+        self.handover = Handover()  # revoked partitions' requests, held until the next assignment
+        self.assignor = StickyAssignor()
         self.step_lock = asyncio.Lock()
         self.commit_lock = asyncio.Lock()
         self.publish_lock = asyncio.Lock()  # held while events are queued for the producer
@@ -118,7 +122,8 @@ class Worker:
         client_id = member_client_id("worker")
         self.consumer = await start_consumer(
             group=self.group, bootstrap=self.bootstrap, from_beginning=True,
-            max_poll_interval_ms=600_000, client_id=client_id)
+            max_poll_interval_ms=600_000, client_id=client_id,
+            partition_assignment_strategy=assignor_strategy(self.assignor))
         self.consumer.subscribe([self.spec.name], listener=_Rebalance(self))
         # the group's standing as the broker sees it, for /health/ready (gpu_workers/health.py)
         self.watch = GroupWatch(self.bootstrap, self.group, client_id, interval_s=self.cfg.health_interval_s,
@@ -151,10 +156,20 @@ class Worker:
             log.info("worker %s stopped", self.worker_id)
 
     async def assigned(self, tps: set[TopicPartition]) -> None:
-        if tps:
-            ends = await self.consumer.end_offsets(list(tps))
+        """Settle the held partitions (gpu_workers/handover.py): write what the kept ones waited to
+        write, give up the requests of those that moved; read the end of each partition new here."""
+        generation = generation_of(self.consumer)
+        self.assignor.remember_generation(generation)
+        async with self.publish_lock:
+            settled = self.handover.settle(tps, generation)
+            self._give_up(settled.lost)
+            await self._publish_locked(settled.waiting)
+        fresh = tps - settled.kept
+        if fresh:
+            ends = await self.consumer.end_offsets(list(fresh))
             self.takeover_below.update(ends)  # anything below may have been started by a previous owner
-        log.info("worker %s assigned %d partitions of %s", self.worker_id, len(tps), self.spec.name)
+        log.info("worker %s assigned %d partitions of %s (generation %d, %d kept through the rebalance)",
+                 self.worker_id, len(tps), self.spec.name, generation, len(settled.kept))
         if not self.ready.is_set():
             log.info("worker ready: %s in group %s", self.worker_id, self.group)
             if self.watch is not None:
@@ -162,18 +177,25 @@ class Worker:
             self.ready.set()
 
     async def revoked(self, tps: set[TopicPartition]) -> None:
-        """Hand partitions over cleanly: stop their requests at once, flush what was written for them.
+        """Hold the partitions' requests until the new assignment: nothing more is written for them.
 
-        Their requests stop being this worker's before anything is awaited, so nothing more is
-        written for them, not even what the step running now produces: a revocation that outlasts
-        the group's rebalance timeout (a slow step on a loaded host) gets this member expelled
-        and the partitions handed to another worker meanwhile; a token written after that came
-        behind the new owner's takeover read, which had started the request afresh, and the log
-        held two versions of its answer (the chaos drill saw a chunk "A" and then a Completion
-        with seq 0 from the new owner). The new owner regenerates what was not written.
+        They stop writing before anything is awaited, not even what the step running now produces: a
+        revocation that outlasts the group's rebalance timeout (a slow step on a loaded host) gets
+        this member expelled and the partitions handed to another worker meanwhile; a token written
+        after that came behind the new owner's takeover read, which had started the request afresh,
+        and the log held two versions of its answer (the chaos drill saw a chunk "A" and then a
+        Completion with seq 0 from the new owner). The assignment then keeps them or gives them up.
         """
         for tp in tps:
             self.epoch[tp] = self.epoch.get(tp, 0) + 1
+        self.handover.hold(tps)
+        # Not waiting for the running step (seconds on a loaded host, which made the member miss the
+        # rebalance timeout): only for a publish under way, so that what it queued is flushed too.
+        async with self.publish_lock:
+            await self.producer.flush()
+
+    def _give_up(self, tps: set[TopicPartition]) -> None:
+        """Abort the requests of partitions that moved: their new owner takes them over."""
         lost = [rid for rid, (tp, *_) in self.owned.items() if tp in tps]
         for rid in lost:
             self.engine.abort(self.owned.pop(rid)[3])
@@ -182,10 +204,6 @@ class Worker:
         for tp in tps:
             self.tracker.drop(tp)
             self.takeover_below.pop(tp, None)
-        # Not waiting for the running step (seconds on a loaded host, which made the member miss the
-        # rebalance timeout): only for a publish under way, so that what it queued is flushed too.
-        async with self.publish_lock:
-            await self.producer.flush()
         if lost:
             log.info("worker %s gave up %d in-flight requests on rebalance", self.worker_id, len(lost))
 
@@ -224,6 +242,8 @@ class Worker:
         for tp, rec in fetched:
             if self.epoch.get(tp, 0) != epochs.get(tp, 0):
                 continue  # revoked meanwhile
+            if self.tracker.tracks(tp, rec.offset):
+                continue  # read again from the commit after a rebalance that kept its partition: running
             self.tracker.add(tp, rec.offset)
             try:
                 request = decode_record(rec, self.spec)
@@ -385,6 +405,9 @@ class Worker:
             if owned is None or owned[3] is not out.seq:
                 continue  # aborted: its partition belongs to another worker now (or it was taken over afresh)
             tp, offset, request, _ = owned
+            if self.handover.holds(tp):
+                self.handover.wait(tp, out)  # revoked: written only if the next assignment keeps it
+                continue
             parser = self.parsers.get(rid)
             span = self.spans.get(rid)
             trace = span.trace if span is not None else None
@@ -400,7 +423,7 @@ class Worker:
                                    raw=raw, worker_id=self.worker_id)
                 await publish(self.producer, TOKENS, chunk, partition=request.reply_partition, wait=False,
                               trace=chunk_trace)
-            if out.finish_reason is not None and self.owned.get(rid) is owned:  # not revoked meanwhile
+            if out.finish_reason is not None and self.owned.get(rid) is owned:  # not given up meanwhile
                 seq = out.seq
                 reason, error = out.finish_reason, out.error
                 if seq.grammar is not None and seq.grammar.error is not None and reason == "stop":

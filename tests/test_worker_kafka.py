@@ -26,7 +26,7 @@ from gpu_workers.random_model import build
 from gpu_workers.service import Worker
 from gpu_workers.startup import run_worker
 from producers import decode_record, publish, start_producer
-from schemas import Cancel, ChatMessage, Completion, InferenceRequest, SamplingParams, TokenChunk, encode
+from schemas import Cancel, ChatMessage, Completion, InferenceRequest, SamplingParams, TokenChunk, decode, encode
 from topics import CONTROL, TOKENS, TOOL_CALLS, inference_topic
 from topics.admin import apply
 
@@ -435,24 +435,21 @@ async def test_records_fetched_across_a_rebalance_that_gives_the_partition_back_
     assert worker.tracker.inflight(tp) == {7}
 
 
-async def test_nothing_is_written_for_a_revoked_partition_once_its_revocation_began(tiny_loaded):
-    """A revocation that waits for the running step can outlast the group's rebalance timeout (a slow
-    step on a loaded host): the member is expelled and another worker takes the request over meanwhile.
-    So the revocation must not wait for the step, and neither that step's tokens nor the last step's
-    may be written once it began: the chaos drill found a chunk written by the old owner after the
-    new owner's takeover read, and then the new owner's Completion with seq 0 (two versions of one
-    answer in the log). A unit test with stand-ins for the engine and the producer."""
-    from gpu_workers.sequence import Output, Sequence
+def _held_worker(tiny_loaded, generation: int):
+    """A worker with stand-ins for the engine, the producer and the consumer (joined in `generation`), and
+    two requests in flight: one on partition 0, one on partition 1."""
+    from gpu_workers.sequence import Sequence
 
     model = "tiny-units"
-    tp, kept_tp = TopicPartition(inference_topic(model).name, 0), TopicPartition(inference_topic(model).name, 1)
-    engine = SimpleNamespace(queued=0, tokenizer=tiny_loaded.tokenizer, abort=lambda seq: None)
+    tps = [TopicPartition(inference_topic(model).name, p) for p in (0, 1)]
+    aborted: list = []
+    engine = SimpleNamespace(queued=0, tokenizer=tiny_loaded.tokenizer, abort=aborted.append)
     worker = Worker(WorkerConfig(model=model), engine, WorkerMetrics(model), "127.0.0.1:9")
     sent: list = []
 
     class Producer:
         async def send(self, topic, value, key=None, partition=None, headers=None):
-            sent.append(key.decode())
+            sent.append((key.decode(), value))
             future = asyncio.get_running_loop().create_future()
             future.set_result(None)
             return future
@@ -460,22 +457,113 @@ async def test_nothing_is_written_for_a_revoked_partition_once_its_revocation_be
         async def flush(self):
             pass
 
-    worker.producer = Producer()
+    class Consumer:
+        _coordinator = SimpleNamespace(generation=generation)
+
+        def assignment(self):
+            return set(tps)
+
+        async def end_offsets(self, asked):
+            return {t: 100 for t in asked}
+
+        async def commit(self, offsets):
+            pass
+
+    worker.producer, worker.consumer = Producer(), Consumer()
     seqs = {}
-    for rid, at in (("revoked-one", tp), ("kept-one", kept_tp)):
-        req = request(model, "hello", 4)
+    for rid, tp in (("on-0", tps[0]), ("on-1", tps[1])):
         seqs[rid] = Sequence(rid, [1, 2], max_tokens=4)
-        worker.owned[rid] = (at, 7, req, seqs[rid])
+        worker.owned[rid] = (tp, 7, request(model, "hello", 4), seqs[rid])
+        worker.tracker.add(tp, 7)
+    return worker, tps, seqs, sent, aborted
+
+
+async def _revoke_mid_step(worker, tps, seqs, sent) -> None:
+    """Partition 0 is revoked while a step runs; that step's outputs and the next's are published."""
+    from gpu_workers.sequence import Output
 
     async with worker.step_lock:  # a step is running: the revocation does not wait for it
-        await asyncio.wait_for(worker.revoked({tp}), 5)
-        # the step ends and the one queued behind it too (two deep): the loop publishes both
-        await worker._publish([Output(seqs["revoked-one"], chunk_seq=0, text="A", token_ids=[49])])
-        await worker._publish([Output(seqs["revoked-one"], chunk_seq=1, text="B", token_ids=[50],
+        await asyncio.wait_for(worker.revoked({tps[0]}), 5)
+        await worker._publish([Output(seqs["on-0"], chunk_seq=0, text="A", token_ids=[49])])
+        await worker._publish([Output(seqs["on-0"], chunk_seq=1, text="B", token_ids=[50],
                                       finish_reason="length", completion_seq=2),
-                               Output(seqs["kept-one"], chunk_seq=0, text="C", token_ids=[51])])
-    assert sent == ["kept-one"]  # the kept partition's token only
-    assert "revoked-one" not in worker.owned and "kept-one" in worker.owned
+                               Output(seqs["on-1"], chunk_seq=0, text="C", token_ids=[51])])
+    assert [key for key, _ in sent] == ["on-1"]  # the partition still assigned writes; the held one waits
+    assert "on-0" in worker.owned  # held, not aborted
+
+
+async def test_nothing_is_written_for_a_revoked_partition_until_the_next_generation_keeps_it(tiny_loaded):
+    """A revoked partition's requests are held, not aborted (aiokafka revokes every partition on each
+    rebalance, also those the sticky assignor hands straight back), and the revocation does not wait
+    for the running step (one that outlasts the group's rebalance timeout gets the member expelled).
+    Assigned back in the very next generation, no other member can have owned it: what it produced
+    meanwhile is written then, in order, and its offset commits as usual. Unit test, stand-ins."""
+    worker, tps, seqs, sent, aborted = _held_worker(tiny_loaded, generation=5)
+    worker.handover.assigned_in = {tps[0]: 4, tps[1]: 4}
+    await _revoke_mid_step(worker, tps, seqs, sent)
+    await worker.assigned(set(tps))
+    assert [key for key, _ in sent] == ["on-1", "on-0", "on-0", "on-0"]  # chunk A, chunk B, its Completion
+    written = [decode(value, *TOKENS.events) for key, value in sent if key == "on-0"]
+    assert [type(e).__name__ for e in written] == ["TokenChunk", "TokenChunk", "Completion"]
+    assert [e.seq for e in written] == [0, 1, 2] and aborted == []
+    assert "on-0" not in worker.owned and tps[0] not in worker.takeover_below  # a kept partition: no takeover read
+    await asyncio.gather(*worker.pending_completions)
+    assert worker.tracker.committable() == {}  # offset 7 of partition 0 committed past
+
+
+async def test_a_held_partition_that_skipped_a_generation_is_given_up_unwritten(tiny_loaded):
+    """Assigned back two generations on (this member was expelled: another ran the partition
+    meanwhile), or not assigned back at all, the held requests are aborted and nothing they produced
+    is written: the new owner takes them over from what the tokens topic holds. Unit test, stand-ins."""
+    worker, tps, seqs, sent, aborted = _held_worker(tiny_loaded, generation=6)
+    worker.handover.assigned_in = {tps[0]: 4, tps[1]: 4}
+    await _revoke_mid_step(worker, tps, seqs, sent)
+    await worker.assigned(set(tps))
+    assert [key for key, _ in sent] == ["on-1"] and aborted == [seqs["on-0"]]
+    assert "on-0" not in worker.owned and worker.takeover_below == {tps[0]: 100, tps[1]: 100}
+    worker.consumer._coordinator = SimpleNamespace(generation=7)  # next: partition 1 moves away
+    await worker.revoked({tps[1]})
+    await worker.assigned({tps[0]})
+    assert aborted == [seqs["on-0"], seqs["on-1"]] and worker.owned == {}
+
+
+def test_the_sticky_assignor_keeps_partitions_with_their_owner_and_reports_its_generation():
+    """aiokafka's sticky assignor kept its member's state on the class and never learnt the generation;
+    ours keeps both per consumer, so a survivor keeps its partitions when a member leaves, a member
+    coming back takes only its share, and the present owner's claim wins over a stale one."""
+    from aiokafka.cluster import ClusterMetadata
+    from aiokafka.coordinator.protocol import ConsumerProtocolMemberMetadata
+    from producers.sticky import StickyAssignor
+
+    topic = "ts.inference.units"
+    cluster = ClusterMetadata()
+    cluster.available_partitions_for_topic = lambda t: set(range(6))
+    cluster.partitions_for_topic = lambda t: set(range(6))
+    cluster.topics = lambda *a, **k: {topic}
+    members = {m: StickyAssignor() for m in ("a", "b", "c")}
+
+    def rebalance(present, generation):
+        plan = StickyAssignor.assign(cluster, {m: members[m].metadata([topic]) for m in present})
+        for m in present:
+            members[m].on_assignment(plan[m])
+            members[m].remember_generation(generation)
+        return {m: {p for _, ps in plan[m].assignment for p in ps} for m in present}
+
+    first = rebalance(["a", "b", "c"], 1)
+    assert sorted(len(ps) for ps in first.values()) == [2, 2, 2]
+    second = rebalance(["a", "b"], 2)  # c is gone: a and b keep theirs and share c's
+    assert first["a"] <= second["a"] and first["b"] <= second["b"]
+    members["c"] = StickyAssignor()  # c comes back as a new process
+    third = rebalance(["a", "b", "c"], 3)
+    assert sorted(len(ps) for ps in third.values()) == [2, 2, 2]
+    assert len(second["a"] - third["a"]) + len(second["b"] - third["b"]) == 2  # only c's share moved
+    stale = StickyAssignor()  # a member that missed generations claims what b holds now
+    stale.on_assignment(SimpleNamespace(partitions=lambda: [TopicPartition(topic, p) for p in third["b"]]))
+    stale.remember_generation(1)
+    members["d"] = stale
+    plan = StickyAssignor.assign(cluster, {m: members[m].metadata([topic]) for m in ("d", "b")})  # d first
+    assert third["b"] <= {p for _, ps in plan["b"].assignment for p in ps}  # b's newer claim won
+    assert isinstance(members["a"].metadata([topic]), ConsumerProtocolMemberMetadata)
 
 
 async def test_the_next_step_runs_while_the_event_loop_is_busy():
