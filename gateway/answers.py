@@ -106,9 +106,11 @@ def sse_response(gw: Gateway, framer: Framer, source: AsyncIterator[list[Event]]
 
 async def collect(gw: Gateway, rid: str, model_name: str, created: int, source: AsyncIterator[list[Event]],
                   generation: int, request: Request, cleanup: Callable[[], None], *, settle: Settle | None = None,
-                  headers: dict[str, str] | None = None) -> JSONResponse:
-    """Wait for the whole answer and return it as one `chat.completion` body."""
+                  headers: dict[str, str] | None = None, logprobs: bool = False) -> JSONResponse:
+    """Wait for the whole answer and return it as one `chat.completion` body (with each token's log
+    probability when `logprobs`)."""
     text: list[str] = []
+    reported: list = []  # schemas.TokenLogprob of every chunk, in order
     calls: list[dict] = []  # OpenAI's message.tool_calls, assembled from the deltas
     next_seq = 0
 
@@ -119,6 +121,7 @@ async def collect(gw: Gateway, rid: str, model_name: str, created: int, source: 
                 if isinstance(ev, TokenChunk):
                     if ev.seq >= next_seq:
                         text.append(ev.text)
+                        reported.extend(ev.logprobs)
                         for d in ev.tool_calls:
                             if d.id:
                                 calls.append({k: v for k, v in call_delta(d).items() if k != "index"})
@@ -159,4 +162,5 @@ async def collect(gw: Gateway, rid: str, model_name: str, created: int, source: 
     return JSONResponse(api.completion_body(
         api.completion_id(rid), created, model_name, "".join(text),
         api.finish_reason_for_client(done.finish_reason), done.usage.prompt_tokens,
-        done.usage.completion_tokens, done.usage.cached_tokens, tool_calls=calls), headers=headers)
+        done.usage.completion_tokens, done.usage.cached_tokens, tool_calls=calls,
+        logprobs=reported if logprobs else None), headers=headers)

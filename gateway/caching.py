@@ -45,9 +45,9 @@ class Lookup:
 async def look_up(gw: Gateway, key: ApiKey, body: api.ChatCompletionRequest, messages: list[ChatMessage],
                   sampling: SamplingParams) -> Lookup:
     found = Lookup()
-    if not body.cache or body.conversation_id or body.assistant or structured(body):
-        # opted out, part of the context is stored server-side, or the answer may hold tool calls
-        # (a cache entry keeps text chunks only)
+    if not body.cache or body.conversation_id or body.assistant or structured(body) or body.logprobs:
+        # opted out, part of the context is stored server-side, or the answer may hold tool calls or log
+        # probabilities (a cache entry keeps text chunks only)
         return found
     if key.exact_cache and deterministic(sampling):
         found.exact_key = cache_key(key.tenant, body.model, messages, sampling)
@@ -57,7 +57,8 @@ async def look_up(gw: Gateway, key: ApiKey, body: api.ChatCompletionRequest, mes
             found.headers[HEADER] = "hit"
             return found
     turn = single_turn(messages)
-    if key.semantic_cache and turn:
+    if key.semantic_cache and turn and not sampling.shapes_tokens():  # a similar question's answer
+        # was not drawn under this request's penalties or bias: only the exact cache (keyed by them) may answer
         vector = await gw.semantic_cache.embed(turn[1])
         found.semantic = (*turn, vector)
         found.headers[HEADER] = "miss"

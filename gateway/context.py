@@ -27,6 +27,15 @@ def window(model: str) -> int | None:
         return None
 
 
+@lru_cache(maxsize=64)
+def vocabulary(model: str) -> int | None:
+    """How many token ids the model's tokenizer has (None for a model this gateway has no files for)."""
+    try:
+        return len(load_tokenizer(model))
+    except (OSError, ValueError):
+        return None
+
+
 def _count(model: str, messages: list[ChatMessage], output: OutputSpec) -> int:
     return len(prompt_ids(load_tokenizer(model), messages, output))
 

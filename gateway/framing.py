@@ -57,6 +57,7 @@ class Framer:
         out: list[ServerSentEvent] = []
         text: list[str] = []
         calls: list[dict] = []
+        logprobs: list = []  # the chunks' schemas.TokenLogprob entries, when the request asked for them
         upto = None
         for ev in events:
             if self.done:
@@ -73,26 +74,27 @@ class Framer:
                 if ev.seq <= self.last:
                     continue
                 text.append(ev.text)
+                logprobs += ev.logprobs
                 for call in ev.tool_calls:
                     _add_call(calls, call)
                 upto = ev.seq
             elif isinstance(ev, Completion):
                 if upto is not None:  # text before the completion: framed first
-                    out.append(self._delta_frame("".join(text), calls, upto))
-                    text, calls, upto = [], [], None
+                    out.append(self._delta_frame("".join(text), calls, upto, logprobs))
+                    text, calls, logprobs, upto = [], [], [], None
                 out += self._completion_frames(ev)
                 self.done = True
         if upto is not None:
-            out.append(self._delta_frame("".join(text), calls, upto))
+            out.append(self._delta_frame("".join(text), calls, upto, logprobs))
         return out
 
-    def _delta_frame(self, text: str, calls: list[dict], seq: int) -> ServerSentEvent:
+    def _delta_frame(self, text: str, calls: list[dict], seq: int, logprobs: list) -> ServerSentEvent:
         self.last = seq
         self.sent.append(text)
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
         body = api.chunk(self.cid, self.created, self.model, content=text if text or not calls else None,
-                         tool_calls=calls, include_usage=self.include_usage)
+                         tool_calls=calls, include_usage=self.include_usage, logprobs=logprobs)
         return ServerSentEvent(self._data(body), id=event_id(self.rid, seq))
 
     def _completion_frames(self, c: Completion) -> list[ServerSentEvent]:

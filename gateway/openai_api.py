@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from starlette.exceptions import HTTPException
 
 from gateway.tool_params import CallInHistory, ResponseFormat, Tool, ToolChoice
+from schemas.requests import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
 
 # Limits on one request (the body itself is bounded by GatewaySettings.max_body_bytes).
 MAX_MESSAGES = 1024
@@ -63,7 +64,8 @@ class UnicodeBody(BaseModel):
 
 
 class ChatCompletionRequest(UnicodeBody):
-    """The fields tokenstream honours; unknown fields are accepted and ignored, like OpenAI's."""
+    """The fields tokenstream honours. Anything else is kept in `model_extra` only to be refused by
+    gateway/chat_fields.py with a 400 naming it (a neutral value, such as null, passes)."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -78,7 +80,13 @@ class ChatCompletionRequest(UnicodeBody):
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-INT64 - 1, le=INT64)
     user: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    safety_identifier: str | None = Field(None, max_length=64, description="recorded as the request's user")
     n: int | None = Field(None, ge=1, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     # function calling and structured output (checked in gateway/tool_params.py)
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
@@ -101,11 +109,27 @@ class ChatCompletionRequest(UnicodeBody):
             raise ValueError(f"each stop sequence must have 1 to {MAX_STOP_CHARS} characters")
         return v
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for token, bias in (v or {}).items():
+            if not token.isdigit() or len(token) > 9:
+                raise ValueError(f"logit_bias keys are token ids (integers as strings); got {token[:40]!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100]; got {bias} for token {token}")
+        return v
+
     @model_validator(mode="after")
     def _options_need_stream(self) -> ChatCompletionRequest:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
         return self
+
+    def logprobs_asked(self) -> int | None:
+        """How many alternatives each token's report lists (0 and up), or None when no report is asked."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -149,9 +173,17 @@ def request_id_of(completion: str) -> str:
     return completion.removeprefix("chatcmpl-")
 
 
+def logprobs_body(entries: list) -> dict[str, Any]:
+    """schemas.TokenLogprob entries -> OpenAI's choice `logprobs` object."""
+    return {"content": [{"token": e.token, "logprob": e.logprob, "bytes": e.bytes,
+                         "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": t.bytes}
+                                          for t in e.top_logprobs]} for e in entries],
+            "refusal": None}
+
+
 def chunk(cid: str, created: int, model: str, *, content: str | None = None, role: str | None = None,
           finish_reason: str | None = None, include_usage: bool = False,
-          tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+          tool_calls: list[dict[str, Any]] | None = None, logprobs: list | None = None) -> dict[str, Any]:
     delta: dict[str, Any] = {}
     if role is not None:
         delta["role"] = role
@@ -162,7 +194,8 @@ def chunk(cid: str, created: int, model: str, *, content: str | None = None, rol
     body: dict[str, Any] = {
         "id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
         "system_fingerprint": None,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [{"index": 0, "delta": delta, "logprobs": logprobs_body(logprobs) if logprobs else None,
+                     "finish_reason": finish_reason}],
     }
     if include_usage:
         body["usage"] = None
@@ -181,7 +214,8 @@ def usage_chunk(cid: str, created: int, model: str, prompt: int, completion: int
 
 def completion_body(cid: str, created: int, model: str, text: str, finish_reason: str,
                     prompt: int, completion: int, cached: int = 0,
-                    tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                    tool_calls: list[dict[str, Any]] | None = None, logprobs: list | None = None) -> dict[str, Any]:
+    """The whole answer; `logprobs` is None unless the request asked for them (then a list, maybe empty)."""
     message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
     if tool_calls:  # OpenAI: content is null beside calls unless the model also wrote text
         message["content"] = text or None
@@ -189,7 +223,8 @@ def completion_body(cid: str, created: int, model: str, text: str, finish_reason
     return {
         "id": cid, "object": "chat.completion", "created": created, "model": model,
         "system_fingerprint": None,
-        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason,
+                     "logprobs": None if logprobs is None else logprobs_body(logprobs)}],
         "usage": usage_dict(prompt, completion, cached),
     }
 

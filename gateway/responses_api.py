@@ -21,7 +21,7 @@ MAX_INPUT_ITEMS = 1024
 MAX_TEXT = 1_000_000
 #: Fields of OpenAI's request this server does not implement: sent with a value, they are a 400.
 UNSUPPORTED = ("background", "conversation", "max_tool_calls", "prompt", "prompt_cache_key", "reasoning",
-               "safety_identifier", "service_tier", "stream_options", "top_logprobs")
+               "stream_options", "top_logprobs", "context_management", "prompt_cache_retention")
 #: `include` values whose content every response carries anyway.
 INCLUDED = ("code_interpreter_call.outputs", "file_search_call.results")
 
@@ -48,10 +48,17 @@ class InputText(_Strict):
     logprobs: list[Any] | None = None
 
 
+class MediaPart(BaseModel):
+    """An image, file or audio part: named in a 400 (the model reads text only), never dropped."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["input_image", "input_file", "input_audio"]
+
+
 class MessageItem(_Strict):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
-    content: str | list[InputText]
+    content: str | list[Annotated[InputText | MediaPart, Field(discriminator="type")]]
     id: str | None = None
     status: str | None = None
 
@@ -159,6 +166,10 @@ class ResponseCreate(api.UnicodeBody):
     max_output_tokens: int | None = Field(None, ge=1, le=api.MAX_TOKENS)
     metadata: dict[str, str] | None = Field(None, max_length=16)
     user: str | None = Field(None, max_length=api.MAX_NAME_CHARS)
+    safety_identifier: str | None = Field(None, max_length=64)  # recorded as the request's user
+    service_tier: Literal["auto", "default"] | None = None  # the tier is the API key's
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
     include: list[Literal["code_interpreter_call.outputs", "file_search_call.results"]] | None = None
     truncation: Literal["auto"] | None = None
     text: TextConfig | None = None
@@ -174,8 +185,14 @@ class ResponseCreate(api.UnicodeBody):
         return next(iter(extra), None)
 
 
-def _text(content: str | list[InputText]) -> str:
-    return content if isinstance(content, str) else "".join(p.text for p in content)
+def _text(content: str | list[InputText | MediaPart], where: str) -> str:
+    if isinstance(content, str):
+        return content
+    for j, part in enumerate(content):
+        if isinstance(part, MediaPart):
+            raise api.invalid_request(f"{where}.content[{j}]: `{part.type}` parts are not supported: the model "
+                                      "reads text only", f"{where}.content[{j}].type")
+    return "".join(p.text for p in content)
 
 
 def messages_of(body: ResponseCreate) -> list[ChatMessage]:
@@ -186,10 +203,10 @@ def messages_of(body: ResponseCreate) -> list[ChatMessage]:
     items = [MessageItem(role="user", content=body.input)] if isinstance(body.input, str) else body.input
     if not 0 < len(items) <= MAX_INPUT_ITEMS:
         raise api.invalid_request(f"input must hold 1 to {MAX_INPUT_ITEMS} items", "input")
-    for item in items:
+    for i, item in enumerate(items):
         if isinstance(item, MessageItem):
             role = "system" if item.role == "developer" else item.role
-            out.append(ChatMessage(role=role, content=_text(item.content)))
+            out.append(ChatMessage(role=role, content=_text(item.content, f"input[{i}]")))
         elif isinstance(item, FunctionCallItem):
             call = MessageToolCall(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments))
             if out and out[-1].role == "assistant" and out[-1].tool_calls and not out[-1].content:
@@ -260,4 +277,4 @@ def output_and_run(tools: list[ResponseTool], body: ResponseCreate, max_steps: i
     except tp.BadField as exc:
         raise api.invalid_request(str(exc), exc.param) from None
     server = [t.type for t in tools if t.type in BUILTIN_TYPES]
-    return spec, RunSpec(server_tools=server, max_steps=max_steps)
+    return spec, RunSpec(server_tools=server, max_steps=max_steps, max_output_tokens=body.max_output_tokens)

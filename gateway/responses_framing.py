@@ -23,7 +23,10 @@ def base_response(run_id: str, created: int, model: str, params: dict[str, Any])
     """The response object before any output (params: the request fields it echoes)."""
     return {"id": response_id(run_id), "object": "response", "created_at": created, "status": "in_progress",
             "error": None, "incomplete_details": None, "model": model, "output": [], "usage": None,
-            "reasoning": {"effort": None, "summary": None}, "truncation": "auto", **params}
+            "reasoning": {"effort": None, "summary": None}, "truncation": "auto", "completed_at": None,
+            # fields the Open Responses object requires, at the values this server runs with
+            "top_logprobs": 0, "max_tool_calls": None, "background": False, "service_tier": "default",
+            "prompt_cache_key": None, **params}
 
 
 def usage_of(prompt: int, completion: int, cached: int) -> dict[str, Any]:
@@ -164,15 +167,17 @@ class ResponseFramer:
                                                     "message": done.error or "generation failed"})
         for i, call in enumerate(done.tool_calls):
             out += self._close_call(rid, i, call.id, call.function.name, call.function.arguments)
-        if self.spec.continues(step, done):
+        if self.spec.continues(step, done, self.tokens[1]):
             return out  # the results, then the next step, follow
+        if self.spec.out_of_tokens(done, self.tokens[1]):  # max_output_tokens spent with calls to answer
+            return out + self._end("incomplete", incomplete={"reason": "max_output_tokens"})
         if done.finish_reason == "content_filter":
             return out + self._end("incomplete", incomplete={"reason": "content_filter"})
         if done.finish_reason == "length":
             return out + self._end("incomplete", incomplete={"reason": "max_output_tokens"})
         if done.finish_reason == "cancelled":
             return out + self._end("cancelled")
-        return out + self._end("completed")
+        return out + self._end("completed", at=int(done.created_at))
 
     def _close_message(self, rid: str) -> list[dict[str, Any]]:
         index = self.message.get(rid)
@@ -243,8 +248,11 @@ class ResponseFramer:
         return [self._ev(f"response.{item['type']}.completed", item_id=item["id"], output_index=index),
                 self._ev("response.output_item.done", output_index=index, item=json.loads(json.dumps(item)))]
 
-    def _end(self, status: str, *, error: dict | None = None, incomplete: dict | None = None) -> list[dict[str, Any]]:
+    def _end(self, status: str, *, error: dict | None = None, incomplete: dict | None = None,
+             at: int | None = None) -> list[dict[str, Any]]:
+        """End the response; `at` is when its last step completed (completed_at, for status completed)."""
         self.done = True
+        self.response["completed_at"] = at if status == "completed" else None
         for item in self.output:  # calls left without a result (a step that also called a function)
             if item["status"] in ("in_progress", "interpreting", "searching"):
                 item["status"] = "incomplete"

@@ -8,7 +8,8 @@ re-executes itself there). Per request:
   prefix cache holds is not computed again), `cache_salt` = the tenant (prefix blocks are shared
   within one tenant only), `priority` = minus the tier (vLLM serves lower values first; the engine is
   built with `scheduling_policy="priority"`);
-- sampling: temperature, top_p, seed, max_tokens; vLLM returns token ids only (`detokenize=False`,
+- sampling: temperature, top_p, seed, max_tokens, presence/frequency penalties, logit_bias and
+  logprobs (vLLM's raw log probabilities, the own engine's measure too); vLLM returns token ids only (`detokenize=False`,
   no stop strings): detokenisation, stop strings and chunking are the own engine's
   (`gpu_workers/streaming.py`), so both backends stream the same text in the same chunks;
 - constraints (tools, response_format): the request's llguidance grammar (the very text the own engine
@@ -21,7 +22,8 @@ re-executes itself there). Per request:
 
 Limits against the own engine: a seeded sample (temperature > 0) follows vLLM's generator, so it
 differs from the own engine's and does not continue the same draw after a takeover (greedy does);
-the queue/prefill split of the timings is taken at the hand-over to vLLM (vLLM's own queue time
+vLLM counts penalised tokens among those it generated itself, so after a takeover the tokens
+the previous worker emitted are not penalised (the own engine counts them); the queue/prefill split of the timings is taken at the hand-over to vLLM (vLLM's own queue time
 counts as prefill).
 """
 
@@ -136,7 +138,9 @@ class VllmEngine(Intake, TextStream):
                                 top_p=1.0 if greedy else seq.top_p, seed=None if greedy else seq.seed,
                                 max_tokens=seq.max_tokens - len(seq.generated), detokenize=False,
                                 skip_special_tokens=False, output_kind=RequestOutputKind.DELTA,
-                                structured_outputs=constraint)
+                                structured_outputs=constraint, presence_penalty=seq.presence_penalty,
+                                frequency_penalty=seq.frequency_penalty, logit_bias=seq.logit_bias or None,
+                                logprobs=seq.logprobs)
         prompt = {"prompt_token_ids": seq.all_ids}
         if seq.tenant:
             prompt["cache_salt"] = seq.tenant
@@ -176,10 +180,10 @@ class VllmEngine(Intake, TextStream):
         elif ro.finished:
             seq.vllm_ended = True
         now = time.time()
-        for token in tokens:
+        for i, token in enumerate(tokens):
             if self._vid.get(seq) is None:
                 return  # ended by the last token (EOS, stop string, max_tokens)
-            self._append(seq, token, now, outputs)
+            self._append(seq, token, now, outputs, _reported(done.logprobs, i, seq.logprobs, done.token_ids[i]))
         if ro.finished and self._vid.get(seq) is not None:  # vLLM ended it for a reason of its own
             self._emit(seq, self._final_text(seq), outputs)
             reason = _REASONS.get(done.finish_reason or "", "error")
@@ -196,14 +200,20 @@ class VllmEngine(Intake, TextStream):
                 self.llm.abort_request([vid])  # frees its KV blocks and its batch slot now
         if reason is None:
             return
-        outputs.append(Output(seq, finish_reason=reason, completion_seq=seq.next_seq, error=error,
-                              token_ids=seq.unsent_ids))
-        seq.unsent_ids = []
-        seq.next_seq += 1
-        if self.metrics is not None:
-            self.metrics.finished(seq)
+        self._completion(seq, reason, outputs, error)
 
     def close(self) -> None:
         for vid in list(self.live):
             self.llm.abort_request([vid])
         self.live.clear()
+
+
+def _reported(logprobs, i: int, k: int | None, token: int):
+    """vLLM's log probabilities of the i-th new token (`token`, as vLLM sampled it) as
+    gpu_workers.logits.Reported; None when the request asked for none."""
+    if k is None or not logprobs or i >= len(logprobs) or logprobs[i] is None:
+        return None
+    at = logprobs[i]  # token id -> Logprob(logprob, rank, decoded_token): the sampled token and the top k
+    ranked = sorted(at.items(), key=lambda item: item[1].rank if item[1].rank is not None else 1 << 30)
+    top = [(t, float(lp.logprob)) for t, lp in ranked[:k]]
+    return token, float(at[token].logprob), top  # vLLM always includes the sampled token

@@ -33,6 +33,7 @@ from gpu_workers.kv_cache import PagedKVCache, SlotPool
 from gpu_workers.linears import engine_forward, pack
 from gpu_workers.prefix_cache import PrefixCache, page_hashes
 from gpu_workers.priority import enqueue
+from gpu_workers.logits import Logprobs, shape
 from gpu_workers.sampling import new_seed, sample
 from gpu_workers.sequence import Output, Sequence
 from gpu_workers.streaming import TextStream
@@ -250,11 +251,13 @@ class Engine(Intake, TextStream):
         h = hidden[torch.tensor(to_sample, device=hidden.device)]
         with self._linears():
             logits = self.lm_head(h.to(self.lm_head.weight.device))
+        reported = Logprobs(logits, picked)  # the model's own distribution, for rows that asked
+        shape(logits, picked)  # penalties and logit_bias of the rows that set them
         mask_rows(logits, picked)  # grammar hook: constrained rows (tools, response_format) masked
         tokens = sample(logits, [(s.temperature, s.top_p, s.seed, len(s.generated)) for s in picked])
         now = time.time()
-        for seq, token in zip(picked, tokens):
-            self._append(seq, token, now, outputs)
+        for row, (seq, token) in enumerate(zip(picked, tokens)):
+            self._append(seq, token, now, outputs, reported.of(row, token))
 
     def _finish(self, seq: Sequence, reason: str | None, outputs: list[Output], error: str | None = None) -> None:
         seq.finished_at = time.time()
@@ -271,12 +274,7 @@ class Engine(Intake, TextStream):
             seq.slot = None
         if reason is None:
             return
-        outputs.append(Output(seq, finish_reason=reason, completion_seq=seq.next_seq, error=error,
-                              token_ids=seq.unsent_ids))
-        seq.unsent_ids = []
-        seq.next_seq += 1
-        if self.metrics is not None:
-            self.metrics.finished(seq)
+        self._completion(seq, reason, outputs, error)
 
     # ---- convenience for tests and the benchmark ----
     def generate(self, seqs: list[Sequence]) -> dict[str, list[Output]]:

@@ -19,6 +19,10 @@ class Sequence:
     top_p: float = 1.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    presence_penalty: float = 0.0  # gpu_workers/logits.py
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: int | None = None  # report each token's log probability and this many alternatives
     # resuming a request another worker started: the tokens and text it already emitted
     generated: list[int] = field(default_factory=list)
     emitted_text: str = ""
@@ -39,6 +43,7 @@ class Sequence:
     detok: Detokenizer | None = None
     text: str = ""  # decoded text of `generated` (what the detokenizer has completed)
     unsent_ids: list[int] = field(default_factory=list)
+    unsent_logprobs: list = field(default_factory=list)  # gpu_workers.logits.Reported, one per unsent id
     resumed: int = 0
     scheduled_at: float | None = None
     first_token_at: float | None = None
@@ -83,3 +88,4 @@ class Output:
     finish_reason: str | None = None
     completion_seq: int | None = None
     error: str | None = None
+    logprobs: list = field(default_factory=list)  # gpu_workers.logits.Reported per token id, when asked for

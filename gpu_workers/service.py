@@ -26,6 +26,7 @@ from gpu_workers.backend import Backend
 from gpu_workers.grammar import GrammarError, Grammars
 from gpu_workers.announce import Announcer
 from gpu_workers.handover import Handover
+from gpu_workers.logits import TokenTexts
 from gpu_workers.health import WorkerHealth
 from gpu_workers.metrics import WorkerMetrics
 from gpu_workers.offsets import OffsetTracker
@@ -91,6 +92,7 @@ class Worker:
         # after a crash (see processors/effects.py) must not have it generated twice.
         self.completed: OrderedDict[str, None] = OrderedDict()
         self.epoch: dict[TopicPartition, int] = {}  # bumped when a partition is revoked
+        self.token_texts = TokenTexts(engine.tokenizer)  # for reported log probabilities
         self.handover = Handover()  # revoked partitions' requests, held until the next assignment
         self.assignor = StickyAssignor()
         self.step_lock = asyncio.Lock()
@@ -269,7 +271,10 @@ class Worker:
             s = request.sampling
             ids = prompt_ids(self.engine.tokenizer, request.messages, request.output)
             seq = Sequence(request.request_id, ids, max_tokens=s.max_tokens, temperature=s.temperature,
-                           top_p=s.top_p, seed=s.seed, stop=list(s.stop), arrival=time.time(), tag=(tp, offset), priority=request.priority, tenant=request.tenant)
+                           top_p=s.top_p, seed=s.seed, stop=list(s.stop), presence_penalty=s.presence_penalty,
+                           frequency_penalty=s.frequency_penalty, logit_bias=dict(s.logit_bias),
+                           logprobs=s.logprobs, arrival=time.time(), tag=(tp, offset),
+                           priority=request.priority, tenant=request.tenant)
             before = emitted.get(request.request_id)
             if before is not None and before.completion is not None:
                 await self._done(tp, offset)
@@ -420,7 +425,8 @@ class Worker:
                     (text, calls), raw = parser.feed(out.text), out.text
                 chunk = TokenChunk(request_id=rid, conversation_id=request.conversation_id, tenant=request.tenant,
                                    seq=out.chunk_seq, text=text, token_ids=out.token_ids, tool_calls=calls,
-                                   raw=raw, worker_id=self.worker_id)
+                                   raw=raw, worker_id=self.worker_id,
+                                   logprobs=self.token_texts.report(out.logprobs) if out.logprobs else [])
                 await publish(self.producer, TOKENS, chunk, partition=request.reply_partition, wait=False,
                               trace=chunk_trace)
             if out.finish_reason is not None and self.owned.get(rid) is owned:  # not given up meanwhile

@@ -16,7 +16,8 @@ NO_STOPS = StopMatcher([])  # what may be streamed when no stop string applies: 
 
 
 class TextStream:
-    def _append(self, seq: Sequence, token: int, now: float, outputs: list[Output]) -> None:
+    def _append(self, seq: Sequence, token: int, now: float, outputs: list[Output], reported=None) -> None:
+        """One sampled token; `reported` is its gpu_workers.logits.Reported when the request asked for it."""
         advance(seq, token)  # grammar hook: the request's grammar state follows the sampled token
         if self.metrics is not None:
             self.metrics.token(seq, now)
@@ -29,6 +30,8 @@ class TextStream:
             return
         seq.generated.append(token)
         seq.unsent_ids.append(token)
+        if reported is not None:
+            seq.unsent_logprobs.append(reported)
         seq.text += seq.detok.add(token)
         text = seq.text
         region = text  # stop strings never apply inside what a grammar forces (a tool call, a JSON answer)
@@ -62,6 +65,16 @@ class TextStream:
         if not delta:
             return
         seq.emitted_text += delta
-        outputs.append(Output(seq, chunk_seq=seq.next_seq, text=delta, token_ids=seq.unsent_ids))
-        seq.unsent_ids = []
+        outputs.append(Output(seq, chunk_seq=seq.next_seq, text=delta, token_ids=seq.unsent_ids,
+                              logprobs=seq.unsent_logprobs))
+        seq.unsent_ids, seq.unsent_logprobs = [], []
         seq.next_seq += 1
+
+    def _completion(self, seq: Sequence, reason: str, outputs: list[Output], error: str | None) -> None:
+        """The request's last output: its end, with the ids (and log probabilities) not yet sent."""
+        outputs.append(Output(seq, finish_reason=reason, completion_seq=seq.next_seq, error=error,
+                              token_ids=seq.unsent_ids, logprobs=seq.unsent_logprobs))
+        seq.unsent_ids, seq.unsent_logprobs = [], []
+        seq.next_seq += 1
+        if self.metrics is not None:
+            self.metrics.finished(seq)

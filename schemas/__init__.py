@@ -41,7 +41,7 @@ from schemas.structured import (
     ToolSpec,
     call_id,
 )
-from schemas.tokens import Completion, FinishReason, Timings, TokenChunk, Usage
+from schemas.tokens import Completion, FinishReason, Timings, TokenChunk, TokenLogprob, TopLogprob, Usage
 from schemas.tools import ToolCall, ToolResult
 from schemas.tracing import TraceContext
 
@@ -75,6 +75,8 @@ __all__ = [
     "Screening",
     "Timings",
     "TokenChunk",
+    "TokenLogprob",
+    "TopLogprob",
     "ToolCall",
     "ToolResult",
     "TraceContext",

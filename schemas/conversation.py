@@ -16,6 +16,7 @@ class RunState(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     `calls` are the server calls of the current step once its Completion arrived (None before);
     `results` the results that arrived (in any order, before or after it), by call id.
+    `written` the completion tokens of the steps answered so far.
     """
 
     run_id: str
@@ -33,6 +34,7 @@ class RunState(msgspec.Struct, kw_only=True, omit_defaults=True):
     calls: list[str] | None = None
     results: dict[str, ToolResult] = msgspec.field(default_factory=dict)
     since: float = 0.0
+    written: int = 0  # tokens the answers of the steps so far wrote (RunSpec.max_output_tokens)
 
 
 class ConversationHistory(Event, tag="conversation_history"):

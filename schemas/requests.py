@@ -19,6 +19,9 @@ Role = Literal["system", "user", "assistant", "tool"]
 #:             answer back until that verdict (a block cancels generation; no token reaches the client).
 Screening = Literal["serial", "parallel"]
 
+MAX_LOGIT_BIAS = 300  # token ids one request may bias (OpenAI's limit)
+MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's limit)
+
 
 class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: Role
@@ -36,6 +39,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     top_p: float = 1.0
     stop: list[str] = msgspec.field(default_factory=list)
     seed: int | None = None
+    # subtracted from a token's logit once if it appeared in the answer so far (presence) and once per
+    # time it appeared (frequency); OpenAI's range
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = msgspec.field(default_factory=dict)  # token id -> added to its logit
+    # None: no log probabilities; k >= 0: each answer token's, with the k most likely alternatives
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -44,6 +54,18 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise ValueError("temperature must be >= 0")
         if not 0 < self.top_p <= 1:
             raise ValueError("top_p must be in (0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2]")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS or any(
+                t < 0 or not -100 <= b <= 100 for t, b in self.logit_bias.items()):
+            raise ValueError(f"logit_bias maps at most {MAX_LOGIT_BIAS} token ids (>= 0) to biases in [-100, 100]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
+
+    def shapes_tokens(self) -> bool:
+        """Whether penalties or a logit bias change the distribution the model's tokens are drawn from."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
 
 
 class ChatRequest(Event, tag="chat_request"):

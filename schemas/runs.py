@@ -34,15 +34,28 @@ class RunSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     server_tools: list[str] = msgspec.field(default_factory=list)
     max_steps: int = DEFAULT_MAX_STEPS
+    # the response's `max_output_tokens`: all steps' answers together write at most this many tokens
+    max_output_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_steps <= 64:
             raise ValueError("max_steps must be from 1 to 64")
 
-    def continues(self, step: int, done: Completion) -> bool:
-        """Whether the answer of step `step` is followed by step + 1 (its server calls' results)."""
+    def continues(self, step: int, done: Completion, written: int) -> bool:
+        """Whether the answer of step `step` is followed by step + 1 (its server calls' results);
+        `written` is the tokens the answers of steps 0..step wrote together."""
         return (done.finish_reason == "tool_calls" and bool(done.tool_calls) and step + 1 < self.max_steps
+                and all(c.function.name in self.server_tools for c in done.tool_calls)
+                and self.tokens_left(written) != 0)
+
+    def out_of_tokens(self, done: Completion, written: int) -> bool:
+        """A step that would go on to its calls' results but the response's token budget is spent."""
+        return (done.finish_reason == "tool_calls" and bool(done.tool_calls) and self.tokens_left(written) == 0
                 and all(c.function.name in self.server_tools for c in done.tool_calls))
+
+    def tokens_left(self, written: int) -> int | None:
+        """What the next step may still write (None: no budget for the whole response)."""
+        return None if self.max_output_tokens is None else max(0, self.max_output_tokens - written)
 
     def output_for(self, step: int, output: OutputSpec) -> OutputSpec:
         """The output spec of step `step`: after step 0 the model chooses (a forced tool would loop),

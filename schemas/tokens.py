@@ -12,12 +12,31 @@ from schemas.structured import MessageToolCall, ToolCallDelta
 FinishReason = Literal["stop", "length", "cancelled", "content_filter", "error", "tool_calls"]
 
 
+class TopLogprob(msgspec.Struct, kw_only=True, array_like=True):
+    """One likely token at a position: its text, its UTF-8 bytes (a token may end inside a character)
+    and its log probability under the model (before penalties, bias, grammar and temperature)."""
+
+    token: str
+    bytes: list[int]
+    logprob: float
+
+
+class TokenLogprob(msgspec.Struct, kw_only=True, array_like=True):
+    """One answer token's log probability and the most likely alternatives at its position."""
+
+    token: str
+    bytes: list[int]
+    logprob: float
+    top_logprobs: list[TopLogprob] = msgspec.field(default_factory=list)
+
+
 class TokenChunk(Event, tag="token_chunk"):
     """New text of one request from one engine step, keyed by request_id.
 
     seq starts at 0 and has no gaps: a consumer that has seen seq n wants n+1 next
     and drops anything <= n (at-least-once delivery becomes exactly-once display).
-    token_ids are the ids behind `text`, so a worker taking over can resume generation.
+    token_ids are the ids behind `text`, so a worker taking over can resume generation; `logprobs`,
+    when asked for, has one entry per id.
     A request with tools streams its calls as `tool_calls` deltas; `text` is then only the
     content part, and `raw` is the model's text behind both (what a worker taking over resumes).
     """
@@ -28,6 +47,8 @@ class TokenChunk(Event, tag="token_chunk"):
     tool_calls: list[ToolCallDelta] = msgspec.field(default_factory=list)
     raw: str | None = None
     worker_id: str = ""
+    # one entry per token of token_ids when the request asked for log probabilities (SamplingParams.logprobs)
+    logprobs: list[TokenLogprob] = msgspec.field(default_factory=list)
 
 
 class Usage(msgspec.Struct, kw_only=True):

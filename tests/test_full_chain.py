@@ -187,6 +187,83 @@ async def test_conversation_continued_by_id_carries_its_history(system: System):
     assert second.usage.prompt_tokens > first.usage.prompt_tokens + first.usage.completion_tokens
 
 
+# Every documented field of POST /v1/chat/completions beyond those the tests above send, each with a value
+# that asks for something: the honoured ones change the answer as documented, the others are a 400 naming them.
+REFUSED_FIELDS = {
+    "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],
+    "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "high", "verbosity": "low",
+    "web_search_options": {}, "functions": [{"name": "f", "parameters": {"type": "object"}}],
+    "function_call": "auto", "store": True, "metadata": {"k": "v"}, "service_tier": "flex",
+    "prompt_cache_key": "k", "n": 2, "not_a_field": 1,
+}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_every_documented_chat_field_is_honoured_or_refused(system: System, stream: bool):
+    from common.models import load_tokenizer
+
+    http = system.http()
+    url = system.gateways[0] + "/v1/chat/completions"
+    ask = [{"role": "user", "content": "Write a short poem about the sea."}]
+
+    async def answer(**fields) -> tuple[str, list[dict], dict]:
+        """(text, logprobs content, usage) of one greedy answer."""
+        body = {"model": MODEL, "messages": ask, "temperature": 0, "max_completion_tokens": 24, "stream": stream,
+                **({"stream_options": {"include_usage": True, "include_obfuscation": False}} if stream else {}),
+                **fields}
+        got = await http.post(url, json=body)
+        assert got.status_code == 200, got.text
+        if not stream:
+            choice = got.json()["choices"][0]
+            return choice["message"]["content"], (choice["logprobs"] or {}).get("content"), got.json()["usage"]
+        data = [line[len("data: "):] for line in got.text.splitlines() if line.startswith("data: ")]
+        frames = [json.loads(f) for f in data if f != "[DONE]"]
+        text = "".join(f["choices"][0]["delta"].get("content") or "" for f in frames if f["choices"])
+        reported = [e for f in frames if f["choices"] and f["choices"][0]["logprobs"]
+                    for e in f["choices"][0]["logprobs"]["content"]]
+        return text, reported if fields.get("logprobs") else None, frames[-1]["usage"]
+
+    for name, value in REFUSED_FIELDS.items():
+        refused = await http.post(url, json={"model": MODEL, "messages": ask, "stream": stream, name: value})
+        assert refused.status_code == 400, (name, refused.text)
+        assert refused.json()["error"]["param"] == name, refused.json()
+    for bad, param in ((({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}),
+                        "messages[0].content[0].type"),
+                       ({"role": "assistant", "content": "x", "refusal": "no"}, "messages[0].refusal")):
+        refused = await http.post(url, json={"model": MODEL, "messages": [bad, *ask], "stream": stream})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
+    refused = await http.post(url, json={"model": MODEL, "messages": ask, "top_logprobs": 2})
+    assert refused.status_code == 400 and "logprobs" in refused.json()["error"]["message"]
+
+    # neutral values pass, and the logprobs reported are the greedy answer's own
+    plain, _, _ = await answer(store=False, metadata={}, modalities=["text"], service_tier="auto", n=1,
+                               seed=7, user="u-1", safety_identifier="s-1", stop=["\n\n\n"],
+                               presence_penalty=0, frequency_penalty=0, logit_bias={})
+    text, reported, usage = await answer(logprobs=True, top_logprobs=3)
+    assert text == plain and reported
+    assert b"".join(bytes(e["bytes"]) for e in reported).decode("utf-8", "replace").startswith(text)
+    assert len(reported) <= usage["completion_tokens"]
+    for e in reported:  # greedy: the chosen token is the most likely one, and the three are in order
+        assert [t["token"] for t in e["top_logprobs"]][0] == e["token"] and len(e["top_logprobs"]) == 3
+        assert e["logprob"] == e["top_logprobs"][0]["logprob"] <= 0
+        assert [t["logprob"] for t in e["top_logprobs"]] == sorted((t["logprob"] for t in e["top_logprobs"]),
+                                                                 reverse=True)
+    # a bias of +100 on one token makes the answer that token alone
+    tokenizer = load_tokenizer(MODEL)
+    [wave] = tokenizer.encode(" wave", add_special_tokens=False)
+    biased, _, usage = await answer(logit_bias={str(wave): 100})
+    assert biased == " wave" * usage["completion_tokens"]
+    # penalties: the unpenalised greedy answer repeats a token; the penalised one is another answer
+    ids = tokenizer.encode(plain, add_special_tokens=False)
+    assert len(set(ids)) < len(ids)
+    penalised, _, _ = await answer(presence_penalty=2, frequency_penalty=2)
+    assert penalised != plain
+    repeated = max(ids.count(t) for t in set(ids))
+    again = tokenizer.encode(penalised, add_special_tokens=False)
+    assert max(again.count(t) for t in set(again)) <= repeated
+    await http.aclose()
+
+
 # ---------------------------------------------------------------- outages under the running system
 
 SERVED_WITHIN_S = 10.0  # after an outage ends, a request is answered within this long

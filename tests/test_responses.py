@@ -72,7 +72,34 @@ def client(system):
 
 
 def create(**kw) -> dict:
-    return {"model": MODEL, "temperature": 0, "max_output_tokens": 96, **kw}
+    # max_output_tokens bounds the whole run (every step's answer together)
+    return {"model": MODEL, "temperature": 0, "max_output_tokens": 160, **kw}
+
+
+# The response object's fields the Open Responses specification requires (spec 2026-04-24,
+# ResponseResource), with the JSON types each may take
+OPEN_RESPONSES_REQUIRED = {
+    "id": str, "object": str, "created_at": int, "completed_at": (int, type(None)), "status": str,
+    "incomplete_details": (dict, type(None)), "model": str, "previous_response_id": (str, type(None)),
+    "instructions": (str, list, type(None)), "output": list, "error": (dict, type(None)), "tools": list,
+    "tool_choice": (str, dict), "truncation": str, "parallel_tool_calls": bool, "text": dict,
+    "top_p": (int, float), "presence_penalty": (int, float), "frequency_penalty": (int, float),
+    "top_logprobs": int, "temperature": (int, float), "reasoning": (dict, type(None)), "user": (str, type(None)),
+    "usage": (dict, type(None)), "max_output_tokens": (int, type(None)), "max_tool_calls": (int, type(None)),
+    "store": bool, "background": bool, "service_tier": str, "metadata": dict,
+    "safety_identifier": (str, type(None)), "prompt_cache_key": (str, type(None)),
+}
+
+
+def conforms(response: dict) -> None:
+    """The response object has every field Open Responses requires, each of its type; a completed one
+    says when it completed, and every function tool says whether it is strict."""
+    for name, kind in OPEN_RESPONSES_REQUIRED.items():
+        assert name in response and isinstance(response[name], kind), (name, response.get(name))
+    assert (response["completed_at"] is not None) == (response["status"] == "completed"), response
+    if response["completed_at"] is not None:
+        assert response["completed_at"] >= response["created_at"]
+    assert all(isinstance(t["strict"], bool) for t in response["tools"] if t["type"] == "function")
 
 
 def ran_as_here(call) -> None:
@@ -98,8 +125,12 @@ def items(response, kind: str) -> list:
 
 async def test_forced_code_interpreter_runs_the_code_and_the_model_answers_after_its_output(client):
     response = await client.responses.create(**create(instructions=RUN_CODE, input=PROMPT, tools=[CODE],
-                                                      tool_choice=FORCE_CODE))
+                                                      tool_choice=FORCE_CODE, safety_identifier="user-7",
+                                                      presence_penalty=0.0, frequency_penalty=0.0,
+                                                      service_tier="auto"))
     assert response.status == "completed", response
+    assert response.safety_identifier == "user-7" and response.service_tier == "default"
+    conforms(response.model_dump(mode="json"))
     calls = items(response, "code_interpreter_call")
     assert calls and calls[0].code.strip(), response.output
     for call in calls:  # after the forced first step the model chose; the last step answered in text
@@ -136,6 +167,8 @@ async def test_stream_parses_with_the_sdk_helper_in_openai_order_and_resumes_fro
     async with httpx.AsyncClient(base_url=system["url"], timeout=300) as http:
         got = (await http.get(f"/v1/responses/{final.id}", headers=auth_headers())).json()
         assert got["id"] == final.id and got["status"] == "completed"
+        conforms(got)
+        conforms(final.model_dump(mode="json"))
         assert [o["id"] for o in got["output"]] == [i.id for i in final.output]
         assert got["output"][-1]["content"][0]["text"] == final.output_text
         other = auth_headers(new_key("someone-else"))
@@ -224,6 +257,10 @@ async def test_unsupported_fields_and_bad_tools_are_400_naming_them(system):
         for body, param in [({"input": "hi", "background": True}, "background"),
                             ({"input": "hi", "reasoning": {"effort": "low"}}, "reasoning"),
                             ({"input": "hi", "frobnicate": 1}, "frobnicate"),
+                            ({"input": "hi", "service_tier": "flex"}, "service_tier"),
+                            ({"input": "hi", "top_logprobs": 3}, "top_logprobs"),
+                            ({"input": [{"role": "user", "content": [
+                                {"type": "input_image", "image_url": "data:,"}]}]}, "input"),
                             ({"input": "hi", "tools": [{"type": "web_search"}]}, None),
                             ({"input": "hi", "tool_choice": {"type": "code_interpreter"}}, "tool_choice")]:
             answer = await http.post("/v1/responses", json={"model": MODEL, **body})

@@ -18,6 +18,7 @@ from schemas import (
     FunctionCall,
     MessageToolCall,
     RunSpec,
+    SamplingParams,
     TokenChunk,
     ToolCallDelta,
     ToolResult,
@@ -47,10 +48,10 @@ def test_the_run_rule_goes_on_only_through_server_calls_and_forces_text_at_the_l
         return Completion(request_id=RID, seq=1, finish_reason=reason, tool_calls=[
             MessageToolCall(id=call_id(RID, i), function=FunctionCall(name=n)) for i, n in enumerate(names)])
 
-    assert spec.continues(0, done("code_interpreter"))
-    assert not spec.continues(0, done("code_interpreter", "get_weather"))  # the client answers that one
-    assert not spec.continues(2, done("code_interpreter"))  # no step 3
-    assert not spec.continues(0, done(reason="stop"))
+    assert spec.continues(0, done("code_interpreter"), 0)
+    assert not spec.continues(0, done("code_interpreter", "get_weather"), 0)  # the client answers that one
+    assert not spec.continues(2, done("code_interpreter"), 0)  # no step 3
+    assert not spec.continues(0, done(reason="stop"), 0)
     body = ResponseCreate(model="m", input="x", tools=[{"type": "code_interpreter"}],
                           tool_choice={"type": "code_interpreter"})
     output, run = output_and_run(body.tools, body, 3)
@@ -59,6 +60,37 @@ def test_the_run_rule_goes_on_only_through_server_calls_and_forces_text_at_the_l
     assert run.output_for(0, output) is output
     assert run.output_for(1, output).tool_choice == "auto"  # forcing again would loop
     assert run.output_for(2, output).tool_choice == "none"
+
+
+def test_max_output_tokens_bounds_the_whole_run_not_each_step():
+    """The response's max_output_tokens is one budget for all its steps: the conversation processor gives
+    each next step what is left, and a step that spends it while calling a server tool ends the run
+    (the gateway's framer ends the response incomplete, reason max_output_tokens)."""
+    spec = RunSpec(server_tools=["code_interpreter"], max_steps=8, max_output_tokens=10)
+    request = ChatRequest(request_id=RID, conversation_id="c", model="m", messages=[], run=spec,
+                          sampling=SamplingParams(max_tokens=10))
+    run = runs.start(request)
+
+    def answered(step_rid: str, tokens: int) -> Completion:
+        return Completion(request_id=step_rid, seq=1, finish_reason="tool_calls", usage=Usage(completion_tokens=tokens),
+                          tool_calls=[MessageToolCall(id=call_id(step_rid, 0), function=FunctionCall(name="code_interpreter"))])
+
+    first = answered(RID, 6)
+    assert runs.on_answer(run, first) is run
+    runs.on_result(run, ToolResult(request_id=RID, conversation_id="c", call_id=call_id(RID, 0),
+                                   name="code_interpreter", ok=True, output="{}"))
+    step = runs.next_step(run, "c", "t")
+    assert step.sampling.max_tokens == 4  # 10 - 6
+    second = answered(step.request_id, 4)
+    assert runs.on_answer(run, second) is None  # spent: no third step
+    assert spec.out_of_tokens(second, 10) and not spec.continues(1, second, 10)
+    framer = ResponseFramer(RID, spec, base_response(RID, 0, "m", {}), "c")
+    framer.feed([first])
+    assert not framer.done
+    ended = framer.feed([second])
+    assert framer.done and ended[-1]["type"] == "response.incomplete"
+    assert ended[-1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert ended[-1]["response"]["usage"]["output_tokens"] == 10
 
 
 def test_results_before_or_after_the_answer_advance_the_run_once_in_call_order():

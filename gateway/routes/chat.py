@@ -17,6 +17,7 @@ from gateway.answers import collect, live_events, sse_response
 from gateway.auth import principal
 from gateway.cache import Entry, hit_events
 from gateway.caching import look_up
+from gateway.chat_fields import refuse_unhonoured
 from gateway.deps import pipeline
 from gateway.framing import Framer
 from gateway.pipeline import Gateway
@@ -58,12 +59,18 @@ async def chat_completions(body: api.ChatCompletionRequest, request: Request, gw
 
 
 def sampling_of(body: api.ChatCompletionRequest) -> SamplingParams:
+    bias = {int(token): value for token, value in (body.logit_bias or {}).items()}
+    vocab = context.vocabulary(body.model)
+    beyond = next((t for t in bias if vocab is not None and t >= vocab), None)
+    if beyond is not None:
+        raise api.invalid_request(f"logit_bias names token {beyond}, beyond this model's {vocab} tokens", "logit_bias")
     try:
         return SamplingParams(
             max_tokens=body.max_completion_tokens or body.max_tokens or DEFAULT_MAX_TOKENS,
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
-            stop=body.stop_list(), seed=body.seed)
+            stop=body.stop_list(), seed=body.seed, presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0, logit_bias=bias, logprobs=body.logprobs_asked())
     except ValueError as exc:
         raise api.invalid_request(str(exc)) from None
 
@@ -105,6 +112,7 @@ async def _chat(gw: Gateway, body: api.ChatCompletionRequest, request: Request, 
     if body.assistant is not None and presets()[body.assistant].tools:
         raise api.invalid_request(f"The assistant preset `{body.assistant}` runs server tools; use POST /v1/responses "
                                   "with it.", "assistant")
+    refuse_unhonoured(body)
     sampling = sampling_of(body)
     output = output_of(body)
     messages = messages_of(body)
@@ -130,7 +138,8 @@ async def _chat(gw: Gateway, body: api.ChatCompletionRequest, request: Request, 
     started = time.monotonic()
     event = ChatRequest(request_id=rid, conversation_id=body.conversation_id or rid, created_at=created_at,
                         tenant=key.tenant, tier=key.tier, priority=key.priority, model=body.model,
-                        messages=messages, sampling=sampling, output=output, stream=body.stream, user=body.user,
+                        messages=messages, sampling=sampling, output=output, stream=body.stream,
+                        user=body.user or body.safety_identifier,
                         assistant=body.assistant, reply_partition=partition, gateway_id=gw.cfg.instance_id,
                         screening=gw.cfg.screening)
     include_usage = note["include_usage"]
@@ -177,7 +186,7 @@ async def _chat(gw: Gateway, body: api.ChatCompletionRequest, request: Request, 
         return sse_response(gw, framer, source, generation, started, cleanup=cleanup,
                             settle=settle, headers=headers)
     return await collect(gw, rid, body.model, created, source, generation, request,
-                         cleanup=cleanup, settle=settle, headers=headers)
+                         cleanup=cleanup, settle=settle, headers=headers, logprobs=body.logprobs is True)
 
 
 def observe(span: tracing.Hop, batch: list[Event], model: str) -> None:

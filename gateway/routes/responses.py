@@ -81,7 +81,9 @@ def _sampling(body: ResponseCreate) -> SamplingParams:
     try:
         return SamplingParams(max_tokens=body.max_output_tokens or DEFAULT_MAX_TOKENS,
                               temperature=1.0 if body.temperature is None else body.temperature,
-                              top_p=1.0 if body.top_p is None else body.top_p)
+                              top_p=1.0 if body.top_p is None else body.top_p,
+                              presence_penalty=body.presence_penalty or 0.0,
+                              frequency_penalty=body.frequency_penalty or 0.0)
     except ValueError as exc:
         raise api.invalid_request(str(exc)) from None
 
@@ -93,11 +95,22 @@ def _echo(body: ResponseCreate, tools: list, sampling: SamplingParams) -> dict[s
             "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": body.previous_response_id, "store": body.store,
             "temperature": sampling.temperature, "top_p": sampling.top_p,
+            "presence_penalty": sampling.presence_penalty, "frequency_penalty": sampling.frequency_penalty,
+            "safety_identifier": body.safety_identifier,
             "text": {"format": body.text.format.model_dump(by_alias=True, exclude_none=True)
                      if body.text and body.text.format else {"type": "text"}},
             "tool_choice": choice if isinstance(choice, str) else choice.model_dump(exclude_none=True),
-            "tools": [t.model_dump(exclude_none=True) for t in tools], "user": body.user,
+            "tools": [_tool_echo(t) for t in tools], "user": body.user,
             "metadata": body.metadata or {}, "assistant": body.assistant}
+
+
+def _tool_echo(tool) -> dict[str, Any]:
+    """A tool as the response object lists it: a function's arguments always follow its schema (the
+    grammar forces them), so its `strict` is true unless the request said otherwise."""
+    echo = tool.model_dump(exclude_none=True)
+    if echo.get("type") == "function":
+        echo.setdefault("strict", True)
+    return echo
 
 
 @router.post("/responses")
@@ -128,12 +141,13 @@ async def create(body: ResponseCreate, gw: Gateway = Depends(pipeline), key: K.A
     conversation = conversation or rid
     event = ChatRequest(request_id=rid, conversation_id=conversation, created_at=created_at, tenant=key.tenant,
                         tier=key.tier, priority=key.priority, model=body.model, messages=messages, sampling=sampling,
-                        output=output, stream=body.stream, user=body.user, assistant=body.assistant,
+                        output=output, stream=body.stream, user=body.user or body.safety_identifier, assistant=body.assistant,
                         reply_partition=partition, gateway_id=gw.cfg.instance_id, screening=gw.cfg.screening, run=run)
     created = int(created_at)
     note = {"tenant": key.tenant, "model": body.model, "created": created, "conversation_id": conversation,
             "store": body.store, "screening": gw.cfg.screening, "echo": _echo(body, tools, sampling),
-            "run": {"server_tools": run.server_tools, "max_steps": run.max_steps}, **ticket.note()}
+            "run": {"server_tools": run.server_tools, "max_steps": run.max_steps,
+                    "max_output_tokens": run.max_output_tokens}, **ticket.note()}
     gw.inflight.track(rid, note)  # its slot held while it runs; released, and usage counted, by _finish
     steps = tuple(step_request_id(rid, k) for k in range(1, run.max_steps))
     stream = gw.fanout.subscribe(rid, steps)

@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import time
 
-from schemas import ChatMessage, ChatRequest, Completion, ConversationHistory, RunState, ToolResult
+import msgspec
+
+from schemas import ChatMessage, ChatRequest, Completion, ConversationHistory, RunState, SamplingParams, ToolResult
 from schemas.ids import step_request_id
 from schemas.runs import TOOL_MESSAGE_CHARS
 
@@ -36,7 +38,8 @@ def current_step(run: RunState) -> str:
 
 def on_answer(run: RunState, done: Completion) -> RunState | None:
     """After the current step's answer: the run waiting for its calls' results, or None when it ended."""
-    if not run.spec.continues(run.step, done):
+    run.written += done.usage.completion_tokens
+    if not run.spec.continues(run.step, done, run.written):
         return None
     run.calls = [c.id for c in done.tool_calls]
     return run
@@ -72,7 +75,15 @@ def next_step(run: RunState, conversation_id: str, tenant: str) -> ChatRequest:
     run.step += 1
     run.calls, run.results, run.since = None, {}, time.time()
     return ChatRequest(request_id=current_step(run), conversation_id=conversation_id, tenant=tenant,
-                       model=run.model, messages=[], sampling=run.sampling,
+                       model=run.model, messages=[], sampling=_within_budget(run),
                        output=run.spec.output_for(run.step, run.output), assistant=run.assistant,
                        reply_partition=run.reply_partition, screening=run.screening, tier=run.tier,
                        priority=run.priority)
+
+
+def _within_budget(run: RunState) -> SamplingParams:
+    """The run's sampling, its max_tokens cut to what the response's max_output_tokens leaves."""
+    left = run.spec.tokens_left(run.written)
+    if left is None or left >= run.sampling.max_tokens:
+        return run.sampling
+    return msgspec.structs.replace(run.sampling, max_tokens=left)
