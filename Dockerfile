@@ -2,8 +2,8 @@
 FROM python:3.11-slim
 ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 WORKDIR /app
-# bubblewrap, libseccomp2 and util-linux (setpriv, prlimit): the code interpreter's sandbox (tools/README.md)
-RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends bubblewrap libseccomp2 util-linux \
+# bubblewrap, libseccomp2 and util-linux (setpriv, prlimit): the code interpreter's sandbox (tools/README.md); espeak-ng: text to speech
+RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends bubblewrap libseccomp2 util-linux espeak-ng \
  && rm -rf /var/lib/apt/lists/*
 COPY pyproject.toml README.md ./
 COPY tokenstream tokenstream

@@ -50,7 +50,9 @@ def create_app(cfg: GatewaySettings, bootstrap: str, redis_url: str | None = Non
     app.add_exception_handler(HTTPException, api.http_error_handler)
     app.add_exception_handler(Exception, api.unexpected_error_handler)
     app.add_middleware(BodyLimits, max_body_bytes=cfg.max_body_bytes,
-                       uploads={"/v1/files": cfg.file_max_bytes + UPLOAD_FORM_BYTES})
+                       uploads={"/v1/files": cfg.file_max_bytes + UPLOAD_FORM_BYTES,
+                                "/v1/audio/transcriptions": cfg.audio_max_bytes + UPLOAD_FORM_BYTES,
+                                "/v1/audio/translations": cfg.audio_max_bytes + UPLOAD_FORM_BYTES})
     for router in ROUTERS:
         app.include_router(router)
     return app

@@ -51,6 +51,7 @@ class GatewaySettings(BaseSettings):
     # see docs/clients.md, "Files and vector stores"); files one vector store may hold; a search's wait for
     # the tool processor's answer.
     file_max_bytes: int = Field(8 * 1024 * 1024, ge=1024, le=64 * 1024 * 1024)
+    audio_max_bytes: int = Field(25 * 1024 * 1024, ge=1024, le=64 * 1024 * 1024)  # a recording to transcribe
     tenant_files_max_bytes: int = Field(256 * 1024 * 1024, ge=1024)
     store_max_files: int = Field(500, ge=1, le=10_000)
     search_timeout_s: float = Field(30.0, gt=0)

@@ -10,6 +10,7 @@ Read this package and `topics/` to follow a request end to end:
     Checkpoint (the tamper-evident ledger: signed digests of every content topic's records)
     FileIngest (an uploaded file into a vector store's index, or out of it)
     PrefixHeld, WorkerLoad (which worker holds which conversation prefix: prefix-aware routing)
+    SpeechJob -> TranscriptSegment* -> TranscriptDone, or SpeechAudio* -> SpeechDone (voice: schemas/speech.py)
 
 All events are msgspec Structs, encoded as JSON by `schemas.codec`.
 """
@@ -32,6 +33,7 @@ from schemas.requests import ChatMessage, ChatRequest, InferenceRequest, Samplin
 from schemas.routing import PrefixHeld, WorkerLoad, conversation_digest
 from schemas.runs import SERVER_TOOLS, RunSpec
 from schemas.safety import REFUSAL, OutputWindow, SafetyVerdict
+from schemas.speech import SpeakParams, SpeechAudio, SpeechDone, SpeechJob, TranscribeParams, TranscriptDone, TranscriptSegment
 from schemas.structured import (
     FunctionCall,
     FunctionSpec,
@@ -52,6 +54,13 @@ __all__ = [
     "SCHEMA_VERSION",
     "Cancel",
     "Checkpoint",
+    "SpeakParams",
+    "SpeechAudio",
+    "SpeechDone",
+    "SpeechJob",
+    "TranscribeParams",
+    "TranscriptDone",
+    "TranscriptSegment",
     "ChatMessage",
     "ChatRequest",
     "Completion",

@@ -12,6 +12,7 @@ from schemas.ledger import Checkpoint
 from schemas.requests import ChatRequest, InferenceRequest
 from schemas.routing import PrefixHeld, WorkerLoad
 from schemas.safety import OutputWindow, SafetyVerdict
+from schemas.speech import SpeechAudio, SpeechDone, SpeechJob, TranscriptDone, TranscriptSegment
 from schemas.tokens import Completion, TokenChunk
 from schemas.tools import ToolCall, ToolResult
 
@@ -34,4 +35,9 @@ ALL_EVENTS: tuple[type[Event], ...] = (
     PrefixHeld,
     WorkerLoad,
     Checkpoint,
+    SpeechJob,
+    TranscriptSegment,
+    TranscriptDone,
+    SpeechAudio,
+    SpeechDone,
 )

@@ -214,6 +214,11 @@ def file_data(file_id: str) -> str:
     return f"ts:file:data:{file_id}"
 
 
+def speech_audio(request_id: str) -> str:
+    """A recording sent for transcription, until the tool processor has read it (durable store, an hour)."""
+    return f"ts:speech:audio:{request_id}"
+
+
 def tenant_files(tenant: str) -> str:
     """Sorted set: the tenant's file ids, scored by creation time."""
     return f"ts:files:{tenant}"

@@ -22,8 +22,17 @@ from schemas import (
     RouteUpdate,
     SafetyVerdict,
     SamplingParams,
+    SpeakParams,
+    SpeechAudio,
+    SpeechDone,
+    SpeechJob,
     Timings,
     TokenChunk,
+    TokenLogprob,
+    TopLogprob,
+    TranscribeParams,
+    TranscriptDone,
+    TranscriptSegment,
     ToolCall,
     ToolResult,
     TraceContext,
@@ -35,6 +44,7 @@ from schemas import (
     decode,
     encode,
 )
+from schemas.speech import Word
 
 MESSAGES = [ChatMessage(role="system", content="be brief"), ChatMessage(role="user", content="hello")]
 
@@ -44,11 +54,24 @@ def sample_events() -> list:
     common = dict(request_id="req-1", conversation_id="conv-1", tenant="acme")
     return [
         ChatRequest(**common, model="smollm2", messages=MESSAGES,
-                    sampling=SamplingParams(max_tokens=5, temperature=0.0, stop=["\n"], seed=7),
+                    sampling=SamplingParams(max_tokens=5, temperature=0.0, stop=["\n"], seed=7, presence_penalty=0.5,
+                                            frequency_penalty=-0.5, logit_bias={42: -100.0}, logprobs=3),
                     reply_partition=3, gateway_id="gw-0", screening="parallel"),
         InferenceRequest(**common, model="smollm2", messages=MESSAGES, reply_partition=3, dropped_messages=2,
                          screening="parallel"),
-        TokenChunk(**common, seq=4, text=" wor", token_ids=[101, 102], worker_id="w-1"),
+        TokenChunk(**common, seq=4, text=" wor", token_ids=[101, 102], worker_id="w-1",
+                   logprobs=[TokenLogprob(token=" wor", bytes=[32, 119, 111, 114], logprob=-0.5,
+                                          top_logprobs=[TopLogprob(token=" w", bytes=[32, 119], logprob=-1.5)])]),
+        SpeechJob(**common, kind="transcribe", model="whisper-tiny.en", reply_partition=3, audio_key="k",
+                  filename="q.wav", transcribe=TranscribeParams(language="en", prompt="names", word_timestamps=True)),
+        SpeechJob(**common, kind="speak", model="espeak-ng", reply_partition=3,
+                  speak=SpeakParams(text="Hello.", voice="nova", speed=1.5, format="opus")),
+        TranscriptSegment(**common, seq=0, start=0.0, end=1.2, text=" Hello.", words=[Word(" Hello.", 0.0, 1.2)],
+                          seek=0, tokens=[50257, 123], temperature=0.2, avg_logprob=-0.3, compression_ratio=0.9,
+                          no_speech_prob=0.01),
+        TranscriptDone(**common, seq=1, text="Hello.", language="en", duration_s=1.3, seconds=0.4),
+        SpeechAudio(**common, seq=0, audio=b"\xff\xfb\x90", text="Hello."),
+        SpeechDone(**common, seq=1, bytes_total=3, duration_s=0.5, error=None),
         Completion(**common, seq=5, finish_reason="length", usage=Usage(prompt_tokens=9, completion_tokens=5),
                    timings=Timings(queue_s=0.1, prefill_s=0.2, decode_s=0.3, pipeline_s=0.05)),
         Transcript(**common, question=MESSAGES[1:], answer=Completion(**common, seq=2, finish_reason="stop",

@@ -10,7 +10,8 @@ EXIT_INDEX_UNAVAILABLE = 70  # as a processor whose agent cannot go on: the supe
 def tools(health_port: int = typer.Option(None, help="serve /health/live and /health/ready on this port "
                                                       "(default: TOKENSTREAM_TOOLS_HEALTH_PORT, else none)")) -> None:
     """Server tools (code interpreter, web fetch, file search): ts.tool.calls -> ts.tool.results,
-    and file ingestion: ts.files.ingest -> Weaviate (group ts-ingest)."""
+    file ingestion: ts.files.ingest -> Weaviate (group ts-ingest), and speech jobs:
+    ts.speech.jobs -> ts.tokens (group ts-speech)."""
     import asyncio
     import logging
 
@@ -20,14 +21,15 @@ def tools(health_port: int = typer.Option(None, help="serve /health/live and /he
     from tools.ingestion import Ingestor
     from tools.processor import ToolProcessor
     from tools.search.retry import IndexUnavailable
+    from tools.speech.loop import SpeechLoop
 
-    processor, ingestor = ToolProcessor(), Ingestor()
+    processor, ingestor, speech = ToolProcessor(), Ingestor(), SpeechLoop()
     port = health_port or tool_settings().health_port
     server = HealthServer(port, lambda: health.report(processor, ingestor)) if port else None
 
     async def main() -> None:
         ready = asyncio.Event()  # ingestion starts once the tools (the embedder) are warm
-        await asyncio.gather(processor.run(ready), ingestor.run(after=ready))
+        await asyncio.gather(processor.run(ready), ingestor.run(after=ready), speech.run(after=ready))
 
     try:
         asyncio.run(main())

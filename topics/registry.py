@@ -27,10 +27,15 @@ from schemas import (
     PrefixHeld,
     RouteUpdate,
     SafetyVerdict,
+    SpeechAudio,
+    SpeechDone,
+    SpeechJob,
     TokenChunk,
     ToolCall,
     ToolResult,
     Transcript,
+    TranscriptDone,
+    TranscriptSegment,
     TurnDeadline,
     WorkerLoad,
 )
@@ -178,10 +183,11 @@ SCREENED = TopicSpec(
     readers=(Reader(Role.ROUTER, ROUTER_GROUP, FAUST_COMMIT, "requests screened in series"), AUDITOR),
 )
 TOKENS = TopicSpec(
-    "ts.tokens", 12, "request_id", (TokenChunk, Completion, SafetyVerdict, ToolResult),
+    "ts.tokens", 12, "request_id", (TokenChunk, Completion, SafetyVerdict, ToolResult, TranscriptSegment,
+                                    TranscriptDone, SpeechAudio, SpeechDone),
     "generated tokens and completions (and, in band, blocking output verdicts, the input verdict "
-    "of a request screened in parallel, and the server tools' results of a response run); "
-    "the partition is chosen by the gateway that holds the connection",
+    "of a request screened in parallel, the server tools' results of a response run, and the "
+    "results of speech jobs); the partition is chosen by the gateway that holds the connection",
     _retained(1, **{"message.timestamp.type": "LogAppendTime"}),
     writers=(
         Writer(Role.WORKER, "TokenChunk seq 0..n-1 per engine step, then Completion seq n"),
@@ -192,6 +198,8 @@ TOKENS = TopicSpec(
                "next step is prepared"),
         Writer(Role.ROUTER, "an error Completion for a request no worker group serves"),
         Writer(Role.GATEWAY, "the events of an answer served from the cache, on the request's own partition"),
+        Writer(Role.TOOLS, "a speech job's TranscriptSegments then TranscriptDone, or SpeechAudio chunks then "
+               "SpeechDone, seq without gaps, on the job's reply partition"),
     ),
     readers=(
         Reader(Role.GATEWAY, None, "owns a fixed set of partitions per instance, reads from the end; "
@@ -250,6 +258,18 @@ FILE_INGEST = TopicSpec(
     readers=(Reader(Role.TOOLS, INGEST_GROUP, "an event's offset is committed only after its outcome is "
                     "recorded in the store-file record (Redis); an add whose generation the record no longer "
                     "holds, or that is already completed or failed, is passed over", "ingestion"),),
+)
+SPEECH_GROUP = processor_group("speech")
+SPEECH_JOBS = TopicSpec(
+    "ts.speech.jobs", 6, "request_id", (SpeechJob,),
+    "speech to transcribe (the recording in the durable store) or text to speak; the tool processor's "
+    "speech loop answers on ts.tokens",
+    _retained(7),
+    writers=(Writer(Role.GATEWAY, "a transcription or speech request, after the recording is in the durable "
+                    "store"),),
+    readers=(Reader(Role.TOOLS, SPEECH_GROUP, "a job's offset is committed after its last result is "
+                    "acknowledged; one cut short is done again from the start (the gateway drops what it saw "
+                    "already by seq)", "speech"),),
 )
 CONVERSATION_TURNS = TopicSpec(
     "ts.conversation.turns", 12, "tenant:conversation_id", (Completion, ToolResult, TurnDeadline),
@@ -363,8 +383,8 @@ def inference_topic(model: str) -> TopicSpec:
 
 REGISTRY: tuple[TopicSpec, ...] = (
     CHAT_REQUESTS, PREPARED, SCREENED, TOKENS, CONTROL, VERDICTS, TOOL_CALLS, TOOL_RESULTS,
-    FILE_INGEST, CONVERSATION_TURNS, CONVERSATIONS, SAFETY_WINDOWS, ROUTES, KV_PREFIXES, DEAD_LETTER, TRANSCRIPTS,
-    RESCREENED, LEDGER,
+    FILE_INGEST, SPEECH_JOBS, CONVERSATION_TURNS, CONVERSATIONS, SAFETY_WINDOWS, ROUTES, KV_PREFIXES, DEAD_LETTER,
+    TRANSCRIPTS, RESCREENED, LEDGER,
 )
 
 
@@ -385,7 +405,8 @@ def all_topics(models: list[str]) -> list[TopicSpec]:
 #: The way of a request through the topics, in order (`topics describe --flow`).
 FLOW: tuple[str, ...] = (
     CHAT_REQUESTS.name, CONVERSATIONS.name, PREPARED.name, VERDICTS.name, SCREENED.name,
-    ROUTES.name, KV_PREFIXES.name, "ts.inference.<model>", TOOL_CALLS.name, TOOL_RESULTS.name, FILE_INGEST.name, TOKENS.name,
+    ROUTES.name, KV_PREFIXES.name, "ts.inference.<model>", TOOL_CALLS.name, TOOL_RESULTS.name, FILE_INGEST.name, SPEECH_JOBS.name,
+    TOKENS.name,
     SAFETY_WINDOWS.name, CONTROL.name, CONVERSATION_TURNS.name, TRANSCRIPTS.name, RESCREENED.name,
     LEDGER.name, DEAD_LETTER.name,
 )
