@@ -243,6 +243,7 @@ ROLE_COMMANDS = {
     (bench_app, "safety"): "bench.safety:main",
     (bench_app, "pipeline"): "bench.pipeline:main",
     (bench_app, "tools"): "bench.tools:main",
+    (bench_app, "speech"): "bench.speech:main",
     (bench_app, "audit"): "bench.audit:main",
     (app, "plan"): "tokenstream.plan_cli:plan_command",
     (app, "usage"): "tokenstream.usage_cli:usage",
