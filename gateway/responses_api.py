@@ -20,7 +20,7 @@ from schemas import ChatMessage, FunctionCall, MessageToolCall, OutputSpec, RunS
 MAX_INPUT_ITEMS = 1024
 MAX_TEXT = 1_000_000
 #: Fields of OpenAI's request this server does not implement: sent with a value, they are a 400.
-UNSUPPORTED = ("background", "conversation", "max_tool_calls", "prompt", "prompt_cache_key", "reasoning",
+UNSUPPORTED = ("conversation", "max_tool_calls", "prompt", "prompt_cache_key", "reasoning",
                "stream_options", "top_logprobs", "context_management", "prompt_cache_retention")
 #: `include` values whose content every response carries anyway.
 INCLUDED = ("code_interpreter_call.outputs", "file_search_call.results")
@@ -161,6 +161,7 @@ class ResponseCreate(api.UnicodeBody):
     previous_response_id: str | None = Field(None, max_length=200)
     store: bool = True
     stream: bool = False
+    background: bool = False  # run on without the client (gateway/background.py); needs store
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     max_output_tokens: int | None = Field(None, ge=1, le=api.MAX_TOKENS)

@@ -82,3 +82,32 @@ async def replay(bootstrap: str, request_id: str, *, idle_timeout_s: float = 600
                     return
     finally:
         await consumer.stop()
+
+
+async def read_so_far(bootstrap: str, request_id: str, *, also: Iterable[str] = ()) -> list[Event]:
+    """Every event of `request_id` (and of `also`) the log holds now: read to the partition's end as it
+    was when called, then stop (a background response's state, folded by whoever asks)."""
+    partition, created_ms = parse_request_id(request_id)
+    tp = TopicPartition(TOKENS.name, partition)
+    consumer = await start_consumer(group=None, bootstrap=bootstrap, from_beginning=True)
+    try:
+        consumer.assign([tp])
+        end = (await consumer.end_offsets([tp]))[tp]
+        found = (await consumer.offsets_for_times({tp: max(0, created_ms - CLOCK_MARGIN_MS)}))[tp]
+        if found is None:
+            return []
+        consumer.seek(tp, found.offset)
+        keys = {request_id.encode(), *(k.encode() for k in also)}
+        out: list[Event] = []
+        while await consumer.position(tp) < end:
+            for record in (await consumer.getmany(tp, timeout_ms=200, max_records=2000)).get(tp, ()):
+                if record.offset >= end:
+                    break
+                if record.key in keys:
+                    try:
+                        out.append(decode(record.value or b"", *TOKENS.events))
+                    except DecodeError:
+                        continue
+        return out
+    finally:
+        await consumer.stop()

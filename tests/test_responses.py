@@ -124,13 +124,13 @@ def items(response, kind: str) -> list:
 
 
 async def test_forced_code_interpreter_runs_the_code_and_the_model_answers_after_its_output(client):
-    response = await client.responses.create(**create(instructions=RUN_CODE, input=PROMPT, tools=[CODE],
-                                                      tool_choice=FORCE_CODE, safety_identifier="user-7",
-                                                      presence_penalty=0.0, frequency_penalty=0.0,
-                                                      service_tier="auto"))
+    raw = await client.responses.with_raw_response.create(**create(
+        instructions=RUN_CODE, input=PROMPT, tools=[CODE], tool_choice=FORCE_CODE, safety_identifier="user-7",
+        service_tier="auto", extra_body={"presence_penalty": 0.0, "frequency_penalty": 0.0}))
+    response = raw.parse()
     assert response.status == "completed", response
     assert response.safety_identifier == "user-7" and response.service_tier == "default"
-    conforms(response.model_dump(mode="json"))
+    conforms(raw.http_response.json())  # the object as sent (the SDK turns created_at into a float)
     calls = items(response, "code_interpreter_call")
     assert calls and calls[0].code.strip(), response.output
     for call in calls:  # after the forced first step the model chose; the last step answered in text
@@ -168,7 +168,6 @@ async def test_stream_parses_with_the_sdk_helper_in_openai_order_and_resumes_fro
         got = (await http.get(f"/v1/responses/{final.id}", headers=auth_headers())).json()
         assert got["id"] == final.id and got["status"] == "completed"
         conforms(got)
-        conforms(final.model_dump(mode="json"))
         assert [o["id"] for o in got["output"]] == [i.id for i in final.output]
         assert got["output"][-1]["content"][0]["text"] == final.output_text
         other = auth_headers(new_key("someone-else"))
@@ -254,7 +253,7 @@ async def test_an_assistant_with_knowledge_searches_its_stores_without_the_clien
 
 async def test_unsupported_fields_and_bad_tools_are_400_naming_them(system):
     async with httpx.AsyncClient(base_url=system["url"], timeout=60, headers=auth_headers()) as http:
-        for body, param in [({"input": "hi", "background": True}, "background"),
+        for body, param in [({"input": "hi", "conversation": "conv_1"}, "conversation"),
                             ({"input": "hi", "reasoning": {"effort": "low"}}, "reasoning"),
                             ({"input": "hi", "frobnicate": 1}, "frobnicate"),
                             ({"input": "hi", "service_tier": "flex"}, "service_tier"),
@@ -272,6 +271,52 @@ async def test_unsupported_fields_and_bad_tools_are_400_naming_them(system):
         assert (await http.post("/v1/responses", json={"model": MODEL, "input": "hi"},
                                 headers={"Authorization": "Bearer nope"})).status_code == 401
         assert (await http.get("/v1/responses/resp_nothing")).status_code == 404
+
+
+async def test_a_background_response_outlives_the_gateway_that_took_it_and_can_be_cancelled(client, system):
+    """Created on gateway A, which is then killed (-9); gateway B, another process that never saw the
+    request, answers GET from the log while the run goes on and stores it at its end; the answer is the
+    one a foreground run gives. A second background response cancelled at once ends `cancelled`, and a
+    deleted response is gone."""
+    roles = system["roles"]
+    env = {"TOKENSTREAM_GATEWAY_RESPONSES_MAX_STEPS": "3"}
+    url_a, gateway_a = start_gateway(roles, [MODEL], index=0, count=2, timeout=120, env=env)
+    url_b, _ = start_gateway(roles, [MODEL], index=1, count=2, timeout=120, env=env)
+    a, b = api_client(url_a, timeout=300), api_client(url_b, timeout=300)
+    request = create(instructions=RUN_CODE, input=PROMPT, tools=[CODE], tool_choice=FORCE_CODE)
+    created = await a.responses.create(**request, background=True)
+    assert created.status == "queued" and created.background is True and not created.output
+    os.kill(gateway_a.pid, signal.SIGKILL)
+    seen = set()
+    deadline = asyncio.get_running_loop().time() + 240
+    while True:
+        got = await b.responses.retrieve(created.id)
+        seen.add(got.status)
+        if got.status not in ("queued", "in_progress"):
+            break
+        assert asyncio.get_running_loop().time() < deadline, seen
+        await asyncio.sleep(0.5)
+    assert got.status == "completed" and got.background is True, got
+    foreground = await client.responses.create(**request)
+    assert [i.type for i in got.output] == [i.type for i in foreground.output]
+    assert got.output_text == foreground.output_text  # greedy: the same answer
+    again = await b.responses.retrieve(created.id)  # stored by B at its end
+    assert again.model_dump() == got.model_dump()
+    replayed = [e async for e in await b.responses.retrieve(created.id, stream=True, starting_after=1)]
+    assert replayed[0].sequence_number == 2 and replayed[-1].type == "response.completed"
+
+    doomed = await b.responses.create(**request, background=True)
+    cancelled = await b.responses.cancel(doomed.id)
+    assert cancelled.status == "cancelled", cancelled
+    assert (await b.responses.retrieve(doomed.id)).status == "cancelled"
+    async with httpx.AsyncClient(base_url=url_b, timeout=60, headers=auth_headers()) as http:
+        assert (await http.post(f"/v1/responses/{foreground.id}/cancel")).status_code == 400  # not background
+        deleted = await http.delete(f"/v1/responses/{doomed.id}")
+        assert deleted.json() == {"id": doomed.id, "object": "response", "deleted": True}
+        assert (await http.get(f"/v1/responses/{doomed.id}")).status_code == 404
+        refused = await http.post("/v1/responses", json={"model": MODEL, "input": "hi", "background": True,
+                                                         "store": False})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "store"
 
 
 async def test_kill_9_of_the_tool_processor_mid_run_completes_the_run_each_call_once(client, system, bootstrap):

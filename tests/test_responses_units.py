@@ -126,7 +126,7 @@ def test_input_items_become_messages_and_unknown_fields_are_named():
     with pytest.raises(api.APIError):
         messages_of(ResponseCreate(model="m", input=[{"type": "function_call_output", "call_id": "zz",
                                                       "output": "x"}]))
-    assert ResponseCreate(model="m", input="x", background=True).unsupported() == "background"
+    assert ResponseCreate(model="m", input="x", conversation="conv_1").unsupported() == "conversation"
     assert ResponseCreate(model="m", input="x", whatever=1).unsupported() == "whatever"
     with pytest.raises(ValidationError):
         ResponseCreate(model="m", input="x", tools=[{"type": "code_interpreter", "container": "cntr_1"}])

@@ -20,16 +20,16 @@ import logging
 import time
 
 import redis.asyncio as aioredis
-from aiokafka.structs import TopicPartition
 
-from producers import commit_past, dead_letter, decode_record, start_consumer, start_producer, stop_clients
-from schemas import DecodeError, FileIngest
+from schemas import FileIngest
 from schemas import keys as K
 from schemas.files import COMPLETED, FAILED, IN_PROGRESS
 from common import vectordb
 from common.config import settings
 from tools.config import ToolSettings, tool_settings
 from tools.search.retry import IndexRetry, IndexUnavailable
+from producers import start_consumer
+from tools.serial import ONE_AT_A_TIME, SerialConsumer
 from topics.registry import FILE_INGEST, INGEST_GROUP
 
 log = logging.getLogger("tools.ingestion")
@@ -43,14 +43,16 @@ return 1
 """
 
 
-class Ingestor:
+class Ingestor(SerialConsumer):
+    spec, group, log = FILE_INGEST, INGEST_GROUP, log
+
     def __init__(self, cfg: ToolSettings | None = None, redis_url: str | None = None) -> None:
+        super().__init__()
         self.cfg = cfg or tool_settings()
         self.redis = aioredis.Redis.from_url(redis_url or settings().redis_url)
         self._record = self.redis.register_script(RECORD)
         self._index = None
         self.retrying: IndexRetry | None = None
-        self.producer = self.consumer = None
 
     def index(self):
         from tools.search.index import ChunkIndex
@@ -141,39 +143,13 @@ class Ingestor:
             return None
         return f"ingestion: an event held {time.monotonic() - retry.outage_since:.0f} s, waiting for Weaviate"
 
-    async def _partition(self, tp: TopicPartition, records) -> None:
-        for record in records:
-            try:
-                event = decode_record(record, FILE_INGEST)
-            except DecodeError as exc:
-                await dead_letter(self.producer, record, exc, group=INGEST_GROUP)
-                event = None
-            if event is not None:
-                started = time.monotonic()
-                what = await self.handle(event)
-                log.info("%s %s in store %s: %s (%.2f s)", event.action, event.file_id, event.vector_store_id,
-                         what, time.monotonic() - started)
-            if not await commit_past(self.consumer, tp, record.offset, log):
-                return
+    async def subscribe(self):
+        return await start_consumer(FILE_INGEST, group=INGEST_GROUP, **ONE_AT_A_TIME)
 
-    async def run(self, after: asyncio.Event | None = None) -> None:
-        """Serve until cancelled; `after`: start once it is set (the tool processor warmed the embedder)."""
-        if after is not None:
-            await after.wait()
-        self.producer = await start_producer()
-        # one file at a time per poll, and a poll interval that outlasts every retry of a large file
-        self.consumer = await start_consumer(FILE_INGEST, group=INGEST_GROUP, from_beginning=True,
-                                             max_poll_records=1, max_poll_interval_ms=900_000)
-        log.info("ingestion serving %s (group %s)", FILE_INGEST.name, INGEST_GROUP)
-        try:
-            while True:
-                batches = await self.consumer.getmany(timeout_ms=500)
-                for tp, records in batches.items():  # CPU-bound embedding: one file at a time
-                    await self._partition(tp, records)
-        finally:
-            await self.close()
+    def describe(self, event: FileIngest) -> str:
+        return f"{event.action} {event.file_id} in store {event.vector_store_id}"
 
     async def close(self) -> None:
-        await stop_clients(self.consumer, self.producer)
+        await super().close()
         await asyncio.to_thread(self._forget_index)
         await self.redis.aclose()

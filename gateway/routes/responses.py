@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse
 from pydantic import TypeAdapter, ValidationError
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
-from gateway import context
+from gateway import background, context
 from gateway import openai_api as api
 from gateway.answers import KeepAlive, live_events
 from gateway.auth import principal
@@ -93,7 +93,7 @@ def _echo(body: ResponseCreate, tools: list, sampling: SamplingParams) -> dict[s
     choice = body.tool_choice if body.tool_choice is not None else ("auto" if tools else "none")
     return {"instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
             "parallel_tool_calls": body.parallel_tool_calls is not False,
-            "previous_response_id": body.previous_response_id, "store": body.store,
+            "previous_response_id": body.previous_response_id, "store": body.store, "background": body.background,
             "temperature": sampling.temperature, "top_p": sampling.top_p,
             "presence_penalty": sampling.presence_penalty, "frequency_penalty": sampling.frequency_penalty,
             "safety_identifier": body.safety_identifier,
@@ -118,6 +118,8 @@ async def create(body: ResponseCreate, gw: Gateway = Depends(pipeline), key: K.A
     field = body.unsupported()
     if field is not None:
         raise api.invalid_request(f"`{field}` is not supported by this server.", field)
+    if body.background and not body.store:
+        raise api.invalid_request("A background response must be stored: background needs store true.", "store")
     if body.model not in gw.cfg.models:
         raise api.model_not_found(body.model)
     tools = [*_preset_tools(body.assistant), *(body.tools or [])]
@@ -145,7 +147,8 @@ async def create(body: ResponseCreate, gw: Gateway = Depends(pipeline), key: K.A
                         reply_partition=partition, gateway_id=gw.cfg.instance_id, screening=gw.cfg.screening, run=run)
     created = int(created_at)
     note = {"tenant": key.tenant, "model": body.model, "created": created, "conversation_id": conversation,
-            "store": body.store, "screening": gw.cfg.screening, "echo": _echo(body, tools, sampling),
+            "store": body.store, "background": body.background, "screening": gw.cfg.screening,
+            "echo": _echo(body, tools, sampling),
             "run": {"server_tools": run.server_tools, "max_steps": run.max_steps,
                     "max_output_tokens": run.max_output_tokens}, **ticket.note()}
     gw.inflight.track(rid, note)  # its slot held while it runs; released, and usage counted, by _finish
@@ -164,6 +167,11 @@ async def create(body: ResponseCreate, gw: Gateway = Depends(pipeline), key: K.A
     source = live_events(gw, stream)
     framer = _framer(rid, note)
     cleanup = lambda: gw.fanout.unsubscribe(rid)  # noqa: E731
+    if body.background:  # followed here to its end; any instance answers GET from the log meanwhile
+        gw.background(background.follow(gw, framer, source, generation, cleanup, _finisher(gw, note)))
+        queued = _framer(rid, note).response
+        queued["status"] = "queued"
+        return JSONResponse(queued, headers=ticket.headers)
     if body.stream:
         return _sse(gw, framer, source, NOTHING_SEEN, generation, note, cleanup, headers=ticket.headers)
     try:
@@ -187,6 +195,10 @@ def _framer(rid: str, note: dict) -> ResponseFramer:
     spec = RunSpec(**note["run"])
     return ResponseFramer(rid, spec, base_response(rid, note["created"], note["model"], note["echo"]),
                           note["conversation_id"])
+
+
+def _finisher(gw: Gateway, note: dict) -> background.Finish:
+    return lambda framer: _finish(gw, framer.run_id, note, framer)
 
 
 async def _finish(gw: Gateway, rid: str, note: dict, framer: ResponseFramer) -> None:
@@ -263,7 +275,32 @@ async def retrieve(response: str, stream: bool = False, starting_after: int | No
         return _sse(gw, framer, source, last, generation, meta, cleanup=lambda: None)  # settles once, anywhere
     if not meta.get("store"):
         raise api.not_found(f"Response {response!r} was created with store false.")
-    raw = await gw.redis.get(K.stored_response(rid)) if gw.redis is not None else None
-    if raw:
-        return JSONResponse(json.loads(raw))
+    kept = await background.stored(gw, rid)
+    if kept is not None:
+        return JSONResponse(kept)
+    if meta.get("background"):  # where it stands on the log now
+        return JSONResponse(await background.snapshot(gw, _framer(rid, meta), meta, _finisher(gw, meta)))
     return JSONResponse(_framer(rid, meta).response)  # still running: in_progress, no output yet
+
+
+@router.post("/responses/{response}/cancel")
+async def cancel(response: str, gw: Gateway = Depends(pipeline), key: K.ApiKey = Depends(principal)):
+    """Cancel a background response (OpenAI cancels background responses only)."""
+    rid = _run_id(response)
+    meta = await _owned(gw, rid, response, key.tenant)
+    if not meta.get("background"):
+        raise api.invalid_request("Only a response created with background true can be cancelled.", "response")
+    kept = await background.stored(gw, rid)
+    if kept is not None:  # it ended already
+        return JSONResponse(kept)
+    return JSONResponse(await background.cancel(gw, lambda: _framer(rid, meta), meta, _finisher(gw, meta)))
+
+
+@router.delete("/responses/{response}")
+async def delete(response: str, gw: Gateway = Depends(pipeline), key: K.ApiKey = Depends(principal)):
+    """Forget a stored response: GET and previous_response_id answer 404 from now on (its events stay on
+    the log for their retention, as every event does)."""
+    rid = _run_id(response)
+    await _owned(gw, rid, response, key.tenant)
+    await gw.redis.delete(K.stored_response(rid), K.gateway_request(rid))
+    return {"id": response, "object": "response", "deleted": True}

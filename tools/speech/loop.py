@@ -17,22 +17,25 @@ import time
 
 import redis.asyncio as aioredis
 
-from producers import commit_past, dead_letter, decode_record, publish, start_consumer, start_producer, stop_clients
-from schemas import DecodeError, SpeechAudio, SpeechDone, SpeechJob, TranscriptDone, TranscriptSegment
+from producers import publish, start_consumer
+from schemas import SpeechAudio, SpeechDone, SpeechJob, TranscriptDone, TranscriptSegment
 from schemas import keys as K
 from schemas.speech import Word
 from common.config import settings
 from topics import TOKENS
+from tools.serial import ONE_AT_A_TIME, SerialConsumer
 from topics.registry import SPEECH_GROUP, SPEECH_JOBS
 
 log = logging.getLogger("tools.speech")
 MAX_AUDIO_EVENT = 128 * 1024  # bytes of audio in one SpeechAudio (well under the broker's message limit)
 
 
-class SpeechLoop:
+class SpeechLoop(SerialConsumer):
+    spec, group, log = SPEECH_JOBS, SPEECH_GROUP, log
+
     def __init__(self, redis_url: str | None = None) -> None:
+        super().__init__()
         self.redis = aioredis.Redis.from_url(redis_url or settings().redis_url)
-        self.producer = self.consumer = None
         self.jobs_done = 0
 
     async def _send(self, job: SpeechJob, event) -> asyncio.Future:
@@ -119,34 +122,17 @@ class SpeechLoop:
         await asyncio.gather(*acks)
         return f"failed: {error}" if error else f"{total} bytes of {params.format}, {samples / RATE:.1f} s of speech"
 
-    async def _partition(self, tp, records) -> None:
-        for record in records:
-            try:
-                job = decode_record(record, SPEECH_JOBS)
-            except DecodeError as exc:
-                await dead_letter(self.producer, record, exc, group=SPEECH_GROUP)
-                job = None
-            if job is not None:
-                started = time.monotonic()
-                what = await (self.transcribe(job) if job.kind == "transcribe" else self.speak(job))
-                self.jobs_done += 1
-                log.info("%s %s: %s (%.2f s)", job.kind, job.request_id, what, time.monotonic() - started)
-            if not await commit_past(self.consumer, tp, record.offset, log):
-                return
+    async def handle(self, job: SpeechJob) -> str:
+        done = await (self.transcribe(job) if job.kind == "transcribe" else self.speak(job))
+        self.jobs_done += 1
+        return done
 
-    async def run(self, after: asyncio.Event | None = None) -> None:
-        """Serve until cancelled; `after`: start once it is set (the tool processor is warm)."""
-        if after is not None:
-            await after.wait()
-        self.producer = await start_producer()
-        self.consumer = await start_consumer(SPEECH_JOBS, group=SPEECH_GROUP, from_beginning=True,
-                                             max_poll_records=1, max_poll_interval_ms=900_000)
-        log.info("speech serving %s (group %s)", SPEECH_JOBS.name, SPEECH_GROUP)
-        try:
-            while True:
-                batches = await self.consumer.getmany(timeout_ms=500)
-                for tp, records in batches.items():
-                    await self._partition(tp, records)
-        finally:
-            await stop_clients(self.consumer, self.producer)
-            await self.redis.aclose()
+    async def subscribe(self):
+        return await start_consumer(SPEECH_JOBS, group=SPEECH_GROUP, **ONE_AT_A_TIME)
+
+    def describe(self, job: SpeechJob) -> str:
+        return f"{job.kind} {job.request_id}"
+
+    async def close(self) -> None:
+        await super().close()
+        await self.redis.aclose()
