@@ -6,11 +6,16 @@ partition's requests made every rebalance (a worker killed, one coming back) re-
 request of every survivor. So a revoked partition is *held* instead:
 
 - its requests go on generating, but nothing of theirs is written: each output waits, in order;
-- when the new assignment comes, a partition that is assigned back in the generation right after
-  the one it was last assigned in is *kept*: no other member can have owned it in between (every
-  generation since had this member), so its waiting outputs are written and its requests go on;
-- any other held partition is *lost*: it moved, or this member missed a generation (expelled for
-  silence, its partitions ran elsewhere meanwhile). Its requests are aborted and their outputs
+- when the new assignment comes, a partition assigned back in the generation right after the one it
+  was last assigned in is *kept*: no other member can have owned it in between (every generation
+  since had this member), so its waiting outputs are written and its requests go on;
+- a partition assigned back after a skipped generation (a join whose first sync failed bumps the
+  generation twice; or this member was expelled for silence) is *checked* against the log: kept if
+  the tokens topic holds, for each of its requests, exactly the chunks this worker wrote and no
+  completion (nobody else continued them), else lost. Sound because an eager rebalance assigns only
+  after every member's revocation returned, and a member's revocation flushes what it wrote: any
+  other owner's writes are on the log by then;
+- any other held partition is *lost*: it moved. Its requests are aborted and their outputs
   dropped unwritten; the new owner takes them over from the tokens topic, and since nothing was
   written after the revocation began, what it reads there is all there is.
 
@@ -51,10 +56,22 @@ class Handover:
         """Keep a held partition's output until the assignment says whether it is written."""
         self.waiting.append((tp, output))
 
-    def settle(self, assigned: set[TopicPartition], generation: int) -> Settled:
-        """The new assignment, joined in `generation`: which held partitions stay, which moved."""
-        kept = {tp for tp in self.held if tp in assigned and generation != NO_GENERATION
+    def sort(self, assigned: set[TopicPartition], generation: int) -> tuple[set, set, set]:
+        """The held partitions by what the new assignment (joined in `generation`) makes of them:
+        (kept, to check against the log, lost)."""
+        back = self.held & assigned
+        kept = {tp for tp in back if generation != NO_GENERATION
                 and self.assigned_in.get(tp, NO_GENERATION) + 1 == generation}
+        return kept, back - kept, self.held - back
+
+    def written_chunks(self, request_id: str, next_seq: int) -> int:
+        """How many chunks of a held request were written before its hold: its seq, less what waits."""
+        waiting = [out.chunk_seq if out.chunk_seq is not None else out.completion_seq
+                   for _, out in self.waiting if out.seq.request_id == request_id]
+        return min(waiting, default=next_seq)
+
+    def settle(self, assigned: set[TopicPartition], generation: int, kept: set[TopicPartition]) -> Settled:
+        """End the hold: `kept` partitions' waiting outputs, in order, to be written; the rest given up."""
         lost = self.held - kept
         waiting = [out for tp, out in self.waiting if tp in kept]
         self.held, self.waiting = set(), []

@@ -163,7 +163,10 @@ class Worker:
         generation = generation_of(self.consumer)
         self.assignor.remember_generation(generation)
         async with self.publish_lock:
-            settled = self.handover.settle(tps, generation)
+            kept, check, _ = self.handover.sort(tps, generation)
+            if check:
+                kept |= await self._untouched(check)
+            settled = self.handover.settle(tps, generation, kept)
             self._give_up(settled.lost)
             await self._publish_locked(settled.waiting)
         fresh = tps - settled.kept
@@ -195,6 +198,18 @@ class Worker:
         # rebalance timeout): only for a publish under way, so that what it queued is flushed too.
         async with self.publish_lock:
             await self.producer.flush()
+
+    async def _untouched(self, tps: set[TopicPartition]) -> set[TopicPartition]:
+        """Of held partitions assigned back after a skipped generation, those whose requests nobody else
+        continued: the tokens topic holds exactly the chunks this worker wrote for each, and no end."""
+        held = [(rid, tp, request, seq) for rid, (tp, _, request, seq) in self.owned.items() if tp in tps]
+        emitted = await self.tokens.emitted([(rid, request.reply_partition,
+                                              request.created_at - self.cfg.takeover_margin_s)
+                                             for rid, _, request, _ in held]) if held else {}
+        moved = {tp for rid, tp, _, seq in held
+                 if emitted[rid].completion is not None
+                 or len(emitted[rid].chunks) != self.handover.written_chunks(rid, seq.next_seq)}
+        return tps - moved
 
     def _give_up(self, tps: set[TopicPartition]) -> None:
         """Abort the requests of partitions that moved: their new owner takes them over."""

@@ -264,6 +264,32 @@ async def test_every_documented_chat_field_is_honoured_or_refused(system: System
     await http.aclose()
 
 
+async def test_input_tokens_counts_what_the_model_reads(system: System):
+    """`POST /v1/responses/input_tokens` counts the prompt the worker will build (instructions, input, and
+    the tools written into it): the same count the answer's usage reports as input_tokens."""
+    from common.models import load_tokenizer
+    from schemas import ChatMessage, OutputSpec
+    from schemas.prompt import prompt_ids
+
+    url = system.gateways[0] + "/v1/responses/input_tokens"
+    tool = {"type": "function", "name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+    async with system.http() as http:
+        plain = (await http.post(url, json={"model": MODEL, "input": "Say hello.", "instructions": "Be brief."})).json()
+        tools = (await http.post(url, json={"model": MODEL, "input": "Say hello.", "instructions": "Be brief.",
+                                            "tools": [tool]})).json()
+        refused = await http.post(url, json={"model": MODEL, "input": "x", "previous_response_id": "resp_1"})
+        answered = await http.post(system.gateways[0] + "/v1/responses", json={
+            "model": MODEL, "input": "Say hello.", "instructions": "Be brief.", "max_output_tokens": 4,
+            "temperature": 0})
+    expected = prompt_ids(load_tokenizer(MODEL), [ChatMessage(role="system", content="Be brief."),
+                                                  ChatMessage(role="user", content="Say hello.")], OutputSpec())
+    assert plain == {"object": "response.input_tokens", "input_tokens": len(expected)}
+    assert tools["input_tokens"] > plain["input_tokens"] + 20  # the tool's schema is in the prompt
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "previous_response_id"
+    assert answered.json()["usage"]["input_tokens"] == plain["input_tokens"]
+
+
 # ---------------------------------------------------------------- outages under the running system
 
 SERVED_WITHIN_S = 10.0  # after an outage ends, a request is answered within this long

@@ -511,12 +511,36 @@ async def test_nothing_is_written_for_a_revoked_partition_until_the_next_generat
     assert worker.tracker.committable() == {}  # offset 7 of partition 0 committed past
 
 
-async def test_a_held_partition_that_skipped_a_generation_is_given_up_unwritten(tiny_loaded):
-    """Assigned back two generations on (this member was expelled: another ran the partition
-    meanwhile), or not assigned back at all, the held requests are aborted and nothing they produced
-    is written: the new owner takes them over from what the tokens topic holds. Unit test, stand-ins."""
+def _token_log(chunks_of: dict[str, int], worker_id: str = "another"):
+    """A stand-in for the worker's TokenLog: `chunks_of[rid]` chunks on the log for each request."""
+    from gpu_workers.recovery import Emitted
+
+    async def emitted(wanted):
+        return {rid: Emitted(chunks=[TokenChunk(request_id=rid, seq=i, text="x", worker_id=worker_id)
+                                     for i in range(chunks_of.get(rid, 0))]) for rid, _, _ in wanted}
+    return SimpleNamespace(emitted=emitted)
+
+
+async def test_a_held_partition_back_after_a_skipped_generation_is_kept_when_the_log_is_untouched(tiny_loaded):
+    """A join whose first sync fails bumps the generation twice: a partition assigned back two generations
+    on may still have had no other owner. The tokens topic decides: it holds exactly the chunks this
+    worker wrote for the request (none here) and no completion, so the held outputs are written."""
     worker, tps, seqs, sent, aborted = _held_worker(tiny_loaded, generation=6)
     worker.handover.assigned_in = {tps[0]: 4, tps[1]: 4}
+    worker.tokens = _token_log({})
+    await _revoke_mid_step(worker, tps, seqs, sent)
+    await worker.assigned(set(tps))
+    assert [key for key, _ in sent] == ["on-1", "on-0", "on-0", "on-0"] and aborted == []
+
+
+async def test_a_held_partition_that_another_worker_continued_is_given_up_unwritten(tiny_loaded):
+    """Assigned back after a skipped generation in which another worker ran the partition (its chunk
+    is on the log past what this worker wrote), or not assigned back at all, the held requests are
+    aborted and nothing they produced is written: the new owner takes them over from what the tokens
+    topic holds. Unit test, stand-ins."""
+    worker, tps, seqs, sent, aborted = _held_worker(tiny_loaded, generation=6)
+    worker.handover.assigned_in = {tps[0]: 4, tps[1]: 4}
+    worker.tokens = _token_log({"on-0": 1})
     await _revoke_mid_step(worker, tps, seqs, sent)
     await worker.assigned(set(tps))
     assert [key for key, _ in sent] == ["on-1"] and aborted == [seqs["on-0"]]

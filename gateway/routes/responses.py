@@ -17,9 +17,12 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from typing import Literal
+
 from fastapi import APIRouter, Depends, Header
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import TypeAdapter, ValidationError
+from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from gateway import background, context
@@ -38,7 +41,9 @@ from producers import publish
 from schemas import ChatRequest, Completion, Event, RunSpec, SamplingParams, Usage
 from schemas import keys as K
 from schemas.ids import event_id, run_id_of, step_request_id
+from common.models import load_tokenizer
 from common.presets import presets
+from schemas.prompt import prompt_ids
 from topics import CHAT_REQUESTS
 
 log = logging.getLogger(__name__)
@@ -281,6 +286,49 @@ async def retrieve(response: str, stream: bool = False, starting_after: int | No
     if meta.get("background"):  # where it stands on the log now
         return JSONResponse(await background.snapshot(gw, _framer(rid, meta), meta, _finisher(gw, meta)))
     return JSONResponse(_framer(rid, meta).response)  # still running: in_progress, no output yet
+
+
+class InputTokensRequest(api.UnicodeBody):
+    """`POST /v1/responses/input_tokens`: the fields that make a response's input."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str = Field(min_length=1, max_length=api.MAX_NAME_CHARS)
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    truncation: Literal["auto"] | None = None
+    # refused by name: the history of a previous response or conversation is the conversation
+    # processor's, which the gateway does not read; the model does not reason
+    previous_response_id: str | None = None
+    conversation: str | dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+
+
+@router.post("/responses/input_tokens")
+async def input_tokens(body: InputTokensRequest, gw: Gateway = Depends(pipeline)):
+    """How many tokens the model would read for this input: instructions, input items, and the tools and
+    format as the worker writes them into the prompt (schemas/prompt.py)."""
+    if body.model not in gw.cfg.models:
+        raise api.model_not_found(body.model)
+    for name in ("previous_response_id", "conversation", "reasoning"):
+        if getattr(body, name) is not None:
+            raise api.invalid_request(f"`{name}` is not supported when counting input tokens: only the input "
+                                      "sent is counted here.", name)
+    try:
+        request = ResponseCreate.model_validate(body.model_dump(exclude_none=True))
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors()) from None
+    output, _ = output_and_run(request.tools or [], request, gw.cfg.responses_max_steps)
+    messages = messages_of(request)
+    try:
+        count = await asyncio.to_thread(lambda: len(prompt_ids(load_tokenizer(body.model), messages, output)))
+    except (OSError, ValueError):
+        raise api.APIError(400, f"This gateway has no tokenizer for `{body.model}` to count with.",
+                           "invalid_request_error", param="model", code="tokenizer_unavailable") from None
+    return {"object": "response.input_tokens", "input_tokens": count}
 
 
 @router.post("/responses/{response}/cancel")
