@@ -14,6 +14,8 @@ command -v chromium >/dev/null || need_apt+=(chromium)
 command -v bwrap >/dev/null || need_apt+=(bubblewrap)  # the code interpreter's sandbox
 /sbin/ldconfig -p | grep -q 'libseccomp\.so\.2' || need_apt+=(libseccomp2)  # its seccomp filter (pyseccomp)
 dpkg -s python3-numpy >/dev/null 2>&1 || need_apt+=(python3-numpy)  # numpy for code run in the sandbox
+dpkg -s python3-matplotlib >/dev/null 2>&1 || need_apt+=(python3-matplotlib)  # charts in the sandbox
+dpkg -s python3-pandas >/dev/null 2>&1 || need_apt+=(python3-pandas)  # tables in the sandbox
 command -v espeak-ng >/dev/null || need_apt+=(espeak-ng)  # text to speech (/v1/audio/speech)
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "bootstrap: apt-get install ${need_apt[*]}"

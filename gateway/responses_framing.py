@@ -9,10 +9,14 @@ after the one the client saw (SSE id `<run id>:<sequence_number>`), on any gatew
 from __future__ import annotations
 
 import json
+import posixpath
 from typing import Any
 
 from schemas import Completion, Event, RunSpec, SafetyVerdict, TokenChunk, ToolCallDelta, ToolResult
+from schemas import keys as K
 from schemas.ids import response_id, step_request_id
+
+IMAGE_TYPES = (".png", ".jpg", ".jpeg", ".gif")  # a code interpreter's files shown as image outputs
 
 ITEM_PREFIX = {"code_interpreter": "ci_", "file_search": "fs_", "web_fetch": "ws_"}
 ITEM_TYPE = {"code_interpreter": "code_interpreter_call", "file_search": "file_search_call",
@@ -48,7 +52,7 @@ class ResponseFramer:
 
     def __init__(self, run_id: str, spec: RunSpec, response: dict[str, Any], conversation_id: str) -> None:
         self.run_id, self.spec, self.response = run_id, spec, response
-        self.container = f"cntr_{conversation_id}"
+        self.container = K.container_id(conversation_id)
         self.steps = {step_request_id(run_id, k): k for k in range(spec.max_steps)}
         self.seq = 0
         self.next_chunk: dict[str, int] = {}
@@ -56,6 +60,7 @@ class ResponseFramer:
         self.message: dict[str, int] = {}  # step request id -> output index of its open message
         self.calls: dict[tuple[str, int], int] = {}  # (step, call index) -> output index
         self.by_call: dict[str, int] = {}  # call id -> output index (server calls awaiting results)
+        self.kept_files: list[dict] = []  # files the run's code wrote, for the next message's citations
         self.tokens = [0, 0, 0]
         self.done = False
 
@@ -186,7 +191,17 @@ class ResponseFramer:
         item = self.output[index]
         item["status"] = "completed"
         part = item["content"][0]
-        return [self._ev("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
+        out = []
+        for kept in self.kept_files:  # the files the run's code wrote, cited at the end of the text
+            at = len(part["text"])
+            part["annotations"].append({"type": "container_file_citation", "container_id": self.container,
+                                        "file_id": kept["file_id"], "filename": posixpath.basename(kept["path"]),
+                                        "start_index": at, "end_index": at})
+            out.append(self._ev("response.output_text.annotation.added", item_id=item["id"], output_index=index,
+                                content_index=0, annotation_index=len(part["annotations"]) - 1,
+                                annotation=part["annotations"][-1]))
+        self.kept_files = []
+        return out + [self._ev("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
                          text=part["text"], logprobs=[]),
                 self._ev("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
                          part=dict(part)),
@@ -236,7 +251,11 @@ class ResponseFramer:
             logs = (output.get("stdout") or "") + (output.get("stderr") or "")
             if result.error:
                 logs += ("\n" if logs else "") + result.error
-            item["outputs"] = [{"type": "logs", "logs": logs}]
+            kept = [f for f in output.get("files") or [] if f.get("kept")]
+            self.kept_files += kept
+            item["outputs"] = [{"type": "logs", "logs": logs}, *(
+                {"type": "image", "url": f"/v1/containers/{self.container}/files/{f['file_id']}/content"}
+                for f in kept if posixpath.splitext(f["path"])[1].lower() in IMAGE_TYPES)]
             item["result"] = {k: output.get(k) for k in ("value", "files", "exit_code", "truncated")}
         elif item["type"] == "file_search_call":
             item["results"] = [{"file_id": r.get("file_id"), "filename": r.get("filename"), "score": r.get("score"),

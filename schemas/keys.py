@@ -118,6 +118,32 @@ def exact_cache(digest: str) -> str:
 RESPONSE_TTL_S = 30 * 24 * 3600  # as long as OpenAI keeps a stored response
 
 
+CONTAINER_TTL_S = 7 * 24 * 3600  # a code interpreter's files, from their container's last write
+
+
+def container_id(conversation_id: str) -> str:
+    """The code interpreter's container of a conversation: its working folder, and the files kept from it."""
+    return f"cntr_{conversation_id}"
+
+
+def container_file_id(call_id: str, path: str) -> str:
+    """A file a code interpreter call wrote: the same id whichever processor runs the call."""
+    import hashlib
+
+    return "cfile_" + hashlib.sha256(f"{call_id}\0{path}".encode()).hexdigest()[:32]
+
+
+def container(container_id: str) -> str:
+    """Hash: `tenant` (the owner), and `file:<file id>` -> the file's record (JSON: id, path, bytes,
+    created_at) for every file kept from the container (durable store)."""
+    return f"ts:container:{container_id}"
+
+
+def container_file(file_id: str) -> str:
+    """The bytes of a file kept from a container."""
+    return f"ts:container:file:{file_id}"
+
+
 def stored_response(run_id: str) -> str:
     """The final response object of a run (JSON), for GET /v1/responses/{id}; its owner and
     conversation are in the run's gateway_request notes."""

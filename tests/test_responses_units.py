@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import msgspec
+
 import pytest
 from pydantic import ValidationError
 
@@ -182,3 +184,26 @@ def test_a_runs_events_fold_into_openais_stream_events_the_same_in_any_batching(
     assert final["output"][0]["code"] == "print(42)"
     assert final["output"][1]["content"][0]["text"] == "It is 42."
     assert fold([[e] for e in events])[1] == out  # one event at a time: the same stream
+
+
+def test_files_the_code_wrote_are_image_outputs_and_cited_by_the_answer():
+    """A code interpreter result with kept files: an image is an `image` output of the call (a URL of
+    the containers API), and the message after it cites every kept file (container_file_citation)."""
+    spec, events = _events_of_a_two_step_run()
+    files = [{"path": "plot.png", "bytes": 10, "file_id": "cfile_p", "container_id": "cntr_conv", "kept": True},
+             {"path": "data.csv", "bytes": 8, "text": "a,b\n", "file_id": "cfile_d", "container_id": "cntr_conv",
+              "kept": True},
+             {"path": "huge.bin", "bytes": 1 << 30, "file_id": "cfile_h", "container_id": "cntr_conv", "kept": False}]
+    events[4] = msgspec.structs.replace(events[4], output=json.dumps(
+        {"stdout": "42\n", "stderr": "", "value": None, "files": files, "container_id": "cntr_conv", "exit_code": 0}))
+    framer = ResponseFramer(RID, spec, base_response(RID, 1, "m", {}), "conv")
+    out = framer.start() + framer.feed(events)
+    final = out[-1]["response"]
+    assert final["output"][0]["outputs"] == [
+        {"type": "logs", "logs": "42\n"}, {"type": "image", "url": "/v1/containers/cntr_conv/files/cfile_p/content"}]
+    text = final["output"][1]["content"][0]
+    assert text["annotations"] == [
+        {"type": "container_file_citation", "container_id": "cntr_conv", "file_id": f, "filename": name,
+         "start_index": 9, "end_index": 9} for f, name in (("cfile_p", "plot.png"), ("cfile_d", "data.csv"))]
+    added = [e for e in out if e["type"] == "response.output_text.annotation.added"]
+    assert [e["annotation_index"] for e in added] == [0, 1]

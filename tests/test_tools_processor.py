@@ -10,10 +10,12 @@ import os
 import signal
 import time
 
+import openai
 import redis
 
 from producers import decode_record, start_consumer
 from schemas import ToolResult, encode
+from schemas import keys as K
 from schemas.keys import tool_result
 from tests.tool_support import code_call, sandbox_root, serving, tools_env
 from tools.sandbox import folder_name
@@ -29,7 +31,9 @@ async def test_code_runs_and_the_folder_persists_within_a_conversation_only(role
         assert r1.ok, r1.error
         out = json.loads(r1.output)
         assert out["stdout"] == "saved\n" and out["value"] == "42"
-        assert out["files"] == [{"path": "state.txt", "bytes": 2, "text": "42"}]
+        assert out["files"] == [{"path": "state.txt", "bytes": 2, "text": "42", "kept": True,
+                                 "file_id": K.container_file_id(first.call_id, "state.txt"),
+                                 "container_id": K.container_id(first.conversation_id)}]
         assert float(r1.meta["cpu_s"]) > 0 and int(r1.meta["max_rss_kb"]) > 0 and r1.duration_s > 0
         second = code_call("open('state.txt').read()", conversation=first.conversation_id)
         other = code_call("import os; os.listdir('.')")  # another conversation: its own empty folder
@@ -39,6 +43,51 @@ async def test_code_runs_and_the_folder_persists_within_a_conversation_only(role
         assert json.loads(got[second.call_id].output)["value"] == "'42'"
         assert json.loads(got[other.call_id].output)["value"] == "[]"
         assert got[second.call_id].request_id == second.request_id  # keyed and tagged like the call
+
+
+CHART = """
+import matplotlib.pyplot as plt
+import pandas as pd
+table = pd.DataFrame({"month": [1, 2, 3], "sales": [3, 5, 8]})
+table.to_csv("data.csv", index=False)
+plt.plot(table.month, table.sales)
+plt.title("sales")
+plt.savefig("plot.png")
+print(table.sales.sum())
+"""
+
+
+async def test_a_chart_and_a_table_the_code_writes_are_listed_and_downloaded_by_their_tenant_alone(roles, bootstrap):
+    """matplotlib and pandas in the sandbox; the files a run writes kept as its container's files, which
+    the gateway lists and serves (OpenAI's containers API, through the SDK) to the call's tenant only."""
+    from tests.gateway_support import api_client, new_key, start_gateway
+
+    # the processor's default limits (pandas and matplotlib map more than the other tests' 256 MiB)
+    limits = {"TOKENSTREAM_TOOLS_MEMORY_MB": "512", "TOKENSTREAM_TOOLS_CPU_S": "10", "TOKENSTREAM_TOOLS_WALL_S": "30"}
+    async with serving(roles, bootstrap, tools_env(sandbox_root(), **limits)) as (_, bus):
+        call = code_call(CHART, tenant="test")  # the tests' default key's tenant
+        await bus.send(call)
+        result = (await bus.wait([call.call_id]))[call.call_id]
+    out = json.loads(result.output)
+    assert result.ok and out["stdout"] == "16\n", result
+    container = out["container_id"]
+    assert container == K.container_id(call.conversation_id)
+    assert {f["path"]: f["kept"] for f in out["files"]} == {"data.csv": True, "plot.png": True}
+    url, _ = start_gateway(roles, ["smollm2"], timeout=120)
+    client = api_client(url)
+    listed = await client.containers.files.list(container)
+    assert sorted(f.path for f in listed.data) == ["data.csv", "plot.png"]
+    by_path = {f.path: f for f in listed.data}
+    csv = await client.containers.files.content.retrieve(by_path["data.csv"].id, container_id=container)
+    assert csv.content == b"month,sales\n1,3\n2,5\n3,8\n"
+    png = await client.containers.files.content.retrieve(by_path["plot.png"].id, container_id=container)
+    assert png.content[:8] == b"\x89PNG\r\n\x1a\n" and len(png.content) == by_path["plot.png"].bytes
+    assert (await client.containers.files.retrieve(by_path["plot.png"].id, container_id=container)).path == "plot.png"
+    stranger = openai.AsyncOpenAI(base_url=url + "/v1", api_key=new_key("someone-else"), max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        await stranger.containers.files.list(container)
+    with pytest.raises(openai.NotFoundError):
+        await stranger.containers.files.content.retrieve(by_path["data.csv"].id, container_id=container)
 
 
 async def test_a_call_read_twice_runs_once_a_completed_one_is_replayed_and_bad_events_dead_lettered(roles, bootstrap, stack):

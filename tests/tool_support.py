@@ -15,7 +15,7 @@ from pathlib import Path
 from producers import decode_record, publish, start_consumer, start_producer
 from schemas import ToolCall, ToolResult
 from topics.admin import apply
-from topics.registry import DEAD_LETTER, FILE_INGEST, TOOL_CALLS, TOOL_RESULTS
+from topics.registry import DEAD_LETTER, FILE_INGEST, SPEECH_JOBS, TOKENS, TOOL_CALLS, TOOL_RESULTS
 
 
 def sandbox_root() -> Path:
@@ -35,11 +35,11 @@ def tools_env(root: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-def code_call(code: str, conversation: str = "", request_id: str = "") -> ToolCall:
+def code_call(code: str, conversation: str = "", request_id: str = "", tenant: str = "t-test") -> ToolCall:
     import json
 
     return ToolCall(request_id=request_id or f"req-{uuid.uuid4().hex[:10]}", call_id=f"call-{uuid.uuid4().hex}",
-                    conversation_id=conversation or f"conv-{uuid.uuid4().hex[:8]}", tenant="t-test",
+                    conversation_id=conversation or f"conv-{uuid.uuid4().hex[:8]}", tenant=tenant,
                     name="code_interpreter", arguments=json.dumps({"code": code}))
 
 
@@ -51,7 +51,8 @@ class ToolBus:
         self.results: list[ToolResult] = []
 
     async def __aenter__(self) -> "ToolBus":
-        await apply([TOOL_CALLS, TOOL_RESULTS, FILE_INGEST, DEAD_LETTER], self.bootstrap)
+        # every topic the processor uses (its speech loop too: a topic it may not read ends the process)
+        await apply([TOOL_CALLS, TOOL_RESULTS, FILE_INGEST, SPEECH_JOBS, TOKENS, DEAD_LETTER], self.bootstrap)
         self.producer = await start_producer(self.bootstrap)
         self.consumer = await start_consumer(TOOL_RESULTS, group=None, bootstrap=self.bootstrap)
         await self.consumer.getmany(timeout_ms=100)  # position at the end now

@@ -113,6 +113,8 @@ class Sandbox:
             "--unshare-all", "--die-with-parent", "--new-session", "--clearenv",
             "--ro-bind", "/usr", "/usr",
             "--ro-bind-try", "/etc/alternatives", "/etc/alternatives",  # links into /usr (Debian's BLAS)
+            "--ro-bind-try", "/etc/matplotlibrc", "/etc/matplotlibrc",  # where Debian's matplotlib reads it
+            "--ro-bind-try", "/etc/fonts", "/etc/fonts",  # fontconfig's configuration (charts' text)
             "--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64", "--symlink", "usr/bin", "/bin",
             "--proc", "/proc",
             # /dev: null, zero, full, random, urandom, tty (and pts); read-only but for its shm
@@ -122,6 +124,9 @@ class Sandbox:
             "--setenv", "HOME", "/work", "--setenv", "PATH", "/usr/bin", "--setenv", "LANG", "C.UTF-8",
             "--remount-ro", "/",  # bwrap's own root tmpfs: only /work, /tmp and /dev/shm are writable
             "--setenv", "PYTHONDONTWRITEBYTECODE", "1", "--setenv", "OPENBLAS_NUM_THREADS", "1",
+            # matplotlib's font cache in the run's /tmp, not among the conversation's files; no display
+            "--setenv", "MPLCONFIGDIR", "/tmp/matplotlib", "--setenv", "MPLBACKEND", "Agg",
+            "--setenv", "XDG_CACHE_HOME", "/tmp/cache",
             *(["--seccomp", str(seccomp_fd)] if seccomp_fd is not None else []),
             "--", PYTHON, "-I", "-c", RUNNER_SOURCE, json.dumps(limits), str(report_fd),
         ]

@@ -1,7 +1,8 @@
 """code_interpreter: run Python in the conversation's sandbox (tools/sandbox.py).
 
 Arguments: {"code": "<python>"}. Output: a JSON object with stdout, stderr, the last expression's
-value (repr), the files the run wrote (path, bytes, text preview) and the exit status.
+value (repr), the files the run wrote (path, bytes, text preview, and their ids in the conversation's
+container, where they are kept: tools/containers.py), the container's id and the exit status.
 """
 
 from __future__ import annotations
@@ -9,8 +10,10 @@ from __future__ import annotations
 import json
 
 from schemas import ToolCall
+from schemas import keys as K
 from tools.base import Outcome, ToolError
 from tools.config import tool_settings
+from tools.containers import ContainerFiles
 from tools.sandbox import Sandbox
 
 MAX_CODE_CHARS = 100_000
@@ -21,6 +24,13 @@ class CodeInterpreter:
 
     def __init__(self) -> None:
         self._sandbox: Sandbox | None = None
+        self._containers: ContainerFiles | None = None
+
+    @property
+    def containers(self) -> ContainerFiles:
+        if self._containers is None:
+            self._containers = ContainerFiles(tool_settings().file_mb << 20)
+        return self._containers
 
     @property
     def sandbox(self) -> Sandbox:
@@ -48,8 +58,13 @@ class CodeInterpreter:
         if not call.conversation_id:
             raise ToolError("code_interpreter needs the call's conversation_id (its working folder)")
         run = await self.sandbox.run(call.tenant, call.conversation_id, code)
-        output = json.dumps({"stdout": run.stdout, "stderr": run.stderr, "value": run.value,
-                             "files": run.files, "exit_code": run.exit_code, "truncated": run.truncated})
+        files = run.files
+        if files:  # kept as the container's files, for the client to list and download
+            files = await self.containers.keep(call.tenant, call.conversation_id, call.call_id,
+                                               self.sandbox.workdir(call.tenant, call.conversation_id), files)
+        output = json.dumps({"stdout": run.stdout, "stderr": run.stderr, "value": run.value, "files": files,
+                             "container_id": K.container_id(call.conversation_id), "exit_code": run.exit_code,
+                             "truncated": run.truncated})
         meta = {"wall_s": f"{run.wall_s:.3f}", "exit_code": str(run.exit_code)}
         if run.cpu_s is not None:
             meta["cpu_s"] = f"{run.cpu_s:.3f}"
