@@ -281,8 +281,11 @@ class Worker:
                    for tp, offset, r in taken if offset < self.takeover_below.get(tp, -1)]
         emitted = await self.tokens.emitted(resumed) if resumed else {}
         for tp, offset, request in taken:
-            if self.epoch.get(tp, 0) != epochs.get(tp, 0):
-                continue  # revoked during the read: the new owner takes it from the commit
+            if not self.tracker.tracks(tp, offset):
+                # its partition was given up during the read: the new owner takes it from the commit. (One
+                # revoked meanwhile but held, or kept by the assignment, goes on: a kept partition is not
+                # read again from its commit for what this worker tracks, so skipping would lose it.)
+                continue
             s = request.sampling
             ids = prompt_ids(self.engine.tokenizer, request.messages, request.output)
             seq = Sequence(request.request_id, ids, max_tokens=s.max_tokens, temperature=s.temperature,

@@ -551,6 +551,31 @@ async def test_a_held_partition_that_another_worker_continued_is_given_up_unwrit
     assert aborted == [seqs["on-0"], seqs["on-1"]] and worker.owned == {}
 
 
+async def test_a_request_fetched_while_its_partition_is_revoked_and_kept_is_started_not_lost(tiny_loaded):
+    """A record fetched just before a rebalance, whose takeover read of the tokens topic spans the
+    revocation and an assignment that keeps the partition: it is started (its outputs held until the
+    assignment, then written). Skipping it lost it: a kept partition is not read again from its commit
+    for an offset this worker tracks (the chaos drill's request that never finished). Unit test."""
+    worker, tps, seqs, sent, aborted = _held_worker(tiny_loaded, generation=6)
+    worker.handover.assigned_in = {tps[0]: 5, tps[1]: 5}
+    started: list = []
+    worker.engine.add = started.append
+    late = request("tiny-units", "hello", 4)
+    worker.takeover_below = {tps[0]: 100}  # a previous owner may have started it: the takeover read
+
+    async def emitted(wanted):  # the rebalance happens while the tokens topic is read
+        await worker.revoked({tps[0]})
+        await worker.assigned(set(tps))  # generation 6, right after 5: kept
+        return {rid: Emitted() for rid, _, _ in wanted}
+    from gpu_workers.recovery import Emitted
+
+    worker.tokens = SimpleNamespace(emitted=emitted)
+    record = SimpleNamespace(offset=9, value=encode(late), key=late.request_id.encode(), headers=[])
+    await worker._accept([(tps[0], record)], dict(worker.epoch))
+    assert [s.request_id for s in started] == [late.request_id] and late.request_id in worker.owned
+    assert worker.tracker.tracks(tps[0], 9)  # its offset holds the commits until it completes
+
+
 def test_the_sticky_assignor_keeps_partitions_with_their_owner_and_reports_its_generation():
     """aiokafka's sticky assignor kept its member's state on the class and never learnt the generation;
     ours keeps both per consumer, so a survivor keeps its partitions when a member leaves, a member
