@@ -64,12 +64,6 @@ class Handover:
                 and self.assigned_in.get(tp, NO_GENERATION) + 1 == generation}
         return kept, back - kept, self.held - back
 
-    def written_chunks(self, request_id: str, next_seq: int) -> int:
-        """How many chunks of a held request were written before its hold: its seq, less what waits."""
-        waiting = [out.chunk_seq if out.chunk_seq is not None else out.completion_seq
-                   for _, out in self.waiting if out.seq.request_id == request_id]
-        return min(waiting, default=next_seq)
-
     def settle(self, assigned: set[TopicPartition], generation: int, kept: set[TopicPartition]) -> Settled:
         """End the hold: `kept` partitions' waiting outputs, in order, to be written; the rest given up."""
         lost = self.held - kept

@@ -93,7 +93,8 @@ class Worker:
         self.completed: OrderedDict[str, None] = OrderedDict()
         self.epoch: dict[TopicPartition, int] = {}  # bumped when a partition is revoked
         self.token_texts = TokenTexts(engine.tokenizer)  # for reported log probabilities
-        self.handover = Handover()  # revoked partitions' requests, held until the next assignment
+        self.handover = Handover()
+        self.chunks_written: dict[str, int] = {}  # request id -> chunks written for it (handover checks)  # revoked partitions' requests, held until the next assignment
         self.assignor = StickyAssignor()
         self.step_lock = asyncio.Lock()
         self.commit_lock = asyncio.Lock()
@@ -169,6 +170,14 @@ class Worker:
             settled = self.handover.settle(tps, generation, kept)
             self._give_up(settled.lost)
             await self._publish_locked(settled.waiting)
+            # Given up but still ours: their records may have been fetched (and passed over as running)
+            # while this settled, so they are read again from the commit and taken over from the log.
+            for tp in settled.lost & tps:
+                committed = await self.consumer.committed(tp)
+                if committed is None:
+                    await self.consumer.seek_to_beginning(tp)
+                else:
+                    self.consumer.seek(tp, committed)
         fresh = tps - settled.kept
         if fresh:
             ends = await self.consumer.end_offsets(list(fresh))
@@ -202,13 +211,12 @@ class Worker:
     async def _untouched(self, tps: set[TopicPartition]) -> set[TopicPartition]:
         """Of held partitions assigned back after a skipped generation, those whose requests nobody else
         continued: the tokens topic holds exactly the chunks this worker wrote for each, and no end."""
-        held = [(rid, tp, request, seq) for rid, (tp, _, request, seq) in self.owned.items() if tp in tps]
+        held = [(rid, tp, request) for rid, (tp, _, request, _) in self.owned.items() if tp in tps]
         emitted = await self.tokens.emitted([(rid, request.reply_partition,
                                               request.created_at - self.cfg.takeover_margin_s)
-                                             for rid, _, request, _ in held]) if held else {}
-        moved = {tp for rid, tp, _, seq in held
-                 if emitted[rid].completion is not None
-                 or len(emitted[rid].chunks) != self.handover.written_chunks(rid, seq.next_seq)}
+                                             for rid, _, request in held]) if held else {}
+        moved = {tp for rid, tp, _ in held
+                 if emitted[rid].completion is not None or len(emitted[rid].chunks) != self.chunks_written.get(rid, 0)}
         return tps - moved
 
     def _give_up(self, tps: set[TopicPartition]) -> None:
@@ -216,6 +224,7 @@ class Worker:
         lost = [rid for rid, (tp, *_) in self.owned.items() if tp in tps]
         for rid in lost:
             self.engine.abort(self.owned.pop(rid)[3])
+            self.chunks_written.pop(rid, None)
             self.parsers.pop(rid, None)
             self._end_span(rid, {"tokenstream.handed_over": True})
         for tp in tps:
@@ -304,6 +313,7 @@ class Worker:
                 seq.emitted_text = before.text
                 seq.next_seq = len(before.chunks)
             self.owned[request.request_id] = (tp, offset, request, seq)
+            self.chunks_written[request.request_id] = seq.next_seq  # a takeover's: what the log holds
             self.spans[request.request_id] = tracing.hop(
                 f"chat {request.model}", parents.get(request.request_id), role="worker", kind="internal",
                 attributes={**tracing.request_attributes(request),
@@ -447,6 +457,7 @@ class Worker:
                                    logprobs=self.token_texts.report(out.logprobs) if out.logprobs else [])
                 await publish(self.producer, TOKENS, chunk, partition=request.reply_partition, wait=False,
                               trace=chunk_trace)
+                self.chunks_written[rid] = out.chunk_seq + 1
             if out.finish_reason is not None and self.owned.get(rid) is owned:  # not given up meanwhile
                 seq = out.seq
                 reason, error = out.finish_reason, out.error
@@ -485,6 +496,7 @@ class Worker:
                 if reason in ("stop", "length"):  # its messages and answer are in the KV cache now
                     await self.announcer.held(request, done.text)
                 self.owned.pop(rid, None)
+                self.chunks_written.pop(rid, None)
                 self.completed[rid] = None
                 while len(self.completed) > COMPLETED_KEPT:
                     self.completed.popitem(last=False)

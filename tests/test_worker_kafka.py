@@ -459,9 +459,16 @@ def _held_worker(tiny_loaded, generation: int):
 
     class Consumer:
         _coordinator = SimpleNamespace(generation=generation)
+        seeks: list = []
 
         def assignment(self):
             return set(tps)
+
+        async def committed(self, tp):
+            return 7
+
+        def seek(self, tp, offset):
+            self.seeks.append((tp, offset))
 
         async def end_offsets(self, asked):
             return {t: 100 for t in asked}
@@ -544,6 +551,9 @@ async def test_a_held_partition_that_another_worker_continued_is_given_up_unwrit
     await _revoke_mid_step(worker, tps, seqs, sent)
     await worker.assigned(set(tps))
     assert [key for key, _ in sent] == ["on-1"] and aborted == [seqs["on-0"]]
+    # given up but still assigned here: read again from the commit (records fetched while it settled
+    # were passed over as running), then taken over from the log like any partition new here
+    assert worker.consumer.seeks == [(tps[0], 7)]
     assert "on-0" not in worker.owned and worker.takeover_below == {tps[0]: 100, tps[1]: 100}
     worker.consumer._coordinator = SimpleNamespace(generation=7)  # next: partition 1 moves away
     await worker.revoked({tps[1]})
