@@ -39,9 +39,9 @@ CANCEL_WAIT_S = 10.0  # how long `cancel` waits to answer with the run ended
 Finish = Callable[[ResponseFramer], Awaitable[None]]  # store the ended response, settle its usage
 
 
-async def follow(gw: Gateway, framer: ResponseFramer, source: AsyncIterator[list[Event]], generation: int,
-                 cleanup: Callable[[], None], finish: Finish) -> None:
-    """The admitting instance's fold of a background run, to its end (then `finish` stores it)."""
+async def fold(framer: ResponseFramer, source: AsyncIterator[list[Event]], cleanup: Callable[[], None]) -> bool:
+    """Feed the run's event batches to `framer` until it ends (True) or `source` gives out (False: no
+    progress within its deadline); `cleanup` then, whichever."""
     try:
         async for batch in source:
             framer.feed(batch)
@@ -51,7 +51,13 @@ async def follow(gw: Gateway, framer: ResponseFramer, source: AsyncIterator[list
         cleanup()
         with contextlib.suppress(Exception):
             await source.aclose()  # type: ignore[attr-defined]
-    if framer.done:
+    return framer.done
+
+
+async def follow(gw: Gateway, framer: ResponseFramer, source: AsyncIterator[list[Event]], generation: int,
+                 cleanup: Callable[[], None], finish: Finish) -> None:
+    """The admitting instance's fold of a background run, to its end (then `finish` stores it)."""
+    if await fold(framer, source, cleanup):
         gw.canceller.release(framer.run_id)
         await finish(framer)
     else:  # no progress within the deadline: the run is cancelled, its state stays on the log

@@ -185,6 +185,8 @@ def _transcribe_params(fields: dict[str, list]) -> tuple[TranscribeParams, str, 
 
 @router.post("/transcriptions")
 async def transcriptions(request: Request, gw: Gateway = Depends(pipeline), key: ApiKey = Depends(principal)):
+    if gw.files_redis is None:
+        raise api.unavailable("Recordings cannot be kept for transcription: the gateway has no Redis.")
     fields, data, filename = await _form(request, gw.cfg.audio_max_bytes)
     params, fmt, stream = _transcribe_params(fields)
     partition, created_at = gw.reply_partition(), time.time()

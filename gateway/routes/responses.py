@@ -179,15 +179,7 @@ async def create(body: ResponseCreate, gw: Gateway = Depends(pipeline), key: K.A
         return JSONResponse(queued, headers=ticket.headers)
     if body.stream:
         return _sse(gw, framer, source, NOTHING_SEEN, generation, note, cleanup, headers=ticket.headers)
-    try:
-        async for batch in source:
-            framer.feed(batch)
-            if framer.done:
-                break
-    finally:
-        cleanup()
-        await source.aclose()
-    if not framer.done:
+    if not await background.fold(framer, source, cleanup):
         gw.canceller.no_progress(rid, generation)
         raise api.APIError(504, f"The model made no progress for {gw.cfg.progress_timeout_s:.0f}s; the response "
                                 "was cancelled. Please retry.", "server_error", code="timeout")
