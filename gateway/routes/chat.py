@@ -60,7 +60,7 @@ async def chat_completions(body: api.ChatCompletionRequest, request: Request, gw
 
 def sampling_of(body: api.ChatCompletionRequest) -> SamplingParams:
     bias = {int(token): value for token, value in (body.logit_bias or {}).items()}
-    vocab = context.vocabulary(body.model)
+    vocab = context.vocabulary(body.model) if bias else None  # the tokenizer, loaded once per model
     beyond = next((t for t in bias if vocab is not None and t >= vocab), None)
     if beyond is not None:
         raise api.invalid_request(f"logit_bias names token {beyond}, beyond this model's {vocab} tokens", "logit_bias")
