@@ -29,11 +29,12 @@ CODE_TOOL = tp.FunctionDef(
     name="code_interpreter",
     description="Run Python code in a sandbox and get its output. Files written in the working folder "
                 "stay there for later calls of this conversation. Print what you want to see.",
-    parameters={"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"],
+    # minLength: a forced call cannot be `{"code": ""}` (the grammar holds the model to some code)
+    parameters={"type": "object", "properties": {"code": {"type": "string", "minLength": 1}}, "required": ["code"],
                 "additionalProperties": False})
 WEB_TOOL = tp.FunctionDef(
     name="web_fetch", description="Fetch a web page (from the hosts the operator allows) and read its text.",
-    parameters={"type": "object", "properties": {"url": {"type": "string"}}, "required": ["url"],
+    parameters={"type": "object", "properties": {"url": {"type": "string", "minLength": 8}}, "required": ["url"],
                 "additionalProperties": False})
 
 
