@@ -280,3 +280,19 @@ def output_and_run(tools: list[ResponseTool], body: ResponseCreate, max_steps: i
         raise api.invalid_request(str(exc), exc.param) from None
     server = [t.type for t in tools if t.type in BUILTIN_TYPES]
     return spec, RunSpec(server_tools=server, max_steps=max_steps, max_output_tokens=body.max_output_tokens)
+
+
+def input_items(body: ResponseCreate, run_id: str) -> list[dict[str, Any]]:
+    """The request's input as OpenAI lists it back (`GET /v1/responses/{id}/input_items`): each item with
+    an id (the client's, or one derived from the response and its position)."""
+    items = [MessageItem(role="user", content=body.input)] if isinstance(body.input, str) else body.input
+    out = []
+    for i, item in enumerate(items):
+        shown = item.model_dump(exclude_none=True)
+        if isinstance(item, MessageItem):
+            parts = [{"type": "input_text", "text": item.content}] if isinstance(item.content, str) else shown["content"]
+            shown = {**shown, "type": "message", "content": parts}
+        shown.setdefault("id", f"{'msg' if isinstance(item, MessageItem) else 'item'}_{run_id}_{i}")
+        shown.setdefault("status", "completed")
+        out.append(shown)
+    return out

@@ -144,6 +144,11 @@ def container_file(file_id: str) -> str:
     return f"ts:container:file:{file_id}"
 
 
+def response_input(run_id: str) -> str:
+    """The input items of a stored response (JSON list), for GET /v1/responses/{id}/input_items."""
+    return f"ts:response:input:{run_id}"
+
+
 def stored_response(run_id: str) -> str:
     """The final response object of a run (JSON), for GET /v1/responses/{id}; its owner and
     conversation are in the run's gateway_request notes."""

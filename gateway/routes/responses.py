@@ -33,7 +33,8 @@ from gateway.deps import pipeline
 from gateway.pipeline import Gateway
 from gateway.ratelimit import estimate_prompt_tokens
 from gateway.resume import NOTHING_SEEN, new_request_id, parse_last_event_id, replay
-from gateway.responses_api import ResponseCreate, ResponseTool, messages_of, output_and_run
+from gateway.file_objects import check_order, page
+from gateway.responses_api import ResponseCreate, ResponseTool, input_items, messages_of, output_and_run
 from gateway.responses_framing import ResponseFramer, base_response
 from gateway.routes.chat import admit
 from gateway.screening import held_until_screened
@@ -159,10 +160,10 @@ async def create(body: ResponseCreate, gw: Gateway = Depends(pipeline), key: K.A
     gw.inflight.track(rid, note)  # its slot held while it runs; released, and usage counted, by _finish
     steps = tuple(step_request_id(rid, k) for k in range(1, run.max_steps))
     stream = gw.fanout.subscribe(rid, steps)
-    written, _, generation = await asyncio.gather(
+    written, _, generation, _ = await asyncio.gather(
         asyncio.wait_for(publish(gw.producer, CHAT_REQUESTS, event,
                                  key=K.conversation_key(key.tenant, conversation)), timeout=10),
-        gw.remember(rid, note), gw.canceller.attach(rid), return_exceptions=True)
+        gw.remember(rid, note), gw.canceller.attach(rid), _keep_input(gw, body, rid), return_exceptions=True)
     if isinstance(written, BaseException) or isinstance(generation, BaseException):
         gw.fanout.unsubscribe(rid)
         await gw.inflight.finish(rid, None)
@@ -192,6 +193,12 @@ def _framer(rid: str, note: dict) -> ResponseFramer:
     spec = RunSpec(**note["run"])
     return ResponseFramer(rid, spec, base_response(rid, note["created"], note["model"], note["echo"]),
                           note["conversation_id"])
+
+
+async def _keep_input(gw: Gateway, body: ResponseCreate, rid: str) -> None:
+    """A stored response's input items, for GET .../input_items (best effort: the answer does not wait on it)."""
+    if body.store and gw.redis is not None:
+        await gw.redis.set(K.response_input(rid), json.dumps(input_items(body, rid)), ex=K.RESPONSE_TTL_S)
 
 
 def _finisher(gw: Gateway, note: dict) -> background.Finish:
@@ -323,6 +330,22 @@ async def input_tokens(body: InputTokensRequest, gw: Gateway = Depends(pipeline)
     return {"object": "response.input_tokens", "input_tokens": count}
 
 
+@router.get("/responses/{response}/input_items")
+async def list_input_items(response: str, limit: int = 20, order: str = "desc", after: str | None = None,
+                           before: str | None = None, gw: Gateway = Depends(pipeline),
+                           key: K.ApiKey = Depends(principal)):
+    """The input items of a stored response, in OpenAI's list shape."""
+    rid = _run_id(response)
+    meta = await _owned(gw, rid, response, key.tenant)
+    raw = await gw.redis.get(K.response_input(rid)) if meta.get("store") and gw.redis is not None else None
+    if raw is None:
+        raise api.not_found(f"Response {response!r} has no stored input (created with store false, or expired).")
+    check_order(order)
+    if not 1 <= limit <= 100:
+        raise api.invalid_request("limit must be from 1 to 100.", param="limit")
+    return page(json.loads(raw), limit=limit, order=order, after=after, before=before)
+
+
 @router.post("/responses/{response}/cancel")
 async def cancel(response: str, gw: Gateway = Depends(pipeline), key: K.ApiKey = Depends(principal)):
     """Cancel a background response (OpenAI cancels background responses only)."""
@@ -342,5 +365,5 @@ async def delete(response: str, gw: Gateway = Depends(pipeline), key: K.ApiKey =
     the log for their retention, as every event does)."""
     rid = _run_id(response)
     await _owned(gw, rid, response, key.tenant)
-    await gw.redis.delete(K.stored_response(rid), K.gateway_request(rid))
+    await gw.redis.delete(K.stored_response(rid), K.response_input(rid), K.gateway_request(rid))
     return {"id": response, "object": "response", "deleted": True}
