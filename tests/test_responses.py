@@ -168,8 +168,8 @@ async def test_stream_parses_with_the_sdk_helper_in_openai_order_and_resumes_fro
         got = (await http.get(f"/v1/responses/{final.id}", headers=auth_headers())).json()
         assert got["id"] == final.id and got["status"] == "completed"
         conforms(got)
-        items = await client.responses.input_items.list(final.id)
-        assert [(i.type, i.role, i.content[0].text) for i in items.data] == [("message", "user", PROMPT)]
+        given = await client.responses.input_items.list(final.id)
+        assert [(i.type, i.role, i.content[0].text) for i in given.data] == [("message", "user", PROMPT)]
         assert [o["id"] for o in got["output"]] == [i.id for i in final.output]
         assert got["output"][-1]["content"][0]["text"] == final.output_text
         other = auth_headers(new_key("someone-else"))
