@@ -128,7 +128,7 @@ async def test_forced_code_interpreter_runs_the_code_and_the_model_answers_after
         instructions=RUN_CODE, input=PROMPT, tools=[CODE], tool_choice=FORCE_CODE, safety_identifier="user-7",
         service_tier="auto", extra_body={"presence_penalty": 0.0, "frequency_penalty": 0.0}))
     response = raw.parse()
-    assert response.status == "completed", response
+    assert response.status == "completed", (response.incomplete_details, response.usage, response.output)
     assert response.safety_identifier == "user-7" and response.service_tier == "default"
     conforms(raw.http_response.json())  # the object as sent (the SDK turns created_at into a float)
     calls = items(response, "code_interpreter_call")

@@ -58,9 +58,9 @@ async def chat_completions(body: api.ChatCompletionRequest, request: Request, gw
         raise
 
 
-def sampling_of(body: api.ChatCompletionRequest) -> SamplingParams:
+def sampling_of(body: api.ChatCompletionRequest, vocab: int | None = None) -> SamplingParams:
+    """The request's sampling; `vocab`: the model's token count, which logit_bias ids must stay under."""
     bias = {int(token): value for token, value in (body.logit_bias or {}).items()}
-    vocab = context.vocabulary(body.model) if bias else None  # the tokenizer, loaded once per model
     beyond = next((t for t in bias if vocab is not None and t >= vocab), None)
     if beyond is not None:
         raise api.invalid_request(f"logit_bias names token {beyond}, beyond this model's {vocab} tokens", "logit_bias")
@@ -113,7 +113,9 @@ async def _chat(gw: Gateway, body: api.ChatCompletionRequest, request: Request, 
         raise api.invalid_request(f"The assistant preset `{body.assistant}` runs server tools; use POST /v1/responses "
                                   "with it.", "assistant")
     refuse_unhonoured(body)
-    sampling = sampling_of(body)
+    # the tokenizer is loaded once per model, off the event loop (a first load can take seconds)
+    vocab = await asyncio.to_thread(context.vocabulary, body.model) if body.logit_bias else None
+    sampling = sampling_of(body, vocab)
     output = output_of(body)
     messages = messages_of(body)
     await context.check(body.model, messages, sampling.max_tokens,
