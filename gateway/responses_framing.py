@@ -251,7 +251,7 @@ class ResponseFramer:
             logs = (output.get("stdout") or "") + (output.get("stderr") or "")
             if result.error:
                 logs += ("\n" if logs else "") + result.error
-            kept = [f for f in output.get("files") or [] if f.get("kept")]
+            kept = [f for f in json.loads(result.meta.get("files") or "[]") if f.get("kept")]
             self.kept_files += kept
             item["outputs"] = [{"type": "logs", "logs": logs}, *(
                 {"type": "image", "url": f"/v1/containers/{self.container}/files/{f['file_id']}/content"}

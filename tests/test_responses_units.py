@@ -194,8 +194,7 @@ def test_files_the_code_wrote_are_image_outputs_and_cited_by_the_answer():
              {"path": "data.csv", "bytes": 8, "text": "a,b\n", "file_id": "cfile_d", "container_id": "cntr_conv",
               "kept": True},
              {"path": "huge.bin", "bytes": 1 << 30, "file_id": "cfile_h", "container_id": "cntr_conv", "kept": False}]
-    events[4] = msgspec.structs.replace(events[4], output=json.dumps(
-        {"stdout": "42\n", "stderr": "", "value": None, "files": files, "container_id": "cntr_conv", "exit_code": 0}))
+    events[4] = msgspec.structs.replace(events[4], meta={"container_id": "cntr_conv", "files": json.dumps(files)})
     framer = ResponseFramer(RID, spec, base_response(RID, 1, "m", {}), "conv")
     out = framer.start() + framer.feed(events)
     final = out[-1]["response"]

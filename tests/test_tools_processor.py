@@ -31,9 +31,10 @@ async def test_code_runs_and_the_folder_persists_within_a_conversation_only(role
         assert r1.ok, r1.error
         out = json.loads(r1.output)
         assert out["stdout"] == "saved\n" and out["value"] == "42"
-        assert out["files"] == [{"path": "state.txt", "bytes": 2, "text": "42", "kept": True,
-                                 "file_id": K.container_file_id(first.call_id, "state.txt"),
-                                 "container_id": K.container_id(first.conversation_id)}]
+        assert out["files"] == [{"path": "state.txt", "bytes": 2, "text": "42"}]  # what the model reads
+        assert json.loads(r1.meta["files"]) == [{"path": "state.txt", "bytes": 2, "kept": True,
+                                                 "file_id": K.container_file_id(first.call_id, "state.txt")}]
+        assert r1.meta["container_id"] == K.container_id(first.conversation_id)
         assert float(r1.meta["cpu_s"]) > 0 and int(r1.meta["max_rss_kb"]) > 0 and r1.duration_s > 0
         second = code_call("open('state.txt').read()", conversation=first.conversation_id)
         other = code_call("import os; os.listdir('.')")  # another conversation: its own empty folder
@@ -70,9 +71,9 @@ async def test_a_chart_and_a_table_the_code_writes_are_listed_and_downloaded_by_
         result = (await bus.wait([call.call_id]))[call.call_id]
     out = json.loads(result.output)
     assert result.ok and out["stdout"] == "16\n", result
-    container = out["container_id"]
+    container = result.meta["container_id"]
     assert container == K.container_id(call.conversation_id)
-    assert {f["path"]: f["kept"] for f in out["files"]} == {"data.csv": True, "plot.png": True}
+    assert {f["path"]: f["kept"] for f in json.loads(result.meta["files"])} == {"data.csv": True, "plot.png": True}
     url, _ = start_gateway(roles, ["smollm2"], timeout=120)
     client = api_client(url)
     listed = await client.containers.files.list(container)

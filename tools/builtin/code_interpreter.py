@@ -1,8 +1,9 @@
 """code_interpreter: run Python in the conversation's sandbox (tools/sandbox.py).
 
 Arguments: {"code": "<python>"}. Output: a JSON object with stdout, stderr, the last expression's
-value (repr), the files the run wrote (path, bytes, text preview, and their ids in the conversation's
-container, where they are kept: tools/containers.py), the container's id and the exit status.
+value (repr), the files the run wrote (path, bytes, text preview) and the exit status; the files are
+kept in the conversation's container (tools/containers.py), their ids in the result's meta
+(`container_id`, `files`) for the client, not in what the model reads.
 """
 
 from __future__ import annotations
@@ -58,14 +59,15 @@ class CodeInterpreter:
         if not call.conversation_id:
             raise ToolError("code_interpreter needs the call's conversation_id (its working folder)")
         run = await self.sandbox.run(call.tenant, call.conversation_id, code)
-        files = run.files
-        if files:  # kept as the container's files, for the client to list and download
-            files = await self.containers.keep(call.tenant, call.conversation_id, call.call_id,
-                                               self.sandbox.workdir(call.tenant, call.conversation_id), files)
-        output = json.dumps({"stdout": run.stdout, "stderr": run.stderr, "value": run.value, "files": files,
-                             "container_id": K.container_id(call.conversation_id), "exit_code": run.exit_code,
-                             "truncated": run.truncated})
+        output = json.dumps({"stdout": run.stdout, "stderr": run.stderr, "value": run.value, "files": run.files,
+                             "exit_code": run.exit_code, "truncated": run.truncated})
         meta = {"wall_s": f"{run.wall_s:.3f}", "exit_code": str(run.exit_code)}
+        if run.files:  # kept as the container's files, for the client to list and download (the model reads
+            # `output`; the ids are for the client, in meta)
+            kept = await self.containers.keep(call.tenant, call.conversation_id, call.call_id,
+                                              self.sandbox.workdir(call.tenant, call.conversation_id), run.files)
+            meta["container_id"] = K.container_id(call.conversation_id)
+            meta["files"] = json.dumps([{k: f[k] for k in ("path", "bytes", "file_id", "kept")} for f in kept])
         if run.cpu_s is not None:
             meta["cpu_s"] = f"{run.cpu_s:.3f}"
         if run.max_rss_kb is not None:
