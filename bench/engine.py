@@ -1,7 +1,9 @@
 """`tokenstream bench engine`: tokenstream's engine against the engines users would pick, same workload.
 
 The workload is `tokenstream bench worker`'s (its prompts and output lengths, fixed seed, greedy,
-SmolLM2-135M-Instruct fp32 on the CPUs here). Each engine runs in its own process (so its peak
+SmolLM2-135M-Instruct, fp32 weights). Each engine runs at its own default dtype (ours and vLLM's:
+bf16 on a CPU with native bf16, else fp32), beside fp32 columns (`tokenstream-fp32`, `vllm`,
+`worker-vllm-fp32`). Each engine runs in its own process (so its peak
 RSS is its own): tokenstream's engine in-process, the worker through Kafka (bench/worker.py's
 path), transformers' continuous batching, vLLM's CPU build in its own virtualenv (installed on
 first use, see bench/peers.py) and, optionally, the engine as it was before (`--baseline-engine`,
@@ -232,8 +234,9 @@ def main(
     seed: int = typer.Option(0, help="workload seed"),
     rate: float = typer.Option(8.0, help="Poisson mode: mean arrivals per second"),
     modes: str = typer.Option("saturated,poisson", help="saturated, poisson and/or streams"),
-    engines: str = typer.Option("tokenstream,worker,worker-vllm,worker-vllm-fp32,vllm-defaults,vllm",
-                                help="comma-separated subset of tokenstream, worker, worker-vllm, worker-vllm-fp32, "
+    engines: str = typer.Option("tokenstream,tokenstream-fp32,worker,worker-vllm,worker-vllm-fp32,vllm-defaults,vllm",
+                                help="comma-separated subset of tokenstream, tokenstream-fp32, worker, worker-vllm, "
+                                     "worker-vllm-fp32, "
                                      "vllm-defaults, vllm (same limits as ours), transformers"),
     poisson_engines: str = typer.Option("tokenstream,vllm", help="the engines also run in Poisson mode"),
     streams: int = typer.Option(8, help="streams mode: N concurrent streams against one (the first N requests)"),
@@ -307,7 +310,7 @@ def main(
         for name, got_runs in runs.items():
             results[mode][name] = median_run(got_runs)
         machine = cpu_info()
-        table = Table(title=f"bench engine, {mode}: {len(reqs)} requests, SmolLM2-135M fp32, {threads} threads of "
+        table = Table(title=f"bench engine, {mode}: {len(reqs)} requests, SmolLM2-135M, {threads} threads of "
                             f"{machine['cpu']} ({machine['isa']}), load avg {os.getloadavg()[0]:.1f}")
         table.add_column("engine")
         keys = ("tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "peak_rss_mib",
@@ -321,10 +324,11 @@ def main(
     ratios = {}
     sat = results.get("saturated", {})
     ts = sat.get("tokenstream", {}).get("tokens_per_s")
-    for other in ("vllm-defaults", "vllm", "transformers", "worker", "tokenstream-before"):
+    for other in ("vllm-defaults", "vllm", "transformers", "worker", "tokenstream-before", "tokenstream-fp32"):
         if ts and sat.get(other, {}).get("tokens_per_s"):
             ratios[f"tokenstream_vs_{other}"] = round(ts / sat[other]["tokens_per_s"], 2)
-    for mine, peer in (("worker-vllm", "vllm-defaults"), ("worker-vllm-fp32", "vllm"), ("worker", "tokenstream")):
+    for mine, peer in (("worker-vllm", "vllm-defaults"), ("worker-vllm-fp32", "vllm"), ("worker", "tokenstream"),
+                       ("tokenstream-fp32", "vllm")):
         a, b = sat.get(mine, {}).get("tokens_per_s"), sat.get(peer, {}).get("tokens_per_s")
         if a and b:
             ratios[f"{mine}_vs_{peer}"] = round(a / b, 2)
@@ -369,7 +373,8 @@ def main(
     doc["workload"] = {"requests": requests, "seed": seed, "poisson_rate_per_s": rate, "threads": threads,
                        "streams": streams, "max_running": max_running, "prefill_chunk": prefill_chunk,
                        "repeats": repeats,
-                       "model": "SmolLM2-135M-Instruct", "dtype": "float32", "load_avg_before": load_before,
+                       "model": "SmolLM2-135M-Instruct (fp32 weights; each engine's dtype in its info)",
+                       "load_avg_before": load_before,
                        "load_avg_after": when["load_avg_after"]}
     doc.setdefault("results", {}).update(results)
     doc.setdefault("measured", {}).update({m: when for m in results})

@@ -23,13 +23,13 @@ def peak_rss_mib() -> float:
     return 0.0
 
 
-def _setup(spec: dict):
+def _setup(spec: dict, dtype: str):
     import torch
 
     torch.set_num_threads(spec["threads"])
     from gpu_workers.model_loader import load
 
-    return load("smollm2")
+    return load("smollm2", dtype=dtype)
 
 
 def _has_prefix_cache(engine_cls) -> bool:
@@ -45,7 +45,7 @@ def run_tokenstream(spec: dict) -> dict:
     from gpu_workers.engine import Engine, Sequence
     from gpu_workers.kv_cache import PagedKVCache
 
-    loaded = _setup(spec)
+    loaded = _setup(spec, spec.get("dtype", "auto"))  # the worker's default: bf16 where the CPU has it
     cache = PagedKVCache.for_model(loaded.model, None, spec.get("block_size", 16), spec.get("kv_gb", 1.0))
     kw = {"prefix_cache": spec.get("prefix_cache", True)} if _has_prefix_cache(Engine) else {}
     if "packed_linears" in spec:  # A/B of the packed linear layers (gpu_workers/linears.py; RESULTS.md, streams)
@@ -105,7 +105,7 @@ def run_transformers(spec: dict) -> dict:
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    loaded = _setup(spec)
+    loaded = _setup(spec, "float32")
     model, tok = loaded.model, loaded.tokenizer
     gen = GenerationConfig(do_sample=False, max_new_tokens=max(r["max_tokens"] for r in spec["requests"]),
                            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
@@ -157,7 +157,7 @@ def run_reference(spec: dict) -> dict:
     """HF generate(), greedy, one request at a time: the outputs every engine is compared with."""
     import torch
 
-    loaded = _setup(spec)
+    loaded = _setup(spec, "float32")
     out = []
     t0 = time.perf_counter()
     for k, r in enumerate(spec["requests"]):
@@ -187,7 +187,7 @@ def run_worker(spec: dict, backend: str = "transformers", dtype: str = "auto") -
     logging.getLogger("aiokafka").setLevel(logging.ERROR)
     loaded = None
     if backend == "transformers":
-        loaded = run_on_torch_thread(_setup, spec)  # where the worker steps: one OpenMP team (torch_thread.py)
+        loaded = run_on_torch_thread(_setup, spec, dtype)  # where the worker steps: one OpenMP team (torch_thread.py)
     limits = (spec["max_running"], spec["prefill_chunk"]) if backend == "transformers" else (None, None)
     work = [Work(r["rid"], r["arrival"], r["messages"], r["max_tokens"], r["prompt_ids"]) for r in spec["requests"]]
     with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
@@ -217,7 +217,7 @@ def run_conversations(spec: dict) -> dict:
     from gpu_workers.engine import Engine, Sequence
     from gpu_workers.kv_cache import PagedKVCache
 
-    loaded = _setup(spec)
+    loaded = _setup(spec, "float32")
     tok = loaded.tokenizer
     result = {}
     for reuse in (False, True):
@@ -247,7 +247,8 @@ def run_conversations(spec: dict) -> dict:
     return result
 
 
-RUNNERS = {"tokenstream": run_tokenstream, "transformers": run_transformers, "reference": run_reference,
+RUNNERS = {"tokenstream": run_tokenstream, "tokenstream-fp32": lambda spec: run_tokenstream(dict(spec, dtype="float32")),
+           "transformers": run_transformers, "reference": run_reference,
            "worker": run_worker, "worker-vllm": lambda spec: run_worker(spec, "vllm"),
            "worker-vllm-fp32": lambda spec: run_worker(spec, "vllm", "float32"),
            "conversations": run_conversations}

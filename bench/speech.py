@@ -17,6 +17,7 @@ Results go to bench/results/speech.json.
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import platform
@@ -24,6 +25,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+import wave
 from pathlib import Path
 
 import typer
@@ -55,6 +57,12 @@ def _recording(text: str) -> bytes:
     return subprocess.run(["espeak-ng", "--stdout", "--", text], capture_output=True, check=True, timeout=60).stdout
 
 
+def _duration_s(wav: bytes) -> float:
+    """Seconds of audio in a WAV file, from its header."""
+    with wave.open(io.BytesIO(wav)) as w:
+        return w.getnframes() / w.getframerate()
+
+
 def _alone(recordings: list[bytes], rounds: int) -> tuple[list[float], list[float]]:
     """(transcription seconds per recording, whole-mp3 seconds per round), in this process."""
     from schemas import TranscribeParams
@@ -83,7 +91,7 @@ async def _run(rounds: int) -> dict:
     from tools.speech.recognize import model
 
     recordings = [_recording(s) for s in SENTENCES]
-    seconds = [len(r[44:]) / 2 / 22050 for r in recordings]  # eSpeak's WAV: 16-bit mono at 22.05 kHz
+    seconds = [_duration_s(r) for r in recordings]
     tmp = Path(tempfile.mkdtemp(prefix="bench-speech-"))
     async with LocalSystem(tmp, "smollm2", gateways={"speech": {}}, instances=0, workers=0) as system:
         port = free_port()

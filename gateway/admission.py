@@ -54,7 +54,7 @@ class Admission:
 
     # ------------------------------------------------------------------ decisions
 
-    def decide(self, model: str) -> Decision:
+    def decide(self, model: str, share: float = 1.0) -> Decision:
         load = self.loads[model]
         if time.monotonic() - load.last_ok > self.stale_s:
             raise unavailable("The inference pipeline is unreachable (no broker answer for "
@@ -63,14 +63,15 @@ class Admission:
         rate = max(load.rate, self.min_rate)
         wait = lag / rate
         self.metrics.estimated_wait.labels(model).set(wait)
-        if wait > self.budget_s:
-            retry = max(1, math.ceil((lag - self.budget_s * rate) / rate))
+        budget = self.budget_s * share
+        if wait > budget:
+            retry = max(1, math.ceil((lag - budget * rate) / rate))
             return Decision(False, lag, rate, wait, retry)
         return Decision(True, lag, rate, wait)
 
-    def admit(self, model: str) -> Decision:
-        """Count the request in, or raise the 429 (or 503) it gets instead."""
-        decision = self.decide(model)
+    def admit(self, model: str, share: float = 1.0) -> Decision:
+        """Count the request in, or raise the 429 (or 503) it gets instead (`share`: of the wait budget)."""
+        decision = self.decide(model, share)
         if not decision.admitted:
             self.metrics.rejections.labels(model).inc()
             raise overloaded(decision.retry_after, decision.wait_s)

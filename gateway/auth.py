@@ -25,7 +25,11 @@ def _masked(secret: str) -> str:
 
 
 async def principal(request: Request, gw: Gateway = Depends(pipeline)) -> K.ApiKey:
-    header = request.headers.get("authorization", "")
+    return await key_of(request.headers.get("authorization", ""), gw)
+
+
+async def key_of(header: str, gw: Gateway) -> K.ApiKey:
+    """The API key an `Authorization` header names (a 401 or 503 APIError otherwise)."""
     scheme, _, secret = header.partition(" ")
     secret = secret.strip()
     if scheme.lower() != "bearer" or not secret:

@@ -45,9 +45,10 @@ class Lookup:
 async def look_up(gw: Gateway, key: ApiKey, body: api.ChatCompletionRequest, messages: list[ChatMessage],
                   sampling: SamplingParams) -> Lookup:
     found = Lookup()
-    if not body.cache or body.conversation_id or body.assistant or structured(body) or body.logprobs:
-        # opted out, part of the context is stored server-side, or the answer may hold tool calls or log
-        # probabilities (a cache entry keeps text chunks only)
+    if (not body.cache or body.conversation_id or body.conversation or body.assistant or structured(body)
+            or body.logprobs):
+        # opted out, part of the context is stored server-side (and the answer goes into a conversation),
+        # or the answer may hold tool calls or log probabilities (a cache entry keeps text chunks only)
         return found
     if key.exact_cache and deterministic(sampling):
         found.exact_key = cache_key(key.tenant, body.model, messages, sampling)

@@ -1,16 +1,18 @@
 """The documented chat-completion fields tokenstream does not honour, and what is not documented at all:
 each is a 400 naming it, never accepted without effect.
 
-A field sent at its neutral value (null, `store: false`, `modalities: ["text"]`, an empty `metadata`,
-`service_tier: "auto"`) asks for nothing and passes: clients that echo every field with its default
-work unchanged. Anything else named here would change the answer in a way this server cannot give,
-so the client hears so instead of getting an answer that silently ignored it.
+A field sent at its neutral value (null, `modalities: ["text"]`, `service_tier: "auto"`) asks for
+nothing and passes: clients that echo every field with its default work unchanged. Anything else
+named here would change the answer in a way this server cannot give, so the client hears so instead
+of getting an answer that silently ignored it.
 
 Honoured elsewhere (gateway/openai_api.py, gateway/routes/chat.py): model, messages (text parts),
 stream, stream_options.include_usage, temperature, top_p, max_tokens, max_completion_tokens, stop,
 seed, n (1), user, safety_identifier (recorded as the request's user), presence_penalty,
 frequency_penalty, logit_bias, logprobs, top_logprobs, tools, tool_choice, parallel_tool_calls,
-response_format, and the extensions conversation_id, assistant, cache.
+response_format, store and metadata (stored completions, gateway/stored_chats.py), prompt_cache_key
+(the router's placement, processors/router/prefixes.py), and the extensions
+conversation_id, assistant, cache.
 """
 
 from __future__ import annotations
@@ -31,14 +33,8 @@ _REFUSED: dict[str, tuple[Any, str]] = {
                                                 "(tools: [{\"type\": \"web_search\"}])"),
     "functions": (lambda v: v is None, "the legacy `functions` are not supported: send them as `tools`"),
     "function_call": (lambda v: v is None, "the legacy `function_call` is not supported: send `tool_choice`"),
-    "store": (lambda v: v in (None, False), "stored chat completions are not offered: POST /v1/responses "
-                                            "stores responses (store: true)"),
-    "metadata": (lambda v: not v, "metadata is kept with stored chat completions only, which this server "
-                                  "does not offer"),
     "service_tier": (lambda v: v in (None, "auto", "default"), "the service tier follows the API key's tier: "
                                                                "service_tier may be \"auto\" or \"default\""),
-    "prompt_cache_key": (lambda v: v is None, "prompt_cache_key is not supported: prefix caching is automatic "
-                                              "within each tenant"),
 }
 
 # fields of a message other than those gateway.openai_api.Message honours, neutral only when null

@@ -83,6 +83,9 @@ class GatewaySettings(BaseSettings):
     progress_timeout_s: float = Field(60.0, gt=0)
     # a response run (/v1/responses): at most this many inference steps (the last answers in text)
     responses_max_steps: int = Field(8, ge=1, le=64)
+    # a conversation (/v1/conversations) holds at most this many items (older turns beyond the
+    # model's context are trimmed from what it reads, not from the conversation)
+    conversation_max_items: int = Field(2000, ge=20, le=100_000)
     # SSE keep-alive comment interval.
     ping_s: float = Field(15.0, gt=0)
 

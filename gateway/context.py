@@ -63,3 +63,23 @@ async def check(model: str, messages: list[ChatMessage], max_tokens: int, max_to
                                 f"message with the system prompt{with_tools} takes {tokens} tokens and the answer "
                                 f"{min(max_tokens, context // 2)}. Please shorten the message.",
                            "invalid_request_error", param="messages", code="context_length_exceeded")
+
+
+async def check_whole(model: str, messages: list[ChatMessage], max_tokens: int, output: OutputSpec | None = None,
+                      param: str = "input") -> None:
+    """With truncation disabled: a 400 when the whole prompt (every message, the tools) cannot fit beside the
+    answer's room; nothing is dropped to make it fit. Models this gateway has no files for are left to the
+    conversation processor, which refuses the same way."""
+    output = output or OutputSpec()
+    context = window(model)
+    if context is None:
+        return
+    budget = prompt_budget(context, max_tokens)
+    if tokens_at_most([m.content for m in messages] + [instructions(output)]) <= budget:
+        return
+    tokens = await asyncio.to_thread(_count, model, messages, output)
+    if tokens > budget:
+        raise api.APIError(400, f"The input takes {tokens} tokens; with the answer's room this model's context holds "
+                                f"{budget}. Shorten it, or send truncation \"auto\" to drop the oldest items.",
+                           "invalid_request_error", param=param, code="context_length_exceeded")
+

@@ -57,9 +57,24 @@ def page(items: list[dict], *, limit: int, order: str, after: str | None, before
             "last_id": shown[-1]["id"] if shown else None, "has_more": len(items) > limit}
 
 
-def check_order(order: str) -> None:
+async def multipart_form(request, what: str, max_fields: int, max_part_size: int):
+    """The request's multipart form (one file at most), or a 400: not multipart (`what` says what to send),
+    malformed, or over a limit. The caller closes it."""
+    if not request.headers.get("content-type", "").lower().startswith("multipart/form-data"):
+        raise api.APIError(400, f"Send {what} as multipart/form-data.", "invalid_request_error",
+                           code="unsupported_content_type")
+    try:
+        return await request.form(max_files=1, max_fields=max_fields, max_part_size=max_part_size)
+    except Exception as exc:  # noqa: BLE001 - starlette's parser: malformed body or a limit
+        raise api.invalid_request(f"The multipart body could not be read: {exc}") from None
+
+
+def check_paging(order: str, limit: int, most: int = 100) -> None:
+    """A list route's `order` and `limit` (1 to `most`), or a 400 naming the one that is wrong."""
     if order not in ("asc", "desc"):
         raise api.invalid_request("order must be \"asc\" or \"desc\".", param="order")
+    if not 1 <= limit <= most:
+        raise api.invalid_request(f"limit must be from 1 to {most}.", param="limit")
 
 
 def uploads_of(gw: Gateway):

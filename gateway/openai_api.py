@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
@@ -19,6 +19,7 @@ MAX_MESSAGES = 1024
 MAX_STOP = 4
 MAX_STOP_CHARS = 256
 MAX_NAME_CHARS = 256
+MAX_CACHE_KEY_CHARS = 256  # prompt_cache_key
 MAX_TOKENS = 2**31 - 1  # the model's context refuses far less (routes/chat.py); this keeps events encodable
 INT64 = 2**63 - 1
 
@@ -63,6 +64,20 @@ class UnicodeBody(BaseModel):
         return data
 
 
+class ConversationRef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str = Field(min_length=1, max_length=64)
+
+
+#: `conversation` on chat completions and Responses: an id, or {"id": ...}
+ConversationParam = Annotated[str, Field(min_length=1, max_length=64)] | ConversationRef | None
+
+
+def conversation_of(value: ConversationParam) -> str | None:
+    """The id a request's `conversation` names (a string, or {"id": ...})."""
+    return value.id if isinstance(value, ConversationRef) else value
+
+
 class ChatCompletionRequest(UnicodeBody):
     """The fields tokenstream honours. Anything else is kept in `model_extra` only to be refused by
     gateway/chat_fields.py with a 400 naming it (a neutral value, such as null, passes)."""
@@ -87,11 +102,18 @@ class ChatCompletionRequest(UnicodeBody):
     logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    store: bool | None = None  # kept for GET /v1/chat/completions (gateway/stored_chats.py)
+    metadata: dict[str, str] | None = None  # kept with a stored completion; listed by it
+    # a tenant's requests sharing it go to one worker, whose prefix cache holds their common prompt once
+    prompt_cache_key: str | None = Field(None, max_length=MAX_CACHE_KEY_CHARS)
     # function calling and structured output (checked in gateway/tool_params.py)
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
+    # a Conversation (/v1/conversations): its items before the messages; the messages and the answer
+    # appended to it once the answer has ended (gateway/routes/chat.py)
+    conversation: ConversationParam = None
     # tokenstream extensions (the SDK sends them with extra_body=...):
     conversation_id: str | None = Field(None, min_length=1, max_length=200,
                                         description="continue a stored conversation: send only the new message")
@@ -108,6 +130,11 @@ class ChatCompletionRequest(UnicodeBody):
         if any(not 0 < len(x) <= MAX_STOP_CHARS for x in stops):
             raise ValueError(f"each stop sequence must have 1 to {MAX_STOP_CHARS} characters")
         return v
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        return check_metadata(v)
 
     @field_validator("logit_bias")
     @classmethod
@@ -138,6 +165,13 @@ class ChatCompletionRequest(UnicodeBody):
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+
+def check_metadata(v: dict[str, str] | None) -> dict[str, str] | None:
+    """OpenAI's metadata limits (a field validator of every object that keeps metadata)."""
+    if v is not None and (len(v) > 16 or any(len(k) > 64 or len(x) > 512 for k, x in v.items())):
+        raise ValueError("metadata holds at most 16 pairs, keys of at most 64 and values of at most 512 characters")
+    return v
 
 
 def lone_surrogate(data: Any) -> str | None:

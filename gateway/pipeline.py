@@ -18,11 +18,13 @@ from gateway.admission import Admission
 from gateway.cache import ExactCache
 from gateway.cancel import Canceller
 from gateway.config import GatewaySettings
+from gateway.conversations import Conversations
 from gateway.fanout import Fanout
 from gateway.inflight import Inflight
 from gateway.metrics import Metrics
 from gateway.ratelimit import RateLimiter
 from gateway.searches import ToolSearches
+from gateway.stored_chats import StoredChats
 from gateway.semantic import SemanticCache
 from gateway.uploads import Uploads
 from producers import start_consumer, start_producer
@@ -67,6 +69,8 @@ class Gateway:
                             if redis_url else None)
         self.uploads = Uploads(self.files_redis, cfg.tenant_files_max_bytes) if self.files_redis else None
         self.searches = ToolSearches(bootstrap)
+        self.conversations = Conversations(self.redis, cfg.conversation_max_items)
+        self.stored_chats = StoredChats(self.redis)
         self._background: set[asyncio.Task] = set()
         self.producer = None
         self.fanout: Fanout | None = None

@@ -14,14 +14,14 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gateway import openai_api as api
+from gateway.compaction import summary_message, superseded, unseal
 from gateway import tool_params as tp
 from schemas import ChatMessage, FunctionCall, MessageToolCall, OutputSpec, RunSpec
 
 MAX_INPUT_ITEMS = 1024
 MAX_TEXT = 1_000_000
 #: Fields of OpenAI's request this server does not implement: sent with a value, they are a 400.
-UNSUPPORTED = ("conversation", "max_tool_calls", "prompt", "prompt_cache_key", "reasoning",
-               "stream_options", "top_logprobs", "context_management", "prompt_cache_retention")
+UNSUPPORTED = ("prompt", "reasoning", "prompt_cache_retention")
 #: `include` values whose content every response carries anyway.
 INCLUDED = ("code_interpreter_call.outputs", "file_search_call.results")
 
@@ -50,18 +50,46 @@ class InputText(_Strict):
 
 
 class MediaPart(BaseModel):
-    """An image, file or audio part: named in a 400 (the model reads text only), never dropped."""
+    """An image or audio part: named in a 400 (the model reads text only), never dropped."""
 
     model_config = ConfigDict(extra="allow")
-    type: Literal["input_image", "input_file", "input_audio"]
+    type: Literal["input_image", "input_audio"]
+
+
+class InputFile(_Strict):
+    """A file the model reads as its text (gateway/input_files.py): an uploaded file's id, or the file
+    itself (base64 or a data: URL) with its name. `text` is what was read of it, kept with a stored
+    input so that a conversation's later turns read it too."""
+
+    type: Literal["input_file"]
+    file_id: str | None = Field(None, max_length=64)
+    filename: str | None = Field(None, min_length=1, max_length=256)
+    file_data: str | None = Field(None, max_length=MAX_TEXT)
+    file_url: str | None = Field(None, max_length=2048)
+    text: str | None = Field(None, max_length=MAX_TEXT)
 
 
 class MessageItem(_Strict):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
-    content: str | list[Annotated[InputText | MediaPart, Field(discriminator="type")]]
+    content: str | list[Annotated[InputText | InputFile | MediaPart, Field(discriminator="type")]]
     id: str | None = None
     status: str | None = None
+    # an assistant message's phase, as our responses label theirs: "commentary" is what the model wrote
+    # before the function calls that follow it, read back as one turn with them (joins_calls)
+    phase: Literal["commentary", "final_answer"] | None = None
+
+    @model_validator(mode="after")
+    def _phase(self) -> MessageItem:
+        if self.phase is not None and self.role != "assistant":
+            raise ValueError("phase labels assistant messages only")
+        return self
+
+
+def joins_calls(message: ChatMessage, commentary: bool) -> bool:
+    """Whether a function call that follows `message` belongs to its turn: a turn of calls alone, or an
+    assistant's commentary (the text the model wrote before those calls, in the same answer)."""
+    return message.role == "assistant" and (bool(message.tool_calls) and not message.content or commentary)
 
 
 class FunctionCallItem(_Strict):
@@ -81,7 +109,16 @@ class FunctionOutputItem(_Strict):
     status: str | None = None
 
 
-InputItem = MessageItem | FunctionCallItem | FunctionOutputItem
+class CompactionItem(_Strict):
+    """What POST /v1/responses/compact made of earlier turns (gateway/compaction.py)."""
+
+    type: Literal["compaction"]
+    encrypted_content: str = Field(min_length=1, max_length=MAX_TEXT)
+    id: str | None = None
+    created_by: str | None = None
+
+
+InputItem = MessageItem | FunctionCallItem | FunctionOutputItem | CompactionItem
 
 
 class FunctionTool(_Strict):
@@ -150,6 +187,18 @@ class TextConfig(_Strict):
     verbosity: Literal["medium"] | None = None
 
 
+class StreamOptions(_Strict):
+    include_obfuscation: Literal[False] | None = Field(None, description="padding is never added here")
+
+
+class ContextManagement(_Strict):
+    """Compact the history before the run when the prompt would pass `compact_threshold` tokens
+    (default: three quarters of the model's context)."""
+
+    type: Literal["compaction"]
+    compact_threshold: int | None = Field(None, ge=1)
+
+
 class ResponseCreate(api.UnicodeBody):
     model_config = ConfigDict(extra="allow")
 
@@ -160,23 +209,41 @@ class ResponseCreate(api.UnicodeBody):
     tool_choice: ResponseToolChoice | None = None
     parallel_tool_calls: bool | None = None
     previous_response_id: str | None = Field(None, max_length=200)
+    conversation: api.ConversationParam = None
+    context_management: list[ContextManagement] | None = Field(None, max_length=1)
     store: bool = True
     stream: bool = False
     background: bool = False  # run on without the client (gateway/background.py); needs store
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     max_output_tokens: int | None = Field(None, ge=1, le=api.MAX_TOKENS)
+    max_tool_calls: int | None = Field(None, ge=1, le=64)  # server tool calls over the whole run
     metadata: dict[str, str] | None = Field(None, max_length=16)
     user: str | None = Field(None, max_length=api.MAX_NAME_CHARS)
     safety_identifier: str | None = Field(None, max_length=64)  # recorded as the request's user
-    service_tier: Literal["auto", "default"] | None = None  # the tier is the API key's
+    prompt_cache_key: str | None = Field(None, max_length=api.MAX_CACHE_KEY_CHARS)  # ChatRequest.cache_key
+    service_tier: Literal["auto", "default", "flex"] | None = None  # the key's tier; flex: below every tier
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    include: list[Literal["code_interpreter_call.outputs", "file_search_call.results"]] | None = None
-    truncation: Literal["auto"] | None = None
+    include: list[Literal["code_interpreter_call.outputs", "file_search_call.results",
+                          "message.output_text.logprobs"]] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=api.MAX_TOP_LOGPROBS)
+    truncation: Literal["auto", "disabled"] | None = None  # OpenAI's default: disabled
     text: TextConfig | None = None
+    # only its neutral value: no obfuscation padding is added to the stream's events (any other: a 400)
+    stream_options: StreamOptions | None = None
     # tokenstream extensions (extra_body): an assistant preset; no response cache applies here
     assistant: str | None = Field(None, min_length=1, max_length=api.MAX_NAME_CHARS)
+
+    def logprobs_asked(self) -> int | None:
+        """How many alternatives each output token's log probability comes with (None: not asked)."""
+        if self.top_logprobs or "message.output_text.logprobs" in (self.include or []):
+            return self.top_logprobs or 0
+        return None
+
+    @property
+    def conversation_id(self) -> str | None:
+        return api.conversation_of(self.conversation)
 
     def unsupported(self) -> str | None:
         """The first field sent that this server does not implement."""
@@ -187,36 +254,45 @@ class ResponseCreate(api.UnicodeBody):
         return next(iter(extra), None)
 
 
-def _text(content: str | list[InputText | MediaPart], where: str) -> str:
+def _text(content: str | list[InputText | InputFile | MediaPart], where: str) -> str:
     if isinstance(content, str):
         return content
     for j, part in enumerate(content):
         if isinstance(part, MediaPart):
             raise api.invalid_request(f"{where}.content[{j}]: `{part.type}` parts are not supported: the model "
                                       "reads text only", f"{where}.content[{j}].type")
+        if isinstance(part, InputFile) and part.text is None:
+            raise api.invalid_request(f"{where}.content[{j}]: the file was not read", f"{where}.content[{j}]")
     return "".join(p.text for p in content)
 
 
-def messages_of(body: ResponseCreate) -> list[ChatMessage]:
-    """`instructions` and `input` as chat messages (function calls joined into assistant turns)."""
+def messages_of(body: ResponseCreate, tenant: str, earlier: list[ChatMessage] | None = None) -> list[ChatMessage]:
+    """`instructions`, then the `earlier` history (a conversation's items), then `input`, as chat
+    messages (function calls joined into assistant turns, a compaction item as its summary)."""
     out: list[ChatMessage] = []
     if body.instructions:
         out.append(ChatMessage(role="system", content=body.instructions))
+    out += earlier or []
     items = [MessageItem(role="user", content=body.input)] if isinstance(body.input, str) else body.input
     if not 0 < len(items) <= MAX_INPUT_ITEMS:
         raise api.invalid_request(f"input must hold 1 to {MAX_INPUT_ITEMS} items", "input")
+    commentary = False  # the last message is an assistant's commentary (and the calls after it)
     for i, item in enumerate(items):
         if isinstance(item, MessageItem):
             role = "system" if item.role == "developer" else item.role
             out.append(ChatMessage(role=role, content=_text(item.content, f"input[{i}]")))
         elif isinstance(item, FunctionCallItem):
             call = MessageToolCall(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments))
-            if out and out[-1].role == "assistant" and out[-1].tool_calls and not out[-1].content:
+            if out and joins_calls(out[-1], commentary):
                 out[-1].tool_calls.append(call)
             else:
                 out.append(ChatMessage(role="assistant", content="", tool_calls=[call]))
+        elif isinstance(item, CompactionItem):
+            out = superseded(out) + [summary_message(unseal(tenant, item.encrypted_content, f"input[{i}]"))]
         else:
             out.append(ChatMessage(role="tool", tool_call_id=item.call_id, content=item.output))
+        if not isinstance(item, FunctionCallItem):  # the calls after a commentary all join its turn
+            commentary = isinstance(item, MessageItem) and item.phase == "commentary"
     if body.previous_response_id is None:
         made = {c.id for m in out for c in m.tool_calls}
         for i, m in enumerate(out):
@@ -274,25 +350,35 @@ def _format(text: TextConfig | None) -> tp.ResponseFormat | None:
 def output_and_run(tools: list[ResponseTool], body: ResponseCreate, max_steps: int) -> tuple[OutputSpec, RunSpec]:
     """The OutputSpec (function specs for every tool, built-ins included) and the run's RunSpec."""
     try:
-        spec = tp.output_spec([_as_function(t) for t in tools], _choice(body.tool_choice),
-                              body.parallel_tool_calls, _format(body.text))
+        # with max_tool_calls a step makes one call at most, so the run's count is its step number
+        parallel = False if body.max_tool_calls is not None else body.parallel_tool_calls
+        spec = tp.output_spec([_as_function(t) for t in tools], _choice(body.tool_choice), parallel,
+                              _format(body.text))
     except tp.BadField as exc:
         raise api.invalid_request(str(exc), exc.param) from None
     server = [t.type for t in tools if t.type in BUILTIN_TYPES]
-    return spec, RunSpec(server_tools=server, max_steps=max_steps, max_output_tokens=body.max_output_tokens)
+    return spec, RunSpec(server_tools=server, max_steps=max_steps, max_output_tokens=body.max_output_tokens,
+                         truncation=body.truncation or "disabled", max_tool_calls=body.max_tool_calls)
+
+
+def item_dict(item: InputItem, default_id: str) -> dict[str, Any]:
+    """An input item as OpenAI lists it back: a message's text as parts, an id (the client's, or
+    `default_id`), a status."""
+    shown = item.model_dump(exclude_none=True)
+    if isinstance(item, MessageItem) and isinstance(item.content, str):
+        kind = "output_text" if item.role == "assistant" else "input_text"
+        shown["content"] = [{"type": kind, "text": item.content}]
+    shown.setdefault("id", default_id)
+    shown.setdefault("status", "completed")
+    return shown
 
 
 def input_items(body: ResponseCreate, run_id: str) -> list[dict[str, Any]]:
-    """The request's input as OpenAI lists it back (`GET /v1/responses/{id}/input_items`): each item with
-    an id (the client's, or one derived from the response and its position)."""
+    """The request's input as OpenAI lists it back (`GET /v1/responses/{id}/input_items`), each item's
+    id derived from the response and its position unless the client gave one."""
     items = [MessageItem(role="user", content=body.input)] if isinstance(body.input, str) else body.input
-    out = []
-    for i, item in enumerate(items):
-        shown = item.model_dump(exclude_none=True)
-        if isinstance(item, MessageItem):
-            parts = [{"type": "input_text", "text": item.content}] if isinstance(item.content, str) else shown["content"]
-            shown = {**shown, "type": "message", "content": parts}
-        shown.setdefault("id", f"{'msg' if isinstance(item, MessageItem) else 'item'}_{run_id}_{i}")
-        shown.setdefault("status", "completed")
-        out.append(shown)
-    return out
+    return [item_dict(item, f"{item_prefix(item)}_{run_id}_{i}") for i, item in enumerate(items)]
+
+
+def item_prefix(item: InputItem) -> str:
+    return "msg" if isinstance(item, MessageItem) else "cmp" if isinstance(item, CompactionItem) else "item"

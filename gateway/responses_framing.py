@@ -33,8 +33,15 @@ def base_response(run_id: str, created: int, model: str, params: dict[str, Any])
             "prompt_cache_key": None, **params}
 
 
-def usage_of(prompt: int, completion: int, cached: int) -> dict[str, Any]:
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
+def function_call_item(call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
+    """A client function's call as an output (or conversation) item."""
+    return {"id": f"fc_{call_id}", "type": "function_call", "status": status, "call_id": call_id, "name": name,
+            "arguments": arguments}
+
+
+def usage_of(prompt: int, completion: int, cached: int, written: int) -> dict[str, Any]:
+    """A response's usage over its steps (written: prompt tokens the workers put into their prefix caches)."""
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": written},
             "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": prompt + completion}
 
@@ -47,11 +54,21 @@ def _args(call_arguments: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
+def _logprob(entry) -> dict[str, Any]:
+    """A schemas.TokenLogprob as a Responses output_text logprob."""
+    return {"token": entry.token, "logprob": entry.logprob, "bytes": entry.bytes,
+            "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": t.bytes} for t in entry.top_logprobs]}
+
+
 class ResponseFramer:
     """Folds a run's events into stream events (dicts with `type` and `sequence_number`)."""
 
-    def __init__(self, run_id: str, spec: RunSpec, response: dict[str, Any], conversation_id: str) -> None:
+    def __init__(self, run_id: str, spec: RunSpec, response: dict[str, Any], conversation_id: str,
+                 preface: list[dict[str, Any]] = ()) -> None:
+        """`preface`: items the gateway made before the run (a compaction), first in the output."""
         self.run_id, self.spec, self.response = run_id, spec, response
+        self.preface = [dict(item) for item in preface]
+        self.response["output"] = [dict(item) for item in preface]
         self.container = K.container_id(conversation_id)
         self.steps = {step_request_id(run_id, k): k for k in range(spec.max_steps)}
         self.seq = 0
@@ -61,7 +78,7 @@ class ResponseFramer:
         self.calls: dict[tuple[str, int], int] = {}  # (step, call index) -> output index
         self.by_call: dict[str, int] = {}  # call id -> output index (server calls awaiting results)
         self.kept_files: list[dict] = []  # files the run's code wrote, for the next message's citations
-        self.tokens = [0, 0, 0]
+        self.tokens = [0, 0, 0, 0]  # prompt, completion, cached, cache-written tokens of the steps so far
         self.done = False
 
     @property
@@ -77,8 +94,12 @@ class ResponseFramer:
         return json.loads(json.dumps(self.response))
 
     def start(self) -> list[dict[str, Any]]:
-        return [self._ev("response.created", response=self._snapshot()),
-                self._ev("response.in_progress", response=self._snapshot())]
+        out = [self._ev("response.created", response=self._snapshot()),
+               self._ev("response.in_progress", response=self._snapshot())]
+        for index, item in enumerate(self.preface):
+            out += [self._ev("response.output_item.added", output_index=index, item=dict(item)),
+                    self._ev("response.output_item.done", output_index=index, item=dict(item))]
+        return out
 
     def feed(self, events: list[Event]) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
@@ -108,9 +129,12 @@ class ResponseFramer:
         if ev.text:
             out += self._open_message(rid)
             index = self.message[rid]
-            self.output[index]["content"][0]["text"] += ev.text
+            part = self.output[index]["content"][0]
+            part["text"] += ev.text
+            logprobs = [_logprob(e) for e in ev.logprobs]  # when asked: one per token of the chunk
+            part["logprobs"] += logprobs
             out.append(self._ev("response.output_text.delta", item_id=self.output[index]["id"], output_index=index,
-                                content_index=0, delta=ev.text, logprobs=[]))
+                                content_index=0, delta=ev.text, logprobs=logprobs))
         for delta in ev.tool_calls:
             out += self._call_delta(rid, delta)
         return out
@@ -137,8 +161,7 @@ class ResponseFramer:
                 self.output.append(item)
                 return [self._ev("response.output_item.added", output_index=index, item=dict(item)),
                         self._ev(f"response.{item['type']}.in_progress", item_id=item["id"], output_index=index)]
-            item = {"id": f"fc_{d.id}", "type": "function_call", "status": "in_progress", "call_id": d.id,
-                    "name": d.name, "arguments": d.arguments}
+            item = function_call_item(d.id, d.name, d.arguments, "in_progress")
             self.output.append(item)
             return [self._ev("response.output_item.added", output_index=index, item=dict(item))]
         index = self.calls.get(key)
@@ -164,9 +187,10 @@ class ResponseFramer:
         if rid in self.ended_steps:
             return []
         self.ended_steps.add(rid)
-        for i, n in enumerate((done.usage.prompt_tokens, done.usage.completion_tokens, done.usage.cached_tokens)):
+        for i, n in enumerate((done.usage.prompt_tokens, done.usage.completion_tokens, done.usage.cached_tokens,
+                               done.usage.cache_write_tokens)):
             self.tokens[i] += n
-        out = self._close_message(rid)
+        out = self._close_message(rid, "commentary" if done.tool_calls else "final_answer")
         if done.finish_reason == "error":
             return out + self._end("failed", error={"code": done.error_code or "server_error",
                                                     "message": done.error or "generation failed"})
@@ -184,12 +208,13 @@ class ResponseFramer:
             return out + self._end("cancelled")
         return out + self._end("completed", at=int(done.created_at))
 
-    def _close_message(self, rid: str) -> list[dict[str, Any]]:
+    def _close_message(self, rid: str, phase: str) -> list[dict[str, Any]]:
+        """The step's text done; `phase`: "commentary" when the step goes on to calls, else "final_answer"."""
         index = self.message.get(rid)
         if index is None:
             return []
         item = self.output[index]
-        item["status"] = "completed"
+        item.update(status="completed", phase=phase)
         part = item["content"][0]
         out = []
         for kept in self.kept_files:  # the files the run's code wrote, cited at the end of the text
@@ -202,7 +227,7 @@ class ResponseFramer:
                                 annotation=part["annotations"][-1]))
         self.kept_files = []
         return out + [self._ev("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
-                         text=part["text"], logprobs=[]),
+                         text=part["text"], logprobs=list(part["logprobs"])),
                 self._ev("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
                          part=dict(part)),
                 self._ev("response.output_item.done", output_index=index, item=json.loads(json.dumps(item)))]
@@ -273,10 +298,10 @@ class ResponseFramer:
         self.done = True
         self.response["completed_at"] = at if status == "completed" else None
         for item in self.output:  # calls left without a result (a step that also called a function)
-            if item["status"] in ("in_progress", "interpreting", "searching"):
+            if item.get("status") in ("in_progress", "interpreting", "searching"):
                 item["status"] = "incomplete"
         self.response.update(status=status, error=error, incomplete_details=incomplete,
-                             usage=usage_of(*self.tokens[:2], self.tokens[2]))
+                             usage=usage_of(*self.tokens))
         name = {"completed": "response.completed", "failed": "response.failed",
                 "incomplete": "response.incomplete", "cancelled": "response.failed"}[status]
         return [self._ev(name, response=self._snapshot())]

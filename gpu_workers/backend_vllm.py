@@ -84,6 +84,8 @@ class VllmEngine(Intake, TextStream):
         self.dtype = str(self.llm.vllm_config.model_config.dtype).removeprefix("torch.")
         scheduler = self.llm.vllm_config.scheduler_config
         self.max_running, self.prefill_chunk = scheduler.max_num_seqs, scheduler.max_num_batched_tokens
+        cache = self.llm.vllm_config.cache_config
+        self.cache_block = cache.block_size if cache.enable_prefix_caching else 0
         self._init_intake()
         self.live: dict[str, Sequence] = {}  # vLLM request id -> request, while in vLLM
         self._vid: dict[Sequence, str] = {}
@@ -172,6 +174,9 @@ class VllmEngine(Intake, TextStream):
             return  # ended here meanwhile (cancelled, aborted, a stop string)
         if seq.first_token_at is None and ro.num_cached_tokens is not None:
             seq.cached_tokens = min(ro.num_cached_tokens, len(seq.prompt_ids))
+            if self.cache_block:  # automatic prefix caching keeps every full page of the prompt it computed
+                full = len(seq.prompt_ids) // self.cache_block * self.cache_block
+                seq.cache_written = max(0, full - seq.cached_tokens)
         done = ro.outputs[0]
         tokens = list(done.token_ids)
         if ro.finished and done.finish_reason == "stop" and tokens:

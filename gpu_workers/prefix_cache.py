@@ -93,8 +93,9 @@ class PrefixCache:
         return n
 
     def store(self, kv: list[torch.Tensor], tokens: list[int], tenant: str, upto: int,
-              keys: list[bytes] | None = None) -> None:
-        """Keep the full pages of tokens[:upto] (their KV is in `kv`) that are not cached yet."""
+              keys: list[bytes] | None = None) -> int:
+        """Keep the full pages of tokens[:upto] (their KV is in `kv`) that are not cached yet; returns
+        the tokens written."""
         n = upto // self.block_size
         keys = page_hashes(tokens, tenant, self.block_size, n) if keys is None or len(keys) < n else keys[:n]
         new = [(i, k) for i, k in enumerate(keys) if k not in self.table][:self.num_pages]
@@ -102,7 +103,7 @@ class PrefixCache:
             if k in self.table:
                 self.table.move_to_end(k)
         if not new:
-            return
+            return 0
         targets = []
         for _, key in new:
             if not self.free:
@@ -114,3 +115,4 @@ class PrefixCache:
         for layer, pool in enumerate(self.pool):
             src = kv[layer].index_select(2, self._slots([i for i, _ in new], pool.device))
             pool.index_copy_(2, self._slots(targets, pool.device), src)
+        return len(new) * self.block_size

@@ -40,6 +40,7 @@ class Sequence:
     page_keys: list = field(default_factory=list)  # prefix-cache keys of its full pages at admission
     computed: int = 0  # tokens whose keys/values are in the cache
     cached_tokens: int = 0  # prompt tokens whose keys/values came from the prefix cache
+    cache_written: int = 0  # prompt tokens whose keys/values this request put into the prefix cache
     detok: Detokenizer | None = None
     text: str = ""  # decoded text of `generated` (what the detokenizer has completed)
     unsent_ids: list[int] = field(default_factory=list)

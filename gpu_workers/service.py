@@ -164,7 +164,7 @@ class Worker:
         generation = generation_of(self.consumer)
         self.assignor.remember_generation(generation)
         async with self.publish_lock:
-            kept, check, _ = self.handover.sort(tps, generation)
+            kept, check = self.handover.sort(tps, generation)
             if check:
                 kept |= await self._untouched(check)
             settled = self.handover.settle(tps, generation, kept)
@@ -479,7 +479,7 @@ class Worker:
                     text=seq.emitted_text if parser is None else parser.text,
                     tool_calls=[] if parser is None else parser.calls,
                     usage=Usage(prompt_tokens=len(seq.prompt_ids), completion_tokens=len(seq.generated),
-                                cached_tokens=seq.cached_tokens),
+                                cached_tokens=seq.cached_tokens, cache_write_tokens=seq.cache_written),
                     timings=Timings(queue_s=queue, prefill_s=prefill, decode_s=decode,
                                     pipeline_s=max(0.0, seq.arrival - (request.admitted_at or request.created_at))),
                     dropped_messages=request.dropped_messages, worker_id=self.worker_id, model=self.cfg.model,

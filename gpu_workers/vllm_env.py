@@ -35,7 +35,8 @@ SKIP_REQS = {"torch", "torchvision", "torchaudio", "torchcodec"}
 # what `tokenstream worker` imports besides torch/transformers/vllm (pyproject's dependencies, the light part)
 WORKER_DEPS = ["aiokafka", "cramjam", "msgspec", "pydantic", "pydantic-settings", "typer", "rich", "psutil",
                "redis", "prometheus-client", "opentelemetry-sdk", "opentelemetry-exporter-otlp-proto-http",
-               "llguidance", "httpx", "pyyaml", "tenacity", "jsonschema"]
+               "llguidance", "httpx", "pyyaml", "tenacity", "jsonschema",
+               "confluent-kafka"]  # the broker's SCRAM users (topics/access_admin.py), as `stack up` makes them
 PROJECT = Path(__file__).resolve().parent.parent
 
 

@@ -30,6 +30,7 @@ class RunState(msgspec.Struct, kw_only=True, omit_defaults=True):
     screening: Screening = "serial"
     tier: str = ""
     priority: int = 0
+    cache_key: str = ""  # ChatRequest.cache_key, for every step
     admitted_at: float = 0.0
     calls: list[str] | None = None
     results: dict[str, ToolResult] = msgspec.field(default_factory=dict)

@@ -116,6 +116,15 @@ def new_vector_store_id() -> str:
     return "vs_" + _random_tail()
 
 
+def new_conversation_id() -> str:
+    return "conv_" + _random_tail()
+
+
+def new_item_id(prefix: str = "msg") -> str:
+    """A conversation item the client added without an id of its own."""
+    return f"{prefix}_" + _random_tail()
+
+
 def is_file_id(value: str) -> bool:
     return bool(FILE_ID.match(value))
 

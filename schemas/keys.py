@@ -21,6 +21,8 @@ store refuses writes rather than drop an API key, a file or a ledger entry) exce
     ts:cache:exact:<sha256>                  a cached deterministic answer
     ts:response:<run_id>                     a stored response object (/v1/responses, store=true);
                                              RESPONSE_TTL_S
+    ts:chat:<request_id> / ts:chats:<tenant> a stored chat completion (store=true: the completion, its
+                                             messages; RESPONSE_TTL_S) / a tenant's, by creation time
     ts:tool:{claim,result,published}:<call_id>
                                              the tool processor's once-per-call record (below)
     ts:file:<file_id> / ts:file:data:<file_id>   an uploaded file's record (hash) / its bytes
@@ -30,6 +32,12 @@ store refuses writes rather than drop an API key, a file or a ledger entry) exce
     ts:vs:files:<vs_id>                      a store's file ids (sorted by time added)
     ts:vs:file:<vs_id>:<file_id>             a file's state in a store (hash, fields of STORE_FILE_FIELDS)
                                              files and stores live until deleted (no TTL)
+    ts:conv:<conv_id>                        a conversation's record (hash: tenant, created_at, metadata,
+                                             next: its items' position counter)
+    ts:conv:items:<conv_id> / ts:conv:order:<conv_id>
+                                             its items (item id -> JSON) / their order (sorted set);
+                                             conversations live until deleted (no TTL)
+    ts:conv:busy:<conv_id>                   the run id of the response in progress in it; CONVERSATION_BUSY_S
 
 An API key is shown once, `sk-ts-<43 url-safe characters>`; Redis holds only its sha256
 (`key_id` below is the first 16 hex digits of it, safe to print and to log). Every record is
@@ -153,6 +161,39 @@ def stored_response(run_id: str) -> str:
     """The final response object of a run (JSON), for GET /v1/responses/{id}; its owner and
     conversation are in the run's gateway_request notes."""
     return f"ts:response:{run_id}"
+
+
+CONVERSATION_BUSY_S = 15 * 60  # the longest a response holds its conversation when nobody sees it end
+
+
+def conversation(conv_id: str) -> str:
+    """Hash: tenant, created_at, metadata (JSON), next (the last item position handed out)."""
+    return f"ts:conv:{conv_id}"
+
+
+def conversation_items(conv_id: str) -> str:
+    """Hash: item id -> the item (JSON, OpenAI's shape)."""
+    return f"ts:conv:items:{conv_id}"
+
+
+def conversation_order(conv_id: str) -> str:
+    """Sorted set: item ids scored by their position in the conversation."""
+    return f"ts:conv:order:{conv_id}"
+
+
+def conversation_busy(conv_id: str) -> str:
+    """The run id of the response in progress in the conversation (one at a time)."""
+    return f"ts:conv:busy:{conv_id}"
+
+
+def stored_chat(request_id: str) -> str:
+    """JSON: tenant, the completion object (with its metadata), the request's messages."""
+    return f"ts:chat:{request_id}"
+
+
+def tenant_chats(tenant: str) -> str:
+    """Sorted set: a tenant's stored chat completions' request ids, scored by creation time."""
+    return f"ts:chats:{tenant}"
 
 
 def conversation_key(tenant: str, conversation_id: str) -> str:

@@ -90,11 +90,17 @@ class ChatRequest(Event, tag="chat_request"):
     screening: Screening = "serial"
     tier: str = ""  # of the API key (schemas.keys.TIERS); "" in events written before keys existed
     priority: int = 0  # higher is admitted first by the workers (schemas.keys.TIER_PRIORITY)
+    # the client's prompt_cache_key: a tenant's requests that share it go to the same worker (its prefix
+    # cache then holds their common prompt once; processors/router/prefixes.py)
+    cache_key: str = ""
     # set when the gateway answered from its exact cache: written for the audit trail only, the
     # answer (from the request named here) is on the tokens topic already; processors skip it
     cached_from: str = ""
     # a response run (/v1/responses): the conversation processor goes on through server tool calls
     run: RunSpec | None = None
+    # the messages are the whole conversation (the gateway's /v1/conversations keeps it): they replace
+    # the history the conversation processor kept, rather than being appended to it
+    full_history: bool = False
 
 
 class InferenceRequest(Event, tag="inference_request"):
@@ -114,3 +120,4 @@ class InferenceRequest(Event, tag="inference_request"):
     screening: Screening = "serial"
     tier: str = ""
     priority: int = 0
+    cache_key: str = ""  # ChatRequest.cache_key

@@ -36,6 +36,12 @@ class RunSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
     max_steps: int = DEFAULT_MAX_STEPS
     # the response's `max_output_tokens`: all steps' answers together write at most this many tokens
     max_output_tokens: int | None = None
+    # the response's `truncation`: "disabled" ends it (context_length_exceeded) where "auto" would drop
+    # the oldest turns to fit the context
+    truncation: str = "auto"
+    # the response's `max_tool_calls`: at most this many server tool calls in the run (each step then
+    # makes at most one; from step N on only the client's functions may be called)
+    max_tool_calls: int | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_steps <= 64:
@@ -64,6 +70,11 @@ class RunSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
             return output
         if step + 1 >= self.max_steps:
             return msgspec.structs.replace(output, tool_choice="none", tool_name=None, allowed=[])
+        if self.max_tool_calls is not None and step >= self.max_tool_calls:  # one call a step: spent
+            functions = [t.function.name for t in output.callable_tools if t.function.name not in self.server_tools]
+            if not functions:
+                return msgspec.structs.replace(output, tool_choice="none", tool_name=None, allowed=[])
+            return msgspec.structs.replace(output, tool_choice="auto", tool_name=None, allowed=functions)
         if output.tool_choice in ("function", "required"):
             return msgspec.structs.replace(output, tool_choice="auto", tool_name=None)
         return output

@@ -55,6 +55,7 @@ class Usage(msgspec.Struct, kw_only=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose KV came from the worker's prefix cache (not prefilled)
+    cache_write_tokens: int = 0  # prompt tokens whose KV this request wrote into the worker's prefix cache
 
     @property
     def total_tokens(self) -> int:

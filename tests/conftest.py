@@ -21,6 +21,9 @@ from tokenstream.stack import Stack
 # One id key for the session's processes (schemas/ids.py): the roles started here inherit it.
 os.environ.setdefault("TOKENSTREAM_ID_KEY", os.urandom(32).hex())
 id_key.install()
+# Workers compute in float32 in the tests: their greedy answers are compared with HF generate() in
+# float32, and are then the same on every CPU (`auto` picks bf16 where the CPU has it natively).
+os.environ.setdefault("TOKENSTREAM_WORKER_DTYPE", "float32")
 
 
 @pytest.fixture(scope="session")

@@ -368,7 +368,7 @@ class Chromium:
     so the test downloads nothing and needs no extra package.
     """
 
-    def __init__(self, profile: Path, binary: str = "/usr/bin/chromium") -> None:
+    def __init__(self, profile: Path, binary: str = "/usr/bin/chromium", extra_args: tuple[str, ...] = ()) -> None:
         import subprocess
 
         self.port = free_port()
@@ -377,7 +377,7 @@ class Chromium:
              f"--remote-debugging-port={self.port}", f"--user-data-dir={profile}",
              "--disable-background-networking", "--disable-component-update", "--disable-sync",
              "--no-first-run", "--disable-quic", "--disable-extensions", "--mute-audio",
-             "--window-size=1100,800", "about:blank"],
+             "--window-size=1100,800", *extra_args, "about:blank"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         self._id = 0
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 import uuid
 
@@ -21,8 +22,9 @@ import pytest
 from producers import publish, start_producer
 from schemas import REFUSAL, ChatMessage, InferenceRequest, SafetyVerdict, SamplingParams
 from tests.full_chain import MODEL, SCREENING, System, greedy
-from tests.gateway_support import content_of, sse
-from tests.kafka_support import Tap, key_on_partition_of
+from tests.gateway_support import content_of, new_key, sse
+from tests.kafka_support import Tap, key_on_partition_of, wait_for
+from tests.voice_page import CHROMIUM, voice_round_trip
 from topics import CONTROL, PREPARED, SCREENED, VERDICTS, inference_topic
 
 pytestmark = pytest.mark.slow
@@ -187,14 +189,48 @@ async def test_conversation_continued_by_id_carries_its_history(system: System):
     assert second.usage.prompt_tokens > first.usage.prompt_tokens + first.usage.completion_tokens
 
 
+async def test_a_chat_in_a_conversation_reads_its_items_and_adds_its_turns(system: System):
+    """`conversation` (a Conversation of /v1/conversations) on chat: its items precede the messages; each
+    ended answer adds the message and the answer, on either gateway, streamed or not; owner-checked."""
+    async with system.http() as http:
+        conv = (await http.post(system.gateways[0] + "/v1/conversations", json={})).json()["id"]
+        extra = {"conversation": conv}
+        async with Tap(PREPARED) as prepared:
+            first = await system.client(0).chat.completions.create(
+                messages=[{"role": "user", "content": "My name is Ada. Say hello to me."}], max_tokens=16,
+                extra_body=extra, **greedy())
+            stream = await system.client(1).chat.completions.create(
+                messages=[{"role": "user", "content": "What is my name?"}], max_tokens=16, stream=True,
+                extra_body={"conversation": {"id": conv}}, **greedy())
+            chunks = [c async for c in stream]
+            [turn2] = await prepared.wait_for(of(rid_of(chunks[0].id)))
+        items = (await http.get(f"{system.gateways[1]}/v1/conversations/{conv}/items",
+                                params={"order": "asc"})).json()["data"]
+        both = await http.post(system.gateways[0] + "/v1/chat/completions", json={
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "conversation": conv,
+            "conversation_id": "c-1"})
+        other = await http.post(system.gateways[0] + "/v1/chat/completions", json={
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "conversation": conv},
+            headers={"Authorization": f"Bearer {new_key('another')}"})
+    answer = first.choices[0].message.content
+    said = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert [(m.role, m.content) for m in turn2.messages] == [
+        ("user", "My name is Ada. Say hello to me."), ("assistant", answer), ("user", "What is my name?")]
+    assert [(i["role"], i["content"][0]["text"]) for i in items] == [
+        ("user", "My name is Ada. Say hello to me."), ("assistant", answer), ("user", "What is my name?"),
+        ("assistant", said)]
+    assert both.status_code == 400 and both.json()["error"]["param"] == "conversation_id"
+    assert other.status_code == 404 and other.json()["error"]["param"] == "conversation"
+
+
 # Every documented field of POST /v1/chat/completions beyond those the tests above send, each with a value
 # that asks for something: the honoured ones change the answer as documented, the others are a 400 naming them.
 REFUSED_FIELDS = {
     "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],
     "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "high", "verbosity": "low",
     "web_search_options": {}, "functions": [{"name": "f", "parameters": {"type": "object"}}],
-    "function_call": "auto", "store": True, "metadata": {"k": "v"}, "service_tier": "flex",
-    "prompt_cache_key": "k", "n": 2, "not_a_field": 1,
+    "function_call": "auto", "metadata": {"k": "v"}, "service_tier": "flex",  # metadata without store
+    "n": 2, "not_a_field": 1,
 }
 
 
@@ -261,7 +297,60 @@ async def test_every_documented_chat_field_is_honoured_or_refused(system: System
     repeated = max(ids.count(t) for t in set(ids))
     again = tokenizer.encode(penalised, add_special_tokens=False)
     assert max(again.count(t) for t in set(again)) <= repeated
+    await stored_completions_are_kept_for_their_owner(system, http, url, ask, plain, stream)
+    await a_prompt_cache_key_puts_its_requests_on_one_partition(http, url, stream)
     await http.aclose()
+
+
+async def a_prompt_cache_key_puts_its_requests_on_one_partition(http, url: str, stream: bool) -> None:
+    """prompt_cache_key: different first turns that share it reach the model's inference topic on the
+    partition the router names for the tenant's key, so one worker's prefix cache serves them all."""
+    from processors.router.prefixes import Placement, by_cache_key
+
+    key = f"kb-{uuid.uuid4().hex[:8]}"
+    questions = ["Name a colour.", "Name a fruit.", "Name a city."]
+    async with Tap(inference_topic(MODEL)) as queued:
+        for question in questions:
+            got = await http.post(url, json={"model": MODEL, "messages": [{"role": "user", "content": question}],
+                                             "max_completion_tokens": 4, "stream": stream, "prompt_cache_key": key})
+            assert got.status_code == 200, got.text
+        placed = await queued.wait_for(lambda e: isinstance(e, InferenceRequest) and e.cache_key == key,
+                                       count=len(questions))
+    assert len(placed) == len(questions)
+    named = {by_cache_key(Placement(None, "first-turn"), e, e.model, inference_topic(MODEL).partitions).partition
+             for e in placed}
+    landed = {p for e, p in queued.events if isinstance(e, InferenceRequest) and e.cache_key == key}
+    assert len(named) == 1 and landed == named, (landed, named)
+
+
+async def stored_completions_are_kept_for_their_owner(system: System, http, url: str, ask: list[dict], plain: str,
+                                                       stream: bool) -> None:
+    """store + metadata: the ended answer is listed, read, re-labelled and deleted by its owner only."""
+    label = {"run": uuid.uuid4().hex[:8]}
+    got = await http.post(url, json={"model": MODEL, "messages": ask, "temperature": 0, "max_completion_tokens": 24,
+                                     "stream": stream, "store": True, "metadata": label})
+    assert got.status_code == 200, got.text
+    first = next(line for line in got.text.splitlines() if line.startswith("data: ")) if stream else None
+    cid = (json.loads(first[len("data: "):]) if stream else got.json())["id"]
+    base = url + "/" + cid
+    async def stored():  # kept once the answer has ended
+        answer = await http.get(base)
+        return answer if answer.status_code == 200 else None
+
+    kept = await wait_for(stored, 10, "the stored completion")
+    assert kept.json()["choices"][0]["message"]["content"] == plain and kept.json()["metadata"] == label
+    listed = await http.get(url, params={"model": MODEL, "metadata[run]": label["run"]})
+    assert [c["id"] for c in listed.json()["data"]] == [cid]
+    asked = await http.get(base + "/messages")
+    assert [(m["role"], m["content"]) for m in asked.json()["data"]] == [("user", ask[0]["content"])]
+    relabelled = await http.post(base, json={"metadata": {"run": "done"}})
+    assert relabelled.json()["metadata"] == {"run": "done"}
+    assert (await http.get(url, params={"metadata[run]": label["run"]})).json()["data"] == []
+    other = {"Authorization": f"Bearer {new_key('another')}"}
+    assert (await http.get(base, headers=other)).status_code == 404
+    assert (await http.delete(base, headers=other)).status_code == 404
+    assert (await http.delete(base)).json()["deleted"] is True
+    assert (await http.get(base)).status_code == 404
 
 
 async def test_input_tokens_counts_what_the_model_reads(system: System):
@@ -288,6 +377,12 @@ async def test_input_tokens_counts_what_the_model_reads(system: System):
     assert tools["input_tokens"] > plain["input_tokens"] + 20  # the tool's schema is in the prompt
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "previous_response_id"
     assert answered.json()["usage"]["input_tokens"] == plain["input_tokens"]
+
+
+@pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="Debian's chromium is not installed")
+async def test_the_chat_page_voice_mode_hears_the_question_and_speaks_the_answer_as_it_streams(
+        system: System, tmp_path):
+    await voice_round_trip(system.gateways[0], tmp_path)
 
 
 # ---------------------------------------------------------------- outages under the running system

@@ -150,7 +150,7 @@ async def test_wrong_content_type_path_and_method(gateway, pipeline):
         assert r.status_code == 200, r.text
         assert_openai_error(await http.post("/v1/chat/completion", json=chat(pipeline.model)), 404, "not_found")
         assert_openai_error(await http.get("/v2/models"), 404, "not_found")
-        assert_openai_error(await http.get("/v1/chat/completions"), 405, "method_not_allowed")
+        assert_openai_error(await http.put("/v1/chat/completions"), 405, "method_not_allowed")
         assert_openai_error(await http.delete("/v1/models"), 405, "method_not_allowed")
 
 

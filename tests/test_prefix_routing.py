@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from processors.router.prefixes import PrefixMap
+from processors.router.prefixes import Placement, PrefixMap, by_cache_key
 from schemas import ChatMessage, Completion, InferenceRequest, PrefixHeld, WorkerLoad, conversation_digest
 
 HISTORY = [ChatMessage(role="system", content="Be brief."), ChatMessage(role="user", content="Hi"),
@@ -51,6 +51,23 @@ def test_no_prefix_routing_without_a_fresh_unloaded_holder_of_this_tenant_and_mo
     assert prefixes.place(turn(nxt), "m-v2", now=101.0).reason == "no-prefix"  # another served model
     assert prefixes.place(turn(HISTORY[:2]), "m", now=101.0).reason == "first-turn"
     assert prefixes.place(turn(nxt), "m", now=101.0).partition in (2, 5)
+
+
+def test_a_cache_key_places_what_no_prefix_does_by_tenant_model_and_key():
+    def keyed(rid: str, key: str, tenant: str = "acme") -> InferenceRequest:
+        return InferenceRequest(request_id=rid, model="m", tenant=tenant, messages=HISTORY[:2], cache_key=key)
+
+    unplaced = Placement(None, "first-turn")
+    spots = {by_cache_key(unplaced, keyed(f"r-{i}", "kb"), "m", 8).partition for i in range(20)}
+    assert len(spots) == 1 and spots <= set(range(8))  # every request id: one partition
+    elsewhere = {by_cache_key(unplaced, keyed("r-1", f"kb-{i}"), "m", 8).partition for i in range(40)}
+    assert len(elsewhere) > 4  # other keys spread over the topic
+    tenants = {by_cache_key(unplaced, keyed("r-1", "kb", f"t-{i}"), "m", 8).partition for i in range(40)}
+    assert len(tenants) > 4  # the same key of other tenants too
+    assert by_cache_key(unplaced, keyed("r-1", ""), "m", 8) == unplaced  # no key: the request id decides
+    prefix = Placement(3, "prefix", "w1")
+    assert by_cache_key(prefix, keyed("r-1", "kb"), "m", 8) == prefix  # a held prefix comes first
+    assert by_cache_key(unplaced, keyed("r-1", "kb"), "m", 8).reason == "cache-key"
 
 
 def test_the_latest_holder_wins_and_the_map_is_bounded():

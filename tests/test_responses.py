@@ -16,9 +16,12 @@ import sys
 import tempfile
 import uuid
 
+import typing
+
 import httpx
 import openai
 import pytest
+from openai.types.responses import Response, ResponseStreamEvent
 
 from schemas import ToolCall, ToolResult
 from schemas.ids import run_id_of, step_request_id
@@ -28,7 +31,7 @@ from tests.kafka_support import Tap
 from tests.test_worker_kafka import wait_for_log
 from tests.tool_support import sandbox_root, tools_env, wait_ready
 from tokenstream.chaos.verify import drained
-from topics import CONVERSATION_TURNS, TOKENS, TOOL_CALLS, TOOL_RESULTS
+from topics import CONVERSATION_TURNS, PREPARED, TOKENS, TOOL_CALLS, TOOL_RESULTS
 from topics.registry import processor_group
 
 pytestmark = pytest.mark.slow
@@ -93,13 +96,27 @@ OPEN_RESPONSES_REQUIRED = {
 
 def conforms(response: dict) -> None:
     """The response object has every field Open Responses requires, each of its type; a completed one
-    says when it completed, and every function tool says whether it is strict."""
+    says when it completed, and every function tool says whether it is strict; and the official SDK's
+    typed model of a response validates it (the SDK itself parses without validating)."""
+    Response.model_validate(response)
     for name, kind in OPEN_RESPONSES_REQUIRED.items():
         assert name in response and isinstance(response[name], kind), (name, response.get(name))
     assert (response["completed_at"] is not None) == (response["status"] == "completed"), response
     if response["completed_at"] is not None:
         assert response["completed_at"] >= response["created_at"]
     assert all(isinstance(t["strict"], bool) for t in response["tools"] if t["type"] == "function")
+
+
+_EVENT_TYPES = {typing.get_args(cls.model_fields["type"].annotation)[0]: cls
+                for cls in typing.get_args(typing.get_args(ResponseStreamEvent)[0])}
+
+
+def valid_event(event: dict) -> dict:
+    """A streamed event, validated against the official SDK's model of its type (every type we send is
+    one the SDK knows; the response an event carries is validated with it)."""
+    assert event["type"] in _EVENT_TYPES, event["type"]
+    _EVENT_TYPES[event["type"]].model_validate(event)
+    return event
 
 
 def ran_as_here(call) -> None:
@@ -124,21 +141,36 @@ def items(response, kind: str) -> list:
 
 
 async def test_forced_code_interpreter_runs_the_code_and_the_model_answers_after_its_output(client):
-    raw = await client.responses.with_raw_response.create(**create(
-        instructions=RUN_CODE, input=PROMPT, tools=[CODE], tool_choice=FORCE_CODE, safety_identifier="user-7",
-        service_tier="auto", extra_body={"presence_penalty": 0.0, "frequency_penalty": 0.0}))
-    response = raw.parse()
+    async with Tap(PREPARED) as prepared:
+        raw = await client.responses.with_raw_response.create(**create(
+            instructions=RUN_CODE, input=PROMPT, tools=[CODE], tool_choice=FORCE_CODE, safety_identifier="user-7",
+            service_tier="auto", max_tool_calls=1, prompt_cache_key="run-code",
+            extra_body={"presence_penalty": 0.0, "frequency_penalty": 0.0,
+                        "stream_options": {"include_obfuscation": False}}))
+        response = raw.parse()
+        step = step_request_id(run_id_of(response.id), 1)
+        await prepared.caught_up()
+        after_call = [e for e, _ in prepared.events if e.request_id == step]
+        keyed = [e.cache_key for e, _ in prepared.events if e.request_id.startswith(run_id_of(response.id))]
     assert response.status == "completed", (response.incomplete_details, response.usage, response.output)
     assert response.safety_identifier == "user-7" and response.service_tier == "default"
+    assert response.prompt_cache_key == "run-code" and keyed and set(keyed) == {"run-code"}  # every step
     conforms(raw.http_response.json())  # the object as sent (the SDK turns created_at into a float)
     calls = items(response, "code_interpreter_call")
     assert calls and calls[0].code.strip(), response.output
     for call in calls:  # after the forced first step the model chose; the last step answered in text
         ran_as_here(call)
-    assert len(calls) <= 2 and response.output[0].type == "code_interpreter_call"
+    # max_tool_calls 1: one call, then the step after its result could call no server tool
+    assert len(calls) == 1 and response.output[0].type == "code_interpreter_call"
+    assert response.max_tool_calls == 1 and response.parallel_tool_calls is False
+    assert len(after_call) == 1 and after_call[0].output.tool_choice == "none"
     # the step after the result answered in text: the run went on through the tool's output
     assert response.output[-1].type == "message" and response.output_text.strip()
+    assert response.output[-1].phase == "final_answer"
     assert response.usage.input_tokens > 0 and response.usage.output_tokens > 0
+    # the steps' prompts went into the worker's prefix cache (full pages of what it had not read from it)
+    details = response.usage.input_tokens_details
+    assert 0 < details.cache_write_tokens <= response.usage.input_tokens - details.cached_tokens
 
 
 async def test_stream_parses_with_the_sdk_helper_in_openai_order_and_resumes_from_any_event(client, system):
@@ -183,7 +215,7 @@ async def test_stream_parses_with_the_sdk_helper_in_openai_order_and_resumes_fro
                                headers={**auth_headers(), "Last-Event-ID": f"{rid}:{k}"}) as sse:
             async for line in sse.aiter_lines():
                 if line.startswith("data:"):
-                    resumed.append(json.loads(line[5:]))
+                    resumed.append(valid_event(json.loads(line[5:])))
         assert [e["sequence_number"] for e in resumed] == list(range(k + 1, len(events)))
         assert [e["type"] for e in resumed] == names[k + 1:]
         assert [e.get("delta") for e in resumed] == [getattr(e, "delta", None) for e in events[k + 1:]]
@@ -227,6 +259,294 @@ async def test_previous_response_id_continues_the_conversation_and_its_working_f
         await client.responses.create(**create(input="hi", previous_response_id=unstored.id))
 
 
+async def _until_created(stream):
+    async for event in stream:
+        yield event
+        if event.type == "response.created":
+            return
+
+
+async def prepared_for(tap: Tap, response):
+    """The response's first step as the conversation processor prepared it (on the log)."""
+    step = run_id_of(response.id)
+    for _ in range(300):
+        found = [e for e, _ in tap.events if e.request_id == step]
+        if found:
+            return found[0]
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"no prepared request for {response.id}")
+
+
+async def read_by_model(tap: Tap, response) -> list[str]:
+    """The messages the model read for the response's first step."""
+    return [m.content for m in (await prepared_for(tap, response)).messages]
+
+
+async def test_a_conversation_keeps_its_items_and_its_responses_read_and_extend_them(client, system):
+    conv = await client.conversations.create(metadata={"topic": "names"}, items=[
+        {"type": "message", "role": "user", "content": "My name is Ada Lovelace."},
+        {"type": "message", "role": "assistant", "content": "Nice to meet you, Ada."}])
+    assert conv.id.startswith("conv_") and conv.metadata == {"topic": "names"}
+    given = (await client.conversations.items.list(conv.id, order="asc")).data
+    assert [(i.role, i.content[0].text) for i in given] == [("user", "My name is Ada Lovelace."),
+                                                            ("assistant", "Nice to meet you, Ada.")]
+    async with Tap(PREPARED) as prepared:
+        first = await client.responses.create(**create(input="What is my name?", conversation=conv.id,
+                                                       max_output_tokens=8))
+        assert first.conversation.id == conv.id
+        # the model read the conversation's items, then the question
+        assert (await read_by_model(prepared, first))[-3:] == ["My name is Ada Lovelace.", "Nice to meet you, Ada.",
+                                                               "What is my name?"]
+        # the response's input and output joined the conversation before its answer came back, once
+        after = (await client.conversations.items.list(conv.id, order="asc")).data
+        assert [i.id for i in after[:2]] == [i.id for i in given] and len(after) == 4, after
+        assert after[2].role == "user" and after[2].content[0].text == "What is my name?"
+        assert after[3].id == first.output[0].id and after[3].content[0].text == first.output_text
+        # an item taken out is no longer read; the next turn reads the previous answer
+        await client.conversations.items.delete(given[0].id, conversation_id=conv.id)
+        second = await client.responses.create(**create(input="Thanks.", conversation=conv.id, max_output_tokens=4))
+        read = await read_by_model(prepared, second)
+    assert "My name is Ada Lovelace." not in read and read[-3:] == ["What is my name?", first.output_text, "Thanks."]
+    assert len((await client.conversations.items.list(conv.id)).data) == 5
+    async with httpx.AsyncClient(base_url=system["url"], timeout=60, headers=auth_headers()) as http:
+        # one response at a time in a conversation: another while one runs is a 409
+        stream = await client.responses.create(**create(input="Count to ten.", conversation=conv.id,
+                                                        max_output_tokens=20, stream=True))
+        seen = [event async for event in _until_created(stream)]
+        busy = await http.post("/v1/responses", json=create(input="hi", conversation=conv.id))
+        assert busy.status_code == 409 and busy.json()["error"]["code"] == "conversation_locked", busy.text
+        seen += [event async for event in stream]
+        assert seen[-1].type == "response.completed"
+        assert len((await client.conversations.items.list(conv.id)).data) == 7
+        # updated, read back, and gone for good when deleted; another tenant never sees it
+        other = {"Authorization": f"Bearer {new_key('another')}"}
+        assert (await http.get(f"/v1/conversations/{conv.id}", headers=other)).status_code == 404
+        assert (await http.post("/v1/responses", headers=other, json=create(input="hi", conversation=conv.id))
+                ).status_code == 404
+        updated = await http.post(f"/v1/conversations/{conv.id}", json={"metadata": {"topic": "ada"}})
+        assert updated.json()["metadata"] == {"topic": "ada"}
+        assert (await http.post(f"/v1/conversations/{conv.id}", json={"metadata": {}, "title": "x"})
+                ).status_code == 400
+        assert (await http.delete(f"/v1/conversations/{conv.id}")).json()["deleted"] is True
+        assert (await http.get(f"/v1/conversations/{conv.id}/items")).status_code == 404
+        gone = await http.post("/v1/responses", json=create(input="hi", conversation=conv.id))
+        assert gone.status_code == 404 and gone.json()["error"]["param"] == "conversation"
+
+
+async def test_compaction_condenses_an_input_into_a_summary_the_next_response_reads(client, system):
+    from gateway.compaction import INSTRUCTIONS, SUMMARY_PREFIX, unseal
+
+    turns = [{"role": "user", "content": "My cat is called Whiskers and she is seven."},
+             {"role": "assistant", "content": "Whiskers sounds lovely."},
+             {"role": "user", "content": "She likes tuna."}]
+    async with httpx.AsyncClient(base_url=system["url"], timeout=300, headers=auth_headers()) as http, \
+            Tap(PREPARED) as prepared:
+        made = await http.post("/v1/responses/compact", json={"model": MODEL, "input": turns})
+        assert made.status_code == 200, made.text
+        body = made.json()
+        assert body["object"] == "response.compaction" and body["usage"]["output_tokens"] > 0
+        # the user's messages verbatim, then one item for everything
+        assert [i["type"] for i in body["output"]] == ["message", "message", "compaction"]
+        assert [i["content"][0]["text"] for i in body["output"][:2]] == [turns[0]["content"], turns[2]["content"]]
+        item = body["output"][-1]
+        summary = unseal("test", item["encrypted_content"], "item")
+        assert summary and "Whiskers" not in item["encrypted_content"]
+        # the summary is the model's, written from the whole conversation through the pipeline
+        await prepared.caught_up()
+        asked = [e for e, _ in prepared.events if e.messages and e.messages[0].content == INSTRUCTIONS]
+        assert len(asked) == 1 and "user: My cat is called Whiskers" in asked[0].messages[-1].content
+        assert "assistant: Whiskers sounds lovely." in asked[0].messages[-1].content
+        # the next response reads the summary where the item stands
+        question = {"role": "user", "content": "What is my cat called?"}
+        after = await client.responses.create(**create(input=[*body["output"], question], max_output_tokens=8))
+        read = await read_by_model(prepared, after)
+        assert read[-4:] == [turns[0]["content"], turns[2]["content"], SUMMARY_PREFIX + summary, question["content"]]
+        # an item changed, or another organization's, is refused, never read
+        changed = dict(item, encrypted_content=item["encrypted_content"][:-6] + "AAAAAA")
+        refused = await http.post("/v1/responses", json=create(input=[changed, question]))
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "input[0]", refused.text
+        other = {"Authorization": f"Bearer {new_key('another')}"}
+        refused = await http.post("/v1/responses", headers=other, json=create(input=[item, question]))
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "input[0]", refused.text
+        refused = await http.post("/v1/responses/compact", json={"model": MODEL, "input": "x",
+                                                                 "previous_response_id": after.id})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "previous_response_id"
+
+
+async def test_context_management_compacts_a_conversation_past_its_threshold(client, system):
+    from gateway.compaction import SUMMARY_PREFIX, unseal
+
+    conv = await client.conversations.create(items=[
+        {"type": "message", "role": "user", "content": "I am planning a trip to Lisbon in May."},
+        {"type": "message", "role": "assistant", "content": "Lisbon in May is warm; pack light clothes."},
+        {"type": "message", "role": "user", "content": "I will stay for five days."},
+        {"type": "message", "role": "assistant", "content": "Five days is enough for Sintra and Belem too."}])
+    manage = [{"type": "compaction", "compact_threshold": 40}]
+    async with Tap(PREPARED) as prepared:
+        first = await client.responses.create(**create(input="Where am I going?", conversation=conv.id,
+                                                       max_output_tokens=8, extra_body={"context_management": manage}))
+        read = await read_by_model(prepared, first)
+    item = first.output[0].model_dump()
+    assert item["type"] == "compaction", first.output
+    summary = unseal("test", item["encrypted_content"], "item")
+    # the model read the user's messages, the summary in place of the rest, then the question
+    assert read[-4:] == ["I am planning a trip to Lisbon in May.", "I will stay for five days.",
+                         SUMMARY_PREFIX + summary, "Where am I going?"]
+    assert not any("pack light clothes" in text for text in read)
+    # the conversation holds the item after what it condenses, and the response's turn after it
+    after = (await client.conversations.items.list(conv.id, order="asc")).data
+    assert [i.type for i in after] == ["message"] * 4 + ["compaction", "message", "message"]
+    assert after[4].id == item["id"]
+    # under the threshold nothing is compacted: the next turn reads the same condensed history
+    async with Tap(PREPARED) as prepared:
+        second = await client.responses.create(**create(input="Thanks.", conversation=conv.id, max_output_tokens=4,
+                                                        extra_body={"context_management": [{"type": "compaction"}]}))
+        read = await read_by_model(prepared, second)
+    assert second.output[0].type == "message"
+    assert read[-5:-2] == ["I will stay for five days.", SUMMARY_PREFIX + summary, "Where am I going?"]
+
+
+async def _until(conn, done: int = 1) -> list:
+    """A WebSocket connection's events until `done` responses have ended."""
+    events, ended = [], 0
+    async for event in conn:
+        events.append(event)
+        if event.type != "error":  # WebSocket mode's own error event (status, error) is not the SSE one
+            valid_event(event.to_dict())
+        if event.type in ("response.completed", "response.incomplete", "response.failed", "error"):
+            ended += 1
+            if ended == done:
+                return events
+    raise AssertionError(f"the connection ended after {events}")
+
+
+async def test_websocket_mode_gives_the_sse_events_runs_lanes_in_order_and_resumes(client, system):
+    ask = create(input="Name three colours.", max_output_tokens=12)
+    sse = [e async for e in await client.responses.create(**ask, stream=True)]
+    for event in sse:
+        valid_event(event.to_dict())
+    async with client.responses.connect() as conn:
+        await conn.response.create(**ask)
+        over_ws = await _until(conn)
+        # the same fold of the log as SSE: the same events, in the same order, with the same numbers
+        assert [(e.type, e.sequence_number, getattr(e, "delta", None)) for e in over_ws] == \
+            [(e.type, e.sequence_number, getattr(e, "delta", None)) for e in sse]
+        first = over_ws[-1].response
+        # a lane runs its responses in the order sent; two lanes run side by side; events echo their lane
+        await conn.response.create(**create(input="Count to five.", max_output_tokens=10), stream_id="a")
+        await conn.response.create(**create(input="hi", max_output_tokens=4, previous_response_id=first.id),
+                                   stream_id="a")
+        await conn.response.create(**create(input="Say yes.", max_output_tokens=4), stream_id="b")
+        events = await _until(conn, 3)
+    lanes = {"a": [], "b": []}
+    for e in events:
+        lanes[e.stream_id].append(e)
+    starts = [i for i, e in enumerate(lanes["a"]) if e.type == "response.created"]
+    ends = [i for i, e in enumerate(lanes["a"]) if e.type in ("response.completed", "response.incomplete")]
+    assert len(starts) == len(ends) == 2 and ends[0] < starts[1], [e.type for e in lanes["a"]]
+    assert lanes["a"][-1].response.previous_response_id == first.id
+    assert [e.type for e in lanes["b"]][-1] in ("response.completed", "response.incomplete")
+    # refused with an error event, the connection kept: background, stream false, an unknown event
+    async with client.responses.connect() as conn:
+        await conn.response.create(**create(input="hi", background=True))
+        await conn.send({"type": "response.frobnicate"})
+        await conn.response.create(**create(input="hi", max_output_tokens=2))
+        errors = await _until(conn, 3)
+    refused = sorted((e.error.param, e.status) for e in errors if e.type == "error")
+    assert refused == [("background", 400), ("type", 400)]
+    assert errors[-1].type in ("response.completed", "response.incomplete")
+    # a dropped connection: the response resumes over HTTP from the last event seen, as an SSE stream does
+    async with client.responses.connect() as conn:
+        await conn.response.create(**create(input="Name three colours.", max_output_tokens=12))
+        seen = []
+        async for event in conn:
+            seen.append(event)
+            if event.type == "response.output_text.delta":
+                break
+    resumed = [e async for e in await client.responses.retrieve(seen[0].response.id, stream=True,
+                                                                starting_after=seen[-1].sequence_number)]
+    assert [e.sequence_number for e in seen + resumed] == list(range(len(sse)))
+    assert "".join(e.delta for e in seen + resumed if e.type == "response.output_text.delta") == \
+        "".join(e.delta for e in sse if e.type == "response.output_text.delta")
+    # a wrong key: an error event, then the connection closes
+    other = openai.AsyncOpenAI(base_url=system["url"] + "/v1", api_key="sk-ts-wrong", max_retries=0)
+    async with other.responses.connect() as conn:
+        refused = await conn.recv()
+    assert refused.type == "error" and refused.status == 401
+
+
+async def test_truncation_drops_old_turns_only_when_asked_and_flex_runs_below_every_tier(client):
+    long = "word " * 9000  # past the prompt's share of the context (the answer's room is the rest)
+    items = [{"role": "user", "content": long}, {"role": "assistant", "content": "Noted."},
+             {"role": "user", "content": "Say hi."}]
+    async with Tap(PREPARED) as prepared:
+        auto = await client.responses.create(**create(input=items, truncation="auto", max_output_tokens=4))
+        read = await read_by_model(prepared, auto)
+        # disabled, OpenAI's default: nothing is dropped, the response ends with the reason
+        whole = await client.responses.create(**create(input=items, max_output_tokens=4))
+        flexed = await client.responses.create(**create(input="Say hi.", service_tier="flex", max_output_tokens=2))
+        flex_step = await prepared_for(prepared, flexed)
+    assert auto.truncation == "auto" and auto.status in ("completed", "incomplete"), auto
+    assert read[-1] == "Say hi." and not any(text == long for text in read)
+    assert whole.truncation == "disabled" and whole.status == "failed", whole
+    assert whole.error.code == "context_length_exceeded" and not whole.output
+    assert flexed.service_tier == "flex" and flex_step.priority == -1
+
+
+async def test_top_logprobs_come_with_every_output_token_streamed_and_whole(client):
+    ask = create(input="Name a colour.", max_output_tokens=6, top_logprobs=3,
+                 include=["message.output_text.logprobs"])
+    streamed = [e async for e in await client.responses.create(**ask, stream=True)]
+    response = streamed[-1].response
+    part = response.output[0].content[0]
+    assert response.top_logprobs == 3 and part.logprobs, response
+    assert "".join(lp.token for lp in part.logprobs) == part.text
+    for lp in part.logprobs:  # greedy: the token taken is the most likely one
+        assert len(lp.top_logprobs) == 3 and lp.logprob <= 0
+        assert [t.logprob for t in lp.top_logprobs] == sorted((t.logprob for t in lp.top_logprobs), reverse=True)
+        assert abs(lp.logprob - lp.top_logprobs[0].logprob) < 1e-4 and lp.token == lp.top_logprobs[0].token
+    deltas = [e for e in streamed if e.type == "response.output_text.delta"]
+    assert [lp.token for e in deltas for lp in e.logprobs] == [lp.token for lp in part.logprobs]
+    plain = await client.responses.create(**create(input="Name a colour.", max_output_tokens=6))
+    assert plain.top_logprobs == 0 and plain.output[0].content[0].logprobs == []
+    assert plain.output_text == part.text  # asking for log probabilities changes no token
+
+
+async def test_input_files_are_read_as_text_uploaded_or_inline(client, system):
+    import base64
+
+    from tests.test_file_search import tiny_pdf
+
+    uploaded = await client.files.create(file=("ferry.pdf", tiny_pdf(["The ferry leaves at 07:40."]),
+                                               "application/pdf"), purpose="user_data")
+    page = base64.b64encode(b"<html><body><article><p>The library opens at nine.</p></article></body></html>")
+    question = {"role": "user", "content": [
+        {"type": "input_file", "file_id": uploaded.id},
+        {"type": "input_file", "filename": "hours.html", "file_data": "data:text/html;base64," + page.decode()},
+        {"type": "input_text", "text": "When does the ferry leave?"}]}
+    async with Tap(PREPARED) as prepared:
+        response = await client.responses.create(**create(input=[question], max_output_tokens=8))
+        read = await read_by_model(prepared, response)
+    assert response.status in ("completed", "incomplete"), response
+    assert "[ferry.pdf]\nThe ferry leaves at 07:40." in read[-1]
+    assert "[hours.html]\nThe library opens at nine." in read[-1]
+    assert read[-1].endswith("When does the ferry leave?")
+    listed = await client.responses.input_items.list(response.id)
+    assert listed.data[0].content[0].type == "input_file"  # listed as sent, with the text that was read
+    other = {"Authorization": f"Bearer {new_key('another')}"}
+    async with httpx.AsyncClient(base_url=system["url"], timeout=60, headers=auth_headers()) as http:
+        for part, status, param in [
+                ({"type": "input_file", "file_id": uploaded.id}, 404, "input[0].content[0].file_id"),
+                ({"type": "input_file", "file_url": "https://example.org/a.pdf"}, 400, "input[0].content[0].file_url"),
+                ({"type": "input_file", "file_data": "bm90IGEgcGRm"}, 400, "input[0].content[0].filename"),
+                ({"type": "input_file", "filename": "x.pdf", "file_data": "bm90IGEgcGRm"}, 400, "input[0].content[0]"),
+                ({"type": "input_file", "filename": "x.exe", "file_data": "AAAA"}, 400, "input[0].content[0]")]:
+            headers = other if status == 404 else {}
+            refused = await http.post("/v1/responses", headers=headers, json=create(
+                input=[{"role": "user", "content": [part]}]))
+            assert refused.status_code == status and refused.json()["error"]["param"] == param, (part, refused.text)
+
+
 async def test_an_assistant_with_knowledge_searches_its_stores_without_the_client_sending_tools(client):
     from tools.search.index import ChunkIndex
     from tools.search.ingest import ingest
@@ -255,11 +575,14 @@ async def test_an_assistant_with_knowledge_searches_its_stores_without_the_clien
 
 async def test_unsupported_fields_and_bad_tools_are_400_naming_them(system):
     async with httpx.AsyncClient(base_url=system["url"], timeout=60, headers=auth_headers()) as http:
-        for body, param in [({"input": "hi", "conversation": "conv_1"}, "conversation"),
+        for body, param in [({"input": "hi", "conversation": "conv_1", "previous_response_id": "resp_1"},
+                             "previous_response_id"),
                             ({"input": "hi", "reasoning": {"effort": "low"}}, "reasoning"),
+                            ({"input": "hi", "stream": True, "stream_options": {"include_obfuscation": True}},
+                             "stream_options"),
                             ({"input": "hi", "frobnicate": 1}, "frobnicate"),
-                            ({"input": "hi", "service_tier": "flex"}, "service_tier"),
-                            ({"input": "hi", "top_logprobs": 3}, "top_logprobs"),
+                            ({"input": "hi", "service_tier": "priority"}, "service_tier"),
+                            ({"input": "hi", "top_logprobs": 21}, "top_logprobs"),
                             ({"input": [{"role": "user", "content": [
                                 {"type": "input_image", "image_url": "data:,"}]}]}, "input"),
                             ({"input": "hi", "tools": [{"type": "web_search"}]}, None),

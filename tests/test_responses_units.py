@@ -11,6 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 from gateway import openai_api as api
+from gateway.conversations import history
 from gateway.responses_api import ResponseCreate, messages_of, output_and_run
 from gateway.responses_framing import ResponseFramer, base_response
 from processors.conversation import runs
@@ -117,18 +118,45 @@ def test_results_before_or_after_the_answer_advance_the_run_once_in_call_order()
     assert decode(encode(request), ChatRequest).run == request.run
 
 
+def test_a_commentary_is_read_back_as_one_turn_with_the_calls_after_it():
+    call = {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"}
+    later = {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": "{}"}
+    answered = [{"type": "function_call_output", "call_id": c, "output": "sunny"} for c in ("c1", "c2")]
+    said = {"role": "assistant", "content": "Let me look."}
+    turns = {}
+    for phase in ("commentary", "final_answer", None):
+        body = ResponseCreate(model="m", input=[{"role": "user", "content": "weather?"},
+                                                {**said, "phase": phase}, call, later, *answered])
+        turns[phase] = [(m.role, m.content, [c.id for c in m.tool_calls]) for m in messages_of(body, "t")]
+    assert turns["commentary"] == [("user", "weather?", []), ("assistant", "Let me look.", ["c1", "c2"]),
+                                   ("tool", "sunny", []), ("tool", "sunny", [])]
+    assert turns["final_answer"] == turns[None] == [
+        ("user", "weather?", []), ("assistant", "Let me look.", []), ("assistant", "", ["c1", "c2"]),
+        ("tool", "sunny", []), ("tool", "sunny", [])]
+    stored = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "weather?"}]},
+              {"type": "message", "role": "assistant", "phase": "commentary",
+               "content": [{"type": "output_text", "text": "Let me look."}]}, call, answered[0]]
+    assert [len(m.tool_calls) for m in history(stored, "t")] == [0, 1, 0]  # a conversation's items alike
+    with pytest.raises(ValidationError):
+        ResponseCreate(model="m", input=[{"role": "user", "content": "x", "phase": "commentary"}])
+
+
 def test_input_items_become_messages_and_unknown_fields_are_named():
     body = ResponseCreate(model="m", instructions="be brief", input=[
         {"role": "user", "content": [{"type": "input_text", "text": "weather?"}]},
         {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
         {"type": "function_call_output", "call_id": "c1", "output": "sunny"}])
-    msgs = messages_of(body)
+    msgs = messages_of(body, "t")
     assert [m.role for m in msgs] == ["system", "user", "assistant", "tool"]
     assert msgs[2].tool_calls[0].id == "c1" and msgs[3].content == "sunny"
     with pytest.raises(api.APIError):
         messages_of(ResponseCreate(model="m", input=[{"type": "function_call_output", "call_id": "zz",
-                                                      "output": "x"}]))
-    assert ResponseCreate(model="m", input="x", conversation="conv_1").unsupported() == "conversation"
+                                                      "output": "x"}]), "t")
+    assert ResponseCreate(model="m", input="x", top_logprobs=2).unsupported() is None
+    assert ResponseCreate(model="m", input="x", prompt={"id": "p"}).unsupported() == "prompt"
+    assert ResponseCreate(model="m", input="x", conversation={"id": "conv_1"}).conversation_id == "conv_1"
+    with pytest.raises(ValidationError):
+        ResponseCreate(model="m", input="x", conversation={"id": "conv_1", "title": "t"})
     assert ResponseCreate(model="m", input="x", whatever=1).unsupported() == "whatever"
     with pytest.raises(ValidationError):
         ResponseCreate(model="m", input="x", tools=[{"type": "code_interpreter", "container": "cntr_1"}])
@@ -206,3 +234,34 @@ def test_files_the_code_wrote_are_image_outputs_and_cited_by_the_answer():
          "start_index": 9, "end_index": 9} for f, name in (("cfile_p", "plot.png"), ("cfile_d", "data.csv"))]
     added = [e for e in out if e["type"] == "response.output_text.annotation.added"]
     assert [e["annotation_index"] for e in added] == [0, 1]
+
+
+async def test_truncation_disabled_refuses_a_whole_prompt_over_the_context_before_the_pipeline():
+    from gateway import context
+    from schemas import ChatMessage
+
+    await context.check_whole("smollm2", [ChatMessage(role="user", content="word " * 100)], 256)
+    with pytest.raises(api.APIError) as refused:
+        await context.check_whole("smollm2", [ChatMessage(role="user", content="word " * 9000),
+                                              ChatMessage(role="user", content="hi")], 256)
+    assert refused.value.status == 400 and refused.value.code == "context_length_exceeded"
+    assert refused.value.param == "input"
+
+
+
+def test_max_tool_calls_makes_one_call_a_step_and_ends_server_calls_when_spent():
+    tools = [{"type": "code_interpreter"}, {"type": "function", "name": "lookup", "parameters": {"type": "object"}}]
+    body = ResponseCreate(model="m", input="x", tools=tools, max_tool_calls=2)
+    output, spec = output_and_run(body.tools, body, 8)
+    assert output.parallel_tool_calls is False and spec.max_tool_calls == 2
+    assert spec.output_for(1, output).tool_choice == "auto" and not spec.output_for(1, output).allowed
+    spent = spec.output_for(2, output)  # two steps, two calls: only the client's function is left
+    assert spent.tool_choice == "auto" and [t.function.name for t in spent.callable_tools] == ["lookup"]
+    only_server = ResponseCreate(model="m", input="x", tools=tools[:1], max_tool_calls=1)
+    output, spec = output_and_run(only_server.tools, only_server, 8)
+    assert spec.output_for(1, output).tool_choice == "none"
+    unlimited = ResponseCreate(model="m", input="x", tools=tools[:1])
+    output, spec = output_and_run(unlimited.tools, unlimited, 8)
+    assert output.parallel_tool_calls is True and spec.output_for(5, output).tool_choice == "auto"
+    with pytest.raises(ValidationError):
+        ResponseCreate(model="m", input="x", max_tool_calls=0)

@@ -199,7 +199,7 @@ def tiny(tmp_path_factory):
     from gpu_workers.model_loader import load
     from gpu_workers.random_model import build
 
-    return load("tiny", build(tmp_path_factory.mktemp("tiny-model")))
+    return load("tiny", build(tmp_path_factory.mktemp("tiny-model")), dtype="float32")
 
 
 def test_stop_strings_never_cut_what_the_grammar_forces(tiny):

@@ -15,12 +15,12 @@ from gpu_workers.stops import StopMatcher
 
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
-    return load("tiny", build(tmp_path_factory.mktemp("tiny-model")))
+    return load("tiny", build(tmp_path_factory.mktemp("tiny-model")), dtype="float32")
 
 
 @pytest.fixture(scope="session")
 def smol():
-    return load("smollm2")
+    return load("smollm2", dtype="float32")
 
 
 def engine(loaded, blocks=256, block_size=16, **kw) -> Engine:
@@ -211,7 +211,7 @@ def test_stop_sequences_on_smollm2(smol):
 @pytest.mark.slow
 @pytest.mark.parametrize("quantization", ["8bit", "4bit"])
 def test_bitsandbytes_quantized_loading_on_cpu(quantization, smol):
-    q = load("smollm2", quantization=quantization)
+    q = load("smollm2", dtype="float32", quantization=quantization)
     assert type(q.model.get_decoder().layers[0].mlp.down_proj).__module__.startswith("bitsandbytes")
     assert q.model.get_memory_footprint() < 0.6 * smol.model.get_memory_footprint()
     s = greedy("q", chat(q.tokenizer, "What is the capital of France?"), 12)
@@ -299,3 +299,19 @@ def test_a_one_token_prefill_chunk_is_attended_as_the_decode_it_is(tiny):
     assert a.generated == run_alone(tiny, greedy("a", ids(4), 6))
     assert b.generated == run_alone(tiny, greedy("b", ids(10, start=300), 6))
     assert c.generated == run_alone(tiny, greedy("c", ids(3, start=900), 6))
+
+
+def test_auto_dtype_is_bf16_where_the_cpu_computes_in_it_natively():
+    import torch
+
+    from gpu_workers.model_loader import resolve_dtype
+
+    zen4 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\n"
+    sapphire = "flags\t\t: fpu avx2 avx512f amx_bf16 amx_tile amx_int8\n"
+    avx2 = "flags\t\t: fpu sse2 avx avx2 fma\n"
+    assert resolve_dtype("auto", "cpu", zen4) is torch.bfloat16
+    assert resolve_dtype("auto", "cpu", sapphire) is torch.bfloat16
+    assert resolve_dtype("auto", "cpu", avx2) is torch.float32  # bf16 emulated there: slower than fp32
+    assert resolve_dtype("auto", "cpu", "") is torch.float32
+    assert resolve_dtype("auto", "cuda", avx2) is torch.bfloat16
+    assert resolve_dtype("float32", "cpu", zen4) is torch.float32

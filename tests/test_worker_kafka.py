@@ -40,7 +40,7 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_loaded(tiny_dir):
-    return load("tiny", tiny_dir)
+    return load("tiny", tiny_dir, dtype="float32")
 
 
 def free_port() -> int:

@@ -17,7 +17,7 @@ from gpu_workers.sampling import sample
 
 @pytest.fixture(scope="module")
 def smol():
-    return load("smollm2")
+    return load("smollm2", dtype="float32")
 
 
 def row(**kw) -> Sequence:

@@ -17,12 +17,12 @@ from common.models import load_tokenizer
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    return load("tiny", build(tmp_path_factory.mktemp("tiny-model")))
+    return load("tiny", build(tmp_path_factory.mktemp("tiny-model")), dtype="float32")
 
 
 @pytest.fixture(scope="module")
 def smol():
-    return load("smollm2")
+    return load("smollm2", dtype="float32")
 
 
 def engine(loaded, blocks=256, **kw) -> Engine:
@@ -112,10 +112,14 @@ def test_turn_two_prefills_only_new_tokens_with_identical_greedy_output(tiny):
     assert a.cached_tokens == 0 and b0.cached_tokens == 0
     assert b.cached_tokens >= len(a.prompt_ids) // 16 * 16 and b.cached_tokens % 16 == 0
     assert b.cached_tokens < len(b.prompt_ids)
+    # what each prefill wrote into the cache: its prompt's full pages not there before (none without one)
+    assert a.cache_written == len(a.prompt_ids) // 16 * 16 and b0.cache_written == 0
+    assert b.cache_written == len(b.prompt_ids) // 16 * 16 - b.cached_tokens
     # another tenant with the very same conversation shares nothing
     c = Sequence("c", b.prompt_ids, max_tokens=5, temperature=0, tenant="other")
     with_reuse.generate([c])
     assert c.cached_tokens == 0 and c.generated == b.generated[:5]
+    assert c.cache_written == len(c.prompt_ids) // 16 * 16
 
 
 @pytest.mark.slow

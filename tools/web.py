@@ -19,6 +19,8 @@ from urllib.parse import urljoin, urlsplit
 
 import httpx
 
+from common.documents import readable
+
 from tools.base import ToolError
 from tools.config import ToolSettings
 
@@ -121,19 +123,3 @@ async def _fetch(url: str, cfg: ToolSettings) -> Page:
                 text, truncated = text[:cap], True
             return Page(url, response.status_code, kind or "unknown", text, truncated)
     raise ToolError(f"more than {cfg.web_max_redirects} redirects from {url}")
-
-
-def readable(html: str, url: str = "") -> str:
-    """The page's main text (trafilatura), or all its text when it finds no main part."""
-    import trafilatura
-
-    text = trafilatura.extract(html, url=url or None, include_comments=False, include_tables=True,
-                               favor_recall=True)
-    if text:
-        return text
-    from lxml import html as lhtml
-
-    try:
-        return " ".join(lhtml.fromstring(html).text_content().split())
-    except Exception:  # noqa: BLE001 - an empty or broken document has no text
-        return ""

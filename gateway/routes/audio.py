@@ -23,6 +23,7 @@ from starlette.datastructures import UploadFile
 from gateway import openai_api as api
 from gateway.auth import principal
 from gateway.deps import pipeline
+from gateway.file_objects import multipart_form
 from gateway.pipeline import Gateway
 from gateway.resume import new_request_id
 from gateway.transcripts import as_format, usage_of
@@ -98,13 +99,7 @@ TRANSCRIBE_FIELDS = {"file", "model", "language", "prompt", "response_format", "
 
 
 async def _form(request: Request, max_bytes: int) -> tuple[dict[str, list], bytes, str]:
-    if not request.headers.get("content-type", "").lower().startswith("multipart/form-data"):
-        raise api.APIError(400, "Send the recording as multipart/form-data with the fields `file` and `model`.",
-                           "invalid_request_error", code="unsupported_content_type")
-    try:
-        form = await request.form(max_files=1, max_fields=16, max_part_size=4096)
-    except Exception as exc:  # noqa: BLE001 - starlette's parser: malformed body or a limit
-        raise api.invalid_request(f"The multipart body could not be read: {exc}") from None
+    form = await multipart_form(request, "the recording with the fields `file` and `model`", 16, 4096)
     try:
         fields: dict[str, list] = {}
         for name, value in form.multi_items():
@@ -194,7 +189,8 @@ async def transcriptions(request: Request, gw: Gateway = Depends(pipeline), key:
     await gw.limiter.take(key, 0, rid)
     await gw.files_redis.set(K.speech_audio(rid), data, ex=RECORDING_TTL_S)
     job = SpeechJob(request_id=rid, conversation_id=rid, tenant=key.tenant, created_at=created_at, kind="transcribe",
-                    model=TRANSCRIBE_MODEL, reply_partition=partition, filename=filename[:255], transcribe=params)
+                    model=TRANSCRIBE_MODEL, reply_partition=partition, audio_key=K.speech_audio(rid),
+                    filename=filename[:255], transcribe=params)
     results = await _job(gw, job)
     if stream:
         return StreamingResponse(_transcript_events(gw, results), media_type="text/event-stream",

@@ -21,6 +21,8 @@ from gateway.chat_fields import refuse_unhonoured
 from gateway.deps import pipeline
 from gateway.framing import Framer
 from gateway.pipeline import Gateway
+from gateway.conversations import chat_items
+from gateway.stored_chats import completion_of
 from gateway.ratelimit import estimate_prompt_tokens
 from gateway.resume import NOTHING_SEEN, new_request_id
 from gateway.tool_params import BadField, check_tool_messages, output_spec
@@ -91,8 +93,9 @@ def output_of(body: api.ChatCompletionRequest) -> OutputSpec:
         raise api.invalid_request(str(exc), exc.param) from None
 
 
-def admit(gw: Gateway, model: str) -> None:
-    """Refuse before anything is written: not connected (503), too many streams or too much lag (429)."""
+def admit(gw: Gateway, model: str, share: float = 1.0) -> None:
+    """Refuse before anything is written: not connected (503), too many streams or too much lag (429; with
+    `share` < 1 already when the estimated wait passes that share of the budget)."""
     if gw.fanout is None or gw.producer is None:
         raise api.unavailable("The gateway is not connected to the inference pipeline yet.")
     if len(gw.fanout.streams) >= gw.cfg.max_active_streams:
@@ -100,7 +103,7 @@ def admit(gw: Gateway, model: str) -> None:
         raise api.APIError(429, f"This gateway instance holds {gw.cfg.max_active_streams} open streams; "
                                 "retry after 1s.", "rate_limit_error", code="rate_limit_exceeded",
                            headers={"Retry-After": "1"})
-    gw.admission.admit(model)  # 429 / 503 from the worker group's lag
+    gw.admission.admit(model, share)  # 429 / 503 from the worker group's lag
 
 
 async def _chat(gw: Gateway, body: api.ChatCompletionRequest, request: Request, key: ApiKey):
@@ -113,11 +116,18 @@ async def _chat(gw: Gateway, body: api.ChatCompletionRequest, request: Request, 
         raise api.invalid_request(f"The assistant preset `{body.assistant}` runs server tools; use POST /v1/responses "
                                   "with it.", "assistant")
     refuse_unhonoured(body)
+    if body.metadata and not body.store:
+        raise api.invalid_request("metadata is kept with a stored completion: send store true with it.", "metadata")
     # the tokenizer is loaded once per model, off the event loop (a first load can take seconds)
     vocab = await asyncio.to_thread(context.vocabulary, body.model) if body.logit_bias else None
     sampling = sampling_of(body, vocab)
     output = output_of(body)
-    messages = messages_of(body)
+    asked = messages_of(body)
+    conversation = api.conversation_of(body.conversation)
+    if conversation and body.conversation_id:
+        raise api.invalid_request("Send conversation or conversation_id, not both.", "conversation_id")
+    # a conversation's items come before the messages sent: the whole context, sent as such
+    messages = await gw.conversations.history(conversation, key.tenant) + asked if conversation else asked
     await context.check(body.model, messages, sampling.max_tokens,
                         "max_completion_tokens" if body.max_completion_tokens else "max_tokens", output)
     admit(gw, body.model)
@@ -132,18 +142,23 @@ async def _chat(gw: Gateway, body: api.ChatCompletionRequest, request: Request, 
             **ticket.note()}
     gw.inflight.track(rid, note)  # from here its slot is released and its usage counted when it ends
     try:
+        if conversation:
+            await gw.conversations.hold(conversation, rid)
         caches = await look_up(gw, key, body, messages, sampling)
     except BaseException:
         await gw.inflight.finish(rid, None)  # never reached the pipeline: nothing there will end it
+        if conversation:  # frees it if this request held it (another's hold is left alone)
+            await gw.conversations.release(conversation, rid)
         raise
     headers = {**ticket.headers, **caches.headers}
     started = time.monotonic()
-    event = ChatRequest(request_id=rid, conversation_id=body.conversation_id or rid, created_at=created_at,
+    event = ChatRequest(request_id=rid, conversation_id=conversation or body.conversation_id or rid,
+                        full_history=conversation is not None, created_at=created_at,
                         tenant=key.tenant, tier=key.tier, priority=key.priority, model=body.model,
                         messages=messages, sampling=sampling, output=output, stream=body.stream,
                         user=body.user or body.safety_identifier,
                         assistant=body.assistant, reply_partition=partition, gateway_id=gw.cfg.instance_id,
-                        screening=gw.cfg.screening)
+                        screening=gw.cfg.screening, cache_key=body.prompt_cache_key or "")
     include_usage = note["include_usage"]
     # the root of the request's trace (or the child of the client's W3C traceparent), ended with the answer
     span = tracing.hop(f"chat {body.model}", TraceContext.parse(request.headers.get("traceparent")),
@@ -165,6 +180,8 @@ async def _chat(gw: Gateway, body: api.ChatCompletionRequest, request: Request, 
     if isinstance(written, BaseException) or isinstance(generation, BaseException):
         fanout.unsubscribe(rid)
         await gw.inflight.finish(rid, None)
+        if conversation:
+            await gw.conversations.release(conversation, rid)
         exc = written if isinstance(written, BaseException) else generation
         span.fail(f"not handed to the pipeline: {exc or type(exc).__name__}", "unavailable")
         span.end()
@@ -177,10 +194,15 @@ async def _chat(gw: Gateway, body: api.ChatCompletionRequest, request: Request, 
             await caches.store(gw, key.tenant, body.model, Entry(
                 chunks=sent, finish_reason=done.finish_reason, request_id=rid,
                 prompt_tokens=done.usage.prompt_tokens, completion_tokens=done.usage.completion_tokens))
+        await _keep(gw, key.tenant, body, rid, created, done)
+        if conversation:  # in the conversation before the client sees the end, so its next turn reads it
+            await _into_conversation(gw, conversation, rid, asked, done)
 
     def cleanup() -> None:
         fanout.unsubscribe(rid)
         span.end()
+        if conversation:  # an answer its client left before the end is not kept; the conversation is free
+            gw.background(gw.conversations.release(conversation, rid))
 
     source = live_events(gw, stream, observe=lambda batch: observe(span, batch, body.model))
     if body.stream:
@@ -189,6 +211,31 @@ async def _chat(gw: Gateway, body: api.ChatCompletionRequest, request: Request, 
                             settle=settle, headers=headers)
     return await collect(gw, rid, body.model, created, source, generation, request,
                          cleanup=cleanup, settle=settle, headers=headers, logprobs=body.logprobs is True)
+
+
+async def _into_conversation(gw: Gateway, conversation: str, rid: str, asked: list[ChatMessage],
+                             done: Completion) -> None:
+    try:
+        if done.finish_reason not in ("error", "cancelled"):
+            await gw.conversations.append(conversation, chat_items(rid, asked, done))
+    except Exception as exc:  # noqa: BLE001 - the answer went out; only the conversation misses it
+        log.warning("chat completion %s not added to conversation %s: %s", rid, conversation, exc)
+    finally:
+        await gw.conversations.release(conversation, rid)
+
+
+async def _keep(gw: Gateway, tenant: str, body: api.ChatCompletionRequest, rid: str, created: int,
+                done: Completion) -> None:
+    """With store: the ended answer and its messages kept for GET /v1/chat/completions (its owner only)."""
+    if not body.store or done.finish_reason == "error":
+        return
+    cid = api.completion_id(rid)
+    asked = [{"id": f"{cid}-{i}", **m.model_dump(exclude_none=True)} for i, m in enumerate(body.messages)]
+    try:
+        await gw.stored_chats.keep(tenant, rid, completion_of(rid, created, body.model, done, body.metadata or {}),
+                                   asked)
+    except Exception as exc:  # noqa: BLE001 - the answer went out; only the stored copy is missing
+        log.warning("chat completion %s not stored: %s", rid, exc)
 
 
 def observe(span: tracing.Hop, batch: list[Event], model: str) -> None:
@@ -225,6 +272,7 @@ async def _from_cache(gw: Gateway, body: api.ChatCompletionRequest, request: Req
 
     async def settle(done: Completion, _: list[str]) -> None:
         await gw.inflight.finish(rid, done)  # unless the fan-out saw the hit's Completion on the log first
+        await _keep(gw, event.tenant, body, rid, note["created"], done)
 
     async def source() -> AsyncIterator[list[Event]]:
         for ev in events:

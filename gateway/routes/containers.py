@@ -19,7 +19,7 @@ from fastapi.responses import Response
 from gateway import openai_api as api
 from gateway.auth import principal
 from gateway.deps import pipeline
-from gateway.file_objects import check_order, page
+from gateway.file_objects import check_paging, page
 from gateway.pipeline import Gateway
 from schemas import keys as K
 from schemas.keys import ApiKey
@@ -57,9 +57,7 @@ async def get_container(container_id: str, gw: Gateway = Depends(pipeline), key:
 @router.get("/{container_id}/files")
 async def list_files(container_id: str, limit: int = 20, order: str = "desc", after: str | None = None,
                      gw: Gateway = Depends(pipeline), key: ApiKey = Depends(principal)):
-    check_order(order)
-    if not 1 <= limit <= 100:
-        raise api.invalid_request("limit must be from 1 to 100.", param="limit")
+    check_paging(order, limit)
     records = await _records(gw, key, container_id)
     objects = sorted((_file_object(container_id, r) for r in records.values()), key=lambda o: (o["created_at"], o["path"]))
     return page(objects, limit=limit, order=order, after=after, before=None)

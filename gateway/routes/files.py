@@ -16,7 +16,7 @@ from starlette.datastructures import UploadFile
 from gateway import openai_api as api
 from gateway.auth import principal
 from gateway.deps import pipeline
-from gateway.file_objects import announce, check_order, file_object, page, uploads_of
+from gateway.file_objects import announce, check_paging, file_object, multipart_form, page, uploads_of
 from gateway.pipeline import Gateway
 from gateway.uploads import QuotaExceeded
 from schemas.files import FILE_KINDS, PURPOSES, file_kind
@@ -66,13 +66,7 @@ def _checked(filename: str, data: bytes, max_bytes: int) -> str:
 @router.post("")
 async def upload(request: Request, gw: Gateway = Depends(pipeline), key: ApiKey = Depends(principal)) -> dict:
     uploads = uploads_of(gw)
-    if not request.headers.get("content-type", "").lower().startswith("multipart/form-data"):
-        raise api.APIError(400, "Upload a file as multipart/form-data with the fields `file` and `purpose`.",
-                           "invalid_request_error", code="unsupported_content_type")
-    try:
-        form = await request.form(max_files=1, max_fields=4, max_part_size=1024)
-    except Exception as exc:  # noqa: BLE001 - starlette's parser: malformed body or a limit
-        raise api.invalid_request(f"The multipart body could not be read: {exc}") from None
+    form = await multipart_form(request, "a file with the fields `file` and `purpose`", 4, 1024)
     try:
         unknown = sorted(set(form.keys()) - {"file", "purpose"})
         if unknown:
@@ -103,9 +97,7 @@ async def upload(request: Request, gw: Gateway = Depends(pipeline), key: ApiKey 
 @router.get("")
 async def list_files(purpose: str | None = None, limit: int = 10_000, order: str = "desc", after: str | None = None,
                      gw: Gateway = Depends(pipeline), key: ApiKey = Depends(principal)) -> dict:
-    check_order(order)
-    if not 1 <= limit <= 10_000:
-        raise api.invalid_request("limit must be from 1 to 10000.", param="limit")
+    check_paging(order, limit, most=10_000)
     records = await uploads_of(gw).files(key.tenant)
     objects = [file_object(r) for r in records if purpose is None or r["purpose"] == purpose]
     return page(objects, limit=limit, order=order, after=after, before=None)

@@ -22,6 +22,12 @@ async def index() -> FileResponse:
     return FileResponse(STATIC / "index.html", media_type="text/html")
 
 
+@router.get("/voice.js", include_in_schema=False)
+async def voice_script() -> FileResponse:
+    """The chat page's voice mode (hold to talk; the answer spoken as it streams)."""
+    return FileResponse(STATIC / "voice.js", media_type="text/javascript")
+
+
 @router.get("/health/live")
 async def live(gw: Gateway = Depends(pipeline)) -> dict:
     return {"status": "ok", "instance": gw.cfg.instance_id}

@@ -17,23 +17,21 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from typing import Literal
 
 from fastapi import APIRouter, Depends, Header
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import TypeAdapter, ValidationError
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
-from gateway import background, context
+from gateway import background, compaction, context
 from gateway import openai_api as api
 from gateway.answers import KeepAlive, live_events
+from gateway.input_files import read_files
 from gateway.auth import principal
 from gateway.deps import pipeline
 from gateway.pipeline import Gateway
 from gateway.ratelimit import estimate_prompt_tokens
 from gateway.resume import NOTHING_SEEN, new_request_id, parse_last_event_id, replay
-from gateway.file_objects import check_order, page
 from gateway.responses_api import ResponseCreate, ResponseTool, input_items, messages_of, output_and_run
 from gateway.responses_framing import ResponseFramer, base_response
 from gateway.routes.chat import admit
@@ -50,17 +48,19 @@ from topics import CHAT_REQUESTS
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1")
 DEFAULT_MAX_TOKENS = 256
+FLEX_PRIORITY = -1  # below the free tier's 0 (schemas.keys.TIER_PRIORITY)
+FLEX_SHARE = 0.25  # of the admission wait budget
 _tools = TypeAdapter(list[ResponseTool])
 
 
-def _run_id(response: str) -> str:
+def response_run_id(response: str) -> str:
     try:
         return run_id_of(response)
     except ValueError:
         raise api.not_found(f"No response with id {response!r}.") from None
 
 
-async def _owned(gw: Gateway, rid: str, response: str, tenant: str) -> dict:
+async def owned_response(gw: Gateway, rid: str, response: str, tenant: str) -> dict:
     meta = await gw.recall(rid)
     if meta == {}:
         raise api.unavailable("The owner of this response cannot be checked right now (Redis unreachable).")
@@ -89,7 +89,7 @@ def _sampling(body: ResponseCreate) -> SamplingParams:
                               temperature=1.0 if body.temperature is None else body.temperature,
                               top_p=1.0 if body.top_p is None else body.top_p,
                               presence_penalty=body.presence_penalty or 0.0,
-                              frequency_penalty=body.frequency_penalty or 0.0)
+                              frequency_penalty=body.frequency_penalty or 0.0, logprobs=body.logprobs_asked())
     except ValueError as exc:
         raise api.invalid_request(str(exc)) from None
 
@@ -98,16 +98,19 @@ def _echo(body: ResponseCreate, tools: list, sampling: SamplingParams) -> dict[s
     """The request fields a response object repeats."""
     choice = body.tool_choice if body.tool_choice is not None else ("auto" if tools else "none")
     return {"instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
-            "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "parallel_tool_calls": body.parallel_tool_calls is not False and body.max_tool_calls is None,
             "previous_response_id": body.previous_response_id, "store": body.store, "background": body.background,
             "temperature": sampling.temperature, "top_p": sampling.top_p,
             "presence_penalty": sampling.presence_penalty, "frequency_penalty": sampling.frequency_penalty,
-            "safety_identifier": body.safety_identifier,
+            "safety_identifier": body.safety_identifier, "prompt_cache_key": body.prompt_cache_key,
             "text": {"format": body.text.format.model_dump(by_alias=True, exclude_none=True)
                      if body.text and body.text.format else {"type": "text"}},
             "tool_choice": choice if isinstance(choice, str) else choice.model_dump(exclude_none=True),
             "tools": [_tool_echo(t) for t in tools], "user": body.user,
-            "metadata": body.metadata or {}, "assistant": body.assistant}
+            "metadata": body.metadata or {}, "assistant": body.assistant,
+            "conversation": {"id": body.conversation_id} if body.conversation is not None else None,
+            "truncation": body.truncation or "disabled", "max_tool_calls": body.max_tool_calls,
+            "top_logprobs": body.top_logprobs or 0, "service_tier": "flex" if flex(body) else "default"}
 
 
 def _tool_echo(tool) -> dict[str, Any]:
@@ -131,43 +134,65 @@ async def create(body: ResponseCreate, gw: Gateway = Depends(pipeline), key: K.A
     tools = [*_preset_tools(body.assistant), *(body.tools or [])]
     output, run = output_and_run(tools, body, gw.cfg.responses_max_steps)
     sampling = _sampling(body)
-    messages = messages_of(body)
-    conversation = None
+    conversation, earlier = await in_conversation(gw, body, key.tenant)
+    await read_files(gw, key.tenant, body)
+    messages = messages_of(body, key.tenant, earlier)
     if body.previous_response_id is not None:
-        before = await _owned(gw, _run_id(body.previous_response_id), body.previous_response_id, key.tenant)
+        before = await owned_response(gw, response_run_id(body.previous_response_id), body.previous_response_id, key.tenant)
         if not before.get("store"):
             raise api.APIError(404, f"Previous response {body.previous_response_id!r} was created with store "
                                     "false and cannot be continued.", "invalid_request_error",
                                param="previous_response_id", code="not_found")
         conversation = before["conversation_id"]
+    if body.context_management and body.previous_response_id is not None:
+        raise api.invalid_request("context_management compacts the history the request brings (its input, or its "
+                                  "conversation); a previous response's history is the conversation processor's.",
+                                  "context_management")
     await context.check(body.model, messages, sampling.max_tokens, "max_output_tokens", output)
-    admit(gw, body.model)
+    admit(gw, body.model, FLEX_SHARE if flex(body) else 1.0)
     partition, created_at = gw.reply_partition(), time.time()
     rid = new_request_id(partition, created_at)
-    ticket = await gw.limiter.take(key, estimate_prompt_tokens([m.content for m in messages]) + sampling.max_tokens,
-                                   rid, gw.cfg.max_streams(key.max_streams, key.tier), gw.cfg.stream_lease_s)
+    if body.conversation is not None:
+        await gw.conversations.hold(conversation, rid)
+    try:
+        messages, compacted = await _compacted(gw, key, body, messages, output)
+        if run.truncation == "disabled":
+            await context.check_whole(body.model, messages, sampling.max_tokens, output)
+        ticket = await gw.limiter.take(key, estimate_prompt_tokens([m.content for m in messages]) + sampling.max_tokens,
+                                       rid, gw.cfg.max_streams(key.max_streams, key.tier), gw.cfg.stream_lease_s)
+    except BaseException:
+        if body.conversation is not None:
+            await gw.conversations.release(conversation, rid)
+        raise
     conversation = conversation or rid
     event = ChatRequest(request_id=rid, conversation_id=conversation, created_at=created_at, tenant=key.tenant,
-                        tier=key.tier, priority=key.priority, model=body.model, messages=messages, sampling=sampling,
+                        tier=key.tier, priority=FLEX_PRIORITY if flex(body) else key.priority, model=body.model,
+                        messages=messages, sampling=sampling,
                         output=output, stream=body.stream, user=body.user or body.safety_identifier, assistant=body.assistant,
-                        reply_partition=partition, gateway_id=gw.cfg.instance_id, screening=gw.cfg.screening, run=run)
+                        reply_partition=partition, gateway_id=gw.cfg.instance_id, screening=gw.cfg.screening, run=run,
+                        full_history=body.conversation is not None, cache_key=body.prompt_cache_key or "")
     created = int(created_at)
     note = {"tenant": key.tenant, "model": body.model, "created": created, "conversation_id": conversation,
             "store": body.store, "background": body.background, "screening": gw.cfg.screening,
+            "in_conversation": body.conversation is not None, "compacted": compacted,
             "echo": _echo(body, tools, sampling),
             "run": {"server_tools": run.server_tools, "max_steps": run.max_steps,
                     "max_output_tokens": run.max_output_tokens}, **ticket.note()}
     gw.inflight.track(rid, note)  # its slot held while it runs; released, and usage counted, by _finish
     steps = tuple(step_request_id(rid, k) for k in range(1, run.max_steps))
     stream = gw.fanout.subscribe(rid, steps)
-    written, _, generation, _ = await asyncio.gather(
+    written, _, generation, kept_input = await asyncio.gather(
         asyncio.wait_for(publish(gw.producer, CHAT_REQUESTS, event,
                                  key=K.conversation_key(key.tenant, conversation)), timeout=10),
         gw.remember(rid, note), gw.canceller.attach(rid), _keep_input(gw, body, rid), return_exceptions=True)
-    if isinstance(written, BaseException) or isinstance(generation, BaseException):
+    kept = written if isinstance(written, BaseException) else generation if isinstance(
+        generation, BaseException) else kept_input if isinstance(kept_input, BaseException) and body.conversation else None
+    if kept is not None:
         gw.fanout.unsubscribe(rid)
         await gw.inflight.finish(rid, None)
-        exc = written if isinstance(written, BaseException) else generation
+        if body.conversation is not None:
+            await gw.conversations.release(conversation, rid)
+        exc = kept
         raise api.unavailable(f"Could not hand the request to the pipeline: {exc or type(exc).__name__}")
 
     source = live_events(gw, stream)
@@ -182,17 +207,68 @@ async def create(body: ResponseCreate, gw: Gateway = Depends(pipeline), key: K.A
         return _sse(gw, framer, source, NOTHING_SEEN, generation, note, cleanup, headers=ticket.headers)
     if not await background.fold(framer, source, cleanup):
         gw.canceller.no_progress(rid, generation)
+        gw.background(_finish_when_ended(gw, rid, note))
         raise api.APIError(504, f"The model made no progress for {gw.cfg.progress_timeout_s:.0f}s; the response "
                                 "was cancelled. Please retry.", "server_error", code="timeout")
     gw.canceller.release(rid)
-    gw.background(_finish(gw, rid, note, framer))
+    if body.conversation is not None:  # in the conversation before the client can send its next turn
+        await _finish(gw, rid, note, framer)
+    else:
+        gw.background(_finish(gw, rid, note, framer))
     return JSONResponse(framer.response, headers=ticket.headers)
+
+
+def flex(body: ResponseCreate) -> bool:
+    """`service_tier: "flex"`: below every tier at the workers, and admitted only while the model's queue is
+    short (a quarter of the wait budget); the response says it ran as flex."""
+    return body.service_tier == "flex"
+
+
+def summary_run(gw: Gateway, key: K.ApiKey, model: str):
+    """compaction.summarise's runner: a stored-false, greedy response run of this key through the pipeline."""
+    async def run(instructions: str, text: str, max_tokens: int) -> dict:
+        body = ResponseCreate(model=model, instructions=instructions, input=text, store=False, temperature=0,
+                              max_output_tokens=max_tokens)
+        return json.loads((await create(body, gw, key)).body)
+    return run
+
+
+async def _compacted(gw: Gateway, key: K.ApiKey, body: ResponseCreate, messages: list, output) -> tuple[list, dict | None]:
+    """With context_management: the history before the newest message condensed (the user's messages
+    kept, the model's summary for the rest) when the prompt would pass the threshold."""
+    if not body.context_management or len(messages) < 3 or messages[-1].role != "user":
+        return messages, None  # (a function's output answers a call the compaction would condense)
+    window = context.window(body.model)
+    threshold = body.context_management[0].compact_threshold or (window or 2048) * 3 // 4
+    try:
+        count = await asyncio.to_thread(lambda: len(prompt_ids(load_tokenizer(body.model), messages, output)))
+    except (OSError, ValueError):  # no tokenizer here for this model: the estimate the limits use
+        count = estimate_prompt_tokens([m.content for m in messages])
+    if count <= threshold:
+        return messages, None
+    summary, _ = await compaction.summarise(summary_run(gw, key, body.model), messages[:-1], window)
+    item = compaction.item(key.tenant, summary)
+    if body.conversation is not None:  # the conversation reads the item in place of what it condenses
+        await gw.conversations.append(body.conversation_id, [item])
+    return [*compaction.superseded(messages[:-1]), compaction.summary_message(summary), messages[-1]], item
+
+
+async def in_conversation(gw: Gateway, body: ResponseCreate, tenant: str) -> tuple[str | None, list]:
+    """The conversation the response runs in (its items as the history the model reads), if any."""
+    conv = body.conversation_id
+    if conv is None:
+        return None, []
+    if body.previous_response_id is not None:
+        raise api.invalid_request("Send conversation or previous_response_id, not both.", "previous_response_id")
+    if not body.store:
+        raise api.invalid_request("A response in a conversation is kept in it: store must be true.", "store")
+    return conv, await gw.conversations.history(conv, tenant)
 
 
 def _framer(rid: str, note: dict) -> ResponseFramer:
     spec = RunSpec(**note["run"])
     return ResponseFramer(rid, spec, base_response(rid, note["created"], note["model"], note["echo"]),
-                          note["conversation_id"])
+                          note["conversation_id"], preface=[note["compacted"]] if note.get("compacted") else [])
 
 
 async def _keep_input(gw: Gateway, body: ResponseCreate, rid: str) -> None:
@@ -207,18 +283,53 @@ def _finisher(gw: Gateway, note: dict) -> background.Finish:
 
 async def _finish(gw: Gateway, rid: str, note: dict, framer: ResponseFramer) -> None:
     """A run's end: its usage counted once (all steps), the response stored for GET when asked."""
-    prompt, completion, cached = framer.tokens
+    prompt, completion, cached, written = framer.tokens
     done = Completion(request_id=rid, seq=0, finish_reason="stop",
-                      usage=Usage(prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached))
+                      usage=Usage(prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached,
+                                  cache_write_tokens=written))
     if rid in gw.inflight:
         await gw.inflight.finish(rid, done)  # frees its open-request slot too
     else:  # read to its end through a resume on this instance: usage counted once, whichever instance
         await gw.limiter.settle_answer(rid, note, done)
+    if note.get("in_conversation"):  # before it is stored: a client that sees it ended may go on
+        await _into_conversation(gw, rid, note["conversation_id"], framer.response)
     if note.get("store") and gw.redis is not None:
         try:
             await gw.redis.set(K.stored_response(rid), json.dumps(framer.response), ex=K.RESPONSE_TTL_S)
         except Exception as exc:  # noqa: BLE001 - the answer went out; only GET misses it
             log.warning("response %s not stored: %s", rid, exc)
+
+
+async def _finish_when_ended(gw: Gateway, rid: str, note: dict) -> None:
+    """A run nobody follows any more (its client left, or it made no progress): read its state from the
+    log now and then until it has ended (resumed or cancelled), so that its conversation is freed then
+    rather than when the hold expires."""
+    delay = gw.cfg.cancel_grace_s + 1
+    deadline = time.monotonic() + K.CONVERSATION_BUSY_S
+    while time.monotonic() < deadline:
+        await asyncio.sleep(delay)
+        try:
+            state = await background.snapshot(gw, _framer(rid, note), note, _finisher(gw, note))
+        except Exception as exc:  # noqa: BLE001 - the log or Redis away: try again later
+            log.warning("response %s: its end not read yet: %s", rid, exc)
+            state = {}
+        if state.get("status") not in (None, "queued", "in_progress"):
+            return
+        delay = min(delay * 2, 60)
+
+
+async def _into_conversation(gw: Gateway, rid: str, conv: str, response: dict) -> None:
+    """The ended response's input and output items appended to its conversation (once: the ids are the
+    log's), then the conversation free for its next response."""
+    try:
+        raw = await gw.redis.get(K.response_input(rid))
+        await gw.conversations.append(conv, [*json.loads(raw or "[]"), *response["output"]])
+    except api.APIError as exc:  # deleted meanwhile, or full: the response stands on its own
+        log.warning("response %s not added to conversation %s: %s", rid, conv, exc.message)
+    except Exception as exc:  # noqa: BLE001 - the hold expires; a later GET of the response retries
+        log.warning("response %s not added to conversation %s yet: %s", rid, conv, exc)
+        return
+    await gw.conversations.release(conv, rid)
 
 
 def _sse(gw: Gateway, framer: ResponseFramer, source: AsyncIterator[list[Event]], last: int, generation: int,
@@ -234,7 +345,10 @@ def _sse(gw: Gateway, framer: ResponseFramer, source: AsyncIterator[list[Event]]
             for frame in frames(framer.start()):
                 yield frame
             async for batch in source:
-                for frame in frames(framer.feed(batch)):
+                shown = frames(framer.feed(batch))
+                if framer.done and note.get("in_conversation"):  # in it before the client sees the end
+                    await _into_conversation(gw, framer.run_id, note["conversation_id"], framer.response)
+                for frame in shown:
                     yield frame
                 if framer.done:
                     return
@@ -250,6 +364,8 @@ def _sse(gw: Gateway, framer: ResponseFramer, source: AsyncIterator[list[Event]]
                 gw.background(_finish(gw, framer.run_id, note, framer))
             else:
                 gw.canceller.detached(framer.run_id, generation)
+                if note.get("in_conversation"):  # the conversation waits for the run's end: see it here
+                    gw.background(_finish_when_ended(gw, framer.run_id, note))
 
     return EventSourceResponse(run(), ping=gw.cfg.ping_s, ping_message_factory=KeepAlive, headers={
         "Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
@@ -260,8 +376,8 @@ async def retrieve(response: str, stream: bool = False, starting_after: int | No
                    last_event_id: str | None = Header(None), gw: Gateway = Depends(pipeline),
                    key: K.ApiKey = Depends(principal)):
     """The stored response (store=true), or, with stream=true, its events replayed from the log."""
-    rid = _run_id(response)
-    meta = await _owned(gw, rid, response, key.tenant)
+    rid = response_run_id(response)
+    meta = await owned_response(gw, rid, response, key.tenant)
     if stream:
         try:
             last = parse_last_event_id(last_event_id, rid) if last_event_id else (
@@ -287,70 +403,11 @@ async def retrieve(response: str, stream: bool = False, starting_after: int | No
     return JSONResponse(_framer(rid, meta).response)  # still running: in_progress, no output yet
 
 
-class InputTokensRequest(api.UnicodeBody):
-    """`POST /v1/responses/input_tokens`: the fields that make a response's input."""
-
-    model_config = ConfigDict(extra="forbid")
-    model: str = Field(min_length=1, max_length=api.MAX_NAME_CHARS)
-    input: str | list[dict[str, Any]]
-    instructions: str | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
-    text: dict[str, Any] | None = None
-    truncation: Literal["auto"] | None = None
-    # refused by name: the history of a previous response or conversation is the conversation
-    # processor's, which the gateway does not read; the model does not reason
-    previous_response_id: str | None = None
-    conversation: str | dict[str, Any] | None = None
-    reasoning: dict[str, Any] | None = None
-
-
-@router.post("/responses/input_tokens")
-async def input_tokens(body: InputTokensRequest, gw: Gateway = Depends(pipeline)):
-    """How many tokens the model would read for this input: instructions, input items, and the tools and
-    format as the worker writes them into the prompt (schemas/prompt.py)."""
-    if body.model not in gw.cfg.models:
-        raise api.model_not_found(body.model)
-    for name in ("previous_response_id", "conversation", "reasoning"):
-        if getattr(body, name) is not None:
-            raise api.invalid_request(f"`{name}` is not supported when counting input tokens: only the input "
-                                      "sent is counted here.", name)
-    try:
-        request = ResponseCreate.model_validate(body.model_dump(exclude_none=True))
-    except ValidationError as exc:
-        raise RequestValidationError(exc.errors()) from None
-    output, _ = output_and_run(request.tools or [], request, gw.cfg.responses_max_steps)
-    messages = messages_of(request)
-    try:
-        count = await asyncio.to_thread(lambda: len(prompt_ids(load_tokenizer(body.model), messages, output)))
-    except (OSError, ValueError):
-        raise api.APIError(400, f"This gateway has no tokenizer for `{body.model}` to count with.",
-                           "invalid_request_error", param="model", code="tokenizer_unavailable") from None
-    return {"object": "response.input_tokens", "input_tokens": count}
-
-
-@router.get("/responses/{response}/input_items")
-async def list_input_items(response: str, limit: int = 20, order: str = "desc", after: str | None = None,
-                           before: str | None = None, gw: Gateway = Depends(pipeline),
-                           key: K.ApiKey = Depends(principal)):
-    """The input items of a stored response, in OpenAI's list shape."""
-    rid = _run_id(response)
-    meta = await _owned(gw, rid, response, key.tenant)
-    raw = await gw.redis.get(K.response_input(rid)) if meta.get("store") and gw.redis is not None else None
-    if raw is None:
-        raise api.not_found(f"Response {response!r} has no stored input (created with store false, or expired).")
-    check_order(order)
-    if not 1 <= limit <= 100:
-        raise api.invalid_request("limit must be from 1 to 100.", param="limit")
-    return page(json.loads(raw), limit=limit, order=order, after=after, before=before)
-
-
 @router.post("/responses/{response}/cancel")
 async def cancel(response: str, gw: Gateway = Depends(pipeline), key: K.ApiKey = Depends(principal)):
     """Cancel a background response (OpenAI cancels background responses only)."""
-    rid = _run_id(response)
-    meta = await _owned(gw, rid, response, key.tenant)
+    rid = response_run_id(response)
+    meta = await owned_response(gw, rid, response, key.tenant)
     if not meta.get("background"):
         raise api.invalid_request("Only a response created with background true can be cancelled.", "response")
     kept = await background.stored(gw, rid)
@@ -363,7 +420,7 @@ async def cancel(response: str, gw: Gateway = Depends(pipeline), key: K.ApiKey =
 async def delete(response: str, gw: Gateway = Depends(pipeline), key: K.ApiKey = Depends(principal)):
     """Forget a stored response: GET and previous_response_id answer 404 from now on (its events stay on
     the log for their retention, as every event does)."""
-    rid = _run_id(response)
-    await _owned(gw, rid, response, key.tenant)
+    rid = response_run_id(response)
+    await owned_response(gw, rid, response, key.tenant)
     await gw.redis.delete(K.stored_response(rid), K.response_input(rid), K.gateway_request(rid))
     return {"id": response, "object": "response", "deleted": True}

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from gateway import openai_api as api
 from gateway.auth import principal
 from gateway.deps import pipeline
-from gateway.file_objects import announce, check_order, page, store_file_object, store_object, uploads_of
+from gateway.file_objects import announce, check_paging, page, store_file_object, store_object, uploads_of
 from gateway.pipeline import Gateway
 from gateway.routes.files import owned as owned_file
 from gateway.searches import SearchTimeout
@@ -45,12 +45,6 @@ class Chunking(BaseModel):
     type: Literal["auto"] = Field(description="only the built-in chunking (\"auto\") is supported")
 
 
-def _metadata(v: dict[str, str] | None) -> dict[str, str] | None:
-    if v is not None and (len(v) > 16 or any(len(k) > 64 or len(x) > 512 for k, x in v.items())):
-        raise ValueError("metadata holds at most 16 pairs, keys of at most 64 and values of at most 512 characters")
-    return v
-
-
 def _unsupported(v: Any, info: ValidationInfo) -> Any:
     if v is not None:
         raise ValueError(f"{info.field_name} is not supported here")
@@ -64,7 +58,7 @@ class CreateStore(Body):
     metadata: dict[str, str] | None = None
     chunking_strategy: Chunking | None = None
     expires_after: Any = Field(None, description="expiry is not supported: delete a store when done")
-    check_metadata = field_validator("metadata")(_metadata)
+    check_metadata = field_validator("metadata")(api.check_metadata)
     check_unsupported = field_validator("expires_after")(_unsupported)
 
 
@@ -72,7 +66,7 @@ class UpdateStore(Body):
     name: str | None = Field(None, max_length=256)
     metadata: dict[str, str] | None = None
     expires_after: Any = Field(None, description="expiry is not supported")
-    check_metadata = field_validator("metadata")(_metadata)
+    check_metadata = field_validator("metadata")(api.check_metadata)
     check_unsupported = field_validator("expires_after")(_unsupported)
 
 
@@ -161,9 +155,7 @@ async def create_store(body: CreateStore, gw: Gateway = Depends(pipeline), key: 
 @router.get("")
 async def list_stores(limit: int = 20, order: str = "desc", after: str | None = None, before: str | None = None,
                       gw: Gateway = Depends(pipeline), key: ApiKey = Depends(principal)) -> dict:
-    check_order(order)
-    if not 1 <= limit <= 100:
-        raise api.invalid_request("limit must be from 1 to 100.", param="limit")
+    check_paging(order, limit)
     stores = [await shown(gw, r) for r in await uploads_of(gw).stores(key.tenant)]
     return page(stores, limit=limit, order=order, after=after, before=before)
 
@@ -208,9 +200,7 @@ async def add_file(vs_id: str, body: AddFile, gw: Gateway = Depends(pipeline), k
 async def list_store_files(vs_id: str, limit: int = 20, order: str = "desc", after: str | None = None,
                            before: str | None = None, filter: str | None = None,  # noqa: A002 - OpenAI's name
                            gw: Gateway = Depends(pipeline), key: ApiKey = Depends(principal)) -> dict:
-    check_order(order)
-    if not 1 <= limit <= 100:
-        raise api.invalid_request("limit must be from 1 to 100.", param="limit")
+    check_paging(order, limit)
     if filter is not None and filter not in STORE_FILE_STATES:
         raise api.invalid_request(f"filter must be one of {', '.join(STORE_FILE_STATES)}.", param="filter")
     await owned(gw, key, vs_id)

@@ -108,7 +108,8 @@ async def _refuse(request: ChatRequest, reason: str, trace, code: str) -> None:
 
 async def _prepare(request: ChatRequest, state: ConversationHistory, trace) -> bool:
     """Emit the inference request for `request`; False when it was refused instead."""
-    messages, model, sampling = merge(state.messages, request.messages), request.model, request.sampling
+    kept = [] if request.full_history else state.messages
+    messages, model, sampling = merge(kept, request.messages), request.model, request.sampling
     if request.assistant:
         preset = presets().get(request.assistant)
         if preset is None:
@@ -131,6 +132,11 @@ async def _prepare(request: ChatRequest, state: ConversationHistory, trace) -> b
     except PromptTooLong as exc:
         await _refuse(request, f"{exc} (context window {window} tokens)", trace, "context_length_exceeded")
         return False
+    spec = request.run or (state.run.spec if state.run is not None else None)
+    if dropped and spec is not None and spec.truncation == "disabled":
+        await _refuse(request, f"the conversation takes more than the context window ({window} tokens, the answer's "
+                               f"room included) and truncation is disabled", trace, "context_length_exceeded")
+        return False
     state.messages = bounded(messages, cfg.max_history_messages)
     state.pending_request_id, state.pending_since = request.request_id, time.time()
     if request.run is not None:
@@ -139,7 +145,7 @@ async def _prepare(request: ChatRequest, state: ConversationHistory, trace) -> b
         request_id=request.request_id, conversation_id=request.conversation_id, tenant=request.tenant,
         model=model, messages=prompt, sampling=sampling, output=request.output,
         reply_partition=request.reply_partition, dropped_messages=dropped, admitted_at=request.created_at,
-        screening=request.screening, tier=request.tier, priority=request.priority)
+        screening=request.screening, tier=request.tier, priority=request.priority, cache_key=request.cache_key)
     # after a restart the request may have been emitted already: then only the table row is rebuilt
     await ledger.once("prepared", request.request_id,
                       lambda: send(prepared_out, PREPARED, prepared, key=request.request_id, trace=trace))
@@ -154,7 +160,7 @@ async def _on_request(request: ChatRequest, state: ConversationHistory, trace) -
     state.seen_request_ids = [*state.seen_request_ids[-(SEEN_KEPT - 1):], request.request_id]
     if state.parked and not _busy(state):  # given up on that answer: the turns waiting for it end first
         await _give_up(state, trace)
-    if _busy(state) and not carries_full_history(request.messages):
+    if _busy(state) and not (request.full_history or carries_full_history(request.messages)):
         state.parked.append(request)  # its history needs the answer (or the run) still being generated
         return
     state.run = None  # a run that stopped waiting long ago is abandoned

@@ -24,6 +24,7 @@ def start(request: ChatRequest) -> RunState:
     return RunState(run_id=request.request_id, spec=request.run, model=request.model, sampling=request.sampling,
                     output=request.output, assistant=request.assistant, reply_partition=request.reply_partition,
                     screening=request.screening, tier=request.tier, priority=request.priority,
+                    cache_key=request.cache_key,
                     admitted_at=request.created_at, since=time.time())
 
 
@@ -78,7 +79,7 @@ def next_step(run: RunState, conversation_id: str, tenant: str) -> ChatRequest:
                        model=run.model, messages=[], sampling=_within_budget(run),
                        output=run.spec.output_for(run.step, run.output), assistant=run.assistant,
                        reply_partition=run.reply_partition, screening=run.screening, tier=run.tier,
-                       priority=run.priority)
+                       priority=run.priority, cache_key=run.cache_key)
 
 
 def _within_budget(run: RunState) -> SamplingParams:

@@ -18,7 +18,7 @@ from processors.effects import Ledger
 from processors.faust_app import make_app, send, topic, traced, typed
 from processors.router.config import Route, RouterSettings
 from processors.router.policy import decide
-from processors.router.prefixes import PrefixMap
+from processors.router.prefixes import Placement, PrefixMap, by_cache_key
 from producers import start_consumer
 from producers.consume import caught_up
 from producers.lag import LagSampler
@@ -176,10 +176,11 @@ async def forward(request: InferenceRequest, span: tracing.Hop) -> None:
         return
     spec = inference_topic(decision.target)
     out = _outputs.get(spec.name) or _outputs.setdefault(spec.name, topic(app, spec))
-    place = await placement(request, decision.target) if cfg.prefix_routing else None
-    if place is not None:
-        span.set({"tokenstream.route.prefix": place.reason, "tokenstream.route.prefix_worker": place.worker_id})
+    # a held prefix first (when prefix routing is on), else the client's prompt_cache_key, else the key
+    place = await placement(request, decision.target) if cfg.prefix_routing else Placement(None, "off")
+    place = by_cache_key(place, request, decision.target, spec.partitions)
+    span.set({"tokenstream.route.prefix": place.reason, "tokenstream.route.prefix_worker": place.worker_id})
     await send(out, spec, msgspec.structs.replace(request, model=decision.target), key=request.request_id,
-               partition=place.partition if place is not None else None, trace=trace)
+               partition=place.partition, trace=trace)
     log.debug("routed %s: %s -> %s (%s; prefix: %s)", request.request_id, request.model, decision.target,
-              decision.reason, place.reason if place is not None else "off")
+              decision.reason, place.reason)

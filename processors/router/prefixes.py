@@ -6,6 +6,10 @@ worker's partitions, unless the worker is overloaded (as many requests waiting a
 or silent (no heartbeat for `stale_s`: dead, or cut off); otherwise, and for every first turn, the
 partition is left to the key (the request id), as without this. Which of the holder's partitions
 is fixed by the request id, so a replay routes as the first run did while the map is the same.
+
+A request with a cache key (the client's prompt_cache_key) that no known prefix places goes to the
+partition its tenant, model and key name: requests sharing a key (a long common system prompt, a
+document asked about many times) meet on one worker, whose prefix cache holds that prompt once.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ from schemas import InferenceRequest, PrefixHeld, WorkerLoad, conversation_diges
 @dataclass(frozen=True)
 class Placement:
     partition: int | None  # None: the key decides
-    reason: str  # "prefix", "no-prefix", "holder-overloaded", "holder-silent", "first-turn"
+    # "prefix", "cache-key", "no-prefix", "holder-overloaded", "holder-silent", "first-turn", "off"
+    reason: str
     worker_id: str = ""
 
 
@@ -41,7 +46,7 @@ class PrefixMap:
             self.loads[(event.model, event.worker_id)] = (event, now if now is not None else time.time())
 
     def place(self, request: InferenceRequest, target: str, now: float | None = None) -> Placement:
-        """Where `request`, routed to model `target`, should go."""
+        """Where `request`, routed to model `target`, should go by the prefixes held."""
         if len(request.messages) < 3:  # no earlier answer: nothing of it can be cached anywhere
             return Placement(None, "first-turn")
         digest = conversation_digest(request.tenant, target, list(request.messages[:-1]))
@@ -57,3 +62,12 @@ class PrefixMap:
             return Placement(None, "holder-overloaded", holder[1])
         pick = int.from_bytes(hashlib.sha256(request.request_id.encode()).digest()[:8], "big")
         return Placement(load.partitions[pick % len(load.partitions)], "prefix", holder[1])
+
+
+def by_cache_key(place: Placement, request: InferenceRequest, target: str, partitions: int) -> Placement:
+    """`place`, or where the request's cache key sends it when no prefix placed it: the partition its
+    tenant, model and key name (keys of different tenants meet only by chance)."""
+    if place.partition is not None or not request.cache_key or partitions < 1:
+        return place
+    name = hashlib.sha256(b"\0".join(part.encode() for part in (request.tenant, target, request.cache_key)))
+    return Placement(int.from_bytes(name.digest()[:8], "big") % partitions, "cache-key", place.worker_id)

@@ -1,50 +1,12 @@
-"""Text out of uploaded files (txt, md, pdf, html), and that text cut into overlapping chunks."""
+"""Uploaded files' text (common/documents.py) cut into overlapping chunks for the search index."""
 
 from __future__ import annotations
 
-import io
 import re
-from dataclasses import dataclass
 
-from schemas.files import MEDIA_TYPES as KINDS
-from schemas.files import file_kind
+from common.documents import Document, UnsupportedFile, extract, kind_of  # noqa: F401 - the search's readers
 
 SENTENCE = re.compile(r"[^.!?\n]+(?:[.!?]+[\"')\]]*|$)")
-
-
-class UnsupportedFile(ValueError):
-    pass
-
-
-@dataclass
-class Document:
-    text: str
-    pages: int  # PDF pages, or 1
-
-
-def kind_of(filename: str) -> str:
-    kind = file_kind(filename)
-    if kind is None:
-        raise UnsupportedFile(f"{filename!r}: only {', '.join(sorted(KINDS))} files are searched")
-    return kind
-
-
-def extract(filename: str, data: bytes) -> Document:
-    kind = kind_of(filename)
-    if kind == "pdf":
-        from pypdf import PdfReader
-
-        try:
-            reader = PdfReader(io.BytesIO(data))
-            return Document("\n\n".join(page.extract_text() or "" for page in reader.pages), len(reader.pages))
-        except Exception as exc:  # noqa: BLE001 - pypdf raises assorted errors on malformed files
-            raise UnsupportedFile(f"{filename!r} is not a readable PDF: {exc}") from None
-    text = data.decode("utf-8", errors="replace")
-    if kind == "html":
-        from tools.web import readable
-
-        text = readable(text)
-    return Document(text, 1)
 
 
 def chunks(text: str, max_words: int = 90, overlap_sentences: int = 1) -> list[str]:

@@ -19,7 +19,6 @@ import redis.asyncio as aioredis
 
 from producers import publish, start_consumer
 from schemas import SpeechAudio, SpeechDone, SpeechJob, TranscriptDone, TranscriptSegment
-from schemas import keys as K
 from schemas.speech import Word
 from common.config import settings
 from topics import TOKENS
@@ -36,7 +35,6 @@ class SpeechLoop(SerialConsumer):
     def __init__(self, redis_url: str | None = None) -> None:
         super().__init__()
         self.redis = aioredis.Redis.from_url(redis_url or settings().redis_url)
-        self.jobs_done = 0
 
     async def _send(self, job: SpeechJob, event) -> asyncio.Future:
         return await publish(self.producer, TOKENS, event, key=job.request_id, partition=job.reply_partition,
@@ -48,7 +46,7 @@ class SpeechLoop(SerialConsumer):
     async def transcribe(self, job: SpeechJob) -> str:
         from tools.speech.recognize import transcribe
 
-        audio = await self.redis.get(K.speech_audio(job.request_id))
+        audio = await self.redis.get(job.audio_key) if job.audio_key else None
         acks, seq, started = [], 0, time.monotonic()
         if audio is None:
             acks.append(await self._send(job, TranscriptDone(**self._ids(job), seq=0, error="the recording is gone "
@@ -92,7 +90,7 @@ class SpeechLoop(SerialConsumer):
             language=recording.language if recording else "", seconds=seconds,
             duration_s=recording.duration_s if recording else 0.0)))
         await asyncio.gather(*acks)
-        await self.redis.delete(K.speech_audio(job.request_id))
+        await self.redis.delete(job.audio_key)
         if error:
             return f"failed: {error}"
         return f"{seq} segments of {recording.duration_s:.1f} s in {seconds:.2f} s"
@@ -123,9 +121,7 @@ class SpeechLoop(SerialConsumer):
         return f"failed: {error}" if error else f"{total} bytes of {params.format}, {samples / RATE:.1f} s of speech"
 
     async def handle(self, job: SpeechJob) -> str:
-        done = await (self.transcribe(job) if job.kind == "transcribe" else self.speak(job))
-        self.jobs_done += 1
-        return done
+        return await (self.transcribe(job) if job.kind == "transcribe" else self.speak(job))
 
     async def subscribe(self):
         return await start_consumer(SPEECH_JOBS, group=SPEECH_GROUP, **ONE_AT_A_TIME)
