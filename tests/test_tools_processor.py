@@ -10,16 +10,17 @@ import os
 import signal
 import time
 
+import msgspec
 import openai
 import redis
 
-from producers import decode_record, start_consumer
+from producers import decode_record, publish, start_consumer
 from schemas import ToolResult, encode
 from schemas import keys as K
 from schemas.keys import tool_result
 from tests.tool_support import code_call, sandbox_root, serving, tools_env
 from tools.sandbox import folder_name
-from topics.registry import DEAD_LETTER
+from topics.registry import DEAD_LETTER, TOOL_RESULTS
 
 
 async def test_code_runs_and_the_folder_persists_within_a_conversation_only(roles, bootstrap):
@@ -108,10 +109,23 @@ async def test_a_call_read_twice_runs_once_a_completed_one_is_replayed_and_bad_e
         r = redis.Redis.from_url(stack.redis.address)
         r.set(tool_result(completed.call_id), encode(stored))
         await bus.send(completed)
+        # ...and one whose processor died after the broker took its result, before the published mark:
+        # the result is found in the log and marked, not written again (a call behind it, same key, marks
+        # when it was handled: calls of one partition run in order)
+        written = code_call("open('ran', 'w').write('again')")
+        kept = msgspec.structs.replace(stored, request_id=written.request_id, call_id=written.call_id,
+                                       conversation_id=written.conversation_id, output='{"value": 1}')
+        r.set(tool_result(written.call_id), encode(kept))
+        await publish(bus.producer, TOOL_RESULTS, kept, key=written.request_id)
+        await bus.send(written)
+        behind = code_call("2", request_id=written.request_id)
+        await bus.send(behind)
         sentinel = code_call("1")
         await bus.send(sentinel)  # on its own partition maybe; wait for it and the call
-        got = await bus.wait([call.call_id, sentinel.call_id, completed.call_id])
+        got = await bus.wait([call.call_id, sentinel.call_id, completed.call_id, behind.call_id])
         assert got[completed.call_id].output == '{"value": "stored"}'
+        assert bus.count(written.call_id) == 1 and r.exists(K.tool_published(written.call_id))
+        assert not (root / folder_name("t-test", written.conversation_id) / "ran").exists()
         assert not (root / folder_name("t-test", completed.conversation_id) / "ran").exists()
         folder = root / folder_name("t-test", call.conversation_id)
         deadline = time.monotonic() + 30

@@ -10,8 +10,11 @@
                a processor that dies after this replays the stored result, it never re-runs.
     published  set after the broker acknowledged the result; a call read again is then skipped.
 
-Only a process killed between the acknowledgement and the `published` mark (one Redis round trip)
-publishes a result twice, and then the same result (same call id, same output).
+Replaying a stored result takes the claim too, and a result stored but not marked is first looked
+for in the log (tools/published_check.py): a process killed between the broker's acknowledgement
+and the `published` mark does not make its result written twice. Only a processor stalled past its
+lease (not dead) can still publish a result another has published, and then the same result (same
+call id, same output).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ them). Calls of one partition run in order, partitions run side by side (at most
 `concurrency` calls at once). A call's offset is committed only after its result is
 acknowledged by the broker, so a processor that dies mid-call leaves it to the next one; the
 ledger (tools/ledger.py) makes sure a call runs to completion once and its result is replayed,
-never recomputed. Calls naming a tool this processor does not serve (function tools, answered
+never recomputed, and never published twice (tools/published_check.py). Calls naming a tool this processor does not serve (function tools, answered
 by the client) are passed over.
 """
 
@@ -27,6 +27,7 @@ from common.config import settings
 from tools.base import Outcome, Tool, ToolError, ToolUnavailable, builtin_tools
 from tools.config import ToolSettings, tool_settings
 from tools.ledger import CallLedger
+from tools.published_check import in_log
 from topics.registry import TOOL_CALLS, TOOL_RESULTS, processor_group
 
 GROUP = processor_group("tools")
@@ -69,26 +70,32 @@ class ToolProcessor:
         self.producer = self.consumer = None
         self.watch: GroupWatch | None = None  # the consumer's standing in its group, for /health/ready
 
-    async def handle(self, call: ToolCall, key: str, trace: TraceContext | None = None) -> str:
-        """Bring `call` to a published result; returns what happened (for the log)."""
-        if await self.ledger.published(call.call_id):
-            return "already published"
+    async def handle(self, call: ToolCall, key: str, trace: TraceContext | None = None, since_ms: int = 0) -> str:
+        """Bring `call` (written at `since_ms`) to a published result; returns what happened (for the log).
+
+        Running a call and replaying its stored result both need the claim, so while another live
+        processor runs or publishes it this one waits, then finds it published."""
         while True:
-            stored = await self.ledger.result(call.call_id)
-            if stored is not None:
-                await self._publish(stored, key, trace)
-                return "replayed"
+            if await self.ledger.published(call.call_id):
+                return "already published"
             if await self.ledger.claim(call.call_id):
                 break
-            await asyncio.sleep(min(1.0, self.cfg.claim_lease_s / 4))  # another live processor runs it
+            await asyncio.sleep(min(1.0, self.cfg.claim_lease_s / 4))  # another live processor holds it
         try:
+            stored = await self.ledger.result(call.call_id)
+            if stored is not None:  # its processor died after the run: publish the result it stored
+                if await in_log(call.call_id, key, since_ms):  # ...unless the broker has it already
+                    await self.ledger.mark_published(call.call_id)
+                    return "found published in the log"
+                await self._publish(stored, key, trace)
+                return "replayed"
             async with self.slots, self.ledger.holding(call.call_id):
                 result = await run_tool(self.tools[call.name], call, self.cfg.call_timeout_s)
             result = await self.ledger.complete(result)
+            await self._publish(result, key, trace)
         except BaseException:
             await asyncio.shield(self.ledger.release(call.call_id))
             raise
-        await self._publish(result, key, trace)
         return "ran" if result.ok else f"ran, failed: {result.error}"
 
     async def _publish(self, result: ToolResult, key: str, trace: TraceContext | None = None) -> None:
@@ -108,7 +115,7 @@ class ToolProcessor:
                                  attributes={**tracing.tool_attributes(call),
                                              **tracing.record_attributes(tp.topic, tp.partition, record.offset,
                                                                          GROUP)}) as span:
-                    what = await self.handle(call, key, span.trace)
+                    what = await self.handle(call, key, span.trace, since_ms=record.timestamp)
                     span.set({"tokenstream.tool.outcome": what})
                 log.info("call %s (%s) of %s: %s", call.call_id, call.name, call.request_id, what)
             if not await commit_past(self.consumer, tp, record.offset, log):
