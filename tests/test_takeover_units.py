@@ -70,6 +70,35 @@ async def test_a_survivor_commits_nothing_when_the_rebalance_took_every_partitio
     assert [{tp.partition: o.offset for tp, o in c.items()} for c in thread.consumer.committed] == [{0: 7}]
 
 
+class _Recovering:
+    """What faust's Recovery._seek_offsets asks of a consumer: seek_wait, checked as aiokafka's seek checks."""
+
+    def __init__(self) -> None:
+        self.sought: dict = {}
+
+    async def seek_wait(self, offsets: dict) -> None:
+        for tp, offset in offsets.items():
+            if not (isinstance(offset, int) and offset >= 0):
+                raise ValueError("Offset must be a positive integer")  # aiokafka's AIOKafkaConsumer.seek
+            self.sought[tp] = offset
+
+
+async def test_recovery_seeks_a_standby_changelog_without_an_offset_from_its_start():
+    """faust's table recovery sought a standby partition it had built no offset for to None, and the
+    processor crashed (guarantees.md, the recovery crash); now it starts that partition at 0, as faust
+    does for -1, and leaves the offsets it knows alone."""
+    from collections import Counter
+
+    from faust.tables.recovery import Recovery
+
+    make_app("safety")  # installs the fix
+    unread, read, fresh = (TP("ts-safety-windows-changelog", p) for p in (0, 1, 2))
+    consumer = _Recovering()
+    offsets = Counter({unread: None, read: 41, fresh: -1})
+    await Recovery._seek_offsets(object(), consumer, {unread, read, fresh}, offsets, "standby")
+    assert consumer.sought == {unread: 0, read: 41, fresh: 0}
+
+
 def test_every_member_is_replaced_within_the_session_timeout(monkeypatch):
     monkeypatch.setenv("TOKENSTREAM_KAFKA_SESSION_TIMEOUT_S", "3")
     settings.cache_clear()
