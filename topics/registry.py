@@ -246,7 +246,10 @@ TOOL_RESULTS = TopicSpec(
     writers=(Writer(Role.TOOLS, "one result per server-tool ToolCall, keyed like the call"),),
     readers=(Reader(Role.CONVERSATION, CONVERSATION_GROUP, FAUST_COMMIT, "the results, re-keyed to the turns"),
              Reader(Role.GATEWAY, None, "every partition from the end while it waits on its own search calls; "
-                    "nothing committed", "vector store search"), AUDITOR),
+                    "nothing committed", "vector store search"),
+             Reader(Role.TOOLS, None, "the key's partition from the call's time, before a stored result is "
+                    "replayed (written already by a processor killed before its mark?); nothing committed",
+                    "a replay checked against the log"), AUDITOR),
 )
 INGEST_GROUP = processor_group("ingest")
 FILE_INGEST = TopicSpec(
