@@ -87,6 +87,10 @@ class Worker:
         self.group = f"worker.{cfg.model}"
         self.tracker = OffsetTracker()
         self.takeover_below: dict[TopicPartition, int] = {}
+        # partitions of the current assignment whose takeover point assigned() has settled: aiokafka
+        # fetches a newly assigned partition before that callback has run, and a request fetched from
+        # one that is not settled yet may have been started by the previous owner (it is looked up)
+        self.settled: set[TopicPartition] = set()
         self.owned: dict[str, tuple[TopicPartition, int, InferenceRequest, Sequence]] = {}
         # Request ids this worker completed lately: an upstream processor that re-emits a request
         # after a crash (see processors/effects.py) must not have it generated twice.
@@ -182,6 +186,7 @@ class Worker:
         if fresh:
             ends = await self.consumer.end_offsets(list(fresh))
             self.takeover_below.update(ends)  # anything below may have been started by a previous owner
+        self.settled = set(tps)
         log.info("worker %s assigned %d partitions of %s (generation %d, %d kept through the rebalance)",
                  self.worker_id, len(tps), self.spec.name, generation, len(settled.kept))
         if not self.ready.is_set():
@@ -202,6 +207,7 @@ class Worker:
         """
         for tp in tps:
             self.epoch[tp] = self.epoch.get(tp, 0) + 1
+        self.settled -= tps
         self.handover.hold(tps)
         # Not waiting for the running step (seconds on a loaded host, which made the member miss the
         # rebalance timeout): only for a publish under way, so that what it queued is flushed too.
@@ -287,7 +293,7 @@ class Worker:
             parents[rid] = TraceContext.from_headers(rec.headers)
             taken.append((tp, rec.offset, request))
         resumed = [(r.request_id, r.reply_partition, r.created_at - self.cfg.takeover_margin_s)
-                   for tp, offset, r in taken if offset < self.takeover_below.get(tp, -1)]
+                   for tp, offset, r in taken if tp not in self.settled or offset < self.takeover_below.get(tp, -1)]
         emitted = await self.tokens.emitted(resumed) if resumed else {}
         for tp, offset, request in taken:
             if not self.tracker.tracks(tp, offset):

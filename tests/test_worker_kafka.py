@@ -586,6 +586,24 @@ async def test_a_request_fetched_while_its_partition_is_revoked_and_kept_is_star
     assert worker.tracker.tracks(tps[0], 9)  # its offset holds the commits until it completes
 
 
+async def test_a_request_fetched_before_its_new_partition_settles_is_taken_over_from_the_log(tiny_loaded):
+    """aiokafka fetches a newly assigned partition before the worker's assignment callback has read where
+    the previous owner stopped (the partition's end offsets): a request fetched in that window was started
+    afresh, and the log held two answers for it (the three-broker chaos drill, after a worker's kill -9:
+    the dead worker's chunks 0-5, then the new owner's 0-20 with other text). Until the callback has run,
+    a request of such a partition is looked up in the tokens topic. Unit test, stand-ins."""
+    worker, tps, _, _, _ = _held_worker(tiny_loaded, generation=6)
+    started: list = []
+    worker.engine.add = started.append
+    moved = request("tiny-units", "hello", 4)
+    worker.tokens = _token_log({moved.request_id: 3})  # the previous owner wrote chunks 0-2
+    new = TopicPartition(tps[0].topic, 5)  # assigned by this rebalance; assigned() has not run yet
+    record = SimpleNamespace(offset=2, value=encode(moved), key=moved.request_id.encode(), headers=[])
+    await worker._accept([(new, record)], dict(worker.epoch))
+    assert [s.request_id for s in started] == [moved.request_id]
+    assert started[0].next_seq == 3 and worker.chunks_written[moved.request_id] == 3  # continued after them
+
+
 def test_the_sticky_assignor_keeps_partitions_with_their_owner_and_reports_its_generation():
     """aiokafka's sticky assignor kept its member's state on the class and never learnt the generation;
     ours keeps both per consumer, so a survivor keeps its partitions when a member leaves, a member
