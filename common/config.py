@@ -24,6 +24,8 @@ class Settings(BaseSettings):
     kafka_controller_port: int | None = Field(None, description="KRaft controller port of `stack up` "
                                               "(default: the bootstrap port + 1)")
     kafka_replication: int = Field(1, ge=1, description="replication factor of created topics")
+    kafka_brokers: int = Field(1, ge=1, le=9, description="nodes of the local stack's Kafka (`stack up "
+                               "--brokers 3`: a three-node cluster on the bootstrap port and the next five)")
     kafka_session_timeout_s: float = Field(
         3.0, ge=1, le=300, description="how long a group member may stay silent before the broker hands its "
         "partitions to the others: the takeover time after a kill -9 (heartbeats every sixth of it); the "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from tokenstream.chaos.brokers import CLUSTER_FAULTS
 from tokenstream.chaos.cli import as_dict
 from tokenstream.chaos.drill import run
 
@@ -25,6 +26,22 @@ async def test_kill_each_role_and_restart_the_broker_under_load(tmp_path):
                        root=tmp_path)
     summary = as_dict(report)
     assert [f["kind"] for f in summary["faults"]] == ["kill -9"] * 5 + ["broker restart"], summary
+    assert summary["requests"]["admitted"] >= 10, summary
+    assert summary["lost"] == [] and summary["duplicated"] == [] and summary["unfinished"] == [], summary
+    assert summary["differs"] == [] and summary["log_inconsistent"] == [], summary
+    assert not any(summary["lag_left"].values()), summary
+    assert summary["running_left"] == 0, summary
+    assert all(f["recovery_s"] is not None for f in summary["faults"]), summary
+
+
+@pytest.mark.heavy
+@pytest.mark.timeout(1500)  # ten processes and three Kafka nodes; a rolling restart alone takes a minute
+async def test_a_three_node_cluster_under_load_loses_nothing_to_a_node_the_controller_or_a_rolling_restart(tmp_path):
+    """`tokenstream chaos --brokers 3` reduced: the cluster's three broker faults (kill -9 of a node, of the
+    active controller, a rolling restart of all three) under streaming load, and nothing else."""
+    report = await run(2.0, clients=2, max_tokens=16, schedule=("broker",) * 3, brokers=3, root=tmp_path)
+    summary = as_dict(report)
+    assert [f["kind"] for f in summary["faults"]] == list(CLUSTER_FAULTS), summary
     assert summary["requests"]["admitted"] >= 10, summary
     assert summary["lost"] == [] and summary["duplicated"] == [] and summary["unfinished"] == [], summary
     assert summary["differs"] == [] and summary["log_inconsistent"] == [], summary

@@ -38,9 +38,35 @@ def stack_install() -> None:
     _say("stack: installed (" + ", ".join(s.name for s in stack.services) + ")")
 
 
+BROKERS = typer.Option(None, "--brokers", min=1, max=9, help="Kafka nodes: 3 makes a cluster (replication 3, "
+                       "min.insync.replicas 2) on the bootstrap port and the five after it (default: "
+                       "TOKENSTREAM_KAFKA_BROKERS, 1)")
+
+
+def _brokers(brokers: int | None) -> None:
+    """Use `brokers` Kafka nodes from here on (None: as `stack up --brokers` last recorded, unless the
+    environment names the broker); point this process's clients, and the roles it starts, at every node
+    of a cluster, with its replication."""
+    import os
+
+    from tokenstream.stack.stack import use
+
+    record = Stack.default().folders[1] / "kafka-brokers"
+    if brokers is None and not {"TOKENSTREAM_KAFKA_BROKERS", "TOKENSTREAM_KAFKA_BOOTSTRAP"} & set(os.environ):
+        brokers = int(record.read_text()) if record.exists() else None
+    if brokers is not None:
+        use({"TOKENSTREAM_KAFKA_BROKERS": str(brokers)})
+        record.parent.mkdir(parents=True, exist_ok=True)
+        record.write_text(str(brokers))
+    if settings().kafka_brokers > 1:
+        use(Stack.default().kafka.environment())
+
+
 @stack_app.command("up")
-def stack_up() -> None:
+def stack_up(brokers: int | None = BROKERS) -> None:
     """Start Kafka, Redis and Weaviate (installing them on first use); harmless when already up."""
+    if brokers is not None:
+        _brokers(brokers)
     Stack.default().up(_say)
 
 
@@ -82,9 +108,9 @@ def _roles():
 
 
 @system_app.command("up")
-def system_up() -> None:
+def system_up(brokers: int | None = BROKERS) -> None:
     """Stack, topics, processors, a worker and the gateway; harmless when already up."""
-    stack_up()
+    stack_up(brokers)
     topics_apply(None)
     for role in _roles():
         role.start(_say)
@@ -303,6 +329,7 @@ def main() -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     kafka_auth.act_as(_broker_user(sys.argv[1:]))
+    _brokers(None)  # the local stack's cluster, when `stack up --brokers` made one
     _register()
     app()
 

@@ -18,6 +18,7 @@ from topics.registry import TopicSpec
 
 TOPIC_ALREADY_EXISTS = 36  # another `apply` created it between our list and create
 DYNAMIC_TOPIC_CONFIG = 1  # config_source of a value set on the topic itself
+MAX_COPIES = 3  # of a partition, when `apply` is not told: one per broker up to this
 
 
 @dataclass
@@ -40,9 +41,11 @@ def _admin(bootstrap: str) -> AIOKafkaAdminClient:
                                request_timeout_ms=30_000)
 
 
-async def apply(specs: list[TopicSpec], bootstrap: str, replication: int = 1) -> list[Change]:
+async def apply(specs: list[TopicSpec], bootstrap: str, replication: int | None = None) -> list[Change]:
     """Create missing topics; bring configs and partition counts of existing ones to the spec; on a
     broker with SASL, create the role users and the grants `specs` need (topics/access.py).
+
+    New topics get `replication` copies of each partition (None: one per broker, three at most).
 
     Idempotent: a second run reports every topic unchanged. Partitions only grow (Kafka
     cannot shrink them); configs not named in the spec go back to the broker default.
@@ -54,8 +57,11 @@ async def apply(specs: list[TopicSpec], bootstrap: str, replication: int = 1) ->
         changes: list[Change] = []
         missing = [s for s in specs if s.name not in existing]
         if missing:
+            if replication is None:
+                replication = min(MAX_COPIES, len((await admin.describe_cluster())["brokers"]))
             response = await admin.create_topics(
-                [NewTopic(s.name, s.partitions, replication, topic_configs=dict(s.configs)) for s in missing]
+                [NewTopic(s.name, s.partitions, replication, topic_configs=dict(s.configs))
+                 for s in missing]
             )
             _raise_errors(response.to_object()["topic_errors"], ignore={TOPIC_ALREADY_EXISTS})
             await _wait_for_leaders(admin, [s.name for s in missing])

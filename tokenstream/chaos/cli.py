@@ -11,7 +11,9 @@ def chaos(
     minutes: float = typer.Option(10.0, help="how long the load and the faults last"),
     clients: int = typer.Option(3, help="concurrent streaming users"),
     kills_per_role: int = typer.Option(20, help="kill -9 faults of each role (gateway, each processor, worker)"),
-    broker_restarts: int = typer.Option(3, help="broker restarts"),
+    broker_restarts: int = typer.Option(3, help="broker faults: a restart of the one broker; on a cluster, in "
+                                        "turn, kill -9 of a node, of the active controller, a rolling restart"),
+    brokers: int = typer.Option(1, min=1, max=9, help="Kafka nodes of the drill's stack (3: a cluster)"),
     stalls: int = typer.Option(3, help="clients that stop reading for a while mid-answer"),
     max_tokens: int = typer.Option(24, help="tokens per answer"),
     report_file: Path = typer.Option(None, "--report", help="also write the report as JSON here"),
@@ -25,7 +27,7 @@ def chaos(
     from tokenstream.chaos.drill import plan, run
 
     report = asyncio.run(run(minutes, clients=clients, max_tokens=max_tokens,
-                             schedule=plan(kills_per_role, broker_restarts, stalls),
+                             schedule=plan(kills_per_role, broker_restarts, stalls), brokers=brokers,
                              say=lambda m: print(m, flush=True)))
     print_report(report)
     if report_file is not None:

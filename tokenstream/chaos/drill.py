@@ -6,7 +6,8 @@ their stream ends with an error event. A supervisor starts again every process t
 back-off for one that keeps exiting by itself). Every `every_s` seconds one fault is injected, in
 turn (or, with `schedule`, exactly those faults spread evenly over the run):
   kill     kill -9 one process of a role (the roles in turn, a random instance);
-  broker   stop the broker (SIGTERM) and start it again;
+  broker   stop the broker (SIGTERM) and start it again; on a three-node cluster (`brokers=3`) kill -9
+           a node, kill -9 the active controller, or restart every node in turn (chaos/brokers.py);
   stall    the next request's client stops reading for `stall_s` seconds mid-answer.
 The faults start once a first answer is complete. Each kill's stall is the longest wait for a next
 token it caused (`_stalls`), beside the same measure over the quiet time before the first fault.
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import httpx
 
+from tokenstream.chaos.brokers import broker_fault
 from tokenstream.chaos.clients import Client, Outcome
 from tokenstream.chaos.verify import Verdict, drained, judge, read_answers
 
@@ -85,7 +87,8 @@ def plan(kills_per_role: int, broker_restarts: int, stalls: int) -> tuple[str, .
 
 async def run(minutes: float, *, clients: int = 3, every_s: float = 20.0, stall_s: float = 8.0, max_tokens: int = 24, deadline_s: float = 120.0,
               kinds: tuple[str, ...] = ("kill", "kill", "kill", "kill", "kill", "broker", "stall"),
-              schedule: tuple[str, ...] | None = None, root: Path | None = None, say=print) -> Report:
+              schedule: tuple[str, ...] | None = None, root: Path | None = None, brokers: int = 1,
+              say=print) -> Report:
     """`kinds` cycle, one fault every `every_s`, for `minutes`; or, with `schedule`, exactly those faults
     spread evenly over `minutes`."""
     from tokenstream.stack.local import LocalSystem
@@ -93,7 +96,7 @@ async def run(minutes: float, *, clients: int = 3, every_s: float = 20.0, stall_
     root = root or Path(tempfile.mkdtemp(prefix="chaos-"))
     gateways = {"a": {"TOKENSTREAM_GATEWAY_CANCEL_GRACE_S": "30"},
                 "b": {"TOKENSTREAM_GATEWAY_CANCEL_GRACE_S": "30"}}
-    async with LocalSystem(root, "smollm2", gateways, instances=2) as system:
+    async with LocalSystem(root, "smollm2", gateways, instances=2, brokers=brokers) as system:
         started = time.time()
         users = [Client([system.url(g) for g in gateways], "smollm2", max_tokens=max_tokens,
                         deadline_s=deadline_s) for _ in range(clients)]
@@ -165,6 +168,7 @@ async def _inject(system, users: list[Client], schedule: tuple[str, ...], every_
     both workers down together for over a minute, harsher than the cadence the drill states)."""
     faults: list[Fault] = []
     roles = itertools.cycle(ROLES)
+    brokers_hit = 0
     next_at = time.monotonic() + every_s
     for kind in schedule:
         await asyncio.sleep(max(0.0, next_at - time.monotonic()))
@@ -173,9 +177,9 @@ async def _inject(system, users: list[Client], schedule: tuple[str, ...], every_
             fault = Fault("kill -9", proc.name, time.time())
             system.kill9(proc.name)  # the supervisor starts it again
         elif kind == "broker":
-            fault = Fault("broker restart", "kafka", time.time())
-            await asyncio.to_thread(system.stack.kafka.stop, lambda m: None)
-            await asyncio.to_thread(system.stack.kafka.start, lambda m: None)
+            fault = Fault("broker", "kafka", time.time())
+            fault.kind, fault.target = await broker_fault(system.stack.kafka, brokers_hit)
+            brokers_hit += 1
         else:
             victim = random.choice(users)
             victim.stall_next_s = stall_s
@@ -215,7 +219,7 @@ def worst_stall(outcomes: list[Outcome], start: float, end: float) -> float | No
 
 
 def _stalls(faults: list[Fault], outcomes: list[Outcome]) -> None:
-    """Each kill's and broker restart's stall: the worst wait of a request in flight when it struck or
+    """Each kill's and broker fault's stall: the worst wait of a request in flight when it struck or
     sent before half the time from its end to the next fault has passed (a new request whose
     partition the dead process held waits for the takeover too)."""
     for i, fault in enumerate(faults):

@@ -1,4 +1,5 @@
-"""Apache Kafka 4.x, single node in KRaft mode, from Maven Central jars (no Docker).
+"""Apache Kafka 4.x in KRaft mode, from Maven Central jars (no Docker): one node here, or one of a
+cluster's nodes (tokenstream/stack/cluster.py).
 
 Secure by default: clients authenticate with SASL/SCRAM-SHA-512 on the one client listener and
 the StandardAuthorizer refuses whatever no ACL allows (the ACLs come from the registry, see
@@ -51,18 +52,31 @@ class Kafka(Service):
     ready_timeout_s = 120.0
 
     def __init__(self, *args, port: int = 9092, controller_port: int = 9093,
-                 heap: str = "512m", test_mode: bool = False, secure: bool = True) -> None:
+                 heap: str = "512m", test_mode: bool = False, secure: bool = True,
+                 node_id: int = 1, voters: dict[int, int] | None = None, cluster_id: str | None = None,
+                 credentials_dir: Path | None = None) -> None:
+        """One node; `voters` (node id -> controller port) makes it one of a cluster's nodes
+        (tokenstream/stack/cluster.py), which share `cluster_id` and `credentials_dir`."""
+        if voters:
+            self.name = f"kafka-{node_id}"
         super().__init__(*args)
         self.port = port
         self.controller_port = controller_port
         self.heap = heap
         self.test_mode = test_mode
         self.secure = secure
+        self.node_id, self.voters, self.cluster_id = node_id, voters or {}, cluster_id
+        self._credentials_dir = credentials_dir
+
+    @property
+    def replication(self) -> int:
+        """Copies of each partition: one per node, three at most."""
+        return min(3, max(1, len(self.voters)))
 
     @property
     def credentials_dir(self) -> Path:
         """One password file per broker user (`topics apply` adds the roles')."""
-        return self.data_dir / "credentials"
+        return self._credentials_dir or self.data_dir / "credentials"
 
     def secret(self, user: str) -> str:
         """The password of `user`, made on first use."""
@@ -113,10 +127,14 @@ class Kafka(Service):
         return self.data_dir / "server.properties"
 
     def properties(self) -> dict[str, str]:
+        copies = str(self.replication)
+        in_sync = str(min(2, self.replication))  # an acknowledged write is on two nodes: one may die
+        quorum = ({"controller.quorum.voters": ",".join(f"{n}@127.0.0.1:{p}" for n, p in sorted(self.voters.items()))}
+                  if self.voters else {"controller.quorum.bootstrap.servers": f"127.0.0.1:{self.controller_port}"})
         props = {
             "process.roles": "broker,controller",
-            "node.id": "1",
-            "controller.quorum.bootstrap.servers": f"127.0.0.1:{self.controller_port}",
+            "node.id": str(self.node_id),
+            **quorum,
             "listeners": f"PLAINTEXT://127.0.0.1:{self.port},CONTROLLER://127.0.0.1:{self.controller_port}",
             "advertised.listeners": f"PLAINTEXT://127.0.0.1:{self.port}",
             "controller.listener.names": "CONTROLLER",
@@ -125,16 +143,21 @@ class Kafka(Service):
             **(self._security() if self.secure else {}),
             "log.dirs": str(self.data_dir / "log"),
             "auto.create.topics.enable": "false",
-            "offsets.topic.replication.factor": "1",
-            "transaction.state.log.replication.factor": "1",
-            "transaction.state.log.min.isr": "1",
-            "share.coordinator.state.topic.replication.factor": "1",
-            "share.coordinator.state.topic.min.isr": "1",
-            "min.insync.replicas": "1",
+            "offsets.topic.replication.factor": copies,
+            "transaction.state.log.replication.factor": copies,
+            "transaction.state.log.min.isr": in_sync,
+            "share.coordinator.state.topic.replication.factor": copies,
+            "share.coordinator.state.topic.min.isr": in_sync,
+            "default.replication.factor": copies,
+            "min.insync.replicas": in_sync,
             "group.initial.rebalance.delay.ms": "0",
             # members' session timeouts as short as TOKENSTREAM_KAFKA_SESSION_TIMEOUT_S may go
             # (producers/settings.py: the takeover time after a kill -9); Kafka's floor is 6 s
             "group.min.session.timeout.ms": "1000",
+            # a node killed -9 is declared dead (its partitions led elsewhere) after 3 s without a heartbeat,
+            # not Kafka's 9 s: every write to a partition it led waits that long (tests/test_cluster.py)
+            "broker.session.timeout.ms": "3000",
+            "broker.heartbeat.interval.ms": "500",
             "num.partitions": "1",
         }
         if self.test_mode:
@@ -178,11 +201,12 @@ class Kafka(Service):
                     f"keep it with TOKENSTREAM_KAFKA_SECURITY=plaintext, or start afresh: "
                     f"tokenstream stack down && rm -r {self.data_dir}")
             return  # formatted before: keep the data
-        # The same form as `StorageTool random-uuid`: a URL-safe base64 UUID without padding.
-        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        cluster_id = self.cluster_id or new_cluster_id()
         scram = (["--add-scram", f"{SCRAM}=[name={ADMIN},password={self.secret(ADMIN)}]"] if self.secure else [])
+        # one node: a quorum of itself; a cluster's node: the static quorum of controller.quorum.voters
+        alone = [] if self.voters else ["--standalone"]
         subprocess.run(
-            self._java("kafka.tools.StorageTool", "format", "--standalone", f"--cluster-id={cluster_id}",
+            self._java("kafka.tools.StorageTool", "format", *alone, f"--cluster-id={cluster_id}",
                        "-c", str(self.properties_file), *scram),
             check=True, stdout=subprocess.DEVNULL,
         )
@@ -200,22 +224,29 @@ class Kafka(Service):
                                "-Djava.awt.headless=true"))
 
     def is_ready(self) -> bool:
-        if not port_open(self.port):
-            return False
+        return port_open(self.port) and bool(self.registered())
+
+    def registered(self) -> set[int]:
+        """The node ids this node lists as the cluster's brokers (empty when it does not answer)."""
         # A thread of its own, so the check also works when called from inside an event loop.
         with ThreadPoolExecutor(1) as pool:
-            return pool.submit(asyncio.run, _cluster_answers(self.address, self.client_options())).result()
+            return pool.submit(asyncio.run, _brokers(self.address, self.client_options())).result()
 
 
-async def _cluster_answers(bootstrap: str, options: dict) -> bool:
+def new_cluster_id() -> str:
+    """The same form as `StorageTool random-uuid`: a URL-safe base64 UUID without padding."""
+    return base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+
+
+async def _brokers(bootstrap: str, options: dict) -> set[int]:
     from aiokafka.admin import AIOKafkaAdminClient
 
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=3000, **options)
     try:
         await admin.start()
         cluster = await admin.describe_cluster()
-        return bool(cluster.get("brokers"))
+        return {b["node_id"] for b in cluster.get("brokers") or ()}
     except Exception:
-        return False
+        return set()
     finally:
         await admin.close()

@@ -1,6 +1,6 @@
 """The whole system on a throwaway stack, for benchmarks and fault drills: every role a real process.
 
-`LocalSystem` starts Kafka and Redis on free ports, applies the topics, then `instances` processes
+`LocalSystem` starts Kafka (one node, or a cluster of `brokers`) and Redis on free ports, applies the topics, then `instances` processes
 of each processor and of the worker, and one gateway per entry of `gateways` (each with its own
 environment and its own share of the tokens partitions). Every process can be killed (-9) and
 started again with the same arguments. `key` is an API key of tenant `local` (paid, no limits, exact
@@ -48,14 +48,14 @@ class Process:
 class LocalSystem:
     def __init__(self, root: Path, model: str, gateways: dict[str, dict[str, str]], *, instances: int = 1,
                  processor_env: dict[str, str] | None = None, worker_args: tuple[str, ...] = (),
-                 workers: int | None = None) -> None:
+                 workers: int | None = None, brokers: int = 1) -> None:
         from tokenstream.stack import Stack
 
         self.root, self.model, self.gateway_envs, self.instances = root, model, gateways, instances
         self.processor_env = processor_env or {}
         self.worker_args = worker_args
         self.workers = instances if workers is None else workers
-        self.stack = Stack.ephemeral(root)
+        self.stack = Stack.ephemeral(root, brokers=brokers)
         self.procs: dict[str, Process] = {}
         self.ports: dict[str, int] = {}
         self.key = ""

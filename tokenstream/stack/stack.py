@@ -1,4 +1,5 @@
-"""The services together, in start order: Kafka, the durable Redis, the cache Redis, Weaviate."""
+"""The services together, in start order: Kafka (one node or a cluster), the durable Redis, the cache
+Redis, Weaviate."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.config import Settings, settings
+from tokenstream.stack.cluster import KafkaCluster
 from tokenstream.stack.kafka import Kafka
 from tokenstream.stack.redis import Redis, RedisCache
 from tokenstream.stack.service import Service, Status, free_port
@@ -14,7 +16,7 @@ from tokenstream.stack.weaviate import Weaviate
 
 @dataclass
 class Stack:
-    kafka: Kafka
+    kafka: Kafka | KafkaCluster
     redis: Redis
     weaviate: Weaviate
     cache: RedisCache
@@ -31,9 +33,15 @@ class Stack:
         redis_port, cache_port = (int(url.rsplit(":", 1)[1].split("/")[0])
                                   for url in (cfg.redis_url, cfg.cache_redis_url))
         folders = _folders(cfg.data_dir, cfg.cache_dir)
+        secure = cfg.kafka_security != "plaintext"
+        if cfg.kafka_brokers > 1:  # node n: client port base + 2(n-1), its controller the port after
+            kafka = KafkaCluster(*folders, secure=secure, ports=[(kafka_port + 2 * n, kafka_port + 2 * n + 1)
+                                                                 for n in range(cfg.kafka_brokers)])
+        else:
+            kafka = Kafka(*folders, port=kafka_port, controller_port=cfg.kafka_controller_port or kafka_port + 1,
+                          secure=secure)
         return cls(
-            Kafka(*folders, port=kafka_port, controller_port=cfg.kafka_controller_port or kafka_port + 1,
-                  secure=cfg.kafka_security != "plaintext"),
+            kafka,
             Redis(*folders, port=redis_port, persistent=True),
             Weaviate(*folders, port=cfg.weaviate_http_port, grpc_port=cfg.weaviate_grpc_port,
                      **dict(zip(("gossip_port", "data_port", "raft_port", "raft_rpc_port"),
@@ -42,12 +50,17 @@ class Stack:
         )
 
     @classmethod
-    def ephemeral(cls, root: Path, cache_dir: Path | None = None) -> Stack:
-        """A throwaway stack on free ports under `root` (tests, benchmarks)."""
+    def ephemeral(cls, root: Path, cache_dir: Path | None = None, brokers: int = 1) -> Stack:
+        """A throwaway stack on free ports under `root` (tests, benchmarks); Kafka on `brokers` nodes."""
         folders = _folders(root, cache_dir or settings().cache_dir)
+        secure = settings().kafka_security != "plaintext"
+        if brokers > 1:
+            kafka = KafkaCluster(*folders, ports=[(free_port(), free_port()) for _ in range(brokers)],
+                                 test_mode=True, secure=secure)
+        else:
+            kafka = Kafka(*folders, port=free_port(), controller_port=free_port(), test_mode=True, secure=secure)
         return cls(
-            Kafka(*folders, port=free_port(), controller_port=free_port(), test_mode=True,
-                  secure=settings().kafka_security != "plaintext"),
+            kafka,
             Redis(*folders, port=free_port(), persistent=False),
             Weaviate(*folders, port=free_port(), grpc_port=free_port(), gossip_port=free_port(),
                      data_port=free_port(), raft_port=free_port(), raft_rpc_port=free_port()),
