@@ -52,7 +52,7 @@ from schemas import (
 from schemas.headers import EVENT_TYPE
 from common import tracing
 from schemas.prompt import prompt_ids
-from topics import CONTROL, TOKENS, TOOL_CALLS, inference_topic
+from topics import CONTROL, SHADOW_ANSWERS, TOKENS, TOOL_CALLS, inference_topic
 
 COMPLETED_KEPT = 10_000  # request ids remembered as done, to drop a duplicate of one
 CANCELS_KEPT_S = 600.0  # a starting worker reads the cancels of this long ago (a request's whole life)
@@ -461,8 +461,9 @@ class Worker:
                                    seq=out.chunk_seq, text=text, token_ids=out.token_ids, tool_calls=calls,
                                    raw=raw, worker_id=self.worker_id,
                                    logprobs=self.token_texts.report(out.logprobs) if out.logprobs else [])
-                await publish(self.producer, TOKENS, chunk, partition=request.reply_partition, wait=False,
-                              trace=chunk_trace)
+                if not request.shadow_of:  # a shadow replay's answer is its Completion alone
+                    await publish(self.producer, TOKENS, chunk, partition=request.reply_partition, wait=False,
+                                  trace=chunk_trace)
                 self.chunks_written[rid] = out.chunk_seq + 1
             if out.finish_reason is not None and self.owned.get(rid) is owned:  # not given up meanwhile
                 seq = out.seq
@@ -473,7 +474,7 @@ class Worker:
                     self.parsers.pop(rid, None)
                     if parser.calls and reason == "stop":
                         reason = "tool_calls"
-                    for call in parser.calls:  # the audit trail (consumers deduplicate by call_id)
+                    for call in [] if request.shadow_of else parser.calls:  # the audit trail (by call_id)
                         await publish(self.producer, TOOL_CALLS, ToolCall(
                             request_id=rid, conversation_id=request.conversation_id, tenant=request.tenant,
                             call_id=call.id, name=call.function.name, arguments=call.function.arguments),
@@ -490,16 +491,19 @@ class Worker:
                                     pipeline_s=max(0.0, seq.arrival - (request.admitted_at or request.created_at))),
                     dropped_messages=request.dropped_messages, worker_id=self.worker_id, model=self.cfg.model,
                     tier=request.tier)
-                future = await self.producer.send(TOKENS.name, encode(done), key=rid.encode(),
-                                                  partition=request.reply_partition,
-                                                  headers=[(EVENT_TYPE, b"completion"),
-                                                           *(trace.headers() if trace else ())])
+                headers = [(EVENT_TYPE, b"completion"), *(trace.headers() if trace else ())]
+                if request.shadow_of:  # never a client's: apart from ts.tokens, for `tokenstream shadow`
+                    future = await self.producer.send(SHADOW_ANSWERS.name, encode(done), key=rid.encode(),
+                                                      headers=headers)
+                else:
+                    future = await self.producer.send(TOKENS.name, encode(done), key=rid.encode(),
+                                                      partition=request.reply_partition, headers=headers)
                 if span is not None and span.span is not None:
                     span.set(tracing.completion_attributes(done, request.model))
                     if reason == "error":
                         span.fail(error or "error")
                 self._end_span(rid)
-                if reason in ("stop", "length"):  # its messages and answer are in the KV cache now
+                if reason in ("stop", "length") and not request.shadow_of:  # its messages and answer: in the KV cache
                     await self.announcer.held(request, done.text)
                 self.owned.pop(rid, None)
                 self.chunks_written.pop(rid, None)

@@ -22,7 +22,7 @@ from common import tracing
 from common.config import settings
 from common.health import HealthServer
 from common.models import context_length
-from topics import CONTROL, TOKENS, TOOL_CALLS, inference_topic
+from topics import CONTROL, SHADOW_ANSWERS, TOKENS, TOOL_CALLS, inference_topic
 from topics.admin import require
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ async def run_worker(cfg: WorkerConfig, stop: asyncio.Event | None = None, *, lo
             engine, server = await _own_engine(cfg, metrics, health, loaded)
         tracing.setup("worker")
         # only checked: topics are the operator's (`tokenstream topics apply`), a worker never rewrites them
-        await require([inference_topic(cfg.model), TOKENS, CONTROL, TOOL_CALLS], bootstrap)
+        await require([inference_topic(cfg.model), TOKENS, CONTROL, TOOL_CALLS, SHADOW_ANSWERS], bootstrap)
         health.phase = f"joining group worker.{cfg.model}"
         worker = Worker(cfg, engine, metrics, bootstrap, health)
         if on_ready is not None:

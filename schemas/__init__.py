@@ -6,6 +6,7 @@ Read this package and `topics/` to follow a request end to end:
                        |                  |
                  SafetyVerdict       ToolCall -> ToolResult -> (a response run) the next step's
                                                                InferenceRequest (schemas/runs.py)
+    InferenceRequest(shadow_of) -> Completion on ts.shadow.answers -> ShadowGate (`tokenstream shadow`)
     Cancel (control), DeadLetter (anything undecodable), Transcript (the audit record)
     Checkpoint (the tamper-evident ledger: signed digests of every content topic's records)
     FileIngest (an uploaded file into a vector store's index, or out of it)
@@ -24,7 +25,7 @@ from schemas.codec import (
     decode,
     encode,
 )
-from schemas.control import Cancel, RouteUpdate
+from schemas.control import Cancel, RouteUpdate, ShadowGate
 from schemas.conversation import ConversationHistory, RunState, TurnDeadline
 from schemas.deadletter import DeadLetter
 from schemas.files import FileIngest
@@ -76,6 +77,7 @@ __all__ = [
     "PrefixHeld",
     "REFUSAL",
     "RouteUpdate",
+    "ShadowGate",
     "RunSpec",
     "RunState",
     "SERVER_TOOLS",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from schemas.audit import Transcript
 from schemas.base import Event
-from schemas.control import Cancel, RouteUpdate
+from schemas.control import Cancel, RouteUpdate, ShadowGate
 from schemas.conversation import ConversationHistory, TurnDeadline
 from schemas.deadletter import DeadLetter
 from schemas.files import FileIngest
@@ -26,6 +26,7 @@ ALL_EVENTS: tuple[type[Event], ...] = (
     SafetyVerdict,
     Cancel,
     RouteUpdate,
+    ShadowGate,
     ConversationHistory,
     OutputWindow,
     DeadLetter,

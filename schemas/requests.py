@@ -121,3 +121,6 @@ class InferenceRequest(Event, tag="inference_request"):
     tier: str = ""
     priority: int = 0
     cache_key: str = ""  # ChatRequest.cache_key
+    # a shadow evaluation's replay (`tokenstream shadow`) of the served request with this id: the worker
+    # writes only its Completion, to ts.shadow.answers, and none of its tool calls (nothing runs them)
+    shadow_of: str = ""

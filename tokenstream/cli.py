@@ -273,6 +273,7 @@ ROLE_COMMANDS = {
     (bench_app, "audit"): "bench.audit:main",
     (app, "plan"): "tokenstream.plan_cli:plan_command",
     (app, "usage"): "tokenstream.usage_cli:usage",
+    (app, "shadow"): "tokenstream.shadow.cli:shadow",
     (bench_app, "cache"): "bench.cache:main",
     (bench_app, "grammar"): "bench.grammar:main",
     (bench_app, "engine"): "bench.engine:main",
@@ -309,7 +310,7 @@ def _register() -> None:
 BROKER_USERS = {
     ("worker",): "worker", ("gateway",): "gateway", ("tools",): "tools",
     ("processor", "conversation"): "conversation", ("processor", "safety"): "safety",
-    ("processor", "router"): "router", ("audit",): "audit", ("route",): "operator",
+    ("processor", "router"): "router", ("audit",): "audit", ("route",): "operator", ("shadow",): "operator",
 }
 
 

@@ -43,8 +43,15 @@ async def publish_route(model: str, weights: dict[str, float], fallback: str | N
 @app.command("set")
 def set_route(model: str, weight: list[str] = typer.Option(..., "--weight", "-w", help="TARGET=SHARE"),
               fallback: str | None = typer.Option(None, help="target when the chosen one is overloaded")) -> None:
-    """Route requests for MODEL by weight, e.g. -w smollm2=0.9 -w smollm2-v2=0.1 (a canary)."""
+    """Route requests for MODEL by weight, e.g. -w smollm2=0.9 -w smollm2-v2=0.1 (a canary). A target other
+    than MODEL gets traffic only with a passed shadow gate against MODEL (`tokenstream shadow`)."""
+    from tokenstream.shadow.gate import latest, refusal
+
     weights = _parse(weight)
+    why = refusal(model, [t for t, w in weights.items() if w > 0], asyncio.run(latest()))
+    if why is not None:
+        console.print(f"route {model}: refused: {why}", highlight=False)
+        raise typer.Exit(1)
     asyncio.run(publish_route(model, weights, fallback))
     console.print(f"route {model}: " + ", ".join(f"{t} {w / sum(weights.values()):.0%}" for t, w in weights.items()))
 

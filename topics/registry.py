@@ -26,6 +26,7 @@ from schemas import (
     OutputWindow,
     PrefixHeld,
     RouteUpdate,
+    ShadowGate,
     SafetyVerdict,
     SpeechAudio,
     SpeechDone,
@@ -156,8 +157,9 @@ AUDITOR = Reader(Role.AUDIT, None, "scan by time (offsets_for_times), nothing co
 # Roles that write what they cannot decode or handle to ts.deadletter (DEAD_LETTER's writers).
 DEAD_LETTERING = (Role.CONVERSATION, Role.SAFETY, Role.ROUTER, Role.WORKER, Role.TOOLS)
 
-# min.insync.replicas=1 because the local stack has one broker; a production cluster
-# overrides it (and the replication factor) through TOKENSTREAM_KAFKA_REPLICATION.
+# Replication and min.insync.replicas are the cluster's (one copy on one broker, three and two on the
+# local three-node cluster, `stack up --brokers 3`), not the topics': TOKENSTREAM_KAFKA_REPLICATION
+# overrides the copies `topics apply` gives new topics.
 CHAT_REQUESTS = TopicSpec(
     "ts.chat.requests", 12, "tenant:conversation_id", (ChatRequest,),
     "requests as the gateway admitted them; input to the conversation processor",
@@ -208,8 +210,8 @@ TOKENS = TopicSpec(
                "committed", "takeover"),
         Reader(Role.SAFETY, SAFETY_GROUP, FAUST_COMMIT, "the output windows"),
         Reader(Role.CONVERSATION, CONVERSATION_GROUP, FAUST_COMMIT, "the answers, re-keyed to the turns"),
-        Reader(Role.OPERATOR, None, "every partition from the drill's start to its end; nothing committed",
-               "`tokenstream chaos`: the drill's check of every answer"),
+        Reader(Role.OPERATOR, None, "every partition from a start time to its end; nothing committed",
+               "`tokenstream chaos`: the drill's check of every answer; `tokenstream shadow`: the served answers"),
         AUDITOR,
     ),
     placement="reply_partition",
@@ -310,6 +312,22 @@ ROUTES = TopicSpec(
              Reader(Role.OPERATOR, None, "from the beginning to the end; nothing committed",
                     "`tokenstream route show`")),
 )
+SHADOW_ANSWERS = TopicSpec(
+    "ts.shadow.answers", 6, "request_id", (Completion,),
+    "a candidate model's answers to replayed requests (`tokenstream shadow`): never a client's, so apart "
+    "from ts.tokens", _retained(7),
+    writers=(Writer(Role.WORKER, "the Completion of a request with shadow_of set (no chunks, no tool calls)"),),
+    readers=(Reader(Role.OPERATOR, None, "every partition from the evaluation's start; nothing committed",
+                    "`tokenstream shadow`: the candidate's answers"), AUDITOR),
+)
+SHADOW_GATES = TopicSpec(
+    "ts.shadow.gates", 1, "candidate model", (ShadowGate,),
+    "each candidate's latest shadow evaluation and whether it passed its gate (compacted)",
+    {"cleanup.policy": "compact"},
+    writers=(Writer(Role.OPERATOR, "`tokenstream shadow`: one per evaluation"),),
+    readers=(Reader(Role.OPERATOR, None, "from the beginning to the end; nothing committed",
+                    "`tokenstream route set`: a target other than the requested model needs a passed gate"),),
+)
 KV_PREFIXES = TopicSpec(
     "ts.kv.prefixes", 1, "digest (PrefixHeld) or worker (WorkerLoad)", (PrefixHeld, WorkerLoad),
     "which worker holds each conversation prefix in its KV cache, and each worker's partitions and load "
@@ -377,17 +395,21 @@ def inference_topic(model: str) -> TopicSpec:
         f"ts.inference.{slug}", INFERENCE_PARTITIONS, "request_id", (InferenceRequest,),
         f"inference requests for model {model}; its worker group consumes them",
         _retained(INFERENCE_RETENTION_DAYS),
-        writers=(Writer(Role.ROUTER, "the request's route chose this model"),),
+        writers=(Writer(Role.ROUTER, "the request's route chose this model"),
+                 Writer(Role.OPERATOR, "`tokenstream shadow`: a served request replayed to a candidate "
+                        "(shadow_of set), rate-limited, never answered to a client")),
         readers=(Reader(Role.WORKER, worker_group(model), WORKER_COMMIT, "the requests it serves"),
                  Reader(Role.GATEWAY, None, LAG_READ, "admission"),
-                 Reader(Role.ROUTER, None, LAG_READ, "overflow to another model"), AUDITOR),
+                 Reader(Role.ROUTER, None, LAG_READ, "overflow to another model"),
+                 Reader(Role.OPERATOR, None, "a time range (offsets_for_times); nothing committed",
+                        "`tokenstream shadow`: the served requests it replays"), AUDITOR),
     )
 
 
 REGISTRY: tuple[TopicSpec, ...] = (
     CHAT_REQUESTS, PREPARED, SCREENED, TOKENS, CONTROL, VERDICTS, TOOL_CALLS, TOOL_RESULTS,
     FILE_INGEST, SPEECH_JOBS, CONVERSATION_TURNS, CONVERSATIONS, SAFETY_WINDOWS, ROUTES, KV_PREFIXES, DEAD_LETTER,
-    TRANSCRIPTS, RESCREENED, LEDGER,
+    TRANSCRIPTS, RESCREENED, LEDGER, SHADOW_ANSWERS, SHADOW_GATES,
 )
 
 
