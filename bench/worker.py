@@ -190,15 +190,14 @@ async def run_worker_bench(loaded, work: list[Work], bootstrap: str, max_running
 
     from bench.runenv import py_env
     from gpu_workers.config import WorkerConfig
-    from gpu_workers.startup import run_worker
-    from topics import CONTROL, TOKENS, TOOL_CALLS, inference_topic
+    from gpu_workers.startup import needed_topics, run_worker
     from topics.admin import apply
 
     res = Result("worker via Kafka" + (" (vLLM backend)" if backend == "vllm" else ""))
     limits = {k: v for k, v in (("max_running", max_running), ("prefill_chunk", prefill_chunk)) if v is not None}
     cfg = WorkerConfig(model="smollm2-bench", backend=backend, max_waiting=64, kv_memory_gb=1.0, worker_id="bench",
                        model_path=model_path, dtype=dtype, **limits)
-    await apply([inference_topic(cfg.model), TOKENS, CONTROL, TOOL_CALLS], bootstrap)  # what run_worker requires
+    await apply(needed_topics(cfg.model), bootstrap)  # what run_worker requires
     stop, ready = asyncio.Event(), asyncio.Event()
     holder = {}
     task = asyncio.create_task(run_worker(cfg, stop, loaded=loaded, bootstrap=bootstrap,

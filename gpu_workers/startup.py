@@ -28,6 +28,11 @@ from topics.admin import require
 log = logging.getLogger(__name__)
 
 
+def needed_topics(model: str) -> list:
+    """Every topic a worker of `model` writes or reads; it checks at start that each exists."""
+    return [inference_topic(model), TOKENS, CONTROL, TOOL_CALLS, SHADOW_ANSWERS]
+
+
 async def run_worker(cfg: WorkerConfig, stop: asyncio.Event | None = None, *, loaded=None,
                      bootstrap: str | None = None, on_ready=None) -> None:
     """Load the model (unless given), build the engine and serve until `stop` is set. The metrics and
@@ -51,7 +56,7 @@ async def run_worker(cfg: WorkerConfig, stop: asyncio.Event | None = None, *, lo
             engine, server = await _own_engine(cfg, metrics, health, loaded)
         tracing.setup("worker")
         # only checked: topics are the operator's (`tokenstream topics apply`), a worker never rewrites them
-        await require([inference_topic(cfg.model), TOKENS, CONTROL, TOOL_CALLS, SHADOW_ANSWERS], bootstrap)
+        await require(needed_topics(cfg.model), bootstrap)
         health.phase = f"joining group worker.{cfg.model}"
         worker = Worker(cfg, engine, metrics, bootstrap, health)
         if on_ready is not None:

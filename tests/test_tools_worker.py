@@ -18,7 +18,8 @@ from producers import publish, start_producer
 from schemas import OutputSpec, call_id
 from tests.kafka_support import Tap
 from tests.test_worker_kafka import TokenReader, assert_gap_free, request, tiny_dir, tiny_loaded, wait_for_log  # noqa: F401
-from topics import CONTROL, TOKENS, TOOL_CALLS, inference_topic
+from gpu_workers.startup import needed_topics
+from topics import TOOL_CALLS, inference_topic
 from topics.admin import apply
 
 pytestmark = pytest.mark.slow
@@ -38,7 +39,7 @@ def spec() -> OutputSpec:
 async def test_kill9_mid_call_second_worker_finishes_the_same_calls(bootstrap, unique, roles, tiny_dir, tiny_loaded):
     tokenizer = tiny_loaded.tokenizer
     model = f"tiny-tools-{unique}"
-    await apply([inference_topic(model), TOKENS, CONTROL, TOOL_CALLS], bootstrap)
+    await apply(needed_topics(model), bootstrap)
     args = ["worker", "--model", model, "--model-path", str(tiny_dir), "--step-delay", "0.1"]
     a = roles.start(*args, "--worker-id", "A", name="worker-A")
     b = roles.start(*args, "--worker-id", "B", name="worker-B")

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from tests.gateway_support import free_port
-from topics import CONTROL, TOKENS, TOOL_CALLS, inference_topic
+from gpu_workers.startup import needed_topics
 from topics.admin import apply
 
 pytestmark = pytest.mark.slow
@@ -62,7 +62,7 @@ def probe(*args: str) -> tuple[int, str]:
 async def test_a_worker_is_not_ready_while_its_broker_is_away_and_ready_again_after(stack, bootstrap, roles,
                                                                                   tiny_model):
     model = f"tiny-health-{uuid.uuid4().hex[:6]}"
-    await apply([inference_topic(model), TOKENS, CONTROL, TOOL_CALLS], bootstrap)
+    await apply(needed_topics(model), bootstrap)
     port = free_port()
     url = f"http://127.0.0.1:{port}/health/ready"
     worker = roles.start("worker", "--model", model, "--model-path", str(tiny_model), "--metrics-port", str(port),

@@ -24,10 +24,10 @@ from gpu_workers.metrics import WorkerMetrics
 from gpu_workers.model_loader import load
 from gpu_workers.random_model import build
 from gpu_workers.service import Worker
-from gpu_workers.startup import run_worker
+from gpu_workers.startup import needed_topics, run_worker
 from producers import decode_record, publish, start_producer
 from schemas import Cancel, ChatMessage, Completion, InferenceRequest, SamplingParams, TokenChunk, decode, encode
-from topics import CONTROL, TOKENS, TOOL_CALLS, inference_topic
+from topics import CONTROL, TOKENS, inference_topic
 from topics.admin import apply
 
 REPLY = 5
@@ -117,7 +117,7 @@ async def committed(bootstrap: str, model: str) -> int:
 
 
 async def start_inprocess(cfg: WorkerConfig, loaded, bootstrap: str):
-    await apply([inference_topic(cfg.model), TOKENS, CONTROL, TOOL_CALLS], bootstrap)  # the operator's step
+    await apply(needed_topics(cfg.model), bootstrap)  # the operator's step
     stop, ready = asyncio.Event(), asyncio.Event()
     task = asyncio.create_task(run_worker(cfg, stop, loaded=loaded, bootstrap=bootstrap,
                                           on_ready=lambda w: ready.set()))
@@ -193,7 +193,7 @@ async def test_loading_building_and_every_step_run_on_the_one_torch_thread(boots
 
     model = f"tiny-{unique}"
     cfg = WorkerConfig(model=model, max_running=4, worker_id="w1")
-    await apply([inference_topic(cfg.model), TOKENS, CONTROL, TOOL_CALLS], bootstrap)
+    await apply(needed_topics(cfg.model), bootstrap)
     stop, ready = asyncio.Event(), asyncio.Event()
     threads: set[int] = set()
     built: dict[str, int] = {}
@@ -317,7 +317,7 @@ def wait_for_log(roles, proc, text: str, timeout: float = 90) -> None:
 async def test_kill9_mid_stream_second_worker_finishes_gap_free(bootstrap, unique, roles, tiny_dir, tiny_loaded):
     tokenizer = tiny_loaded.tokenizer
     model = f"tiny-{unique}"
-    await apply([inference_topic(model), TOKENS, CONTROL, TOOL_CALLS], bootstrap)
+    await apply(needed_topics(model), bootstrap)
     args = ["worker", "--model", model, "--model-path", str(tiny_dir), "--step-delay", "0.05"]
     a = roles.start(*args, "--worker-id", "A", name="worker-A")
     b = roles.start(*args, "--worker-id", "B", name="worker-B")
@@ -364,7 +364,7 @@ async def test_kill9_mid_stream_second_worker_finishes_gap_free(bootstrap, uniqu
 async def test_worker_joining_mid_stream_hands_over_without_gap_or_duplicate(bootstrap, unique, roles, tiny_dir,
                                                                              tiny_loaded):
     model = f"tiny-{unique}"
-    await apply([inference_topic(model), TOKENS, CONTROL, TOOL_CALLS], bootstrap)
+    await apply(needed_topics(model), bootstrap)
     args = ["worker", "--model", model, "--model-path", str(tiny_dir), "--step-delay", "0.05"]
     a = roles.start(*args, "--worker-id", "A", name="worker-A")
     await asyncio.to_thread(wait_for_log, roles, a, "worker ready")
@@ -711,7 +711,7 @@ async def test_takeover_of_32_in_flight_requests_resumes_them_together(bootstrap
     """A worker killed with 32 requests in flight: its successor emits the next token of every one of them
     within 5 s of being assigned their partitions (one read of the tokens topic for all of them)."""
     model = f"tiny-{unique}"
-    await apply([inference_topic(model), TOKENS, CONTROL, TOOL_CALLS], bootstrap)
+    await apply(needed_topics(model), bootstrap)
     a = roles.start("worker", "--model", model, "--model-path", str(tiny_dir), "--step-delay", "0.1",
                     "--max-running", "32", "--worker-id", "A", name="worker-A")
     await asyncio.to_thread(wait_for_log, roles, a, "worker ready")
