@@ -16,6 +16,16 @@ from tokenstream.chaos.drill import run
 pytestmark = pytest.mark.slow
 
 
+def held(summary: dict) -> None:
+    """The drill's guarantee: every request answered once and whole, the groups drained, every fault left."""
+    assert summary["requests"]["admitted"] >= 10, summary
+    assert summary["lost"] == [] and summary["duplicated"] == [] and summary["unfinished"] == [], summary
+    assert summary["differs"] == [] and summary["log_inconsistent"] == [], summary
+    assert not any(summary["lag_left"].values()), summary
+    assert summary["running_left"] == 0, summary
+    assert all(f["recovery_s"] is not None for f in summary["faults"]), summary
+
+
 # make test-all: two minutes of ten processes under load on two cores, over make test's budget; make
 # test keeps kill -9 of the conversation and tool processors (test_processors, test_responses) and
 # `tokenstream chaos` runs this drill against a deployment
@@ -26,12 +36,7 @@ async def test_kill_each_role_and_restart_the_broker_under_load(tmp_path):
                        root=tmp_path)
     summary = as_dict(report)
     assert [f["kind"] for f in summary["faults"]] == ["kill -9"] * 5 + ["broker restart"], summary
-    assert summary["requests"]["admitted"] >= 10, summary
-    assert summary["lost"] == [] and summary["duplicated"] == [] and summary["unfinished"] == [], summary
-    assert summary["differs"] == [] and summary["log_inconsistent"] == [], summary
-    assert not any(summary["lag_left"].values()), summary
-    assert summary["running_left"] == 0, summary
-    assert all(f["recovery_s"] is not None for f in summary["faults"]), summary
+    held(summary)
 
 
 @pytest.mark.heavy
@@ -42,9 +47,4 @@ async def test_a_three_node_cluster_under_load_loses_nothing_to_a_node_the_contr
     report = await run(2.0, clients=2, max_tokens=16, schedule=("broker",) * 3, brokers=3, root=tmp_path)
     summary = as_dict(report)
     assert [f["kind"] for f in summary["faults"]] == list(CLUSTER_FAULTS), summary
-    assert summary["requests"]["admitted"] >= 10, summary
-    assert summary["lost"] == [] and summary["duplicated"] == [] and summary["unfinished"] == [], summary
-    assert summary["differs"] == [] and summary["log_inconsistent"] == [], summary
-    assert not any(summary["lag_left"].values()), summary
-    assert summary["running_left"] == 0, summary
-    assert all(f["recovery_s"] is not None for f in summary["faults"]), summary
+    held(summary)
