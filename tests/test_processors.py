@@ -37,7 +37,9 @@ from schemas import (
 from schemas.keys import conversation_key
 from tests.kafka_support import Tap, group_settled, key_on_partition_of, one_key_per_partition, wait_for
 from common.models import load_tokenizer
+from common.config import settings
 from tokenstream.chaos.verify import drained
+from tokenstream.shadow.gate import new_gate, record
 from topics import CHAT_REQUESTS, CONTROL, CONVERSATION_TURNS, PREPARED, SCREENED, TOKENS, VERDICTS, inference_topic
 from topics.admin import apply
 from topics.registry import all_topics
@@ -476,8 +478,17 @@ async def test_canary_weights_change_at_run_time_and_roll_back(processors):
 
     def updates() -> int:  # the router logs each route update it applies
         return processors.roles.log(router).count("route canary-x: weights")
+    canary_route = ("set", "canary-x", "-w", "canary-x=0.9", "-w", "canary-x-v2=0.1")
+    # a canary needs a passed shadow gate (`tokenstream shadow`, tests/test_shadow.py): refused without one,
+    # then set once the gate an evaluation records is on ts.shadow.gates
+    refused = subprocess.run([sys.executable, "-m", "tokenstream.cli", "route", *canary_route], capture_output=True,
+                             text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
+    assert refused.returncode == 1 and "canary-x-v2 has no shadow evaluation" in refused.stdout, refused.stdout
+    await record(settings().kafka_bootstrap, new_gate(candidate="canary-x-v2", served="canary-x", since=0.0,
+                                                      until=1.0, requests=1, figures={"agreement": 1.0},
+                                                      require=["agreement>=0.9"], passed=True))
     applied = updates()
-    assert "canary-x-v2 10%" in route_cli("set", "canary-x", "-w", "canary-x=0.9", "-w", "canary-x-v2=0.1")
+    assert "canary-x-v2 10%" in route_cli(*canary_route)
     await wait_for(lambda: updates() > applied, 30, "the router applying the canary weights")
     n = 300
     producer = await start_producer()
