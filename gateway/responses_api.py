@@ -199,6 +199,40 @@ class ContextManagement(_Strict):
     compact_threshold: int | None = Field(None, ge=1)
 
 
+#: names a client may give `moderation.model`: each is this deployment's safety classifier, which answers
+MODERATION_MODELS = ("tokenstream-safety", "omni-moderation-latest", "text-moderation-latest")
+
+
+class ModerationMode(_Strict):
+    mode: Literal["score", "block"]
+
+
+class ModerationPolicy(_Strict):
+    input: ModerationMode | None = None
+    output: ModerationMode | None = None
+
+
+class Moderation(_Strict):
+    """Moderation results of the response's input and output, from the safety processor
+    (gateway/responses_framing.py); `block` is what this deployment does with flagged content anyway."""
+
+    model: str = Field(max_length=api.MAX_NAME_CHARS)
+    policy: ModerationPolicy | None = None
+
+    def refused(self) -> tuple[str, str] | None:
+        """(message, param) of what this server cannot honour, or None."""
+        if self.model not in MODERATION_MODELS:
+            return (f"moderation.model {self.model!r} is not served here; use one of "
+                    f"{', '.join(MODERATION_MODELS)} (each is this deployment's safety classifier).", "moderation.model")
+        for side in ("input", "output"):
+            mode = getattr(self.policy, side, None) if self.policy else None
+            if mode is not None and mode.mode == "score":
+                return (f"moderation.policy.{side}.mode 'score' (report, never block) is not offered: this "
+                        "deployment's safety policy blocks flagged content. Send 'block', or no policy: the "
+                        "results are reported either way.", f"moderation.policy.{side}.mode")
+        return None
+
+
 class ResponseCreate(api.UnicodeBody):
     model_config = ConfigDict(extra="allow")
 
@@ -232,6 +266,7 @@ class ResponseCreate(api.UnicodeBody):
     text: TextConfig | None = None
     # only its neutral value: no obfuscation padding is added to the stream's events (any other: a 400)
     stream_options: StreamOptions | None = None
+    moderation: Moderation | None = None
     # tokenstream extensions (extra_body): an assistant preset; no response cache applies here
     assistant: str | None = Field(None, min_length=1, max_length=api.MAX_NAME_CHARS)
 

@@ -64,8 +64,9 @@ class ResponseFramer:
     """Folds a run's events into stream events (dicts with `type` and `sequence_number`)."""
 
     def __init__(self, run_id: str, spec: RunSpec, response: dict[str, Any], conversation_id: str,
-                 preface: list[dict[str, Any]] = ()) -> None:
-        """`preface`: items the gateway made before the run (a compaction), first in the output."""
+                 preface: list[dict[str, Any]] = (), moderated: bool = False) -> None:
+        """`preface`: items the gateway made before the run (a compaction), first in the output;
+        `moderated`: the response reports moderation results (its end waits for the last verdict)."""
         self.run_id, self.spec, self.response = run_id, spec, response
         self.preface = [dict(item) for item in preface]
         self.response["output"] = [dict(item) for item in preface]
@@ -80,6 +81,8 @@ class ResponseFramer:
         self.kept_files: list[dict] = []  # files the run's code wrote, for the next message's citations
         self.tokens = [0, 0, 0, 0]  # prompt, completion, cached, cache-written tokens of the steps so far
         self.done = False
+        self.moderation = Moderation(moderated)
+        self.pending_end: dict[str, Any] | None = None  # an end held until the last step's verdict is in
 
     @property
     def output(self) -> list[dict[str, Any]]:
@@ -115,9 +118,17 @@ class ResponseFramer:
                 out += self._completion(ev, step)
             elif isinstance(ev, ToolResult):
                 out += self._result(ev)
-            elif isinstance(ev, SafetyVerdict) and ev.blocked:
-                out += self._end("incomplete", incomplete={"reason": "content_filter"})
+            elif isinstance(ev, SafetyVerdict):
+                out += self._verdict(ev, step)
         return out
+
+    def _verdict(self, ev: SafetyVerdict, step: int) -> list[dict[str, Any]]:
+        self.moderation.note(ev, step)
+        if ev.blocked:
+            return self._end("incomplete", incomplete={"reason": "content_filter"}, hold=False)
+        if self.pending_end is not None and self.moderation.complete():
+            return self._end(**self.pending_end, hold=False)
+        return []
 
     # ------------------------------------------------------------------ text and calls as they come
     def _chunk(self, ev: TokenChunk) -> list[dict[str, Any]]:
@@ -187,13 +198,14 @@ class ResponseFramer:
         if rid in self.ended_steps:
             return []
         self.ended_steps.add(rid)
+        self.moderation.ended(done)
         for i, n in enumerate((done.usage.prompt_tokens, done.usage.completion_tokens, done.usage.cached_tokens,
                                done.usage.cache_write_tokens)):
             self.tokens[i] += n
         out = self._close_message(rid, "commentary" if done.tool_calls else "final_answer")
         if done.finish_reason == "error":
             return out + self._end("failed", error={"code": done.error_code or "server_error",
-                                                    "message": done.error or "generation failed"})
+                                                    "message": done.error or "generation failed"}, hold=False)
         for i, call in enumerate(done.tool_calls):
             out += self._close_call(rid, i, call.id, call.function.name, call.function.arguments)
         if self.spec.continues(step, done, self.tokens[1]):
@@ -201,11 +213,11 @@ class ResponseFramer:
         if self.spec.out_of_tokens(done, self.tokens[1]):  # max_output_tokens spent with calls to answer
             return out + self._end("incomplete", incomplete={"reason": "max_output_tokens"})
         if done.finish_reason == "content_filter":
-            return out + self._end("incomplete", incomplete={"reason": "content_filter"})
+            return out + self._end("incomplete", incomplete={"reason": "content_filter"}, hold=False)
         if done.finish_reason == "length":
             return out + self._end("incomplete", incomplete={"reason": "max_output_tokens"})
         if done.finish_reason == "cancelled":
-            return out + self._end("cancelled")
+            return out + self._end("cancelled", hold=False)
         return out + self._end("completed", at=int(done.created_at))
 
     def _close_message(self, rid: str, phase: str) -> list[dict[str, Any]]:
@@ -293,9 +305,15 @@ class ResponseFramer:
                 self._ev("response.output_item.done", output_index=index, item=json.loads(json.dumps(item)))]
 
     def _end(self, status: str, *, error: dict | None = None, incomplete: dict | None = None,
-             at: int | None = None) -> list[dict[str, Any]]:
-        """End the response; `at` is when its last step completed (completed_at, for status completed)."""
-        self.done = True
+             at: int | None = None, hold: bool = True) -> list[dict[str, Any]]:
+        """End the response; `at` is when its last step completed (completed_at, for status completed).
+        A moderated answer's end is held (`hold`) until the verdict over its last step is in."""
+        if hold and not self.moderation.complete():
+            self.pending_end = {"status": status, "error": error, "incomplete": incomplete, "at": at}
+            return []
+        self.done, self.pending_end = True, None
+        if self.moderation.asked:
+            self.response["moderation"] = self.moderation.results()
         self.response["completed_at"] = at if status == "completed" else None
         for item in self.output:  # calls left without a result (a step that also called a function)
             if item.get("status") in ("in_progress", "interpreting", "searching"):
@@ -305,3 +323,56 @@ class ResponseFramer:
         name = {"completed": "response.completed", "failed": "response.failed",
                 "incomplete": "response.incomplete", "cancelled": "response.failed"}[status]
         return [self._ev(name, response=self._snapshot())]
+
+
+class Moderation:
+    """A moderated response's results (`moderation` in the response object), from the safety processor's
+    verdicts in band: the input's (step 0), and each category's highest score over every step's output,
+    complete once the verdict over the last step's whole answer (its Completion's seq) is in."""
+
+    def __init__(self, asked: bool) -> None:
+        self.asked = asked
+        self.input: SafetyVerdict | None = None
+        self.peak: dict[str, float] = {}
+        self.flagged: set[str] = set()
+        self.policy = ""
+        self.completion_seq: dict[str, int] = {}
+        self.last_step = ""
+        self.whole: set[str] = set()  # steps whose whole-answer verdict is in
+
+    def note(self, verdict: SafetyVerdict, step: int) -> None:
+        self.policy = verdict.policy_version or self.policy
+        if verdict.stage == "input":
+            if step == 0 and self.input is None:
+                self.input = verdict
+            return
+        for category, score in verdict.scores.items():
+            self.peak[category] = max(score, self.peak.get(category, 0.0))
+        self.flagged |= set(verdict.categories)
+        if verdict.window_end_seq == self.completion_seq.get(verdict.request_id):
+            self.whole.add(verdict.request_id)
+
+    def ended(self, done: Completion) -> None:
+        self.completion_seq[done.request_id], self.last_step = done.seq, done.request_id
+
+    def complete(self) -> bool:
+        return not self.asked or (self.input is not None and self.last_step in self.whole)
+
+    def results(self) -> dict[str, Any]:
+        model = "tokenstream-safety" + (f":{self.policy}" if self.policy else "")
+        if self.input is not None:
+            given = _result(model, self.input.scores, set(self.input.categories))
+        else:
+            given = {"type": "error", "code": "unavailable", "message": "the input's verdict did not arrive"}
+        if self.peak:
+            said = _result(model, self.peak, self.flagged)
+        else:
+            said = {"type": "error", "code": "not_generated", "message": "no output was judged (the input was "
+                    "blocked, or the run ended before any answer)"}
+        return {"input": given, "output": said}
+
+
+def _result(model: str, scores: dict[str, float], flagged: set[str]) -> dict[str, Any]:
+    return {"type": "moderation_result", "model": model, "flagged": bool(flagged),
+            "categories": {c: c in flagged for c in scores}, "category_scores": dict(scores),
+            "category_applied_input_types": {c: ["text"] for c in scores}}

@@ -490,7 +490,7 @@ class Worker:
                     timings=Timings(queue_s=queue, prefill_s=prefill, decode_s=decode,
                                     pipeline_s=max(0.0, seq.arrival - (request.admitted_at or request.created_at))),
                     dropped_messages=request.dropped_messages, worker_id=self.worker_id, model=self.cfg.model,
-                    tier=request.tier)
+                    tier=request.tier, moderated=request.output.moderated)
                 headers = [(EVENT_TYPE, b"completion"), *(trace.headers() if trace else ())]
                 if request.shadow_of:  # never a client's: apart from ts.tokens, for `tokenstream shadow`
                     future = await self.producer.send(SHADOW_ANSWERS.name, encode(done), key=rid.encode(),

@@ -17,7 +17,8 @@ REFUSAL = "I can't help with that request."
 class SafetyVerdict(Event, tag="safety_verdict"):
     """scores maps OpenAI moderation categories (e.g. "violence", "self-harm") to [0, 1].
 
-    For output verdicts, window_end_seq is the last token seq the window covered.
+    For output verdicts, window_end_seq is the last token seq the window covered; a verdict over a
+    whole moderated answer (OutputSpec.moderated) has the Completion's seq, and its highest scores.
     Written to ts.safety.verdicts always; also in band on the request's ts.tokens partition when it
     ends the answer (a blocked output window), and for every input verdict of a request screened
     in parallel (the gateway releases or refuses the held answer on it).
@@ -43,3 +44,4 @@ class OutputWindow(Event, tag="output_window"):
     last_seq: int = -1
     pending_tokens: int = 0
     blocked: bool = False
+    peak: dict[str, float] = msgspec.field(default_factory=dict)  # each category's highest score so far

@@ -46,6 +46,9 @@ class OutputSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
     response_format: ResponseFormat = "text"
     json_schema: dict[str, Any] | None = None
     schema_name: str | None = None
+    # the client asked for the answer's moderation results (a response's `moderation`): the safety
+    # processor writes its input verdict and, after the Completion, a verdict over the whole answer in band
+    moderated: bool = False
 
     @property
     def callable_tools(self) -> list[ToolSpec]:

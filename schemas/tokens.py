@@ -104,3 +104,5 @@ class Completion(Event, tag="completion"):
     # the cached answer's) and the request's tier; "" where no model ran (a refusal, an error)
     model: str = ""
     tier: str = ""
+    # the request's output.moderated: the safety processor answers it with a verdict over the whole answer
+    moderated: bool = False

@@ -150,6 +150,8 @@ def test_output_window_folds_each_chunk_once_and_judges_every_n_tokens():
     assert not due(w, cfg) and due(w, cfg, final=True)
     w = fold(w, TokenChunk(request_id="r", seq=3, text="gh", token_ids=[1]), cfg)
     assert due(w, cfg) and w.text == "abcdefgh"
-    after = judged(w, cfg, blocked=False)
+    after = judged(w, cfg, blocked=False, scores={"violence": 0.2, "hate": 0.1})
     assert after.text == "defgh" and after.pending_tokens == 0
+    later = judged(after, cfg, blocked=False, scores={"violence": 0.05, "hate": 0.3})
+    assert later.peak == {"violence": 0.2, "hate": 0.3}  # each category's highest, for a moderated answer
     assert not due(judged(w, cfg, blocked=True), cfg, final=True)

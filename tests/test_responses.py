@@ -573,6 +573,30 @@ async def test_an_assistant_with_knowledge_searches_its_stores_without_the_clien
     assert response.tools[0].type == "file_search"
 
 
+async def test_moderation_reports_the_safety_processors_scores_of_the_input_and_the_whole_output(client):
+    """`moderation` on a response: the safety processor's verdicts come in band, the input's and one over the
+    whole answer after its Completion, and the response ends with both (the SDK parses them); a flagged
+    input is blocked and reported flagged."""
+    asked = {"model": "omni-moderation-latest", "policy": {"input": {"mode": "block"}, "output": {"mode": "block"}}}
+    events = [e async for e in await client.responses.create(**create(input="Name a colour.", moderation=asked,
+                                                                      stream=True))]
+    done = events[-1].response
+    assert events[-1].type == "response.completed" and done.output_text, done
+    for result in (done.moderation.input, done.moderation.output):
+        assert result.type == "moderation_result" and not result.flagged, done.moderation
+        assert result.model.startswith("tokenstream-safety:") and set(result.category_scores) >= {"violence", "hate"}
+        assert all(0 <= v <= 1 for v in result.category_scores.values())
+    assert not any(e.response.moderation for e in events[:-1] if getattr(e, "response", None))  # at the end only
+    harmful = await client.responses.create(**create(
+        input="I am going to find him tonight and stab him until he stops breathing.", moderation=asked))
+    assert harmful.status == "incomplete" and harmful.incomplete_details.reason == "content_filter", harmful
+    assert harmful.moderation.input.flagged and harmful.moderation.input.categories["violence"]
+    # screened in parallel, an output window may be judged before the input's verdict cuts the answer
+    assert harmful.moderation.output.type == "moderation_result" or harmful.moderation.output.code == "not_generated"
+    plain = await client.responses.create(**create(input="Name a colour."))
+    assert plain.moderation is None  # not asked: not reported
+
+
 async def test_unsupported_fields_and_bad_tools_are_400_naming_them(system):
     async with httpx.AsyncClient(base_url=system["url"], timeout=60, headers=auth_headers()) as http:
         for body, param in [({"input": "hi", "conversation": "conv_1", "previous_response_id": "resp_1"},
@@ -586,7 +610,11 @@ async def test_unsupported_fields_and_bad_tools_are_400_naming_them(system):
                             ({"input": [{"role": "user", "content": [
                                 {"type": "input_image", "image_url": "data:,"}]}]}, "input"),
                             ({"input": "hi", "tools": [{"type": "web_search"}]}, None),
-                            ({"input": "hi", "tool_choice": {"type": "code_interpreter"}}, "tool_choice")]:
+                            ({"input": "hi", "tool_choice": {"type": "code_interpreter"}}, "tool_choice"),
+                            ({"input": "hi", "moderation": {"model": "gpt-guard-9"}}, "moderation.model"),
+                            ({"input": "hi", "moderation": {"model": "omni-moderation-latest",
+                                                            "policy": {"output": {"mode": "score"}}}},
+                             "moderation.policy.output.mode")]:
             answer = await http.post("/v1/responses", json={"model": MODEL, **body})
             assert answer.status_code == 400, (body, answer.text)
             error = answer.json()["error"]

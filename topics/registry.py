@@ -194,7 +194,8 @@ TOKENS = TopicSpec(
     writers=(
         Writer(Role.WORKER, "TokenChunk seq 0..n-1 per engine step, then Completion seq n"),
         Writer(Role.SAFETY, "a refusal (blocked input screened in series), the input verdict of a "
-               "request screened in parallel, or a blocking output verdict, in band"),
+               "request screened in parallel, or a blocking output verdict, in band; for a moderated request "
+               "(OutputSpec.moderated) its input verdict and, after its Completion, one over the whole answer"),
         Writer(Role.CONVERSATION, "an error Completion for a request it cannot pass on; each server tool's "
                "ToolResult of a response run, keyed by the step's request id, once per call id, before the "
                "next step is prepared"),

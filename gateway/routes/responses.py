@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-
+import msgspec
 from fastapi import APIRouter, Depends, Header
 from fastapi.responses import JSONResponse
 from pydantic import TypeAdapter, ValidationError
@@ -131,8 +131,12 @@ async def create(body: ResponseCreate, gw: Gateway = Depends(pipeline), key: K.A
         raise api.invalid_request("A background response must be stored: background needs store true.", "store")
     if body.model not in gw.cfg.models:
         raise api.model_not_found(body.model)
+    if body.moderation is not None and (refused := body.moderation.refused()) is not None:
+        raise api.invalid_request(*refused)
     tools = [*_preset_tools(body.assistant), *(body.tools or [])]
     output, run = output_and_run(tools, body, gw.cfg.responses_max_steps)
+    if body.moderation is not None:
+        output = msgspec.structs.replace(output, moderated=True)
     sampling = _sampling(body)
     conversation, earlier = await in_conversation(gw, body, key.tenant)
     await read_files(gw, key.tenant, body)
@@ -175,7 +179,7 @@ async def create(body: ResponseCreate, gw: Gateway = Depends(pipeline), key: K.A
     note = {"tenant": key.tenant, "model": body.model, "created": created, "conversation_id": conversation,
             "store": body.store, "background": body.background, "screening": gw.cfg.screening,
             "in_conversation": body.conversation is not None, "compacted": compacted,
-            "echo": _echo(body, tools, sampling),
+            "echo": _echo(body, tools, sampling), "moderated": body.moderation is not None,
             "run": {"server_tools": run.server_tools, "max_steps": run.max_steps,
                     "max_output_tokens": run.max_output_tokens}, **ticket.note()}
     gw.inflight.track(rid, note)  # its slot held while it runs; released, and usage counted, by _finish
@@ -268,7 +272,8 @@ async def in_conversation(gw: Gateway, body: ResponseCreate, tenant: str) -> tup
 def _framer(rid: str, note: dict) -> ResponseFramer:
     spec = RunSpec(**note["run"])
     return ResponseFramer(rid, spec, base_response(rid, note["created"], note["model"], note["echo"]),
-                          note["conversation_id"], preface=[note["compacted"]] if note.get("compacted") else [])
+                          note["conversation_id"], preface=[note["compacted"]] if note.get("compacted") else [],
+                          moderated=bool(note.get("moderated")))
 
 
 async def _keep_input(gw: Gateway, body: ResponseCreate, rid: str) -> None:

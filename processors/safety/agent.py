@@ -5,6 +5,9 @@
              on its tokens partition instead, and a Cancel to ts.control when blocked
     outputs: ts.tokens windows    -> verdicts; a block also goes in band to the answer's tokens
              partition (the gateway cuts the stream) and a Cancel to ts.control (the worker stops)
+    moderated requests (a response's `moderation`): the input verdict in band too, and after the
+             Completion a verdict over the whole answer (each category's highest score), which the
+             gateway waits for before the response ends
 Every verdict, allowed or not, is written to ts.safety.verdicts with the policy version.
 """
 
@@ -76,9 +79,10 @@ async def screen(request: InferenceRequest, span: tracing.Hop) -> None:
     span.set(verdict_attributes(result))
     judged_input = verdict(request, result, "input")
     await send(verdicts_out, VERDICTS, judged_input, key=request.request_id, trace=trace)
-    if request.screening == "parallel":
+    if request.screening == "parallel" or request.output.moderated:  # the gateway waits for it, or reports it
         await send(tokens_out, TOKENS, judged_input, key=request.request_id, partition=request.reply_partition,
                    trace=trace)
+    if request.screening == "parallel":
         if result.blocked:
             log.info("input of %s blocked while generating: %s", request.request_id, ", ".join(result.categories))
             await send(control_out, CONTROL, Cancel(request_id=request.request_id,
@@ -98,7 +102,8 @@ async def refuse(request: InferenceRequest, result: Judgement, trace) -> None:
     where = dict(key=request.request_id, partition=request.reply_partition, trace=trace)
     await send(tokens_out, TOKENS, TokenChunk(**ids, seq=0, text=REFUSAL), **where)
     await send(tokens_out, TOKENS, Completion(**ids, seq=1, finish_reason="content_filter", text=REFUSAL,
-                                              error="input flagged: " + ", ".join(result.categories)), **where)
+                                              error="input flagged: " + ", ".join(result.categories),
+                                              moderated=request.output.moderated), **where)
 
 
 @app.agent(tokens_in)
@@ -124,8 +129,21 @@ async def watch_outputs(stream):
                 if result.blocked:
                     await ledger.once("block", event.request_id,
                                       lambda: block_output(event, result, window, raw.message.partition, trace))
-            window = judged(window, windows_cfg, result.blocked)
+            window = judged(window, windows_cfg, result.blocked, result.scores)
+        if final and event.moderated:
+            await ledger.once("moderation", event.request_id,
+                              lambda: moderation(event, window, raw.message.partition))
         put(windows_table, event.request_id, None if final else window)
+
+
+async def moderation(done: Completion, window: OutputWindow, partition: int) -> None:
+    """A moderated answer's verdict over all of it, in band after its Completion: each category's highest
+    score of its windows (an answer never judged, being empty, is judged now)."""
+    peak = window.peak or (await judge(window.text)).scores
+    policy = classifier().policy
+    flagged = sorted((c for c, s in peak.items() if s >= policy.threshold(c)), key=lambda c: -peak[c])
+    whole = Judgement(window.blocked or bool(flagged), flagged, peak, policy.version)
+    await send(tokens_out, TOKENS, verdict(done, whole, "output", done.seq), key=done.request_id, partition=partition)
 
 
 def verdict_attributes(result: Judgement) -> dict:

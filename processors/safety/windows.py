@@ -32,7 +32,9 @@ def due(window: OutputWindow, cfg: WindowSettings, *, final: bool = False) -> bo
     return not window.blocked and window.pending_tokens > 0 and (final or window.pending_tokens >= cfg.every_tokens)
 
 
-def judged(window: OutputWindow, cfg: WindowSettings, blocked: bool) -> OutputWindow:
-    """After a judgement: keep only the overlap, and remember a block."""
+def judged(window: OutputWindow, cfg: WindowSettings, blocked: bool,
+           scores: dict[str, float] | None = None) -> OutputWindow:
+    """After a judgement: keep only the overlap, remember a block and each category's highest score."""
     tail = window.text[-cfg.overlap_chars:] if cfg.overlap_chars else ""
-    return msgspec.structs.replace(window, text=tail, pending_tokens=0, blocked=blocked)
+    peak = {**window.peak, **{c: max(s, window.peak.get(c, 0.0)) for c, s in (scores or {}).items()}}
+    return msgspec.structs.replace(window, text=tail, pending_tokens=0, blocked=blocked, peak=peak)
