@@ -45,10 +45,15 @@ PROMPT = "open('n.txt', 'w').write(str(19 + 23))"
 LIST_FILES = "The code is: import os; os.listdir('.')"
 
 
+def _worker_args() -> tuple[str, ...]:
+    from gpu_workers.model_loader import smollm2_dir
+
+    return ("worker", "--model", MODEL, "--model-path", str(smollm2_dir()))
+
+
 @pytest.fixture(scope="module")
 def system(stack, tmp_path_factory):
     """The three processors, a SmolLM2 worker under its own model name, a tool processor, a gateway."""
-    from gpu_workers.model_loader import smollm2_dir
     from topics.admin import apply
     from topics.registry import all_topics
 
@@ -56,15 +61,15 @@ def system(stack, tmp_path_factory):
     roles = Roles(stack, tmp_path_factory.mktemp("responses"))
     env = tools_env(sandbox_root())
     try:
-        for name in ("conversation", "safety", "router"):
-            roles.start("processor", name, "--loglevel", "info", name=f"processor-{name}")
+        procs = {name: roles.start("processor", name, "--loglevel", "info", name=f"processor-{name}")
+                 for name in ("conversation", "safety", "router")}
         tools = roles.start("tools", env=env, name="tools")
-        worker = roles.start("worker", "--model", MODEL, "--model-path", str(smollm2_dir()), name="worker")
+        worker = procs["worker"] = roles.start(*_worker_args(), name="worker")
         url, _ = start_gateway(roles, [MODEL], timeout=120, env={"TOKENSTREAM_GATEWAY_RESPONSES_MAX_STEPS": "3",
                                                                  "TOKENSTREAM_GATEWAY_PROGRESS_TIMEOUT_S": "240"})
         wait_for_log(roles, worker, "worker ready", 300)
         asyncio.run(wait_ready(tools, roles.log))
-        yield {"url": url, "roles": roles, "tools": tools, "env": env}
+        yield {"url": url, "roles": roles, "tools": tools, "env": env, "procs": procs}
     finally:
         roles.stop_all()
 
@@ -475,6 +480,18 @@ async def test_websocket_mode_gives_the_sse_events_runs_lanes_in_order_and_resum
     assert refused.type == "error" and refused.status == 401
 
 
+async def flex_response(client, request: dict, patience_s: float = 60):
+    """A flex request as its client sends it: admitted only while the queue is short, so a 429 (the long
+    prompts just before fill the queue's estimate) is waited out as its Retry-After says, then sent again."""
+    deadline = asyncio.get_running_loop().time() + patience_s
+    while True:
+        try:
+            return await client.responses.create(**request)
+        except openai.RateLimitError as refused:
+            assert asyncio.get_running_loop().time() < deadline, refused
+            await asyncio.sleep(float(refused.response.headers.get("retry-after", "1")))
+
+
 async def test_truncation_drops_old_turns_only_when_asked_and_flex_runs_below_every_tier(client):
     long = "word " * 9000  # past the prompt's share of the context (the answer's room is the rest)
     items = [{"role": "user", "content": long}, {"role": "assistant", "content": "Noted."},
@@ -484,7 +501,7 @@ async def test_truncation_drops_old_turns_only_when_asked_and_flex_runs_below_ev
         read = await read_by_model(prepared, auto)
         # disabled, OpenAI's default: nothing is dropped, the response ends with the reason
         whole = await client.responses.create(**create(input=items, max_output_tokens=4))
-        flexed = await client.responses.create(**create(input="Say hi.", service_tier="flex", max_output_tokens=2))
+        flexed = await flex_response(client, create(input="Say hi.", service_tier="flex", max_output_tokens=2))
         flex_step = await prepared_for(prepared, flexed)
     assert auto.truncation == "auto" and auto.status in ("completed", "incomplete"), auto
     assert read[-1] == "Say hi." and not any(text == long for text in read)
@@ -670,6 +687,42 @@ async def test_a_background_response_outlives_the_gateway_that_took_it_and_can_b
         refused = await http.post("/v1/responses", json={"model": MODEL, "input": "hi", "background": True,
                                                          "store": False})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "store"
+
+
+@pytest.mark.heavy  # three kills and two restarts (a minute or two): make test-all
+async def test_a_background_response_survives_kill_9_of_its_gateway_the_conversation_processor_and_the_worker(
+        client, system):
+    """Created on a gateway that is killed (-9) at once; the conversation processor is killed while the run
+    waits for its tool's result, the worker while it writes the step after; both are started again (as a
+    supervisor would). Another gateway follows the run from the log, and it completes with the answer a
+    foreground run gives."""
+    roles, procs = system["roles"], system["procs"]
+    env = {"TOKENSTREAM_GATEWAY_RESPONSES_MAX_STEPS": "3"}  # as the module's gateway: three steps at most
+    url_a, gateway_a = start_gateway(roles, [MODEL], index=0, count=2, timeout=120, env=env)
+    url_b, _ = start_gateway(roles, [MODEL], index=1, count=2, timeout=120, env=env)
+    request = create(instructions=RUN_CODE, input=PROMPT, tools=[CODE], tool_choice=FORCE_CODE)
+    async with Tap(TOOL_CALLS) as calls, Tap(TOKENS) as tokens:
+        created = await api_client(url_a, timeout=300).responses.create(**request, background=True)
+        os.kill(gateway_a.pid, signal.SIGKILL)
+        rid = run_id_of(created.id)
+        await calls.wait_for(lambda e: e.request_id == step_request_id(rid, 0), timeout=240)
+        os.killpg(procs["conversation"].pid, signal.SIGKILL)  # the run waits for the call's result
+        procs["conversation"].wait()
+        procs["conversation"] = roles.start("processor", "conversation", "--loglevel", "info",
+                                            name="processor-conversation-after-kill")
+        await tokens.wait_for(lambda e: e.request_id == step_request_id(rid, 1), timeout=240)
+        os.killpg(procs["worker"].pid, signal.SIGKILL)  # writing the step after the tool's
+        procs["worker"].wait()
+        procs["worker"] = roles.start(*_worker_args(), name="worker-after-kill")
+        b = api_client(url_b, timeout=300)
+        deadline = asyncio.get_running_loop().time() + 300
+        while (got := await b.responses.retrieve(created.id)).status in ("queued", "in_progress"):
+            assert asyncio.get_running_loop().time() < deadline, got
+            await asyncio.sleep(1)
+    assert got.status == "completed", (got.status, got.incomplete_details, [i.type for i in got.output])
+    foreground = await client.responses.create(**request)
+    assert [i.type for i in got.output] == [i.type for i in foreground.output]
+    assert got.output_text == foreground.output_text  # greedy: the same answer, resumed where it stopped
 
 
 async def test_kill_9_of_the_tool_processor_mid_run_completes_the_run_each_call_once(client, system, bootstrap):
