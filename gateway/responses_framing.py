@@ -81,7 +81,7 @@ class ResponseFramer:
         self.kept_files: list[dict] = []  # files the run's code wrote, for the next message's citations
         self.tokens = [0, 0, 0, 0]  # prompt, completion, cached, cache-written tokens of the steps so far
         self.done = False
-        self.moderation = Moderation(moderated)
+        self.moderation = ModerationResults(moderated)
         self.pending_end: dict[str, Any] | None = None  # an end held until the last step's verdict is in
 
     @property
@@ -325,7 +325,7 @@ class ResponseFramer:
         return [self._ev(name, response=self._snapshot())]
 
 
-class Moderation:
+class ModerationResults:
     """A moderated response's results (`moderation` in the response object), from the safety processor's
     verdicts in band: the input's (step 0), and each category's highest score over every step's output,
     complete once the verdict over the last step's whole answer (its Completion's seq) is in."""

@@ -51,8 +51,10 @@ def _brokers(brokers: int | None) -> None:
 
     from tokenstream.stack.stack import use
 
+    if brokers is None and "TOKENSTREAM_KAFKA_BOOTSTRAP" in os.environ:
+        return  # the environment names the broker (a role a stack or a test started): nothing to look up
     record = Stack.default().folders[1] / "kafka-brokers"
-    if brokers is None and not {"TOKENSTREAM_KAFKA_BROKERS", "TOKENSTREAM_KAFKA_BOOTSTRAP"} & set(os.environ):
+    if brokers is None and "TOKENSTREAM_KAFKA_BROKERS" not in os.environ:
         brokers = int(record.read_text()) if record.exists() else None
     if brokers is not None:
         use({"TOKENSTREAM_KAFKA_BROKERS": str(brokers)})

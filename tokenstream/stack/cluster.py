@@ -104,8 +104,9 @@ class KafkaCluster:
     def brokers(self) -> set[int]:
         """The node ids the cluster lists as brokers now (asked of any node that answers)."""
         for node in self.nodes:
-            if node.pid() is not None and node.is_ready():
-                return node.registered()
+            found = node.registered() if node.pid() is not None else set()
+            if found:
+                return found
         return set()
 
     def active_controller(self) -> int | None:
