@@ -60,6 +60,22 @@ CHUNKS = (TokenChunk, Chunk)
 
 
 @dataclass
+class ErasedRecord:
+    """A record whose content's key `tokenstream erase` destroyed: only its clear fields are left
+    (ids, times, tenant, the event's type; schemas/sealing.py). Its bytes still verify in the ledger."""
+
+    kind: str
+    request_id: str
+    conversation_id: str = ""
+    tenant: str = ""
+
+    @classmethod
+    def of(cls, clear: dict) -> ErasedRecord:
+        return cls(kind=str(clear.get("type", "?")), request_id=str(clear.get("request_id", "")),
+                   conversation_id=str(clear.get("conversation_id", "")), tenant=str(clear.get("tenant", "")))
+
+
+@dataclass
 class Row:
     timestamp: int  # ms
     topic: str
@@ -105,10 +121,14 @@ class Audit:
     marks: Marks = field(default_factory=Marks)  # when the request reached each hop (audit.hops)
     first_token_ms: int = 0  # the first generated chunk's timestamp (the mark, kept cheaply)
     _run: list = field(default_factory=list)  # token chunks not yet folded into a row
+    erased: int = 0  # records whose content was erased (`tokenstream erase`): the answer cannot be checked
 
     # ------------------------------------------------------------------ folding
 
-    def add(self, topic: str, partition: int, offset: int, timestamp: int, event: Event) -> None:
+    def add(self, topic: str, partition: int, offset: int, timestamp: int, event: Event | ErasedRecord) -> None:
+        if isinstance(event, ErasedRecord):
+            self._erased(topic, partition, offset, timestamp, event)
+            return
         if topic == TOKENS.name and isinstance(event, CHUNKS):
             self.chunk(partition, offset, timestamp, event)
             return
@@ -124,6 +144,18 @@ class Audit:
             self._flush()
             self.rows.append(Row(timestamp, topic, f"{partition}@{offset}", type(event).__struct_config__.tag,
                                  describe(event)))
+
+    def _erased(self, topic: str, partition: int, offset: int, timestamp: int, record: ErasedRecord) -> None:
+        self.events += 1
+        self.erased += 1
+        self.tools_only = False
+        self.first_ms = min(self.first_ms or timestamp, timestamp)
+        self.last_ms = max(self.last_ms, timestamp)
+        if not self.tenant:
+            self.conversation_id, self.tenant = record.conversation_id, record.tenant
+        if self.timeline:
+            self._flush()
+            self.rows.append(Row(timestamp, topic, f"{partition}@{offset}", record.kind, "(content erased)"))
 
     def chunk(self, partition: int, offset: int, timestamp: int, chunk: TokenChunk | Chunk) -> None:
         """A token chunk on the tokens topic: most of every request's events, so kept to the essentials."""
@@ -269,8 +301,11 @@ class Audit:
         return self.transcript.answer.finish_reason if self.transcript else ""
 
     def problems(self, open_ok: bool = False) -> list[str]:
-        """What the gap check found; [] when every rule holds. `open_ok`: no completion is no problem."""
+        """What the gap check found; [] when every rule holds. `open_ok`: no completion is no problem.
+        An erased request has nothing left to check (its records' digests still verify: `audit verify`)."""
         found = []
+        if self.erased:
+            return found
         if self.seqs:
             top = max(self.seqs)
             holes = sorted(set(range(top + 1)) - self.seqs)

@@ -20,6 +20,8 @@ def stamp(ms: int) -> str:
 
 
 def verdict(audit: Audit) -> str:
+    if audit.erased:
+        return f"[magenta]erased[/] ({audit.erased} record(s): content destroyed by `tokenstream erase`)"
     problems = audit.problems(open_ok=audit.open_ok)
     if problems:
         return "[red]FAIL[/] " + "; ".join(problems)
@@ -38,7 +40,7 @@ def timeline(console: Console, audit: Audit) -> None:
     hops(console, audit)
     extra = f" · {audit.withheld} chunk(s) generated after the stream ended" if audit.withheld else ""
     extra += f" · {audit.duplicates} duplicate chunk(s) dropped" if audit.duplicates else ""
-    console.print(Panel(audit.text or "(nothing)", title="the text the client saw",
+    console.print(Panel("(erased)" if audit.erased else audit.text or "(nothing)", title="the text the client saw",
                         subtitle=f"finish: {audit.finish_reason or '-'}{extra}", title_align="left"))
     console.print("gap check: " + verdict(audit), highlight=False)
 

@@ -19,7 +19,7 @@ from typing import Union
 import msgspec
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
-from audit.fold import CHUNKS, Audit, Chunk
+from audit.fold import CHUNKS, Audit, Chunk, ErasedRecord
 from audit.scan import Span, merged, spans_between
 from audit.sources import (
     admitted_ms,
@@ -29,8 +29,9 @@ from audit.sources import (
     request_partitions,
 )
 from producers import start_consumer
-from schemas import DecodeError, Event, TokenChunk
-from schemas.codec import SUPPORTED_VERSIONS, decoder
+from schemas import DecodeError, Erased, Event, TokenChunk
+from schemas.codec import SUPPORTED_VERSIONS, decoder, sealer
+from schemas.sealing import unseal
 from topics.admin import partition_counts
 from topics.registry import FLOW, TOKENS, TopicSpec
 
@@ -154,9 +155,11 @@ class Auditor:
                                               until_ms if until_ms and until_ms < now else None)
         return self.last_spans
 
-    def _decode(self, record: ConsumerRecord) -> Event | None:
+    def _decode(self, record: ConsumerRecord) -> Event | ErasedRecord | None:
         try:
             return self.decoders[record.topic](record.value or b"")
+        except Erased as exc:
+            return ErasedRecord.of(exc.clear)
         except DecodeError:
             return None
 
@@ -226,7 +229,7 @@ class Auditor:
         decoders, export, timeline = self.scan_decoders, self.opts.export, keep_all or self.timelines
         filtered = {n for n, spec in self.specs.items() if keyed_by_request(spec)} if keys is not None else set()
         records = undecodable = since_sweep = 0
-        tenant_ok, tokens = self._tenant_ok, TOKENS.name
+        tenant_ok, tokens, keys_held = self._tenant_ok, TOKENS.name, sealer()
         async with _fewer_collections():
             async for batch in merged(self.consumer, spans, self.order, progress):
                 records += len(batch)
@@ -235,11 +238,13 @@ class Auditor:
                     if topic in filtered and record.key not in keys:
                         continue
                     try:
-                        event = decoders[topic](record.value or b"")
-                    except (msgspec.DecodeError, msgspec.ValidationError, ValueError):
+                        event = decoders[topic](unseal(record.value or b"", keys_held))
+                    except Erased as exc:
+                        event = ErasedRecord.of(exc.clear)
+                    except (msgspec.DecodeError, msgspec.ValidationError, ValueError, DecodeError):
                         undecodable += 1
                         continue
-                    if event.v not in SUPPORTED_VERSIONS:
+                    if not isinstance(event, ErasedRecord) and event.v not in SUPPORTED_VERSIONS:
                         undecodable += 1
                         continue
                     rid = event.request_id
@@ -252,7 +257,7 @@ class Auditor:
                         audit.chunk(record.partition, record.offset, record.timestamp, event)
                     else:
                         audit.add(topic, record.partition, record.offset, record.timestamp, event)
-                    if export is not None and tenant_ok(event):
+                    if export is not None and tenant_ok(event) and not isinstance(event, ErasedRecord):
                         export({"topic": topic, "partition": record.partition, "offset": record.offset,
                                 "timestamp": record.timestamp, "event": msgspec.to_builtins(event)})
                 since_sweep += len(batch)

@@ -46,6 +46,9 @@ class Settings(BaseSettings):
                                           "(sasl_ssl)")
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="the durable Redis (noeviction): API keys, "
                            "usage, files, vector stores, stored responses, ledgers, rate-limit counters")
+    sealing: bool = Field(True, description="seal a tenant's content on the topics and in the stores with "
+                          "keys of its conversations held in the durable Redis (`tokenstream erase` destroys "
+                          "them); off only to measure what sealing costs")
     cache_redis_url: str = Field("redis://127.0.0.1:6380/0", description="the evicting Redis (allkeys-lru): "
                                  "the exact response cache alone; losing any key there loses nothing")
     cache_redis_maxmemory: str = Field("256mb", description="maxmemory of the cache Redis `stack up` starts")

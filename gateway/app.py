@@ -19,7 +19,7 @@ from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
-from common import id_key
+from common import id_key, sealing
 from gateway import openai_api as api
 from gateway.config import GatewaySettings
 from gateway.limits import BodyLimits
@@ -33,6 +33,7 @@ UPLOAD_FORM_BYTES = 64 * 1024  # the multipart framing and the purpose field aro
 def create_app(cfg: GatewaySettings, bootstrap: str, redis_url: str | None = None,
                cache_url: str | None = None) -> FastAPI:
     id_key.install()  # request ids are sealed with the deployment's key (schemas/ids.py)
+    sealing.install(redis_url)  # and tenants' content with their conversations' keys (common/sealing.py)
     gw = Gateway(cfg, bootstrap, redis_url, cache_url)
 
     @contextlib.asynccontextmanager

@@ -37,7 +37,7 @@ class Lookup:
 
     async def store(self, gw: Gateway, tenant: str, model: str, entry: Entry) -> None:
         if self.exact_key:
-            await gw.exact_cache.put(self.exact_key, entry)
+            await gw.exact_cache.put(self.exact_key, tenant, entry)
         if self.semantic:
             await gw.semantic_cache.store(tenant, model, *self.semantic, entry=entry)
 

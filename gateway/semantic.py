@@ -13,18 +13,24 @@ than `semantic_cache_ttl_s`. The embedder loads on the first eligible request.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import time
 from dataclasses import dataclass
 
-from gateway.cache import Entry
+from gateway.cache import Entry, opened, sealed
 from schemas import ChatMessage
 from schemas.keys import SEMANTIC_CACHE_COLLECTION
 from common.vectordb import Breaker, client_config
 
 log = logging.getLogger(__name__)
 STORE_TIMEOUT_S = 5.0  # a store follows the answer: time for a first connect and the collection's creation
+
+
+def digest(system: str) -> str:
+    """What an entry keeps of its system message: enough to match it, nothing to read."""
+    return hashlib.sha256(system.encode()).hexdigest()
 
 
 def single_turn(messages: list[ChatMessage]) -> tuple[str, str] | None:
@@ -151,7 +157,7 @@ class SemanticCache:
             return await collection.query.near_vector(
                 near_vector=vector, limit=1, distance=1 - self.threshold,
                 filters=(Filter.by_property("tenant").equal(tenant) & Filter.by_property("model").equal(model)
-                         & Filter.by_property("system").equal(system)
+                         & Filter.by_property("system").equal(digest(system))
                          & Filter.by_property("created_at").greater_than(time.time() - self.ttl_s)),
                 return_metadata=MetadataQuery(distance=True))
 
@@ -165,11 +171,14 @@ class SemanticCache:
         for obj in found.objects:
             p = obj.properties
             similarity = 1 - float(obj.metadata.distance)
-            if (p.get("tenant"), p.get("model"), p.get("system") or "") != (tenant, model, system) \
+            if (p.get("tenant"), p.get("model"), p.get("system") or "") != (tenant, model, digest(system)) \
                     or similarity < self.threshold:
                 continue
+            chunks = opened(p["chunks"].encode())
+            if not chunks:  # its tenant was erased
+                continue
             self.metrics.cache.labels("semantic", "hit").inc()
-            return Hit(Entry(chunks=json.loads(p["chunks"]), finish_reason=p["finish_reason"],
+            return Hit(Entry(chunks=json.loads(chunks), finish_reason=p["finish_reason"],
                              prompt_tokens=int(p["prompt_tokens"]), completion_tokens=int(p["completion_tokens"]),
                              request_id=p["request_id"]), similarity)
         self.metrics.cache.labels("semantic", "miss").inc()
@@ -183,8 +192,9 @@ class SemanticCache:
         async def insert():
             collection = await self._collection()
             await collection.data.insert(
-                {"tenant": tenant, "model": model, "system": system, "prompt": prompt,
-                 "chunks": json.dumps(entry.chunks), "finish_reason": entry.finish_reason,
+                {"tenant": tenant, "model": model, "system": digest(system),
+                 "prompt": sealed(tenant, prompt.encode()).decode(),
+                 "chunks": sealed(tenant, json.dumps(entry.chunks).encode()).decode(), "finish_reason": entry.finish_reason,
                  "request_id": entry.request_id, "prompt_tokens": entry.prompt_tokens,
                  "completion_tokens": entry.completion_tokens, "created_at": time.time()}, vector=vector)
             return True

@@ -13,9 +13,9 @@ from faust.types import EventT
 
 from processors.delivery import at_least_once
 from producers.settings import FAUST, faust_liveness
-from schemas import DeadLetter, DecodeError, Event, TraceContext, decode, encode
+from schemas import DeadLetter, DecodeError, Erased, Event, TraceContext, decode, encode
 from schemas.headers import EVENT_TYPE as TYPE_HEADER
-from common import kafka_auth, tracing
+from common import kafka_auth, sealing, tracing
 from common.config import settings
 from topics import DEAD_LETTER, TopicSpec, processor_group
 
@@ -76,6 +76,7 @@ def make_app(role: str, **overrides) -> faust.App:
     """
     _commit_nothing_revoked()
     _seek_unread_changelogs_from_the_start()
+    sealing.install()  # tables and topics hold tenants' content sealed (common/sealing.py)
     cfg = settings()
     brokers = ";".join(f"kafka://{b.strip()}" for b in cfg.kafka_bootstrap.split(","))
     options = dict(
@@ -136,11 +137,14 @@ def traced(raw: EventT, name: str, attributes: dict | None = None) -> tracing.Ho
 
 async def typed(stream: faust.StreamT, specs: dict[str, TopicSpec],
                 dead_letters: faust.TopicT) -> AsyncIterator[tuple[Event, EventT]]:
-    """Yield (event, faust event) for each record; undecodable ones go to the dead-letter topic."""
+    """Yield (event, faust event) for each record; undecodable ones go to the dead-letter topic, erased
+    ones (their content's key destroyed by `tokenstream erase`) are passed over."""
     async for event in stream.events():
         message = event.message
         try:
             yield decode(event.value or b"", *specs[message.topic].events), event
+        except Erased:
+            log.info("passed over erased %s[%d]@%d", message.topic, message.partition, message.offset)
         except DecodeError as exc:
             log.warning("dead-lettered %s[%d]@%d: %s", message.topic, message.partition, message.offset,
                         exc.reason)
@@ -169,8 +173,12 @@ async def send(target: faust.TopicT, spec: TopicSpec, event: Event, *, key: str,
 
 
 def get(tbl: faust.Table, key: str, kind: type[Event]) -> Event | None:
+    """A table row, None when there is none or its content was erased (`tokenstream erase`)."""
     raw = tbl.get(key.encode())
-    return decode(raw, kind) if raw else None
+    try:
+        return decode(raw, kind) if raw else None
+    except Erased:
+        return None
 
 
 def put(tbl: faust.Table, key: str, value: Event | None) -> None:

@@ -5,13 +5,16 @@ from __future__ import annotations
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 from producers.settings import CONSUMER, FOLLOW_FETCH_MAX_WAIT_MS, PRODUCER, liveness
-from common import kafka_auth
+from common import kafka_auth, sealing
 from common.config import settings
 from topics import TopicSpec
 
 
 async def start_producer(bootstrap: str | None = None, **overrides) -> AIOKafkaProducer:
-    """Idempotent producer, acks=all, lz4, no linger (producers/settings.py says why)."""
+    """Idempotent producer, acks=all, lz4, no linger (producers/settings.py says why).
+
+    Its process seals tenants' content from now on (common/sealing.py)."""
+    sealing.install()
     options = dict(bootstrap_servers=bootstrap or settings().kafka_bootstrap, **kafka_auth.client_options(),
                    **PRODUCER)
     options.update(overrides)
@@ -30,8 +33,10 @@ async def start_consumer(
     """Consumer with manual commits (commit after the effect is durable, never before).
 
     group=None gives a group-less consumer for manual assignment (replays, fan-out), which
-    follows its partitions with a short fetch wait (producers/settings.py).
+    follows its partitions with a short fetch wait (producers/settings.py). Its process opens
+    sealed content from now on (common/sealing.py).
     """
+    sealing.install()
     options = dict(
         bootstrap_servers=bootstrap or settings().kafka_bootstrap,
         **kafka_auth.client_options(),

@@ -25,7 +25,8 @@ async def events(
     """Yield (event, record) for every decodable record, in partition order.
 
     A record that fails to decode is written to the dead-letter topic (acknowledged
-    before this continues) and skipped; the caller commits offsets as its effects land.
+    before this continues) and skipped, an erased one (`tokenstream erase`) only skipped;
+    the caller commits offsets as its effects land.
     `specs` maps each subscribed topic name to its registry entry.
     """
     while True:
@@ -34,7 +35,7 @@ async def events(
             for record in records:
                 try:
                     event = decode_record(record, specs[record.topic])
-                except DecodeError as exc:
+                except DecodeError as exc:  # (an erased record is only passed over)
                     await dead_letter(producer, record, exc, group=group)
                     continue
                 yield event, record

@@ -7,7 +7,7 @@ import logging
 from aiokafka import AIOKafkaProducer
 from aiokafka.structs import ConsumerRecord
 
-from schemas import DeadLetter, DecodeError
+from schemas import DeadLetter, DecodeError, Erased
 from topics import DEAD_LETTER
 
 from producers.publish import publish
@@ -20,8 +20,12 @@ async def dead_letter(
 ) -> None:
     """Write `record` untouched to ts.deadletter with why it failed and where it came from.
 
-    Waits for the broker's acknowledgement so the caller may then commit past the record.
+    Waits for the broker's acknowledgement so the caller may then commit past the record. An erased
+    record (its content's key destroyed by `tokenstream erase`) is not malformed: it is only passed over.
     """
+    if isinstance(exc, Erased):
+        log.info("passed over erased %s[%d]@%d", record.topic, record.partition, record.offset)
+        return
     reason = exc.reason if isinstance(exc, DecodeError) else f"{type(exc).__name__}: {exc}"
     key = record.key
     letter = DeadLetter(

@@ -20,10 +20,12 @@ from schemas.audit import Transcript
 from schemas.base import SCHEMA_VERSION, Event
 from schemas.codec import (
     DecodeError,
+    Erased,
     MalformedEvent,
     UnsupportedVersion,
     decode,
     encode,
+    use_sealer,
 )
 from schemas.control import Cancel, RouteUpdate, ShadowGate
 from schemas.conversation import ConversationHistory, RunState, TurnDeadline
@@ -68,6 +70,7 @@ __all__ = [
     "ConversationHistory",
     "DeadLetter",
     "DecodeError",
+    "Erased",
     "Event",
     "FileIngest",
     "FinishReason",
@@ -94,6 +97,7 @@ __all__ = [
     "Transcript",
     "TurnDeadline",
     "UnsupportedVersion",
+    "use_sealer",
     "WorkerLoad",
     "conversation_digest",
     "FunctionCall",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import msgspec
 
 from schemas.base import Event
@@ -17,6 +19,8 @@ class Transcript(Event, tag="transcript", kw_only=True):
     (empty when the answer came after its history had moved on); answer is the Completion as
     the worker (or the processor that refused the request) wrote it, whole text included.
     """
+
+    content: ClassVar[frozenset[str]] = frozenset({"question", "answer"})  # sealed (schemas/sealing.py)
 
     question: list[ChatMessage] = msgspec.field(default_factory=list)
     answer: Completion

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import ClassVar
 
 import msgspec
 
@@ -24,7 +25,12 @@ class Event(msgspec.Struct, kw_only=True, tag_field="type", forbid_unknown_field
     tenant           who pays: rate limits and routing tiers are per tenant
     created_at       when the event was made (seconds since the epoch)
     v                schema version of the writer
+
+    `content` names the fields that hold a tenant's content: they are written sealed with a key of the
+    tenant's conversation, and read back transparently (schemas/sealing.py, `tokenstream erase`).
     """
+
+    content: ClassVar[frozenset[str]] = frozenset()
 
     request_id: str
     conversation_id: str = ""

@@ -1,8 +1,11 @@
-"""The one codec for events: msgspec JSON with a `type` tag and a `v` version.
+"""The one codec for events: msgspec JSON with a `type` tag and a `v` version, content sealed.
 
 JSON rather than MessagePack so an auditor can read a topic with any Kafka tool;
 msgspec rather than pydantic on this path because it validates while decoding at
 several times pydantic's speed, and the token topic carries one event per token.
+A tenant's content is sealed on the way out and opened on the way in by the keyring the process
+installed (`use_sealer`; common/sealing.py), so every role reads and writes plain events
+(schemas/sealing.py says what is sealed and why).
 """
 
 from __future__ import annotations
@@ -13,30 +16,12 @@ from typing import Any, TypeVar, Union
 import msgspec
 
 from schemas.base import SCHEMA_VERSION, Event
+from schemas.errors import DecodeError, Erased, MalformedEvent, UnsupportedVersion  # noqa: F401 - re-exported
+from schemas.sealing import Sealer, seal, unseal
 
 SUPPORTED_VERSIONS = frozenset({SCHEMA_VERSION})
 
 E = TypeVar("E", bound=Event)
-
-
-class DecodeError(Exception):
-    """An event could not be decoded. `reason` is meant for the dead-letter topic."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-
-
-class MalformedEvent(DecodeError):
-    """Not JSON, an unknown `type`, a missing field or a field of the wrong type."""
-
-
-class UnsupportedVersion(DecodeError):
-    """Well-formed, but written with a schema version this reader does not know."""
-
-    def __init__(self, reason: str, version: Any) -> None:
-        super().__init__(reason)
-        self.version = version
 
 
 _encoder = msgspec.json.Encoder()
@@ -44,7 +29,24 @@ _version_probe = msgspec.json.Decoder(dict[str, Any])
 _decoders: dict[tuple[type, ...], msgspec.json.Decoder] = {}
 
 
+_sealer: Sealer | None = None
+
+
+def use_sealer(sealer: Sealer | None) -> None:
+    """Seal content with `sealer` from now on in this process (None: write it in clear, as unit tests do)."""
+    global _sealer
+    _sealer = sealer
+
+
+def sealer() -> Sealer | None:
+    return _sealer
+
+
 def encode(event: Event) -> bytes:
+    if _sealer is not None:
+        sealed = seal(event, _sealer)
+        if sealed is not None:
+            return sealed
     return _encoder.encode(event)
 
 
@@ -59,8 +61,10 @@ def _decoder_for(types: tuple[type[Event], ...]) -> msgspec.json.Decoder:
 def decode(data: bytes, *types: type[E]) -> E:
     """Decode `data` as one of `types` (all event types when none is given).
 
-    Raises MalformedEvent or UnsupportedVersion; never returns a half-valid event.
+    Raises MalformedEvent or UnsupportedVersion (Erased for content whose key was destroyed);
+    never returns a half-valid event.
     """
+    data = unseal(data, _sealer)
     if not types:
         from schemas.events import ALL_EVENTS
 
@@ -85,7 +89,7 @@ def decoder(*types: type[E]) -> Callable[[bytes], E]:
 
     def run(data: bytes) -> E:
         try:
-            event = dec.decode(data)
+            event = dec.decode(unseal(data, _sealer))
         except (msgspec.ValidationError, msgspec.DecodeError, ValueError):
             return decode(data, *types)  # raises the precise MalformedEvent / UnsupportedVersion
         if event.v not in SUPPORTED_VERSIONS:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import msgspec
 
 from schemas.base import Event
@@ -46,6 +48,8 @@ class ConversationHistory(Event, tag="conversation_history"):
     lands (or, during a run, until the run ends), so the model never sees a history with a
     missing reply.
     """
+
+    content: ClassVar[frozenset[str]] = frozenset({"messages", "parked", "run"})  # sealed (schemas/sealing.py)
 
     messages: list[ChatMessage] = msgspec.field(default_factory=list)
     pending_request_id: str | None = None

@@ -9,7 +9,7 @@ Weaviate and records the outcome in the store-file record (`StoreFile` fields be
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from schemas.base import Event
 
@@ -44,6 +44,8 @@ class FileIngest(Event, tag="file_ingest"):
     is passed over, so each add is indexed once and a removed file is never brought back.
     The tenant is the owner's (from the API key), the one Weaviate tenant the chunks go to.
     """
+
+    content: ClassVar[frozenset[str]] = frozenset({"filename"})  # sealed (schemas/sealing.py)
 
     vector_store_id: str
     file_id: str

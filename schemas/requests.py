@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import msgspec
 
@@ -78,6 +78,8 @@ class ChatRequest(Event, tag="chat_request"):
     holds the client's connection: every token event for this request goes there.
     """
 
+    content: ClassVar[frozenset[str]] = frozenset({"messages", "output", "user", "run"})  # sealed (schemas/sealing.py)
+
     model: str
     messages: list[ChatMessage]
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
@@ -109,6 +111,8 @@ class InferenceRequest(Event, tag="inference_request"):
     prompt is the final, rendered message list after history, presets and trimming.
     dropped_messages counts turns removed to fit the context window.
     """
+
+    content: ClassVar[frozenset[str]] = frozenset({"messages", "output"})  # sealed (schemas/sealing.py)
 
     model: str
     messages: list[ChatMessage]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import msgspec
 
@@ -39,6 +39,8 @@ class OutputWindow(Event, tag="output_window"):
     last_seq is the last chunk folded in (a replayed chunk with seq <= last_seq is ignored);
     pending_tokens counts tokens since the last judgement.
     """
+
+    content: ClassVar[frozenset[str]] = frozenset({"text"})  # sealed (schemas/sealing.py)
 
     text: str = ""
     last_seq: int = -1

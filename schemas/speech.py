@@ -12,7 +12,7 @@ resumes from the log, and an auditor reads every transcript and every spoken tex
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import msgspec
 
@@ -51,6 +51,8 @@ class SpeechJob(Event, tag="speech_job"):
     durable store holds under `audio_key`, or speak `speak.text`. Results go to `reply_partition`
     of ts.tokens."""
 
+    content: ClassVar[frozenset[str]] = frozenset({"filename", "transcribe", "speak"})  # sealed (schemas/sealing.py)
+
     kind: Literal["transcribe", "speak"]
     model: str
     reply_partition: int
@@ -69,6 +71,8 @@ class Word(msgspec.Struct, array_like=True):
 class TranscriptSegment(Event, tag="transcript_segment"):
     """One recognised stretch of speech, in order (seq from 0)."""
 
+    content: ClassVar[frozenset[str]] = frozenset({"text", "words", "tokens"})  # sealed (schemas/sealing.py)
+
     seq: int
     start: float
     end: float
@@ -86,6 +90,8 @@ class TranscriptSegment(Event, tag="transcript_segment"):
 class TranscriptDone(Event, tag="transcript_done"):
     """The end of a transcription: seq follows the last segment; `error` set when it failed."""
 
+    content: ClassVar[frozenset[str]] = frozenset({"text", "error"})  # sealed (schemas/sealing.py)
+
     seq: int
     text: str = ""
     language: str = ""
@@ -96,6 +102,8 @@ class TranscriptDone(Event, tag="transcript_done"):
 
 class SpeechAudio(Event, tag="speech_audio"):
     """The next bytes of the spoken answer in the job's format, in order (seq from 0)."""
+
+    content: ClassVar[frozenset[str]] = frozenset({"audio", "text"})  # sealed (schemas/sealing.py)
 
     seq: int
     audio: bytes

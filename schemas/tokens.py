@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import msgspec
 
@@ -40,6 +40,8 @@ class TokenChunk(Event, tag="token_chunk"):
     A request with tools streams its calls as `tool_calls` deltas; `text` is then only the
     content part, and `raw` is the model's text behind both (what a worker taking over resumes).
     """
+
+    content: ClassVar[frozenset[str]] = frozenset({"text", "token_ids", "tool_calls", "raw", "logprobs"})  # sealed (schemas/sealing.py)
 
     seq: int
     text: str
@@ -85,6 +87,8 @@ class Completion(Event, tag="completion"):
     conversation processor appends both to the history, and an auditor reads an answer without
     replaying chunks.
     """
+
+    content: ClassVar[frozenset[str]] = frozenset({"text", "tool_calls", "error"})  # sealed (schemas/sealing.py)
 
     seq: int
     finish_reason: FinishReason

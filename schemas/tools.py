@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import msgspec
 
 from schemas.base import Event
@@ -10,6 +12,8 @@ from schemas.base import Event
 class ToolCall(Event, tag="tool_call"):
     """A model's request to run a tool; arguments is a JSON object as text (OpenAI style)."""
 
+    content: ClassVar[frozenset[str]] = frozenset({"arguments"})  # sealed (schemas/sealing.py)
+
     call_id: str
     name: str
     arguments: str = "{}"
@@ -17,6 +21,8 @@ class ToolCall(Event, tag="tool_call"):
 
 class ToolResult(Event, tag="tool_result"):
     """Outcome of one ToolCall. ok is False when the tool failed or was stopped."""
+
+    content: ClassVar[frozenset[str]] = frozenset({"output", "error", "meta"})  # sealed (schemas/sealing.py)
 
     call_id: str
     name: str

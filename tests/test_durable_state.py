@@ -80,7 +80,7 @@ async def test_filling_the_cache_store_loses_no_key_file_or_ledger_entry(stack, 
     for i in range(384):
         entry = Entry(chunks=[chunk], finish_reason="stop", prompt_tokens=1, completion_tokens=1,
                       request_id=f"fill-{unique}-{i}")
-        assert await cache.put(K.exact_cache(f"{unique}-{i}"), entry)
+        assert await cache.put(K.exact_cache(f"{unique}-{i}"), "default", entry)
     await cache_client.aclose()
     memory = _info(cache_url, "memory")
     evicted = _info(cache_url, "stats")["evicted_keys"] - before

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sys
 import time
 import uuid
 
@@ -388,6 +389,63 @@ async def test_the_chat_page_voice_mode_hears_the_question_and_speaks_the_answer
 # ---------------------------------------------------------------- outages under the running system
 
 SERVED_WITHIN_S = 10.0  # after an outage ends, a request is answered within this long
+
+
+async def test_erasing_a_tenant_leaves_nothing_of_its_content_readable_anywhere(system: System, stack, unique):
+    """Crypto-shredding through the whole chain: a tenant's question and answer cross every role sealed
+    (the broker's segments hold the request's id, never its words); `tokenstream erase` destroys its
+    keys, after which the audit shows its records as erased and no file or record of the broker,
+    either Redis or Weaviate holds its words or its keys."""
+    import redis
+
+    from tests.erasure_support import found_in_files, found_in_redis, found_in_segments
+    from tests.gateway_support import auth_headers
+
+    tenant, marker = f"erase-{unique}", f"quokka{unique}"
+    async with httpx.AsyncClient(timeout=180, headers=auth_headers(new_key(tenant))) as http:
+        r = await http.post(system.gateways[1] + "/v1/chat/completions", json=greedy(
+            messages=[{"role": "user", "content": f"My locker code is {marker}. Repeat the code."}], max_tokens=24))
+    assert r.status_code == 200, r.text
+    rid, answer = rid_of(r.json()["id"]), r.json()["choices"][0]["message"]["content"]
+    words = {marker.encode()} | ({answer.strip().encode()} if len(answer.strip()) >= 12 else set())
+    durable = redis.Redis.from_url(stack.redis.address)
+    key_ids = {k.decode() for k in durable.smembers(f"ts:seal:tenant:{tenant}")}
+    assert key_ids, "the tenant's content was sealed with no key of its own"
+    segments = stack.kafka.data_dir / "log"
+    found = await asyncio.to_thread(found_in_segments, segments, words | {rid.encode()})
+    assert rid.encode() in found and not found & words, "the broker's log holds the tenant's words in clear"
+    # the test stack's durable Redis keeps no files, `stack up`'s does: its append-only file turned on, the
+    # key hashes reach its files, so that the check after the erasure can fail
+    durable.config_set("appendonly", "yes")
+    await wait_for(lambda: not any(durable.info("persistence")[k] for k in ("aof_rewrite_in_progress", "aof_rewrite_scheduled")),
+                   timeout=30, what="the append-only file rewritten")
+    held = {f"ts:seal:key:{k}".encode() for k in key_ids}  # each key's hash (its material with it)
+    assert found_in_files(stack.redis.data_dir, held)
+
+    erase = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tokenstream.cli", "erase", "--tenant", tenant, "--yes",
+        env={**os.environ, **stack.environment()}, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    out = (await erase.communicate())[0].decode()
+    assert erase.returncode == 0 and "sealing keys destroyed" in out, out
+    assert not durable.smembers(f"ts:seal:tenant:{tenant}")
+
+    audit = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tokenstream.cli", "audit", "request", rid,
+        env={**os.environ, **stack.environment(), "COLUMNS": "200"}, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT)
+    report = (await audit.communicate())[0].decode()
+    assert "(content erased)" in report and "gap check: erased" in report and marker not in report, report
+    assert not await asyncio.to_thread(found_in_redis, stack.redis.address, words | held)
+    assert not await asyncio.to_thread(found_in_redis, stack.cache.address, words)
+    assert not await asyncio.to_thread(found_in_files, stack.redis.data_dir, words | held)
+    durable.config_set("appendonly", "no")
+    assert not await asyncio.to_thread(found_in_files, stack.weaviate.data_dir, words)
+    assert not await asyncio.to_thread(found_in_segments, segments, words)
+    durable.close()
+    # another tenant's conversations go on as before
+    again = await system.client(1).chat.completions.create(messages=[{"role": "user", "content": "Say hello."}],
+                                                           max_tokens=4, **greedy())
+    assert again.choices[0].message.content
 
 
 async def readiness(url: str) -> tuple[int, dict]:

@@ -275,6 +275,7 @@ ROLE_COMMANDS = {
     (bench_app, "audit"): "bench.audit:main",
     (app, "plan"): "tokenstream.plan_cli:plan_command",
     (app, "usage"): "tokenstream.usage_cli:usage",
+    (app, "erase"): "tokenstream.erase_cli:erase_command",
     (app, "shadow"): "tokenstream.shadow.cli:shadow",
     (bench_app, "cache"): "bench.cache:main",
     (bench_app, "grammar"): "bench.grammar:main",

@@ -1,0 +1,194 @@
+"""The keyring every role seals and opens a tenant's content with (crypto-shredding; schemas/sealing.py).
+
+Keys: one random AES-256 key per (tenant, conversation), or per tenant for content outside any
+conversation, made by the first writer and held in the durable Redis (noeviction, append-only):
+
+    ts:seal:key:<key id>          hash: tenant, scope, key (32 bytes), created_at
+    ts:seal:current:<tenant>:<scope>  the key id new content of that scope is sealed with
+    ts:seal:tenant:<tenant>       set: every key id of the tenant (what `erase --tenant` destroys)
+
+A sealed value is `s1.<key id>.<base64url(nonce | AES-GCM ciphertext and tag)>`: AES-GCM from the
+`cryptography` package (OpenSSL), a 96-bit random nonce per value. Destroying the key hash erases every
+value sealed with it, wherever copies of it lie; the key id is never reused.
+
+A process keeps the keys it used for `KEY_TTL_S` seconds, so a key destroyed by `tokenstream erase` stops
+opening anything in every running role within that time; a new process never sees it again. Fetching a
+key is one round trip to the durable Redis per conversation and role (then cached); a Redis outage raises
+SealingUnavailable, which a reader treats as the outage it is (never as bad input).
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import threading
+import time
+
+import redis
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from common.config import settings
+from schemas.codec import sealer as installed_sealer
+from schemas.codec import use_sealer
+from schemas.sealing import SealingUnavailable
+
+KEY_TTL_S = 10.0
+PREFIX = "s1"
+
+_MAKE = """
+local current = redis.call('GET', KEYS[1])
+if current then return current end
+redis.call('HSET', KEYS[2], 'tenant', ARGV[2], 'scope', ARGV[3], 'key', ARGV[4], 'created_at', ARGV[5])
+redis.call('SET', KEYS[1], ARGV[1])
+redis.call('SADD', KEYS[3], ARGV[1])
+return ARGV[1]
+"""
+
+
+def key_hash(key_id: str) -> str:
+    return f"ts:seal:key:{key_id}"
+
+
+def current_key(tenant: str, scope: str) -> str:
+    return f"ts:seal:current:{tenant}:{scope}"
+
+
+def tenant_keys(tenant: str) -> str:
+    return f"ts:seal:tenant:{tenant}"
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
+
+
+def _unb64(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+class Keyring:
+    """Seals and opens values with keys held in the durable Redis (the codec's `Sealer`)."""
+
+    def __init__(self, url: str, ttl_s: float = KEY_TTL_S, timeout_s: float = 2.0) -> None:
+        self.redis = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self.ttl_s = ttl_s
+        self._make = self.redis.register_script(_MAKE)
+        self._writing: dict[tuple[str, str], tuple[str, AESGCM, float]] = {}
+        self._reading: dict[str, tuple[AESGCM | None, float]] = {}
+        self._lock = threading.Lock()  # sealing runs on event loops and in worker threads alike
+
+    # -- the codec's Sealer --------------------------------------------------------------------------
+
+    def seal(self, tenant: str, scope: str, plaintext: bytes) -> str:
+        key_id, aead = self._write_key(tenant, scope)
+        nonce = os.urandom(12)
+        return f"{PREFIX}.{key_id}.{_b64(nonce + aead.encrypt(nonce, plaintext, key_id.encode()))}"
+
+    def open(self, token: str) -> bytes | None:
+        try:
+            prefix, key_id, body = token.split(".", 2)
+        except ValueError:
+            return None if token == "" else self._bad(token)
+        if prefix != PREFIX:
+            return self._bad(token)
+        aead = self._read_key(key_id)
+        if aead is None:
+            return None
+        raw = _unb64(body)
+        return aead.decrypt(raw[:12], raw[12:], key_id.encode())
+
+    @staticmethod
+    def _bad(token: str):
+        from schemas.errors import MalformedEvent
+
+        raise MalformedEvent(f"malformed event: {token[:16]!r} is not a sealed value")
+
+    # -- keys ------------------------------------------------------------------------------------------
+
+    def _write_key(self, tenant: str, scope: str) -> tuple[str, AESGCM]:
+        now = time.monotonic()
+        held = self._writing.get((tenant, scope))
+        if held is not None and now - held[2] < self.ttl_s:
+            return held[0], held[1]
+        fresh_id = os.urandom(8).hex()
+        try:
+            key_id = self._make(keys=[current_key(tenant, scope), key_hash(fresh_id), tenant_keys(tenant)],
+                                args=[fresh_id, tenant, scope, os.urandom(32), str(time.time())])
+            key_id = key_id.decode() if isinstance(key_id, bytes) else key_id
+            material = self.redis.hget(key_hash(key_id), "key")
+        except redis.RedisError as exc:
+            raise SealingUnavailable(f"the keyring (durable Redis) is unreachable: {exc}") from exc
+        if material is None:  # destroyed between the two calls: the next seal makes a new one
+            raise SealingUnavailable(f"the key {key_id} of {tenant}/{scope} was destroyed while it was fetched")
+        aead = AESGCM(material)
+        with self._lock:
+            self._writing[(tenant, scope)] = (key_id, aead, now)
+            self._reading[key_id] = (aead, now)
+        return key_id, aead
+
+    def _read_key(self, key_id: str) -> AESGCM | None:
+        now = time.monotonic()
+        held = self._reading.get(key_id)
+        if held is not None and now - held[1] < self.ttl_s:
+            return held[0]
+        try:
+            material = self.redis.hget(key_hash(key_id), "key")
+        except redis.RedisError as exc:
+            raise SealingUnavailable(f"the keyring (durable Redis) is unreachable: {exc}") from exc
+        aead = AESGCM(material) if material is not None else None
+        with self._lock:
+            self._reading[key_id] = (aead, now)
+        return aead
+
+    # -- values kept in the stores (not events) -------------------------------------------------------
+
+    def seal_value(self, tenant: str, scope: str, plaintext: bytes) -> bytes:
+        return self.seal(tenant, scope, plaintext).encode("ascii")
+
+    def open_value(self, value: bytes | str | None) -> bytes | None:
+        """A stored value sealed by `seal_value` (None when absent or erased)."""
+        if value is None:
+            return None
+        text = value.decode("ascii", "replace") if isinstance(value, bytes) else value
+        return self.open(text)
+
+
+def destroy(client: redis.Redis, tenant: str, conversation: str | None = None) -> list[tuple[str, str]]:
+    """Destroy the keys of a tenant (every scope) or of one of its conversations: what they sealed is erased.
+
+    Returns (key id, scope) for each key destroyed. The key material also leaves the store's files only
+    once its append-only file is rewritten (tokenstream/erase.py does that after calling this)."""
+    members = [m.decode() if isinstance(m, bytes) else m for m in client.smembers(tenant_keys(tenant))]
+    gone = []
+    for key_id in members:
+        scope = client.hget(key_hash(key_id), "scope")
+        scope = scope.decode() if isinstance(scope, bytes) else (scope or "")
+        if conversation is not None and scope != conversation:
+            continue
+        pipe = client.pipeline(transaction=True)
+        pipe.delete(key_hash(key_id))
+        pipe.srem(tenant_keys(tenant), key_id)
+        pipe.execute()
+        gone.append((key_id, scope))
+    scopes = {scope for _, scope in gone} | ({conversation} if conversation is not None else set())
+    for scope in scopes:  # the next content of a scope is sealed with a new key
+        client.delete(current_key(tenant, scope))
+    return gone
+
+
+def install(redis_url: str | None = None) -> Keyring | None:
+    """Seal this process's events with the durable store's keyring (idempotent: the first call's store
+    wins; None when sealing is off). Every Kafka client of producers/clients.py installs it."""
+    current = installed_sealer()
+    if isinstance(current, Keyring):
+        return current
+    cfg = settings()
+    if not cfg.sealing:
+        return None
+    keyring = Keyring(redis_url or cfg.redis_url)
+    use_sealer(keyring)
+    return keyring
+
+
+def keyring() -> Keyring | None:
+    """The installed keyring (installing it on first use), None when sealing is off."""
+    return install()
