@@ -56,6 +56,8 @@ def main(
     max_tokens: int = typer.Option(4, help="tokens per answer (only the first one is timed)"),
     think_ms: float = typer.Option(100.0, help="the client's pause after each answer, before its next request"),
     out: Path = typer.Option(RESULTS, help="where the JSON results go"),
+    sealing: str = typer.Option("on", help="on (as deployed), off, or both: off then on in one run, to show what "
+                                "sealing tenants' content costs (common/sealing.py)"),
     kafka_security: str = typer.Option("sasl_plaintext", help="the throwaway broker's: sasl_plaintext (SCRAM "
                                        "users and ACLs, as `make run`) or plaintext (no authentication)"),
 ) -> None:
@@ -66,15 +68,56 @@ def main(
 
     if kafka_security not in ("sasl_plaintext", "plaintext"):
         raise typer.BadParameter("sasl_plaintext or plaintext", param_hint="--kafka-security")
+    if sealing not in ("on", "off", "both"):
+        raise typer.BadParameter("on, off or both", param_hint="--sealing")
     os.environ["TOKENSTREAM_KAFKA_SECURITY"] = kafka_security  # the stack, its roles and this process's clients
-    settings.cache_clear()
-    result = asyncio.run(_run(requests, max_tokens, think_ms))
-    result["command"] += f" --kafka-security {kafka_security}"
-    result["kafka_security"] = kafka_security
+    runs = {}
+    for state in (("off", "on") if sealing == "both" else (sealing,)):  # off first: this process then installs
+        os.environ["TOKENSTREAM_SEALING"] = "true" if state == "on" else "false"  # the second stack's keyring
+        settings.cache_clear()
+        runs[state] = asyncio.run(_run(requests, max_tokens, think_ms))
+        runs[state]["command"] += f" --kafka-security {kafka_security} --sealing {sealing}"
+        runs[state]["kafka_security"] = kafka_security
+        runs[state]["sealing"] = state
+        _table(runs[state])
+    result = runs[sealing] if sealing != "both" else {"sealing_off": runs["off"], "sealing_on": runs["on"],
+                                                       "sealing_cost": _sealing_cost(runs["off"], runs["on"])}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    _table(result)
     print(f"written to {out}")
+
+
+def _sealing_cost(off: dict, on: dict) -> dict:
+    """Client TTFT added by sealing (p50, each screening order), and the codec's own cost per token event."""
+    cost = {mode: round(on["modes"][mode]["client_ttft_ms"]["p50"] - off["modes"][mode]["client_ttft_ms"]["p50"], 1)
+            for mode in MODES}
+    codec = on.get("codec", {})
+    print(f"sealing on - off, client TTFT p50 (ms): {cost} (target < 2 ms; the run-to-run spread is a few ms)")
+    if codec:
+        print(f"token event encode+decode: {codec['clear_us']} us clear, {codec['sealed_us']} us sealed "
+              f"({codec['ratio']}x): {codec['sealed_per_s']:,} sealed events/s on one core")
+    return {"client_ttft_p50_added_ms": cost, "codec": codec}
+
+
+def _codec_cost(n: int = 20_000) -> dict:
+    """Microseconds to encode and decode one token chunk, clear and sealed (this process's keyring)."""
+    from schemas import TokenChunk, decode, encode
+    from schemas.codec import sealer, use_sealer
+
+    keys = sealer()
+    chunk = TokenChunk(request_id="r" * 32, tenant="bench", conversation_id="c" * 32, seq=7, text=" word",
+                       token_ids=[1234])
+    figures = {}
+    for name, using in (("clear", None), ("sealed", keys)):
+        use_sealer(using)
+        decode(encode(chunk), TokenChunk)
+        started = time.perf_counter()
+        for _ in range(n):
+            decode(encode(chunk), TokenChunk)
+        figures[name] = (time.perf_counter() - started) / n * 1e6
+    use_sealer(keys)
+    return {"clear_us": round(figures["clear"], 1), "sealed_us": round(figures["sealed"], 1),
+            "ratio": round(figures["sealed"] / figures["clear"], 2), "sealed_per_s": int(1e6 / figures["sealed"])}
 
 
 async def _run(requests: int, max_tokens: int, think_ms: float) -> dict:
@@ -106,7 +149,11 @@ async def _run(requests: int, max_tokens: int, think_ms: float) -> dict:
         await timeline.settle([s["rid"] for ms in samples.values() for s in ms])
         await timeline.stop()
         by_mode = {mode: _summarise(samples[mode], timeline) for mode in MODES}
+        from schemas.codec import sealer
+
+        codec = _codec_cost() if sealer() is not None else {}
     return {
+        "codec": codec,
         "command": f"tokenstream bench pipeline --requests {requests} --max-tokens {max_tokens} --think-ms {think_ms:g}",
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                     "load_average_1m_at_end": round(os.getloadavg()[0], 2),

@@ -368,6 +368,12 @@ async def http_error_handler(request: Request, exc: HTTPException) -> JSONRespon
 
 
 async def unexpected_error_handler(_: Request, exc: Exception) -> JSONResponse:
-    """A bug: still OpenAI's shape, so clients can show it."""
+    """A bug: still OpenAI's shape, so clients can show it. An unreachable keyring (the durable store is
+    away; common/sealing.py) is an outage, not a bug: 503, to be retried."""
+    from schemas.sealing import SealingUnavailable
+
+    if isinstance(exc, SealingUnavailable):
+        return JSONResponse(error_body("the key store is unavailable; retry shortly", "server_error", None,
+                                       "service_unavailable"), status_code=503, headers={"Retry-After": "1"})
     return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error", None, "internal_error"),
                         status_code=500)

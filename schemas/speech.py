@@ -113,6 +113,8 @@ class SpeechAudio(Event, tag="speech_audio"):
 class SpeechDone(Event, tag="speech_done"):
     """The end of a speech job: seq follows the last audio chunk; `error` set when it failed."""
 
+    content: ClassVar[frozenset[str]] = frozenset({"error"})  # sealed (schemas/sealing.py)
+
     seq: int
     bytes_total: int = 0
     duration_s: float = 0.0  # of the audio made

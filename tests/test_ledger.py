@@ -150,7 +150,9 @@ async def test_verify_names_each_forgery_of_a_copy_and_the_bundle_verifies_alone
     import base64
 
     i = next(i for i, r in enumerate(rows) if "value" in r and b"ledger-" in base64.b64decode(r["value"]))
-    rows[i]["value"] = base64.b64encode(base64.b64decode(rows[i]["value"]).replace(b"question", b"QUESTION")).decode()
+    edited = base64.b64decode(rows[i]["value"]).replace(MODEL.encode(), MODEL.upper().encode())  # a clear field
+    assert edited != base64.b64decode(rows[i]["value"])
+    rows[i]["value"] = base64.b64encode(edited).decode()
     (bundle / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     bad = await asyncio.to_thread(_standalone, bundle)
     assert bad.returncode == 1 and f"changed: the record at offset {rows[i]['offset']}" in bad.stdout, bad.stdout

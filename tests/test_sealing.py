@@ -1,0 +1,91 @@
+"""Crypto-shredding's parts on a real durable Redis: what is sealed, keys per conversation, erasure by
+conversation and by tenant, and an unreachable keyring told apart from bad input."""
+
+from __future__ import annotations
+
+import typing
+
+import msgspec
+import pytest
+
+from common.sealing import Keyring, destroy
+from schemas import ChatMessage, ChatRequest, Completion, DecodeError, Erased, TokenChunk, decode, encode
+from schemas.codec import sealer, use_sealer
+from schemas.events import ALL_EVENTS
+from schemas.sealing import SealingUnavailable
+
+# Text-bearing fields left in clear on purpose: ids, names, model and routing facts, verdicts, offsets.
+METADATA = {"request_id", "conversation_id", "tenant", "model", "assistant", "gateway_id", "screening", "tier",
+            "cache_key", "cached_from", "finish_reason", "error_code", "worker_id", "call_id", "name", "stage",
+            "categories", "scores", "peak", "policy_version", "reason", "weights", "fallback", "candidate", "served",
+            "figures", "require", "pending_request_id", "seen_request_ids", "error_type", "source_topic",
+            "consumer_group", "payload", "key", "headers", "vector_store_id", "file_id", "action", "generation",
+            "digest", "partitions", "topic", "offsets", "record_digests", "prev_head", "head", "key_id",
+            "signature", "kind", "audio_key", "language", "shadow_of", "sampling", "usage", "timings"}
+
+
+def _texty(annotation) -> bool:
+    text = str(annotation)
+    return any(t in text for t in ("str", "bytes", "list", "dict", "Struct", "Spec", "Message", "Params"))
+
+
+def test_every_text_field_of_every_event_is_sealed_or_named_metadata():
+    base = {"request_id", "conversation_id", "tenant", "created_at", "v"}
+    for event in ALL_EVENTS:
+        hints = typing.get_type_hints(event)
+        assert event.content <= set(event.__struct_fields__), event.__name__
+        unclassified = {f for f in event.__struct_fields__ if f not in base and f not in event.content
+                        and f not in METADATA and _texty(hints[f])}
+        assert not unclassified, f"{event.__name__}: seal these fields or name them metadata: {unclassified}"
+
+
+@pytest.fixture
+def keyring(stack):
+    before = sealer()
+    keys = Keyring(stack.redis.address, ttl_s=0.0)  # no cache: an erasure shows at once
+    use_sealer(keys)
+    yield keys
+    use_sealer(before)
+
+
+def _request(tenant: str, conversation: str, words: str) -> ChatRequest:
+    return ChatRequest(request_id=f"r-{conversation}", tenant=tenant, conversation_id=conversation, model="m",
+                       messages=[ChatMessage(role="user", content=words)])
+
+
+def test_content_is_sealed_per_conversation_and_erased_by_conversation_then_tenant(keyring, unique):
+    tenant = f"t-{unique}"
+    one, two = _request(tenant, "c1", "the quick zebra"), _request(tenant, "c2", "a slow tortoise")
+    chunk = TokenChunk(request_id="r-c1", tenant=tenant, conversation_id="c1", seq=0, text="zebra!", token_ids=[7])
+    wire = [encode(e) for e in (one, two, chunk)]
+    assert all(b"zebra" not in w and b"tortoise" not in w for w in wire)
+    assert msgspec.json.decode(wire[0])["request_id"] == "r-c1"  # ids stay readable without a key
+    assert [decode(w) for w in wire] == [one, two, chunk]
+    assert decode(encode(Completion(request_id="x", tenant=tenant, seq=1, finish_reason="stop"))).seq == 1
+
+    client = keyring.redis
+    gone = destroy(client, tenant, "c1")
+    assert [scope for _, scope in gone] == ["c1"]
+    for w in (wire[0], wire[2]):
+        with pytest.raises(Erased) as erased:
+            decode(w)
+        assert erased.value.clear["request_id"] == "r-c1" and erased.value.clear["tenant"] == tenant
+    assert decode(wire[1]) == two  # the tenant's other conversation is untouched
+    again = encode(_request(tenant, "c1", "new words"))  # the conversation goes on under a new key
+    assert decode(again).messages[0].content == "new words"
+
+    destroy(client, tenant)
+    for w in (wire[1], again):
+        with pytest.raises(Erased):
+            decode(w)
+
+
+def test_an_unreachable_keyring_is_an_outage_not_bad_input():
+    before = sealer()
+    use_sealer(Keyring("redis://127.0.0.1:1/0", timeout_s=0.5))
+    try:
+        with pytest.raises(SealingUnavailable) as raised:
+            encode(_request("t", "c", "words"))
+        assert not isinstance(raised.value, DecodeError)
+    finally:
+        use_sealer(before)
