@@ -139,17 +139,42 @@ class Keyring:
             self._reading[key_id] = (aead, now)
         return aead
 
-    # -- values kept in the stores (not events) -------------------------------------------------------
 
-    def seal_value(self, tenant: str, scope: str, plaintext: bytes) -> bytes:
-        return self.seal(tenant, scope, plaintext).encode("ascii")
+# -- values kept in the stores (not events): file and audio bytes, stored responses, cache entries -----
 
-    def open_value(self, value: bytes | str | None) -> bytes | None:
-        """A stored value sealed by `seal_value` (None when absent or erased)."""
-        if value is None:
-            return None
-        text = value.decode("ascii", "replace") if isinstance(value, bytes) else value
-        return self.open(text)
+STORED = b"\x00sealed:"  # what a sealed stored value starts with (no text, JSON or media file does)
+
+
+def seal_stored(tenant: str, scope: str, data: bytes) -> bytes:
+    """`data` as a store keeps it: sealed with the key of (tenant, scope) when sealing is on."""
+    keys = keyring()
+    return data if keys is None else STORED + keys.seal(tenant, scope, data).encode("ascii")
+
+
+def open_stored(value: bytes | None) -> bytes | None:
+    """A value written by `seal_stored` (or before sealing was on), None when absent or erased."""
+    if value is None or not value.startswith(STORED):
+        return value
+    keys = keyring()
+    if keys is None:
+        raise SealingUnavailable("a sealed value was read with sealing off (TOKENSTREAM_SEALING)")
+    return keys.open(value[len(STORED):].decode("ascii", "replace"))
+
+
+def seal_text(tenant: str, scope: str, text: str) -> str:
+    """`seal_stored` for a store that keeps text (the semantic cache's properties)."""
+    keys = keyring()
+    return text if keys is None else keys.seal(tenant, scope, text.encode())
+
+
+def open_text(value: str) -> str | None:
+    if not value.startswith(f"{PREFIX}."):
+        return value
+    keys = keyring()
+    if keys is None:
+        raise SealingUnavailable("a sealed value was read with sealing off (TOKENSTREAM_SEALING)")
+    plain = keys.open(value)
+    return None if plain is None else plain.decode()
 
 
 def destroy(client: redis.Redis, tenant: str, conversation: str | None = None) -> list[tuple[str, str]]:

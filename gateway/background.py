@@ -24,6 +24,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+from common import sealing
 from gateway.pipeline import Gateway
 from gateway.responses_framing import ResponseFramer
 from gateway.resume import read_so_far
@@ -83,6 +84,7 @@ async def snapshot(gw: Gateway, framer: ResponseFramer, meta: dict, finish: Fini
 
 async def stored(gw: Gateway, run_id: str) -> dict | None:
     raw = await gw.redis.get(K.stored_response(run_id)) if gw.redis is not None else None
+    raw = sealing.open_stored(raw)  # None: erased (`tokenstream erase`)
     return json.loads(raw) if raw else None
 
 

@@ -44,20 +44,6 @@ class Entry(msgspec.Struct, kw_only=True):
     request_id: str
 
 
-def sealed(tenant: str, plain: bytes) -> bytes:
-    """A cache entry as stored: sealed with the tenant's key (common/sealing.py) when sealing is on."""
-    keys = sealing.keyring()
-    return keys.seal_value(tenant, "", plain) if keys is not None else plain
-
-
-def opened(stored: bytes) -> bytes:
-    """A stored entry's JSON; b"" (a miss) when its tenant was erased."""
-    keys = sealing.keyring()
-    if keys is None or not stored.startswith(b"s1."):  # written with sealing off
-        return stored
-    return keys.open_value(stored) or b""
-
-
 class ExactCache:
     def __init__(self, redis, ttl_s: float, max_chars: int, metrics) -> None:
         self.redis, self.ttl_s, self.max_chars, self.metrics = redis, ttl_s, max_chars, metrics
@@ -73,7 +59,7 @@ class ExactCache:
             self.metrics.cache.labels("exact", "miss").inc()
             return None
         try:
-            entry = msgspec.json.decode(opened(raw), type=Entry)
+            entry = msgspec.json.decode(sealing.open_stored(raw) or b"", type=Entry)  # b"": erased
         except msgspec.DecodeError:
             return None
         self.metrics.cache.labels("exact", "hit").inc()
@@ -85,7 +71,7 @@ class ExactCache:
         if sum(len(c) for c in entry.chunks) > self.max_chars:
             return False
         try:
-            await self.redis.set(key, sealed(tenant, msgspec.json.encode(entry)), ex=int(self.ttl_s), nx=True)
+            await self.redis.set(key, sealing.seal_stored(tenant, "", msgspec.json.encode(entry)), ex=int(self.ttl_s), nx=True)
             return True
         except Exception as exc:  # noqa: BLE001
             log.warning("exact cache: could not store %s: %s", entry.request_id, exc)

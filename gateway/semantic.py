@@ -19,7 +19,8 @@ import logging
 import time
 from dataclasses import dataclass
 
-from gateway.cache import Entry, opened, sealed
+from common import sealing
+from gateway.cache import Entry
 from schemas import ChatMessage
 from schemas.keys import SEMANTIC_CACHE_COLLECTION
 from common.vectordb import Breaker, client_config
@@ -174,8 +175,8 @@ class SemanticCache:
             if (p.get("tenant"), p.get("model"), p.get("system") or "") != (tenant, model, digest(system)) \
                     or similarity < self.threshold:
                 continue
-            chunks = opened(p["chunks"].encode())
-            if not chunks:  # its tenant was erased
+            chunks = sealing.open_text(p["chunks"])
+            if chunks is None:  # its tenant was erased
                 continue
             self.metrics.cache.labels("semantic", "hit").inc()
             return Hit(Entry(chunks=json.loads(chunks), finish_reason=p["finish_reason"],
@@ -193,8 +194,8 @@ class SemanticCache:
             collection = await self._collection()
             await collection.data.insert(
                 {"tenant": tenant, "model": model, "system": digest(system),
-                 "prompt": sealed(tenant, prompt.encode()).decode(),
-                 "chunks": sealed(tenant, json.dumps(entry.chunks).encode()).decode(), "finish_reason": entry.finish_reason,
+                 "prompt": sealing.seal_text(tenant, "", prompt),
+                 "chunks": sealing.seal_text(tenant, "", json.dumps(entry.chunks)), "finish_reason": entry.finish_reason,
                  "request_id": entry.request_id, "prompt_tokens": entry.prompt_tokens,
                  "completion_tokens": entry.completion_tokens, "created_at": time.time()}, vector=vector)
             return True

@@ -11,6 +11,7 @@ import json
 import secrets
 import time
 
+from common import sealing
 from schemas import keys as K
 from schemas.files import IN_PROGRESS, STORE_FILE_STATES
 from schemas.ids import new_file_id, new_vector_store_id
@@ -42,7 +43,7 @@ class Uploads:
         record = {"id": file_id, "tenant": tenant, "filename": filename, "purpose": purpose,
                   "bytes": str(len(data)), "created_at": str(now)}
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.set(K.file_data(file_id), data)
+            pipe.set(K.file_data(file_id), sealing.seal_stored(tenant, "", data))
             pipe.hset(K.file_record(file_id), mapping=record)
             pipe.zadd(K.tenant_files(tenant), {file_id: time.time()})
             await pipe.execute()
@@ -62,7 +63,8 @@ class Uploads:
         return [r for r in records if r.get("tenant") == tenant]
 
     async def content(self, file_id: str) -> bytes | None:
-        return await self.redis.get(K.file_data(file_id))
+        """A file's bytes (None when gone or erased)."""
+        return sealing.open_stored(await self.redis.get(K.file_data(file_id)))
 
     async def stores_of(self, file_id: str) -> list[str]:
         return sorted(s.decode() for s in await self.redis.smembers(K.file_stores(file_id)))

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
+from common import sealing
 from schemas import keys as K
 from common.config import settings
 
@@ -62,7 +63,7 @@ class ContainerFiles:
             if not kept:
                 continue
             record = {"id": file_id, "path": entry["path"], "bytes": len(data), "created_at": now}
-            pipe.set(K.container_file(file_id), data, ex=K.CONTAINER_TTL_S)
+            pipe.set(K.container_file(file_id), sealing.seal_stored(tenant, conversation_id, data), ex=K.CONTAINER_TTL_S)
             pipe.hset(K.container(container), f"file:{file_id}", json.dumps(record))
         pipe.expire(K.container(container), K.CONTAINER_TTL_S)
         await pipe.execute()

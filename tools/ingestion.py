@@ -24,7 +24,7 @@ import redis.asyncio as aioredis
 from schemas import FileIngest
 from schemas import keys as K
 from schemas.files import COMPLETED, FAILED, IN_PROGRESS
-from common import vectordb
+from common import sealing, vectordb
 from common.config import settings
 from tools.config import ToolSettings, tool_settings
 from tools.search.retry import IndexRetry, IndexUnavailable
@@ -85,7 +85,7 @@ class Ingestor(SerialConsumer):
             return "passed over (the file was removed from the store, or added again)"
         if state.get("status") != IN_PROGRESS:
             return f"already {state.get('status')}"
-        data = await self.redis.get(K.file_data(event.file_id))
+        data = sealing.open_stored(await self.redis.get(K.file_data(event.file_id)))
         if data is None:
             await self.record(event, status=FAILED, error_code="file_not_found", error="the file was deleted")
             return "failed: the file was deleted"

@@ -20,6 +20,7 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.datastructures import UploadFile
 
+from common import sealing
 from gateway import openai_api as api
 from gateway.auth import principal
 from gateway.deps import pipeline
@@ -187,7 +188,7 @@ async def transcriptions(request: Request, gw: Gateway = Depends(pipeline), key:
     partition, created_at = gw.reply_partition(), time.time()
     rid = new_request_id(partition, created_at)
     await gw.limiter.take(key, 0, rid)
-    await gw.files_redis.set(K.speech_audio(rid), data, ex=RECORDING_TTL_S)
+    await gw.files_redis.set(K.speech_audio(rid), sealing.seal_stored(key.tenant, rid, data), ex=RECORDING_TTL_S)
     job = SpeechJob(request_id=rid, conversation_id=rid, tenant=key.tenant, created_at=created_at, kind="transcribe",
                     model=TRANSCRIBE_MODEL, reply_partition=partition, audio_key=K.speech_audio(rid),
                     filename=filename[:255], transcribe=params)

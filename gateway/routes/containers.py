@@ -21,6 +21,7 @@ from gateway.auth import principal
 from gateway.deps import pipeline
 from gateway.file_objects import check_paging, page
 from gateway.pipeline import Gateway
+from common import sealing
 from schemas import keys as K
 from schemas.keys import ApiKey
 
@@ -79,7 +80,7 @@ async def get_file(container_id: str, file_id: str, gw: Gateway = Depends(pipeli
 async def file_content(container_id: str, file_id: str, gw: Gateway = Depends(pipeline),
                        key: ApiKey = Depends(principal)) -> Response:
     record = await _record(gw, key, container_id, file_id)
-    data = await gw.files_redis.get(K.container_file(file_id))
+    data = sealing.open_stored(await gw.files_redis.get(K.container_file(file_id)))  # None: expired or erased
     if data is None:
         raise api.not_found(f"The file {file_id!r} has expired.")
     name = posixpath.basename(record["path"])

@@ -11,6 +11,7 @@ from fastapi import APIRouter, Depends
 from fastapi.exceptions import RequestValidationError
 from pydantic import ConfigDict, Field, ValidationError
 
+from common import sealing
 from common.models import load_tokenizer
 from gateway import openai_api as api
 from gateway.auth import principal
@@ -80,6 +81,7 @@ async def list_input_items(response: str, limit: int = 20, order: str = "desc", 
     rid = response_run_id(response)
     meta = await owned_response(gw, rid, response, key.tenant)
     raw = await gw.redis.get(K.response_input(rid)) if meta.get("store") and gw.redis is not None else None
+    raw = sealing.open_stored(raw)  # None: erased (`tokenstream erase`)
     if raw is None:
         raise api.not_found(f"Response {response!r} has no stored input (created with store false, or expired).")
     check_paging(order, limit)

@@ -40,6 +40,7 @@ from producers import publish
 from schemas import ChatRequest, Completion, Event, RunSpec, SamplingParams, Usage
 from schemas import keys as K
 from schemas.ids import event_id, run_id_of, step_request_id
+from common import sealing
 from common.models import load_tokenizer
 from common.presets import presets
 from schemas.prompt import prompt_ids
@@ -188,7 +189,7 @@ async def create(body: ResponseCreate, gw: Gateway = Depends(pipeline), key: K.A
     written, _, generation, kept_input = await asyncio.gather(
         asyncio.wait_for(publish(gw.producer, CHAT_REQUESTS, event,
                                  key=K.conversation_key(key.tenant, conversation)), timeout=10),
-        gw.remember(rid, note), gw.canceller.attach(rid), _keep_input(gw, body, rid), return_exceptions=True)
+        gw.remember(rid, note), gw.canceller.attach(rid), _keep_input(gw, body, rid, note), return_exceptions=True)
     kept = written if isinstance(written, BaseException) else generation if isinstance(
         generation, BaseException) else kept_input if isinstance(kept_input, BaseException) and body.conversation else None
     if kept is not None:
@@ -276,10 +277,11 @@ def _framer(rid: str, note: dict) -> ResponseFramer:
                           moderated=bool(note.get("moderated")))
 
 
-async def _keep_input(gw: Gateway, body: ResponseCreate, rid: str) -> None:
+async def _keep_input(gw: Gateway, body: ResponseCreate, rid: str, note: dict) -> None:
     """A stored response's input items, for GET .../input_items (best effort: the answer does not wait on it)."""
     if body.store and gw.redis is not None:
-        await gw.redis.set(K.response_input(rid), json.dumps(input_items(body, rid)), ex=K.RESPONSE_TTL_S)
+        await gw.redis.set(K.response_input(rid), sealing.seal_stored(
+            note["tenant"], note["conversation_id"], json.dumps(input_items(body, rid)).encode()), ex=K.RESPONSE_TTL_S)
 
 
 def _finisher(gw: Gateway, note: dict) -> background.Finish:
@@ -300,7 +302,8 @@ async def _finish(gw: Gateway, rid: str, note: dict, framer: ResponseFramer) -> 
         await _into_conversation(gw, rid, note["conversation_id"], framer.response)
     if note.get("store") and gw.redis is not None:
         try:
-            await gw.redis.set(K.stored_response(rid), json.dumps(framer.response), ex=K.RESPONSE_TTL_S)
+            await gw.redis.set(K.stored_response(rid), sealing.seal_stored(
+                note["tenant"], note["conversation_id"], json.dumps(framer.response).encode()), ex=K.RESPONSE_TTL_S)
         except Exception as exc:  # noqa: BLE001 - the answer went out; only GET misses it
             log.warning("response %s not stored: %s", rid, exc)
 
@@ -327,7 +330,7 @@ async def _into_conversation(gw: Gateway, rid: str, conv: str, response: dict) -
     """The ended response's input and output items appended to its conversation (once: the ids are the
     log's), then the conversation free for its next response."""
     try:
-        raw = await gw.redis.get(K.response_input(rid))
+        raw = sealing.open_stored(await gw.redis.get(K.response_input(rid)))
         await gw.conversations.append(conv, [*json.loads(raw or "[]"), *response["output"]])
     except api.APIError as exc:  # deleted meanwhile, or full: the response stands on its own
         log.warning("response %s not added to conversation %s: %s", rid, conv, exc.message)

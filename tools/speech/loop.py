@@ -20,6 +20,7 @@ import redis.asyncio as aioredis
 from producers import publish, start_consumer
 from schemas import SpeechAudio, SpeechDone, SpeechJob, TranscriptDone, TranscriptSegment
 from schemas.speech import Word
+from common import sealing
 from common.config import settings
 from topics import TOKENS
 from tools.serial import ONE_AT_A_TIME, SerialConsumer
@@ -46,7 +47,7 @@ class SpeechLoop(SerialConsumer):
     async def transcribe(self, job: SpeechJob) -> str:
         from tools.speech.recognize import transcribe
 
-        audio = await self.redis.get(job.audio_key) if job.audio_key else None
+        audio = sealing.open_stored(await self.redis.get(job.audio_key)) if job.audio_key else None
         acks, seq, started = [], 0, time.monotonic()
         if audio is None:
             acks.append(await self._send(job, TranscriptDone(**self._ids(job), seq=0, error="the recording is gone "
