@@ -128,6 +128,9 @@ async def _run(requests: int, max_tokens: int, think_ms: float) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="bench-pipeline-"))
     async with LocalSystem(tmp, MODEL, gateways={mode: {"TOKENSTREAM_GATEWAY_SCREENING": mode}
                                                  for mode in MODES}) as system:
+        from common import sealing
+
+        sealing.install(system.stack.redis.address)  # this process reads the roles' sealed events (if on)
         await warm_broker(system.stack.kafka.address)
         timeline = await Timeline(system.stack.kafka.address, MODEL).start()
         samples: dict[str, list[dict]] = {mode: [] for mode in MODES}
