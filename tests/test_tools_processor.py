@@ -18,7 +18,9 @@ from producers import decode_record, publish, start_consumer
 from schemas import ToolResult, encode
 from schemas import keys as K
 from schemas.keys import tool_result
+from tests.chart_page import chart_on_the_page
 from tests.tool_support import code_call, sandbox_root, serving, tools_env
+from tests.voice_page import CHROMIUM
 from tools.sandbox import folder_name
 from topics.registry import DEAD_LETTER, TOOL_RESULTS
 
@@ -59,9 +61,11 @@ print(table.sales.sum())
 """
 
 
-async def test_a_chart_and_a_table_the_code_writes_are_listed_and_downloaded_by_their_tenant_alone(roles, bootstrap):
+async def test_a_chart_and_a_table_the_code_writes_are_listed_and_downloaded_by_their_tenant_alone(roles, bootstrap,
+                                                                                                    tmp_path):
     """matplotlib and pandas in the sandbox; the files a run writes kept as its container's files, which
-    the gateway lists and serves (OpenAI's containers API, through the SDK) to the call's tenant only."""
+    the gateway lists and serves (OpenAI's containers API, through the SDK) to the call's tenant only, and
+    the chat page shows (the chart inline, the table as a download; tests/chart_page.py)."""
     from tests.gateway_support import api_client, new_key, start_gateway
 
     # the processor's default limits (pandas and matplotlib map more than the other tests' 256 MiB)
@@ -85,6 +89,9 @@ async def test_a_chart_and_a_table_the_code_writes_are_listed_and_downloaded_by_
     png = await client.containers.files.content.retrieve(by_path["plot.png"].id, container_id=container)
     assert png.content[:8] == b"\x89PNG\r\n\x1a\n" and len(png.content) == by_path["plot.png"].bytes
     assert (await client.containers.files.retrieve(by_path["plot.png"].id, container_id=container)).path == "plot.png"
+    if os.path.exists(CHROMIUM):  # the chat page shows the chart inline and offers the table
+        size, text = await chart_on_the_page(url, container, by_path["plot.png"].id, by_path["data.csv"].id, tmp_path)
+        assert text == "month,sales\n1,3\n2,5\n3,8\n"
     stranger = openai.AsyncOpenAI(base_url=url + "/v1", api_key=new_key("someone-else"), max_retries=0)
     with pytest.raises(openai.NotFoundError):
         await stranger.containers.files.list(container)
