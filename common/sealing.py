@@ -25,11 +25,13 @@ import threading
 import time
 
 import redis
+from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from common.config import settings
 from schemas.codec import sealer as installed_sealer
 from schemas.codec import use_sealer
+from schemas.errors import MalformedEvent
 from schemas.sealing import SealingUnavailable
 
 KEY_TTL_S = 10.0
@@ -86,23 +88,19 @@ class Keyring:
         return f"{PREFIX}.{key_id}.{_b64(nonce + aead.encrypt(nonce, plaintext, key_id.encode()))}"
 
     def open(self, token: str) -> bytes | None:
-        try:
-            prefix, key_id, body = token.split(".", 2)
-        except ValueError:
-            return None if token == "" else self._bad(token)
-        if prefix != PREFIX:
-            return self._bad(token)
+        parts = token.split(".", 2)
+        if len(parts) != 3 or parts[0] != PREFIX:
+            raise MalformedEvent(f"malformed event: {token[:24]!r} is not a sealed value")
+        _, key_id, body = parts
         aead = self._read_key(key_id)
         if aead is None:
             return None
-        raw = _unb64(body)
-        return aead.decrypt(raw[:12], raw[12:], key_id.encode())
-
-    @staticmethod
-    def _bad(token: str):
-        from schemas.errors import MalformedEvent
-
-        raise MalformedEvent(f"malformed event: {token[:16]!r} is not a sealed value")
+        try:
+            raw = _unb64(body)
+            return aead.decrypt(raw[:12], raw[12:], key_id.encode())
+        except (ValueError, InvalidTag) as exc:  # altered or cut: bad input, dead-lettered like any other
+            raise MalformedEvent(f"malformed event: a sealed value under key {key_id} does not open "
+                                 f"({type(exc).__name__})") from exc
 
     # -- keys ------------------------------------------------------------------------------------------
 

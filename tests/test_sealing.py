@@ -74,6 +74,11 @@ def test_content_is_sealed_per_conversation_and_erased_by_conversation_then_tena
     again = encode(_request(tenant, "c1", "new words"))  # the conversation goes on under a new key
     assert decode(again).messages[0].content == "new words"
 
+    altered = wire[1].replace(wire[1][40:44], b"AAAA", 1)  # inside the sealed value
+    with pytest.raises(DecodeError) as bad:  # dead-lettered, as any malformed record
+        decode(altered)
+    assert not isinstance(bad.value, Erased)
+
     destroy(client, tenant)
     for w in (wire[1], again):
         with pytest.raises(Erased):
