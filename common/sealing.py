@@ -19,10 +19,14 @@ SealingUnavailable, which a reader treats as the outage it is (never as bad inpu
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import logging
 import os
 import threading
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import redis
 from cryptography.exceptions import InvalidTag
@@ -33,6 +37,9 @@ from schemas.codec import sealer as installed_sealer
 from schemas.codec import use_sealer
 from schemas.errors import MalformedEvent
 from schemas.sealing import SealingUnavailable
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 KEY_TTL_S = 10.0
 PREFIX = "s1"
@@ -115,6 +122,8 @@ class Keyring:
                                           args=[fresh_id, tenant, scope, os.urandom(32), str(time.time())])
             key_id = key_id.decode() if isinstance(key_id, bytes) else key_id
         except redis.RedisError as exc:
+            if held is not None:  # nobody can destroy a key while the store is away: keep using it
+                return held[0], held[1]
             raise SealingUnavailable(f"the keyring (durable Redis) is unreachable: {exc}") from exc
         if material is None:  # being destroyed by an erasure right now: the next seal makes a new one
             raise SealingUnavailable(f"the key {key_id} of {tenant}/{scope} was destroyed while it was fetched")
@@ -132,6 +141,8 @@ class Keyring:
         try:
             material, tenant, scope = self.redis.hmget(key_hash(key_id), "key", "tenant", "scope")
         except redis.RedisError as exc:
+            if held is not None:  # as in _write_key: a key held stays usable while the store is away
+                return held[0]
             raise SealingUnavailable(f"the keyring (durable Redis) is unreachable: {exc}") from exc
         aead = AESGCM(material) if material is not None else None
         with self._lock:
@@ -179,6 +190,32 @@ def open_text(value: str) -> str | None:
         raise SealingUnavailable("a sealed value was read with sealing off (TOKENSTREAM_SEALING)")
     plain = keys.open(value)
     return None if plain is None else plain.decode()
+
+
+async def patiently(work: Callable[[], T], role: str) -> T:
+    """`work()` (a decode or an encode), tried again while the keyring is unreachable: back-off from 0.1 s
+    doubling to 1 s for up to the Redis outage budget (TOKENSTREAM_REDIS_OUTAGE_S), the input held
+    meanwhile, as every role rides out its Redis; past it SealingUnavailable, which ends the role for
+    its supervisor to restart. (Only a conversation's first event in a process needs the store: keys
+    held are used on through an outage.)"""
+    budget = settings().redis_outage_s
+    deadline, delay, warned = time.monotonic() + budget, 0.1, False
+    while True:
+        try:
+            result = work()
+        except SealingUnavailable as exc:
+            if time.monotonic() + delay > deadline:
+                raise SealingUnavailable(f"{exc} (for {budget:.0f} s)") from exc
+            if not warned:
+                log.warning("%s: redis unreachable (keyring: %s); retrying for up to %.0fs, input held",
+                            role, exc, budget)
+                warned = True
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+            continue
+        if warned:
+            log.warning("%s: redis reachable again (keyring)", role)
+        return result
 
 
 def destroy(client: redis.Redis, tenant: str, conversation: str | None = None) -> list[tuple[str, str]]:

@@ -50,7 +50,7 @@ from schemas import (
     encode,
 )
 from schemas.headers import EVENT_TYPE
-from common import tracing
+from common import sealing, tracing
 from schemas.prompt import prompt_ids
 from topics import CONTROL, SHADOW_ANSWERS, TOKENS, TOOL_CALLS, inference_topic
 
@@ -277,8 +277,8 @@ class Worker:
             if self.tracker.tracks(tp, rec.offset):
                 continue  # read again from the commit after a rebalance that kept its partition: running
             self.tracker.add(tp, rec.offset)
-            try:
-                request = decode_record(rec, self.spec)
+            try:  # (the keyring's store away: held here, up to the Redis outage budget)
+                request = await sealing.patiently(lambda: decode_record(rec, self.spec), "worker")
             except DecodeError as exc:
                 await dead_letter(self.producer, rec, exc, group=self.group)
                 await self._done(tp, rec.offset)

@@ -142,9 +142,11 @@ async def typed(stream: faust.StreamT, specs: dict[str, TopicSpec],
     async for event in stream.events():
         message = event.message
         try:
-            yield decode(event.value or b"", *specs[message.topic].events), event
+            decoded = await sealing.patiently(lambda: decode(event.value or b"", *specs[message.topic].events),
+                                              stream.app.conf.id)
         except Erased:
             log.info("passed over erased %s[%d]@%d", message.topic, message.partition, message.offset)
+            continue
         except DecodeError as exc:
             log.warning("dead-lettered %s[%d]@%d: %s", message.topic, message.partition, message.offset,
                         exc.reason)
@@ -159,6 +161,8 @@ async def typed(stream: faust.StreamT, specs: dict[str, TopicSpec],
                 headers=[(k, bytes(v)) for k, v in items],
             )
             await send(dead_letters, DEAD_LETTER, letter, key=letter.request_id)
+            continue
+        yield decoded, event
 
 
 async def send(target: faust.TopicT, spec: TopicSpec, event: Event, *, key: str,
@@ -169,7 +173,8 @@ async def send(target: faust.TopicT, spec: TopicSpec, event: Event, *, key: str,
     headers = [(TYPE_HEADER, type(event).__struct_config__.tag.encode())]
     if trace is not None:
         headers += trace.headers()
-    await (await target.send(key=key.encode(), value=encode(event), partition=partition, headers=headers))
+    value = await sealing.patiently(lambda: encode(event), target.app.conf.id)  # (a key held needs no store)
+    await (await target.send(key=key.encode(), value=value, partition=partition, headers=headers))
 
 
 def get(tbl: faust.Table, key: str, kind: type[Event]) -> Event | None:

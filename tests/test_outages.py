@@ -20,7 +20,7 @@ import pytest
 
 from common import kafka_auth
 from producers import publish, start_producer
-from schemas import ChatMessage, ChatRequest
+from schemas import ChatMessage, ChatRequest, encode
 from tests.kafka_support import Tap
 from topics import CHAT_REQUESTS, PREPARED
 from topics.admin import apply
@@ -89,8 +89,10 @@ async def serving(stack, roles, **env):
 @pytest.mark.heavy  # took 10.8 s in two clean-clone runs of make test (0.3 s alone): see docs/guarantees.md, known issues
 async def test_a_short_redis_outage_is_ridden_out(stack, roles):
     async with serving(stack, roles) as (proc, producer, prepared):
+        during = chat_request()
+        encode(during)  # its conversation's key made now: this writer (a gateway would answer 503) holds it
         await asyncio.to_thread(stack.redis.stop, lambda _m: None)
-        during = await send(producer, chat_request())
+        during = await send(producer, during)
         await asyncio.sleep(3)  # the outage
         await asyncio.to_thread(stack.redis.start, lambda _m: None)
         back = time.monotonic()
@@ -107,8 +109,10 @@ async def test_a_short_redis_outage_is_ridden_out(stack, roles):
 
 async def test_a_long_redis_outage_ends_the_process_and_a_restart_loses_nothing(stack, roles):
     async with serving(stack, roles, TOKENSTREAM_REDIS_OUTAGE_S="2") as (proc, producer, prepared):
+        request = chat_request()
+        encode(request)  # its conversation's key made now: this writer (a gateway would answer 503) holds it
         await asyncio.to_thread(stack.redis.stop, lambda _m: None)
-        held = await send(producer, chat_request())
+        held = await send(producer, request)
         deadline = time.monotonic() + 60
         while proc.poll() is None:  # it gives up after 2 s of retrying, and exits
             assert time.monotonic() < deadline, roles.log(proc)[-3000:]

@@ -61,7 +61,9 @@ class Stack:
             kafka = Kafka(*folders, port=free_port(), controller_port=free_port(), test_mode=True, secure=secure)
         return cls(
             kafka,
-            Redis(*folders, port=free_port(), persistent=False),
+            # the durable store keeps its files, as `stack up`'s does: the keys that seal tenants' content
+            # (common/sealing.py) must outlive a restart of it, or everything written before is erased
+            Redis(*folders, port=free_port(), persistent=True),
             Weaviate(*folders, port=free_port(), grpc_port=free_port(), gossip_port=free_port(),
                      data_port=free_port(), raft_port=free_port(), raft_rpc_port=free_port()),
             RedisCache(*folders, port=free_port(), maxmemory="32mb"),
