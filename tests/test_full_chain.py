@@ -383,12 +383,12 @@ async def test_input_tokens_counts_what_the_model_reads(system: System):
 @pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="Debian's chromium is not installed")
 async def test_the_chat_page_voice_mode_hears_the_question_and_speaks_the_answer_as_it_streams(
         system: System, tmp_path):
-    await voice_round_trip(system.gateways[0], tmp_path)
+    await voice_round_trip(system.gateways[0], tmp_path, interrupt=False)
 
 
-# ---------------------------------------------------------------- outages under the running system
-
-SERVED_WITHIN_S = 10.0  # after an outage ends, a request is answered within this long
+@pytest.mark.heavy  # the round trip above again (make test has it), then stop pressed mid-answer (about 25 s)
+async def test_the_chat_page_voice_mode_stop_silences_the_answer_being_spoken(system: System, tmp_path):
+    await voice_round_trip(system.gateways[0], tmp_path, interrupt=True)
 
 
 async def test_erasing_a_tenant_leaves_nothing_of_its_content_readable_anywhere(system: System, stack, unique):
@@ -441,6 +441,11 @@ async def test_erasing_a_tenant_leaves_nothing_of_its_content_readable_anywhere(
     again = await system.client(1).chat.completions.create(messages=[{"role": "user", "content": "Say hello."}],
                                                            max_tokens=4, **greedy())
     assert again.choices[0].message.content
+
+
+# ---------------------------------------------------------------- outages under the running system
+
+SERVED_WITHIN_S = 10.0  # after an outage ends, a request is answered within this long
 
 
 async def readiness(url: str) -> tuple[int, dict]:

@@ -38,7 +38,8 @@ def kinds(log: list[dict], what: str) -> list[dict]:
     return [e for e in log if e["what"] == what]
 
 
-async def voice_round_trip(gateway: str, tmp_path: Path) -> None:
+async def voice_round_trip(gateway: str, tmp_path: Path, interrupt: bool = True) -> None:
+    """Ask by voice and hear the answer; with `interrupt`, ask again and press stop while it is spoken."""
     recording = tmp_path / "question.wav"
     seconds = with_silence(spoken(QUESTION), recording, SILENCE_S)
     browser = Chromium(tmp_path / "profile", CHROMIUM, extra_args=(
@@ -90,6 +91,8 @@ async def voice_round_trip(gateway: str, tmp_path: Path) -> None:
         if os.environ.get("TOKENSTREAM_SCREENSHOTS"):  # the page in voice mode, for bench/results
             shutil.copy(speaking, Path(os.environ["TOKENSTREAM_SCREENSHOTS"]) / "voice-mode.png")
 
+        if not interrupt:
+            return
         # Stop while the answer is spoken: the sound stops and nothing more of it is said
         await hold_to_talk()
         await wait_for(f"{LOG}.filter(e => e.what === 'play').length > {len(kinds(log, 'play'))}", 180)
