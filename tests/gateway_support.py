@@ -30,6 +30,7 @@ from schemas import ChatRequest, Completion, InferenceRequest, TokenChunk, Usage
 from tokenstream.chaos.clients import sse_events
 from topics import CHAT_REQUESTS, CONTROL, TOKENS, inference_topic
 from topics.admin import apply
+from tokenstream.stack.service import free_port  # never the same port twice in a process
 
 
 def _words(prompt: str) -> list[str]:
@@ -256,12 +257,6 @@ def auth_headers(key: str | None = None) -> dict[str, str]:
 
 
 # ------------------------------------------------------------------ gateway processes
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def start_gateway(roles, models: list[str], *, index: int = 0, count: int = 1, env: dict | None = None,
                   wait_ready: bool = True, timeout: float = 60.0, port: int | None = None) -> tuple[str, object]:

@@ -17,11 +17,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port free on loopback right now (for tests that start their own stack)."""
-    with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free on loopback right now (for tests that start their own stack), never one this
+    process was given before: ports asked for one after another are bound only later, so the kernel
+    may offer the same free port twice (a broker's client and controller listeners then collide)."""
+    while True:
+        with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 def port_open(port: int, host: str = "127.0.0.1") -> bool:
