@@ -39,8 +39,9 @@ class Sealer(Protocol):
 class SealingUnavailable(RuntimeError):
     """The keyring could not be reached (the durable store is away): a dependency outage, not bad input.
 
-    Never a DecodeError: a record that cannot be opened now is not dead-lettered, its reader stops
-    (and is restarted by its supervisor) or answers 503."""
+    Never a DecodeError: a record that cannot be opened now is not dead-lettered; its reader holds it
+    and tries again within the Redis outage budget (common.sealing.patiently), then stops for its
+    supervisor to restart it; the gateway answers 503."""
 
 
 class Unsealed(RuntimeError):
