@@ -95,7 +95,8 @@ def _sealing_cost(off: dict, on: dict) -> dict:
     print(f"sealing on - off, client TTFT p50 (ms): {cost} (target < 2 ms; the run-to-run spread is a few ms)")
     if codec:
         print(f"token event encode+decode: {codec['clear_us']} us clear, {codec['sealed_us']} us sealed "
-              f"({codec['ratio']}x): {codec['sealed_per_s']:,} sealed events/s on one core")
+              f"({codec['ratio']}x): {codec['sealed_and_opened_per_s']:,} token events sealed and opened a second "
+              f"on one core")
     return {"client_ttft_p50_added_ms": cost, "codec": codec}
 
 
@@ -117,7 +118,8 @@ def _codec_cost(n: int = 20_000) -> dict:
         figures[name] = (time.perf_counter() - started) / n * 1e6
     use_sealer(keys)
     return {"clear_us": round(figures["clear"], 1), "sealed_us": round(figures["sealed"], 1),
-            "ratio": round(figures["sealed"] / figures["clear"], 2), "sealed_per_s": int(1e6 / figures["sealed"])}
+            "ratio": round(figures["sealed"] / figures["clear"], 2),
+            "sealed_and_opened_per_s": int(1e6 / figures["sealed"])}
 
 
 async def _run(requests: int, max_tokens: int, think_ms: float) -> dict:

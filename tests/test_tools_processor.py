@@ -18,7 +18,7 @@ from producers import decode_record, publish, start_consumer
 from schemas import ToolResult, encode
 from schemas import keys as K
 from schemas.keys import tool_result
-from tests.chart_page import chart_on_the_page
+from tests.chart_page import chart_on_the_page, framed
 from tests.tool_support import code_call, sandbox_root, serving, tools_env
 from tests.voice_page import CHROMIUM
 from tools.sandbox import folder_name
@@ -90,7 +90,8 @@ async def test_a_chart_and_a_table_the_code_writes_are_listed_and_downloaded_by_
     assert png.content[:8] == b"\x89PNG\r\n\x1a\n" and len(png.content) == by_path["plot.png"].bytes
     assert (await client.containers.files.retrieve(by_path["plot.png"].id, container_id=container)).path == "plot.png"
     if os.path.exists(CHROMIUM):  # the chat page shows the chart inline and offers the table
-        size, text = await chart_on_the_page(url, container, by_path["plot.png"].id, by_path["data.csv"].id, tmp_path)
+        item, citations = framed(result, call.conversation_id)
+        size, text = await chart_on_the_page(url, item, citations, tmp_path)
         assert text == "month,sales\n1,3\n2,5\n3,8\n"
     stranger = openai.AsyncOpenAI(base_url=url + "/v1", api_key=new_key("someone-else"), max_retries=0)
     with pytest.raises(openai.NotFoundError):

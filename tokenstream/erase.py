@@ -42,29 +42,30 @@ def _text(value) -> str:
     return value.decode() if isinstance(value, bytes) else (value or "")
 
 
-def _owned_hashes(client: redis.Redis, pattern: str, tenant: str) -> list[str]:
-    """Keys matching `pattern` whose hash names `tenant` as its owner."""
-    found = []
-    for key in client.scan_iter(match=pattern, count=1000, _type="HASH"):
-        if _text(client.hget(key, "tenant")) == tenant:
-            found.append(_text(key))
-    return found
+def _owned(client: redis.Redis, keys: list[str], tenant: str) -> list[str]:
+    """Those of `keys` (hashes) whose `tenant` field names `tenant` as their owner."""
+    pipe = client.pipeline(transaction=False)
+    for key in keys:
+        pipe.hget(key, "tenant")
+    return [key for key, owner in zip(keys, pipe.execute()) if _text(owner) == tenant]
+
+
+def _hashes(client: redis.Redis, prefix: str) -> list[str]:
+    """The hashes named `<prefix><id>` (not those under a longer prefix such as `<prefix>items:`)."""
+    return [k for k in map(_text, client.scan_iter(match=f"{prefix}*", count=1000, _type="HASH"))
+            if ":" not in k.removeprefix(prefix)]
 
 
 def _durable_records(client: redis.Redis, tenant: str, conversation: str | None, done: Erasure) -> None:
-    convs = ([conversation] if conversation is not None else
-             [k.removeprefix("ts:conv:") for k in _owned_hashes(client, "ts:conv:*", tenant)
-              if k.count(":") == 2])
-    for conv in convs:
-        if _text(client.hget(K.conversation(conv), "tenant")) != tenant:
-            continue
-        done.count("conversations", client.delete(K.conversation(conv), K.conversation_items(conv),
-                                                  K.conversation_order(conv), K.conversation_busy(conv)) and 1)
-    containers = ([K.container(K.container_id(conversation))] if conversation is not None else
-                  [k for k in _owned_hashes(client, "ts:container:*", tenant) if k.count(":") == 2])
+    convs = _owned(client, [K.conversation(conversation)] if conversation is not None
+                   else _hashes(client, K.conversation("")), tenant)
+    for key in convs:
+        conv = key.removeprefix(K.conversation(""))
+        done.count("conversations", client.delete(key, K.conversation_items(conv), K.conversation_order(conv),
+                                                  K.conversation_busy(conv)) and 1)
+    containers = _owned(client, [K.container(K.container_id(conversation))] if conversation is not None
+                        else _hashes(client, K.container("")), tenant)
     for container in containers:
-        if _text(client.hget(container, "tenant")) != tenant:
-            continue
         files = [f.removeprefix("file:") for f in map(_text, client.hkeys(container)) if f.startswith("file:")]
         done.count("container files", client.delete(*(K.container_file(f) for f in files)) if files else 0)
         client.delete(container)
@@ -128,21 +129,20 @@ def _weaviate(tenant: str, conversation: str | None, done: Erasure) -> None:
         if client.collections.exists(K.SEMANTIC_CACHE_COLLECTION):
             cache = client.collections.get(K.SEMANTIC_CACHE_COLLECTION)
             where = Filter.by_property("tenant").equal(tenant)
-            if conversation is not None:
-                where = where & Filter.by_property("conversation_id").equal(conversation)
+            if conversation is not None:  # only a lone chat completion is cached: its request id is its conversation's
+                where = where & Filter.by_property("request_id").equal(conversation)
             done.weaviate["semantic cache entries"] = int(cache.data.delete_many(where=where).successful)
     finally:
         client.close()
 
 
-def erase(tenant: str, conversation: str | None = None, *, weaviate_too: bool = True) -> Erasure:
+def erase(tenant: str, conversation: str | None = None) -> Erasure:
     done = Erasure()
     client = redis.Redis.from_url(settings().redis_url)
     try:
         done.keys = sealing.destroy(client, tenant, conversation)
         _durable_records(client, tenant, conversation, done)
-        if weaviate_too:
-            _weaviate(tenant, conversation, done)
+        _weaviate(tenant, conversation, done)
         done.rewritten = _rewrite(client)
     finally:
         client.close()
