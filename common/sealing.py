@@ -11,10 +11,14 @@ A sealed value is `s1.<key id>.<base64url(nonce | AES-GCM ciphertext and tag)>`:
 `cryptography` package (OpenSSL), a 96-bit random nonce per value. Destroying the key hash erases every
 value sealed with it, wherever copies of it lie; the key id is never reused.
 
-A process keeps the keys it used for `KEY_TTL_S` seconds, so a key destroyed by `tokenstream erase` stops
-opening anything in every running role within that time; a new process never sees it again. Fetching a
-key is one round trip to the durable Redis per conversation and role (then cached); a Redis outage raises
-SealingUnavailable, which a reader treats as the outage it is (never as bad input).
+A process keeps the keys it used or was sent: the maker publishes each new key and `erase` each destroyed
+one (common/key_feed.py), so a role usually holds a conversation's key before its first event arrives, and
+drops a destroyed one at once. A key taken in while that feed is live is held for as long as it stays live
+(up to `HELD_S`); any other for `KEY_TTL_S` seconds, so a key destroyed by `tokenstream erase` stops
+opening anything in every running role at once, or within that TTL where a role's feed was down; a new
+process never sees it again. A key nobody sent is fetched: one round trip to the durable Redis (then
+held); a Redis outage raises SealingUnavailable, which a reader treats as the outage it is (never as bad
+input).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from common.config import settings
+from common.key_feed import CHANNEL, KeyFeed, destroyed_message, made_message
 from schemas.codec import sealer as installed_sealer
 from schemas.codec import use_sealer
 from schemas.errors import MalformedEvent
@@ -41,17 +46,20 @@ from schemas.sealing import SealingUnavailable
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-KEY_TTL_S = 10.0
+KEY_TTL_S = 10.0  # a key held outside a live feed: how late an erasure may reach a running role
+HELD_S = 600.0  # a key taken in while the feed is live, for as long as it stays live
+MAX_HELD = 100_000  # keys a process holds at most (the oldest go first)
 PREFIX = "s1"
 
-# One round trip: the scope's current key (made if there is none) and its material. (The key hash of an
-# existing current key is named inside the script: fine on one Redis, not on a Redis Cluster.)
+# One round trip: the scope's current key (made and published if there is none) and its material. (The key
+# hash of an existing current key is named inside the script: fine on one Redis, not on a Redis Cluster.)
 _MAKE = """
 local current = redis.call('GET', KEYS[1])
 if current then return {current, redis.call('HGET', 'ts:seal:key:' .. current, 'key')} end
 redis.call('HSET', KEYS[2], 'tenant', ARGV[2], 'scope', ARGV[3], 'key', ARGV[4], 'created_at', ARGV[5])
 redis.call('SET', KEYS[1], ARGV[1])
 redis.call('SADD', KEYS[3], ARGV[1])
+redis.call('PUBLISH', ARGV[6], ARGV[7])
 return {ARGV[1], ARGV[4]}
 """
 
@@ -77,15 +85,23 @@ def _unb64(text: str) -> bytes:
 
 
 class Keyring:
-    """Seals and opens values with keys held in the durable Redis (the codec's `Sealer`)."""
+    """Seals and opens values with keys held in the durable Redis (the codec's `Sealer`).
 
-    def __init__(self, url: str, ttl_s: float = KEY_TTL_S, timeout_s: float = 2.0) -> None:
+    `feed=False` leaves out the key feed: every key then holds for `ttl_s` only (tests of the TTL)."""
+
+    def __init__(self, url: str, ttl_s: float = KEY_TTL_S, timeout_s: float = 2.0, feed: bool = True) -> None:
         self.redis = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self.ttl_s = ttl_s
         self._make = self.redis.register_script(_MAKE)
         self._writing: dict[tuple[str, str], tuple[str, AESGCM, float]] = {}
         self._reading: dict[str, tuple[AESGCM | None, float]] = {}
-        self._lock = threading.Lock()  # sealing runs on event loops and in worker threads alike
+        self._erased: dict[str, None] = {}  # key ids destroyed (never reused): a late fetch must not revive one
+        self._lock = threading.Lock()  # sealing runs on event loops, in worker threads and in the feed's
+        self.feed = KeyFeed(self.redis, self._pushed, self._destroyed) if feed else None
+
+    def close(self) -> None:
+        if self.feed is not None:
+            self.feed.close()
 
     # -- the codec's Sealer --------------------------------------------------------------------------
 
@@ -111,32 +127,39 @@ class Keyring:
 
     # -- keys ------------------------------------------------------------------------------------------
 
+    def _fresh(self, stamp: float, now: float) -> bool:
+        """Whether a key held since `stamp` may still be used without asking the store."""
+        if now - stamp < self.ttl_s:
+            return True
+        since = self.feed.live_since() if self.feed is not None else None
+        return since is not None and stamp >= since and now - stamp < HELD_S
+
     def _write_key(self, tenant: str, scope: str) -> tuple[str, AESGCM]:
         now = time.monotonic()
         held = self._writing.get((tenant, scope))
-        if held is not None and now - held[2] < self.ttl_s:
+        if held is not None and self._fresh(held[2], now):
             return held[0], held[1]
-        fresh_id = os.urandom(8).hex()
+        fresh_id, material = os.urandom(8).hex(), os.urandom(32)
         try:
             key_id, material = self._make(keys=[current_key(tenant, scope), key_hash(fresh_id), tenant_keys(tenant)],
-                                          args=[fresh_id, tenant, scope, os.urandom(32), str(time.time())])
+                                          args=[fresh_id, tenant, scope, material, str(time.time()), CHANNEL,
+                                                made_message(fresh_id, tenant, scope, material)])
             key_id = key_id.decode() if isinstance(key_id, bytes) else key_id
         except redis.RedisError as exc:
             if held is not None:  # nobody can destroy a key while the store is away: keep using it
                 return held[0], held[1]
             raise SealingUnavailable(f"the keyring (durable Redis) is unreachable: {exc}") from exc
-        if material is None:  # being destroyed by an erasure right now: the next seal makes a new one
+        if material is None or key_id in self._erased:  # destroyed while fetched: the next seal makes a new one
             raise SealingUnavailable(f"the key {key_id} of {tenant}/{scope} was destroyed while it was fetched")
         aead = AESGCM(material)
         with self._lock:
-            self._writing[(tenant, scope)] = (key_id, aead, now)
-            self._reading[key_id] = (aead, now)
+            self._hold(key_id, tenant, scope, aead, now)
         return key_id, aead
 
     def _read_key(self, key_id: str) -> AESGCM | None:
         now = time.monotonic()
         held = self._reading.get(key_id)
-        if held is not None and now - held[1] < self.ttl_s:
+        if held is not None and self._fresh(held[1], now):
             return held[0]
         try:
             material, tenant, scope = self.redis.hmget(key_hash(key_id), "key", "tenant", "scope")
@@ -144,15 +167,47 @@ class Keyring:
             if held is not None:  # as in _write_key: a key held stays usable while the store is away
                 return held[0]
             raise SealingUnavailable(f"the keyring (durable Redis) is unreachable: {exc}") from exc
-        aead = AESGCM(material) if material is not None else None
         with self._lock:
-            self._reading[key_id] = (aead, now)
-            if aead is not None:  # a live key is its scope's current one: a role answering what it read
-                # seals with it without asking again (the worker's tokens, the router's forward)
-                held = self._writing.get((tenant.decode(), scope.decode()))
-                if held is None or now - held[2] >= self.ttl_s:
-                    self._writing[(tenant.decode(), scope.decode())] = (key_id, aead, now)
+            if material is None or key_id in self._erased:
+                _put(self._reading, key_id, (None, now))
+                return None
+            aead = AESGCM(material)
+            # a live key is its scope's current one: a role answering what it read seals with it without
+            # asking again (the worker's tokens, the router's forward)
+            self._hold(key_id, tenant.decode(), scope.decode(), aead, now, replace=False)
         return aead
+
+    def _hold(self, key_id: str, tenant: str, scope: str, aead: AESGCM, now: float, replace: bool = True) -> None:
+        """Keep a live key for reading, and as its scope's key for writing (under the lock)."""
+        _put(self._reading, key_id, (aead, now))
+        held = self._writing.get((tenant, scope))
+        if replace or held is None or not self._fresh(held[2], now):
+            _put(self._writing, (tenant, scope), (key_id, aead, now))
+
+    def _pushed(self, key_id: str, tenant: str, scope: str, material: bytes) -> None:
+        """The feed heard a new key: its scope's current one from now on."""
+        with self._lock:
+            if key_id not in self._erased:
+                self._hold(key_id, tenant, scope, AESGCM(material), time.monotonic())
+
+    def _destroyed(self, key_ids: list[str]) -> None:
+        """The feed heard keys destroyed: nothing they sealed opens here any more."""
+        now = time.monotonic()
+        with self._lock:
+            for key_id in key_ids:
+                _put(self._erased, key_id, None)
+                _put(self._reading, key_id, (None, now))
+            for scope, held in list(self._writing.items()):
+                if held[0] in key_ids:
+                    del self._writing[scope]
+
+
+def _put(held: dict, key, value) -> None:
+    """`held[key] = value` as the newest entry, the oldest dropped past MAX_HELD."""
+    held.pop(key, None)
+    held[key] = value
+    while len(held) > MAX_HELD:
+        del held[next(iter(held))]
 
 
 # -- values kept in the stores (not events): file and audio bytes, stored responses, cache entries -----
@@ -233,6 +288,7 @@ def destroy(client: redis.Redis, tenant: str, conversation: str | None = None) -
         pipe = client.pipeline(transaction=True)
         pipe.delete(key_hash(key_id))
         pipe.srem(tenant_keys(tenant), key_id)
+        pipe.publish(CHANNEL, destroyed_message([key_id]))  # running roles drop it at once
         pipe.execute()
         gone.append((key_id, scope))
     scopes = {scope for _, scope in gone} | ({conversation} if conversation is not None else set())

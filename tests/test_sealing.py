@@ -3,6 +3,7 @@ conversation and by tenant, and an unreachable keyring told apart from bad input
 
 from __future__ import annotations
 
+import time
 import typing
 
 import msgspec
@@ -42,7 +43,7 @@ def test_every_text_field_of_every_event_is_sealed_or_named_metadata():
 @pytest.fixture
 def keyring(stack):
     before = sealer()
-    keys = Keyring(stack.redis.address, ttl_s=0.0)  # no cache: an erasure shows at once
+    keys = Keyring(stack.redis.address, ttl_s=0.0, feed=False)  # no cache: an erasure shows at once
     use_sealer(keys)
     yield keys
     use_sealer(before)
@@ -87,10 +88,67 @@ def test_content_is_sealed_per_conversation_and_erased_by_conversation_then_tena
 
 def test_an_unreachable_keyring_is_an_outage_not_bad_input():
     before = sealer()
-    use_sealer(Keyring("redis://127.0.0.1:1/0", timeout_s=0.5))
+    keys = Keyring("redis://127.0.0.1:1/0", timeout_s=0.5)
+    use_sealer(keys)
     try:
         with pytest.raises(SealingUnavailable) as raised:
             encode(_request("t", "c", "words"))
         assert not isinstance(raised.value, DecodeError)
+        assert keys.feed.live_since() is None  # its feed cannot be live either: keys held fall back to the TTL
     finally:
         use_sealer(before)
+        keys.close()
+
+
+def wait_for(condition, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+class Counting:
+    """A keyring's store client with its key fetches counted."""
+
+    def __init__(self, client) -> None:
+        self.client, self.fetches = client, 0
+
+    def hmget(self, *args):
+        self.fetches += 1
+        return self.client.hmget(*args)
+
+
+def test_keys_reach_running_roles_when_made_and_leave_them_when_destroyed(stack, unique):
+    """The feed: a reader holds a conversation's key before anything sealed with it arrives (no round trip
+    on the first token's path), and drops it the moment it is destroyed, long before its TTL."""
+    tenant = f"t-{unique}"
+    writer = Keyring(stack.redis.address)  # the gateway, first writer of the conversation
+    reader = Keyring(stack.redis.address, ttl_s=3600.0)  # a role downstream; its TTL never runs out here
+    try:
+        wait_for(lambda: writer.feed.live_since() is not None and reader.feed.live_since() is not None, 10)
+        counted = reader.redis = Counting(reader.redis)
+        token = writer.seal(tenant, "c1", b"the quick zebra")
+        key_id = token.split(".")[1]
+        wait_for(lambda: key_id in reader._reading, 5)
+        assert reader.open(token) == b"the quick zebra" and counted.fetches == 0
+        assert reader.seal(tenant, "c1", b"an answer").split(".")[1] == key_id  # its answer, same key, no fetch
+        assert counted.fetches == 0
+
+        destroy(writer.redis, tenant, "c1")
+        wait_for(lambda: reader.open(token) is None, 5)  # pushed: the TTL of an hour does not matter
+        assert writer.open(token) is None and counted.fetches == 0
+        fresh = reader.seal(tenant, "c1", b"goes on")  # its write key left with it: a new key is made
+        assert fresh.split(".")[1] != key_id and writer.open(fresh) == b"goes on"
+
+        # The feed lost (its connection killed): keys held before fall back to the short TTL and are fetched
+        reader.ttl_s = 0.0
+        other = writer.seal(tenant, "c2", b"a slow tortoise")
+        wait_for(lambda: other.split(".")[1] in reader._reading, 5)
+        lost_at = reader.feed.live_since()
+        counted.client.client_kill_filter(_type="pubsub")
+        wait_for(lambda: (reader.feed.live_since() or 0) > lost_at, 10)
+        before = counted.fetches
+        assert reader.open(other) == b"a slow tortoise" and counted.fetches == before + 1
+    finally:
+        writer.close()
+        reader.close()

@@ -12,7 +12,8 @@ with a key of the tenant's conversation (common/sealing.py); erasing destroys th
   container files) are deleted, and the store's append-only file and snapshot are rewritten, so that
   neither a destroyed key nor a deleted record stays in its files.
 
-Running roles keep a key they used for at most common.sealing.KEY_TTL_S seconds.
+Running roles drop a destroyed key as soon as they hear of it (common/key_feed.py), and within
+common.sealing.KEY_TTL_S seconds where their feed was down.
 """
 
 from __future__ import annotations
