@@ -118,7 +118,8 @@ def _tool_echo(tool) -> dict[str, Any]:
     """A tool as the response object lists it: a function's arguments always follow its schema (the
     grammar forces them), so its `strict` is true unless the request said otherwise."""
     echo = tool.model_dump(exclude_none=True)
-    if echo.get("type") == "function":
+    if echo.get("type") == "function":  # Open Responses: description and parameters present, null if unset
+        echo = {"description": None, "parameters": None, **echo}
         echo.setdefault("strict", True)
     return echo
 

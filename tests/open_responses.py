@@ -1,0 +1,61 @@
+"""Validation against the Open Responses specification (spec version 2026-04-24), with the models that
+`openresponses-types` generates from the specification's published OpenAPI document
+(public/openapi/openapi.json of github openresponses/openresponses).
+
+The specification covers messages, function calls and their outputs, reasoning and compaction. Items
+and tools outside it (OpenAI's server tools: code_interpreter_call, file_search_call, mcp_call, ...) are
+the provider's extensions; they are set aside here and checked by the official SDK's models instead
+(tests/test_responses.py `conforms`, `valid_event`).
+"""
+
+from __future__ import annotations
+
+import enum
+import inspect
+
+import openresponses_types.types as spec
+
+SPEC_ITEMS = {"message", "function_call", "function_call_output", "reasoning", "compaction"}
+
+
+def _event_models() -> dict[str, type]:
+    models = {}
+    for name, cls in inspect.getmembers(spec, inspect.isclass):
+        if name.endswith("StreamingEvent"):
+            kind = cls.model_fields["type"].annotation
+            if isinstance(kind, type) and issubclass(kind, enum.Enum):
+                models.update({member.value: cls for member in kind})
+    return models
+
+
+EVENTS = _event_models()
+
+
+def _within_spec(response: dict) -> dict:
+    """The response with the provider's extension items and tools set aside (a tool choice forcing a server
+    tool is, within the specification, a required call)."""
+    choice = response["tool_choice"]
+    if isinstance(choice, dict) and choice.get("type") not in ("function", "allowed_tools"):
+        choice = "required"
+    return dict(response, output=[i for i in response["output"] if i["type"] in SPEC_ITEMS],
+                tools=[t for t in response["tools"] if t["type"] == "function"], tool_choice=choice)
+
+
+def response(body: dict) -> spec.ResponseResource:
+    """A response object as the specification's ResponseResource (raises pydantic's ValidationError)."""
+    return spec.ResponseResource.model_validate(_within_spec(body))
+
+
+def event(body: dict) -> bool:
+    """A streamed event validated against the specification's model of its type; False for an event type
+    the specification does not define (a server tool's progress events), True when it validated."""
+    model = EVENTS.get(body["type"])
+    if model is None:
+        return False
+    if body["type"] in ("response.output_item.added", "response.output_item.done") \
+            and body["item"]["type"] not in SPEC_ITEMS:
+        return False
+    if "response" in body:
+        body = dict(body, response=_within_spec(body["response"]))
+    model.model_validate(body)
+    return True
