@@ -20,6 +20,7 @@ import json
 import time
 from typing import Any
 
+from common import sealing
 from gateway import openai_api as api
 from gateway.compaction import summary_message, superseded, unseal
 from gateway.responses_api import joins_calls
@@ -56,6 +57,12 @@ def conversation_object(conv_id: str, record: dict[str, str]) -> dict[str, Any]:
             "metadata": json.loads(record.get("metadata") or "{}")}
 
 
+def _opened(raw: bytes | None) -> dict[str, Any] | None:
+    """An item as stored, None when absent or erased (its conversation's key destroyed)."""
+    plain = sealing.open_stored(raw)
+    return json.loads(plain) if plain is not None else None
+
+
 class Conversations:
     def __init__(self, redis, max_items: int) -> None:
         self.redis, self.max_items = redis, max_items
@@ -90,15 +97,16 @@ class Conversations:
         await self._store().delete(K.conversation(conv_id), K.conversation_items(conv_id),
                                    K.conversation_order(conv_id), K.conversation_busy(conv_id))
 
-    async def append(self, conv_id: str, items: list[dict[str, Any]]) -> int:
-        """Append the items whose ids are not there yet, in order; how many were new."""
+    async def append(self, conv_id: str, tenant: str, items: list[dict[str, Any]]) -> int:
+        """Append the items whose ids are not there yet, in order; how many were new. Each is kept sealed
+        with the conversation's key (common/sealing.py), so `erase` reaches copies of the store too."""
         self._store()
         args: list[Any] = [self.max_items]
         seen: set[str] = set()
         for item in items:
             if item["id"] not in seen:
                 seen.add(item["id"])
-                args += [item["id"], json.dumps(item, separators=(",", ":"))]
+                args += [item["id"], sealing.seal_stored(tenant, conv_id, json.dumps(item, separators=(",", ":")).encode())]
         added = await self._append(keys=[K.conversation(conv_id), K.conversation_items(conv_id),
                                          K.conversation_order(conv_id)], args=args)
         if added == -1:
@@ -114,11 +122,10 @@ class Conversations:
         if not ids:
             return []
         raw = await self.redis.hmget(K.conversation_items(conv_id), ids)
-        return [json.loads(r) for r in raw if r is not None]
+        return [item for item in map(_opened, raw) if item is not None]
 
     async def item(self, conv_id: str, item_id: str) -> dict[str, Any] | None:
-        raw = await self._store().hget(K.conversation_items(conv_id), item_id)
-        return json.loads(raw) if raw is not None else None
+        return _opened(await self._store().hget(K.conversation_items(conv_id), item_id))
 
     async def remove(self, conv_id: str, item_id: str) -> bool:
         async with self._store().pipeline(transaction=True) as pipe:

@@ -4,7 +4,8 @@ durable store for RESPONSE_TTL_S, listed, read, re-labelled (`metadata`) and del
 
 A completion is stored once its answer has ended and someone saw it end (the Completion on the log
 reached this gateway for a client, streamed or not, or from the cache), as OpenAI stores a completion
-once it is complete; a stream abandoned before its end is not stored.
+once it is complete; a stream abandoned before its end is not stored. A record is kept sealed with the
+key of the chat's conversation (common/sealing.py): `tokenstream erase` reaches copies of the store too.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from common import sealing
 from gateway import openai_api as api
 from schemas import Completion
 from schemas import keys as K
@@ -26,6 +28,17 @@ def completion_of(rid: str, created: int, model: str, done: Completion, metadata
     return {**body, "metadata": metadata, "request_id": None, "service_tier": "default"}
 
 
+def _sealed(record: dict[str, Any]) -> bytes:
+    return sealing.seal_stored(record["tenant"], record.get("scope", ""),
+                               json.dumps(record, separators=(",", ":")).encode())
+
+
+def _opened(raw: bytes | None) -> dict[str, Any] | None:
+    """A stored record, None when absent or erased (its conversation's key destroyed)."""
+    plain = sealing.open_stored(raw)
+    return json.loads(plain) if plain is not None else None
+
+
 class StoredChats:
     def __init__(self, redis) -> None:
         self.redis = redis
@@ -35,10 +48,12 @@ class StoredChats:
             raise api.unavailable("Stored completions need the durable store, which this gateway has not got.")
         return self.redis
 
-    async def keep(self, tenant: str, rid: str, completion: dict[str, Any], messages: list[dict[str, Any]]) -> None:
-        record = {"tenant": tenant, "completion": completion, "messages": messages}
+    async def keep(self, tenant: str, scope: str, rid: str, completion: dict[str, Any],
+                   messages: list[dict[str, Any]]) -> None:
+        """Keep a completion (`scope`: the conversation its events were sealed under)."""
+        record = {"tenant": tenant, "scope": scope, "completion": completion, "messages": messages}
         async with self._store().pipeline(transaction=True) as pipe:
-            pipe.set(K.stored_chat(rid), json.dumps(record, separators=(",", ":")), ex=K.RESPONSE_TTL_S)
+            pipe.set(K.stored_chat(rid), _sealed(record), ex=K.RESPONSE_TTL_S)
             pipe.zadd(K.tenant_chats(tenant), {rid: completion["created"]})
             await pipe.execute()
 
@@ -48,8 +63,7 @@ class StoredChats:
             rid = api.request_id_of(completion_id)
         except ValueError:
             rid = None
-        raw = await self._store().get(K.stored_chat(rid)) if rid else None
-        record = json.loads(raw) if raw else None
+        record = _opened(await self._store().get(K.stored_chat(rid))) if rid else None
         if record is None or record["tenant"] != tenant:
             raise api.not_found(f"No stored chat completion with id {completion_id!r}.")
         return rid, record
@@ -61,11 +75,11 @@ class StoredChats:
         gone = [r for r, raw in zip(rids, raws) if raw is None]
         if gone:
             await self.redis.zrem(K.tenant_chats(tenant), *gone)
-        return [json.loads(raw) for raw in raws if raw is not None]
+        return [record for record in map(_opened, raws) if record is not None]
 
     async def relabel(self, rid: str, record: dict[str, Any], metadata: dict[str, str]) -> dict[str, Any]:
         record["completion"]["metadata"] = metadata
-        await self._store().set(K.stored_chat(rid), json.dumps(record, separators=(",", ":")), keepttl=True)
+        await self._store().set(K.stored_chat(rid), _sealed(record), keepttl=True)
         return record["completion"]
 
     async def forget(self, tenant: str, rid: str) -> None:

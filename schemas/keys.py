@@ -172,7 +172,7 @@ def conversation(conv_id: str) -> str:
 
 
 def conversation_items(conv_id: str) -> str:
-    """Hash: item id -> the item (JSON, OpenAI's shape)."""
+    """Hash: item id -> the item (JSON, OpenAI's shape), sealed with the conversation's key."""
     return f"ts:conv:items:{conv_id}"
 
 
@@ -187,7 +187,8 @@ def conversation_busy(conv_id: str) -> str:
 
 
 def stored_chat(request_id: str) -> str:
-    """JSON: tenant, the completion object (with its metadata), the request's messages."""
+    """JSON: tenant, scope, the completion object (with its metadata), the request's messages; sealed
+    with the key of the chat's conversation (`scope`)."""
     return f"ts:chat:{request_id}"
 
 

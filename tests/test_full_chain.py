@@ -398,17 +398,26 @@ async def test_erasing_a_tenant_leaves_nothing_of_its_content_readable_anywhere(
     either Redis or Weaviate holds its words or its keys."""
     import redis
 
+    from schemas import keys as K
     from tests.erasure_support import found_in_files, found_in_redis, found_in_segments
     from tests.gateway_support import auth_headers
 
     tenant, marker = f"erase-{unique}", f"quokka{unique}"
-    async with httpx.AsyncClient(timeout=180, headers=auth_headers(new_key(tenant))) as http:
-        r = await http.post(system.gateways[1] + "/v1/chat/completions", json=greedy(
-            messages=[{"role": "user", "content": f"My locker code is {marker}. Repeat the code."}], max_tokens=24))
-    assert r.status_code == 200, r.text
+    async with httpx.AsyncClient(base_url=system.gateways[1], timeout=180, headers=auth_headers(new_key(tenant))) as http:
+        r = await http.post("/v1/chat/completions", json=greedy(
+            messages=[{"role": "user", "content": f"My locker code is {marker}. Repeat the code."}], max_tokens=24,
+            store=True))
+        assert r.status_code == 200, r.text
+        kept = await http.get(f"/v1/chat/completions/{r.json()['id']}")  # stored: with its messages
+        conversation = await http.post("/v1/conversations", json={"items": [
+            {"type": "message", "role": "user", "content": f"Remember {marker}."}]})
+        assert kept.status_code == 200 and conversation.status_code == 200, (kept.text, conversation.text)
     rid, answer = rid_of(r.json()["id"]), r.json()["choices"][0]["message"]["content"]
     words = {marker.encode()} | ({answer.strip().encode()} if len(answer.strip()) >= 12 else set())
     durable = redis.Redis.from_url(stack.redis.address)
+    # the stored completion and the conversation's item are in the durable store, sealed like the events
+    assert durable.exists(K.conversation_items(conversation.json()["id"])) and durable.exists(K.stored_chat(rid))
+    assert not await asyncio.to_thread(found_in_redis, stack.redis.address, words)
     key_ids = {k.decode() for k in durable.smembers(f"ts:seal:tenant:{tenant}")}
     assert key_ids, "the tenant's content was sealed with no key of its own"
     segments = stack.kafka.data_dir / "log"

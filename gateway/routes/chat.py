@@ -196,7 +196,7 @@ async def _chat(gw: Gateway, body: api.ChatCompletionRequest, request: Request, 
                 prompt_tokens=done.usage.prompt_tokens, completion_tokens=done.usage.completion_tokens))
         await _keep(gw, key.tenant, body, rid, created, done)
         if conversation:  # in the conversation before the client sees the end, so its next turn reads it
-            await _into_conversation(gw, conversation, rid, asked, done)
+            await _into_conversation(gw, key.tenant, conversation, rid, asked, done)
 
     def cleanup() -> None:
         fanout.unsubscribe(rid)
@@ -213,11 +213,11 @@ async def _chat(gw: Gateway, body: api.ChatCompletionRequest, request: Request, 
                          cleanup=cleanup, settle=settle, headers=headers, logprobs=body.logprobs is True)
 
 
-async def _into_conversation(gw: Gateway, conversation: str, rid: str, asked: list[ChatMessage],
+async def _into_conversation(gw: Gateway, tenant: str, conversation: str, rid: str, asked: list[ChatMessage],
                              done: Completion) -> None:
     try:
         if done.finish_reason not in ("error", "cancelled"):
-            await gw.conversations.append(conversation, chat_items(rid, asked, done))
+            await gw.conversations.append(conversation, tenant, chat_items(rid, asked, done))
     except Exception as exc:  # noqa: BLE001 - the answer went out; only the conversation misses it
         log.warning("chat completion %s not added to conversation %s: %s", rid, conversation, exc)
     finally:
@@ -232,8 +232,9 @@ async def _keep(gw: Gateway, tenant: str, body: api.ChatCompletionRequest, rid: 
     cid = api.completion_id(rid)
     asked = [{"id": f"{cid}-{i}", **m.model_dump(exclude_none=True)} for i, m in enumerate(body.messages)]
     try:
-        await gw.stored_chats.keep(tenant, rid, completion_of(rid, created, body.model, done, body.metadata or {}),
-                                   asked)
+        scope = api.conversation_of(body.conversation) or body.conversation_id or rid  # as its events were sealed
+        await gw.stored_chats.keep(tenant, scope, rid,
+                                   completion_of(rid, created, body.model, done, body.metadata or {}), asked)
     except Exception as exc:  # noqa: BLE001 - the answer went out; only the stored copy is missing
         log.warning("chat completion %s not stored: %s", rid, exc)
 

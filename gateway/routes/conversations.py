@@ -58,13 +58,13 @@ def _stored(items: list[InputItem]) -> list[dict[str, Any]]:
     return [item_dict(item, new_item_id(item_prefix(item))) for item in items]
 
 
-async def _add(gw: Gateway, conv_id: str, items: list[InputItem]) -> list[dict[str, Any]]:
+async def _add(gw: Gateway, conv_id: str, tenant: str, items: list[InputItem]) -> list[dict[str, Any]]:
     stored = _stored(items)
     before = {i["id"] for i in await gw.conversations.items(conv_id)}
     clash = next((i["id"] for i in stored if i["id"] in before), None)
     if clash is not None:
         raise api.invalid_request(f"An item with id {clash!r} is already in this conversation.", "items")
-    await gw.conversations.append(conv_id, stored)
+    await gw.conversations.append(conv_id, tenant, stored)
     return stored
 
 
@@ -72,7 +72,7 @@ async def _add(gw: Gateway, conv_id: str, items: list[InputItem]) -> list[dict[s
 async def create(body: CreateConversation, gw: Gateway = Depends(pipeline), key: ApiKey = Depends(principal)):
     conv_id, record = await gw.conversations.create(key.tenant, body.metadata or {})
     if body.items:
-        await _add(gw, conv_id, body.items)
+        await _add(gw, conv_id, key.tenant, body.items)
     return conversation_object(conv_id, record)
 
 
@@ -103,7 +103,7 @@ async def add_items(conv_id: str, body: AddItems, include: list[str] | None = Qu
                     gw: Gateway = Depends(pipeline), key: ApiKey = Depends(principal)):
     _included(include)
     await gw.conversations.owned(conv_id, key.tenant)
-    stored = await _add(gw, conv_id, body.items)
+    stored = await _add(gw, conv_id, key.tenant, body.items)
     return {"object": "list", "data": stored, "first_id": stored[0]["id"], "last_id": stored[-1]["id"],
             "has_more": False}
 

@@ -255,7 +255,7 @@ async def _compacted(gw: Gateway, key: K.ApiKey, body: ResponseCreate, messages:
     summary, _ = await compaction.summarise(summary_run(gw, key, body.model), messages[:-1], window)
     item = compaction.item(key.tenant, summary)
     if body.conversation is not None:  # the conversation reads the item in place of what it condenses
-        await gw.conversations.append(body.conversation_id, [item])
+        await gw.conversations.append(body.conversation_id, key.tenant, [item])
     return [*compaction.superseded(messages[:-1]), compaction.summary_message(summary), messages[-1]], item
 
 
@@ -300,7 +300,7 @@ async def _finish(gw: Gateway, rid: str, note: dict, framer: ResponseFramer) -> 
     else:  # read to its end through a resume on this instance: usage counted once, whichever instance
         await gw.limiter.settle_answer(rid, note, done)
     if note.get("in_conversation"):  # before it is stored: a client that sees it ended may go on
-        await _into_conversation(gw, rid, note["conversation_id"], framer.response)
+        await _into_conversation(gw, rid, note, framer.response)
     if note.get("store") and gw.redis is not None:
         try:
             await gw.redis.set(K.stored_response(rid), sealing.seal_stored(
@@ -327,12 +327,13 @@ async def _finish_when_ended(gw: Gateway, rid: str, note: dict) -> None:
         delay = min(delay * 2, 60)
 
 
-async def _into_conversation(gw: Gateway, rid: str, conv: str, response: dict) -> None:
+async def _into_conversation(gw: Gateway, rid: str, note: dict, response: dict) -> None:
     """The ended response's input and output items appended to its conversation (once: the ids are the
     log's), then the conversation free for its next response."""
+    conv = note["conversation_id"]
     try:
         raw = sealing.open_stored(await gw.redis.get(K.response_input(rid)))
-        await gw.conversations.append(conv, [*json.loads(raw or "[]"), *response["output"]])
+        await gw.conversations.append(conv, note["tenant"], [*json.loads(raw or "[]"), *response["output"]])
     except api.APIError as exc:  # deleted meanwhile, or full: the response stands on its own
         log.warning("response %s not added to conversation %s: %s", rid, conv, exc.message)
     except Exception as exc:  # noqa: BLE001 - the hold expires; a later GET of the response retries
@@ -356,7 +357,7 @@ def _sse(gw: Gateway, framer: ResponseFramer, source: AsyncIterator[list[Event]]
             async for batch in source:
                 shown = frames(framer.feed(batch))
                 if framer.done and note.get("in_conversation"):  # in it before the client sees the end
-                    await _into_conversation(gw, framer.run_id, note["conversation_id"], framer.response)
+                    await _into_conversation(gw, framer.run_id, note, framer.response)
                 for frame in shown:
                     yield frame
                 if framer.done:
