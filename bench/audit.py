@@ -165,8 +165,9 @@ def main(events: int = typer.Option(1_000_000, help="events to write and replay 
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="bench-audit-") as tmp:
         stack = Stack.ephemeral(Path(tmp))
-        stack.kafka.start(say)
-        use(stack.kafka.environment())
+        for service in (stack.kafka, stack.redis):  # the durable Redis: the keyring the events are sealed with
+            service.start(say)
+        use({**stack.kafka.environment(), "TOKENSTREAM_REDIS_URL": stack.redis.address})
         try:
             bootstrap = stack.kafka.address
             asyncio.run(apply(all_topics([MODEL]), bootstrap))
@@ -176,7 +177,8 @@ def main(events: int = typer.Option(1_000_000, help="events to write and replay 
             measured = asyncio.run(audit_scan(bootstrap, since, until))
             base_count, base_s, base_cpu = asyncio.run(baseline_scan(bootstrap, measured["spans"]))
         finally:
-            stack.kafka.stop(lambda m: None)
+            for service in (stack.kafka, stack.redis):
+                service.stop(lambda m: None)
     samples = measured["samples"]
     rates = {"audit_range_events_per_s": measured["records"] / measured["seconds"],
              "bare_consumer_events_per_s": base_count / base_s}

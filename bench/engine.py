@@ -3,7 +3,8 @@
 The workload is `tokenstream bench worker`'s (its prompts and output lengths, fixed seed, greedy,
 SmolLM2-135M-Instruct, fp32 weights). Each engine runs at its own default dtype (ours and vLLM's:
 bf16 on a CPU with native bf16, else fp32), beside fp32 columns (`tokenstream-fp32`, `vllm`,
-`worker-vllm-fp32`). Each engine runs in its own process (so its peak
+`worker-vllm-fp32`), and `worker-clear` on request (the worker with sealing off: what sealing costs in
+throughput). Each engine runs in its own process (so its peak
 RSS is its own): tokenstream's engine in-process, the worker through Kafka (bench/worker.py's
 path), transformers' continuous batching, vLLM's CPU build in its own virtualenv (installed on
 first use, see bench/peers.py) and, optionally, the engine as it was before (`--baseline-engine`,
@@ -235,8 +236,8 @@ def main(
     rate: float = typer.Option(8.0, help="Poisson mode: mean arrivals per second"),
     modes: str = typer.Option("saturated,poisson", help="saturated, poisson and/or streams"),
     engines: str = typer.Option("tokenstream,tokenstream-fp32,worker,worker-vllm,worker-vllm-fp32,vllm-defaults,vllm",
-                                help="comma-separated subset of tokenstream, tokenstream-fp32, worker, worker-vllm, "
-                                     "worker-vllm-fp32, "
+                                help="comma-separated subset of tokenstream, tokenstream-fp32, worker, worker-clear "
+                                     "(the worker with sealing off), worker-vllm, worker-vllm-fp32, "
                                      "vllm-defaults, vllm (same limits as ours), transformers"),
     poisson_engines: str = typer.Option("tokenstream,vllm", help="the engines also run in Poisson mode"),
     streams: int = typer.Option(8, help="streams mode: N concurrent streams against one (the first N requests)"),
@@ -328,7 +329,7 @@ def main(
         if ts and sat.get(other, {}).get("tokens_per_s"):
             ratios[f"tokenstream_vs_{other}"] = round(ts / sat[other]["tokens_per_s"], 2)
     for mine, peer in (("worker-vllm", "vllm-defaults"), ("worker-vllm-fp32", "vllm"), ("worker", "tokenstream"),
-                       ("tokenstream-fp32", "vllm")):
+                       ("tokenstream-fp32", "vllm"), ("worker", "worker-clear")):
         a, b = sat.get(mine, {}).get("tokens_per_s"), sat.get(peer, {}).get("tokens_per_s")
         if a and b:
             ratios[f"{mine}_vs_{peer}"] = round(a / b, 2)

@@ -168,11 +168,12 @@ def run_reference(spec: dict) -> dict:
     return {"requests": out, "wall_s": time.perf_counter() - t0, "info": {"engine": "HF generate()"}}
 
 
-def run_worker(spec: dict, backend: str = "transformers", dtype: str = "auto") -> dict:
-    """The worker through Kafka (bench/worker.py's path): a throwaway broker, the real service. With
-    `backend="vllm"` (run in vLLM's virtualenv) its engine is vLLM's at vLLM's own batch limits and,
-    unless `dtype` says otherwise, vLLM's own dtype: `tokenstream worker --backend vllm` as it runs
-    when none of them is given."""
+def run_worker(spec: dict, backend: str = "transformers", dtype: str = "auto", sealing: bool = True) -> dict:
+    """The worker through Kafka (bench/worker.py's path): a throwaway broker and durable Redis (the
+    keyring), the real service. With `backend="vllm"` (run in vLLM's virtualenv) its engine is vLLM's at
+    vLLM's own batch limits and, unless `dtype` says otherwise, vLLM's own dtype: `tokenstream worker
+    --backend vllm` as it runs when none of them is given. `sealing=False`: content in clear on the
+    topics (the `worker-clear` column, to show what sealing costs in throughput)."""
     import asyncio
     import logging
     import tempfile
@@ -192,18 +193,25 @@ def run_worker(spec: dict, backend: str = "transformers", dtype: str = "auto") -
     work = [Work(r["rid"], r["arrival"], r["messages"], r["max_tokens"], r["prompt_ids"]) for r in spec["requests"]]
     with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
         stack = Stack.ephemeral(Path(tmp))
-        stack.kafka.start(lambda m: print(m, file=sys.stderr, flush=True))
-        use(stack.kafka.environment())
+        for service in (stack.kafka, stack.redis):
+            service.start(lambda m: print(m, file=sys.stderr, flush=True))
+        use({**stack.kafka.environment(), "TOKENSTREAM_REDIS_URL": stack.redis.address,
+             "TOKENSTREAM_SEALING": "true" if sealing else "false"})
         try:
             res = asyncio.run(run_worker_bench(loaded, work, stack.kafka.address, *limits,
                                                broker_pid=stack.kafka.pid(), backend=backend,
                                                model_path=Path(spec["model_dir"]), dtype=dtype))
         finally:
-            stack.kafka.stop(lambda m: None)
+            for service in (stack.kafka, stack.redis):
+                service.stop(lambda m: None)
     info = {"engine": "worker via Kafka (run_worker in-process, client in its own process on ts.tokens)"
-                      + (", vLLM backend at vLLM's batch limits" if backend == "vllm" else ""),
+                      + (", vLLM backend at vLLM's batch limits" if backend == "vllm" else "")
+                      + ("" if sealing else ", sealing off (content in clear on the topics)"),
             "torch": torch.__version__, "dtype": res.extra.pop("dtype"), "threads": torch.get_num_threads(),
             "max_running": limits[0] or "vLLM's default", "prefill_chunk": limits[1] or "vLLM's default", **res.extra}
+    from schemas.codec import sealer
+
+    info["sealing"] = sealer() is not None  # what the run's clients really did (a keyring installed)
     if backend == "vllm":
         import vllm
 
@@ -249,7 +257,8 @@ def run_conversations(spec: dict) -> dict:
 
 RUNNERS = {"tokenstream": run_tokenstream, "tokenstream-fp32": lambda spec: run_tokenstream(dict(spec, dtype="float32")),
            "transformers": run_transformers, "reference": run_reference,
-           "worker": run_worker, "worker-vllm": lambda spec: run_worker(spec, "vllm"),
+           "worker": run_worker, "worker-clear": lambda spec: run_worker(spec, sealing=False),
+           "worker-vllm": lambda spec: run_worker(spec, "vllm"),
            "worker-vllm-fp32": lambda spec: run_worker(spec, "vllm", "float32"),
            "conversations": run_conversations}
 

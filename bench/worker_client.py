@@ -25,7 +25,9 @@ def _request(spec: dict, i: int, r: dict):
     from schemas import ChatMessage, InferenceRequest, SamplingParams
     from topics import TOKENS
 
-    return InferenceRequest(request_id=r["rid"], model=spec["model"], reply_partition=i % TOKENS.partitions,
+    # each request its own conversation, as a gateway's new chats are: a conversation key of its own
+    return InferenceRequest(request_id=r["rid"], conversation_id=r["rid"], tenant="bench", model=spec["model"],
+                            reply_partition=i % TOKENS.partitions,
                             messages=[ChatMessage(**m) for m in r["messages"]],
                             sampling=SamplingParams(max_tokens=r["max_tokens"], temperature=0))
 

@@ -11,6 +11,8 @@ def chaos(
     minutes: float = typer.Option(10.0, help="how long the load and the faults last"),
     clients: int = typer.Option(3, help="concurrent streaming users"),
     kills_per_role: int = typer.Option(20, help="kill -9 faults of each role (gateway, each processor, worker)"),
+    roles: str = typer.Option("conversation,safety,router,worker,gateway",
+                              help="the roles killed, in turn (comma-separated): a drill of one role's takeover"),
     broker_restarts: int = typer.Option(3, help="broker faults: a restart of the one broker; on a cluster, in "
                                         "turn, kill -9 of a node, of the active controller, a rolling restart"),
     brokers: int = typer.Option(1, min=1, max=9, help="Kafka nodes of the drill's stack (3: a cluster)"),
@@ -24,11 +26,14 @@ def chaos(
     import asyncio
     import json
 
-    from tokenstream.chaos.drill import plan, run
+    from tokenstream.chaos.drill import ROLES, plan, run
 
+    chosen = tuple(r.strip() for r in roles.split(",") if r.strip())
+    if not chosen or set(chosen) - set(ROLES):
+        raise typer.BadParameter(f"roles among {', '.join(ROLES)}", param_hint="--roles")
     report = asyncio.run(run(minutes, clients=clients, max_tokens=max_tokens,
-                             schedule=plan(kills_per_role, broker_restarts, stalls), brokers=brokers,
-                             say=lambda m: print(m, flush=True)))
+                             schedule=plan(kills_per_role, broker_restarts, stalls, chosen), brokers=brokers,
+                             roles=chosen, say=lambda m: print(m, flush=True)))
     print_report(report)
     if report_file is not None:
         report_file.write_text(json.dumps(as_dict(report), indent=2) + "\n")

@@ -71,10 +71,10 @@ class Report:
                 and self.running_left == 0 and all(f.recovered_at is not None for f in self.faults))
 
 
-def plan(kills_per_role: int, broker_restarts: int, stalls: int) -> tuple[str, ...]:
-    """A schedule of exactly these faults: the kills (the roles in turn), with the broker restarts and
+def plan(kills_per_role: int, broker_restarts: int, stalls: int, roles: tuple[str, ...] = ROLES) -> tuple[str, ...]:
+    """A schedule of exactly these faults: the kills (`roles` in turn), with the broker restarts and
     the client stalls each at an even fraction of the run."""
-    kills = ["kill"] * (kills_per_role * len(ROLES))
+    kills = ["kill"] * (kills_per_role * len(roles))
     marks = sorted([((j + 0.5) / broker_restarts, "broker") for j in range(broker_restarts)]
                    + [((j + 0.5) / stalls, "stall") for j in range(stalls)])
     total, schedule = len(kills) + len(marks), []
@@ -88,15 +88,18 @@ def plan(kills_per_role: int, broker_restarts: int, stalls: int) -> tuple[str, .
 async def run(minutes: float, *, clients: int = 3, every_s: float = 20.0, stall_s: float = 8.0, max_tokens: int = 24, deadline_s: float = 120.0,
               kinds: tuple[str, ...] = ("kill", "kill", "kill", "kill", "kill", "broker", "stall"),
               schedule: tuple[str, ...] | None = None, root: Path | None = None, brokers: int = 1,
-              say=print) -> Report:
+              roles: tuple[str, ...] = ROLES, say=print) -> Report:
     """`kinds` cycle, one fault every `every_s`, for `minutes`; or, with `schedule`, exactly those faults
-    spread evenly over `minutes`."""
+    spread evenly over `minutes`. Kills strike `roles` in turn."""
     from tokenstream.stack.local import LocalSystem
 
     root = root or Path(tempfile.mkdtemp(prefix="chaos-"))
     gateways = {"a": {"TOKENSTREAM_GATEWAY_CANCEL_GRACE_S": "30"},
                 "b": {"TOKENSTREAM_GATEWAY_CANCEL_GRACE_S": "30"}}
     async with LocalSystem(root, "smollm2", gateways, instances=2, brokers=brokers) as system:
+        from common import sealing
+
+        sealing.install(system.stack.redis.address)  # the drill reads the roles' sealed answers back
         started = time.time()
         users = [Client([system.url(g) for g in gateways], "smollm2", max_tokens=max_tokens,
                         deadline_s=deadline_s) for _ in range(clients)]
@@ -112,7 +115,7 @@ async def run(minutes: float, *, clients: int = 3, every_s: float = 20.0, stall_
         supervisor = asyncio.create_task(system.supervise(supervisor_stop))
         loads = [asyncio.create_task(_user(u, i, outcomes, stop, system.key)) for i, u in enumerate(users)]
         warm_at = await _first_answer(outcomes, deadline_s)
-        faults = await _inject(system, users, schedule, every_s, stall_s, say)
+        faults = await _inject(system, users, schedule, every_s, stall_s, roles, say)
         await _until_recovered(faults, outcomes, deadline_s)
         stop.set()
         say("chaos: faults done; waiting for the requests in flight to end")
@@ -161,19 +164,19 @@ async def _first_answer(outcomes: list[Outcome], timeout: float) -> float:
 
 
 async def _inject(system, users: list[Client], schedule: tuple[str, ...], every_s: float, stall_s: float,
-                  say) -> list[Fault]:
+                  roles: tuple[str, ...], say) -> list[Fault]:
     """Each fault of `schedule` in turn, one every `every_s` from the end of the one before: a broker
     restart that lasts (tens of seconds on a loaded host) moves the rest later rather than firing the
     faults it held up at once (three kills within a second right after the broker came back left
     both workers down together for over a minute, harsher than the cadence the drill states)."""
     faults: list[Fault] = []
-    roles = itertools.cycle(ROLES)
+    turn = itertools.cycle(roles)
     brokers_hit = 0
     next_at = time.monotonic() + every_s
     for kind in schedule:
         await asyncio.sleep(max(0.0, next_at - time.monotonic()))
         if kind == "kill":
-            proc = random.choice(system.of_role(next(roles)))
+            proc = random.choice(system.of_role(next(turn)))
             fault = Fault("kill -9", proc.name, time.time())
             system.kill9(proc.name)  # the supervisor starts it again
         elif kind == "broker":
