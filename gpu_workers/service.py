@@ -99,7 +99,8 @@ class Worker:
         self.token_texts = TokenTexts(engine.tokenizer)  # for reported log probabilities
         self.handover = Handover()
         self.chunks_written: dict[str, int] = {}  # request id -> chunks written for it (handover checks)  # revoked partitions' requests, held until the next assignment
-        self.assignor = StickyAssignor()
+        # partitions with requests in flight stay with this worker through a rebalance (producers/sticky.py)
+        self.assignor = StickyAssignor(busy=lambda: {entry[0] for entry in self.owned.values()})
         self.step_lock = asyncio.Lock()
         self.commit_lock = asyncio.Lock()
         self.publish_lock = asyncio.Lock()  # held while events are queued for the producer
