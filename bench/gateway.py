@@ -116,7 +116,7 @@ async def _run(streams: int, rate: float, tokens: int, light_requests: int) -> d
     stack.kafka.start(say)
     stack.redis.start(say)
     stack.cache.start(say)
-    use(stack.kafka.environment())
+    use({**stack.kafka.environment(), "TOKENSTREAM_REDIS_URL": stack.redis.address})  # this process's keyring too
     try:
         async with synthetic_gateway(stack, tmp, "bench gateway") as (gateway, port, key):
             bootstrap = stack.kafka.address

@@ -323,13 +323,15 @@ def main(
     console.print("[bold]3/3 worker through Kafka[/]")
     with tempfile.TemporaryDirectory(prefix="bench-worker-") as tmp:
         stack = Stack.ephemeral(Path(tmp))
-        stack.kafka.start(lambda m: console.print(m, highlight=False))
-        use(stack.kafka.environment())
+        for service in (stack.kafka, stack.redis):  # the durable Redis: the keyring the events are sealed with
+            service.start(lambda m: console.print(m, highlight=False))
+        use({**stack.kafka.environment(), "TOKENSTREAM_REDIS_URL": stack.redis.address})
         try:
             results.append(asyncio.run(run_worker_bench(loaded, work, stack.kafka.address, max_running,
                                                            prefill_chunk)))
         finally:
-            stack.kafka.stop(lambda m: None)
+            for service in (stack.kafka, stack.redis):
+                service.stop(lambda m: None)
     constrained = None
     if grammar_rows:
         from bench.grammar import column_table, constrained_column
