@@ -106,7 +106,8 @@ class Conversations:
         for item in items:
             if item["id"] not in seen:
                 seen.add(item["id"])
-                args += [item["id"], sealing.seal_stored(tenant, conv_id, json.dumps(item, separators=(",", ":")).encode())]
+                text = json.dumps(item, separators=(",", ":")).encode()
+                args += [item["id"], sealing.seal_stored(tenant, conv_id, text)]
         added = await self._append(keys=[K.conversation(conv_id), K.conversation_items(conv_id),
                                          K.conversation_order(conv_id)], args=args)
         if added == -1:
