@@ -21,8 +21,6 @@ request of every survivor. So a revoked partition is *held* instead:
 
 Holding writes nothing for a revoked partition, the guarantee the worker had when it aborted at
 once (a token written after the new owner's takeover read gave the log two versions of an answer).
-A partition with requests in flight is reported busy when the worker rejoins, and the assignment gives
-it back (producers/sticky.py): it is kept, so a member joining never takes a stream away.
 """
 
 from __future__ import annotations

@@ -98,9 +98,9 @@ class Worker:
         self.epoch: dict[TopicPartition, int] = {}  # bumped when a partition is revoked
         self.token_texts = TokenTexts(engine.tokenizer)  # for reported log probabilities
         self.handover = Handover()
-        self.chunks_written: dict[str, int] = {}  # request id -> chunks written for it (handover checks)  # revoked partitions' requests, held until the next assignment
-        # partitions with requests in flight stay with this worker through a rebalance (producers/sticky.py)
-        self.assignor = StickyAssignor(busy=lambda: {entry[0] for entry in self.owned.values()})
+        self.chunks_written: dict[str, int] = {}  # request id -> chunks written for it (handover checks)
+        self.resuming: dict[str, float] = {}  # request id -> when it was taken over (its first chunk is logged)
+        self.assignor = StickyAssignor()
         self.step_lock = asyncio.Lock()
         self.commit_lock = asyncio.Lock()
         self.publish_lock = asyncio.Lock()  # held while events are queued for the producer
@@ -232,6 +232,7 @@ class Worker:
         for rid in lost:
             self.engine.abort(self.owned.pop(rid)[3])
             self.chunks_written.pop(rid, None)
+            self.resuming.pop(rid, None)
             self.parsers.pop(rid, None)
             self._end_span(rid, {"tokenstream.handed_over": True})
         for tp in tps:
@@ -315,6 +316,7 @@ class Worker:
                 continue
             if before is not None and before.chunks:
                 self.metrics.takeovers.labels(self.cfg.model).inc()
+                self.resuming[request.request_id] = time.monotonic()
                 seq.generated = before.token_ids
                 seq.resumed = len(seq.generated)
                 seq.emitted_text = before.text
@@ -466,6 +468,9 @@ class Worker:
                     await publish(self.producer, TOKENS, chunk, partition=request.reply_partition, wait=False,
                                   trace=chunk_trace)
                 self.chunks_written[rid] = out.chunk_seq + 1
+                if rid in self.resuming:  # where a takeover's time goes: taken in -> its next token out
+                    log.info("worker %s resumed %s at chunk %d, %.2f s after taking it over", self.worker_id,
+                             rid, out.chunk_seq, time.monotonic() - self.resuming.pop(rid))
             if out.finish_reason is not None and self.owned.get(rid) is owned:  # not given up meanwhile
                 seq = out.seq
                 reason, error = out.finish_reason, out.error
@@ -508,6 +513,7 @@ class Worker:
                     await self.announcer.held(request, done.text)
                 self.owned.pop(rid, None)
                 self.chunks_written.pop(rid, None)
+                self.resuming.pop(rid, None)
                 self.completed[rid] = None
                 while len(self.completed) > COMPLETED_KEPT:
                     self.completed.popitem(last=False)

@@ -47,7 +47,6 @@ UNRESOLVED_IN_SHARED = {
     ("producers/lag.py", "TopicPartition(topic, p)"): "LagSampler.sample's topic",
     ("producers/membership.py", "TopicPartition(topic, p)"): "a group member's assignment, as the broker says it",
     ("producers/publish.py", "producer.send(spec.name, encode(event), key=(key if key i..."): "publish's spec",
-    ("producers/sticky.py", "TopicPartition(topic, p)"): "a group member's busy partitions, as it reports them",
 }
 #: The shared functions whose writes the derivation attributes to their callers.
 ON_CALLERS_BEHALF = {"typed", "dead_letter", "events"}
