@@ -23,12 +23,12 @@ import asyncio
 import json
 import os
 import platform
-import tempfile
 import time
 from pathlib import Path
 
 import typer
 
+from bench.runenv import broker_and_keyring
 from common import kafka_auth
 
 RESULTS = Path(__file__).resolve().parent / "results" / "audit.json"
@@ -151,9 +151,6 @@ def main(events: int = typer.Option(1_000_000, help="events to write and replay 
     from rich.console import Console
     from rich.table import Table
 
-    from tokenstream.stack import Stack
-
-    from tokenstream.stack.stack import use
     from topics.admin import apply
     from topics.registry import all_topics
 
@@ -163,22 +160,14 @@ def main(events: int = typer.Option(1_000_000, help="events to write and replay 
     per_request = chunks + 8
     requests = -(-events // per_request)
     load_before = os.getloadavg()[0]
-    with tempfile.TemporaryDirectory(prefix="bench-audit-") as tmp:
-        stack = Stack.ephemeral(Path(tmp))
-        for service in (stack.kafka, stack.redis):  # the durable Redis: the keyring the events are sealed with
-            service.start(say)
-        use({**stack.kafka.environment(), "TOKENSTREAM_REDIS_URL": stack.redis.address})
-        try:
-            bootstrap = stack.kafka.address
-            asyncio.run(apply(all_topics([MODEL]), bootstrap))
-            say(f"writing {requests:,} requests x {per_request} events")
-            written, since, until = asyncio.run(write_run(bootstrap, requests, chunks, say))
-            say(f"written {written:,} events; replaying")
-            measured = asyncio.run(audit_scan(bootstrap, since, until))
-            base_count, base_s, base_cpu = asyncio.run(baseline_scan(bootstrap, measured["spans"]))
-        finally:
-            for service in (stack.kafka, stack.redis):
-                service.stop(lambda m: None)
+    with broker_and_keyring("bench-audit-", say) as stack:
+        bootstrap = stack.kafka.address
+        asyncio.run(apply(all_topics([MODEL]), bootstrap))
+        say(f"writing {requests:,} requests x {per_request} events")
+        written, since, until = asyncio.run(write_run(bootstrap, requests, chunks, say))
+        say(f"written {written:,} events; replaying")
+        measured = asyncio.run(audit_scan(bootstrap, since, until))
+        base_count, base_s, base_cpu = asyncio.run(baseline_scan(bootstrap, measured["spans"]))
     samples = measured["samples"]
     rates = {"audit_range_events_per_s": measured["records"] / measured["seconds"],
              "bare_consumer_events_per_s": base_count / base_s}

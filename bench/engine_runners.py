@@ -15,6 +15,8 @@ import threading
 import time
 from pathlib import Path
 
+from bench.runenv import broker_and_keyring
+
 
 def peak_rss_mib() -> float:
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -176,14 +178,11 @@ def run_worker(spec: dict, backend: str = "transformers", dtype: str = "auto", s
     topics (the `worker-clear` column, to show what sealing costs in throughput)."""
     import asyncio
     import logging
-    import tempfile
 
     import torch
 
     from bench.worker import Work, run_worker_bench
     from gpu_workers.torch_thread import run_on_torch_thread
-    from tokenstream.stack import Stack
-    from tokenstream.stack.stack import use
 
     logging.getLogger("aiokafka").setLevel(logging.ERROR)
     loaded = None
@@ -191,19 +190,10 @@ def run_worker(spec: dict, backend: str = "transformers", dtype: str = "auto", s
         loaded = run_on_torch_thread(_setup, spec, dtype)  # where the worker steps: one OpenMP team (torch_thread.py)
     limits = (spec["max_running"], spec["prefill_chunk"]) if backend == "transformers" else (None, None)
     work = [Work(r["rid"], r["arrival"], r["messages"], r["max_tokens"], r["prompt_ids"]) for r in spec["requests"]]
-    with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
-        stack = Stack.ephemeral(Path(tmp))
-        for service in (stack.kafka, stack.redis):
-            service.start(lambda m: print(m, file=sys.stderr, flush=True))
-        use({**stack.kafka.environment(), "TOKENSTREAM_REDIS_URL": stack.redis.address,
-             "TOKENSTREAM_SEALING": "true" if sealing else "false"})
-        try:
-            res = asyncio.run(run_worker_bench(loaded, work, stack.kafka.address, *limits,
-                                               broker_pid=stack.kafka.pid(), backend=backend,
-                                               model_path=Path(spec["model_dir"]), dtype=dtype))
-        finally:
-            for service in (stack.kafka, stack.redis):
-                service.stop(lambda m: None)
+    with broker_and_keyring("bench-engine-", lambda m: print(m, file=sys.stderr, flush=True), sealing) as stack:
+        res = asyncio.run(run_worker_bench(loaded, work, stack.kafka.address, *limits,
+                                           broker_pid=stack.kafka.pid(), backend=backend,
+                                           model_path=Path(spec["model_dir"]), dtype=dtype))
     info = {"engine": "worker via Kafka (run_worker in-process, client in its own process on ts.tokens)"
                       + (", vLLM backend at vLLM's batch limits" if backend == "vllm" else "")
                       + ("" if sealing else ", sealing off (content in clear on the topics)"),

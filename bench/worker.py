@@ -23,6 +23,7 @@ from pathlib import Path
 
 import typer
 
+from bench.runenv import broker_and_keyring
 from bench.stats import inclusive
 
 RESULTS = Path(__file__).parent / "results" / "worker.json"
@@ -286,7 +287,6 @@ def main(
     import asyncio
     import logging
     import os
-    import tempfile
 
     import torch
     from rich.console import Console
@@ -295,8 +295,6 @@ def main(
     from gpu_workers.kv_cache import PagedKVCache
     from gpu_workers.model_loader import load
     from gpu_workers.torch_thread import run_on_torch_thread
-    from tokenstream.stack import Stack
-    from tokenstream.stack.stack import use
 
     console = Console()
     load_before = os.getloadavg()[0]
@@ -321,17 +319,8 @@ def main(
     console.print("[bold]2/3 static batching[/]")
     results.append(run_on_torch_thread(run_static, model, tok, work, bpt, eos))
     console.print("[bold]3/3 worker through Kafka[/]")
-    with tempfile.TemporaryDirectory(prefix="bench-worker-") as tmp:
-        stack = Stack.ephemeral(Path(tmp))
-        for service in (stack.kafka, stack.redis):  # the durable Redis: the keyring the events are sealed with
-            service.start(lambda m: console.print(m, highlight=False))
-        use({**stack.kafka.environment(), "TOKENSTREAM_REDIS_URL": stack.redis.address})
-        try:
-            results.append(asyncio.run(run_worker_bench(loaded, work, stack.kafka.address, max_running,
-                                                           prefill_chunk)))
-        finally:
-            for service in (stack.kafka, stack.redis):
-                service.stop(lambda m: None)
+    with broker_and_keyring("bench-worker-", lambda m: console.print(m, highlight=False)) as stack:
+        results.append(asyncio.run(run_worker_bench(loaded, work, stack.kafka.address, max_running, prefill_chunk)))
     constrained = None
     if grammar_rows:
         from bench.grammar import column_table, constrained_column

@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import redis
 from cryptography.exceptions import InvalidTag
@@ -229,6 +230,17 @@ def open_stored(value: bytes | None) -> bytes | None:
     if keys is None:
         raise SealingUnavailable("a sealed value was read with sealing off (TOKENSTREAM_SEALING)")
     return keys.open(value[len(STORED):].decode("ascii", "replace"))
+
+
+def seal_json(tenant: str, scope: str, value: Any) -> bytes:
+    """`seal_stored` of a JSON value (compact), for the records the durable store keeps as JSON."""
+    return seal_stored(tenant, scope, json.dumps(value, separators=(",", ":")).encode())
+
+
+def open_json(value: bytes | None) -> Any:
+    """A value written by `seal_json` (or plain JSON before sealing was on), None when absent or erased."""
+    plain = open_stored(value)
+    return json.loads(plain) if plain is not None else None
 
 
 def seal_text(tenant: str, scope: str, text: str) -> str:

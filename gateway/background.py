@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -84,8 +83,7 @@ async def snapshot(gw: Gateway, framer: ResponseFramer, meta: dict, finish: Fini
 
 async def stored(gw: Gateway, run_id: str) -> dict | None:
     raw = await gw.redis.get(K.stored_response(run_id)) if gw.redis is not None else None
-    raw = sealing.open_stored(raw)  # None: erased (`tokenstream erase`)
-    return json.loads(raw) if raw else None
+    return sealing.open_json(raw)  # None: absent or erased (`tokenstream erase`)
 
 
 async def cancel(gw: Gateway, new_framer: Callable[[], ResponseFramer], meta: dict, finish: Finish) -> dict:

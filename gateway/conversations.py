@@ -57,12 +57,6 @@ def conversation_object(conv_id: str, record: dict[str, str]) -> dict[str, Any]:
             "metadata": json.loads(record.get("metadata") or "{}")}
 
 
-def _opened(raw: bytes | None) -> dict[str, Any] | None:
-    """An item as stored, None when absent or erased (its conversation's key destroyed)."""
-    plain = sealing.open_stored(raw)
-    return json.loads(plain) if plain is not None else None
-
-
 class Conversations:
     def __init__(self, redis, max_items: int) -> None:
         self.redis, self.max_items = redis, max_items
@@ -106,8 +100,7 @@ class Conversations:
         for item in items:
             if item["id"] not in seen:
                 seen.add(item["id"])
-                text = json.dumps(item, separators=(",", ":")).encode()
-                args += [item["id"], sealing.seal_stored(tenant, conv_id, text)]
+                args += [item["id"], sealing.seal_json(tenant, conv_id, item)]
         added = await self._append(keys=[K.conversation(conv_id), K.conversation_items(conv_id),
                                          K.conversation_order(conv_id)], args=args)
         if added == -1:
@@ -123,10 +116,10 @@ class Conversations:
         if not ids:
             return []
         raw = await self.redis.hmget(K.conversation_items(conv_id), ids)
-        return [item for item in map(_opened, raw) if item is not None]
+        return [item for item in map(sealing.open_json, raw) if item is not None]
 
     async def item(self, conv_id: str, item_id: str) -> dict[str, Any] | None:
-        return _opened(await self._store().hget(K.conversation_items(conv_id), item_id))
+        return sealing.open_json(await self._store().hget(K.conversation_items(conv_id), item_id))
 
     async def remove(self, conv_id: str, item_id: str) -> bool:
         async with self._store().pipeline(transaction=True) as pipe:

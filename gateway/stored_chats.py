@@ -10,7 +10,6 @@ key of the chat's conversation (common/sealing.py): `tokenstream erase` reaches 
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from common import sealing
@@ -29,14 +28,7 @@ def completion_of(rid: str, created: int, model: str, done: Completion, metadata
 
 
 def _sealed(record: dict[str, Any]) -> bytes:
-    return sealing.seal_stored(record["tenant"], record.get("scope", ""),
-                               json.dumps(record, separators=(",", ":")).encode())
-
-
-def _opened(raw: bytes | None) -> dict[str, Any] | None:
-    """A stored record, None when absent or erased (its conversation's key destroyed)."""
-    plain = sealing.open_stored(raw)
-    return json.loads(plain) if plain is not None else None
+    return sealing.seal_json(record["tenant"], record.get("scope", ""), record)
 
 
 class StoredChats:
@@ -63,7 +55,7 @@ class StoredChats:
             rid = api.request_id_of(completion_id)
         except ValueError:
             rid = None
-        record = _opened(await self._store().get(K.stored_chat(rid))) if rid else None
+        record = sealing.open_json(await self._store().get(K.stored_chat(rid))) if rid else None
         if record is None or record["tenant"] != tenant:
             raise api.not_found(f"No stored chat completion with id {completion_id!r}.")
         return rid, record
@@ -75,7 +67,7 @@ class StoredChats:
         gone = [r for r, raw in zip(rids, raws) if raw is None]
         if gone:
             await self.redis.zrem(K.tenant_chats(tenant), *gone)
-        return [record for record in map(_opened, raws) if record is not None]
+        return [record for record in map(sealing.open_json, raws) if record is not None]
 
     async def relabel(self, rid: str, record: dict[str, Any], metadata: dict[str, str]) -> dict[str, Any]:
         record["completion"]["metadata"] = metadata

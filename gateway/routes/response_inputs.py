@@ -4,7 +4,6 @@ counted with its own template) and `GET /v1/responses/{id}/input_items` (a store
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any, Literal
 
 from fastapi import APIRouter, Depends
@@ -81,8 +80,8 @@ async def list_input_items(response: str, limit: int = 20, order: str = "desc", 
     rid = response_run_id(response)
     meta = await owned_response(gw, rid, response, key.tenant)
     raw = await gw.redis.get(K.response_input(rid)) if meta.get("store") and gw.redis is not None else None
-    raw = sealing.open_stored(raw)  # None: erased (`tokenstream erase`)
-    if raw is None:
+    given = sealing.open_json(raw)  # None: erased (`tokenstream erase`)
+    if given is None:
         raise api.not_found(f"Response {response!r} has no stored input (created with store false, or expired).")
     check_paging(order, limit)
-    return page(json.loads(raw), limit=limit, order=order, after=after, before=before)
+    return page(given, limit=limit, order=order, after=after, before=before)
