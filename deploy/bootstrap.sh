@@ -45,3 +45,5 @@ if [ ! -f "$stamp" ]; then
   touch "$stamp"
 fi
 echo "bootstrap: python packages ready"
+# The engine's CPU decode kernel, compiled once for this CPU (~10 s); without it the engine uses SDPA.
+.venv/bin/python -m gpu_workers.cpu_kernels

@@ -5,11 +5,13 @@ token each) in slot order, then the prefill chunks. `paged_attention`, registere
 transformers as attention implementation "tokenstream", receives that step's `StepPlan`
 (keyword `ts_plan`) in every layer and
   1. writes the new keys/values of all T tokens into their slots with ONE index_put per layer;
-  2. attends the decoding rows with one SDPA call per *segment*: a range of consecutive slots
-     read in place ([slots, kv_heads, longest, head_dim], a strided view, no copy), the query
-     heads of each kv head folded into the query axis (grouped-query attention without repeating
-     keys) and a length mask for the rows shorter than the segment's longest; the segments are
-     chosen once per step (`StepPlan.build`) so that padding costs less than another call;
+  2. attends the decoding rows: on a CPU with the engine's kernel built (cpu_kernels.py), ONE call
+     for all of them, each row over exactly its own keys in place; otherwise one SDPA call per
+     *segment*: a range of consecutive slots read in place ([slots, kv_heads, longest, head_dim],
+     a strided view, no copy), the query heads of each kv head folded into the query axis
+     (grouped-query attention without repeating keys) and a length mask for the rows shorter than
+     the segment's longest; the segments are chosen once per step (`StepPlan.build`) so that
+     padding costs less than another call;
   3. attends each prefill chunk over its slot's slice (causal, or with a mask after cached tokens).
 Without a plan (plain `generate()` on the same model object) it is transformers' SDPA attention,
 so the model keeps working for other callers.
@@ -57,14 +59,19 @@ class StepPlan:
     positions: torch.Tensor  # [T] its position in the slot
     segments: list[Segment] = field(default_factory=list)
     chunks: list[Chunk] = field(default_factory=list)
+    kernel: tuple[torch.Tensor, torch.Tensor] | None = None  # the decoding rows' (slots, lengths) for the CPU kernel
     _moved: dict = field(default_factory=dict)
 
     @classmethod
     def build(cls, pool: list[torch.Tensor], decodes: list[tuple[int, int]], chunks: list[Chunk],
-              token_slots: list[int], token_positions: list[int], device) -> StepPlan:
-        """decodes: (slot, length after this token) of the decoding rows, in slot order (packed first)."""
+              token_slots: list[int], token_positions: list[int], device, kernel: bool = False) -> StepPlan:
+        """decodes: (slot, length after this token) of the decoding rows, in slot order (packed first).
+        kernel: the CPU decode kernel serves them (one call per layer, no segments)."""
         plan = cls(pool, torch.tensor(token_slots, device=device), torch.tensor(token_positions, device=device),
                    chunks=chunks)
+        if kernel and decodes:
+            plan.kernel = (torch.tensor([s for s, _ in decodes]), torch.tensor([n for _, n in decodes]))
+            return plan
         groups: list[list[tuple[int, int]]] = []
         for slot, length in decodes:  # greedy: extend the range while its padding costs less than a call
             if groups:
@@ -120,6 +127,11 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     pool[plan.on(plan.slots, dev), :, :, plan.on(plan.positions, dev)] = new
     outs = []
     q_all = query[0].transpose(0, 1)  # [T, H, D]
+    if plan.kernel is not None:
+        # 2. decoding rows (packed first): one call, each over its own slot's keys
+        slots, lengths = plan.kernel
+        scale = scaling if scaling is not None else dim ** -0.5
+        outs.append(torch.ops.tokenstream.decode_attention(q_all[:len(slots)], pool, slots, lengths, scale))
     for s in plan.segments:
         # 2. decoding rows: one call per slot range, read in place
         span = s.hi - s.lo

@@ -10,8 +10,9 @@ Each `step()`:
   3. runs ONE forward over the packed tokens of the step: one token of every decoding request
      (in slot order) and at most `prefill_chunk` prompt tokens (chunked prefill: a long prompt is
      spread over several steps, so running streams get a token every step), without padding;
-     attention reads the slots in place, the decoding rows batched (attention.py); on a CPU the
-     linear layers run on weights prepacked once for oneDNN (linears.py);
+     attention reads the slots in place, the decoding rows batched (attention.py; on a CPU by the
+     engine's own decode kernel, cpu_kernels.py); on a CPU the linear layers run on weights
+     prepacked once for oneDNN (linears.py);
   4. samples the batch on the device, detokenises incrementally, applies stop strings, stores
      the full prompt pages of requests that finished prefilling in the prefix cache, and frees
      the pages of every request that finished, at once.
@@ -29,6 +30,7 @@ from gpu_workers.backend import Intake
 from gpu_workers.detokenizer import Detokenizer
 from gpu_workers.grammar import mask_rows
 from gpu_workers.attention import Chunk, StepPlan, install
+from gpu_workers.cpu_kernels import decode_attention_available
 from gpu_workers.kv_cache import PagedKVCache, SlotPool
 from gpu_workers.linears import engine_forward, pack
 from gpu_workers.prefix_cache import PrefixCache, page_hashes
@@ -46,9 +48,10 @@ _NO_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)  # a 4D mask is passed throu
 class Engine(Intake, TextStream):
     def __init__(self, model, tokenizer, cache: PagedKVCache, *, max_running: int = 32,
                  prefill_chunk: int = 256, max_model_len: int = 2048, metrics=None,
-                 prefix_cache: bool | int = True, packed_linears: bool = True) -> None:
+                 prefix_cache: bool | int = True, packed_linears: bool = True, decode_kernel: bool = True) -> None:
         """prefix_cache: True (a pool of half the KV budget's pages), a number of pages, or False/0 (off).
-        packed_linears: the step's linear layers on weights prepacked for oneDNN (CPU; linears.py)."""
+        packed_linears: the step's linear layers on weights prepacked for oneDNN (CPU; linears.py).
+        decode_kernel: decoding rows attended by the engine's CPU kernel where built (cpu_kernels.py)."""
         install(model)
         self.packed_linears = pack(model) if packed_linears else 0
         self._linears = engine_forward if self.packed_linears else contextlib.nullcontext
@@ -73,6 +76,9 @@ class Engine(Intake, TextStream):
         pages = cache.allocator.num_blocks // 2 if prefix_cache is True else int(prefix_cache)
         self.prefix_cache = PrefixCache(cache, pages) if pages > 0 else None
         self.slots = SlotPool(cache, max_running, self.max_model_len)
+        self.decode_kernel = decode_kernel and decode_attention_available() and all(
+            t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            for t in self.slots.layers)
         self._mask_cache: dict[tuple[int, int], torch.Tensor] = {}
 
     # ---- called from any thread ----
@@ -232,7 +238,7 @@ class Engine(Intake, TextStream):
                 chunks.append(Chunk(seq.slot, a, a + n, start, self._mask(start, n)))
             ends.append(a + n)
         dev = self.input_device
-        plan = StepPlan.build(self.slots.layers, decodes, chunks, slots, pos, dev)
+        plan = StepPlan.build(self.slots.layers, decodes, chunks, slots, pos, dev, self.decode_kernel)
         with self._linears():
             out = self.decoder(input_ids=torch.tensor([ids], device=dev), position_ids=plan.positions.unsqueeze(0),
                                attention_mask=_NO_MASK.to(dev), use_cache=False, ts_plan=plan)

@@ -1,0 +1,107 @@
+"""The engine's own CPU kernel (decode attention, `csrc/decode_attention.cpp`), built once per machine.
+
+PyTorch's SDPA on a CPU serves a decoding row's single query token poorly: each call runs its
+flash kernel's blocking for a handful of query positions (about 400 us per call for 16 rows of
+SmolLM2 in bf16 on 2 EPYC threads, 8 calls per layer and step), and rows of different lengths must
+be padded or split into calls. vLLM's CPU build has its own C++ decode kernel for the same reason.
+Ours is one small function compiled with PyTorch's own extension builder (`torch.utils.cpp_extension`,
+ninja + the system C++ compiler) for the CPU it runs on (`-march=native`), registered as the op
+`torch.ops.tokenstream.decode_attention`.
+
+It is built by the set-up (`make setup` runs `python -m gpu_workers.cpu_kernels`), into
+`~/.cache/tokenstream/kernels/<torch>-<cpu>-<source hash>/`; an engine loads it if built and
+otherwise runs SDPA (and says so once): an engine never stops to compile. `TOKENSTREAM_CPU_KERNELS=0`
+turns it off (the SDPA path, for comparisons).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("tokenstream.worker")
+SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
+NAME = "tokenstream_decode_attention"
+# -fopenmp: ATen's parallel_for is OpenMP in headers (serial without it); the library's libgomp.so.1
+# is torch's own, already loaded (the same soname), so one thread pool serves both.
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+_loaded: bool | None = None
+
+
+def _cpu() -> str:
+    try:
+        flags = next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = platform.processor()
+    return hashlib.sha256(flags.encode()).hexdigest()[:10]
+
+
+def build_dir() -> Path:
+    """Where this machine's build lives: one per torch version, CPU and source text."""
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:12]
+    root = Path(os.environ.get("TOKENSTREAM_CACHE", Path.home() / ".cache" / "tokenstream"))
+    return root / "kernels" / f"torch{torch.__version__.split('+')[0]}-{_cpu()}-{key}"
+
+
+def library() -> Path:
+    return build_dir() / f"{NAME}.so"
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile the kernel (about 30 s on 2 cores; needs ninja and a C++ compiler); returns the library."""
+    from torch.utils import cpp_extension
+
+    folder = build_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    bin_dir = str(Path(sys.executable).parent)  # the venv's ninja, also when the venv is not activated
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    cpp_extension.load(NAME, [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(folder),
+                       is_python_module=False, verbose=verbose)
+    return library()
+
+
+def decode_attention_available() -> bool:
+    """Load the built kernel once per process; False (SDPA serves) when off, not built or not loadable."""
+    global _loaded
+    if _loaded is None:
+        _loaded = False
+        if os.environ.get("TOKENSTREAM_CPU_KERNELS", "1") == "0":
+            log.info("CPU decode kernel off (TOKENSTREAM_CPU_KERNELS=0): decoding rows use SDPA")
+        elif not library().exists():
+            log.warning("CPU decode kernel not built (run `make setup` or `python -m gpu_workers.cpu_kernels`): "
+                        "decoding rows use SDPA, slower")
+        else:
+            try:
+                torch.ops.load_library(str(library()))
+                _loaded = True
+            except (OSError, RuntimeError) as e:
+                log.warning("CPU decode kernel did not load (%s): decoding rows use SDPA", e)
+    return _loaded
+
+
+def main() -> int:
+    """`python -m gpu_workers.cpu_kernels`: build this machine's kernel if it is not built yet."""
+    if library().exists():
+        print(f"cpu kernels: built ({library()})")
+        return 0
+    t0 = time.monotonic()
+    print("cpu kernels: compiling decode attention for this CPU (about 30 s)", flush=True)
+    try:
+        path = build()
+    except Exception as e:  # noqa: BLE001 - the engine runs without it; say why
+        print(f"cpu kernels: not built ({type(e).__name__}: {e}); the engine will use SDPA", file=sys.stderr)
+        return 0
+    print(f"cpu kernels: built in {time.monotonic() - t0:.0f} s ({path})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
