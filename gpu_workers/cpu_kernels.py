@@ -1,4 +1,4 @@
-"""The engine's own CPU kernel (decode attention, `csrc/decode_attention.cpp`), built once per machine.
+"""The engine's own CPU kernels (`csrc/`: decode attention; RMSNorm, rotary, SiLU-mul fused), built once per machine.
 
 PyTorch's SDPA on a CPU serves a decoding row's single query token poorly: each call runs its
 flash kernel's blocking for a handful of query positions (about 400 us per call for 16 rows of
@@ -6,7 +6,8 @@ SmolLM2 in bf16 on 2 EPYC threads, 8 calls per layer and step), and rows of diff
 be padded or split into calls. vLLM's CPU build has its own C++ decode kernel for the same reason.
 Ours is one small function compiled with PyTorch's own extension builder (`torch.utils.cpp_extension`,
 ninja + the system C++ compiler) for the CPU it runs on (`-march=native`), registered as the op
-`torch.ops.tokenstream.decode_attention`.
+`torch.ops.tokenstream.decode_attention`; the same library carries the fused element-wise steps
+of a Llama layer (`csrc/fused_ops.cpp`, used by fused_ops.py).
 
 It is built by the set-up (`make setup` runs `python -m gpu_workers.cpu_kernels`), into
 `~/.cache/tokenstream/kernels/<torch>-<cpu>-<source hash>/`; an engine loads it if built and
@@ -27,8 +28,8 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger("tokenstream.worker")
-SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
-NAME = "tokenstream_decode_attention"
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("decode_attention.cpp", "fused_ops.cpp")]
+NAME = "tokenstream_cpu_ops"
 # -fopenmp: ATen's parallel_for is OpenMP in headers (serial without it); the library's libgomp.so.1
 # is torch's own, already loaded (the same soname), so one thread pool serves both.
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
@@ -45,7 +46,7 @@ def _cpu() -> str:
 
 def build_dir() -> Path:
     """Where this machine's build lives: one per torch version, CPU and source text."""
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:12]
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(FLAGS).encode()).hexdigest()[:12]
     root = Path(os.environ.get("TOKENSTREAM_CACHE", Path.home() / ".cache" / "tokenstream"))
     return root / "kernels" / f"torch{torch.__version__.split('+')[0]}-{_cpu()}-{key}"
 
@@ -55,7 +56,7 @@ def library() -> Path:
 
 
 def build(verbose: bool = False) -> Path:
-    """Compile the kernel (about 30 s on 2 cores; needs ninja and a C++ compiler); returns the library."""
+    """Compile the kernels (about 20 s on 2 cores; needs ninja and a C++ compiler); returns the library."""
     from torch.utils import cpp_extension
 
     folder = build_dir()
@@ -63,27 +64,27 @@ def build(verbose: bool = False) -> Path:
     bin_dir = str(Path(sys.executable).parent)  # the venv's ninja, also when the venv is not activated
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-    cpp_extension.load(NAME, [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(folder),
+    cpp_extension.load(NAME, [str(p) for p in SOURCES], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(folder),
                        is_python_module=False, verbose=verbose)
     return library()
 
 
-def decode_attention_available() -> bool:
-    """Load the built kernel once per process; False (SDPA serves) when off, not built or not loadable."""
+def available() -> bool:
+    """Load the built kernels once per process; False (torch's own ops serve) when off, not built or not loadable."""
     global _loaded
     if _loaded is None:
         _loaded = False
         if os.environ.get("TOKENSTREAM_CPU_KERNELS", "1") == "0":
-            log.info("CPU decode kernel off (TOKENSTREAM_CPU_KERNELS=0): decoding rows use SDPA")
+            log.info("CPU kernels off (TOKENSTREAM_CPU_KERNELS=0): decoding rows use SDPA, layers torch's ops")
         elif not library().exists():
-            log.warning("CPU decode kernel not built (run `make setup` or `python -m gpu_workers.cpu_kernels`): "
-                        "decoding rows use SDPA, slower")
+            log.warning("CPU kernels not built (run `make setup` or `python -m gpu_workers.cpu_kernels`): "
+                        "decoding rows use SDPA, layers torch's ops, slower")
         else:
             try:
                 torch.ops.load_library(str(library()))
                 _loaded = True
             except (OSError, RuntimeError) as e:
-                log.warning("CPU decode kernel did not load (%s): decoding rows use SDPA", e)
+                log.warning("CPU kernels did not load (%s): decoding rows use SDPA, layers torch's ops", e)
     return _loaded
 
 
@@ -93,7 +94,7 @@ def main() -> int:
         print(f"cpu kernels: built ({library()})")
         return 0
     t0 = time.monotonic()
-    print("cpu kernels: compiling decode attention for this CPU (about 30 s)", flush=True)
+    print("cpu kernels: compiling the engine's CPU kernels for this CPU (about 20 s)", flush=True)
     try:
         path = build()
     except Exception as e:  # noqa: BLE001 - the engine runs without it; say why

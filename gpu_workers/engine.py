@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import time
 
 import torch
@@ -30,7 +31,8 @@ from gpu_workers.backend import Intake
 from gpu_workers.detokenizer import Detokenizer
 from gpu_workers.grammar import mask_rows
 from gpu_workers.attention import Chunk, StepPlan, install
-from gpu_workers.cpu_kernels import decode_attention_available
+from gpu_workers.cpu_kernels import available
+from gpu_workers.fused_ops import install as fuse
 from gpu_workers.kv_cache import PagedKVCache, SlotPool
 from gpu_workers.linears import engine_forward, pack
 from gpu_workers.prefix_cache import PrefixCache, page_hashes
@@ -48,13 +50,16 @@ _NO_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)  # a 4D mask is passed throu
 class Engine(Intake, TextStream):
     def __init__(self, model, tokenizer, cache: PagedKVCache, *, max_running: int = 32,
                  prefill_chunk: int = 256, max_model_len: int = 2048, metrics=None,
-                 prefix_cache: bool | int = True, packed_linears: bool = True, decode_kernel: bool = True) -> None:
+                 prefix_cache: bool | int = True, packed_linears: bool = True, cpu_kernels: bool = True) -> None:
         """prefix_cache: True (a pool of half the KV budget's pages), a number of pages, or False/0 (off).
         packed_linears: the step's linear layers on weights prepacked for oneDNN (CPU; linears.py).
-        decode_kernel: decoding rows attended by the engine's CPU kernel where built (cpu_kernels.py)."""
+        cpu_kernels: on a CPU where they are built (cpu_kernels.py), decoding rows attended by the engine's
+        kernel and a Llama's norms, rotary embedding and activation fused (fused_ops.py)."""
         install(model)
         self.packed_linears = pack(model) if packed_linears else 0
-        self._linears = engine_forward if self.packed_linears else contextlib.nullcontext
+        self.fused_ops = fuse(model) if cpu_kernels else 0
+        self._linears = functools.partial(engine_forward, fused=self.fused_ops > 0) \
+            if self.packed_linears or self.fused_ops else contextlib.nullcontext
         self.model = model
         self.tokenizer = tokenizer
         self.cache = cache
@@ -76,7 +81,7 @@ class Engine(Intake, TextStream):
         pages = cache.allocator.num_blocks // 2 if prefix_cache is True else int(prefix_cache)
         self.prefix_cache = PrefixCache(cache, pages) if pages > 0 else None
         self.slots = SlotPool(cache, max_running, self.max_model_len)
-        self.decode_kernel = decode_kernel and decode_attention_available() and all(
+        self.decode_kernel = cpu_kernels and available() and all(
             t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16, torch.float16)
             for t in self.slots.layers)
         self._mask_cache: dict[tuple[int, int], torch.Tensor] = {}

@@ -55,12 +55,18 @@ def pack(model) -> int:
     return n
 
 
+def fused_forward() -> bool:
+    """Whether this thread is inside an engine forward that asked for the fused ops (fused_ops.py)."""
+    return getattr(_STATE, "fused", False)
+
+
 @contextlib.contextmanager
-def engine_forward():
-    """Within this block (on this thread) packed linear layers run on their packed weights."""
-    before = getattr(_STATE, "on", False)
-    _STATE.on = True
+def engine_forward(fused: bool = False):
+    """Within this block (on this thread) packed linear layers run on their packed weights, and with
+    `fused` the fused element-wise ops serve the layers that have them."""
+    before = getattr(_STATE, "on", False), getattr(_STATE, "fused", False)
+    _STATE.on, _STATE.fused = True, fused
     try:
         yield
     finally:
-        _STATE.on = before
+        _STATE.on, _STATE.fused = before

@@ -1,5 +1,6 @@
-"""The engine's CPU decode kernel (gpu_workers/csrc/decode_attention.cpp): built by the set-up, equal to
-SDPA over each row's own keys, and the engine's greedy text the same with it as without it."""
+"""The engine's CPU kernels (gpu_workers/csrc/): built by the set-up; the decode kernel equal to SDPA over
+each row's own keys; the fused Llama steps equal to transformers' own ops; the engine's greedy text the
+same with them as without them."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu_workers.cpu_kernels import decode_attention_available, library
+from gpu_workers.cpu_kernels import available, library
 from gpu_workers.engine import Engine, Sequence
 from gpu_workers.kv_cache import PagedKVCache
 from gpu_workers.model_loader import load
@@ -15,7 +16,7 @@ from gpu_workers.model_loader import load
 
 def test_the_set_up_built_the_kernel_and_an_engine_on_the_cpu_uses_it():
     assert library().exists(), "make setup builds it (python -m gpu_workers.cpu_kernels)"
-    assert decode_attention_available()
+    assert available()
 
 
 def reference(q, pool, slots, lengths, scale):
@@ -34,7 +35,7 @@ def reference(q, pool, slots, lengths, scale):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 128), (8, 2, 48)])
 def test_the_kernel_equals_sdpa_over_each_rows_own_keys(dtype, tol, heads, kv_heads, dim):
-    assert decode_attention_available()
+    assert available()
     g = torch.Generator().manual_seed(heads * dim)
     storage = torch.randn(12, 2, kv_heads, 80, dim + 16, generator=g).to(dtype)
     pool = storage[..., :dim]  # a strided view, as the slot pool's layers can be
@@ -54,7 +55,7 @@ def test_the_kernel_equals_sdpa_over_each_rows_own_keys(dtype, tol, heads, kv_he
 
 
 def test_the_kernel_refuses_a_slot_or_length_outside_the_pool():
-    assert decode_attention_available()
+    assert available()
     pool = torch.zeros(4, 2, 1, 16, 8)
     q = torch.zeros(1, 2, 8)
     with pytest.raises(RuntimeError, match="slot out of range"):
@@ -65,9 +66,65 @@ def test_the_kernel_refuses_a_slot_or_length_outside_the_pool():
         torch.ops.tokenstream.decode_attention(q, pool, torch.tensor([0]), torch.tensor([0]), 1.0)
 
 
-def test_smollm2_greedy_is_the_same_with_the_kernel_as_with_sdpa():
+def test_the_fused_llama_steps_equal_transformers_own_ops():
+    """bf16: bit for bit (they round where transformers rounds); fp32: within float rounding."""
+    from transformers.models.llama import modeling_llama as llama
+
+    assert available()
+    g = torch.Generator().manual_seed(1)
+    for dtype, tol in ((torch.bfloat16, 0.0), (torch.float32, 1e-5)):
+        def rnd(*shape):
+            return torch.randn(*shape, generator=g).to(dtype)
+
+        norm = llama.LlamaRMSNorm(96, eps=1e-5).to(dtype)
+        norm.weight.data = rnd(96)
+        x = rnd(2, 7, 96)
+        assert torch.allclose(torch.ops.tokenstream.rms_norm(x, norm.weight, 1e-5), llama.LlamaRMSNorm.forward(norm, x),
+                              atol=tol, rtol=tol)
+        gate, up = rnd(5, 200), rnd(5, 200)
+        assert torch.allclose(torch.ops.tokenstream.silu_mul(gate, up), F.silu(gate) * up, atol=tol, rtol=tol)
+        q = rnd(1, 11, 6, 32).transpose(1, 2)  # [B, H, T, D] as the attention's projection view gives it
+        k = rnd(1, 11, 2, 32).transpose(1, 2)
+        cos, sin = rnd(1, 11, 32), rnd(1, 11, 32)
+        fq, fk = torch.ops.tokenstream.rotary(q, k, cos, sin)
+        wq, wk = llama.rotate_half(q) * sin + q * cos, llama.rotate_half(k) * sin + k * cos
+        assert fq.shape == q.shape and fk.shape == k.shape
+        assert torch.allclose(fq, wq, atol=tol, rtol=tol) and torch.allclose(fk, wk, atol=tol, rtol=tol)
+
+
+def test_the_fused_steps_act_only_inside_the_engines_forward():
+    """The same model object called by anyone else (generate(), another thread) runs transformers' code."""
+    from gpu_workers.fused_ops import install
+    from gpu_workers.linears import engine_forward
+    from gpu_workers.random_model import build
+
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        loaded = load("tiny", build(d), dtype="float32")
+    model = loaded.model
+    assert install(model) > 0
+    norm = model.get_decoder().norm
+    x = torch.randn(3, norm.weight.numel())
+    calls = []
+    real = torch.ops.tokenstream.rms_norm
+    try:
+        torch.ops.tokenstream.rms_norm = lambda *a: calls.append(1) or real(*a)  # noqa: E731
+        norm(x)
+        assert calls == []
+        with engine_forward(fused=True):
+            norm(x)
+        assert calls == [1]
+        with engine_forward(fused=False):
+            norm(x)
+        assert calls == [1]
+    finally:
+        torch.ops.tokenstream.rms_norm = real
+
+
+def test_smollm2_greedy_is_the_same_with_the_cpu_kernels_as_without():
     """Eight chat prompts of different lengths decoded together, fp32: the kernel serves every decoding
-    row and the text is token for token what the SDPA path writes."""
+    row, the fused steps every layer, and the text is token for token what torch's own ops write."""
     loaded = load("smollm2", dtype="float32")
     tok = loaded.tokenizer
     questions = ["What is the capital of France?", "Name three colours.", "Count from one to five.",
@@ -78,15 +135,15 @@ def test_smollm2_greedy_is_the_same_with_the_kernel_as_with_sdpa():
 
     def run(kernel: bool) -> tuple[list[list[int]], Engine]:
         cache = PagedKVCache.for_model(loaded.model, 256, 16, 1.0)
-        eng = Engine(loaded.model, tok, cache, max_running=8, prefill_chunk=64, decode_kernel=kernel,
+        eng = Engine(loaded.model, tok, cache, max_running=8, prefill_chunk=64, cpu_kernels=kernel,
                      prefix_cache=False)
         seqs = [Sequence(f"r{i}", p, max_tokens=24, temperature=0) for i, p in enumerate(prompts)]
         eng.generate(seqs)
         return [s.generated for s in seqs], eng
 
     with_kernel, eng = run(True)
-    assert eng.decode_kernel
+    assert eng.decode_kernel and eng.fused_ops == 30 + 30 * 2 + 1 + 1  # MLPs, norms, the final norm, rotary
     without, plain = run(False)
-    assert not plain.decode_kernel
+    assert not plain.decode_kernel and not plain.fused_ops
     assert with_kernel == without
     assert all(len(g) >= 4 for g in with_kernel)

@@ -1,0 +1,166 @@
+// Fused element-wise steps of a Llama layer for the engine's forward on the CPU (gpu_workers/fused_ops.py).
+//
+// transformers runs RMSNorm, the rotary embedding and SiLU-times-up as 4-10 small torch ops each,
+// every one a pass over memory and a dispatch; these do each in one pass. Each rounds where the
+// transformers code rounds (its intermediate results in the model's dtype), so in bf16 the results
+// equal transformers' own up to the order of the norm's fp32 sum.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+
+// No fused multiply-adds here: each product is rounded as transformers' separate ops round it.
+#pragma GCC optimize("fp-contract=off")
+
+namespace {
+
+template <typename T>
+inline float f32(T x) { return static_cast<float>(x); }
+
+inline float f32(c10::BFloat16 x) {  // bf16 is the top half of an fp32
+  uint32_t u = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+template <typename T>
+inline T to(float x) { return static_cast<T>(x); }
+
+template <>
+inline c10::BFloat16 to<c10::BFloat16>(float x) {  // round to nearest even, as torch does (finite values)
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return c10::BFloat16(static_cast<uint16_t>(u >> 16), c10::BFloat16::from_bits());
+}
+
+template <typename T>
+inline float round_to(float x) { return f32(to<T>(x)); }  // an intermediate stored in the dtype
+
+// the scalar type's C++ type: f(T{}) for float, bf16 and fp16
+template <typename F>
+void by_dtype(at::ScalarType t, const char* what, F&& f) {
+  switch (t) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(c10::BFloat16{}); break;
+    case at::kHalf: f(c10::Half{}); break;
+    default: TORCH_CHECK(false, what, ": float32, bfloat16 or float16");
+  }
+}
+
+// LlamaRMSNorm: w * (x_f32 * rsqrt(mean(x_f32^2) + eps)).to(dtype), x and w of one dtype
+template <typename T>
+void rms_rows(const T* xp, const T* wp, T* op, int64_t rows, int64_t h, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = xp + r * h;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < h; ++i) ss += f32(xr[i]) * f32(xr[i]);
+      const float inv = 1.f / std::sqrt(ss / h + eps);
+      T* o = op + r * h;
+#pragma omp simd
+      for (int64_t i = 0; i < h; ++i) o[i] = to<T>(f32(wp[i]) * round_to<T>(f32(xr[i]) * inv));
+    }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps) {
+  TORCH_CHECK(x_in.device().is_cpu() && x_in.size(-1) == w_in.numel(), "rms_norm: CPU, weight of the last dim");
+  TORCH_CHECK(x_in.scalar_type() == w_in.scalar_type(), "rms_norm: x and weight of one dtype");
+  const at::Tensor x = x_in.contiguous(), w = w_in.contiguous();
+  const int64_t h = x.size(-1);
+  at::Tensor out = at::empty_like(x);
+  by_dtype(x.scalar_type(), "rms_norm", [&](auto tag) {
+    using T = decltype(tag);
+    rms_rows<T>(x.data_ptr<T>(), w.data_ptr<T>(), out.data_ptr<T>(), x.numel() / h, h, static_cast<float>(eps));
+  });
+  return out;
+}
+
+// act_fn(gate) * up with act_fn SiLU, the activation rounded to the dtype as torch stores it
+template <typename T>
+void silu_mul_n(const T* gp, const T* up, T* op, int64_t n) {
+  at::parallel_for(0, n, 4096, [&](int64_t begin, int64_t end) {
+#pragma omp simd
+    for (int64_t i = begin; i < end; ++i) {
+      const float a = f32(gp[i]);
+      op[i] = to<T>(round_to<T>(a / (1.f + std::exp(-a))) * f32(up[i]));
+    }
+  });
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_in, const at::Tensor& up_in) {
+  TORCH_CHECK(gate_in.sizes() == up_in.sizes() && gate_in.scalar_type() == up_in.scalar_type(), "silu_mul: same shape");
+  const at::Tensor g = gate_in.contiguous(), u = up_in.contiguous();
+  at::Tensor out = at::empty_like(g);
+  by_dtype(g.scalar_type(), "silu_mul", [&](auto tag) {
+    using T = decltype(tag);
+    silu_mul_n<T>(g.data_ptr<T>(), u.data_ptr<T>(), out.data_ptr<T>(), g.numel());
+  });
+  return out;
+}
+
+// q [B, H, T, D] (any strides), cos/sin [B, T, D] -> q * cos + rotate_half(q) * sin, returned as a
+// [B, T, H, D]-contiguous tensor viewed [B, H, T, D] (the layout attention reads tokens from)
+template <typename T>
+at::Tensor rotate_one(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t B = x.size(0), H = x.size(1), L = x.size(2), D = x.size(3), half = D / 2;
+  at::Tensor out = at::empty({B, L, H, D}, x.options());
+  const T* xp = x.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t xb = x.stride(0), xh = x.stride(1), xt = x.stride(2);
+  at::parallel_for(0, B * L, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t bt = begin; bt < end; ++bt) {
+      const int64_t b = bt / L, t = bt % L;
+      const T* c = cp + bt * D;
+      const T* s = sp + bt * D;
+      for (int64_t h = 0; h < H; ++h) {
+        const T* xr = xp + b * xb + h * xh + t * xt;
+        T* o = op + (bt * H + h) * D;
+        for (int64_t d = 0; d < D; ++d) {
+          const float rot = d < half ? -f32(xr[d + half]) : f32(xr[d - half]);
+          o[d] = to<T>(round_to<T>(f32(xr[d]) * f32(c[d])) + round_to<T>(rot * f32(s[d])));
+        }
+      }
+    }
+  });
+  return out.transpose(1, 2);
+}
+
+std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos_in,
+                                          const at::Tensor& sin_in) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && cos_in.dim() == 3, "rotary: q, k [B, H, T, D], cos, sin [B, T, D]");
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && q.size(3) % 2 == 0, "rotary: unit stride on an even head dim");
+  TORCH_CHECK(q.scalar_type() == cos_in.scalar_type() && k.scalar_type() == q.scalar_type(), "rotary: one dtype");
+  const at::Tensor cos = cos_in.expand({q.size(0), q.size(2), q.size(3)}).contiguous();
+  const at::Tensor sin = sin_in.expand({q.size(0), q.size(2), q.size(3)}).contiguous();
+  at::Tensor qo, ko;
+  by_dtype(q.scalar_type(), "rotary", [&](auto tag) {
+    using T = decltype(tag);
+    qo = rotate_one<T>(q, cos, sin);
+    ko = rotate_one<T>(k, cos, sin);
+  });
+  return {qo, ko};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tokenstream, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
+  m.def("rotary(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(tokenstream, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("silu_mul", &silu_mul);
+  m.impl("rotary", &rotary);
+}
