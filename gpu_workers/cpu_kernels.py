@@ -1,4 +1,4 @@
-"""The engine's own CPU kernels (`csrc/`: decode attention; RMSNorm, rotary, SiLU-mul fused), built once per machine.
+"""The engine's own CPU kernels (`csrc/`: decode attention; a Llama layer's fused steps), built once per machine.
 
 PyTorch's SDPA on a CPU serves a decoding row's single query token poorly: each call runs its
 flash kernel's blocking for a handful of query positions (about 400 us per call for 16 rows of
@@ -7,7 +7,7 @@ be padded or split into calls. vLLM's CPU build has its own C++ decode kernel fo
 Ours is one small function compiled with PyTorch's own extension builder (`torch.utils.cpp_extension`,
 ninja + the system C++ compiler) for the CPU it runs on (`-march=native`), registered as the op
 `torch.ops.tokenstream.decode_attention`; the same library carries the fused element-wise steps
-of a Llama layer (`csrc/fused_ops.cpp`, used by fused_ops.py).
+of a Llama layer (`csrc/fused_ops.cpp`, used by llama_step.py).
 
 It is built by the set-up (`make setup` runs `python -m gpu_workers.cpu_kernels`), into
 `~/.cache/tokenstream/kernels/<torch>-<cpu>-<source hash>/`; an engine loads it if built and

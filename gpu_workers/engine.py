@@ -12,7 +12,8 @@ Each `step()`:
      spread over several steps, so running streams get a token every step), without padding;
      attention reads the slots in place, the decoding rows batched (attention.py; on a CPU by the
      engine's own decode kernel, cpu_kernels.py); on a CPU the linear layers run on weights
-     prepacked once for oneDNN (linears.py);
+     prepacked once for oneDNN (linears.py), and a Llama runs the engine's own forward on fused
+     kernels (llama_step.py);
   4. samples the batch on the device, detokenises incrementally, applies stop strings, stores
      the full prompt pages of requests that finished prefilling in the prefix cache, and frees
      the pages of every request that finished, at once.
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
 import time
 
 import torch
@@ -32,7 +32,7 @@ from gpu_workers.detokenizer import Detokenizer
 from gpu_workers.grammar import mask_rows
 from gpu_workers.attention import Chunk, StepPlan, install
 from gpu_workers.cpu_kernels import available
-from gpu_workers.fused_ops import install as fuse
+from gpu_workers.llama_step import LlamaStep, supports
 from gpu_workers.kv_cache import PagedKVCache, SlotPool
 from gpu_workers.linears import engine_forward, pack
 from gpu_workers.prefix_cache import PrefixCache, page_hashes
@@ -54,12 +54,13 @@ class Engine(Intake, TextStream):
         """prefix_cache: True (a pool of half the KV budget's pages), a number of pages, or False/0 (off).
         packed_linears: the step's linear layers on weights prepacked for oneDNN (CPU; linears.py).
         cpu_kernels: on a CPU where they are built (cpu_kernels.py), decoding rows attended by the engine's
-        kernel and a Llama's norms, rotary embedding and activation fused (fused_ops.py)."""
+        kernel, and a Llama run by the engine's own forward on fused kernels (llama_step.py)."""
         install(model)
-        self.packed_linears = pack(model) if packed_linears else 0
-        self.fused_ops = fuse(model) if cpu_kernels else 0
-        self._linears = functools.partial(engine_forward, fused=self.fused_ops > 0) \
-            if self.packed_linears or self.fused_ops else contextlib.nullcontext
+        # a Llama on the CPU: the engine's own forward (llama_step.py), its layers' weights packed there
+        self.llama_step = LlamaStep(model) if cpu_kernels and supports(model) else None
+        lm_head = [model.get_output_embeddings()] if self.llama_step is not None else None
+        self.packed_linears = pack(model, lm_head) if packed_linears else 0
+        self._linears = engine_forward if self.packed_linears else contextlib.nullcontext
         self.model = model
         self.tokenizer = tokenizer
         self.cache = cache
@@ -245,9 +246,12 @@ class Engine(Intake, TextStream):
         dev = self.input_device
         plan = StepPlan.build(self.slots.layers, decodes, chunks, slots, pos, dev, self.decode_kernel)
         with self._linears():
-            out = self.decoder(input_ids=torch.tensor([ids], device=dev), position_ids=plan.positions.unsqueeze(0),
-                               attention_mask=_NO_MASK.to(dev), use_cache=False, ts_plan=plan)
-        hidden = out.last_hidden_state[0]
+            if self.llama_step is not None:
+                hidden = self.llama_step(torch.tensor(ids, device=dev), plan.positions, plan)
+            else:
+                out = self.decoder(input_ids=torch.tensor([ids], device=dev), position_ids=plan.positions.unsqueeze(0),
+                                   attention_mask=_NO_MASK.to(dev), use_cache=False, ts_plan=plan)
+                hidden = out.last_hidden_state[0]
         to_sample = []
         for (seq, n), end in zip(rows, ends):
             seq.computed += n

@@ -37,12 +37,13 @@ def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, self.weight, self.bias)
 
 
-def pack(model) -> int:
-    """Prepack the decoder's and the LM head's linear weights (idempotent). Returns how many layers use it."""
+def pack(model, modules=None) -> int:
+    """Prepack the decoder's and the LM head's linear weights (idempotent), or only those of `modules`.
+    Returns how many layers use it."""
     if not available():
         return 0
     n = 0
-    for module in model.modules():
+    for module in model.modules() if modules is None else modules:
         if type(module) is not torch.nn.Linear:
             continue
         w = module.weight
@@ -55,18 +56,12 @@ def pack(model) -> int:
     return n
 
 
-def fused_forward() -> bool:
-    """Whether this thread is inside an engine forward that asked for the fused ops (fused_ops.py)."""
-    return getattr(_STATE, "fused", False)
-
-
 @contextlib.contextmanager
-def engine_forward(fused: bool = False):
-    """Within this block (on this thread) packed linear layers run on their packed weights, and with
-    `fused` the fused element-wise ops serve the layers that have them."""
-    before = getattr(_STATE, "on", False), getattr(_STATE, "fused", False)
-    _STATE.on, _STATE.fused = True, fused
+def engine_forward():
+    """Within this block (on this thread) packed linear layers run on their packed weights."""
+    before = getattr(_STATE, "on", False)
+    _STATE.on = True
     try:
         yield
     finally:
-        _STATE.on, _STATE.fused = before
+        _STATE.on = before

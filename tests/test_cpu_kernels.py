@@ -78,53 +78,56 @@ def test_the_fused_llama_steps_equal_transformers_own_ops():
 
         norm = llama.LlamaRMSNorm(96, eps=1e-5).to(dtype)
         norm.weight.data = rnd(96)
-        x = rnd(2, 7, 96)
-        assert torch.allclose(torch.ops.tokenstream.rms_norm(x, norm.weight, 1e-5), llama.LlamaRMSNorm.forward(norm, x),
+        x, residual = rnd(2, 7, 96), rnd(2, 7, 96)
+        assert torch.allclose(torch.ops.tokenstream.rms_norm(x, norm.weight, 1e-5), norm(x), atol=tol, rtol=tol)
+        total, normed = torch.ops.tokenstream.add_rms_norm(x, residual, norm.weight, 1e-5)
+        assert torch.equal(total, x + residual)
+        assert torch.allclose(normed, norm(x + residual), atol=tol, rtol=tol)
+        gate_up = rnd(5, 400)
+        assert torch.allclose(torch.ops.tokenstream.silu_and_mul(gate_up), F.silu(gate_up[:, :200]) * gate_up[:, 200:],
                               atol=tol, rtol=tol)
-        gate, up = rnd(5, 200), rnd(5, 200)
-        assert torch.allclose(torch.ops.tokenstream.silu_mul(gate, up), F.silu(gate) * up, atol=tol, rtol=tol)
         q = rnd(1, 11, 6, 32).transpose(1, 2)  # [B, H, T, D] as the attention's projection view gives it
         k = rnd(1, 11, 2, 32).transpose(1, 2)
         cos, sin = rnd(1, 11, 32), rnd(1, 11, 32)
         fq, fk = torch.ops.tokenstream.rotary(q, k, cos, sin)
-        wq, wk = llama.rotate_half(q) * sin + q * cos, llama.rotate_half(k) * sin + k * cos
+        wq, wk = llama.apply_rotary_pos_emb(q, k, cos, sin)
         assert fq.shape == q.shape and fk.shape == k.shape
         assert torch.allclose(fq, wq, atol=tol, rtol=tol) and torch.allclose(fk, wk, atol=tol, rtol=tol)
 
 
-def test_the_fused_steps_act_only_inside_the_engines_forward():
-    """The same model object called by anyone else (generate(), another thread) runs transformers' code."""
-    from gpu_workers.fused_ops import install
-    from gpu_workers.linears import engine_forward
-    from gpu_workers.random_model import build
-
+def test_the_engines_llama_forward_equals_transformers_and_leaves_the_model_alone():
+    """LlamaStep's hidden states for a packed step equal transformers' forward of the same tokens, and
+    the model object stays transformers' own for every other caller."""
     import tempfile
+
+    from gpu_workers.attention import Chunk, StepPlan
+    from gpu_workers.kv_cache import SlotPool
+    from gpu_workers.llama_step import LlamaStep, supports
+    from gpu_workers.random_model import build
 
     with tempfile.TemporaryDirectory() as d:
         loaded = load("tiny", build(d), dtype="float32")
     model = loaded.model
-    assert install(model) > 0
-    norm = model.get_decoder().norm
-    x = torch.randn(3, norm.weight.numel())
-    calls = []
-    real = torch.ops.tokenstream.rms_norm
-    try:
-        torch.ops.tokenstream.rms_norm = lambda *a: calls.append(1) or real(*a)  # noqa: E731
-        norm(x)
-        assert calls == []
-        with engine_forward(fused=True):
-            norm(x)
-        assert calls == [1]
-        with engine_forward(fused=False):
-            norm(x)
-        assert calls == [1]
-    finally:
-        torch.ops.tokenstream.rms_norm = real
+    tokens = torch.tensor([[5, 9, 13, 21, 34, 55, 89]])
+    with torch.inference_mode():
+        want = model.get_decoder()(input_ids=tokens).last_hidden_state[0]
+    assert supports(model)
+    cache = PagedKVCache.for_model(model, 64, 16, 1.0)
+    Engine(model, loaded.tokenizer, cache)  # registers the engine's attention with transformers
+    pool = SlotPool(cache, 2, 64)
+    slot = pool.take(64)
+    n = tokens.shape[1]
+    plan = StepPlan.build(pool.layers, [], [Chunk(slot, 0, n, 0, None)], [slot] * n, list(range(n)), "cpu")
+    got = LlamaStep(model)(tokens[0], plan.positions, plan)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)
+    with torch.inference_mode():
+        assert torch.equal(model.get_decoder()(input_ids=tokens).last_hidden_state[0], want)
 
 
 def test_smollm2_greedy_is_the_same_with_the_cpu_kernels_as_without():
     """Eight chat prompts of different lengths decoded together, fp32: the kernel serves every decoding
-    row, the fused steps every layer, and the text is token for token what torch's own ops write."""
+    row, the engine's Llama forward every layer, and the text is token for token what transformers' forward
+    and SDPA write."""
     loaded = load("smollm2", dtype="float32")
     tok = loaded.tokenizer
     questions = ["What is the capital of France?", "Name three colours.", "Count from one to five.",
@@ -142,8 +145,8 @@ def test_smollm2_greedy_is_the_same_with_the_cpu_kernels_as_without():
         return [s.generated for s in seqs], eng
 
     with_kernel, eng = run(True)
-    assert eng.decode_kernel and eng.fused_ops == 30 + 30 * 2 + 1 + 1  # MLPs, norms, the final norm, rotary
+    assert eng.decode_kernel and eng.llama_step is not None
     without, plain = run(False)
-    assert not plain.decode_kernel and not plain.fused_ops
+    assert not plain.decode_kernel and plain.llama_step is None
     assert with_kernel == without
     assert all(len(g) >= 4 for g in with_kernel)

@@ -1,9 +1,9 @@
-// Fused element-wise steps of a Llama layer for the engine's forward on the CPU (gpu_workers/fused_ops.py).
+// Fused element-wise steps of a Llama layer for the engine's own forward on the CPU (gpu_workers/llama_step.py).
 //
-// transformers runs RMSNorm, the rotary embedding and SiLU-times-up as 4-10 small torch ops each,
-// every one a pass over memory and a dispatch; these do each in one pass. Each rounds where the
-// transformers code rounds (its intermediate results in the model's dtype), so in bf16 the results
-// equal transformers' own up to the order of the norm's fp32 sum.
+// transformers runs RMSNorm, the rotary embedding and SiLU-times-up as 2-10 small torch ops each,
+// every one a pass over memory and a dispatch; these do each in one pass (the residual sum with the
+// next norm). Each rounds where the transformers code rounds (its intermediate results in the
+// model's dtype), so in bf16 the results equal transformers' own up to the order of the norm's fp32 sum.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <vector>
 
 // No fused multiply-adds here: each product is rounded as transformers' separate ops round it.
 #pragma GCC optimize("fp-contract=off")
@@ -83,27 +84,73 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps) 
   return out;
 }
 
-// act_fn(gate) * up with act_fn SiLU, the activation rounded to the dtype as torch stores it
+// silu_and_mul(x [.., 2I]) = silu(x[.., :I]) * x[.., I:]: the MLP's activation on a fused gate-up output
 template <typename T>
-void silu_mul_n(const T* gp, const T* up, T* op, int64_t n) {
-  at::parallel_for(0, n, 4096, [&](int64_t begin, int64_t end) {
+void silu_and_mul_rows(const T* xp, T* op, int64_t rows, int64_t inter) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = xp + r * 2 * inter;
+      const T* u = g + inter;
+      T* o = op + r * inter;
 #pragma omp simd
-    for (int64_t i = begin; i < end; ++i) {
-      const float a = f32(gp[i]);
-      op[i] = to<T>(round_to<T>(a / (1.f + std::exp(-a))) * f32(up[i]));
+      for (int64_t i = 0; i < inter; ++i) {
+        const float a = f32(g[i]);
+        o[i] = to<T>(round_to<T>(a / (1.f + std::exp(-a))) * f32(u[i]));
+      }
     }
   });
 }
 
-at::Tensor silu_mul(const at::Tensor& gate_in, const at::Tensor& up_in) {
-  TORCH_CHECK(gate_in.sizes() == up_in.sizes() && gate_in.scalar_type() == up_in.scalar_type(), "silu_mul: same shape");
-  const at::Tensor g = gate_in.contiguous(), u = up_in.contiguous();
-  at::Tensor out = at::empty_like(g);
-  by_dtype(g.scalar_type(), "silu_mul", [&](auto tag) {
+at::Tensor silu_and_mul(const at::Tensor& x_in) {
+  TORCH_CHECK(x_in.size(-1) % 2 == 0, "silu_and_mul: an even last dim (gate, up)");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t inter = x.size(-1) / 2;
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = inter;
+  at::Tensor out = at::empty(shape, x.options());
+  by_dtype(x.scalar_type(), "silu_and_mul", [&](auto tag) {
     using T = decltype(tag);
-    silu_mul_n<T>(g.data_ptr<T>(), u.data_ptr<T>(), out.data_ptr<T>(), g.numel());
+    silu_and_mul_rows<T>(x.data_ptr<T>(), out.data_ptr<T>(), x.numel() / x.size(-1), inter);
   });
   return out;
+}
+
+// add_rms_norm(x, residual, w) = (s, rms_norm(s)) with s = x + residual rounded to the dtype: a layer's
+// residual sum and the next norm in one pass
+template <typename T>
+void add_rms_rows(const T* xp, const T* rp, const T* wp, T* sp, T* op, int64_t rows, int64_t h, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T *xr = xp + r * h, *rr = rp + r * h;
+      T* s = sp + r * h;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < h; ++i) {
+        const T v = to<T>(f32(xr[i]) + f32(rr[i]));
+        s[i] = v;
+        ss += f32(v) * f32(v);
+      }
+      const float inv = 1.f / std::sqrt(ss / h + eps);
+      T* o = op + r * h;
+#pragma omp simd
+      for (int64_t i = 0; i < h; ++i) o[i] = to<T>(f32(wp[i]) * round_to<T>(f32(s[i]) * inv));
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_in, const at::Tensor& r_in, const at::Tensor& w_in,
+                                                double eps) {
+  TORCH_CHECK(x_in.sizes() == r_in.sizes() && x_in.size(-1) == w_in.numel(), "add_rms_norm: x, residual alike");
+  TORCH_CHECK(x_in.scalar_type() == r_in.scalar_type() && x_in.scalar_type() == w_in.scalar_type(), "add_rms_norm: one dtype");
+  const at::Tensor x = x_in.contiguous(), r = r_in.contiguous(), w = w_in.contiguous();
+  const int64_t h = x.size(-1);
+  at::Tensor sum = at::empty_like(x), out = at::empty_like(x);
+  by_dtype(x.scalar_type(), "add_rms_norm", [&](auto tag) {
+    using T = decltype(tag);
+    add_rms_rows<T>(x.data_ptr<T>(), r.data_ptr<T>(), w.data_ptr<T>(), sum.data_ptr<T>(), out.data_ptr<T>(),
+                    x.numel() / h, h, static_cast<float>(eps));
+  });
+  return {sum, out};
 }
 
 // q [B, H, T, D] (any strides), cos/sin [B, T, D] -> q * cos + rotate_half(q) * sin, returned as a
@@ -155,12 +202,14 @@ std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& q, const at::Tensor&
 
 TORCH_LIBRARY_FRAGMENT(tokenstream, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
   m.def("rotary(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(tokenstream, CPU, m) {
   m.impl("rms_norm", &rms_norm);
-  m.impl("silu_mul", &silu_mul);
   m.impl("rotary", &rotary);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("add_rms_norm", &add_rms_norm);
 }
