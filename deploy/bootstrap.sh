@@ -17,6 +17,7 @@ dpkg -s python3-numpy >/dev/null 2>&1 || need_apt+=(python3-numpy)  # numpy for 
 dpkg -s python3-matplotlib >/dev/null 2>&1 || need_apt+=(python3-matplotlib)  # charts in the sandbox
 dpkg -s python3-pandas >/dev/null 2>&1 || need_apt+=(python3-pandas)  # tables in the sandbox
 command -v espeak-ng >/dev/null || need_apt+=(espeak-ng)  # text to speech (/v1/audio/speech)
+command -v g++ >/dev/null || need_apt+=(g++)  # compiles the engine's CPU kernels (gpu_workers/cpu_kernels.py)
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "bootstrap: apt-get install ${need_apt[*]}"
   export DEBIAN_FRONTEND=noninteractive

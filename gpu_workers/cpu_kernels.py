@@ -21,6 +21,7 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -64,8 +65,8 @@ def build(verbose: bool = False) -> Path:
     bin_dir = str(Path(sys.executable).parent)  # the venv's ninja, also when the venv is not activated
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-    cpp_extension.load(NAME, [str(p) for p in SOURCES], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(folder),
-                       is_python_module=False, verbose=verbose)
+    cpp_extension.load(NAME, [str(p) for p in SOURCES], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+                       build_directory=str(folder), is_python_module=False, verbose=verbose)
     return library()
 
 
@@ -89,16 +90,22 @@ def available() -> bool:
 
 
 def main() -> int:
-    """`python -m gpu_workers.cpu_kernels`: build this machine's kernel if it is not built yet."""
+    """`python -m gpu_workers.cpu_kernels`: build this machine's kernels unless a loadable build is there."""
     if library().exists():
-        print(f"cpu kernels: built ({library()})")
-        return 0
+        try:
+            torch.ops.load_library(str(library()))
+            print(f"cpu kernels: built ({library()})")
+            return 0
+        except (OSError, RuntimeError) as e:  # a build cut short: start again
+            print(f"cpu kernels: the build there does not load ({e}); building again")
+            shutil.rmtree(build_dir(), ignore_errors=True)
     t0 = time.monotonic()
     print("cpu kernels: compiling the engine's CPU kernels for this CPU (about 20 s)", flush=True)
     try:
         path = build()
-    except Exception as e:  # noqa: BLE001 - the engine runs without it; say why
-        print(f"cpu kernels: not built ({type(e).__name__}: {e}); the engine will use SDPA", file=sys.stderr)
+    except Exception as e:  # noqa: BLE001 - the engine runs without them; say why
+        print(f"cpu kernels: not built ({type(e).__name__}: {e}); the engine will use torch's own ops",
+              file=sys.stderr)
         return 0
     print(f"cpu kernels: built in {time.monotonic() - t0:.0f} s ({path})")
     return 0

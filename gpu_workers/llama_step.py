@@ -49,7 +49,8 @@ def supports(model) -> bool:
     cfg = model.config
     if type(decoder) is not llama.LlamaModel or not cpu_kernels.available() or not packing_available():
         return False
-    if getattr(cfg, "hidden_act", None) != "silu" or getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
+    if getattr(cfg, "hidden_act", None) != "silu" or getattr(cfg, "attention_bias", False) \
+            or getattr(cfg, "mlp_bias", False):
         return False
     params = list(decoder.parameters())
     dtype = params[0].dtype
