@@ -26,6 +26,8 @@ def worker(
                                        "start, slower steps)"),
     tensor_parallel_size: int = typer.Option(None, help="vllm backend: shard every layer over this many processes"),
     pipeline_parallel_size: int = typer.Option(None, help="vllm backend: split the layers into this many stages"),
+    cpu_kernels: bool = typer.Option(None, "--cpu-kernels/--no-cpu-kernels", help="own engine on a CPU: its decode "
+                                     "kernel and Llama forward where built (default on)"),
     max_running: int = typer.Option(None, help="most requests in the running batch"),
     prefill_chunk: int = typer.Option(None, help="most prompt tokens prefilled per step"),
     metrics_port: int = typer.Option(None, help="serve Prometheus metrics on this port"),
@@ -41,7 +43,7 @@ def worker(
     given = dict(backend=backend, model=model, model_path=model_path, dtype=dtype, quantization=quantization, device=device,
                  device_map=device_map, kv_blocks=kv_blocks, block_size=block_size,
                  enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
-                 pipeline_parallel_size=pipeline_parallel_size, max_running=max_running,
+                 pipeline_parallel_size=pipeline_parallel_size, cpu_kernels=cpu_kernels, max_running=max_running,
                  prefill_chunk=prefill_chunk, metrics_port=metrics_port, worker_id=worker_id,
                  step_delay_s=step_delay)
     if (backend or os.environ.get("TOKENSTREAM_WORKER_BACKEND")) == "vllm":

@@ -33,6 +33,9 @@ class WorkerConfig(BaseSettings):
     max_running: int = Field(32, ge=1, description="most requests decoding in one batch")
     max_waiting: int = Field(32, ge=1, description="queued requests before the worker pauses fetching")
     prefill_chunk: int = Field(256, ge=1, description="most prompt tokens prefilled in one step")
+    cpu_kernels: bool = Field(True, description="own engine on a CPU: its decode-attention kernel and, for a "
+                              "Llama, its own forward on fused kernels, where built (gpu_workers/cpu_kernels.py); "
+                              "false: SDPA and transformers' forward")
     max_model_len: int | None = Field(None, ge=16, description="longest prompt + output, in tokens (default: "
                                       "the model's context, common.models.context_length)")
 

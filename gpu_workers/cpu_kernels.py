@@ -11,8 +11,8 @@ of a Llama layer (`csrc/fused_ops.cpp`, used by llama_step.py).
 
 It is built by the set-up (`make setup` runs `python -m gpu_workers.cpu_kernels`), into
 `~/.cache/tokenstream/kernels/<torch>-<cpu>-<source hash>/`; an engine loads it if built and
-otherwise runs SDPA (and says so once): an engine never stops to compile. `TOKENSTREAM_CPU_KERNELS=0`
-turns it off (the SDPA path, for comparisons).
+otherwise runs SDPA (and says so once): an engine never stops to compile. A worker's `TOKENSTREAM_WORKER_CPU_KERNELS=false`
+(an engine's `cpu_kernels=False`) runs without them, for comparisons.
 """
 
 from __future__ import annotations
@@ -75,9 +75,7 @@ def available() -> bool:
     global _loaded
     if _loaded is None:
         _loaded = False
-        if os.environ.get("TOKENSTREAM_CPU_KERNELS", "1") == "0":
-            log.info("CPU kernels off (TOKENSTREAM_CPU_KERNELS=0): decoding rows use SDPA, layers torch's ops")
-        elif not library().exists():
+        if not library().exists():
             log.warning("CPU kernels not built (run `make setup` or `python -m gpu_workers.cpu_kernels`): "
                         "decoding rows use SDPA, layers torch's ops, slower")
         else:

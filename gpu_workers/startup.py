@@ -92,13 +92,15 @@ async def _own_engine(cfg: WorkerConfig, metrics: WorkerMetrics, health: WorkerH
                     "are refused here although the conversation processor lets them through",
                     cache.capacity_tokens, context)
     engine = await on_torch_thread(Engine, loaded.model, loaded.tokenizer, cache, max_running=cfg.max_running,
-                                   prefill_chunk=cfg.prefill_chunk, max_model_len=context, metrics=metrics)
+                                   prefill_chunk=cfg.prefill_chunk, max_model_len=context, metrics=metrics,
+                                   cpu_kernels=cfg.cpu_kernels)
     log.info("worker: device=%s model=%s (%s, %.1fM params) dtype=%s quantization=%s "
              "kv budget=%d pages x %d tokens = %d tokens (%.1f MiB) context=%d max_running=%d prefill_chunk=%d "
-             "metrics=%s",
+             "decode kernel=%s own llama forward=%s metrics=%s",
              loaded.device, cfg.model, loaded.source, loaded.params / 1e6, loaded.dtype, loaded.quantization,
              cache.allocator.num_blocks, cache.block_size, cache.capacity_tokens, cache.nbytes() / 2**20,
-             engine.max_model_len, cfg.max_running, cfg.prefill_chunk, cfg.metrics_port or "off")
+             engine.max_model_len, cfg.max_running, cfg.prefill_chunk, "on" if engine.decode_kernel else "off",
+             "on" if engine.llama_step is not None else "off", cfg.metrics_port or "off")
     return engine, server
 
 
@@ -110,7 +112,8 @@ def _vllm_engine(cfg: WorkerConfig, metrics: WorkerMetrics):
 
     refused = [name for name, given in (("--quantization", cfg.quantization != "none"),
                                         ("--device-map", cfg.device_map is not None),
-                                        ("--kv-blocks", cfg.kv_blocks is not None)) if given]
+                                        ("--kv-blocks", cfg.kv_blocks is not None),
+                                        ("--no-cpu-kernels", not cfg.cpu_kernels)) if given]
     if refused:
         raise SystemExit(f"worker --backend vllm: {', '.join(refused)} not supported with vLLM "
                          "(its KV budget is TOKENSTREAM_WORKER_KV_MEMORY_GB, in whole GiB)")

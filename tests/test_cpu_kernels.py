@@ -150,3 +150,13 @@ def test_smollm2_greedy_is_the_same_with_the_cpu_kernels_as_without():
     assert not plain.decode_kernel and plain.llama_step is None
     assert with_kernel == without
     assert all(len(g) >= 4 for g in with_kernel)
+
+
+def test_the_cpu_kernels_option_defaults_on_and_the_vllm_backend_refuses_turning_it_off():
+    from gpu_workers.config import WorkerConfig
+    from gpu_workers.metrics import WorkerMetrics
+    from gpu_workers.startup import _vllm_engine
+
+    assert WorkerConfig().cpu_kernels
+    with pytest.raises(SystemExit, match="--no-cpu-kernels"):
+        _vllm_engine(WorkerConfig(backend="vllm", cpu_kernels=False), WorkerMetrics("smollm2-kernels-test"))
