@@ -2,9 +2,10 @@
 //
 // Each decoding row has one new query token and attends the first `lengths[r]` keys of its slot in
 // the KV pool, in place: no padding to the longest row, no mask, no copy of keys or values. Work is
-// split over (row, kv head) pairs; the query heads that share a kv head (grouped-query attention) are
-// served together, so every key and value vector is read from memory once. Scores are kept in fp32;
-// bf16 and fp16 values are widened on the fly.
+// split over (row, kv head) pairs (ATen's parallel_for: torch's own OpenMP threads); the query heads
+// that share a kv head (grouped-query attention) are served by the same item one after another, so
+// the kv head's keys and values come from memory once and from the core's cache for the others.
+// Scores are kept in fp32; bf16 and fp16 values are widened on the fly.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
