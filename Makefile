@@ -15,7 +15,7 @@ run: install-services
 	@$(TS) system status
 
 ## make test: the suite against a real Kafka, Redis and Weaviate it starts on free ports
-## (all but the `heavy` acceptance runs and drills: about 14 minutes on 2 cores)
+## (all but the `heavy` acceptance runs and drills: about 13 minutes on 2 cores)
 test: install-services
 	.venv/bin/python -m pytest -ra -m "not heavy" $(PYTEST_ARGS)
 

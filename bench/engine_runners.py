@@ -93,7 +93,9 @@ def run_tokenstream(spec: dict) -> dict:
             "threads": torch.get_num_threads(), "max_running": spec["max_running"],
             "prefill_chunk": spec["prefill_chunk"], "kv_pages": cache.allocator.num_blocks,
             "page_size": cache.block_size, "prefix_cache": prefix is not None, "steps": eng.steps - steps0,
-            "process_cpu_s": cpu, "packed_linears": getattr(eng, "packed_linears", 0)}
+            "process_cpu_s": cpu, "packed_linears": getattr(eng, "packed_linears", 0),
+            "decode_kernel": getattr(eng, "decode_kernel", False),
+            "own_llama_forward": getattr(eng, "llama_step", None) is not None}
     if prefix is not None:
         info["prefix_cache_hit_tokens"] = prefix.hit_tokens
     return {"requests": [{"rid": rid, "times": times[rid], "tokens": seqs[rid].generated,
