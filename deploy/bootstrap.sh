@@ -46,5 +46,5 @@ if [ ! -f "$stamp" ]; then
   touch "$stamp"
 fi
 echo "bootstrap: python packages ready"
-# The engine's CPU decode kernel, compiled once for this CPU (~10 s); without it the engine uses SDPA.
+# The engine's CPU kernels, compiled once for this CPU (~15 s); without them the engine uses torch's own ops.
 .venv/bin/python -m gpu_workers.cpu_kernels

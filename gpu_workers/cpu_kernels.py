@@ -11,7 +11,7 @@ of a Llama layer (`csrc/fused_ops.cpp`, used by llama_step.py).
 
 It is built by the set-up (`make setup` runs `python -m gpu_workers.cpu_kernels`), into
 `~/.cache/tokenstream/kernels/<torch>-<cpu>-<source hash>/`; an engine loads it if built and
-otherwise runs SDPA (and says so once): an engine never stops to compile. A worker's `TOKENSTREAM_WORKER_CPU_KERNELS=false`
+otherwise runs SDPA and transformers' forward (and says so once): an engine never stops to compile. A worker's `TOKENSTREAM_WORKER_CPU_KERNELS=false`
 (an engine's `cpu_kernels=False`) runs without them, for comparisons.
 """
 
@@ -49,7 +49,7 @@ def build_dir() -> Path:
     """Where this machine's build lives: one per torch version, CPU and source text."""
     key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(FLAGS).encode()).hexdigest()[:12]
     root = Path(os.environ.get("TOKENSTREAM_CACHE", Path.home() / ".cache" / "tokenstream"))
-    return root / "kernels" / f"torch{torch.__version__.split('+')[0]}-{_cpu()}-{key}"
+    return root / "kernels" / f"torch{torch.__version__.replace('+', '-')}-{_cpu()}-{key}"
 
 
 def library() -> Path:
@@ -71,7 +71,7 @@ def build(verbose: bool = False) -> Path:
 
 
 def available() -> bool:
-    """Load the built kernels once per process; False (torch's own ops serve) when off, not built or not loadable."""
+    """Load the built kernels once per process; False (torch's own ops serve) when not built or not loadable."""
     global _loaded
     if _loaded is None:
         _loaded = False
