@@ -25,6 +25,7 @@ from schemas import Completion, Event, SafetyVerdict, TokenChunk
 
 
 Settle = Callable[[Completion, list[str]], Awaitable[None]]  # the completion, the texts delivered
+BeforeEnd = Callable[[Completion], Awaitable[None]]  # done with the completion before the client sees the end
 
 
 class KeepAlive(ServerSentEvent):
@@ -55,11 +56,14 @@ def live_events(gw: Gateway, stream: Stream,
 
 def sse_response(gw: Gateway, framer: Framer, source: AsyncIterator[list[Event]], generation: int,
                  started: float, cleanup: Callable[[], None], *, settle: Settle | None = None,
+                 before_end: BeforeEnd | None = None,
                  headers: dict[str, str] | None = None) -> EventSourceResponse:
     """Stream `source` as OpenAI chunks; `started` (monotonic) is the admission time for TTFT, or 0.
 
     `settle` runs (in the background) with the completion and the texts sent once the answer has ended;
-    `headers` go on the response (rate limit headers).
+    `before_end` is awaited with the completion before the answer's last frames go out (what a client
+    may read as soon as it has the end, such as its conversation's new items); `headers` go on the
+    response (rate limit headers).
     """
     async def frames():
         observed = timed_out = False
@@ -72,6 +76,8 @@ def sse_response(gw: Gateway, framer: Framer, source: AsyncIterator[list[Event]]
                     if framer.first_token_at is not None and started and not observed:
                         gw.metrics.ttft.observe(framer.first_token_at - started)
                         observed = True
+                    if framer.done and framer.completion is not None and before_end is not None:
+                        await before_end(framer.completion)
                     for frame in out:
                         yield frame
                     if framer.done:
@@ -106,9 +112,10 @@ def sse_response(gw: Gateway, framer: Framer, source: AsyncIterator[list[Event]]
 
 async def collect(gw: Gateway, rid: str, model_name: str, created: int, source: AsyncIterator[list[Event]],
                   generation: int, request: Request, cleanup: Callable[[], None], *, settle: Settle | None = None,
-                  headers: dict[str, str] | None = None, logprobs: bool = False) -> JSONResponse:
+                  before_end: BeforeEnd | None = None, headers: dict[str, str] | None = None,
+                  logprobs: bool = False) -> JSONResponse:
     """Wait for the whole answer and return it as one `chat.completion` body (with each token's log
-    probability when `logprobs`)."""
+    probability when `logprobs`); `settle` and `before_end` as in `sse_response`."""
     text: list[str] = []
     reported: list = []  # schemas.TokenLogprob of every chunk, in order
     calls: list[dict] = []  # OpenAI's message.tool_calls, assembled from the deltas
@@ -155,6 +162,8 @@ async def collect(gw: Gateway, rid: str, model_name: str, created: int, source: 
         raise api.APIError(504, f"The model made no progress for {gw.cfg.progress_timeout_s:.0f}s; the request "
                                 "was cancelled. Please retry.", "server_error", code="timeout")
     gw.canceller.release(rid)
+    if before_end is not None:
+        await before_end(done)
     if settle is not None:
         gw.background(settle(done, text))
     if done.finish_reason == "error":

@@ -195,8 +195,10 @@ async def _chat(gw: Gateway, body: api.ChatCompletionRequest, request: Request, 
                 chunks=sent, finish_reason=done.finish_reason, request_id=rid,
                 prompt_tokens=done.usage.prompt_tokens, completion_tokens=done.usage.completion_tokens))
         await _keep(gw, key.tenant, body, rid, created, done)
-        if conversation:  # in the conversation before the client sees the end, so its next turn reads it
-            await _into_conversation(gw, key.tenant, conversation, rid, asked, done)
+
+    async def before_end(done: Completion) -> None:
+        # in the conversation before the client sees the end, so what it reads (items, its next turn) has it
+        await _into_conversation(gw, key.tenant, conversation, rid, asked, done)
 
     def cleanup() -> None:
         fanout.unsubscribe(rid)
@@ -208,9 +210,10 @@ async def _chat(gw: Gateway, body: api.ChatCompletionRequest, request: Request, 
     if body.stream:
         framer = Framer(rid, body.model, created, include_usage, NOTHING_SEEN)
         return sse_response(gw, framer, source, generation, started, cleanup=cleanup,
-                            settle=settle, headers=headers)
-    return await collect(gw, rid, body.model, created, source, generation, request,
-                         cleanup=cleanup, settle=settle, headers=headers, logprobs=body.logprobs is True)
+                            settle=settle, before_end=before_end if conversation else None, headers=headers)
+    return await collect(gw, rid, body.model, created, source, generation, request, cleanup=cleanup,
+                         settle=settle, before_end=before_end if conversation else None, headers=headers,
+                         logprobs=body.logprobs is True)
 
 
 async def _into_conversation(gw: Gateway, tenant: str, conversation: str, rid: str, asked: list[ChatMessage],
