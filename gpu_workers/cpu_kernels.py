@@ -30,6 +30,7 @@ import torch
 
 log = logging.getLogger("tokenstream.worker")
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("decode_attention.cpp", "fused_ops.cpp")]
+HEADERS = [Path(__file__).parent / "csrc" / "dtypes.h"]  # part of the build's key, not compiled alone
 NAME = "tokenstream_cpu_ops"
 # -fopenmp: ATen's parallel_for is OpenMP in headers (serial without it); the library's libgomp.so.1
 # is torch's own, already loaded (the same soname), so one thread pool serves both.
@@ -47,7 +48,8 @@ def _cpu() -> str:
 
 def build_dir() -> Path:
     """Where this machine's build lives: one per torch version, CPU and source text."""
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(FLAGS).encode()).hexdigest()[:12]
+    text = b"".join(p.read_bytes() for p in [*SOURCES, *HEADERS])
+    key = hashlib.sha256(text + " ".join(FLAGS).encode()).hexdigest()[:12]
     root = Path(os.environ.get("TOKENSTREAM_CACHE", Path.home() / ".cache" / "tokenstream"))
     return root / "kernels" / f"torch{torch.__version__.replace('+', '-')}-{_cpu()}-{key}"
 

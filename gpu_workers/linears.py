@@ -31,9 +31,18 @@ def available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A [out, in] weight in oneDNN's blocked layout, once."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if getattr(_STATE, "on", False) and x.dtype == self._ts_packed.dtype:
-        return torch.ops.mkldnn._linear_pointwise(x, self._ts_packed, self.bias, "none", [], "")
+        return packed_linear(x, self._ts_packed, self.bias)
     return F.linear(x, self.weight, self.bias)
 
 
@@ -50,7 +59,7 @@ def pack(model, modules=None) -> int:
         if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
             continue
         if not hasattr(module, "_ts_packed"):
-            module._ts_packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS)
+            module._ts_packed = pack_weight(w)
             module.forward = types.MethodType(_forward, module)
         n += 1
     return n

@@ -29,17 +29,14 @@ import torch.nn.functional as F
 
 from gpu_workers import cpu_kernels
 from gpu_workers.attention import paged_attention
-from gpu_workers.linears import PACK_ROWS, available as packing_available
+from gpu_workers.linears import available as packing_available, pack_weight, packed_linear as _linear
 
 ops = torch.ops.tokenstream
 
 
-def _linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-
-
 def _pack(*weights: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(torch.cat([w.detach() for w in weights]), PACK_ROWS)
+    """Weights that read the same input, stacked and prepacked as one matmul."""
+    return pack_weight(torch.cat([w.detach() for w in weights]))
 
 
 def supports(model) -> bool:

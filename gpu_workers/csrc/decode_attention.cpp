@@ -10,40 +10,16 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "dtypes.h"
+
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 namespace {
 
-inline float as_float(float x) { return x; }
-
-inline float as_float(c10::BFloat16 x) {  // bf16 is the top half of an fp32: widened by a shift
-  uint32_t u = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-inline float as_float(c10::Half x) { return static_cast<float>(x); }
-
-inline void widen(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
-
-inline void widen(const c10::BFloat16* src, float* dst, int64_t n) {
-  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t u = static_cast<uint32_t>(s[i]) << 16;
-    float f;
-    std::memcpy(&f, &u, sizeof f);
-    dst[i] = f;
-  }
-}
-
-inline void widen(const c10::Half* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
+using tokenstream::by_dtype;
+using tokenstream::f32;
 
 // DIM > 0: the head dim known when compiling (loops unrolled and vectorised whole); 0: q.size(2)
 template <typename T, int64_t DIM>
@@ -68,7 +44,7 @@ void decode(const at::Tensor& q, const at::Tensor& pool, const int64_t* slots, c
       // sums then vectorise over the head dim with the accumulators in registers.
       for (int64_t g = 0; g < group; ++g) {
         const int64_t head = r * heads + h * group + g;
-        widen(qp + head * dim, qf.data(), dim);
+        for (int64_t d = 0; d < dim; ++d) qf[d] = f32(qp[head * dim + d]);
         const float* qv = qf.data();
         float top = -INFINITY;
         int64_t t = 0;
@@ -77,10 +53,10 @@ void decode(const at::Tensor& q, const at::Tensor& pool, const int64_t* slots, c
           float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
 #pragma omp simd reduction(+ : s0, s1, s2, s3)
           for (int64_t d = 0; d < dim; ++d) {
-            s0 += qv[d] * as_float(k0[d]);
-            s1 += qv[d] * as_float(k1[d]);
-            s2 += qv[d] * as_float(k2[d]);
-            s3 += qv[d] * as_float(k3[d]);
+            s0 += qv[d] * f32(k0[d]);
+            s1 += qv[d] * f32(k1[d]);
+            s2 += qv[d] * f32(k2[d]);
+            s3 += qv[d] * f32(k3[d]);
           }
           scores[t] = s0 * sc, scores[t + 1] = s1 * sc, scores[t + 2] = s2 * sc, scores[t + 3] = s3 * sc;
         }
@@ -88,7 +64,7 @@ void decode(const at::Tensor& q, const at::Tensor& pool, const int64_t* slots, c
           const T* k = keys + t * s_pos;
           float s = 0.f;
 #pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < dim; ++d) s += qv[d] * as_float(k[d]);
+          for (int64_t d = 0; d < dim; ++d) s += qv[d] * f32(k[d]);
           scores[t] = s * sc;
         }
         for (t = 0; t < n; ++t) top = scores[t] > top ? scores[t] : top;
@@ -105,13 +81,13 @@ void decode(const at::Tensor& q, const at::Tensor& pool, const int64_t* slots, c
           const float p0 = scores[t], p1 = scores[t + 1], p2 = scores[t + 2], p3 = scores[t + 3];
 #pragma omp simd
           for (int64_t d = 0; d < dim; ++d)
-            a[d] += p0 * as_float(v0[d]) + p1 * as_float(v1[d]) + p2 * as_float(v2[d]) + p3 * as_float(v3[d]);
+            a[d] += p0 * f32(v0[d]) + p1 * f32(v1[d]) + p2 * f32(v2[d]) + p3 * f32(v3[d]);
         }
         for (; t < n; ++t) {
           const T* v = values + t * s_pos;
           const float p = scores[t];
 #pragma omp simd
-          for (int64_t d = 0; d < dim; ++d) a[d] += p * as_float(v[d]);
+          for (int64_t d = 0; d < dim; ++d) a[d] += p * f32(v[d]);
         }
         const float inv = 1.f / total;
         T* o = op + head * dim;
@@ -151,12 +127,9 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& pool, cons
     TORCH_CHECK(lp[r] >= 1 && lp[r] <= pool.size(3), "length out of range");
   }
   at::Tensor out = at::empty_like(q);
-  switch (q.scalar_type()) {
-    case at::kFloat: by_dim<float>(q, pool, sp, lp, out, scale); break;
-    case at::kBFloat16: by_dim<c10::BFloat16>(q, pool, sp, lp, out, scale); break;
-    case at::kHalf: by_dim<c10::Half>(q, pool, sp, lp, out, scale); break;
-    default: TORCH_CHECK(false, "decode_attention: float32, bfloat16 or float16");
-  }
+  by_dtype(q.scalar_type(), "decode_attention", [&](auto tag) {
+    by_dim<decltype(tag)>(q, pool, sp, lp, out, scale);
+  });
   return out;
 }
 
