@@ -75,6 +75,14 @@ class Settings(BaseSettings):
     context_tokens: dict[str, int] = Field(
         default_factory=dict, description="served model name -> context window in tokens, overriding the "
                                           "model's own (JSON object); read through common.models")
+    region: str = Field("", pattern=r"^([a-z][a-z0-9-]{0,15})?$",
+                        description="this deployment's region (empty: a deployment of one region). A key made "
+                        "here is at home here; its tenant's content is written to this region's cluster and "
+                        "stores only (docs/operators.md, Regions)")
+    regions: dict[str, str] = Field(
+        default_factory=dict, description="every region of the deployment -> the base URL of its gateways "
+        "(JSON object). A gateway sends the requests of a key at home elsewhere to that URL, or answers 421 "
+        "where the region has none; `topics apply` grants the gateway the other regions' mirrored topics")
     presets_file: Path = Field(Path(__file__).with_name("presets.json"),
                                description="assistant presets (JSON object: name -> preset), read by the "
                                            "gateway (404 for an unknown one) and the conversation processor")

@@ -19,3 +19,12 @@ def ensure(path: Path, make: Callable[[], str]) -> str:
         with os.fdopen(fd, "w") as f:
             f.write(make())
     return path.read_text().strip()
+
+
+def write(path: Path, text: str) -> None:
+    """Replace `path` with `text`, readable by this user alone (secrets made from others, each start)."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)

@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException
 from common import id_key, sealing
 from gateway import openai_api as api
 from gateway.config import GatewaySettings
+from gateway.home_region import HomeRegion
 from gateway.limits import BodyLimits
 from gateway.pipeline import Gateway
 from gateway.routes import ROUTERS
@@ -50,6 +51,8 @@ def create_app(cfg: GatewaySettings, bootstrap: str, redis_url: str | None = Non
     app.add_exception_handler(api.APIError, api.api_error_handler)
     app.add_exception_handler(HTTPException, api.http_error_handler)
     app.add_exception_handler(Exception, api.unexpected_error_handler)
+    if gw.key_homes is not None:  # a deployment with regions: a key at home elsewhere is served there
+        app.add_middleware(HomeRegion, gateway=gw)
     app.add_middleware(BodyLimits, max_body_bytes=cfg.max_body_bytes,
                        uploads={"/v1/files": cfg.file_max_bytes + UPLOAD_FORM_BYTES,
                                 "/v1/audio/transcriptions": cfg.audio_max_bytes + UPLOAD_FORM_BYTES,

@@ -45,6 +45,8 @@ class Metrics:
             buckets=(.001, .002, .005, .01, .025, .05, .1, .25), registry=r)
         self.cache = Counter("gateway_cache_total", "response cache lookups by result", ["cache", "result"],
                              registry=r)
+        self.home_region = Counter("gateway_home_region_total", "requests of keys at home in another region "
+                                   "(proxied there, or refused)", ["region"], registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -21,6 +21,7 @@ from gateway.config import GatewaySettings
 from gateway.conversations import Conversations
 from gateway.fanout import Fanout
 from gateway.inflight import Inflight
+from gateway.key_homes import KeyHomes
 from gateway.metrics import Metrics
 from gateway.ratelimit import RateLimiter
 from gateway.searches import ToolSearches
@@ -71,6 +72,9 @@ class Gateway:
         self.searches = ToolSearches(bootstrap)
         self.conversations = Conversations(self.redis, cfg.conversation_max_items)
         self.stored_chats = StoredChats(self.redis)
+        self.region, self.regions = base.region, dict(base.regions)
+        self.key_homes = (KeyHomes(bootstrap, base.region, list(base.regions), self.redis)
+                          if base.region and base.regions else None)
         self._background: set[asyncio.Task] = set()
         self.producer = None
         self.fanout: Fanout | None = None
@@ -96,6 +100,8 @@ class Gateway:
         self._tasks.append(asyncio.create_task(self._connect(), name="gateway-connect"))
         self._tasks.append(asyncio.create_task(self.admission.run(), name="gateway-admission"))
         self._tasks.append(asyncio.create_task(self.inflight.run(), name="gateway-inflight"))
+        if self.key_homes is not None:
+            await self.key_homes.start()
 
     async def _connect(self) -> None:
         while True:
@@ -135,6 +141,8 @@ class Gateway:
         for task in self._tasks:
             with contextlib.suppress(BaseException):
                 await task
+        if self.key_homes is not None:
+            await self.key_homes.stop()
         await self.admission.close()
         await self.canceller.close()
         await self.semantic_cache.close()

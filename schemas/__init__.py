@@ -10,6 +10,7 @@ Read this package and `topics/` to follow a request end to end:
     Cancel (control), DeadLetter (anything undecodable), Transcript (the audit record)
     Checkpoint (the tamper-evident ledger: signed digests of every content topic's records)
     FileIngest (an uploaded file into a vector store's index, or out of it)
+    KeyHome (which region serves an API key: gateways send its requests home)
     PrefixHeld, WorkerLoad (which worker holds which conversation prefix: prefix-aware routing)
     SpeechJob -> TranscriptSegment* -> TranscriptDone, or SpeechAudio* -> SpeechDone (voice: schemas/speech.py)
 
@@ -33,7 +34,7 @@ from schemas.deadletter import DeadLetter
 from schemas.files import FileIngest
 from schemas.ledger import Checkpoint
 from schemas.requests import ChatMessage, ChatRequest, InferenceRequest, SamplingParams, Screening
-from schemas.routing import PrefixHeld, WorkerLoad, conversation_digest
+from schemas.routing import KeyHome, PrefixHeld, WorkerLoad, conversation_digest
 from schemas.runs import SERVER_TOOLS, RunSpec
 from schemas.safety import REFUSAL, OutputWindow, SafetyVerdict
 from schemas.speech import SpeakParams, SpeechAudio, SpeechDone, SpeechJob, TranscribeParams, TranscriptDone, TranscriptSegment
@@ -77,6 +78,7 @@ __all__ = [
     "InferenceRequest",
     "MalformedEvent",
     "OutputWindow",
+    "KeyHome",
     "PrefixHeld",
     "REFUSAL",
     "RouteUpdate",

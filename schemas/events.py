@@ -10,7 +10,7 @@ from schemas.deadletter import DeadLetter
 from schemas.files import FileIngest
 from schemas.ledger import Checkpoint
 from schemas.requests import ChatRequest, InferenceRequest
-from schemas.routing import PrefixHeld, WorkerLoad
+from schemas.routing import KeyHome, PrefixHeld, WorkerLoad
 from schemas.safety import OutputWindow, SafetyVerdict
 from schemas.speech import SpeechAudio, SpeechDone, SpeechJob, TranscriptDone, TranscriptSegment
 from schemas.tokens import Completion, TokenChunk
@@ -34,6 +34,7 @@ ALL_EVENTS: tuple[type[Event], ...] = (
     FileIngest,
     TurnDeadline,
     PrefixHeld,
+    KeyHome,
     WorkerLoad,
     Checkpoint,
     SpeechJob,

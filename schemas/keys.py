@@ -232,6 +232,7 @@ class ApiKey(msgspec.Struct, kw_only=True):
     admin: bool = False  # may read /metrics
     exact_cache: bool = True
     semantic_cache: bool = False
+    region: str = ""  # home region: its tenant's content is served and kept there alone ("": the only one)
 
     def problem(self, now: float | None = None) -> str | None:
         """Why this key may not be used now, or None."""

@@ -1,4 +1,5 @@
-"""What workers tell the router about themselves, on the compacted ts.kv.prefixes: which conversation
+"""Where a key's requests are served (`KeyHome`, on the compacted ts.key.homes, mirrored to every
+other region), and what workers tell the router about themselves, on the compacted ts.kv.prefixes: which conversation
 prefixes their KV caches hold (`PrefixHeld`, keyed by the prefix's digest: the latest holder wins)
 and which partitions of their inference topic they own, with their load (`WorkerLoad`, keyed by
 the worker). The router sends a conversation's next turn to the partition of the worker holding its
@@ -49,3 +50,14 @@ class WorkerLoad(Event, tag="worker_load"):
     running: int = 0
     waiting: int = 0
     max_running: int = 1
+
+
+class KeyHome(Event, tag="key_home"):
+    """The API key whose secret hashes to `digest` (sha256 hex) is at home in `region`: its tenant's
+    requests are served, and its content written, there alone. Published by the gateways of the key's
+    region for every key of their durable store; MirrorMaker 2 copies the topic to the other regions,
+    whose gateways send such a key's requests home (gateway/key_homes.py). Nothing else of the key
+    (tenant, tier, limits) leaves its region; request_id is "key-<first 16 hex digits of digest>"."""
+
+    digest: str
+    region: str

@@ -10,6 +10,7 @@ a clear error, health says not ready meanwhile, and requests are served within 1
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import sys
@@ -21,7 +22,7 @@ import openai
 import pytest
 
 from producers import publish, start_producer
-from schemas import REFUSAL, ChatMessage, InferenceRequest, SafetyVerdict, SamplingParams
+from schemas import REFUSAL, ChatMessage, InferenceRequest, KeyHome, SafetyVerdict, SamplingParams
 from tests.full_chain import MODEL, SCREENING, System, greedy
 from tests.gateway_support import content_of, new_key, sse
 from tests.kafka_support import Tap, key_on_partition_of, wait_for
@@ -450,6 +451,65 @@ async def test_erasing_a_tenant_leaves_nothing_of_its_content_readable_anywhere(
     again = await system.client(1).chat.completions.create(messages=[{"role": "user", "content": "Say hello."}],
                                                            max_tokens=4, **greedy())
     assert again.choices[0].message.content
+
+
+async def test_a_key_at_home_in_eu_is_served_by_eu_through_the_us_gateway_and_nothing_of_it_lands_in_us(
+        system: System, stack, tmp_path):
+    """Residency: the session's stack is region eu, a second cluster region us (tests/regions_support.py).
+    A key made in eu is served through us's gateway by eu's pipeline, and nothing of its tenant reaches
+    us's cluster or stores, while eu's cluster does hold it (the scan's positive control)."""
+    from tests.regions_support import environment, files_holding, records_on, topics_holding, two_regions
+    from topics import CHAT_REQUESTS, KEY_HOMES
+
+    tenant, marker = f"eu-tenant-{uuid.uuid4().hex[:8]}", f"zebra{uuid.uuid4().hex[:8]}"
+    key = new_key(tenant, tier="paid")
+    async with two_regions(stack, system.roles, tmp_path, MODEL) as regions:
+        async with httpx.AsyncClient(timeout=30, headers={"Authorization": f"Bearer {key}"}) as http:
+            seen = await wait_for(lambda: _served_from(http, regions.us_gateway), 60, "the key's home known in us")
+        assert seen == "eu"  # us's gateway learnt the key's home from eu, through MirrorMaker
+        question = [{"role": "user", "content": f"Repeat this word: {marker}"}]
+        via_us = openai.AsyncOpenAI(base_url=regions.us_gateway + "/v1", api_key=key, timeout=120)
+        stream = await via_us.chat.completions.create(messages=question, stream=True, max_tokens=12, **greedy())
+        streamed = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        via_eu = openai.AsyncOpenAI(base_url=regions.eu_gateway + "/v1", api_key=key, timeout=120)
+        direct = await via_eu.chat.completions.create(messages=question, max_tokens=12, **greedy())
+        assert streamed and streamed == direct.choices[0].message.content
+
+        written = await records_on(regions.us.kafka)
+        assert set(written) <= {KEY_HOMES.name}, written  # no request, token or tool event of anyone in us
+        needles = [tenant.encode(), marker.encode(), stack.kafka.secret("admin").encode()]
+        digest = hashlib.sha256(key.encode()).hexdigest().encode()  # what alone may cross: the key's home
+        in_us = await topics_holding(regions.us.kafka, [*needles, digest])  # every record, decompressed
+        assert in_us.pop(digest) == {"eu." + KEY_HOMES.name}  # (the scan finds what is there)
+        assert not any(in_us.values()), in_us
+        for needle in needles:
+            assert not files_holding(regions.us.redis.data_dir, needle), needle
+        in_eu = await topics_holding(stack.kafka, needles[:1], [CHAT_REQUESTS.name])  # (the scan's control)
+        assert in_eu[needles[0]] == {CHAT_REQUESTS.name}
+
+        # a key whose home has no gateway here: 421 naming it, never served locally
+        with environment({"TOKENSTREAM_REGION": "ap"}):  # made in a region this deployment has no gateway of
+            stray = new_key(f"ap-tenant-{uuid.uuid4().hex[:8]}")
+        producer = await start_producer(stack.kafka.address)
+        try:
+            digest = hashlib.sha256(stray.encode()).hexdigest()
+            await publish(producer, KEY_HOMES, KeyHome(request_id=f"key-{digest[:16]}", digest=digest, region="ap"),
+                          key=digest)
+        finally:
+            await producer.stop()
+        async with httpx.AsyncClient(timeout=30, headers={"Authorization": f"Bearer {stray}"}) as http:
+            refused = await wait_for(lambda: _refused(http, regions.eu_gateway), 30, "a 421 for a key of region ap")
+        assert refused["error"]["code"] == "wrong_region" and "region ap" in refused["error"]["message"]
+
+
+async def _served_from(http: httpx.AsyncClient, gateway: str) -> str | None:
+    response = await http.get(gateway + "/v1/models")
+    return response.headers.get("x-tokenstream-region") if response.status_code == 200 else None
+
+
+async def _refused(http: httpx.AsyncClient, gateway: str) -> dict | None:
+    response = await http.get(gateway + "/v1/models")
+    return response.json() if response.status_code == 421 else None
 
 
 # ---------------------------------------------------------------- outages under the running system

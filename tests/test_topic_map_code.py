@@ -33,6 +33,9 @@ UNRESOLVED_IN_ROLES = {
     ("audit/usage.py", "TopicPartition(s.name, p)"): "every partition of the transcripts and tokens topics (a tuple)",
     ("audit/run.py", "TopicPartition(n, p)"):
         "the audited topics, which audit.sources.audited() takes from the registry (a registry-driven read)",
+    ("gateway/key_homes.py", "TopicPartition(copy, p)"):
+        "the other regions' copies of ts.key.homes (<region>.ts.key.homes, MirrorMaker 2's), read as the registry's "
+        "reader of the mirrored topic reads it (TopicSpec.mirrored; topics/access.py grants them)",
     ("tokenstream/chaos/verify.py", "sampler.sample(group, topic)"):
         "the drill waits out the lag of every group of the registry: offsets only, of whatever it is given",
     ("tokenstream/ops/autoscale.py", "self.sampler.sample(self.group, self.topic)"):

@@ -31,11 +31,14 @@ def _say(message: str) -> None:
 
 @stack_app.command("install")
 def stack_install() -> None:
-    """Fetch the Kafka jars and build Weaviate into the cache, if not done before."""
+    """Fetch the Kafka and MirrorMaker jars and build Weaviate into the cache, if not done before."""
+    from tokenstream.stack.mirror import MirrorMaker
+
     stack = Stack.default()
     for service in stack.services:
         service.install(_say)
-    _say("stack: installed (" + ", ".join(s.name for s in stack.services) + ")")
+    MirrorMaker.fetch(stack.kafka.cache_dir, _say)  # the regions' replicator (`stack up --regions`)
+    _say("stack: installed (" + ", ".join(s.name for s in stack.services) + ", mirrormaker)")
 
 
 BROKERS = typer.Option(None, "--brokers", min=1, max=9, help="Kafka nodes: 3 makes a cluster (replication 3, "
@@ -64,24 +67,99 @@ def _brokers(brokers: int | None) -> None:
         use(Stack.default().kafka.environment())
 
 
+REGIONS = typer.Option(None, "--regions", help="comma-separated regions, e.g. eu,us: one stack per region "
+                       "(ports +100 per region, data under <data dir>/regions/<name>) and MirrorMaker 2 "
+                       "between their clusters; recorded, so `--region NAME` then names one of them")
+
+
+@app.callback()
+def _everywhere(region: str = typer.Option(None, "--region", help="run the command as this local region's "
+                                           "(`stack up --regions`): its stack, its keys, its roles")) -> None:
+    """The option is applied by main() before anything reads the settings (see _apply_region)."""
+
+
+def _apply_region(argv: list[str]) -> None:
+    """`tokenstream --region eu ...`: this process, and the roles it starts, are region eu's."""
+    from tokenstream.stack import regions
+    from tokenstream.stack.stack import use
+
+    value = next((a.split("=", 1)[1] for a in argv[:2] if a.startswith("--region=")), None)
+    if value is None and argv[:1] == ["--region"] and len(argv) > 1:
+        value = argv[1]
+    if value is None:
+        return
+    names = regions.recorded()
+    if value not in names:
+        raise SystemExit(f"--region {value}: no such local region (run `tokenstream stack up --regions "
+                         f"{value},...`; recorded: {', '.join(names) or 'none'})")
+    use(regions.environment(regions.region_settings(value, names)))
+
+
 @stack_app.command("up")
-def stack_up(brokers: int | None = BROKERS) -> None:
+def stack_up(brokers: int | None = BROKERS, regions: str = REGIONS) -> None:
     """Start Kafka, Redis and Weaviate (installing them on first use); harmless when already up."""
+    if regions is not None:
+        _regions_up(regions)
+        return
     if brokers is not None:
         _brokers(brokers)
     Stack.default().up(_say)
 
 
+def _regions_up(value: str) -> None:
+    from tokenstream.stack import regions
+
+    try:
+        names = regions.parse(value)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    regions.record(names)
+    for name in names:
+        _say(f"[bold]region {name}[/]")
+        Stack.default(regions.region_settings(name, names)).up(_say)
+    mirror = regions.mirror(names)
+    mirror.start(_say, wait=False)
+    _say("mirrormaker copies each region's ts.key.homes to the others once `tokenstream --region NAME topics "
+         "apply` has made it there; run a region's roles with `tokenstream --region NAME system up`")
+
+
+def _local_stacks() -> list[tuple[str, Stack]]:
+    """(region, stack) of every local region, or ('', the stack) without regions."""
+    from tokenstream.stack import regions
+
+    names = regions.recorded()
+    if not names or settings().region:
+        return [(settings().region, Stack.default())]
+    return [(name, Stack.default(regions.region_settings(name, names))) for name in names]
+
+
 @stack_app.command("down")
 def stack_down() -> None:
-    """Stop every service of the local stack (data is kept)."""
-    Stack.default().down(_say)
+    """Stop every service of the local stack (every region's, and MirrorMaker; data is kept)."""
+    from tokenstream.stack import regions
+
+    names = regions.recorded()
+    if names and not settings().region:
+        regions.mirror(names).stop(_say)
+    for _, stack in _local_stacks():
+        stack.down(_say)
 
 
 @stack_app.command("status")
 def stack_status() -> None:
-    """A table of the local services."""
-    _print_status("service", Stack.default().status())
+    """A table of the local services (of every region, with MirrorMaker)."""
+    from tokenstream.stack import regions
+
+    rows = []
+    for region, stack in _local_stacks():
+        for status in stack.status():
+            if region:
+                status.name = f"{region}: {status.name}"
+            rows.append(status)
+    names = regions.recorded()
+    if names and not settings().region:
+        rows.append(regions.mirror(names).status())
+    _print_status("service", rows)
 
 
 def _print_status(kind: str, statuses) -> None:
@@ -332,7 +410,10 @@ def main() -> None:
     from common import kafka_auth
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    kafka_auth.act_as(_broker_user(sys.argv[1:]))
+    argv = sys.argv[1:]
+    words = argv[1:] if argv[:1] and argv[0].startswith("--region=") else argv[2:] if argv[:1] == ["--region"] else argv
+    kafka_auth.act_as(_broker_user(words))
+    _apply_region(argv)
     _brokers(None)  # the local stack's cluster, when `stack up --brokers` made one
     _register()
     app()

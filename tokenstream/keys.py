@@ -11,6 +11,7 @@ import time
 
 import redis
 
+from common.config import settings
 from schemas import keys as K
 
 _DURATION = re.compile(r"^(\d+)([smhdw])$")
@@ -41,7 +42,8 @@ class KeyStore:
     def create(self, tenant: str, *, tier: str = "free", name: str = "", rpm: int = 0, tpm: int = 0,
                tenant_rpm: int = 0, tenant_tpm: int = 0, max_streams: int = 0, expires: str | None = None,
                admin: bool = False, exact_cache: bool = True, semantic_cache: bool = False) -> tuple[str, K.ApiKey]:
-        """A new key: (the secret, shown once; its record)."""
+        """A new key: (the secret, shown once; its record), at home in this deployment's region (the
+        store is the region's: TOKENSTREAM_REDIS_URL)."""
         if not K.TENANT_PATTERN.match(tenant):
             raise ValueError("tenant: 1-64 characters of letters, digits, '_', '.', '-'")
         if tier not in K.TIERS:
@@ -56,7 +58,7 @@ class KeyStore:
                           tenant_rpm=tenant_rpm, tenant_tpm=tenant_tpm, max_streams=max_streams,
                           expires_at=parse_expiry(expires),
                           created_at=time.time(), admin=admin, exact_cache=exact_cache,
-                          semantic_cache=semantic_cache)
+                          semantic_cache=semantic_cache, region=settings().region)
         pipe = self.r.pipeline()
         pipe.hset(K.api_key(h), mapping=record.to_redis())
         pipe.sadd(K.API_KEYS, h)

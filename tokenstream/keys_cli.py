@@ -46,7 +46,8 @@ def create(tenant: str = typer.Option(..., help="the tenant the key acts for"),
                                       exact_cache=exact_cache, semantic_cache=semantic_cache)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
-    console.print(f"key {rec.key_id} for tenant [bold]{rec.tenant}[/] ({rec.tier}); shown only now:",
+    home = f", at home in region {rec.region}" if rec.region else ""
+    console.print(f"key {rec.key_id} for tenant [bold]{rec.tenant}[/] ({rec.tier}{home}); shown only now:",
                   highlight=False)
     print(secret)
 
@@ -55,7 +56,7 @@ def create(tenant: str = typer.Option(..., help="the tenant the key acts for"),
 def list_keys() -> None:
     """Every key: id, tenant, tier, limits, state."""
     table = Table("key id", "tenant", "tier", "name", "rpm", "tpm", "tenant rpm/tpm", "streams", "caches",
-                  "created", "expires", "state")
+                  "region", "created", "expires", "state")
     for _, rec in _store().all():
         state = rec.problem() or "active"
         colour = {"active": "green", "revoked": "red", "expired": "yellow"}[state]
@@ -64,7 +65,8 @@ def list_keys() -> None:
         table.add_row(rec.key_id, rec.tenant, rec.tier + (" admin" if rec.admin else ""), rec.name or "-",
                       str(rec.rpm or "∞"), str(rec.tpm or "∞"), shared,
                       {0: "tier", -1: "∞"}.get(rec.max_streams, str(rec.max_streams)),
-                      caches or "-", _when(rec.created_at), _when(rec.expires_at), f"[{colour}]{state}[/]")
+                      caches or "-", rec.region or "-", _when(rec.created_at), _when(rec.expires_at),
+                      f"[{colour}]{state}[/]")
     console.print(table)
 
 

@@ -17,7 +17,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from topics.registry import FAUST_COMMIT, LAG_READ, RESCREEN_GROUP_PREFIX, Role, TopicSpec, processor_group
+from common.config import settings
+from topics.registry import (
+    FAUST_COMMIT,
+    LAG_READ,
+    RESCREEN_GROUP_PREFIX,
+    Role,
+    TopicSpec,
+    mirror_of,
+    processor_group,
+)
 
 #: The autoscaler (KEDA on Kubernetes) reads each worker group's lag, nothing else: no role's user.
 AUTOSCALER = "autoscaler"
@@ -42,11 +51,16 @@ class Grant:
         return f"User:{self.user} {self.operation} {self.resource} {self.name}{star}"
 
 
-def grants(specs: list[TopicSpec]) -> list[Grant]:
-    """Every ACL the roles need to do what the registry says they do with `specs`, sorted."""
+def grants(specs: list[TopicSpec], peers: tuple[str, ...] | None = None) -> list[Grant]:
+    """Every ACL the roles need to do what the registry says they do with `specs`, sorted. `peers`: the
+    other regions, whose copies of a mirrored topic its readers read too (default: the settings')."""
     out: set[Grant] = set()
     faust_roles: set[Role] = set()
+    peers = other_regions() if peers is None else peers
     for spec in specs:
+        if spec.mirrored:
+            out |= {Grant(reader.role.value, "topic", mirror_of(spec, region), op)
+                    for reader in spec.readers for region in peers for op in ("read", "describe")}
         for writer in spec.writers:
             out |= {Grant(writer.role.value, "topic", spec.name, op) for op in ("write", "describe")}
         for reader in spec.readers:
@@ -61,6 +75,12 @@ def grants(specs: list[TopicSpec]) -> list[Grant]:
                 faust_roles.add(reader.role)
     out |= set(_extra(faust_roles))
     return sorted(out)
+
+
+def other_regions() -> tuple[str, ...]:
+    """The deployment's regions other than this one (TOKENSTREAM_REGIONS, TOKENSTREAM_REGION)."""
+    cfg = settings()
+    return tuple(sorted(set(cfg.regions) - {cfg.region}))
 
 
 def _extra(faust_roles: set[Role]) -> list[Grant]:

@@ -23,6 +23,7 @@ from schemas import (
     Event,
     FileIngest,
     InferenceRequest,
+    KeyHome,
     OutputWindow,
     PrefixHeld,
     RouteUpdate,
@@ -137,6 +138,7 @@ class TopicSpec:
     writers: tuple[Writer, ...] = ()
     readers: tuple[Reader, ...] = ()
     placement: str = "key"
+    mirrored: bool = False  # MirrorMaker 2 copies it to every other region's cluster as <region>.<name>
 
     @property
     def compacted(self) -> bool:
@@ -341,6 +343,19 @@ KV_PREFIXES = TopicSpec(
                     "committed", "prefix-aware routing: a conversation's next turn to the worker holding "
                     "its prefix"),),
 )
+KEY_HOMES = TopicSpec(
+    "ts.key.homes", 1, "sha256 of the API key", (KeyHome,),
+    "the home region of every API key (compacted: the latest wins). The one topic shared across regions: "
+    "MirrorMaker 2 copies it to each other region's cluster as <region>.ts.key.homes, so a gateway anywhere "
+    "knows where to send a key's requests; it holds digests and region names, nothing of a tenant",
+    {"cleanup.policy": "compact", "min.cleanable.dirty.ratio": "0.1"},
+    writers=(Writer(Role.GATEWAY, "the home of each key of its region's durable store the topic lacks (at start, "
+                    "then as keys are made); only where the deployment names regions"),),
+    readers=(Reader(Role.GATEWAY, None, "from the beginning, then follows it, with the other regions' mirrors of "
+                    "it; nothing committed", "where a key's requests are served (a key at home elsewhere: "
+                    "proxied there, or 421)"),),
+    mirrored=True,
+)
 DEAD_LETTER = TopicSpec(
     "ts.deadletter", 3, "original key", (DeadLetter,),
     "events no processor could decode or handle, with the reason and the original bytes",
@@ -410,8 +425,15 @@ def inference_topic(model: str) -> TopicSpec:
 REGISTRY: tuple[TopicSpec, ...] = (
     CHAT_REQUESTS, PREPARED, SCREENED, TOKENS, CONTROL, VERDICTS, TOOL_CALLS, TOOL_RESULTS,
     FILE_INGEST, SPEECH_JOBS, CONVERSATION_TURNS, CONVERSATIONS, SAFETY_WINDOWS, ROUTES, KV_PREFIXES, DEAD_LETTER,
-    TRANSCRIPTS, RESCREENED, LEDGER, SHADOW_ANSWERS, SHADOW_GATES,
+    TRANSCRIPTS, RESCREENED, LEDGER, SHADOW_ANSWERS, SHADOW_GATES, KEY_HOMES,
 )
+
+
+def mirror_of(spec: TopicSpec, region: str) -> str:
+    """The name MirrorMaker 2 gives `spec`'s copy from `region` (its default replication policy)."""
+    if not spec.mirrored:
+        raise ValueError(f"{spec.name} is not mirrored between regions")
+    return f"{region}.{spec.name}"
 
 
 def spec_for(name: str) -> TopicSpec:
@@ -434,7 +456,7 @@ FLOW: tuple[str, ...] = (
     ROUTES.name, KV_PREFIXES.name, "ts.inference.<model>", TOOL_CALLS.name, TOOL_RESULTS.name, FILE_INGEST.name, SPEECH_JOBS.name,
     TOKENS.name,
     SAFETY_WINDOWS.name, CONTROL.name, CONVERSATION_TURNS.name, TRANSCRIPTS.name, RESCREENED.name,
-    LEDGER.name, DEAD_LETTER.name,
+    LEDGER.name, DEAD_LETTER.name, KEY_HOMES.name,
 )
 
 

@@ -1,0 +1,77 @@
+"""Regions without a broker: the local layout of `stack up --regions`, MirrorMaker's configuration, the
+grants of a mirrored topic. The residency test itself (two clusters, a key served in its home region
+through the other's gateway, nothing of it written there) is in tests/test_full_chain.py."""
+
+from __future__ import annotations
+
+import json
+import stat
+
+import pytest
+
+from common.config import Settings
+from gateway.home_region import bearer_digest
+from schemas import keys as K
+from tokenstream.stack import regions
+from tokenstream.stack.kafka import Kafka
+from tokenstream.stack.mirror import MirrorMaker
+from topics.access import grants
+from topics.registry import KEY_HOMES, REGISTRY, Role, all_topics, mirror_of
+
+
+def test_each_local_region_gets_its_own_ports_folder_and_the_others_urls(tmp_path):
+    base = Settings(data_dir=tmp_path, kafka_bootstrap="127.0.0.1:9092", redis_url="redis://127.0.0.1:6379/0")
+    names = regions.parse("eu, us")
+    eu, us = (regions.region_settings(n, names, base) for n in names)
+    assert (eu.kafka_bootstrap, us.kafka_bootstrap) == ("127.0.0.1:9092", "127.0.0.1:9192")
+    assert us.redis_url == "redis://127.0.0.1:6479/0" and us.kafka_controller_port == 9193
+    assert us.data_dir == tmp_path / "regions" / "us" and us.region == "us"
+    assert eu.regions == us.regions == {"eu": "http://127.0.0.1:8000", "us": "http://127.0.0.1:8100"}
+    for field in ("gateway_port", "worker_metrics_port", "weaviate_http_port", "cache_redis_url"):
+        assert getattr(eu, field) != getattr(us, field), field
+    env = regions.environment(us)  # what a role started as region us reads back
+    assert Settings(**{k.removeprefix("TOKENSTREAM_").lower(): json.loads(v) if v[:1] in "[{" else v
+                       for k, v in env.items()}).regions == us.regions
+
+
+@pytest.mark.parametrize("bad", ["eu", "eu,eu", "EU,us", "eu,u s", ""])
+def test_regions_are_two_or_more_distinct_short_names(bad):
+    with pytest.raises(ValueError):
+        regions.parse(bad)
+
+
+def test_mirrormaker_copies_the_mirrored_topics_both_ways_and_names_no_password(tmp_path):
+    folders = (tmp_path / "data", tmp_path / "run", tmp_path / "logs", tmp_path / "cache")
+    clusters = {r: Kafka(*(f / r for f in folders[:3]), folders[3], port=p, controller_port=p + 1)
+                for r, p in (("eu", 9092), ("us", 9192))}
+    mirror = MirrorMaker(*folders, clusters=clusters, topics=tuple(s.name for s in REGISTRY if s.mirrored))
+    mirror.data_dir.mkdir(parents=True)
+    mirror.prepare()
+    props = mirror.properties_file.read_text()
+    assert "eu->us.enabled = true" in props and "us->eu.enabled = true" in props
+    assert "topics = ts\\.key\\.homes\n" in props  # the registry's mirrored topics, and nothing else
+    secrets = {clusters[r].secret("admin") for r in clusters}
+    assert not any(s in props for s in secrets)  # placeholders: the passwords stay in their own file
+    assert "${file:" in props
+    assert stat.S_IMODE(mirror.secrets_file.stat().st_mode) == 0o600
+    assert all(s in mirror.secrets_file.read_text() for s in secrets)
+    assert mirror.copies() == {"eu": ["us.ts.key.homes"], "us": ["eu.ts.key.homes"]}
+
+
+def test_the_gateway_alone_reads_the_other_regions_copies_of_the_key_homes():
+    specs = all_topics(["smollm2"])
+    copies = {(g.user, g.operation) for g in grants(specs, peers=("us", "ap")) if g.name.endswith(".ts.key.homes")}
+    assert copies == {(Role.GATEWAY.value, op) for op in ("read", "describe")}
+    names = {g.name for g in grants(specs, peers=("us", "ap")) if g.name.endswith(".ts.key.homes")}
+    assert names == {mirror_of(KEY_HOMES, "us"), mirror_of(KEY_HOMES, "ap")}
+    assert not [g for g in grants(specs, peers=()) if g.name.endswith(".ts.key.homes")]
+    writers = {g.user for g in grants(specs, peers=()) if g.name == KEY_HOMES.name and g.operation == "write"}
+    assert writers == {Role.GATEWAY.value}
+
+
+def test_the_key_is_found_by_its_digest_whatever_the_scheme_is_spelt():
+    secret = K.new_secret()
+    assert bearer_digest([(b"authorization", f"Bearer {secret}".encode())]) == K.digest(secret)
+    assert bearer_digest([(b"Authorization", f"bearer  {secret} ".encode())]) == K.digest(secret)
+    assert bearer_digest([(b"authorization", b"Basic abc")]) is None
+    assert bearer_digest([]) is None
