@@ -13,10 +13,11 @@ from common.config import settings
 from tokenstream.keys_cli import app as keys_app
 from tokenstream.keys_cli import local_key
 from tokenstream.stack import Stack
+from tokenstream.stack_cli import BROKERS, REGIONS, each_region, print_status, stack_down, stack_up, use_brokers
+from tokenstream.stack_cli import app as stack_app
 
 app = typer.Typer(help="tokenstream: LLM serving as an event-driven pipeline over Apache Kafka.",
                   no_args_is_help=True, add_completion=False)
-stack_app = typer.Typer(help="The local Kafka, Redis and Weaviate on loopback (no Docker).", no_args_is_help=True)
 topics_app = typer.Typer(help="The topic registry, applied to and read from the cluster.", no_args_is_help=True)
 app.add_typer(stack_app, name="stack")
 app.add_typer(topics_app, name="topics")
@@ -27,49 +28,6 @@ console = Console()
 
 def _say(message: str) -> None:
     console.print(message, highlight=False)
-
-
-@stack_app.command("install")
-def stack_install() -> None:
-    """Fetch the Kafka and MirrorMaker jars and build Weaviate into the cache, if not done before."""
-    from tokenstream.stack.mirror import MirrorMaker
-
-    stack = Stack.default()
-    for service in stack.services:
-        service.install(_say)
-    MirrorMaker.fetch(stack.kafka.cache_dir, _say)  # the regions' replicator (`stack up --regions`)
-    _say("stack: installed (" + ", ".join(s.name for s in stack.services) + ", mirrormaker)")
-
-
-BROKERS = typer.Option(None, "--brokers", min=1, max=9, help="Kafka nodes: 3 makes a cluster (replication 3, "
-                       "min.insync.replicas 2) on the bootstrap port and the five after it (default: "
-                       "TOKENSTREAM_KAFKA_BROKERS, 1)")
-
-
-def _brokers(brokers: int | None) -> None:
-    """Use `brokers` Kafka nodes from here on (None: as `stack up --brokers` last recorded, unless the
-    environment names the broker); point this process's clients, and the roles it starts, at every node
-    of a cluster, with its replication."""
-    import os
-
-    from tokenstream.stack.stack import use
-
-    if brokers is None and "TOKENSTREAM_KAFKA_BOOTSTRAP" in os.environ:
-        return  # the environment names the broker (a role a stack or a test started): nothing to look up
-    record = Stack.default().folders[1] / "kafka-brokers"
-    if brokers is None and "TOKENSTREAM_KAFKA_BROKERS" not in os.environ:
-        brokers = int(record.read_text()) if record.exists() else None
-    if brokers is not None:
-        use({"TOKENSTREAM_KAFKA_BROKERS": str(brokers)})
-        record.parent.mkdir(parents=True, exist_ok=True)
-        record.write_text(str(brokers))
-    if settings().kafka_brokers > 1:
-        use(Stack.default().kafka.environment())
-
-
-REGIONS = typer.Option(None, "--regions", help="comma-separated regions, e.g. eu,us: one stack per region "
-                       "(ports +100 per region, data under <data dir>/regions/<name>) and MirrorMaker 2 "
-                       "between their clusters; recorded, so `--region NAME` then names one of them")
 
 
 @app.callback()
@@ -95,84 +53,6 @@ def _apply_region(argv: list[str]) -> None:
     use(regions.environment(regions.region_settings(value, names)))
 
 
-@stack_app.command("up")
-def stack_up(brokers: int | None = BROKERS, regions: str = REGIONS) -> None:
-    """Start Kafka, Redis and Weaviate (installing them on first use); harmless when already up."""
-    if regions is not None:
-        _regions_up(regions)
-        return
-    if brokers is not None:
-        _brokers(brokers)
-    Stack.default().up(_say)
-
-
-def _regions_up(value: str) -> None:
-    from tokenstream.stack import regions
-
-    try:
-        names = regions.parse(value)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from None
-    regions.record(names)
-    for name in names:
-        _say(f"[bold]region {name}[/]")
-        Stack.default(regions.region_settings(name, names)).up(_say)
-    mirror = regions.mirror(names)
-    mirror.start(_say, wait=False)
-    _say("mirrormaker copies each region's ts.key.homes to the others once `tokenstream --region NAME topics "
-         "apply` has made it there; run a region's roles with `tokenstream --region NAME system up`")
-
-
-def _local_stacks() -> list[tuple[str, Stack]]:
-    """(region, stack) of every local region, or ('', the stack) without regions."""
-    from tokenstream.stack import regions
-
-    names = regions.recorded()
-    if not names or settings().region:
-        return [(settings().region, Stack.default())]
-    return [(name, Stack.default(regions.region_settings(name, names))) for name in names]
-
-
-@stack_app.command("down")
-def stack_down() -> None:
-    """Stop every service of the local stack (every region's, and MirrorMaker; data is kept)."""
-    from tokenstream.stack import regions
-
-    names = regions.recorded()
-    if names and not settings().region:
-        regions.mirror(names).stop(_say)
-    for _, stack in _local_stacks():
-        stack.down(_say)
-
-
-@stack_app.command("status")
-def stack_status() -> None:
-    """A table of the local services (of every region, with MirrorMaker)."""
-    from tokenstream.stack import regions
-
-    rows = []
-    for region, stack in _local_stacks():
-        for status in stack.status():
-            if region:
-                status.name = f"{region}: {status.name}"
-            rows.append(status)
-    names = regions.recorded()
-    if names and not settings().region:
-        rows.append(regions.mirror(names).status())
-    _print_status("service", rows)
-
-
-def _print_status(kind: str, statuses) -> None:
-    table = Table(kind, "state", "pid", "address", "detail", "log")
-    for s in statuses:
-        if s.ready:
-            state = "[yellow]degraded[/]" if "degraded:" in s.detail else "[green]ready[/]"
-        else:
-            state = "[yellow]not ready[/]" if s.running else "[red]stopped[/]"
-        table.add_row(s.name, state, str(s.pid or "-"), s.address, s.detail or "", str(s.log))
-    console.print(table)
-
-
 system_app = typer.Typer(help="The whole system locally: the stack, the topics and every role.",
                          no_args_is_help=True)
 app.add_typer(system_app, name="system")
@@ -188,9 +68,20 @@ def _roles():
 
 
 @system_app.command("up")
-def system_up(brokers: int | None = BROKERS) -> None:
-    """Stack, topics, processors, a worker and the gateway; harmless when already up."""
+def system_up(brokers: int | None = BROKERS, regions: str = REGIONS) -> None:
+    """Stack, topics, processors, a worker and the gateway; harmless when already up. With --regions,
+    all of it in each region, and MirrorMaker 2 between them."""
+    if regions is not None:
+        stack_up(None, regions)
+        for name in each_region():
+            _say(f"\n[bold]region {name}[/]")
+            _system_up()
+        return
     stack_up(brokers)
+    _system_up()
+
+
+def _system_up() -> None:
     topics_apply(None)
     for role in _roles():
         role.start(_say)
@@ -205,16 +96,22 @@ def system_up(brokers: int | None = BROKERS) -> None:
 
 @system_app.command("down")
 def system_down() -> None:
-    """Stop every role, then the stack (data is kept)."""
-    for role in reversed(_roles()):
-        role.stop(_say)
+    """Stop every role (of every local region), then the stack (data is kept)."""
+    for _ in each_region():
+        for role in reversed(_roles()):
+            role.stop(_say)
     stack_down()
 
 
 @system_app.command("status")
 def system_status() -> None:
-    """A table of the stack's services and the roles."""
-    _print_status("process", [*Stack.default().status(), *(r.status() for r in _roles())])
+    """A table of the stack's services and the roles (of every local region)."""
+    rows = []
+    for region in each_region():
+        for status in [*Stack.default().status(), *(r.status() for r in _roles())]:
+            status.name = f"{region}: {status.name}" if region else status.name
+            rows.append(status)
+    print_status("process", rows)
 
 
 def _specs(models: list[str] | None):
@@ -414,7 +311,7 @@ def main() -> None:
     words = argv[1:] if argv[:1] and argv[0].startswith("--region=") else argv[2:] if argv[:1] == ["--region"] else argv
     kafka_auth.act_as(_broker_user(words))
     _apply_region(argv)
-    _brokers(None)  # the local stack's cluster, when `stack up --brokers` made one
+    use_brokers(None)  # the local stack's cluster, when `stack up --brokers` made one
     _register()
     app()
 
