@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 VIA = b"x-tokenstream-via"  # set on a proxied request: the region that sent it
 REGION = b"x-tokenstream-region"  # set on a proxied answer: the region that served it
 HOP_BY_HOP = {b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te", b"trailer",
-              b"transfer-encoding", b"upgrade", b"host", b"content-length"}
+              b"transfer-encoding", b"upgrade"}
+NOT_FORWARDED = HOP_BY_HOP | {b"host", b"content-length"}  # httpx sets both for the home region's gateway
 
 
 def bearer_digest(headers: list[tuple[bytes, bytes]]) -> str | None:
@@ -86,7 +87,7 @@ class HomeRegion:
         target = base_url.rstrip("/") + scope.get("raw_path", scope["path"].encode()).decode("latin-1")
         if scope.get("query_string"):
             target += "?" + scope["query_string"].decode("latin-1")
-        headers = [(k, v) for k, v in scope["headers"] if k.lower() not in HOP_BY_HOP]
+        headers = [(k, v) for k, v in scope["headers"] if k.lower() not in NOT_FORWARDED]
         headers.append((VIA, self.gateway.region.encode()))
         body = b""
         while True:  # BodyLimits in front of this has already bounded the body
