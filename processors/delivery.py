@@ -26,7 +26,8 @@ kill -9 test; traced with per-record logging of fetch, delivery, commit and seek
 
 And one that the compiled (Cython) stream iterator we install does not have: faust's
 pure-Python iterator acknowledges the records it skips during a rebalance, as if processed.
--> `ack_only_processed`.
+-> `ack_only_processed`, which also fetches again a record of an earlier generation handed to an
+agent once the rebalance is over (its ack refused, nothing else would fetch it again).
 
 Re-delivery is harmless because every agent is idempotent by request id
 (processors.effects.Ledger, table rows, sequence numbers). Our input topics have no offset
@@ -136,11 +137,27 @@ def ack_only_processed(app: faust.App) -> None:
     ack = consumer.ack
 
     def checked_ack(message) -> bool:
-        if not app.flow_control.is_active() or message.generation_id != app.consumer_generation_id:
+        if not app.flow_control.is_active():
+            return False  # a rebalance is on: faust seeks back to the committed offsets at its end
+        if message.generation_id != app.consumer_generation_id:
+            _fetch_again(consumer, message)
             return False
         return ack(message)
 
     consumer.ack = checked_ack
+
+
+def _fetch_again(consumer, message) -> None:
+    """A record of an earlier generation, handed to an agent after the rebalance ended: its
+    acknowledgement is refused, so fetch it again (under this generation) if the partition is still
+    ours and its position has moved past it. Without this nothing fetched it again (the seek to the
+    committed offsets was done already), `commit_contiguous` held the partition's commits at it, and
+    as the partition's last record it stayed as lag (seen after a scale-out under load)."""
+    tp, offset = message.tp, message.offset
+    at = _position(consumer, tp)
+    if tp in consumer.assignment() and at is not None and offset < at:
+        log.info("fetching again %s[%d]@%d, handed over from an earlier generation", tp.topic, tp.partition, offset)
+        consumer._thread.seek(tp, offset)  # noqa: SLF001 - synchronously, as in refetch_discarded
 
 
 def at_least_once(app: faust.App) -> None:

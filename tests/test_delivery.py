@@ -170,3 +170,23 @@ def test_a_record_skipped_during_a_rebalance_is_not_acknowledged():
     assert ack(hardened=True, during_rebalance=True) == []
     assert ack(hardened=True, during_rebalance=False) == [9]
     assert ack(hardened=False, during_rebalance=True) == [9]  # stock faust would commit it
+
+
+def stale_ack(hardened: bool, position: int) -> tuple[list[int], list[tuple[TP, int]]]:
+    """A record of generation N reaches an agent after the rebalance to N+1 has ended (flow control
+    active again); the partition is still ours, fetched up to `position`. (acked, seeks)."""
+    tp = TP(PREPARED, 6)
+    thread = FakeThread(assigned={tp})
+    thread.kafka.positions[tp] = position
+    app = make(thread, hardened=hardened)
+    app.topics._acking_topics.add(PREPARED)
+    app.flow_control.resume()
+    stale = message(app, tp, 9)
+    app.consumer_generation_id += 1  # the rebalance that ended
+    app.consumer.ack(stale)
+    return list(app.consumer._acked[tp]), thread.kafka.seeks
+
+
+def test_a_record_of_an_earlier_generation_is_fetched_again_not_left_behind():
+    assert stale_ack(hardened=True, position=12) == ([], [(TP(PREPARED, 6), 9)])
+    assert stale_ack(hardened=True, position=9) == ([], [])  # (not fetched yet: it comes anyway)
