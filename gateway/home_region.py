@@ -44,10 +44,12 @@ def bearer_digest(headers: list[tuple[bytes, bytes]]) -> str | None:
     return None
 
 
-async def _answer(send, status: int, message: str, code: str) -> None:
-    body = json.dumps(error_body(message, "invalid_request_error", None, code)).encode()
+async def _answer(send, status: int, message: str, code: str, type_: str = "invalid_request_error",
+                  extra: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+    body = json.dumps(error_body(message, type_, None, code)).encode()
     await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *extra]})
     await send({"type": "http.response.body", "body": body})
 
 
@@ -89,21 +91,22 @@ class HomeRegion:
             target += "?" + scope["query_string"].decode("latin-1")
         headers = [(k, v) for k, v in scope["headers"] if k.lower() not in NOT_FORWARDED]
         headers.append((VIA, self.gateway.region.encode()))
-        body = b""
+        parts: list[bytes] = []
         while True:  # BodyLimits in front of this has already bounded the body
             message = await receive()
             if message["type"] == "http.disconnect":
                 return
-            body += message.get("body", b"")
+            parts.append(message.get("body", b""))
             if not message.get("more_body"):
                 break
-        request = self.client.build_request(scope["method"], target, headers=headers, content=body)
+        request = self.client.build_request(scope["method"], target, headers=headers, content=b"".join(parts))
         try:
             response = await self.client.send(request, stream=True)
         except httpx.HTTPError as exc:
             log.warning("region %s unreachable at %s: %s", home, base_url, exc)
             await _answer(send, 503, f"This API key is at home in region {home}, which cannot be reached "
-                          "right now; try again shortly.", "region_unreachable")
+                          "right now; try again shortly.", "region_unreachable", "service_unavailable",
+                          ((b"retry-after", b"5"),))
             return
         relay = asyncio.create_task(self._relay(response, send, home))
         gone = asyncio.create_task(_disconnected(receive))
@@ -112,8 +115,8 @@ class HomeRegion:
         finally:
             for task in (relay, gone):
                 task.cancel()
-            with contextlib.suppress(BaseException):
-                await gone
+                with contextlib.suppress(BaseException):
+                    await task
             await response.aclose()
         if not relay.cancelled() and relay.done() and relay.exception() is not None:
             log.warning("region %s: the answer was cut: %s", home, relay.exception())

@@ -75,3 +75,76 @@ def test_the_key_is_found_by_its_digest_whatever_the_scheme_is_spelt():
     assert bearer_digest([(b"Authorization", f"bearer  {secret} ".encode())]) == K.digest(secret)
     assert bearer_digest([(b"authorization", b"Basic abc")]) is None
     assert bearer_digest([]) is None
+
+
+# ---------------------------------------------------------------- the home-region middleware, in process
+
+class _Homes:
+    def __init__(self, homes: dict[str, str]) -> None:
+        self.homes = homes
+
+    def home(self, digest: str) -> str | None:
+        return self.homes.get(digest)
+
+
+def _gateway(homes: dict[str, str], regions_: dict[str, str]):
+    from types import SimpleNamespace
+
+    from gateway.metrics import Metrics
+
+    return SimpleNamespace(key_homes=_Homes(homes), region="eu", regions=regions_, metrics=Metrics())
+
+
+async def _local(scope, receive, send):
+    """This region's own app: answers who served it."""
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+    await send({"type": "http.response.body", "body": b"served in eu"})
+
+
+async def _us(scope, receive, send):
+    """The home region's gateway: echoes what it was sent, in two frames."""
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            break
+    headers = dict(scope["headers"])
+    await send({"type": "http.response.start", "status": 201, "headers": [(b"content-type", b"text/event-stream")]})
+    await send({"type": "http.response.body", "body": b"data: " + body + b"\n\n", "more_body": True})
+    await send({"type": "http.response.body", "body": b"via: " + headers.get(b"x-tokenstream-via", b"-")
+                + b" path: " + scope["path"].encode() + b"?" + scope["query_string"]})
+
+
+async def test_a_key_at_home_elsewhere_is_proxied_there_refused_or_passed_through():
+    import httpx
+
+    from gateway.home_region import HomeRegion
+
+    home_us, home_ap, mine = K.new_secret(), K.new_secret(), K.new_secret()
+    gw = _gateway({K.digest(home_us): "us", K.digest(home_ap): "ap", K.digest(mine): "eu"},
+                  {"eu": "http://eu.test", "us": "http://us.test"})
+    middleware = HomeRegion(_local, gw)
+    middleware.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=_us))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=middleware), base_url="http://eu.test") as http:
+        def call(secret, **kw):
+            return http.post("/v1/chat/completions?x=1", content=b'{"q":1}',
+                             headers={"Authorization": f"Bearer {secret}", **kw.pop("headers", {})})
+
+        proxied = await call(home_us)
+        assert proxied.status_code == 201 and proxied.headers["x-tokenstream-region"] == "us"
+        assert proxied.text == 'data: {"q":1}\n\nvia: eu path: /v1/chat/completions?x=1'
+        for secret in (mine, K.new_secret()):  # at home here, or unknown anywhere (then 401 from the routes)
+            assert (await call(secret)).text == "served in eu"
+        refused = await call(home_ap)  # a region without a URL here
+        assert refused.status_code == 421 and refused.json()["error"]["code"] == "wrong_region"
+        assert "region ap" in refused.json()["error"]["message"]
+        looped = await call(home_us, headers={"x-tokenstream-via": "us"})
+        assert looped.status_code == 421
+    gw.regions["us"] = "http://127.0.0.1:9"  # nothing listens there
+    middleware = HomeRegion(_local, gw, connect_timeout_s=1)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=middleware), base_url="http://eu.test") as http:
+        down = await http.get("/v1/models", headers={"Authorization": f"Bearer {home_us}"})
+    assert down.status_code == 503 and down.json()["error"]["code"] == "region_unreachable"
+    assert down.headers["retry-after"] == "5"
+    assert 'region="us"' in gw.metrics.render().decode()
