@@ -15,7 +15,7 @@ from schemas import keys as K
 from tokenstream.stack import regions
 from tokenstream.stack.kafka import Kafka
 from tokenstream.stack.mirror import MirrorMaker
-from topics.access import grants
+from topics.access import MIRROR, grants, users
 from topics.registry import KEY_HOMES, REGISTRY, Role, all_topics, mirror_of
 
 
@@ -50,7 +50,7 @@ def test_mirrormaker_copies_the_mirrored_topics_both_ways_and_names_no_password(
     props = mirror.properties_file.read_text()
     assert "eu->us.enabled = true" in props and "us->eu.enabled = true" in props
     assert "topics = ts\\.key\\.homes\n" in props  # the registry's mirrored topics, and nothing else
-    secrets = {clusters[r].secret("admin") for r in clusters}
+    secrets = {clusters[r].secret(MIRROR) for r in clusters}  # MirrorMaker's own user of each cluster
     assert not any(s in props for s in secrets)  # placeholders: the passwords stay in their own file
     assert "${file:" in props
     assert stat.S_IMODE(mirror.secrets_file.stat().st_mode) == 0o600
@@ -67,6 +67,18 @@ def test_the_gateway_alone_reads_the_other_regions_copies_of_the_key_homes():
     assert not [g for g in grants(specs, peers=()) if g.name.endswith(".ts.key.homes")]
     writers = {g.user for g in grants(specs, peers=()) if g.name == KEY_HOMES.name and g.operation == "write"}
     assert writers == {Role.GATEWAY.value}
+
+
+def test_mirrormaker_is_a_user_of_its_own_with_what_it_needs_only_where_there_are_regions():
+    specs = all_topics(["smollm2"])
+    assert MIRROR not in users(peers=()) and MIRROR in users(peers=("us",))
+    assert not [g for g in grants(specs, peers=()) if g.user == MIRROR]
+    mine = {(g.resource, g.name, g.operation, g.pattern) for g in grants(specs, peers=("us",)) if g.user == MIRROR}
+    assert ("topic", KEY_HOMES.name, "read", "literal") in mine  # the source of eu's copies elsewhere
+    assert ("topic", KEY_HOMES.name, "write", "literal") not in mine  # the gateways alone write it
+    assert ("topic", "us.", "alter_configs", "prefixed") in mine  # us's copies here, their configs in step
+    assert ("group", "us-mm2", "read", "prefixed") in mine
+    assert not [m for m in mine if m[1].startswith("ts.") and m[1] != KEY_HOMES.name]  # no tenant's topic
 
 
 def test_the_key_is_found_by_its_digest_whatever_the_scheme_is_spelt():

@@ -1,7 +1,10 @@
 """`tokenstream stack install | up | down | status`: the local Kafka, Redis and Weaviate on loopback, one
-stack or one per region (`--regions eu,us`, with MirrorMaker 2 between them)."""
+stack or one per region (`--regions eu,us`: each region's stack and topics, and MirrorMaker 2
+between them)."""
 
 from __future__ import annotations
+
+import asyncio
 
 import typer
 from rich.console import Console
@@ -9,6 +12,8 @@ from rich.table import Table
 
 from common.config import settings
 from tokenstream.stack import Stack
+from topics.admin import apply
+from topics.registry import all_topics
 
 app = typer.Typer(help="The local Kafka, Redis and Weaviate on loopback (no Docker).", no_args_is_help=True)
 console = Console()
@@ -84,10 +89,10 @@ def _regions_up(value: str) -> None:
     for name in each_region():
         _say(f"[bold]region {name}[/]")
         Stack.default().up(_say)
-    mirror = regions.mirror(names)
-    mirror.start(_say, wait=False)
-    _say("mirrormaker copies each region's ts.key.homes to the others once `tokenstream --region NAME topics "
-         "apply` has made it there; run a region's roles with `tokenstream --region NAME system up`")
+        # the topics, and the users MirrorMaker and the roles authenticate as (their grants name the regions)
+        asyncio.run(apply(all_topics(settings().models), settings().kafka_bootstrap))
+    regions.mirror(names).start(_say)
+    _say("run a region's roles with `tokenstream --region NAME system up` (or all: `system up --regions`)")
 
 
 def _forget_regions() -> None:

@@ -33,6 +33,15 @@ AUTOSCALER = "autoscaler"
 #: Every broker user: one per role, and the autoscaler. The operator's tools run as `admin`, the super
 #: user (common/kafka_auth.py).
 USERS: tuple[str, ...] = (*(role.value for role in Role), AUTOSCALER)
+#: MirrorMaker 2 between regions (tokenstream/stack/mirror.py): a user of each region's cluster, where
+#: the deployment names regions.
+MIRROR = "mirror"
+
+
+def users(peers: tuple[str, ...] | None = None) -> tuple[str, ...]:
+    """Every broker user of this cluster: the roles', the autoscaler's, and MirrorMaker's with regions."""
+    peers = other_regions() if peers is None else peers
+    return (*USERS, MIRROR) if peers else USERS
 
 
 @dataclass(frozen=True, order=True)
@@ -74,7 +83,27 @@ def grants(specs: list[TopicSpec], peers: tuple[str, ...] | None = None) -> list
             if reader.commit == FAUST_COMMIT:
                 faust_roles.add(reader.role)
     out |= set(_extra(faust_roles))
+    out |= set(_mirroring(specs, peers))
     return sorted(out)
+
+
+def _mirroring(specs: list[TopicSpec], peers: tuple[str, ...]) -> list[Grant]:
+    """What MirrorMaker 2 needs of this cluster, as the source of its mirrored topics and as the target
+    of the peers' copies: read the mirrored topics and their configs; make and write the copies
+    (`<peer>.<topic>`, their configs kept in step, and `<peer>.checkpoints.internal`) and its own
+    topics (`mm2-configs|offsets|status.<peer>.internal`, `mm2-offset-syncs.<peer>.internal`); join the
+    group of the Connect worker that copies each peer's topics here (`<peer>-mm2`)."""
+    if not peers:
+        return []
+    out = [Grant(MIRROR, "topic", spec.name, op) for spec in specs if spec.mirrored
+           for op in ("read", "describe", "describe_configs")]
+    out += [Grant(MIRROR, "topic", "mm2-", op, "prefixed")
+            for op in ("create", "read", "write", "describe", "describe_configs")]
+    for peer in peers:
+        out += [Grant(MIRROR, "topic", f"{peer}.", op, "prefixed")
+                for op in ("create", "read", "write", "describe", "describe_configs", "alter_configs")]
+        out += [Grant(MIRROR, "group", f"{peer}-mm2", op, "prefixed") for op in ("read", "describe")]
+    return out
 
 
 def other_regions() -> tuple[str, ...]:

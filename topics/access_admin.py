@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from common import kafka_auth
-from topics.access import USERS, Grant, grants
+from topics.access import Grant, grants, users
 from topics.registry import TopicSpec
 
 SCRAM_ITERATIONS = 8192
@@ -43,7 +43,7 @@ def _grant(binding) -> Grant | None:
 
 def passwords(folder: Path | None) -> dict[str, str]:
     """Each role user's password from `folder`, made for a user without one."""
-    return {} if folder is None else {user: kafka_auth.ensure_password(folder, user) for user in USERS}
+    return {} if folder is None else {user: kafka_auth.ensure_password(folder, user) for user in users()}
 
 
 def _apply(specs: list[TopicSpec], bootstrap: str, folder: Path | None) -> tuple[list[str], list[Grant]]:

@@ -7,9 +7,10 @@ else is copied: a tenant's requests, tokens and files stay on their home region'
 gateways send a key's requests home, gateway/home_region.py).
 
 One process (MirrorMaker's dedicated mode, `org.apache.kafka.connect.mirror.MirrorMaker`), as the
-operator's `admin` user of each cluster. Their passwords stay in a file of their own (mode 0600) that
-the properties name through Kafka's FileConfigProvider: the connector configurations MirrorMaker
-stores on the target clusters hold placeholders, never a password of the other region.
+user `mirror` of each cluster, whose ACLs allow what it does there and nothing more
+(topics/access.py, `_mirroring`; made by each region's `topics apply`). Its passwords stay in a file
+of their own (mode 0600) that the properties name through Kafka's FileConfigProvider: the connector
+configurations MirrorMaker stores on the target clusters hold placeholders, never a password.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from common import secret_files
-from tokenstream.stack.kafka import ADMIN, SCRAM
+from tokenstream.stack.kafka import SCRAM
+from topics.access import MIRROR
 from tokenstream.stack.service import Service, ServiceError
 
 MIRROR_VERSION = "4.3.1"  # connect-mirror: the newest the registry here resolves; it speaks to 4.4 brokers
@@ -105,7 +107,7 @@ class MirrorMaker(Service):
                 props |= {f"{region}.security.protocol": "SASL_PLAINTEXT", f"{region}.sasl.mechanism": SCRAM,
                           f"{region}.sasl.jaas.config":
                               "org.apache.kafka.common.security.scram.ScramLoginModule required "
-                              f'username="{ADMIN}" password="${{file:{self.secrets_file}:{region}}}";'}
+                              f'username="{MIRROR}" password="${{file:{self.secrets_file}:{region}}}";'}
             for other in regions:
                 if other != region:
                     props[f"{region}->{other}.enabled"] = "true"
@@ -113,7 +115,7 @@ class MirrorMaker(Service):
 
     def prepare(self) -> None:
         secret_files.write(self.secrets_file, "".join(
-            f"{region}={kafka.secret(ADMIN)}\n" for region, kafka in self.clusters.items() if kafka.secure))
+            f"{region}={kafka.secret(MIRROR)}\n" for region, kafka in self.clusters.items() if kafka.secure))
         self.properties_file.write_text("".join(f"{k} = {v}\n" for k, v in self.properties().items()))
         log4j = next(iter(self.clusters.values()))
         log4j = getattr(log4j, "nodes", [log4j])[0].data_dir / "log4j2.properties"
