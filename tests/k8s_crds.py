@@ -1,6 +1,6 @@
 """Structural schemas of the custom resources deploy/k8s uses, written from the CRDs' documented
 fields (KEDA keda.sh/v1alpha1 ScaledObject with a kafka trigger, Strimzi kafka.strimzi.io/v1beta2
-KafkaTopic and KafkaUser, KEDA's TriggerAuthentication, prometheus-operator monitoring.coreos.com/v1
+KafkaTopic, KafkaUser and KafkaMirrorMaker2, KEDA's TriggerAuthentication, prometheus-operator monitoring.coreos.com/v1
 PrometheusRule).
 
 kubernetes-validate knows the built-in kinds only; these schemas check what each operator
@@ -82,6 +82,35 @@ KAFKA_USER = _resource("kafka.strimzi.io/v1beta2", "KafkaUser", {
                                   "host": {"type": "string"}, "type": {"enum": ["allow", "deny"]}}}}}},
         "quotas": {"type": "object"}, "template": {"type": "object"}},
 })
+_SCRAM = {"type": "object", "required": ["type", "username", "passwordSecret"], "additionalProperties": False,
+          "properties": {"type": {"const": "scram-sha-512"}, "username": {"type": "string"},
+                         "passwordSecret": {"type": "object", "required": ["secretName", "password"],
+                                            "additionalProperties": False,
+                                            "properties": {"secretName": {"type": "string"},
+                                                           "password": {"type": "string"}}}}}
+_CONNECTOR = {"type": "object", "additionalProperties": False,
+              "properties": {"tasksMax": {"type": "integer", "minimum": 1}, "config": {
+                  "type": "object", "additionalProperties": {"type": ["string", "integer", "boolean"]}}}}
+KAFKA_MIRROR_MAKER_2 = _resource("kafka.strimzi.io/v1beta2", "KafkaMirrorMaker2", {
+    "type": "object", "required": ["connectCluster", "clusters"], "additionalProperties": False,
+    "properties": {
+        "version": {"type": "string"}, "replicas": {"type": "integer", "minimum": 0},
+        "connectCluster": {"type": "string"},
+        "clusters": {"type": "array", "minItems": 2, "items": {
+            "type": "object", "required": ["alias", "bootstrapServers"], "additionalProperties": False,
+            "properties": {"alias": {"type": "string"}, "bootstrapServers": {"type": "string"},
+                           "authentication": _SCRAM, "tls": {"type": "object"},
+                           "config": {"type": "object", "additionalProperties": {
+                               "type": ["string", "integer", "boolean"]}}}}},
+        "mirrors": {"type": "array", "minItems": 1, "items": {
+            "type": "object", "required": ["sourceCluster", "targetCluster"], "additionalProperties": False,
+            "properties": {"sourceCluster": {"type": "string"}, "targetCluster": {"type": "string"},
+                           "sourceConnector": _CONNECTOR, "checkpointConnector": _CONNECTOR,
+                           "heartbeatConnector": _CONNECTOR, "topicsPattern": {"type": "string"},
+                           "topicsExcludePattern": {"type": "string"}, "groupsPattern": {"type": "string"},
+                           "groupsExcludePattern": {"type": "string"}}}},
+        "resources": {"type": "object"}, "template": {"type": "object"}, "logging": {"type": "object"}},
+})
 TRIGGER_AUTHENTICATION = _resource("keda.sh/v1alpha1", "TriggerAuthentication", {
     "type": "object", "additionalProperties": False,
     "properties": {"secretTargetRef": {"type": "array", "minItems": 1, "items": {
@@ -105,5 +134,6 @@ PROMETHEUS_RULE = _resource("monitoring.coreos.com/v1", "PrometheusRule", {
 SCHEMAS = {("keda.sh/v1alpha1", "ScaledObject"): SCALED_OBJECT,
            ("kafka.strimzi.io/v1beta2", "KafkaTopic"): KAFKA_TOPIC,
            ("kafka.strimzi.io/v1beta2", "KafkaUser"): KAFKA_USER,
+           ("kafka.strimzi.io/v1beta2", "KafkaMirrorMaker2"): KAFKA_MIRROR_MAKER_2,
            ("keda.sh/v1alpha1", "TriggerAuthentication"): TRIGGER_AUTHENTICATION,
            ("monitoring.coreos.com/v1", "PrometheusRule"): PROMETHEUS_RULE}

@@ -457,7 +457,8 @@ async def test_a_key_at_home_in_eu_is_served_by_eu_through_the_us_gateway_and_no
         system: System, stack, tmp_path):
     """Residency: the session's stack is region eu, a second cluster region us (tests/regions_support.py).
     A key made in eu is served through us's gateway by eu's pipeline, and nothing of its tenant reaches
-    us's cluster or stores, while eu's cluster does hold it (the scan's positive control)."""
+    us's cluster or stores (nor eu's broker passwords: MirrorMaker's connector configs there hold placeholders),
+    while eu's cluster does hold it (the scan's positive control)."""
     from tests.regions_support import environment, files_holding, records_on, topics_holding, two_regions
     from topics import CHAT_REQUESTS, KEY_HOMES
 
@@ -477,7 +478,7 @@ async def test_a_key_at_home_in_eu_is_served_by_eu_through_the_us_gateway_and_no
 
         written = await records_on(regions.us.kafka)
         assert set(written) <= {KEY_HOMES.name}, written  # no request, token or tool event of anyone in us
-        needles = [tenant.encode(), marker.encode(), stack.kafka.secret("admin").encode()]
+        needles = [tenant.encode(), marker.encode(), *(stack.kafka.secret(u).encode() for u in ("admin", "mirror"))]
         digest = hashlib.sha256(key.encode()).hexdigest().encode()  # what alone may cross: the key's home
         in_us = await topics_holding(regions.us.kafka, [*needles, digest])  # every record, decompressed
         assert in_us.pop(digest) == {"eu." + KEY_HOMES.name}  # (the scan finds what is there)

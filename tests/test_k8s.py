@@ -88,7 +88,7 @@ def replace(resources: list[dict], rule: dict) -> None:
                 node[last] = str(value) if isinstance(node[last], str) else value
 
 
-FOLDERS = [K8S / "base", K8S / "overlays" / "canary", K8S / "monitoring"]
+FOLDERS = [K8S / "base", K8S / "overlays" / "canary", K8S / "overlays" / "region-eu", K8S / "monitoring"]
 
 
 @pytest.mark.parametrize("folder", FOLDERS, ids=lambda p: p.name)
@@ -142,6 +142,24 @@ def test_the_kafka_users_are_what_the_registry_generates():
                        if r["kind"] == "KafkaUser" and r["metadata"]["name"] == "worker"]
     names = {acl["resource"]["name"] for acl in canary_worker["spec"]["authorization"]["acls"]}
     assert {"ts.inference.smollm2", "ts.inference.smollm2-v2", "worker.smollm2-v2"} <= names
+
+
+def test_the_regions_users_are_what_the_registry_generates():
+    """The region overlay's KafkaUsers: MirrorMaker's, new, and the others whose grants name the other region."""
+    folder = K8S / "overlays" / "region-eu"
+    base = {u["metadata"]["name"]: u for u in strimzi_users(all_topics(["smollm2"]), "tokenstream", peers=())}
+    region = strimzi_users(all_topics(["smollm2"]), "tokenstream", peers=("us",))
+    assert (folder / "kafkauser-mirror.yaml").read_text() == to_yaml(
+        [u for u in region if u["metadata"]["name"] not in base], "strimzi-users")
+    assert (folder / "kafkausers-region.yaml").read_text() == to_yaml(
+        [u for u in region if u["metadata"]["name"] in base and base[u["metadata"]["name"]] != u], "strimzi-users")
+    [config] = [r for r in build(folder) if r["kind"] == "ConfigMap" and r["metadata"]["name"] == "tokenstream-config"]
+    assert config["data"]["TOKENSTREAM_REGION"] == "eu" and set(json.loads(config["data"]["TOKENSTREAM_REGIONS"])) == {
+        "eu", "us"}
+    [mirror] = [r for r in build(folder) if r["kind"] == "KafkaMirrorMaker2"]
+    assert [(m["sourceCluster"], m["targetCluster"], m["topicsPattern"]) for m in mirror["spec"]["mirrors"]] == [
+        ("us", "eu", "ts\\.key\\.homes")]  # the registry's mirrored topic, nothing else
+    assert {c["authentication"]["username"] for c in mirror["spec"]["clusters"]} == {"mirror"}
 
 
 @pytest.mark.parametrize("folder", [K8S / "base", K8S / "overlays" / "canary"], ids=lambda p: p.name)

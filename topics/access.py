@@ -127,9 +127,9 @@ def _extra(faust_roles: set[Role]) -> list[Grant]:
     return extra
 
 
-def by_user(specs: list[TopicSpec]) -> dict[str, list[Grant]]:
-    """grants(specs), per user (every role's user listed, even one without grants)."""
-    out: dict[str, list[Grant]] = {user: [] for user in USERS}
-    for grant in grants(specs):
+def by_user(specs: list[TopicSpec], peers: tuple[str, ...] | None = None) -> dict[str, list[Grant]]:
+    """grants(specs, peers), per user (every user of `users(peers)` listed, even one without grants)."""
+    out: dict[str, list[Grant]] = {user: [] for user in users(peers)}
+    for grant in grants(specs, peers):
         out[grant.user].append(grant)
     return out

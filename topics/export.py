@@ -42,13 +42,15 @@ def strimzi_topics(specs: list[TopicSpec], cluster: str, replicas: int) -> list[
     return out
 
 
-def strimzi_users(specs: list[TopicSpec], cluster: str) -> list[dict]:
-    """One KafkaUser per role (SCRAM-SHA-512), its ACLs the grants of `specs`, one entry per resource."""
+def strimzi_users(specs: list[TopicSpec], cluster: str, peers: tuple[str, ...] | None = None) -> list[dict]:
+    """One KafkaUser per role (SCRAM-SHA-512), its ACLs the grants of `specs`, one entry per resource;
+    with `peers` (default: the settings' other regions), MirrorMaker's too."""
     out = []
-    for user, user_grants in by_user(specs).items():
+    for user, user_grants in by_user(specs, peers).items():
         acls: dict[tuple[str, str, str], list[str]] = {}
-        for g in user_grants:
-            acls.setdefault((g.resource, g.name, g.pattern), []).append(g.operation.replace("_", " ").title())
+        for g in user_grants:  # describe_configs -> DescribeConfigs, Strimzi's spelling
+            acls.setdefault((g.resource, g.name, g.pattern), []).append(
+                "".join(word.title() for word in g.operation.split("_")))
         out.append({"apiVersion": STRIMZI_API, "kind": "KafkaUser",
                     "metadata": {"name": user, "labels": {"strimzi.io/cluster": cluster}},
                     "spec": {"authentication": {"type": "scram-sha-512"},
