@@ -22,7 +22,7 @@ METADATA = {"request_id", "conversation_id", "tenant", "model", "assistant", "ga
             "figures", "require", "pending_request_id", "seen_request_ids", "error_type", "source_topic",
             "consumer_group", "payload", "key", "headers", "vector_store_id", "file_id", "action", "generation",
             "digest", "partitions", "topic", "offsets", "record_digests", "prev_head", "head", "key_id",
-            "signature", "kind", "audio_key", "language", "shadow_of", "sampling", "usage", "timings"}
+            "signature", "kind", "audio_key", "language", "shadow_of", "sampling", "usage", "timings", "region"}
 
 
 def _texty(annotation) -> bool:
