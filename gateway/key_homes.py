@@ -39,22 +39,15 @@ class KeyHomes:
         self.topics = [KEY_HOMES.name, *(mirror_of(KEY_HOMES, r) for r in sorted(regions) if r != region)]
         self.homes: dict[str, str] = {}
         self.caught_up = False
-        self._tasks: list[asyncio.Task] = []
 
     def home(self, digest: str) -> str | None:
         """The region the key hashing to `digest` is at home in, if any region published it."""
         return self.homes.get(digest)
 
-    async def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._follow(), name="key-homes-follow"),
-                       asyncio.create_task(self._publish(), name="key-homes-publish")]
-
-    async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(BaseException):
-                await task
+    def tasks(self) -> list[asyncio.Task]:
+        """Start following the topics and publishing this region's keys (the caller cancels them)."""
+        return [asyncio.create_task(self._follow(), name="key-homes-follow"),
+                asyncio.create_task(self._publish(), name="key-homes-publish")]
 
     async def _follow(self) -> None:
         while True:

@@ -101,7 +101,7 @@ class Gateway:
         self._tasks.append(asyncio.create_task(self.admission.run(), name="gateway-admission"))
         self._tasks.append(asyncio.create_task(self.inflight.run(), name="gateway-inflight"))
         if self.key_homes is not None:
-            await self.key_homes.start()
+            self._tasks += self.key_homes.tasks()
 
     async def _connect(self) -> None:
         while True:
@@ -141,8 +141,6 @@ class Gateway:
         for task in self._tasks:
             with contextlib.suppress(BaseException):
                 await task
-        if self.key_homes is not None:
-            await self.key_homes.stop()
         await self.admission.close()
         await self.canceller.close()
         await self.semantic_cache.close()

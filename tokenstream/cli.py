@@ -13,7 +13,16 @@ from common.config import settings
 from tokenstream.keys_cli import app as keys_app
 from tokenstream.keys_cli import local_key
 from tokenstream.stack import Stack
-from tokenstream.stack_cli import BROKERS, REGIONS, each_region, print_status, stack_down, stack_up, use_brokers
+from tokenstream.stack_cli import (
+    BROKERS,
+    REGIONS,
+    each_region,
+    mirror_status,
+    print_status,
+    stack_down,
+    stack_up,
+    use_brokers,
+)
 from tokenstream.stack_cli import app as stack_app
 
 app = typer.Typer(help="tokenstream: LLM serving as an event-driven pipeline over Apache Kafka.",
@@ -111,7 +120,7 @@ def system_status() -> None:
         for status in [*Stack.default().status(), *(r.status() for r in _roles())]:
             status.name = f"{region}: {status.name}" if region else status.name
             rows.append(status)
-    print_status("process", rows)
+    print_status("process", rows + mirror_status())
 
 
 def _specs(models: list[str] | None):

@@ -153,18 +153,21 @@ def stack_down() -> None:
 @app.command("status")
 def stack_status() -> None:
     """A table of the local services (of every region, with MirrorMaker)."""
-    from tokenstream.stack import regions
-
     rows = []
     for region in each_region():
         for status in Stack.default().status():
             if region:
                 status.name = f"{region}: {status.name}"
             rows.append(status)
+    print_status("service", rows + mirror_status())
+
+
+def mirror_status() -> list:
+    """MirrorMaker's row, where this machine runs regions (and no one region was named)."""
+    from tokenstream.stack import regions
+
     names = regions.recorded()
-    if names and not settings().region:
-        rows.append(regions.mirror(names).status())
-    print_status("service", rows)
+    return [regions.mirror(names).status()] if names and not settings().region else []
 
 
 def print_status(kind: str, statuses) -> None:
