@@ -86,9 +86,11 @@ async def two_regions(eu: Stack, roles, root: Path, model: str):
             service.stop(print)
 
 
-def files_holding(folder: Path, needle: bytes) -> list[Path]:
-    """Every file of a Redis's folder whose bytes contain `needle` (its append-only files, snapshots)."""
-    return [p for p in folder.rglob("*") if p.is_file() and needle in p.read_bytes()]
+def files_holding(folder: Path, needle: bytes, suffix: str = "") -> list[Path]:
+    """Every file under `folder` (named `*suffix`) whose bytes contain `needle`: a Redis's append-only
+    files and snapshots; a broker's log segments (suffix ".log": its index files are 10 MiB of sparse
+    offsets each)."""
+    return [p for p in folder.rglob(f"*{suffix}") if p.is_file() and needle in p.read_bytes()]
 
 
 async def _ready(url: str, proc, roles) -> bool:

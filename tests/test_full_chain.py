@@ -483,8 +483,10 @@ async def test_a_key_at_home_in_eu_is_served_by_eu_through_the_us_gateway_and_no
         in_us = await topics_holding(regions.us.kafka, [*needles, digest])  # every record, decompressed
         assert in_us.pop(digest) == {"eu." + KEY_HOMES.name}  # (the scan finds what is there)
         assert not any(in_us.values()), in_us
-        for needle in needles:
+        for needle in needles:  # and the raw bytes of us's log segments and Redis files
             assert not files_holding(regions.us.redis.data_dir, needle), needle
+            assert not files_holding(regions.us.kafka.data_dir, needle, ".log"), needle
+        assert files_holding(regions.us.kafka.data_dir, digest, ".log")  # (MirrorMaker's copy is not compressed)
         in_eu = await topics_holding(stack.kafka, needles[:1], [CHAT_REQUESTS.name])  # (the scan's control)
         assert in_eu[needles[0]] == {CHAT_REQUESTS.name}
 

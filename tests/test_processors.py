@@ -366,15 +366,20 @@ async def test_router_overflows_to_the_fallback_while_the_primary_lags(processor
             ends.setdefault(meta.partition, meta.offset)
         await commit_offsets(bootstrap, "worker.primary-x",
                              {TopicPartition(primary.name, p): o for p, o in ends.items()})
+        fallback_topic = inference_topic("fallback-x").name
         async with Tap(inference_topic("fallback-x")) as fallback, Tap(primary) as direct:
             await first_routed(producer, fallback, "primary-x")  # the router has sampled the backlog
-            request = InferenceRequest(request_id=rid(), model="primary-x", reply_partition=1,
+            # the fallback's workers take what it was sent (its own wait stays within the budget: 2 s
+            # at 1 request/s, so at most two requests the router may not have seen taken yet)
+            await commit_offsets(bootstrap, "worker.fallback-x", None, topic=fallback_topic)
+            request = InferenceRequest(request_id=rid(), model="primary-x", reply_partition=1, priority=2,
                                        messages=[ChatMessage(role="user", content="hello")])
             await publish(producer, SCREENED, request)
             [moved] = await fallback.wait_for(by_id(request.request_id), timeout=30)
+            await commit_offsets(bootstrap, "worker.fallback-x", None, topic=fallback_topic)
             # the next request on its partition is routed too: nothing of it went to the primary before
             marker = InferenceRequest(request_id=key_on_partition_of(request.request_id, SCREENED.partitions),
-                                      model="primary-x", messages=[])
+                                      model="primary-x", messages=[], priority=2)
             await publish(producer, SCREENED, marker)
             # wherever it went (a loaded suite has taken over 30 s here once): then it must be the fallback
             deadline = time.monotonic() + 90

@@ -12,8 +12,6 @@ from rich.table import Table
 
 from common.config import settings
 from tokenstream.stack import Stack
-from topics.admin import apply
-from topics.registry import all_topics
 
 app = typer.Typer(help="The local Kafka, Redis and Weaviate on loopback (no Docker).", no_args_is_help=True)
 console = Console()
@@ -80,6 +78,8 @@ def stack_up(brokers: int | None = BROKERS, regions: str = REGIONS) -> None:
 
 def _regions_up(value: str) -> None:
     from tokenstream.stack import regions
+    from topics.admin import apply
+    from topics.registry import all_topics
 
     try:
         names = regions.parse(value)
