@@ -57,7 +57,6 @@ class HomeRegion:
     def __init__(self, app, gateway, connect_timeout_s: float = 5.0, read_timeout_s: float = 300.0) -> None:
         """`gateway`: the instance's Gateway (its key_homes, region and the regions' URLs)."""
         self.app, self.gateway = app, gateway
-        self.regions = dict(gateway.regions)
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(read_timeout_s, connect=connect_timeout_s),
                                         follow_redirects=False)
 
@@ -71,7 +70,7 @@ class HomeRegion:
         if home is None or home == self.gateway.region:
             await self.app(scope, receive, send)
             return
-        url = self.regions.get(home)
+        url = self.gateway.regions.get(home)
         self.gateway.metrics.home_region.labels(home).inc()
         if scope["type"] == "websocket":
             where = f"connect to {url}" if url else "use that region's endpoint"

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,26 +18,9 @@ from tests.gateway_support import free_port, start_gateway
 from tests.kafka_support import wait_for
 from tokenstream.stack import Stack
 from tokenstream.stack.mirror import MirrorMaker
-from tokenstream.stack.stack import _folders
+from tokenstream.stack.stack import _folders, used
 from topics.admin import apply
 from topics.registry import REGISTRY, all_topics
-
-
-@contextlib.contextmanager
-def environment(values: dict[str, str]):
-    """This process's settings as `values` say, for the duration (then as before)."""
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    settings.cache_clear()
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        settings.cache_clear()
 
 
 @dataclass
@@ -67,9 +49,9 @@ async def two_regions(eu: Stack, roles, root: Path, model: str):
             service.start(print)
             started.append(service)
         regions = {"TOKENSTREAM_REGIONS": json.dumps(urls)}
-        with environment({**us.environment(), **regions, "TOKENSTREAM_REGION": "us"}):
+        with used({**us.environment(), **regions, "TOKENSTREAM_REGION": "us"}):
             await apply(all_topics([model]), us.kafka.address)
-        with environment({**regions, "TOKENSTREAM_REGION": "eu"}):  # eu's gateway may read us's copy
+        with used({**regions, "TOKENSTREAM_REGION": "eu"}):  # eu's gateway may read us's copy
             await apply(all_topics([model]), eu.kafka.address)
         mirror.start(print, wait=False)  # (its copies appear while the gateways start)
         started.append(mirror)

@@ -459,7 +459,8 @@ async def test_a_key_at_home_in_eu_is_served_by_eu_through_the_us_gateway_and_no
     A key made in eu is served through us's gateway by eu's pipeline, and nothing of its tenant reaches
     us's cluster or stores (nor eu's broker passwords: MirrorMaker's connector configs there hold placeholders),
     while eu's cluster does hold it (the scan's positive control)."""
-    from tests.regions_support import environment, files_holding, records_on, topics_holding, two_regions
+    from tests.regions_support import files_holding, records_on, topics_holding, two_regions
+    from tokenstream.stack.stack import used
     from topics import CHAT_REQUESTS, KEY_HOMES
 
     tenant, marker = f"eu-tenant-{uuid.uuid4().hex[:8]}", f"zebra{uuid.uuid4().hex[:8]}"
@@ -491,7 +492,7 @@ async def test_a_key_at_home_in_eu_is_served_by_eu_through_the_us_gateway_and_no
         assert in_eu[needles[0]] == {CHAT_REQUESTS.name}
 
         # a key whose home has no gateway here: 421 naming it, never served locally
-        with environment({"TOKENSTREAM_REGION": "ap"}):  # made in a region this deployment has no gateway of
+        with used({"TOKENSTREAM_REGION": "ap"}):  # made in a region this deployment has no gateway of
             stray = new_key(f"ap-tenant-{uuid.uuid4().hex[:8]}")
         producer = await start_producer(stack.kafka.address)
         try:

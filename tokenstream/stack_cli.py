@@ -113,29 +113,17 @@ def each_region():
     """Make this process each local region's in turn (yielding its name), or yield '' once without regions
     (or when `--region` already named one); the settings are the region's while the caller runs, and
     are as before once the loop ends."""
-    import os
-
     from tokenstream.stack import regions
-    from tokenstream.stack.stack import use
+    from tokenstream.stack.stack import used
 
     names = regions.recorded()
     if not names or settings().region:
         yield settings().region
         return
     base = settings()
-    envs = {name: regions.environment(regions.region_settings(name, names, base)) for name in names}
-    before = {k: os.environ.get(k) for k in envs[names[0]]}
-    try:
-        for name in names:
-            use(envs[name])
+    for name in names:
+        with used(regions.environment(regions.region_settings(name, names, base))):
             yield name
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        settings.cache_clear()
 
 
 @app.command("down")

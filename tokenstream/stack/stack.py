@@ -3,6 +3,7 @@ Redis, Weaviate."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -103,6 +104,24 @@ def use(environment: dict[str, str]) -> None:
 
     os.environ.update(environment)
     settings.cache_clear()
+
+
+@contextlib.contextmanager
+def used(environment: dict[str, str]):
+    """`use(environment)` for the duration of the block, then the variables it named as they were."""
+    import os
+
+    before = {k: os.environ.get(k) for k in environment}
+    use(environment)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        settings.cache_clear()
 
 
 def _folders(root: Path, cache_dir: Path) -> tuple[Path, Path, Path, Path]:
