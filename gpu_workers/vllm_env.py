@@ -202,12 +202,17 @@ def ensure_worker_deps(say: Callable[[str], None] = print) -> tuple[bool, str]:
 def vllm_env(threads: int | None = None, ranks: int = 1) -> dict[str, str]:
     """Environment for running vLLM on CPU as its docs advise: thread binding (the cores split into one
     group per rank when a model is sharded over `ranks` processes, "0|1" for two on two cores),
-    tcmalloc, Intel OpenMP."""
+    tcmalloc, Intel OpenMP. With more ranks than cores (SmolLM2's 9 heads shard over 3, this VM has 2)
+    no rank can have a core of its own: each runs one unbound thread and the OS shares the cores."""
     env = dict(os.environ)
     threads = threads or os.cpu_count() or 1
-    per = max(1, threads // ranks)
-    env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
-        f"{r * per}" if per == 1 else f"{r * per}-{r * per + per - 1}" for r in range(ranks))
+    if ranks > threads:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+        env["OMP_NUM_THREADS"] = "1"
+    else:
+        per = threads // ranks
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+            f"{r * per}" if per == 1 else f"{r * per}-{r * per + per - 1}" for r in range(ranks))
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env["HF_HUB_OFFLINE"] = env["TRANSFORMERS_OFFLINE"] = "1"
     env["VLLM_NO_USAGE_STATS"] = "1"
