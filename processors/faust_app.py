@@ -214,4 +214,8 @@ def run(app: faust.App, loglevel: str = "warn", warm_up: Callable[[], object] | 
         warm_up()
         log.info("%s warmed up in %.1fs", app.conf.id, time.monotonic() - started)
     at_least_once(app)
-    Worker(app, loglevel=loglevel, quiet=True).execute_from_commandline()
+    worker = Worker(app, loglevel=loglevel, quiet=True)
+    # faust's progress spinner writes terminal escapes (cursor hide/show) even when its output is a log
+    # file, not a terminal: a processor is never run for a person's screen, so it has none
+    worker.spinner = None
+    worker.execute_from_commandline()

@@ -42,7 +42,7 @@ from tokenstream.chaos.verify import drained
 from tokenstream.shadow.gate import new_gate, record
 from topics import CHAT_REQUESTS, CONTROL, CONVERSATION_TURNS, PREPARED, SCREENED, TOKENS, VERDICTS, inference_topic
 from topics.admin import apply
-from topics.registry import all_topics
+from topics.registry import all_topics, processor_group
 
 pytestmark = pytest.mark.slow
 
@@ -621,6 +621,19 @@ async def test_kill9_of_the_conversation_processor_mid_stream_loses_and_duplicat
     """The reduced form of the drill below, for make test: one kill -9 amid 20 requests. Its restart
     recovers the history table and resumes from the last committed offsets (processors.delivery)."""
     await kill_drill(processors, 20, {8: "conversation"})
+
+
+async def test_a_processor_at_its_default_log_level_writes_plain_text(processors, bootstrap):
+    """faust's start-up spinner wrote cursor escapes into the log at the default level (warning). A
+    second router is started as an operator starts one and stopped once it has joined its group."""
+    proc = processors.roles.start("processor", "router", env=processors.env, name="processor-router-default")
+    try:
+        await group_settled(bootstrap, processor_group("router"), 2)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    text = processors.roles.log(proc)
+    assert "\x1b" not in text, text[:300]
 
 
 @pytest.mark.heavy  # a kill -9 drill of each processor in turn: make test-all
