@@ -28,6 +28,8 @@ def worker(
     pipeline_parallel_size: int = typer.Option(None, help="vllm backend: split the layers into this many stages"),
     cpu_kernels: bool = typer.Option(None, "--cpu-kernels/--no-cpu-kernels", help="own engine on a CPU: its decode "
                                      "kernel and Llama forward where built (default on)"),
+    threads: int = typer.Option(None, help="CPU threads of the engine's kernels (default: every core; several "
+                                "workers on one host: each its share)"),
     max_running: int = typer.Option(None, help="most requests in the running batch"),
     prefill_chunk: int = typer.Option(None, help="most prompt tokens prefilled per step"),
     metrics_port: int = typer.Option(None, help="serve Prometheus metrics on this port"),
@@ -43,7 +45,8 @@ def worker(
     given = dict(backend=backend, model=model, model_path=model_path, dtype=dtype, quantization=quantization, device=device,
                  device_map=device_map, kv_blocks=kv_blocks, block_size=block_size,
                  enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
-                 pipeline_parallel_size=pipeline_parallel_size, cpu_kernels=cpu_kernels, max_running=max_running,
+                 pipeline_parallel_size=pipeline_parallel_size, cpu_kernels=cpu_kernels, threads=threads,
+                 max_running=max_running,
                  prefill_chunk=prefill_chunk, metrics_port=metrics_port, worker_id=worker_id,
                  step_delay_s=step_delay)
     if (backend or os.environ.get("TOKENSTREAM_WORKER_BACKEND")) == "vllm":
@@ -86,7 +89,11 @@ def _into_vllm_venv(given: dict) -> None:
     from gpu_workers.config import WorkerConfig
 
     cfg = WorkerConfig(**{k: v for k, v in given.items() if v is not None})
-    env = vllm_env(ranks=cfg.tensor_parallel_size * cfg.pipeline_parallel_size)
+    ranks = cfg.tensor_parallel_size * cfg.pipeline_parallel_size
+    env = vllm_env(ranks=ranks)
+    if cfg.threads:  # a share of this host's cores: unbound (binding would pin every such worker to core 0)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+        env["OMP_NUM_THREADS"] = str(max(1, cfg.threads // ranks))
     env[VENV_FLAG] = "1"
     py = str(vllm_python())
     os.execve(py, [py, "-m", "tokenstream.cli", "worker", *sys.argv[sys.argv.index("worker") + 1:]], env)

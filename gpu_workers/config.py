@@ -36,6 +36,9 @@ class WorkerConfig(BaseSettings):
     cpu_kernels: bool = Field(True, description="own engine on a CPU: its decode-attention kernel and, for a "
                               "Llama, its own forward on fused kernels, where built (gpu_workers/cpu_kernels.py); "
                               "false: SDPA and transformers' forward")
+    threads: int | None = Field(None, ge=1, description="CPU threads of the engine's kernels (default: every "
+                                "core); several workers on one host each take their share of the cores, or "
+                                "their OpenMP teams spin against each other")
     max_model_len: int | None = Field(None, ge=16, description="longest prompt + output, in tokens (default: "
                                       "the model's context, common.models.context_length)")
 

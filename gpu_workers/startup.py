@@ -10,6 +10,8 @@ import logging
 import math
 import os
 
+import torch
+
 from gpu_workers.config import WorkerConfig
 from gpu_workers.engine import Engine
 from gpu_workers.health import WorkerHealth
@@ -75,6 +77,8 @@ async def _own_engine(cfg: WorkerConfig, metrics: WorkerMetrics, health: WorkerH
                                           ("--pipeline-parallel-size", cfg.pipeline_parallel_size > 1)) if given]
     if vllm_only:  # (the own engine shards a model over GPUs with --device-map auto)
         raise SystemExit(f"worker: {', '.join(vllm_only)}: vLLM options (--backend vllm), not the own engine's")
+    if cfg.threads:  # before the first parallel region: the torch thread's team is this size from the start
+        await on_torch_thread(torch.set_num_threads, cfg.threads)
     if loaded is None:
         loaded = await on_torch_thread(model_loader.load, cfg.model, cfg.model_path, cfg.dtype, cfg.quantization,
                                        cfg.device, cfg.device_map)
@@ -96,11 +100,12 @@ async def _own_engine(cfg: WorkerConfig, metrics: WorkerMetrics, health: WorkerH
                                    cpu_kernels=cfg.cpu_kernels)
     log.info("worker: device=%s model=%s (%s, %.1fM params) dtype=%s quantization=%s "
              "kv budget=%d pages x %d tokens = %d tokens (%.1f MiB) context=%d max_running=%d prefill_chunk=%d "
-             "decode kernel=%s own llama forward=%s metrics=%s",
+             "decode kernel=%s own llama forward=%s threads=%d metrics=%s",
              loaded.device, cfg.model, loaded.source, loaded.params / 1e6, loaded.dtype, loaded.quantization,
              cache.allocator.num_blocks, cache.block_size, cache.capacity_tokens, cache.nbytes() / 2**20,
              engine.max_model_len, cfg.max_running, cfg.prefill_chunk, "on" if engine.decode_kernel else "off",
-             "on" if engine.llama_step is not None else "off", cfg.metrics_port or "off")
+             "on" if engine.llama_step is not None else "off", await on_torch_thread(torch.get_num_threads),
+             cfg.metrics_port or "off")
     return engine, server
 
 

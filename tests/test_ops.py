@@ -60,7 +60,11 @@ def test_instances_get_their_own_names_ports_and_gateway_partitions(tmp_path):
     assert roles["tools"].args == ["tools", "--health-port", "9450"]
     assert roles["tools"].probe_url == "http://127.0.0.1:9450/health/ready"
     assert roles["worker"].probe_url == "http://127.0.0.1:9400/health/ready"
-    assert roles["worker-2"].args[-1] == "9401" and roles["worker"].args[-1] == "9400"
+    share = str(max(1, (os.cpu_count() or 1) // 2))  # two workers on this host: each half the cores
+    assert roles["worker"].args == ["worker", "--model", "smollm2", "--metrics-port", "9400", "--threads", share]
+    assert roles["worker-2"].args == ["worker", "--model", "smollm2", "--metrics-port", "9401", "--threads", share]
+    one = {r.name: r for r in instances(folders(tmp_path), ["smollm2"], 8000, 9400, Wanted(tmp_path / "s.json", {}))}
+    assert "--threads" not in one["worker"].args  # a worker alone on its host: every core
     assert roles["gateway-2"].args == ["gateway", "--port", "8001", "--instance-index", "1", "--instance-count", "2"]
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import random
 import tempfile
 import time
@@ -127,6 +128,7 @@ async def run(minutes: float, *, clients: int = 3, every_s: float = 20.0, stall_
         quiet = bool(faults) and warm_at < faults[0].at
         baseline = worst_stall(outcomes, warm_at, faults[0].at - 1.0) if quiet else None
         say(f"chaos: load stopped after {time.time() - started:.0f} s; checking the log and the lag")
+        _timeline(root / "timeline.jsonl", started, faults, outcomes)
         answers = await read_answers(system.stack.kafka.address, {o.rid for o in outcomes}, started - 5)
         report = Report(time.time() - started, faults, judge(outcomes, answers), every_s=every_s,
                         refused=sum(u.refused for u in users), unacknowledged=sum(u.unacknowledged for u in users),
@@ -136,6 +138,23 @@ async def run(minutes: float, *, clients: int = 3, every_s: float = 20.0, stall_
         supervisor_stop.set()
         await supervisor
         return report
+
+
+def _timeline(path: Path, started: float, faults: list[Fault], outcomes: list[Outcome]) -> None:
+    """Every fault and every request on the drill's clock (seconds since its start), one JSON line each,
+    beside the roles' logs: where a slow recovery's time went (sent, first frame, longest gap, end)."""
+    def at(t: float | None) -> float | None:
+        return None if t is None else round(t - started, 3)
+
+    with path.open("w") as out:
+        for f in faults:
+            out.write(json.dumps({"fault": f.kind, "target": f.target, "at": at(f.at), "ended": at(f.ended_at)}) + "\n")
+        for o in sorted(outcomes, key=lambda o: o.sent):
+            gaps = [(b - a, a) for a, b in zip([o.sent, *o.arrivals], o.arrivals)]
+            gap, gap_at = max(gaps) if gaps else (None, None)
+            out.write(json.dumps({"request": o.rid, "sent": at(o.sent), "first": at(o.arrivals[0] if o.arrivals else None),
+                                  "finished": at(o.finished_at), "frames": len(o.arrivals), "resumes": o.resumes,
+                                  "longest_wait": gap and round(gap, 3), "waited_from": at(gap_at)}) + "\n")
 
 
 async def _user(client: Client, index: int, outcomes: list[Outcome], stop: asyncio.Event, key: str) -> None:

@@ -117,6 +117,7 @@ class LocalSystem:
 
     # ---------------------------------------------------------------- lifecycle
     async def __aenter__(self) -> LocalSystem:
+        from tokenstream.stack.roles import worker_threads
         from tokenstream.stack.service import free_port
         from tokenstream.stack.stack import use
         from topics.admin import apply
@@ -134,10 +135,11 @@ class LocalSystem:
         for i in range(self.instances):
             for name in PROCESSORS:
                 self.add(f"{name}-{i}", name, "processor", name, env=self.processor_env)
+        share = [] if "--threads" in self.worker_args else worker_threads(self.workers)
         for i in range(self.workers):
             port = free_port()
             self.add(f"worker-{i}", "worker", "worker", "--model", self.model, "--metrics-port", str(port),
-                     "--worker-id", f"worker-{i}", *self.worker_args,
+                     "--worker-id", f"worker-{i}", *share, *self.worker_args,
                      probe=f"http://127.0.0.1:{port}/metrics")
         count = len(self.gateway_envs)
         for index, (name, env) in enumerate(self.gateway_envs.items()):

@@ -81,3 +81,17 @@ class Role(Service):
             ok, why = group_ready(self.group, "127.0.0.1")  # a local process, as the broker sees it
             return Status(self.name, True, ok, pid, self.address, self.log_file, detail="" if ok else why)
         return super().status()
+
+
+def worker_threads(workers: int) -> list[str]:
+    """The `worker` options that give each of `workers` workers on this host its share of the cores.
+
+    A worker's kernels run on an OpenMP team of one thread per core by default. Two such teams on
+    the same cores spin at their barriers waiting for threads the other team holds: on 2 cores two
+    workers serving 3 streams between them took 84% of a core each and several seconds per answer
+    (`tokenstream chaos`, 2026-12-06)."""
+    import os
+
+    if workers <= 1:
+        return []
+    return ["--threads", str(max(1, (os.cpu_count() or 1) // workers))]

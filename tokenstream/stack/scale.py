@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tokenstream.stack.roles import Role
+from tokenstream.stack.roles import Role, worker_threads
 from topics.registry import CHAT_REQUESTS, PREPARED, SCREENED, TOKENS, TOOL_CALLS, inference_topic, processor_group
 
 SCALABLE = ("conversation", "safety", "router", "tools", "worker", "gateway")
@@ -106,12 +106,14 @@ def instances(folders: tuple[Path, Path, Path, Path], models: list[str], gateway
     roles += [Role("notary", ["audit", "notarize", "--follow"], folders, settle_s=3.0)
               for _ in range(min(1, wanted.count("notary")))]
     port = worker_metrics_port
+    workers = {model: wanted.count("worker") if m == 0 else wanted.counts.get(f"worker:{model}", 0)
+               for m, model in enumerate(models)}
+    share = worker_threads(sum(workers.values()))  # every worker of every model runs on this host
     for m, model in enumerate(models):
-        key = "worker" if m == 0 else f"worker:{model}"
         base = "worker" if m == 0 else f"worker.{model}"
-        for i in range(wanted.count(key) if m == 0 or key in wanted.counts else 0):
-            roles.append(Role(named(base, i), ["worker", "--model", model, "--metrics-port", str(port)], folders,
-                              probe_url=f"http://127.0.0.1:{port}/health/ready"))
+        for i in range(workers[model]):
+            roles.append(Role(named(base, i), ["worker", "--model", model, "--metrics-port", str(port), *share],
+                              folders, probe_url=f"http://127.0.0.1:{port}/health/ready"))
             port += 1
     n = wanted.count("gateway")
     for i in range(n):
