@@ -102,10 +102,12 @@ async def test_each_turn_of_a_conversation_is_served_where_its_prefix_is(stack, 
     try:
         for name in ("conversation", "safety", "router"):
             roles.start("processor", name, "--loglevel", "info", name=f"processor-{name}")
+        # two workers on this host: each its share of the cores (`worker --threads`), as `system up` gives them
         workers = [roles.start("worker", "--model", model, "--model-path", str(smollm2_dir()), "--worker-id", w,
-                               name=f"worker-{w}") for w in ("A", "B")]
+                               "--threads", "1", name=f"worker-{w}") for w in ("A", "B")]
         for w in workers:
             await asyncio.to_thread(wait_for_log, roles, w, "worker ready", 300)
+            assert " threads=1 " in roles.log(w)  # the torch thread's team, as torch reports it there
         url, _ = await asyncio.to_thread(start_gateway, roles, [model], timeout=120)
         client = api_client(url, timeout=120)
         conversation = f"conv-{uuid.uuid4().hex[:8]}"
