@@ -89,6 +89,11 @@ class Roles:
         self.procs.append(proc)
         return proc
 
+    def start_processors(self, env: dict[str, str] | None = None) -> dict[str, subprocess.Popen]:
+        """The conversation, safety and router processors, logging at info."""
+        return {name: self.start("processor", name, "--loglevel", "info", env=env, name=f"processor-{name}")
+                for name in ("conversation", "safety", "router")}
+
     def log(self, proc: subprocess.Popen) -> str:
         return Path(proc.log_path).read_text(errors="replace")  # type: ignore[attr-defined]
 

@@ -42,9 +42,7 @@ class System:
               tools: bool = False) -> System:
         asyncio.run(apply(all_topics([MODEL]), stack.kafka.address))
         system = cls(Roles(stack, log_dir))
-        for name in ("conversation", "safety", "router"):
-            system.procs[name] = system.roles.start("processor", name, "--loglevel", "info",
-                                                    env=processor_env, name=f"processor-{name}")
+        system.procs.update(system.roles.start_processors(processor_env))
         if tools:  # (started now: it loads its embedder while the worker loads its model)
             from tests.tool_support import sandbox_root, tools_env
 

@@ -55,8 +55,7 @@ class Chain:
         self.model = f"smollm2-{backend[:4]}-{uuid.uuid4().hex[:6]}"
         asyncio.run(apply(all_topics([self.model]), self.bootstrap))
         self.roles = Roles(stack, log_dir)
-        for name in ("conversation", "safety", "router"):
-            self.roles.start("processor", name, "--loglevel", "info", name=f"processor-{name}")
+        self.roles.start_processors()
         extra = ("--backend", "vllm", "--enforce-eager", "--dtype", "float32") if backend == "vllm" else ()
         self.workers, self.metrics = {}, {}
         for wid in ("A", "B"):

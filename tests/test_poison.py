@@ -37,8 +37,7 @@ async def test_poison_on_every_input_topic_is_dead_lettered_and_the_next_event_s
     # the requests here back by a minute
     for group in ("ts-conversation", "ts-safety"):
         await caught_up(group, TOKENS, stack.kafka.address)
-    for name in ("conversation", "safety", "router"):
-        roles.start("processor", name, "--loglevel", "info", name=f"processor-{name}")
+    roles.start_processors()
     loaded = await asyncio.to_thread(load, "tiny", build(tmp_path / "tiny"))
     stop, ready = asyncio.Event(), asyncio.Event()
     worker = asyncio.create_task(run_worker(WorkerConfig(model=model, worker_id="poisoned"), stop, loaded=loaded,

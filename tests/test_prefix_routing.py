@@ -100,8 +100,7 @@ async def test_each_turn_of_a_conversation_is_served_where_its_prefix_is(stack, 
     await apply(all_topics([model]), stack.kafka.address)
     roles = Roles(stack, tmp_path)
     try:
-        for name in ("conversation", "safety", "router"):
-            roles.start("processor", name, "--loglevel", "info", name=f"processor-{name}")
+        roles.start_processors()
         # two workers on this host: each its share of the cores (`worker --threads`), as `system up` gives them
         workers = [roles.start("worker", "--model", model, "--model-path", str(smollm2_dir()), "--worker-id", w,
                                "--threads", "1", name=f"worker-{w}") for w in ("A", "B")]

@@ -41,8 +41,7 @@ def sharded(stack, tmp_path_factory):
     asyncio.run(apply(all_topics([model]), stack.kafka.address))
     roles = Roles(stack, tmp_path_factory.mktemp("tensor-parallel"))
     try:
-        for name in ("conversation", "safety", "router"):
-            roles.start("processor", name, "--loglevel", "info", name=f"processor-{name}")
+        roles.start_processors()
         worker = roles.start("worker", "--model", model, "--model-path", str(smollm2_dir()), "--backend", "vllm",
                              "--enforce-eager", "--dtype", "float32", "--tensor-parallel-size", "3",
                              "--max-running", "4", name="worker-tp3")

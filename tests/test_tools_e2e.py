@@ -45,8 +45,7 @@ def system(stack, tmp_path_factory):
     asyncio.run(apply(all_topics([MODEL]), stack.kafka.address))
     roles = Roles(stack, tmp_path_factory.mktemp("tools-e2e"))
     try:
-        for name in ("conversation", "safety", "router"):
-            roles.start("processor", name, "--loglevel", "info", name=f"processor-{name}")
+        roles.start_processors()
         worker = roles.start("worker", "--model", MODEL, "--model-path", str(smollm2_dir()), "--max-running", "64",
                              "--kv-blocks", "2048", "--prefill-chunk", "1024", name="worker")
         wait_for_log(roles, worker, "worker ready", 300)
