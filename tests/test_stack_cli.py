@@ -69,3 +69,26 @@ def test_stack_up_twice_is_harmless_and_down_leaves_nothing(tmp_path: Path):
     assert down.stdout.count("stopped") == 4
     assert processes_under(tmp_path) == []
     assert "stopped" in cli(env, "stack", "status").stdout
+
+
+def test_system_up_without_regions_starts_the_stack_then_the_roles(tmp_path: Path, monkeypatch):
+    """`make run`'s command: `system up` calls the stack's command as a function; without --regions it
+    must start one stack, not take typer's option object for a list of regions (it did, and crashed).
+    The stack and the roles are not started here (the test above starts a stack; make run the rest)."""
+    from typer.testing import CliRunner
+
+    from common.config import settings
+    from tokenstream import cli as ts_cli
+    from tokenstream.stack.stack import Stack
+
+    monkeypatch.setenv("TOKENSTREAM_DATA_DIR", str(tmp_path / "data"))
+    settings.cache_clear()
+    done: list[str] = []
+    monkeypatch.setattr(Stack, "up", lambda self, say=print: done.append("stack"))
+    monkeypatch.setattr(ts_cli, "_system_up", lambda: done.append("roles"))
+    try:
+        result = CliRunner().invoke(ts_cli.app, ["system", "up"])
+    finally:
+        settings.cache_clear()
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    assert done == ["stack", "roles"]

@@ -86,7 +86,7 @@ def system_up(brokers: int | None = BROKERS, regions: str = REGIONS) -> None:
             _say(f"\n[bold]region {name}[/]")
             _system_up()
         return
-    stack_up(brokers)
+    stack_up(brokers, None)  # (called as a function: typer's option defaults are not values here)
     _system_up()
 
 
