@@ -29,9 +29,12 @@ CODE_TOOL = tp.FunctionDef(
     name="code_interpreter",
     description="Run Python code in a sandbox and get its output. Files written in the working folder "
                 "stay there for later calls of this conversation. Print what you want to see.",
-    # minLength: a forced call cannot be `{"code": ""}` (the grammar holds the model to some code)
-    parameters={"type": "object", "properties": {"code": {"type": "string", "minLength": 1}}, "required": ["code"],
-                "additionalProperties": False})
+    # The grammar holds a forced call to code that starts as Python does (a name, a number, a bracket, a
+    # comment, a decorator, a string): not `{"code": ""}`, and not a string opened on `}}` that runs on
+    # with prose (what SmolLM2 wrote when only one character was required, until its token limit). No
+    # example in a description: the model copies it instead of the user's code.
+    parameters={"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Za-z_(\\[0-9#@'-][\\s\\S]*$"}},
+                "required": ["code"], "additionalProperties": False})
 WEB_TOOL = tp.FunctionDef(
     name="web_fetch", description="Fetch a web page (from the hosts the operator allows) and read its text.",
     parameters={"type": "object", "properties": {"url": {"type": "string", "minLength": 8}}, "required": ["url"],
