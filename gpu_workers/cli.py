@@ -89,11 +89,7 @@ def _into_vllm_venv(given: dict) -> None:
     from gpu_workers.config import WorkerConfig
 
     cfg = WorkerConfig(**{k: v for k, v in given.items() if v is not None})
-    ranks = cfg.tensor_parallel_size * cfg.pipeline_parallel_size
-    env = vllm_env(ranks=ranks)
-    if cfg.threads:  # a share of this host's cores: unbound (binding would pin every such worker to core 0)
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
-        env["OMP_NUM_THREADS"] = str(max(1, cfg.threads // ranks))
+    env = vllm_env(ranks=cfg.tensor_parallel_size * cfg.pipeline_parallel_size, share=cfg.threads)
     env[VENV_FLAG] = "1"
     py = str(vllm_python())
     os.execve(py, [py, "-m", "tokenstream.cli", "worker", *sys.argv[sys.argv.index("worker") + 1:]], env)

@@ -199,16 +199,18 @@ def ensure_worker_deps(say: Callable[[str], None] = print) -> tuple[bool, str]:
     return True, ""
 
 
-def vllm_env(threads: int | None = None, ranks: int = 1) -> dict[str, str]:
+def vllm_env(threads: int | None = None, ranks: int = 1, share: int | None = None) -> dict[str, str]:
     """Environment for running vLLM on CPU as its docs advise: thread binding (the cores split into one
     group per rank when a model is sharded over `ranks` processes, "0|1" for two on two cores),
-    tcmalloc, Intel OpenMP. With more ranks than cores (SmolLM2's 9 heads shard over 3, this VM has 2)
-    no rank can have a core of its own: each runs one unbound thread and the OS shares the cores."""
+    tcmalloc, Intel OpenMP. Unbound instead, `OMP_NUM_THREADS` per rank, when the ranks cannot each
+    have cores of their own: `share` threads of a host other workers share too (`worker --threads`;
+    binding would pin every such worker to the same first cores), or more ranks than cores (SmolLM2's
+    9 heads shard over 3, this VM has 2: one thread each, the OS shares the cores)."""
     env = dict(os.environ)
     threads = threads or os.cpu_count() or 1
-    if ranks > threads:
+    if share is not None or ranks > threads:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
-        env["OMP_NUM_THREADS"] = "1"
+        env["OMP_NUM_THREADS"] = str(max(1, (share or threads) // ranks))
     else:
         per = threads // ranks
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(

@@ -8,6 +8,7 @@ tokenstream/stack/scale.py), each with a pid file and a log in the stack's folde
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import urllib.error
@@ -90,8 +91,6 @@ def worker_threads(workers: int) -> list[str]:
     the same cores spin at their barriers waiting for threads the other team holds: on 2 cores two
     workers serving 3 streams between them took 84% of a core each and several seconds per answer
     (`tokenstream chaos`, 2026-12-06)."""
-    import os
-
     if workers <= 1:
         return []
     return ["--threads", str(max(1, (os.cpu_count() or 1) // workers))]
