@@ -15,6 +15,7 @@ from typing import Any
 from schemas import Completion, Event, RunSpec, SafetyVerdict, TokenChunk, ToolCallDelta, ToolResult
 from schemas import keys as K
 from schemas.ids import response_id, step_request_id
+from schemas.tools import notebook_logs
 
 IMAGE_TYPES = (".png", ".jpg", ".jpeg", ".gif")  # a code interpreter's files shown as image outputs
 
@@ -285,9 +286,7 @@ class ResponseFramer:
         if not result.ok:
             item["error"] = result.error
         if item["type"] == "code_interpreter_call":
-            logs = (output.get("stdout") or "") + (output.get("stderr") or "")
-            if result.error:
-                logs += ("\n" if logs else "") + result.error
+            logs = notebook_logs(result)
             kept = [f for f in json.loads(result.meta.get("files") or "[]") if f.get("kept")]
             self.kept_files += kept
             item["outputs"] = [{"type": "logs", "logs": logs}, *(

@@ -19,6 +19,9 @@ class RunState(msgspec.Struct, kw_only=True, omit_defaults=True):
     `calls` are the server calls of the current step once its Completion arrived (None before);
     `results` the results that arrived (in any order, before or after it), by call id.
     `written` the completion tokens of the steps answered so far.
+    `asked` holds a digest of each server call of the current step (name and arguments, by call id);
+    `made` a digest of every call the run has made with its outcome (processors.conversation.runs:
+    a step that repeats one of them to the same outcome is going in circles, and the next must answer).
     """
 
     run_id: str
@@ -38,6 +41,8 @@ class RunState(msgspec.Struct, kw_only=True, omit_defaults=True):
     results: dict[str, ToolResult] = msgspec.field(default_factory=dict)
     since: float = 0.0
     written: int = 0  # tokens the answers of the steps so far wrote (RunSpec.max_output_tokens)
+    asked: dict[str, str] = msgspec.field(default_factory=dict)
+    made: list[str] = msgspec.field(default_factory=list)
 
 
 class ConversationHistory(Event, tag="conversation_history"):

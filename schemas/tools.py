@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import ClassVar
 
 import msgspec
@@ -31,3 +32,21 @@ class ToolResult(Event, tag="tool_result"):
     error: str | None = None
     duration_s: float = 0.0
     meta: dict[str, str] = msgspec.field(default_factory=dict)
+
+
+def notebook_logs(result: ToolResult) -> str:
+    """A code_interpreter run as a notebook shows it: what the code printed (stdout, stderr), then its
+    last expression's value (`2**100` alone shows the number), then why it failed where the code's
+    own traceback does not already say so (a limit, a timeout). The client's `logs` and what the model
+    reads of the run are both this."""
+    try:
+        output = json.loads(result.output or "{}")
+    except ValueError:
+        output = {}
+    if not isinstance(output, dict):
+        output = {}
+    logs = str(output.get("stdout") or "") + str(output.get("stderr") or "")
+    for line in (output.get("value"), result.error):
+        if line and line not in logs:
+            logs += ("" if not logs or logs.endswith("\n") else "\n") + str(line)
+    return logs

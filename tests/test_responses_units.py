@@ -19,12 +19,15 @@ from schemas import (
     ChatRequest,
     Completion,
     FunctionCall,
+    FunctionSpec,
     MessageToolCall,
+    OutputSpec,
     RunSpec,
     SamplingParams,
     TokenChunk,
     ToolCallDelta,
     ToolResult,
+    ToolSpec,
     Usage,
     call_id,
     decode,
@@ -80,9 +83,10 @@ def test_max_output_tokens_bounds_the_whole_run_not_each_step():
 
     first = answered(RID, 6)
     assert runs.on_answer(run, first) is run
-    runs.on_result(run, ToolResult(request_id=RID, conversation_id="c", call_id=call_id(RID, 0),
-                                   name="code_interpreter", ok=True, output="{}"))
-    step = runs.next_step(run, "c", "t")
+    ran = ToolResult(request_id=RID, conversation_id="c", call_id=call_id(RID, 0), name="code_interpreter", ok=True,
+                     output="{}")
+    runs.on_result(run, ran)
+    step = runs.next_step(run, [ran])
     assert step.sampling.max_tokens == 4  # 10 - 6
     second = answered(step.request_id, 4)
     assert runs.on_answer(run, second) is None  # spent: no third step
@@ -110,12 +114,44 @@ def test_results_before_or_after_the_answer_advance_the_run_once_in_call_order()
     assert runs.on_answer(run, done) is run and runs.ready(run) is None
     assert runs.on_result(run, result[0])
     assert [r.call_id for r in runs.ready(run)] == calls
-    step = runs.next_step(run, "c", "t")
+    step = runs.next_step(run, runs.ready(run))
     assert step.request_id == step_request_id(RID, 1) and run.step == 1 and runs.ready(run) is None
     assert not runs.on_result(run, result[0])  # of a step left behind (re-read after a restart)
     tool = runs.tool_message(ToolResult(request_id=RID, call_id="x", name="n", ok=False, error="boom"))
     assert tool.role == "tool" and json.loads(tool.content) == {"error": "boom"}
+    ran = ToolResult(request_id=RID, call_id="y", name="code_interpreter", ok=True, output=json.dumps(
+        {"stdout": "", "stderr": "", "value": str(2**100), "files": [{"path": "out.csv", "bytes": 4}], "exit_code": 0}))
+    assert runs.tool_message(ran).content == f"{2**100}\nfiles written: out.csv"  # the number as text, not JSON
+    quiet = msgspec.structs.replace(ran, output=json.dumps({"stdout": "", "value": None}))
+    assert runs.tool_message(quiet).content == "(the code ran and printed nothing)"
     assert decode(encode(request), ChatRequest).run == request.run
+
+
+def test_a_step_that_repeats_a_call_to_the_same_outcome_is_followed_by_an_answer_in_text():
+    """SmolLM2 forced to `print(2**100)` called it again under `auto`, step after step, until the run
+    ended incomplete: the step after a repeat with the same outcome must answer in text. A repeat
+    with a new outcome (the working folder changed, a call that polls) is not circling."""
+    output = OutputSpec(tools=[ToolSpec(function=FunctionSpec(name="code_interpreter"))], tool_choice="required")
+    request = ChatRequest(request_id=RID, conversation_id="c", model="m", messages=[], output=output,
+                          run=RunSpec(server_tools=["code_interpreter"], max_steps=8))
+    run = runs.start(request)
+
+    def step(arguments: str, printed: str, ok: bool = True):
+        rid = runs.current_step(run)
+        call = MessageToolCall(id=call_id(rid, 0), function=FunctionCall(name="code_interpreter", arguments=arguments))
+        assert runs.on_answer(run, Completion(request_id=rid, seq=1, finish_reason="tool_calls", tool_calls=[call]))
+        result = ToolResult(request_id=rid, conversation_id="c", tenant="t", call_id=call.id, name="code_interpreter",
+                            ok=ok, output=json.dumps({"stdout": printed}), error=None if ok else "SyntaxError")
+        assert runs.on_result(run, result)
+        return runs.next_step(run, runs.ready(run)).output.tool_choice
+
+    assert step('{"code": "print(2**100)"}', "1267650600228229401496703205376\n") == "auto"
+    assert step('{"code": "print(len(open(\'log\').read()))"}', "3\n") == "auto"
+    assert step('{"code": "print(len(open(\'log\').read()))"}', "6\n") == "auto"  # the same call, a new outcome
+    # the first call again, spaced differently: the same call, the same outcome
+    assert step('{ "code" : "print(2**100)" }', "1267650600228229401496703205376\n") == "none"
+    assert step('{"code": "100 + 100 = 200"}', "", ok=False) == "auto"
+    assert step('{"code": "100 + 100 = 200"}', "", ok=False) == "none"  # failed the same way again
 
 
 def test_a_commentary_is_read_back_as_one_turn_with_the_calls_after_it():
@@ -212,6 +248,23 @@ def test_a_runs_events_fold_into_openais_stream_events_the_same_in_any_batching(
     assert final["output"][0]["code"] == "print(42)"
     assert final["output"][1]["content"][0]["text"] == "It is 42."
     assert fold([[e] for e in events])[1] == out  # one event at a time: the same stream
+
+
+def test_a_bare_expressions_value_shows_in_the_logs_after_what_the_code_printed():
+    """`2**100` alone prints nothing; a notebook (which OpenAI's interpreter is) shows its value, so
+    the logs do too, after the printed lines and before a failure's reason."""
+    spec, events = _events_of_a_two_step_run()
+
+    def logs(output: dict, error: str | None = None) -> str:
+        events[4] = msgspec.structs.replace(events[4], ok=error is None, error=error, output=json.dumps(output))
+        framer = ResponseFramer(RID, spec, base_response(RID, 1, "m", {}), "conv")
+        return (framer.start() + framer.feed(events))[-1]["response"]["output"][0]["outputs"][0]["logs"]
+
+    big = str(2**100)
+    assert logs({"stdout": "", "value": big}) == big
+    assert logs({"stdout": "x", "value": "'y'"}) == "x\n'y'"
+    assert logs({"stdout": "x\n", "stderr": "warn\n", "value": "3"}) == "x\nwarn\n3"
+    assert logs({"stdout": "", "value": None}, error="SyntaxError: invalid syntax") == "SyntaxError: invalid syntax"
 
 
 def test_files_the_code_wrote_are_image_outputs_and_cited_by_the_answer():

@@ -3,12 +3,16 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
 from gateway.file_objects import page
 from schemas.files import file_kind
+from schemas import ToolResult
 from schemas.ids import FILE_ID, VECTOR_STORE_ID, new_file_id, new_vector_store_id
+from schemas.tools import notebook_logs
+from tests.tool_support import sandbox_root
 from tools import seccomp
 from tools.config import ToolSettings
 from tools.sandbox import Budget, Sandbox, budget, folder_usage, undo_writes
@@ -75,3 +79,20 @@ def test_list_pages_follow_openai_cursors():
     assert [i["id"] for i in last["data"]] == ["x3", "x4"] and not last["has_more"]
     assert page(items, limit=10, order="asc", after=None, before="x2")["data"] == items[:2]
     assert page(items, limit=10, order="asc", after="gone", before=None)["data"] == []
+
+
+async def test_a_failing_runs_traceback_is_the_codes_own():
+    """The traceback the code's failure prints starts at the code (as plain Python's does), not in the
+    runner around it; a syntax error shows only where the code is wrong. What the model and the
+    client read of the run (notebook_logs) says the reason once."""
+    sandbox = Sandbox(ToolSettings(sandbox_dir=sandbox_root()))
+    crash = await sandbox.run("t", "conv", "x = 1\n1 / (x - 1)")
+    assert crash.stderr.splitlines() == [
+        "Traceback (most recent call last):", '  File "<code>", line 2, in <module>',
+        "ZeroDivisionError: division by zero"], crash.stderr
+    typo = await sandbox.run("t", "conv", "100 + 100 = 200")
+    assert typo.stderr.startswith('  File "<code>", line 1\n') and "ast.py" not in typo.stderr, typo.stderr
+    assert typo.error.startswith('File "<code>", line 1') and typo.error.endswith("instead of '='?")
+    result = ToolResult(request_id="r", call_id="c", name="code_interpreter", ok=False, error=typo.error,
+                        output=json.dumps({"stdout": typo.stdout, "stderr": typo.stderr, "value": None}))
+    assert notebook_logs(result) == typo.stderr and notebook_logs(result).count("SyntaxError") == 1

@@ -45,7 +45,10 @@ def main():
                 value = repr(result)[: limits["value_chars"]]
     except BaseException as exc:  # noqa: BLE001 - the code's own failure is its output
         error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-        traceback.print_exc()
+        frames = exc.__traceback__  # from the code's first frame on: this runner's are not the code's
+        while frames is not None and frames.tb_frame.f_code.co_filename != "<code>":
+            frames = frames.tb_next
+        traceback.print_exception(type(exc), exc, frames)
     sys.stdout.flush()
     if os.getpid() != me:  # a child the code forked: only the runner itself reports
         os._exit(1)

@@ -240,7 +240,7 @@ async def _advance(state: ConversationHistory, trace) -> None:
         await ledger.once("run-result", result.call_id, lambda r=result: send(
             tokens_out, TOKENS, r, key=r.request_id, partition=run.reply_partition, trace=trace))
     state.messages = [*state.messages, *(runs.tool_message(r) for r in results)]
-    step = runs.next_step(run, results[0].conversation_id, results[0].tenant)
+    step = runs.next_step(run, results)
     if not await _prepare(step, state, trace):
         state.run = None
 

@@ -8,6 +8,7 @@ row and the event, so a processor that re-reads events after a restart reaches t
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 
@@ -16,6 +17,7 @@ import msgspec
 from schemas import ChatMessage, ChatRequest, Completion, ConversationHistory, RunState, SamplingParams, ToolResult
 from schemas.ids import step_request_id
 from schemas.runs import TOOL_MESSAGE_CHARS
+from schemas.tools import notebook_logs
 
 
 def start(request: ChatRequest) -> RunState:
@@ -43,6 +45,7 @@ def on_answer(run: RunState, done: Completion) -> RunState | None:
     if not run.spec.continues(run.step, done, run.written):
         return None
     run.calls = [c.id for c in done.tool_calls]
+    run.asked = {c.id: _digest(c.function.name, _canonical(c.function.arguments)) for c in done.tool_calls}
     return run
 
 
@@ -64,22 +67,59 @@ def ready(run: RunState) -> list[ToolResult] | None:
 
 
 def tool_message(result: ToolResult) -> ChatMessage:
-    """What the model reads of a result: its output (or error), cut to TOOL_MESSAGE_CHARS."""
-    text = result.output if result.ok else json.dumps({"error": result.error or "the tool failed"})
+    """What the model reads of a result, cut to TOOL_MESSAGE_CHARS: a code run as a notebook shows it
+    (a small model quotes a number it reads as text, not one inside a JSON object), another tool's
+    output, or why it failed."""
+    if result.name == "code_interpreter":
+        text = notebook_logs(result) or "(the code ran and printed nothing)"
+        files = _written(result.output)
+        if files:
+            text += ("" if text.endswith("\n") else "\n") + "files written: " + ", ".join(files)
+    else:
+        text = result.output if result.ok else json.dumps({"error": result.error or "the tool failed"})
     if len(text) > TOOL_MESSAGE_CHARS:
         text = text[:TOOL_MESSAGE_CHARS] + " ...[cut]"
     return ChatMessage(role="tool", tool_call_id=result.call_id, name=result.name, content=text)
 
 
-def next_step(run: RunState, conversation_id: str, tenant: str) -> ChatRequest:
-    """Advance `run` to its next step and return that step's request (its history is in the row)."""
+def next_step(run: RunState, results: list[ToolResult]) -> ChatRequest:
+    """Advance `run` past the step whose `results` are in, and return the next step's request (its
+    history is in the row). A step that repeated a call of the run and got the same outcome again
+    (the same code failing the same way, or printing the same number) learnt nothing new: a model
+    that does so is going in circles, so the next step must answer in text instead of calling again."""
+    outcomes = [_digest(run.asked.get(r.call_id, r.call_id), str(r.ok), r.output, r.error or "") for r in results]
+    circling = any(o in run.made for o in outcomes)
+    run.made = [*run.made, *outcomes]
+    output = run.spec.output_for(run.step + 1, run.output)
+    if circling:
+        output = msgspec.structs.replace(output, tool_choice="none", tool_name=None, allowed=[])
     run.step += 1
-    run.calls, run.results, run.since = None, {}, time.time()
-    return ChatRequest(request_id=current_step(run), conversation_id=conversation_id, tenant=tenant,
-                       model=run.model, messages=[], sampling=_within_budget(run),
-                       output=run.spec.output_for(run.step, run.output), assistant=run.assistant,
+    run.calls, run.results, run.asked, run.since = None, {}, {}, time.time()
+    return ChatRequest(request_id=current_step(run), conversation_id=results[0].conversation_id,
+                       tenant=results[0].tenant, model=run.model, messages=[], sampling=_within_budget(run),
+                       output=output, assistant=run.assistant,
                        reply_partition=run.reply_partition, screening=run.screening, tier=run.tier,
                        priority=run.priority, cache_key=run.cache_key)
+
+
+def _written(output: str) -> list[str]:
+    try:
+        files = json.loads(output or "{}").get("files") or []
+    except (ValueError, AttributeError):
+        return []
+    return [str(f.get("path")) for f in files if isinstance(f, dict)]
+
+
+def _canonical(arguments: str) -> str:
+    """Arguments as compact, key-sorted JSON, so spacing and key order do not make a call new."""
+    try:
+        return json.dumps(json.loads(arguments or "{}"), sort_keys=True, separators=(",", ":"))
+    except ValueError:
+        return arguments
+
+
+def _digest(*parts: str) -> str:
+    return hashlib.sha256("\x00".join(parts).encode()).hexdigest()[:16]
 
 
 def _within_budget(run: RunState) -> SamplingParams:
