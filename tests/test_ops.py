@@ -24,6 +24,7 @@ from tokenstream.stack.scale import (
     ScaleError,
     Supervisor,
     Wanted,
+    _changed,
     check_ceiling,
     instances,
     parse_targets,
@@ -65,6 +66,12 @@ def test_instances_get_their_own_names_ports_and_gateway_partitions(tmp_path):
     assert roles["worker-2"].args == ["worker", "--model", "smollm2", "--metrics-port", "9401", "--threads", share]
     one = {r.name: r for r in instances(folders(tmp_path), ["smollm2"], 8000, 9400, Wanted(tmp_path / "s.json", {}))}
     assert "--threads" not in one["worker"].args  # a worker alone on its host: every core
+    # scaling down does not restart a survivor for its thread share (its streams would be cut); an
+    # argument that matters does restart it
+    assert not _changed(roles["worker"].args, one["worker"].args) and not _changed(None, one["worker"].args)
+    assert _changed(roles["worker"].args, [*roles["worker"].args[:-3], "9499", "--threads", share])
+    regional = instances(folders(tmp_path), ["smollm2"], 8000, 9400, Wanted(tmp_path / "s.json", {}), systems=2)
+    assert regional[[r.name for r in regional].index("worker")].args[-2:] == ["--threads", share]  # two regions here
     assert roles["gateway-2"].args == ["gateway", "--port", "8001", "--instance-index", "1", "--instance-count", "2"]
 
 
@@ -182,11 +189,11 @@ async def test_scaling_the_worker_group_up_and_down_keeps_every_stream_intact(st
     and every answer ends gap-free and duplicate-free (the tiny random Llama keeps it fast)."""
     import socket
 
+    from gpu_workers.startup import needed_topics
     from tests.test_worker_kafka import TokenReader, assert_gap_free, request
-    from topics import CONTROL, TOKENS
 
     model = f"tiny-scale-{uuid.uuid4().hex[:6]}"
-    await apply([inference_topic(model), TOKENS, CONTROL], bootstrap)
+    await apply(needed_topics(model), bootstrap)  # every topic a worker checks for at start
     monkeypatch.setenv("TOKENSTREAM_WORKER_MODEL_PATH", str(tiny_model))
     monkeypatch.setenv("TOKENSTREAM_WORKER_STEP_DELAY_S", "0.05")
     run_dir = tmp_path / "run"

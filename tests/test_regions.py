@@ -29,6 +29,8 @@ def test_each_local_region_gets_its_own_ports_folder_and_the_others_urls(tmp_pat
     assert eu.regions == us.regions == {"eu": "http://127.0.0.1:8000", "us": "http://127.0.0.1:8100"}
     for field in ("gateway_port", "worker_metrics_port", "weaviate_http_port", "cache_redis_url"):
         assert getattr(eu, field) != getattr(us, field), field
+    regions.record(names, base)  # each region's roles know how many regions share the host
+    assert regions.recorded(base) == regions.recorded(us) == names and regions.recorded(Settings(data_dir=us.data_dir)) == []
     env = regions.environment(us)  # what a role started as region us reads back
     assert Settings(**{k.removeprefix("TOKENSTREAM_").lower(): json.loads(v) if v[:1] in "[{" else v
                        for k, v in env.items()}).regions == us.regions

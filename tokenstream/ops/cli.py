@@ -84,7 +84,7 @@ def probe(group: str = typer.Option(None, help="the consumer group this process 
 
 def _local():
     """The local stack's run folder, the wanted counts and a supervisor over them."""
-    from tokenstream.stack import Stack
+    from tokenstream.stack import Stack, regions
     from tokenstream.stack.scale import Supervisor, Wanted, instances
 
     cfg, stack = settings(), Stack.default()
@@ -93,7 +93,7 @@ def _local():
 
     def make():
         return instances(stack.folders, cfg.models, cfg.gateway_port, cfg.worker_metrics_port,
-                         Wanted.load(run_dir), cfg.tools_health_port)
+                         Wanted.load(run_dir), cfg.tools_health_port, systems=max(1, len(regions.recorded())))
 
     return wanted, Supervisor(run_dir, make, _say)
 

@@ -28,12 +28,16 @@ def parse(names: str) -> list[str]:
     return out
 
 
-def _record(base: Settings) -> Path:
-    return base.data_dir / "regions.json"
+def _record(cfg: Settings) -> Path:
+    """Where the local regions are recorded: in the machine's data folder, which a local region's own
+    settings (region_settings) name as the grandparent of theirs."""
+    base = cfg.data_dir.parent.parent if cfg.region and cfg.data_dir.parent.name == "regions" else cfg.data_dir
+    return base / "regions.json"
 
 
 def recorded(base: Settings | None = None) -> list[str]:
-    """The regions `stack up --regions` last started on this machine ([] if none)."""
+    """The regions `stack up --regions` last started on this machine ([] if none), from its own
+    settings or from those of one of its regions."""
     path = _record(base or settings())
     return json.loads(path.read_text()) if path.exists() else []
 

@@ -86,10 +86,27 @@ class Wanted:
         return self.counts.get(name, 1)
 
 
+def _changed(recorded: list[str] | None, wanted: list[str]) -> bool:
+    """Whether a running role must restart to take `wanted` arguments. A worker's thread share alone
+    is not a reason: scaling the group down would interrupt the survivors' streams to give them more
+    cores (they take their new share at their next start)."""
+    if recorded is None:
+        return False
+    return _without_threads(recorded) != _without_threads(wanted)
+
+
+def _without_threads(args: list[str]) -> list[str]:
+    if "--threads" not in args:
+        return args
+    at = args.index("--threads")
+    return args[:at] + args[at + 2:]
+
+
 def instances(folders: tuple[Path, Path, Path, Path], models: list[str], gateway_port: int,
-              worker_metrics_port: int, wanted: Wanted, tools_health_port: int = 9450) -> list[Role]:
+              worker_metrics_port: int, wanted: Wanted, tools_health_port: int = 9450, systems: int = 1) -> list[Role]:
     """Every process `wanted` asks for, in start order (processors, the tool processor, the notary, workers,
-    gateways)."""
+    gateways). `systems` is how many such systems share this host (one per local region of `stack up
+    --regions`): their workers share its cores."""
     roles: list[Role] = []
 
     def named(base: str, i: int) -> str:
@@ -108,7 +125,7 @@ def instances(folders: tuple[Path, Path, Path, Path], models: list[str], gateway
     port = worker_metrics_port
     workers = {model: wanted.count("worker") if m == 0 else wanted.counts.get(f"worker:{model}", 0)
                for m, model in enumerate(models)}
-    share = worker_threads(sum(workers.values()))  # every worker of every model runs on this host
+    share = worker_threads(sum(workers.values()) * systems)  # every worker of every model (and region) is here
     for m, model in enumerate(models):
         base = "worker" if m == 0 else f"worker.{model}"
         for i in range(workers[model]):
@@ -182,7 +199,7 @@ class Supervisor:
             self.seen_alive.discard(name)
         for role in roles:
             pid = role.pid()
-            if pid is not None and role.recorded_args() not in (None, role.args):
+            if pid is not None and _changed(role.recorded_args(), role.args):
                 role.stop(self.say)  # its arguments changed (e.g. the gateway count): start it afresh
                 pid = None
                 actions.append(f"restarted {role.name} with new arguments")
