@@ -30,6 +30,9 @@ def worker(
                                      "kernel and Llama forward where built (default on)"),
     threads: int = typer.Option(None, help="CPU threads of the engine's kernels (default: every core; several "
                                 "workers on one host: each its share)"),
+    spin_wait: bool = typer.Option(None, "--spin-wait/--no-spin-wait", help="own engine: its threads spin at "
+                                   "barriers (default; the worker has its cores) or sleep at once (a host shared "
+                                   "with other roles)"),
     max_running: int = typer.Option(None, help="most requests in the running batch"),
     prefill_chunk: int = typer.Option(None, help="most prompt tokens prefilled per step"),
     metrics_port: int = typer.Option(None, help="serve Prometheus metrics on this port"),
@@ -45,13 +48,15 @@ def worker(
     given = dict(backend=backend, model=model, model_path=model_path, dtype=dtype, quantization=quantization, device=device,
                  device_map=device_map, kv_blocks=kv_blocks, block_size=block_size,
                  enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
-                 pipeline_parallel_size=pipeline_parallel_size, cpu_kernels=cpu_kernels, threads=threads,
+                 pipeline_parallel_size=pipeline_parallel_size, cpu_kernels=cpu_kernels, threads=threads, spin_wait=spin_wait,
                  max_running=max_running,
                  prefill_chunk=prefill_chunk, metrics_port=metrics_port, worker_id=worker_id,
                  step_delay_s=step_delay)
     if (backend or os.environ.get("TOKENSTREAM_WORKER_BACKEND")) == "vllm":
         _into_vllm_venv(given)
     cfg = WorkerConfig(**{k: v for k, v in given.items() if v is not None})
+    if not cfg.spin_wait:  # read once, when torch loads OpenMP (nothing above imports torch)
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
     async def main() -> None:
         from gpu_workers.startup import run_worker

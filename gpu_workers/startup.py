@@ -100,12 +100,12 @@ async def _own_engine(cfg: WorkerConfig, metrics: WorkerMetrics, health: WorkerH
                                    cpu_kernels=cfg.cpu_kernels)
     log.info("worker: device=%s model=%s (%s, %.1fM params) dtype=%s quantization=%s "
              "kv budget=%d pages x %d tokens = %d tokens (%.1f MiB) context=%d max_running=%d prefill_chunk=%d "
-             "decode kernel=%s own llama forward=%s threads=%d metrics=%s",
+             "decode kernel=%s own llama forward=%s threads=%d spin_wait=%s metrics=%s",
              loaded.device, cfg.model, loaded.source, loaded.params / 1e6, loaded.dtype, loaded.quantization,
              cache.allocator.num_blocks, cache.block_size, cache.capacity_tokens, cache.nbytes() / 2**20,
              engine.max_model_len, cfg.max_running, cfg.prefill_chunk, "on" if engine.decode_kernel else "off",
              "on" if engine.llama_step is not None else "off", await on_torch_thread(torch.get_num_threads),
-             cfg.metrics_port or "off")
+             os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE", cfg.metrics_port or "off")
     return engine, server
 
 

@@ -62,16 +62,17 @@ def test_instances_get_their_own_names_ports_and_gateway_partitions(tmp_path):
     assert roles["tools"].probe_url == "http://127.0.0.1:9450/health/ready"
     assert roles["worker"].probe_url == "http://127.0.0.1:9400/health/ready"
     share = str(max(1, (os.cpu_count() or 1) // 2))  # two workers on this host: each half the cores
-    assert roles["worker"].args == ["worker", "--model", "smollm2", "--metrics-port", "9400", "--threads", share]
-    assert roles["worker-2"].args == ["worker", "--model", "smollm2", "--metrics-port", "9401", "--threads", share]
+    shared = ["--threads", share, "--no-spin-wait"]  # and threads that sleep, not spin, beside the other roles
+    assert roles["worker"].args == ["worker", "--model", "smollm2", "--metrics-port", "9400", *shared]
+    assert roles["worker-2"].args == ["worker", "--model", "smollm2", "--metrics-port", "9401", *shared]
     one = {r.name: r for r in instances(folders(tmp_path), ["smollm2"], 8000, 9400, Wanted(tmp_path / "s.json", {}))}
-    assert "--threads" not in one["worker"].args  # a worker alone on its host: every core
+    assert "--threads" not in one["worker"].args and "--no-spin-wait" in one["worker"].args  # alone: every core
     # scaling down does not restart a survivor for its thread share (its streams would be cut); an
     # argument that matters does restart it
     assert not _changed(roles["worker"].args, one["worker"].args) and not _changed(None, one["worker"].args)
-    assert _changed(roles["worker"].args, [*roles["worker"].args[:-3], "9499", "--threads", share])
+    assert _changed(roles["worker"].args, [*roles["worker"].args[:-4], "9499", *shared])
     regional = instances(folders(tmp_path), ["smollm2"], 8000, 9400, Wanted(tmp_path / "s.json", {}), systems=2)
-    assert regional[[r.name for r in regional].index("worker")].args[-2:] == ["--threads", share]  # two regions here
+    assert regional[[r.name for r in regional].index("worker")].args[-3:] == shared  # two regions share the host
     assert roles["gateway-2"].args == ["gateway", "--port", "8001", "--instance-index", "1", "--instance-count", "2"]
 
 

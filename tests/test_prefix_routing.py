@@ -10,6 +10,7 @@ import pytest
 
 from processors.router.prefixes import Placement, PrefixMap, by_cache_key
 from schemas import ChatMessage, Completion, InferenceRequest, PrefixHeld, WorkerLoad, conversation_digest
+from tokenstream.stack.roles import shared_host_worker_args
 
 HISTORY = [ChatMessage(role="system", content="Be brief."), ChatMessage(role="user", content="Hi"),
            ChatMessage(role="assistant", content="Hello!")]
@@ -101,12 +102,14 @@ async def test_each_turn_of_a_conversation_is_served_where_its_prefix_is(stack, 
     roles = Roles(stack, tmp_path)
     try:
         roles.start_processors()
-        # two workers on this host: each its share of the cores (`worker --threads`), as `system up` gives them
+        # two workers on this host: each its share of the cores, threads that sleep rather than spin (as
+        # `system up` gives them, tokenstream.stack.roles.shared_host_worker_args)
         workers = [roles.start("worker", "--model", model, "--model-path", str(smollm2_dir()), "--worker-id", w,
-                               "--threads", "1", name=f"worker-{w}") for w in ("A", "B")]
+                               *shared_host_worker_args(2), name=f"worker-{w}") for w in ("A", "B")]
         for w in workers:
             await asyncio.to_thread(wait_for_log, roles, w, "worker ready", 300)
-            assert " threads=1 " in roles.log(w)  # the torch thread's team, as torch reports it there
+            threads = shared_host_worker_args(2)[1]  # the torch thread's team, as torch reports it there
+            assert f" threads={threads} spin_wait=False " in roles.log(w), roles.log(w)[-2000:]
         url, _ = await asyncio.to_thread(start_gateway, roles, [model], timeout=120)
         client = api_client(url, timeout=120)
         conversation = f"conv-{uuid.uuid4().hex[:8]}"

@@ -117,7 +117,7 @@ class LocalSystem:
 
     # ---------------------------------------------------------------- lifecycle
     async def __aenter__(self) -> LocalSystem:
-        from tokenstream.stack.roles import worker_threads
+        from tokenstream.stack.roles import shared_host_worker_args
         from tokenstream.stack.service import free_port
         from tokenstream.stack.stack import use
         from topics.admin import apply
@@ -135,7 +135,8 @@ class LocalSystem:
         for i in range(self.instances):
             for name in PROCESSORS:
                 self.add(f"{name}-{i}", name, "processor", name, env=self.processor_env)
-        share = [] if "--threads" in self.worker_args else worker_threads(self.workers)
+        # (a caller that gives its own --threads chose the share)
+        share = ["--no-spin-wait"] if "--threads" in self.worker_args else shared_host_worker_args(self.workers)
         for i in range(self.workers):
             port = free_port()
             self.add(f"worker-{i}", "worker", "worker", "--model", self.model, "--metrics-port", str(port),

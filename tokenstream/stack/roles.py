@@ -84,13 +84,15 @@ class Role(Service):
         return super().status()
 
 
-def worker_threads(workers: int) -> list[str]:
-    """The `worker` options that give each of `workers` workers on this host its share of the cores.
+def shared_host_worker_args(workers: int) -> list[str]:
+    """The `worker` options for `workers` workers on a host they share with the other roles (the
+    local stacks): each its share of the cores, and OpenMP threads that sleep rather than spin.
 
-    A worker's kernels run on an OpenMP team of one thread per core by default. Two such teams on
-    the same cores spin at their barriers waiting for threads the other team holds: on 2 cores two
-    workers serving 3 streams between them took 84% of a core each and several seconds per answer
-    (`tokenstream chaos`, 2026-12-06)."""
-    if workers <= 1:
-        return []
-    return ["--threads", str(max(1, (os.cpu_count() or 1) // workers))]
+    A worker's kernels run on an OpenMP team of one thread per core, whose threads spin at every
+    barrier before they sleep. Two such teams on the same cores spun against each other: on 2 cores
+    two workers serving 3 streams between them took 84% of a core each and several seconds per
+    answer (`tokenstream chaos`, 2026-12-06). One team alone spins against the broker, the
+    processors and the gateway on the request's path: `bench pipeline`'s overhead p50 was 35.4-35.6
+    ms with spinning threads and 26.7 ms without (bench/RESULTS.md)."""
+    share = ["--threads", str(max(1, (os.cpu_count() or 1) // workers))] if workers > 1 else []
+    return [*share, "--no-spin-wait"]

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tokenstream.stack.roles import Role, worker_threads
+from tokenstream.stack.roles import Role, shared_host_worker_args
 from topics.registry import CHAT_REQUESTS, PREPARED, SCREENED, TOKENS, TOOL_CALLS, inference_topic, processor_group
 
 SCALABLE = ("conversation", "safety", "router", "tools", "worker", "gateway")
@@ -125,7 +125,7 @@ def instances(folders: tuple[Path, Path, Path, Path], models: list[str], gateway
     port = worker_metrics_port
     workers = {model: wanted.count("worker") if m == 0 else wanted.counts.get(f"worker:{model}", 0)
                for m, model in enumerate(models)}
-    share = worker_threads(sum(workers.values()) * systems)  # every worker of every model (and region) is here
+    share = shared_host_worker_args(sum(workers.values()) * systems)  # every model's (and region's) worker is here
     for m, model in enumerate(models):
         base = "worker" if m == 0 else f"worker.{model}"
         for i in range(workers[model]):
