@@ -82,7 +82,10 @@ class Roles:
         log = open(self.log_dir / f"{name}-{len(self.procs)}.log", "wb")
         proc = subprocess.Popen(
             [sys.executable, "-m", "tokenstream.cli", *args],
-            env={**os.environ, **self.stack.environment(), "PYTHONUNBUFFERED": "1", **(env or {})},
+            # every role of the suite shares this host's cores: a worker's threads sleep rather than spin
+            # (as the local stacks run it, tokenstream.stack.roles.shared_host_worker_args)
+            env={**os.environ, **self.stack.environment(), "PYTHONUNBUFFERED": "1",
+                 "TOKENSTREAM_WORKER_SPIN_WAIT": "false", **(env or {})},
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent,
         )
         proc.log_path = log.name  # type: ignore[attr-defined]
