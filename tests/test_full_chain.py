@@ -381,13 +381,15 @@ async def test_input_tokens_counts_what_the_model_reads(system: System):
     assert answered.json()["usage"]["input_tokens"] == plain["input_tokens"]
 
 
+@pytest.mark.heavy  # about 70 s of a headless browser speaking and listening: make test-all (make test keeps
+# speech through the log, tests/test_speech.py)
 @pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="Debian's chromium is not installed")
 async def test_the_chat_page_voice_mode_hears_the_question_and_speaks_the_answer_as_it_streams(
         system: System, tmp_path):
     await voice_round_trip(system.gateways[0], tmp_path, interrupt=False)
 
 
-@pytest.mark.heavy  # the round trip above again (make test has it), then stop pressed mid-answer (about 25 s)
+@pytest.mark.heavy  # the round trip above again, then stop pressed mid-answer (about 25 s)
 async def test_the_chat_page_voice_mode_stop_silences_the_answer_being_spoken(system: System, tmp_path):
     await voice_round_trip(system.gateways[0], tmp_path, interrupt=True)
 
