@@ -46,7 +46,8 @@ def notebook_logs(result: ToolResult) -> str:
     if not isinstance(output, dict):
         output = {}
     logs = str(output.get("stdout") or "") + str(output.get("stderr") or "")
-    for line in (output.get("value"), result.error):
-        if line and line not in logs:
+    value, error = output.get("value"), result.error
+    for line in (value, None if error and error in logs else error):
+        if line:
             logs += ("" if not logs or logs.endswith("\n") else "\n") + str(line)
     return logs

@@ -264,6 +264,7 @@ def test_a_bare_expressions_value_shows_in_the_logs_after_what_the_code_printed(
     assert logs({"stdout": "", "value": big}) == big
     assert logs({"stdout": "x", "value": "'y'"}) == "x\n'y'"
     assert logs({"stdout": "x\n", "stderr": "warn\n", "value": "3"}) == "x\nwarn\n3"
+    assert logs({"stdout": "42\n", "value": "42"}) == "42\n42"  # `print(42); 42` shows both, as a notebook does
     assert logs({"stdout": "", "value": None}, error="SyntaxError: invalid syntax") == "SyntaxError: invalid syntax"
 
 
