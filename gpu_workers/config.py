@@ -43,7 +43,7 @@ class WorkerConfig(BaseSettings):
                             "they sleep (OpenMP's default: the most tokens/s when the worker has its cores to "
                             "itself); false: they sleep at once (OMP_WAIT_POLICY=passive), leaving the cores to the "
                             "roles beside the worker on a shared host (the local stacks set it: the pipeline's "
-                            "overhead p50 went from 35 to 27 ms, a saturated worker's tokens/s down 18%)")
+                            "overhead p50 went from 35.4-35.6 to 25.3-30.4 ms, a saturated worker's tokens/s down 18%)")
     max_model_len: int | None = Field(None, ge=16, description="longest prompt + output, in tokens (default: "
                                       "the model's context, common.models.context_length)")
 

@@ -68,15 +68,10 @@ app.add_typer(system_app, name="system")
 
 
 def _roles():
-    """Every role process wanted locally (one of each unless `tokenstream ops scale` said otherwise); the
-    workers of every local region share this host's cores."""
-    from tokenstream.stack import regions
-    from tokenstream.stack.scale import Wanted, instances
+    """Every role process wanted locally (one of each unless `tokenstream ops scale` said otherwise)."""
+    from tokenstream.stack.scale import local_instances
 
-    cfg, stack = settings(), Stack.default()
-    return instances(stack.folders, cfg.models, cfg.gateway_port, cfg.worker_metrics_port,
-                     Wanted.load(stack.kafka.run_dir), cfg.tools_health_port,
-                     systems=max(1, len(regions.recorded())))
+    return local_instances()
 
 
 @system_app.command("up")

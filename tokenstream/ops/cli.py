@@ -84,18 +84,11 @@ def probe(group: str = typer.Option(None, help="the consumer group this process 
 
 def _local():
     """The local stack's run folder, the wanted counts and a supervisor over them."""
-    from tokenstream.stack import Stack, regions
-    from tokenstream.stack.scale import Supervisor, Wanted, instances
+    from tokenstream.stack import Stack
+    from tokenstream.stack.scale import Supervisor, Wanted, local_instances
 
-    cfg, stack = settings(), Stack.default()
-    run_dir = stack.kafka.run_dir
-    wanted = Wanted.load(run_dir)
-
-    def make():
-        return instances(stack.folders, cfg.models, cfg.gateway_port, cfg.worker_metrics_port,
-                         Wanted.load(run_dir), cfg.tools_health_port, systems=max(1, len(regions.recorded())))
-
-    return wanted, Supervisor(run_dir, make, _say)
+    run_dir = Stack.default().kafka.run_dir
+    return Wanted.load(run_dir), Supervisor(run_dir, local_instances, _say)
 
 
 @app.command("scale")

@@ -93,6 +93,6 @@ def shared_host_worker_args(workers: int) -> list[str]:
     two workers serving 3 streams between them took 84% of a core each and several seconds per
     answer (`tokenstream chaos`, 2026-12-06). One team alone spins against the broker, the
     processors and the gateway on the request's path: `bench pipeline`'s overhead p50 was 35.4-35.6
-    ms with spinning threads and 26.7 ms without (bench/RESULTS.md)."""
+    ms with spinning threads and 25.3-30.4 ms with sleeping ones (bench/RESULTS.md)."""
     share = ["--threads", str(max(1, (os.cpu_count() or 1) // workers))] if workers > 1 else []
     return [*share, "--no-spin-wait"]

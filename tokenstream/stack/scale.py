@@ -86,6 +86,18 @@ class Wanted:
         return self.counts.get(name, 1)
 
 
+def local_instances() -> list[Role]:
+    """Every role process wanted on this machine's stack (the counts `tokenstream ops scale` saved, one
+    of each by default) under the current settings; the workers of every local region share its cores."""
+    from common.config import settings
+    from tokenstream.stack import Stack, regions
+
+    cfg, stack = settings(), Stack.default()
+    return instances(stack.folders, cfg.models, cfg.gateway_port, cfg.worker_metrics_port,
+                     Wanted.load(stack.kafka.run_dir), cfg.tools_health_port,
+                     systems=max(1, len(regions.recorded())))
+
+
 def _changed(recorded: list[str] | None, wanted: list[str]) -> bool:
     """Whether a running role must restart to take `wanted` arguments. A worker's thread share alone
     is not a reason: scaling the group down would interrupt the survivors' streams to give them more
