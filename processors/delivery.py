@@ -23,6 +23,9 @@ kill -9 test; traced with per-record logging of fetch, delivery, commit and seek
 4. faust commits past a single missing offset at the head of a partition (its check is off
    by one), so a record discarded and not yet re-fetched could be skipped for good by the
    next commit. -> `commit_contiguous`: never commit past an offset that was not acked.
+5. faust commits backwards when an ack below the committed offset is in its list (one taken
+   while the committed offset was unknown, around a rebalance). -> `commit_contiguous` drops
+   such acks first (`_forget_committed`).
 
 And one that the compiled (Cython) stream iterator we install does not have: faust's
 pure-Python iterator acknowledges the records it skips during a rebalance, as if processed.
@@ -114,17 +117,36 @@ def rewind_uncommitted(app: faust.App) -> None:
 
 
 def commit_contiguous(app: faust.App) -> None:
-    """Commit a partition only up to its first offset that was not acked."""
+    """Commit a partition only up to its first offset that was not acked, and never backwards."""
     consumer = app.consumer
     new_offset = consumer._new_offset  # noqa: SLF001
 
     def contiguous_offset(tp):
         acked, committed = consumer._acked[tp], consumer._committed_offset[tp]  # noqa: SLF001
+        if acked and committed is not None and min(acked) < committed:
+            _forget_committed(consumer, tp, acked, committed)
         if acked and committed is not None and min(acked) > committed:
             return None  # the record at `committed` was not processed yet: wait for it
         return new_offset(tp)
 
     consumer._new_offset = contiguous_offset  # noqa: SLF001
+
+
+def _forget_committed(consumer, tp, acked: list[int], committed: int) -> None:
+    """Drop acknowledgements of records below the group's committed offset (5).
+
+    Such an ack is taken while the partition's committed offset is unknown: between a rebalance's
+    revocation and the seek to the committed offsets, a record delivered again (or late, from the
+    generation before) finishes, and faust records its ack against no committed offset. faust
+    would then commit just past it, moving the group's offset backwards, and `commit_contiguous`
+    held that partition's commits there for good: the records between were already committed,
+    so nothing delivered them again (lag left after a member joined and another left under load).
+    """
+    stale = [offset for offset in acked if offset < committed]
+    acked[:] = [offset for offset in acked if offset >= committed]
+    consumer._acked_index[tp].difference_update(stale)  # noqa: SLF001
+    log.info("dropped acks of %s[%d] below its committed offset %d: %s", tp.topic, tp.partition, committed,
+             ", ".join(map(str, stale[:10])))
 
 
 def ack_only_processed(app: faust.App) -> None:

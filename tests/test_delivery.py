@@ -155,6 +155,16 @@ def test_no_commit_past_a_record_that_was_not_processed():
     assert first_commit(hardened=False, acked=[4, 5]) == 6  # stock faust skips record 3
 
 
+def test_an_ack_below_the_committed_offset_never_moves_the_commit_backwards():
+    """An ack taken while the committed offset was unknown (around a rebalance) of a record below
+    it: stock faust commits just past it, backwards, and the records between are never delivered
+    again, so commit_contiguous held the partition there for good (lag left after a scale-out)."""
+    assert first_commit(hardened=False, acked=[1]) == 2  # stock faust: 3 -> 2, backwards
+    assert first_commit(hardened=True, acked=[1]) is None
+    assert first_commit(hardened=True, acked=[1, 3, 4]) == 5
+    assert first_commit(hardened=True, acked=[1, 4]) is None  # still waits for 3
+
+
 def ack(hardened: bool, *, during_rebalance: bool) -> list[int]:
     tp = TP(PREPARED, 6)
     app = make(FakeThread(assigned={tp}), hardened=hardened)
