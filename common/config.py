@@ -54,6 +54,8 @@ class Settings(BaseSettings):
     cache_redis_maxmemory: str = Field("256mb", description="maxmemory of the cache Redis `stack up` starts")
     redis_outage_s: float = Field(30.0, gt=0, description="how long a role retries an unreachable Redis "
                                   "(back-off, input held) before it exits for its supervisor to restart it")
+    recovery_stall_s: float = Field(30.0, gt=0, description="how long a processor's table recovery may read "
+                                    "nothing while records are left before it exits for its supervisor to restart it")
     weaviate_host: str = "127.0.0.1"
     weaviate_http_port: int = 8080
     weaviate_grpc_port: int = 50051

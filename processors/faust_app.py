@@ -12,6 +12,7 @@ import faust
 from faust.types import EventT
 
 from processors.delivery import at_least_once
+from processors.recovery_watch import watch_recovery
 from producers.settings import FAUST, faust_liveness
 from schemas import DeadLetter, DecodeError, Erased, Event, TraceContext, decode, encode
 from schemas.headers import EVENT_TYPE as TYPE_HEADER
@@ -214,6 +215,7 @@ def run(app: faust.App, loglevel: str = "warn", warm_up: Callable[[], object] | 
         warm_up()
         log.info("%s warmed up in %.1fs", app.conf.id, time.monotonic() - started)
     at_least_once(app)
+    watch_recovery(app, settings().recovery_stall_s)
     worker = Worker(app, loglevel=loglevel, quiet=True)
     # faust's progress spinner writes terminal escapes (cursor hide/show) even when its output is a log
     # file, not a terminal: a processor is never run for a person's screen, so it has none
