@@ -26,6 +26,10 @@ kill -9 test; traced with per-record logging of fetch, delivery, commit and seek
 5. faust commits backwards when an ack below the committed offset is in its list (one taken
    while the committed offset was unknown, around a rebalance). -> `commit_contiguous` drops
    such acks first (`_forget_committed`).
+6. faust records a commit's offsets as the partition's committed offset even when the commit
+   failed (`already rebalanced`); one that hung across a rebalance (10 s while a broker
+   restarted) then overwrote the offset the new generation had just read from the group, and a
+   stale lower value held `commit_contiguous` for good. -> `record_only_done_commits`.
 
 And one that the compiled (Cython) stream iterator we install does not have: faust's
 pure-Python iterator acknowledges the records it skips during a rebalance, as if processed.
@@ -149,6 +153,25 @@ def _forget_committed(consumer, tp, acked: list[int], committed: int) -> None:
              ", ".join(map(str, stale[:10])))
 
 
+def record_only_done_commits(app: faust.App) -> None:
+    """A commit that did not happen is not recorded as the partitions' committed offsets (6).
+
+    faust's `_commit_offsets` hands `_commit` the offsets and then records that very mapping as
+    committed, whatever `_commit` answered: emptied when the commit failed, it records nothing.
+    A commit fails when the group has rebalanced, and the seek to the committed offsets that ends
+    the rebalance sets them from the group (before this answer or after it; either way right)."""
+    consumer = app.consumer
+    commit = consumer._commit  # noqa: SLF001
+
+    async def commit_or_record_nothing(offsets) -> bool:
+        done = await commit(offsets)
+        if not done and isinstance(offsets, dict):
+            offsets.clear()
+        return done
+
+    consumer._commit = commit_or_record_nothing  # noqa: SLF001
+
+
 def ack_only_processed(app: faust.App) -> None:
     """Refuse an acknowledgement given while a rebalance is in progress (the record was skipped).
 
@@ -188,4 +211,5 @@ def at_least_once(app: faust.App) -> None:
     refetch_discarded(app)
     rewind_uncommitted(app)
     commit_contiguous(app)
+    record_only_done_commits(app)
     ack_only_processed(app)

@@ -67,6 +67,9 @@ class FakeThread:
     async def call_thread(self, fun, *args):
         return await fun(*args)
 
+    async def commit(self, offsets) -> bool:  # what the broker answered: "already rebalanced"
+        return False
+
 
 def make(thread: FakeThread, *, hardened: bool) -> faust.App:
     app = faust.App(f"test-{uuid.uuid4().hex[:8]}", broker="kafka://127.0.0.1:1")
@@ -163,6 +166,23 @@ def test_an_ack_below_the_committed_offset_never_moves_the_commit_backwards():
     assert first_commit(hardened=True, acked=[1]) is None
     assert first_commit(hardened=True, acked=[1, 3, 4]) == 5
     assert first_commit(hardened=True, acked=[1, 4]) is None  # still waits for 3
+
+
+def after_a_failed_commit(hardened: bool) -> int | None:
+    """The group has rebalanced while a commit of 15 was in flight (it hung while a broker restarted);
+    the new generation read 10 from the group. (The consumer's committed offset afterwards.)"""
+    tp = TP(PREPARED, 4)
+    app = make(FakeThread(assigned={tp}), hardened=hardened)
+    app.consumer.assignment = lambda: {tp}
+    app._producer = SimpleNamespace(flush=lambda: asyncio.sleep(0))  # nothing buffered
+    app.consumer._committed_offset[tp] = 10
+    assert asyncio.run(app.consumer._commit_offsets({tp: 15})) is False
+    return app.consumer._committed_offset[tp]
+
+
+def test_a_commit_that_failed_is_not_recorded_as_done():
+    assert after_a_failed_commit(hardened=False) == 15  # stock faust: recorded whatever the answer
+    assert after_a_failed_commit(hardened=True) == 10
 
 
 def ack(hardened: bool, *, during_rebalance: bool) -> list[int]:

@@ -38,7 +38,7 @@ from schemas.keys import conversation_key
 from tests.kafka_support import Tap, group_settled, key_on_partition_of, one_key_per_partition, wait_for
 from common.models import load_tokenizer
 from common.config import settings
-from tokenstream.chaos.verify import drained
+from tokenstream.chaos.verify import drained, partitions_behind
 from tokenstream.shadow.gate import new_gate, record
 from topics import CHAT_REQUESTS, CONTROL, CONVERSATION_TURNS, PREPARED, SCREENED, TOKENS, VERDICTS, inference_topic
 from topics.admin import apply
@@ -587,24 +587,6 @@ async def test_a_member_joining_and_one_leaving_under_load_loses_and_repeats_not
     lag = await drained(bootstrap, group_topics, timeout=60)
     assert not any(lag.values()), (lag, await partitions_behind(bootstrap, group_topics))
 
-
-async def partitions_behind(bootstrap: str, groups: list[tuple[str, str]]) -> list[str]:
-    """Each partition whose group's committed offset is short of its end: "group topic[p] committed/end"."""
-    from producers.lag import LagSampler
-
-    sampler = LagSampler(bootstrap)
-    try:
-        behind = []
-        for group, topic in groups:
-            tps, ends, committed = await sampler._read(topic, group)  # noqa: SLF001 - the per-partition figures
-            for tp in tps:
-                at = committed.get(tp)
-                at = at.offset if at is not None and at.offset >= 0 else None
-                if ends[tp] != (at or 0):
-                    behind.append(f"{group} {topic}[{tp.partition}] {at}/{ends[tp]}")
-        return behind
-    finally:
-        await sampler.close()
 
 
 async def kill_drill(processors, n: int, kills: dict[int, str]) -> None:

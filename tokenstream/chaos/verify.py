@@ -164,3 +164,22 @@ async def drained(bootstrap: str, groups: list[tuple[str, str]], timeout: float)
             await asyncio.sleep(1.0)
     finally:
         await sampler.close()
+
+
+async def partitions_behind(bootstrap: str, groups: list[tuple[str, str]]) -> list[str]:
+    """Each partition whose group's committed offset is short of its end: "group topic[p] committed/end"."""
+    from producers.lag import LagSampler
+
+    sampler = LagSampler(bootstrap)
+    try:
+        behind = []
+        for group, topic in groups:
+            tps, ends, committed = await sampler._read(topic, group)  # noqa: SLF001 - the per-partition figures
+            for tp in tps:
+                at = committed.get(tp)
+                at = at.offset if at is not None and at.offset >= 0 else None
+                if ends[tp] != (at or 0):
+                    behind.append(f"{group} {topic}[{tp.partition}] {at}/{ends[tp]}")
+        return behind
+    finally:
+        await sampler.close()
