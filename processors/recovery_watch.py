@@ -1,7 +1,7 @@
 """A processor whose table recovery stops reading ends, for its supervisor to restart it.
 
 After every rebalance faust rebuilds a processor's tables from their changelog partitions and holds
-the agents until each active one is read to its end. Seen once in about thirty runs of the scale-out
+the agents until each active one is read to its end. Seen once in 37 runs of the scale-out
 test (tests/test_processors.py, 2026-12-06): after a member left, the survivor sought the six
 changelog partitions it took over to their start and no record of them ever arrived. faust warned
 "No event received" every 5 s and went on waiting; the process, a live group member holding every

@@ -67,7 +67,7 @@ class LagSampler:
             await self._consumer.start()
         return self._admin, self._consumer
 
-    async def _read(self, topic: str, group: str) -> tuple[list[TopicPartition], dict, dict]:
+    async def offsets(self, topic: str, group: str) -> tuple[list[TopicPartition], dict, dict]:
         """The topic's partitions, their end offsets and the group's committed offsets."""
         admin, consumer = await self._clients()
         partitions = consumer.partitions_for_topic(topic)
@@ -86,7 +86,7 @@ class LagSampler:
         load = self.loads.setdefault((group, topic), Load(group, topic))
         try:
             async with asyncio.timeout(self.timeout_s):
-                tps, ends, committed = await self._read(topic, group)
+                tps, ends, committed = await self.offsets(topic, group)
         except BaseException:  # a broker that is down, restarting or too slow: start afresh next time
             await self.close()
             raise

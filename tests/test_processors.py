@@ -530,7 +530,7 @@ async def test_canary_weights_change_at_run_time_and_roll_back(processors):
 
 
 # Outside `make test` (make test-all runs it, 40 s): it ended with lag on the ts-conversation group in 2 of
-# 37 runs until a cause was fixed on 2026-12-06 (docs/guarantees.md, known issues); kept heavy as a drill.
+# 37 runs until two causes were fixed on 2026-12-06 (docs/guarantees.md, known issues); kept as a drill.
 @pytest.mark.heavy
 async def test_a_member_joining_and_one_leaving_under_load_loses_and_repeats_nothing(processors, bootstrap):
     """Scale-out then scale-in of the conversation processor, whose table rows move with its partitions,
@@ -586,7 +586,6 @@ async def test_a_member_joining_and_one_leaving_under_load_loses_and_repeats_not
     assert second.poll() is None, processors.roles.log(second)[-3000:]
     lag = await drained(bootstrap, group_topics, timeout=60)
     assert not any(lag.values()), (lag, await partitions_behind(bootstrap, group_topics))
-
 
 
 async def kill_drill(processors, n: int, kills: dict[int, str]) -> None:

@@ -174,7 +174,7 @@ async def partitions_behind(bootstrap: str, groups: list[tuple[str, str]]) -> li
     try:
         behind = []
         for group, topic in groups:
-            tps, ends, committed = await sampler._read(topic, group)  # noqa: SLF001 - the per-partition figures
+            tps, ends, committed = await sampler.offsets(topic, group)
             for tp in tps:
                 at = committed.get(tp)
                 at = at.offset if at is not None and at.offset >= 0 else None
