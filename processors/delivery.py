@@ -127,10 +127,11 @@ def commit_contiguous(app: faust.App) -> None:
 
     def contiguous_offset(tp):
         acked, committed = consumer._acked[tp], consumer._committed_offset[tp]  # noqa: SLF001
-        if acked and committed is not None and min(acked) < committed:
-            _forget_committed(consumer, tp, acked, committed)
-        if acked and committed is not None and min(acked) > committed:
-            return None  # the record at `committed` was not processed yet: wait for it
+        if acked and committed is not None:
+            if min(acked) < committed:
+                _forget_committed(consumer, tp, acked, committed)
+            if acked and min(acked) > committed:
+                return None  # the record at `committed` was not processed yet: wait for it
         return new_offset(tp)
 
     consumer._new_offset = contiguous_offset  # noqa: SLF001

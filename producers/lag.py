@@ -32,6 +32,7 @@ class Load:
     sampled_at: float = 0.0
     samples: deque[tuple[float, int]] = field(default_factory=deque)
     baseline: dict[int, int] = field(default_factory=dict)
+    behind: dict[int, tuple[int, int]] = field(default_factory=dict)  # partition -> (committed, end) with lag
 
     def wait_s(self, min_rate: float) -> float:
         return self.lag / max(self.rate, min_rate)
@@ -67,7 +68,7 @@ class LagSampler:
             await self._consumer.start()
         return self._admin, self._consumer
 
-    async def offsets(self, topic: str, group: str) -> tuple[list[TopicPartition], dict, dict]:
+    async def _read(self, topic: str, group: str) -> tuple[list[TopicPartition], dict, dict]:
         """The topic's partitions, their end offsets and the group's committed offsets."""
         admin, consumer = await self._clients()
         partitions = consumer.partitions_for_topic(topic)
@@ -86,7 +87,7 @@ class LagSampler:
         load = self.loads.setdefault((group, topic), Load(group, topic))
         try:
             async with asyncio.timeout(self.timeout_s):
-                tps, ends, committed = await self.offsets(topic, group)
+                tps, ends, committed = await self._read(topic, group)
         except BaseException:  # a broker that is down, restarting or too slow: start afresh next time
             await self.close()
             raise
@@ -95,12 +96,15 @@ class LagSampler:
             load.lag, load.partitions, load.sampled_at = 0, 0, now
             return load
         lag = done = 0
+        load.behind = {}
         for tp in tps:
             base = load.baseline.setdefault(tp.partition, ends[tp])
             meta = committed.get(tp)
             at = meta.offset if meta is not None and meta.offset >= 0 else base
             lag += max(0, ends[tp] - at)
             done += at
+            if ends[tp] > at:
+                load.behind[tp.partition] = (at, ends[tp])
         load.samples.append((now, done))
         while len(load.samples) > 2 and now - load.samples[0][0] > self.window_s:
             load.samples.popleft()

@@ -38,7 +38,7 @@ from schemas.keys import conversation_key
 from tests.kafka_support import Tap, group_settled, key_on_partition_of, one_key_per_partition, wait_for
 from common.models import load_tokenizer
 from common.config import settings
-from tokenstream.chaos.verify import drained, partitions_behind
+from tokenstream.chaos.verify import drained
 from tokenstream.shadow.gate import new_gate, record
 from topics import CHAT_REQUESTS, CONTROL, CONVERSATION_TURNS, PREPARED, SCREENED, TOKENS, VERDICTS, inference_topic
 from topics.admin import apply
@@ -584,8 +584,9 @@ async def test_a_member_joining_and_one_leaving_under_load_loses_and_repeats_not
         seen = [e.request_id for e, _ in prepared.events if e.request_id in set(ids)]
     assert sorted(seen) == sorted(ids)  # every request exactly once
     assert second.poll() is None, processors.roles.log(second)[-3000:]
-    lag = await drained(bootstrap, group_topics, timeout=60)
-    assert not any(lag.values()), (lag, await partitions_behind(bootstrap, group_topics))
+    behind: list[str] = []
+    lag = await drained(bootstrap, group_topics, timeout=60, behind=behind)
+    assert not any(lag.values()), (lag, behind)
 
 
 async def kill_drill(processors, n: int, kills: dict[int, str]) -> None:

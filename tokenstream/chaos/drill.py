@@ -32,7 +32,7 @@ import httpx
 
 from tokenstream.chaos.brokers import broker_fault
 from tokenstream.chaos.clients import Client, Outcome
-from tokenstream.chaos.verify import Verdict, drained, judge, partitions_behind, read_answers
+from tokenstream.chaos.verify import Verdict, drained, judge, read_answers
 
 ROLES = ("conversation", "safety", "router", "worker", "gateway")
 
@@ -133,9 +133,9 @@ async def run(minutes: float, *, clients: int = 3, every_s: float = 20.0, stall_
         report = Report(time.time() - started, faults, judge(outcomes, answers), every_s=every_s,
                         refused=sum(u.refused for u in users), unacknowledged=sum(u.unacknowledged for u in users),
                         resumes=sum(o.resumes for o in outcomes), logs=str(root), baseline_stall_s=baseline)
-        report.lag_left = await drained(system.stack.kafka.address, _groups(), timeout=90)
-        if any(report.lag_left.values()):  # which partitions, for the logs' reader
-            behind = await partitions_behind(system.stack.kafka.address, _groups())
+        behind: list[str] = []
+        report.lag_left = await drained(system.stack.kafka.address, _groups(), timeout=90, behind=behind)
+        if behind:  # which partitions, for the logs' reader
             (root / "lag-left.txt").write_text("\n".join(behind) + "\n")
             say("chaos: partitions behind: " + "; ".join(behind))
         report.running_left = await _running(system)

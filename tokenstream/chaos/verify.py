@@ -144,8 +144,10 @@ def judge(outcomes: list[Outcome], answers: dict[str, LogAnswer]) -> Verdict:
     return v
 
 
-async def drained(bootstrap: str, groups: list[tuple[str, str]], timeout: float) -> dict[str, int]:
-    """Wait until every (group, topic) has no lag; returns the lag left per "group topic" at the end."""
+async def drained(bootstrap: str, groups: list[tuple[str, str]], timeout: float,
+                  behind: list[str] | None = None) -> dict[str, int]:
+    """Wait until every (group, topic) has no lag; returns the lag left per "group topic" at the end, and
+    adds each partition still behind to `behind` ("group topic[p] committed/end"), when given."""
     from producers.lag import LagSampler
 
     sampler = LagSampler(bootstrap)
@@ -160,26 +162,12 @@ async def drained(bootstrap: str, groups: list[tuple[str, str]], timeout: float)
                 except Exception:  # noqa: BLE001 - the broker may still be settling
                     left[f"{group} {topic}"] = -1
             if not any(left.values()) or time.monotonic() > deadline:
-                return left
+                break
             await asyncio.sleep(1.0)
     finally:
         await sampler.close()
+    if behind is not None:
+        behind += [f"{load.group} {load.topic}[{p}] {at}/{end}" for load in sampler.loads.values()
+                   for p, (at, end) in sorted(load.behind.items())]
+    return left
 
-
-async def partitions_behind(bootstrap: str, groups: list[tuple[str, str]]) -> list[str]:
-    """Each partition whose group's committed offset is short of its end: "group topic[p] committed/end"."""
-    from producers.lag import LagSampler
-
-    sampler = LagSampler(bootstrap)
-    try:
-        behind = []
-        for group, topic in groups:
-            tps, ends, committed = await sampler.offsets(topic, group)
-            for tp in tps:
-                at = committed.get(tp)
-                at = at.offset if at is not None and at.offset >= 0 else None
-                if ends[tp] != (at or 0):
-                    behind.append(f"{group} {topic}[{tp.partition}] {at}/{ends[tp]}")
-        return behind
-    finally:
-        await sampler.close()
