@@ -9,8 +9,9 @@ import sys
 from pathlib import Path
 
 import psutil
+import pytest
 
-from tokenstream.stack.service import free_port
+from tokenstream.stack.service import ServiceError, free_port, maven_copy
 
 
 def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
@@ -92,3 +93,12 @@ def test_system_up_without_regions_starts_the_stack_then_the_roles(tmp_path: Pat
         settings.cache_clear()
     assert result.exit_code == 0, result.output + repr(result.exception)
     assert done == ["stack", "roles"]
+
+
+def test_a_failed_jar_resolution_says_why_in_plain_text(tmp_path: Path):
+    """Maven's output is kept back (it writes terminal escape codes even in batch mode) and shown only
+    when it fails: as plain text inside the error, so an install log stays readable."""
+    with pytest.raises(ServiceError) as failed:
+        maven_copy(tmp_path / "missing.pom.xml", tmp_path / "libs", "kafka")
+    assert "kafka: maven could not resolve its jars" in str(failed.value)
+    assert "missing.pom.xml" in str(failed.value) and "\x1b" not in str(failed.value)

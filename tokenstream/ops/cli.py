@@ -16,7 +16,7 @@ console = Console()
 
 
 def _say(message: str) -> None:
-    console.print(message, highlight=False)
+    console.print(message, highlight=False, soft_wrap=True)  # one line each, also in a log file
 
 
 def _wait(seconds: float | None) -> str:

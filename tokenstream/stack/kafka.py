@@ -14,14 +14,13 @@ from __future__ import annotations
 import asyncio
 import base64
 import os
-import shutil
 import subprocess
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from common.kafka_auth import ensure_password, scram_options
-from tokenstream.stack.service import Service, ServiceError, port_open
+from tokenstream.stack.service import Service, ServiceError, maven_copy, port_open
 
 KAFKA_VERSION = "4.4.0"
 POM = Path(__file__).with_name("kafka.pom.xml")
@@ -106,16 +105,8 @@ class Kafka(Service):
         stamp = self.libs / ".complete"
         if stamp.exists():
             return
-        if shutil.which("mvn") is None or shutil.which("java") is None:
-            raise ServiceError("kafka needs java (17+) and maven on PATH: apt-get install default-jdk-headless maven")
         say(f"kafka: resolving kafka_2.13:{KAFKA_VERSION} and its runtime jars from Maven Central into {self.libs}")
-        self.libs.mkdir(parents=True, exist_ok=True)
-        subprocess.run(
-            ["mvn", "-q", "-B", "-f", str(POM),
-             "org.apache.maven.plugins:maven-dependency-plugin:3.8.1:copy-dependencies",
-             "-DincludeScope=runtime", f"-DoutputDirectory={self.libs}"],
-            check=True,
-        )
+        maven_copy(POM, self.libs, "kafka")
         stamp.write_text(KAFKA_VERSION)
 
     def _java(self, main: str, *args: str, heap: str = "256m", jvm: tuple[str, ...] = ()) -> list[str]:

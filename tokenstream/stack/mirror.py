@@ -16,15 +16,13 @@ configurations MirrorMaker stores on the target clusters hold placeholders, neve
 from __future__ import annotations
 
 import asyncio
-import shutil
-import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from common import secret_files
 from tokenstream.stack.kafka import SCRAM
 from topics.access import MIRROR
-from tokenstream.stack.service import Service, ServiceError
+from tokenstream.stack.service import Service, maven_copy
 
 MIRROR_VERSION = "4.3.1"  # connect-mirror: the newest the registry here resolves; it speaks to 4.4 brokers
 POM = Path(__file__).with_name("mirror.pom.xml")
@@ -64,14 +62,8 @@ class MirrorMaker(Service):
         folder = libs(cache_dir)
         if (folder / ".complete").exists():
             return
-        if shutil.which("mvn") is None or shutil.which("java") is None:
-            raise ServiceError("mirrormaker needs java (17+) and maven on PATH: "
-                               "apt-get install default-jdk-headless maven")
         say(f"mirrormaker: resolving connect-mirror:{MIRROR_VERSION} and its runtime jars from Maven Central")
-        folder.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["mvn", "-q", "-B", "-f", str(POM),
-                        "org.apache.maven.plugins:maven-dependency-plugin:3.8.1:copy-dependencies",
-                        "-DincludeScope=runtime", f"-DoutputDirectory={folder}"], check=True)
+        maven_copy(POM, folder, "mirrormaker")
         (folder / ".complete").write_text(MIRROR_VERSION)
 
     @property

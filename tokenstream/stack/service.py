@@ -7,6 +7,8 @@ from another shell finds what is already running and leaves it alone.
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -67,6 +69,25 @@ class Status:
 
 class ServiceError(RuntimeError):
     pass
+
+
+ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def maven_copy(pom: Path, folder: Path, what: str) -> None:
+    """Resolve the runtime jars `pom` names from Maven Central into `folder`. Maven's own output is
+    kept back (Maven 3.8 writes terminal escape codes even with -q -B) and shown, as plain text, only
+    when it fails."""
+    if shutil.which("mvn") is None or shutil.which("java") is None:
+        raise ServiceError(f"{what} needs java (17+) and maven on PATH: apt-get install default-jdk-headless maven")
+    folder.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mvn", "-q", "-B", "-f", str(pom),
+                           "org.apache.maven.plugins:maven-dependency-plugin:3.8.1:copy-dependencies",
+                           "-DincludeScope=runtime", f"-DoutputDirectory={folder}"],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        tail = ESCAPE.sub("", done.stdout + done.stderr).strip()[-2000:]
+        raise ServiceError(f"{what}: maven could not resolve its jars (exit {done.returncode}):\n{tail}")
 
 
 class Service(ABC):
