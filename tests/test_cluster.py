@@ -31,7 +31,7 @@ log = logging.getLogger("test.cluster")
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(tmp_path_factory, stack):  # `stack`: its Redis holds the sealing keys of what the load writes
     stack = Stack.ephemeral(tmp_path_factory.mktemp("cluster"), brokers=3)
     saved = dict(os.environ)
     try:
@@ -130,7 +130,7 @@ async def test_nothing_acknowledged_is_lost_or_doubled_when_a_node_the_controlle
             await load.more(100)
             stalls[kind] = load.worst_gap(began)
         print("longest time without an acknowledged write:", stalls)
-        # a killed node's partitions wait for its death to be noticed (broker.session.timeout.ms, 3 s) and a
+        # a killed node's partitions wait for its death to be noticed (broker.session.timeout.ms, 1.5 s) and a
         # new leader; 10 s leaves room for a loaded 2-core host, and no fault stops writes for longer
         assert max(stalls.values()) < 10, stalls
     finally:

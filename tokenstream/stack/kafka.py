@@ -29,6 +29,8 @@ SCRAM = "SCRAM-SHA-512"
 ADMIN = "admin"  # the super user (the operator's tools; the broker itself on its client listener)
 CONTROLLER_USER = "controller"  # the controller listener's only user (SASL/PLAIN)
 
+# warnings only, but for the group coordinators: which member failed, joined or left, and when a
+# group was loaded on another node, are what a slow takeover is read from (docs/operators.md)
 LOG4J2 = """\
 status = warn
 appender.out.type = Console
@@ -43,6 +45,8 @@ logger.org.name = org.apache.kafka
 logger.org.level = warn
 logger.state.name = state.change.logger
 logger.state.level = warn
+logger.groups.name = org.apache.kafka.coordinator.group
+logger.groups.level = info
 """
 
 
@@ -145,10 +149,17 @@ class Kafka(Service):
             # members' session timeouts as short as TOKENSTREAM_KAFKA_SESSION_TIMEOUT_S may go
             # (producers/settings.py: the takeover time after a kill -9); Kafka's floor is 6 s
             "group.min.session.timeout.ms": "1000",
-            # a node killed -9 is declared dead (its partitions led elsewhere) after 3 s without a heartbeat,
-            # not Kafka's 9 s: every write to a partition it led waits that long (tests/test_cluster.py)
-            "broker.session.timeout.ms": "3000",
-            "broker.heartbeat.interval.ms": "500",
+            # a node killed -9 is declared dead (its partitions led elsewhere, dropped from every ISR) after
+            # 1.5 s without a heartbeat, not Kafka's 9 s: every write to a partition it led or followed waits
+            # that long, the group coordinators' own writes too. Kept under the members' 3 s session
+            # (producers/settings.py): at 3 s both ran out together and a node kill also expired the members
+            # of groups coordinated on the surviving nodes, a full rebalance of each (docs/operators.md)
+            "broker.session.timeout.ms": "1500",
+            "broker.heartbeat.interval.ms": "250",
+            # a dead active controller is replaced after 1 s without its fetch answers, not 2 s; the broker
+            # session above only starts counting once a new controller leads
+            "controller.quorum.fetch.timeout.ms": "1000",
+            "controller.quorum.election.timeout.ms": "500",
             "num.partitions": "1",
         }
         if self.test_mode:
