@@ -31,15 +31,15 @@ log = logging.getLogger("test.cluster")
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, stack):  # `stack`: its Redis holds the sealing keys of what the load writes
-    stack = Stack.ephemeral(tmp_path_factory.mktemp("cluster"), brokers=3)
+def cluster(tmp_path_factory, stack):  # the suite's `stack`: its Redis holds the sealing keys of what the load writes
+    own = Stack.ephemeral(tmp_path_factory.mktemp("cluster"), brokers=3)
     saved = dict(os.environ)
     try:
-        stack.kafka.start(say=print)
-        use(stack.kafka.environment())  # this module's clients: the cluster, as its admin
-        yield stack.kafka
+        own.kafka.start(say=print)
+        use(own.kafka.environment())  # this module's clients: the cluster, as its admin
+        yield own.kafka
     finally:
-        stack.kafka.stop(say=print)
+        own.kafka.stop(say=print)
         os.environ.clear()
         os.environ.update(saved)
         settings.cache_clear()

@@ -167,9 +167,12 @@ def _timeline(path: Path, started: float, faults: list[Fault], outcomes: list[Ou
                                   "longest_wait": gap and round(gap, 3), "waited_from": at(gap_at)}) + "\n")
 
 
+def _http(key: str) -> httpx.AsyncClient:
+    return httpx.AsyncClient(timeout=httpx.Timeout(60, connect=5), headers={"Authorization": f"Bearer {key}"})
+
+
 async def _user(client: Client, index: int, outcomes: list[Outcome], stop: asyncio.Event, key: str) -> None:
-    async with httpx.AsyncClient(timeout=httpx.Timeout(60, connect=5),
-                                 headers={"Authorization": f"Bearer {key}"}) as http:
+    async with _http(key) as http:
         for n in itertools.count():
             if stop.is_set():
                 return
@@ -181,8 +184,7 @@ async def _user(client: Client, index: int, outcomes: list[Outcome], stop: async
 
 
 async def _probe(client: Client, n: int, outcomes: list[Outcome], key: str) -> None:
-    async with httpx.AsyncClient(timeout=httpx.Timeout(60, connect=5),
-                                 headers={"Authorization": f"Bearer {key}"}) as http:
+    async with _http(key) as http:
         outcome = await client.request(http, f"Probe {n}: name a fruit and a colour.")
     if outcome is not None:
         outcomes.append(outcome)

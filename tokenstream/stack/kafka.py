@@ -152,8 +152,9 @@ class Kafka(Service):
             # a node killed -9 is declared dead (its partitions led elsewhere, dropped from every ISR) after
             # 1.5 s without a heartbeat, not Kafka's 9 s: every write to a partition it led or followed waits
             # that long, the group coordinators' own writes too. Kept under the members' 3 s session
-            # (producers/settings.py): at 3 s both ran out together and a node kill also expired the members
-            # of groups coordinated on the surviving nodes, a full rebalance of each (docs/operators.md)
+            # (producers/settings.py): a node kill has left the members of groups coordinated on the
+            # surviving nodes unknown to them 3.3 s later, a full rebalance of each (in 1 of 1 three-node
+            # drills at 3 s, 1 of 3 at 1.5 s: a margin, not a cure; bench/RESULTS.md)
             "broker.session.timeout.ms": "1500",
             "broker.heartbeat.interval.ms": "250",
             # a dead active controller is replaced after 1 s without its fetch answers, not 2 s; the broker
