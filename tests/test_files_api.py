@@ -134,6 +134,7 @@ def upload_through_the_chat_page(url: str, vs_id: str, tmp_path) -> None:
         browser.close()
 
 
+@pytest.mark.heavy  # about 22 s; search and tenants apart: tests/test_file_search.py in make test
 @pytest.mark.timeout(600)
 async def test_upload_index_and_search_with_the_sdk_per_tenant(roles, bootstrap, stack, tmp_path):
     await apply(all_topics(["smollm2"]), bootstrap)

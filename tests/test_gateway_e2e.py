@@ -113,6 +113,7 @@ async def test_real_worker_resume_and_cancel(stack, bootstrap, tmp_path, tiny_mo
         await processor.stop()
 
 
+@pytest.mark.heavy  # about 24 s; the order itself: tests/test_worker_priority.py in make test
 async def test_a_paid_key_is_served_first_under_a_free_tier_flood(stack, bootstrap, tmp_path, tiny_model):
     """One batch slot, twelve free-tier requests queued: the paid key's two requests are next."""
     model = f"tiny-{uuid.uuid4().hex[:6]}"

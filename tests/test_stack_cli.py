@@ -29,6 +29,7 @@ def processes_under(folder: Path) -> list[psutil.Process]:
     return found
 
 
+@pytest.mark.heavy  # about 30 s: three Kafka, Redis and Weaviate starts (make test starts the stack once)
 def test_stack_up_twice_is_harmless_and_down_leaves_nothing(tmp_path: Path):
     kafka = free_port()
     env = {
