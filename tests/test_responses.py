@@ -833,6 +833,7 @@ async def test_a_background_response_survives_kill_9_of_its_gateway_the_conversa
     assert got.output_text == foreground.output_text  # greedy: the same answer, resumed where it stopped
 
 
+@pytest.mark.heavy  # about 30 s; a call read twice runs once: tests/test_tools_processor.py in make test
 async def test_kill_9_of_the_tool_processor_mid_run_completes_the_run_each_call_once(client, system, bootstrap):
     roles, env = system["roles"], system["env"]
     async with Tap(TOOL_CALLS) as calls, Tap(TOOL_RESULTS) as results, Tap(TOKENS) as tokens:
