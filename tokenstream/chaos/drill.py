@@ -137,7 +137,8 @@ async def run(minutes: float, *, clients: int = 3, every_s: float = 20.0, stall_
         _timeline(root / "timeline.jsonl", started, faults, outcomes)
         answers = await read_answers(system.stack.kafka.address, {o.rid for o in outcomes}, started - 5)
         report = Report(time.time() - started, faults, judge(outcomes, answers), every_s=every_s,
-                        refused=sum(u.refused for u in users), unacknowledged=sum(u.unacknowledged for u in users),
+                        refused=sum(u.refused for u in [*users, probe]),
+                        unacknowledged=sum(u.unacknowledged for u in [*users, probe]),
                         resumes=sum(o.resumes for o in outcomes), logs=str(root), baseline_stall_s=baseline)
         behind: list[str] = []
         report.lag_left = await drained(system.stack.kafka.address, _groups(), timeout=90, behind=behind)
