@@ -12,6 +12,7 @@ import faust
 from faust.types import EventT
 
 from processors.delivery import at_least_once
+from processors import table_store
 from processors.recovery_watch import watch_recovery
 from producers.settings import FAUST, faust_liveness
 from schemas import DeadLetter, DecodeError, Erased, Event, TraceContext, decode, encode
@@ -83,7 +84,7 @@ def make_app(role: str, **overrides) -> faust.App:
     options = dict(
         broker=brokers,
         processing_guarantee="at_least_once",
-        store="memory://",  # tables are rebuilt from their changelog topics at start
+        store=table_store.register(),  # in memory, rebuilt from the changelogs; takeovers read only what is new
         web_enabled=False,
         consumer_auto_offset_reset="earliest",
         topic_replication_factor=cfg.kafka_replication,

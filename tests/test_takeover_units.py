@@ -121,3 +121,17 @@ def test_a_stall_counts_from_the_fault_or_from_the_sending():
     assert worst_stall([in_flight, sent_after, ended_before], 11.2, 13.0) == 4.0
     assert worst_stall([in_flight, sent_after], 11.2, 11.9) == 14.0 - 11.2  # b was sent after the window
     assert worst_stall([never], 11.2, 13.0) == float("inf")
+
+
+def test_a_fault_is_recovered_from_at_a_later_requests_first_token_and_its_end():
+    from tokenstream.chaos.drill import Fault, _recoveries
+
+    fault = Fault("kill -9", "router-0", at=9.0, ended_at=10.0)
+    before = Outcome("a", sent=9.5, arrivals=[10.2], finished_at=10.4, done=True)  # sent before it ended
+    probe = Outcome("b", sent=10.0, arrivals=[12.5, 13.0], finished_at=15.0, done=True)
+    next_one = Outcome("c", sent=11.0, arrivals=[12.0], finished_at=14.0, done=True)
+    _recoveries([fault], [before, probe, next_one])
+    assert (fault.first_token_s, fault.recovery_s) == (2.0, 4.0)
+    unanswered = Fault("kill -9", "safety-0", at=20.0, ended_at=20.5)
+    _recoveries([unanswered], [Outcome("d", sent=21.0)])
+    assert (unanswered.first_token_s, unanswered.recovery_s) == (None, None)

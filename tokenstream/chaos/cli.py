@@ -43,17 +43,19 @@ def chaos(
 def as_dict(report) -> dict:
     v = report.verdict
     recoveries = [f.recovery_s for f in report.faults if f.recovery_s is not None]
+    first_tokens = [f.first_token_s for f in report.faults if f.first_token_s is not None]
     kill_stalls = [f.stall_s for f in report.faults if f.kind == "kill -9" and f.stall_s is not None]
     return {
         "seconds": round(report.seconds, 1), "ok": report.ok, "fault_every_s": round(report.every_s, 2),
         "faults": [{"kind": f.kind, "target": f.target, "recovery_s": f.recovery_s and round(f.recovery_s, 2),
-                    "stall_s": _rounded(f.stall_s)} for f in report.faults],
+                    "first_token_s": f.first_token_s and round(f.first_token_s, 2), "stall_s": _rounded(f.stall_s)} for f in report.faults],
         "requests": {"admitted": v.admitted, "completed": v.completed, "refused": report.refused,
                      "unacknowledged": report.unacknowledged, "resumes": report.resumes,
                      "interrupted": v.interrupted},
         "lost": v.lost, "differs": v.differs, "log_inconsistent": v.inconsistent, "unfinished": v.unfinished,
         "duplicated": v.duplicates,
         "worst_recovery_s": round(max(recoveries), 2) if recoveries else None,
+        "worst_first_token_s": round(max(first_tokens), 2) if first_tokens else None,
         "worst_kill_stall_s": _rounded(max(kill_stalls)) if kill_stalls else None,
         "baseline_stall_s": _rounded(report.baseline_stall_s),
         "lag_left": report.lag_left, "running_left": report.running_left, "logs": report.logs,
@@ -89,6 +91,7 @@ def print_report(report) -> None:
             ("unfinished within the deadline", str(len(d["unfinished"]))),
             ("duplicated", str(len(d["duplicated"]))),
             ("worst recovery (the next request answered in full)", f"{d['worst_recovery_s']} s"),
+            ("worst recovery to a first token (of the next request)", f"{d['worst_first_token_s']} s"),
             ("worst stall after a kill (next token of a stream, first of a new request)",
              f"{d['worst_kill_stall_s']} s"),
             ("worst stall without a fault (before the first)", f"{d['baseline_stall_s']} s"),
@@ -98,8 +101,8 @@ def print_report(report) -> None:
     for name, value in rows:
         table.add_row(name, value)
     Console(width=120).print(table)
-    faults = Table("fault", "target", "stall s", "recovery s", title="faults")
+    faults = Table("fault", "target", "stall s", "first token s", "recovery s", title="faults")
     for f in d["faults"]:
-        faults.add_row(f["kind"], f["target"], str(f["stall_s"]), str(f["recovery_s"]))
+        faults.add_row(f["kind"], f["target"], str(f["stall_s"]), str(f["first_token_s"]), str(f["recovery_s"]))
     Console(width=120).print(faults)
     print(f"logs: {d['logs']}")
