@@ -84,7 +84,7 @@ def make_app(role: str, **overrides) -> faust.App:
     options = dict(
         broker=brokers,
         processing_guarantee="at_least_once",
-        store=table_store.register(),  # in memory, rebuilt from the changelogs; takeovers read only what is new
+        store=table_store.register(),  # in memory, from the changelogs; a takeover reads only what is new
         web_enabled=False,
         consumer_auto_offset_reset="earliest",
         topic_replication_factor=cfg.kafka_replication,

@@ -48,7 +48,8 @@ def as_dict(report) -> dict:
     return {
         "seconds": round(report.seconds, 1), "ok": report.ok, "fault_every_s": round(report.every_s, 2),
         "faults": [{"kind": f.kind, "target": f.target, "recovery_s": f.recovery_s and round(f.recovery_s, 2),
-                    "first_token_s": f.first_token_s and round(f.first_token_s, 2), "stall_s": _rounded(f.stall_s)} for f in report.faults],
+                    "first_token_s": f.first_token_s and round(f.first_token_s, 2),
+                    "stall_s": _rounded(f.stall_s)} for f in report.faults],
         "requests": {"admitted": v.admitted, "completed": v.completed, "refused": report.refused,
                      "unacknowledged": report.unacknowledged, "resumes": report.resumes,
                      "interrupted": v.interrupted},
@@ -103,6 +104,6 @@ def print_report(report) -> None:
     Console(width=120).print(table)
     faults = Table("fault", "target", "stall s", "first token s", "recovery s", title="faults")
     for f in d["faults"]:
-        faults.add_row(f["kind"], f["target"], str(f["stall_s"]), str(f["first_token_s"]), str(f["recovery_s"]))
+        faults.add_row(f["kind"], f["target"], *(str(f[k]) for k in ("stall_s", "first_token_s", "recovery_s")))
     Console(width=120).print(faults)
     print(f"logs: {d['logs']}")
