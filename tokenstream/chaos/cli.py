@@ -104,6 +104,7 @@ def print_report(report) -> None:
     Console(width=120).print(table)
     faults = Table("fault", "target", "stall s", "first token s", "recovery s", title="faults")
     for f in d["faults"]:
-        faults.add_row(f["kind"], f["target"], *(str(f[k]) for k in ("stall_s", "first_token_s", "recovery_s")))
+        faults.add_row(f["kind"], f["target"], *(str(f[k]) for k in ("stall_s", "first_token_s",
+                                                                     "recovery_s")))
     Console(width=120).print(faults)
     print(f"logs: {d['logs']}")
