@@ -79,7 +79,29 @@ class Store(memory.Store):
             self._applied[tp] = offset
 
 
+def _ask_log_starts_only_when_unknown() -> None:
+    """faust asks the brokers for each changelog partition's first offset before a recovery, to
+    start past records compaction removed, even for a partition whose offset the store knows: a
+    round trip of 1.2-1.4 s on three loaded brokers, half of a takeover's recovery (chaos drill,
+    2026-12-07). A known offset needs no log start (were the records after it deleted, the consumer's
+    `earliest` reset moves the read to the log's start), so only unknown partitions are asked."""
+    from faust.tables.recovery import Recovery
+
+    build = Recovery._build_offsets  # noqa: SLF001 - the step that asks
+    if getattr(build, "only_unknown", False):
+        return
+
+    async def _build_offsets(self, consumer, tps, destination, title):
+        unknown = {tp for tp in tps if destination.get(tp) is None}
+        if unknown:
+            await build(self, consumer, unknown, destination, title)
+
+    _build_offsets.only_unknown = True
+    Recovery._build_offsets = _build_offsets  # noqa: SLF001
+
+
 def register() -> str:
     """Make the store known to faust by its URL scheme; returns the URL to configure."""
     STORES.aliases.setdefault(SCHEME, f"{__name__}:Store")
+    _ask_log_starts_only_when_unknown()
     return f"{SCHEME}://"

@@ -90,3 +90,26 @@ async def test_writes_acknowledged_during_a_rebalance_are_read_again_after_it(ta
     await table.on_rebalance({ACTIVE}, set(), set(), 2)
     table.data.set_persisted_offset(ACTIVE, 4)
     assert table.data.persisted_offset(ACTIVE) == 3
+
+
+class _Brokers:
+    """What faust's Recovery._build_offsets asks of a consumer: each partition's first offset."""
+
+    def __init__(self) -> None:
+        self.asked: list[set[TP]] = []
+
+    async def earliest_offsets(self, *tps: TP) -> dict[TP, int]:
+        self.asked.append(set(tps))
+        return {tp: 0 for tp in tps}
+
+
+async def test_a_recovery_asks_the_log_start_only_of_partitions_without_an_offset(table):
+    from collections import Counter
+
+    app = table.app
+    brokers, offsets = _Brokers(), Counter({ACTIVE: 12, STANDBY: None})
+    recovery = Recovery(app, app.tables)
+    await recovery._build_offsets(brokers, {ACTIVE, STANDBY}, offsets, "active")
+    assert brokers.asked == [{STANDBY}] and offsets == {ACTIVE: 12, STANDBY: -1}
+    await recovery._build_offsets(brokers, {ACTIVE}, offsets, "active")
+    assert brokers.asked == [{STANDBY}]  # nothing to ask: no round trip
