@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator, Callable
 import faust
 from faust.types import EventT
 
-from processors.delivery import at_least_once
 from processors import table_store
+from processors.delivery import at_least_once
 from processors.recovery_watch import watch_recovery
 from producers.settings import FAUST, faust_liveness
 from schemas import DeadLetter, DecodeError, Erased, Event, TraceContext, decode, encode

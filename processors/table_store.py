@@ -16,7 +16,9 @@ with nothing to read; one behind reads only the records after its offset.
 
 An offset is only ever recorded for rows this member holds: one read from a partition assigned to
 it, or acknowledged for a partition it is active for. Rows and offsets of a partition it no longer
-holds are dropped together when a recovery ends, so a later assignment reads it from the start.
+holds are dropped together when a recovery ends, so a later assignment reads it from the start
+(rows the member wrote itself, which faust's memory store knows by key only, stay until that read
+overwrites or deletes them, as in faust's own store).
 """
 
 from __future__ import annotations
