@@ -117,3 +117,15 @@ def roles(stack: Stack, tmp_path: Path):
     r = Roles(stack, tmp_path)
     yield r
     r.stop_all()
+
+
+@pytest.fixture
+def no_broker(monkeypatch):
+    """For tests that only build a faust app and reach no broker: no credentials to look up."""
+    from common.config import settings
+
+    monkeypatch.setenv("TOKENSTREAM_KAFKA_SECURITY", "plaintext")
+    settings.cache_clear()
+    yield
+    monkeypatch.undo()
+    settings.cache_clear()

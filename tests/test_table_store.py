@@ -9,7 +9,6 @@ from faust.events import Event
 from faust.tables.recovery import Recovery
 from faust.types import TP, Message
 
-from common.config import settings
 from processors.faust_app import make_app
 from processors.table_store import Store
 
@@ -17,14 +16,7 @@ CHANGELOG = "ts-safety-windows-changelog"
 ACTIVE, STANDBY = TP(CHANGELOG, 0), TP(CHANGELOG, 1)
 
 
-@pytest.fixture(autouse=True)
-def _no_broker(monkeypatch):
-    """No broker is reached here: the app is only built, with no credentials to look up."""
-    monkeypatch.setenv("TOKENSTREAM_KAFKA_SECURITY", "plaintext")
-    settings.cache_clear()
-    yield
-    monkeypatch.undo()
-    settings.cache_clear()
+pytestmark = pytest.mark.usefixtures("no_broker")  # the apps are only built: no broker is reached
 
 
 @pytest.fixture

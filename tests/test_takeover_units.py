@@ -17,14 +17,7 @@ from tokenstream.chaos.clients import Outcome
 from tokenstream.chaos.drill import worst_stall
 
 
-@pytest.fixture(autouse=True)
-def _no_broker(monkeypatch):
-    """No broker is reached here: the apps are only built, with no credentials to look up."""
-    monkeypatch.setenv("TOKENSTREAM_KAFKA_SECURITY", "plaintext")
-    settings.cache_clear()
-    yield
-    monkeypatch.undo()
-    settings.cache_clear()
+pytestmark = pytest.mark.usefixtures("no_broker")  # the apps are only built: no broker is reached
 
 
 class _Consumer:
