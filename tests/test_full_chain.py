@@ -236,7 +236,8 @@ REFUSED_FIELDS = {
 }
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+@pytest.mark.parametrize("stream", [False, pytest.param(True, marks=pytest.mark.heavy)],  # streamed: 13 s, make test-all
+                         ids=["json", "stream"])
 async def test_every_documented_chat_field_is_honoured_or_refused(system: System, stream: bool):
     from common.models import load_tokenizer
 

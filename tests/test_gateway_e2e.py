@@ -52,6 +52,7 @@ def running(metrics_url: str, name: str = "vllm:num_requests_running") -> float:
     return -1.0
 
 
+@pytest.mark.heavy  # about 23 s; resume, cancel: test_full_chain.py in make test
 async def test_real_worker_resume_and_cancel(stack, bootstrap, tmp_path, tiny_model):
     model = f"tiny-{uuid.uuid4().hex[:6]}"
     processor = await FakePipeline(bootstrap, model, worker=False).start()  # ChatRequest -> InferenceRequest

@@ -107,6 +107,7 @@ async def test_a_short_redis_outage_is_ridden_out(stack, roles):
     assert "redis unreachable" in roles.log(proc) and "reachable again" in roles.log(proc)
 
 
+@pytest.mark.heavy  # about 17 s; an outage under the running system: test_full_chain.py in make test
 async def test_a_long_redis_outage_ends_the_process_and_a_restart_loses_nothing(stack, roles):
     async with serving(stack, roles, TOKENSTREAM_REDIS_OUTAGE_S="2") as (proc, producer, prepared):
         request = chat_request()
