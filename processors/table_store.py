@@ -68,11 +68,10 @@ class Store(memory.Store):
 
     async def on_recovery_completed(self, active_tps: set[TP], standby_tps: set[TP]) -> None:
         """Keep the rows and offsets of every partition held, active or standby; drop the rest."""
-        held = {tp.partition for tp in active_tps | standby_tps}
-        for key in [k for k, p in self._key_partition.items() if p not in held]:
-            self.data.pop(key, None)
-            self._key_partition.pop(key, None)
-        for tp in [tp for tp in self._applied if tp.partition not in held]:
+        held = active_tps | standby_tps
+        await super().on_recovery_completed(held, standby_tps)  # faust drops rows of partitions not in `held`
+        partitions = {tp.partition for tp in held}
+        for tp in [tp for tp in self._applied if tp.partition not in partitions]:
             del self._applied[tp]
         self._active = set(active_tps)
 

@@ -121,10 +121,13 @@ def roles(stack: Stack, tmp_path: Path):
 
 @pytest.fixture
 def no_broker(monkeypatch):
-    """For tests that only build a faust app and reach no broker: no credentials to look up."""
+    """For tests that only build a faust app and reach no broker or Redis: no credentials to look up,
+    and no keyring installed (the first one installed serves the whole process: built here before the
+    suite's stack is up, it pointed every later test's sealing at a Redis that is not there)."""
     from common.config import settings
 
     monkeypatch.setenv("TOKENSTREAM_KAFKA_SECURITY", "plaintext")
+    monkeypatch.setenv("TOKENSTREAM_SEALING", "false")
     settings.cache_clear()
     yield
     monkeypatch.undo()

@@ -43,8 +43,8 @@ class Fault:
     target: str
     at: float
     ended_at: float = 0.0  # when the fault was over (the broker back); recovery counts from here
-    recovered_at: float | None = None  # a request sent after it ended was answered in full
-    served_at: float | None = None  # ... had its first token: the pipeline serves again
+    recovered_at: float | None = None  # the first answer in full of a request sent after it ended
+    served_at: float | None = None  # the first first token of such a request: the pipeline serves again
     stall_s: float | None = None  # the longest wait it caused for a next token (drill._stalls)
 
     @property
@@ -141,9 +141,10 @@ async def run(minutes: float, *, clients: int = 3, every_s: float = 20.0, stall_
         say(f"chaos: load stopped after {time.time() - started:.0f} s; checking the log and the lag")
         _timeline(root / "timeline.jsonl", started, faults, outcomes)
         answers = await read_answers(system.stack.kafka.address, {o.rid for o in outcomes}, started - 5)
+        senders = [*users, probe]
         report = Report(time.time() - started, faults, judge(outcomes, answers), every_s=every_s,
-                        refused=sum(u.refused for u in [*users, probe]),
-                        unacknowledged=sum(u.unacknowledged for u in [*users, probe]),
+                        refused=sum(c.refused for c in senders),
+                        unacknowledged=sum(c.unacknowledged for c in senders),
                         resumes=sum(o.resumes for o in outcomes), logs=str(root), baseline_stall_s=baseline)
         behind: list[str] = []
         report.lag_left = await drained(system.stack.kafka.address, _groups(), timeout=90, behind=behind)
@@ -258,8 +259,8 @@ def _recoveries(faults: list[Fault], outcomes: list[Outcome]) -> None:
     drill sends one the moment each fault ends (`_probe`): before it did, the figure also held however
     long the clients, all busy with answers in flight, took to send their next request (3.3 s of a
     7.3 s "recovery" from a router kill whose takeover was long over). The whole answer's time is
-    in that figure too (3-5 s for 24 tokens on a loaded 2-core host), so the first token of such a
-    request is kept beside it: when the pipeline served again."""
+    in that figure too (3-5 s for 24 tokens on a loaded 2-core host), so the earliest first token of
+    such a request is kept beside it: when the pipeline served again."""
     for fault in faults:
         after = [o for o in outcomes if o.sent >= fault.ended_at]
         done = [o.finished_at for o in after if o.done and o.finished_at]

@@ -152,11 +152,9 @@ class Kafka(Service):
             # a node killed -9 is declared dead (its partitions led elsewhere, dropped from every ISR) after
             # 1.5 s without a heartbeat, not Kafka's 9 s: every write to a partition it led or followed waits
             # that long, the group coordinators' own writes too, and every heartbeat they answer meanwhile
-            # (a classic group's heartbeat is answered after the coordinator's pending writes commit). Kept
-            # well under the members' 3 s session (producers/settings.py): at 3 s a node kill left the
-            # members of groups coordinated on surviving nodes expired, a full rebalance of each (1 of 1
-            # three-node drills at 3 s, 1 of 3 at 1.5 s; with 2 s member sessions every member of three
-            # groups at a controller kill; bench/RESULTS.md)
+            # (a classic group's heartbeat is answered after the coordinator's pending writes commit). So it
+            # must stay well under the members' 3 s session (producers/settings.py), or a node kill expires
+            # the members of groups coordinated on the surviving nodes too (docs/guarantees.md, bench/RESULTS.md)
             "broker.session.timeout.ms": "1500",
             "broker.heartbeat.interval.ms": "250",
             # a dead active controller is replaced after 1 s without its fetch answers, not 2 s; the broker
