@@ -14,6 +14,7 @@ from faust.types import EventT
 from processors import table_store
 from processors.delivery import at_least_once
 from processors.recovery_watch import watch_recovery
+from producers.membership import member_client_id
 from producers.settings import FAUST, faust_liveness
 from schemas import DeadLetter, DecodeError, Erased, Event, TraceContext, decode, encode
 from schemas.headers import EVENT_TYPE as TYPE_HEADER
@@ -83,6 +84,7 @@ def make_app(role: str, **overrides) -> faust.App:
     brokers = ";".join(f"kafka://{b.strip()}" for b in cfg.kafka_bootstrap.split(","))
     options = dict(
         broker=brokers,
+        broker_client_id=member_client_id(role),  # its supervisor finds its members by it (membership.evict)
         processing_guarantee="at_least_once",
         store=table_store.register(),  # in memory, from the changelogs; a takeover reads only what is new
         web_enabled=False,

@@ -1,4 +1,5 @@
-"""A consumer's standing in its group, as the broker sees it: the signal of a role's readiness.
+"""A consumer's standing in its group, as the broker sees it: the signal of a role's readiness; and
+the way a supervisor takes a dead process's place in its groups (`evict`).
 
 `describe(admin, group)` reads one group (members, their hosts and client ids, who holds which
 partition). `GroupWatch` asks that every `interval_s` for one consumer (found by its client id, which
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.coordinator.protocol import ConsumerProtocolMemberAssignment
 from aiokafka.errors import KafkaError
+from aiokafka.protocol.group import LeaveGroupRequest
 from aiokafka.structs import TopicPartition
 
 from common import kafka_auth
@@ -74,9 +76,63 @@ async def describe(admin: AIOKafkaAdminClient, group: str) -> GroupState:
     return found.get(group) or GroupState(group, "Dead", 0, {}, {})
 
 
-def member_client_id(role: str) -> str:
-    """A client id no other process shares, so the group's description names this consumer."""
-    return f"{role}-{socket.gethostname()}-{os.getpid()}"
+def member_client_id(role: str, pid: int | None = None, host: str | None = None) -> str:
+    """A client id no other process shares (`role.pid@host`), so the group's description names this
+    consumer, and the supervisor of a process that died finds its members (`evict`)."""
+    return f"{role}.{pid or os.getpid()}@{host or socket.gethostname()}"
+
+
+def of_process(client_id: str, pid: int, host: str | None = None) -> bool:
+    """Whether `client_id` (made by `member_client_id`) names a client of process `pid` on `host`."""
+    return client_id.endswith(f".{pid}@{host or socket.gethostname()}")
+
+
+async def evict(bootstrap: str, pid: int, host: str | None = None, timeout_s: float = 5.0) -> list[str]:
+    """Take every group membership of process `pid` (on `host`), which its supervisor saw exit; returns
+    the groups it was taken from.
+
+    A process killed -9 leaves its groups only when its session times out (3 s): its partitions stand
+    still until then, although a standby of the same role is running. Its supervisor knows at once
+    (waitpid), so it sends the LeaveGroup the process could not: the coordinator hands the partitions
+    to the survivors at their next heartbeat. The session stays the backstop for what no supervisor
+    sees (a host lost, a process frozen). Only the dead process's own members are named (the client
+    ids of `member_client_id`), each group asked of the node that coordinates it, every node at once.
+    """
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, **kafka_auth.client_options(),
+                                request_timeout_ms=int(timeout_s * 1000))
+    try:
+        async with asyncio.timeout(timeout_s):
+            await admin.start()
+            nodes = [b["node_id"] for b in (await admin.describe_cluster())["brokers"]]
+            found = await asyncio.gather(*(_evict_on(admin, node, pid, host) for node in nodes))
+    finally:
+        await admin.close()
+    return sorted(g for groups in found for g in groups)
+
+
+async def _evict_on(admin: AIOKafkaAdminClient, node: int, pid: int, host: str | None) -> list[str]:
+    """`evict` on the groups node `node` coordinates (ListGroups asks one node for exactly those)."""
+    groups = [g for g, kind in await admin.list_consumer_groups(broker_ids=[node]) if kind == "consumer"]
+    if not groups:
+        return []
+    # one group per request: aiokafka 0.14 reads DescribeGroups v3 answers with v2's layout, which
+    # loses its place after the first group (each group's authorized operations are left unread)
+    described = await asyncio.gather(*(admin.describe_consumer_groups([g], group_coordinator_id=node)
+                                       for g in groups))
+    left = []
+    for [response] in described:
+        for g in response.to_object()["groups"]:
+            for m in g["members"]:
+                if not of_process(m["client_id"], pid, host):
+                    continue
+                # aiokafka has no public call for another member's LeaveGroup; its own consumer's
+                # leave (group_coordinator.py) sends this request
+                answer = await admin._send_request(LeaveGroupRequest(g["group"], m["member_id"]), node)  # noqa: SLF001
+                if answer.error_code == 0:
+                    left.append(g["group"])
+                else:  # gone already (its session ended) or the group moved: nothing left to take
+                    log.info("LeaveGroup of %s in %s: error %d", m["member_id"], g["group"], answer.error_code)
+    return left
 
 
 @dataclass

@@ -95,6 +95,7 @@ class LocalSystem:
         loop (doubled, a role killed twice within a minute stayed down up to 30 s, longer than
         the fault it stood for)."""
         died: dict[str, float] = {}
+        evicting: set[asyncio.Task] = set()
         while not stop.is_set():
             now = time.monotonic()
             for proc in self.procs.values():
@@ -104,6 +105,10 @@ class LocalSystem:
                     continue
                 if proc.killed:
                     proc.killed, proc.backoff_s = False, first_backoff_s
+                if proc.name not in died:  # seen dead just now: its groups need not wait out its session
+                    task = asyncio.create_task(self._evict(proc))
+                    evicting.add(task)
+                    task.add_done_callback(evicting.discard)
                 since = died.setdefault(proc.name, now)
                 if now - since >= proc.backoff_s:
                     del died[proc.name]
@@ -111,6 +116,18 @@ class LocalSystem:
                     proc.backoff_s = min(most_s, proc.backoff_s * 2) if quick else first_backoff_s
                     self.launch(proc)
             await asyncio.sleep(0.2)
+
+    async def _evict(self, proc: Process) -> None:
+        """Take a dead process's place in its consumer groups (producers/membership.py, `evict`)."""
+        from producers.membership import evict
+
+        try:
+            groups = await evict(self.stack.kafka.address, proc.popen.pid)
+        except Exception as exc:  # noqa: BLE001 - the broker may be the fault: the session ends it then
+            self.say(f"{proc.name}: could not leave its groups ({type(exc).__name__}: {exc})")
+            return
+        if groups:
+            self.say(f"{proc.name}: exited; taken out of {', '.join(groups)}")
 
     def of_role(self, role: str) -> list[Process]:
         return [p for p in self.procs.values() if p.role == role]

@@ -3,8 +3,10 @@
 `tokenstream ops scale worker=2 safety=2` records the wanted counts in the stack's run folder
 (scale.json) and starts or stops processes to match; `tokenstream ops supervise` keeps matching
 them, restarting a process that died with exponential back-off (1 s doubling to 60 s, reset once
-it has stayed up for a minute). Instance 1 of a role keeps the role's plain name (its pid file
-and log are the ones `system up` uses); instance i > 1 is `<role>-<i>`.
+it has stayed up for a minute), after taking it out of its consumer groups at once (a standby takes
+its partitions then, not when its session ends: producers/membership.py, `evict`). Instance 1 of a
+role keeps the role's plain name (its pid file and log are the ones `system up` uses); instance
+i > 1 is `<role>-<i>`.
 
 The partition ceiling is explicit: a consumer group cannot have more active members than its
 input topic has partitions, so asking for more is refused with a message that says so (grow the
@@ -13,12 +15,15 @@ partitions with `tokenstream topics grow`).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.config import settings
+from producers.membership import evict
 from tokenstream.stack.roles import Role, shared_host_worker_args
 from topics.registry import CHAT_REQUESTS, PREPARED, SCREENED, TOKENS, TOOL_CALLS, inference_topic, processor_group
 
@@ -196,7 +201,7 @@ class Supervisor:
     def __init__(self, run_dir: Path, make: Callable[[], list[Role]], say=print) -> None:
         self.run_dir, self.make, self.say = run_dir, make, say
         self.backoff: dict[str, Backoff] = {}
-        self.seen_alive: set[str] = set()
+        self.seen_alive: dict[str, int] = {}  # name -> the pid it ran as (0: not known)
 
     def reconcile(self, wait: bool = True, now: float | None = None) -> list[str]:
         """One pass: stop what is not wanted, (re)start what is missing or changed. Returns actions."""
@@ -208,7 +213,7 @@ class Supervisor:
             if stray.stop(self.say):
                 actions.append(f"stopped {name}")
             self.backoff.pop(name, None)
-            self.seen_alive.discard(name)
+            self.seen_alive.pop(name, None)
         for role in roles:
             pid = role.pid()
             if pid is not None and _changed(role.recorded_args(), role.args):
@@ -216,11 +221,11 @@ class Supervisor:
                 pid = None
                 actions.append(f"restarted {role.name} with new arguments")
             if pid is not None:
-                self.seen_alive.add(role.name)
+                self.seen_alive[role.name] = pid
                 continue
             pace = self.backoff.setdefault(role.name, Backoff())
             if role.name in self.seen_alive:  # it was running under us and died
-                self.seen_alive.discard(role.name)
+                self._evict(role.name, self.seen_alive.pop(role.name))
                 pace.died(now)
                 self.say(f"{role.name}: exited; restart in {pace.next_at - now:.0f}s "
                          f"(restart {pace.restarts})")
@@ -228,9 +233,20 @@ class Supervisor:
                 continue
             role.start(self.say, wait=wait)
             pace.started(now)
-            self.seen_alive.add(role.name)
+            self.seen_alive[role.name] = role.pid() or 0
             actions.append(f"started {role.name}")
         return actions
+
+    def _evict(self, name: str, pid: int) -> None:
+        if not pid:
+            return
+        try:
+            groups = asyncio.run(evict(settings().kafka_bootstrap, pid))
+        except Exception as exc:  # noqa: BLE001 - the broker may be down too: the session ends it then
+            self.say(f"{name}: could not leave its groups ({type(exc).__name__}: {exc})")
+            return
+        if groups:
+            self.say(f"{name}: taken out of {', '.join(groups)}")
 
     def run(self, interval_s: float = 1.0, stop: Callable[[], bool] = lambda: False) -> None:
         while not stop():

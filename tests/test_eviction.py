@@ -1,0 +1,78 @@
+"""A supervisor that saw its process die takes the process's place in its consumer groups at once
+(producers/membership.py, `evict`): the survivor holds every partition long before the dead member's
+session would have ended, and no live member is touched."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+
+from aiokafka import AIOKafkaConsumer
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+from common import kafka_auth
+from producers.membership import describe, evict, member_client_id
+from tests.kafka_support import wait_for
+
+SESSION_MS = 30_000  # far longer than the test waits: only the eviction can end the dead member's hold
+
+MEMBER = """
+import asyncio, sys
+from aiokafka import AIOKafkaConsumer
+from common import kafka_auth
+from producers.membership import member_client_id
+
+async def main(bootstrap, topic, group):
+    consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=group,
+                                client_id=member_client_id("probe"), session_timeout_ms=30000,
+                                heartbeat_interval_ms=500, **kafka_auth.client_options())
+    await consumer.start()
+    while True:
+        await consumer.getmany(timeout_ms=200)
+
+asyncio.run(main(*sys.argv[1:]))
+"""
+
+
+async def _poll(consumer: AIOKafkaConsumer) -> None:
+    while True:
+        await consumer.getmany(timeout_ms=200)
+
+
+async def test_a_dead_processs_partitions_reach_the_survivor_before_its_session_ends(bootstrap, unique):
+    topic, group = f"evict-{unique}", f"evict-{unique}"
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, **kafka_auth.client_options())
+    await admin.start()
+    await admin.create_topics([NewTopic(topic, 4, 1)])
+    mine = member_client_id("probe")
+    survivor = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=group, client_id=mine,
+                                session_timeout_ms=SESSION_MS, heartbeat_interval_ms=500,
+                                **kafka_auth.client_options())
+    await survivor.start()
+    polling = asyncio.create_task(_poll(survivor))
+    child = subprocess.Popen([sys.executable, "-c", MEMBER, bootstrap, topic, group])
+    try:
+        async def two_members_split() -> bool:
+            state = await describe(admin, group)
+            return state.state == "Stable" and state.members == 2 and len(survivor.assignment()) == 2
+        await wait_for(two_members_split, 120, "the dead-to-be member and the survivor share the topic")
+
+        child.kill()
+        child.wait()
+        killed = time.monotonic()
+        assert await evict(bootstrap, child.pid) == [group]
+        await wait_for(lambda: len(survivor.assignment()) == 4, SESSION_MS / 1000 / 2,
+                       "the survivor holds every partition")
+        assert time.monotonic() - killed < SESSION_MS / 1000 / 2
+        state = await describe(admin, group)
+        assert (state.members, set(state.clients)) == (1, {mine})  # the survivor stays a member
+
+        assert await evict(bootstrap, child.pid) == []  # nothing left of it to take
+    finally:
+        child.kill()
+        polling.cancel()
+        await asyncio.gather(polling, return_exceptions=True)
+        await survivor.stop()
+        await admin.close()
