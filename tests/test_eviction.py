@@ -5,16 +5,22 @@ session would have ended, and no live member is touched."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from aiokafka import AIOKafkaConsumer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from common import kafka_auth
-from producers.membership import describe, evict, member_client_id
+from producers.membership import describe, evict, member_client_id, of_process
 from tests.kafka_support import wait_for
+from topics import processor_group
+from topics.admin import apply
+from topics.registry import all_topics
 
 SESSION_MS = 30_000  # far longer than the test waits: only the eviction can end the dead member's hold
 
@@ -75,4 +81,38 @@ async def test_a_dead_processs_partitions_reach_the_survivor_before_its_session_
         polling.cancel()
         await asyncio.gather(polling, return_exceptions=True)
         await survivor.stop()
+        await admin.close()
+
+
+def _child_of(pid: int) -> int | None:
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return int(children[0]) if children else None
+
+
+async def test_the_guard_takes_its_dead_role_out_of_its_group_and_exits_with_its_status(bootstrap):
+    """`tokenstream guard` (the Kubernetes containers' first process) does what the local supervisors
+    do: the role's member leaves its group when the role dies, not when its (here 30 s) session ends."""
+    await apply(all_topics(["smollm2"]), bootstrap)
+    group = processor_group("router")
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, **kafka_auth.client_options())
+    await admin.start()
+    guard = subprocess.Popen([sys.executable, "-m", "tokenstream.cli", "guard", "processor", "router"],
+                             env={**os.environ, "TOKENSTREAM_KAFKA_SESSION_TIMEOUT_S": str(SESSION_MS // 1000)},
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        role = await wait_for(lambda: _child_of(guard.pid), 30, "the guard's role process")
+
+        async def members_of_role() -> list[str]:
+            return [c for c in (await describe(admin, group)).clients if of_process(c, role)]
+        await wait_for(members_of_role, 120, "the role's member in its group")
+
+        os.kill(role, signal.SIGKILL)
+        killed = time.monotonic()
+        await wait_for(lambda: guard.poll() is not None, SESSION_MS / 1000 / 2, "the guard's exit")
+        assert not await members_of_role()
+        assert time.monotonic() - killed < SESSION_MS / 1000 / 2
+        assert guard.returncode == 128 + signal.SIGKILL
+        assert f"taken out of {group}" in guard.stdout.read()
+    finally:
+        guard.kill()
         await admin.close()

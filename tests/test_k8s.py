@@ -162,6 +162,23 @@ def test_the_regions_users_are_what_the_registry_generates():
     assert {c["authentication"]["username"] for c in mirror["spec"]["clusters"]} == {"mirror"}
 
 
+def _role_args(container: dict) -> list[str]:
+    """The role command a container runs, with or without the guard in front of it."""
+    args = container["args"]
+    return args[1:] if args[:1] == ["guard"] else args
+
+
+@pytest.mark.parametrize("folder", [K8S / "base", K8S / "overlays" / "canary"], ids=lambda p: p.name)
+def test_every_consumer_group_member_runs_under_the_guard(folder):
+    """A role that is a member of a consumer group (processors, workers, the tool processor) leaves it the
+    moment it dies (tokenstream/guard.py), so a standby takes its partitions without waiting its session."""
+    for res in build(folder):
+        if res["kind"] == "Deployment":
+            [container] = res["spec"]["template"]["spec"]["containers"]
+            if _role_args(container)[0] in ("processor", "worker", "tools"):
+                assert container["args"][0] == "guard", res["metadata"]["name"]
+
+
 @pytest.mark.parametrize("folder", [K8S / "base", K8S / "overlays" / "canary"], ids=lambda p: p.name)
 def test_each_pod_runs_as_its_roles_broker_user(folder):
     resources = build(folder)
@@ -175,7 +192,7 @@ def test_each_pod_runs_as_its_roles_broker_user(folder):
         user = env["TOKENSTREAM_KAFKA_USER"]["value"]
         assert user in users, res["metadata"]["name"]
         assert env["TOKENSTREAM_KAFKA_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": user, "key": "password"}
-        command = container["args"]
+        command = _role_args(container)
         expected = {"gateway": "gateway", "worker": "worker", "tools": "tools", "route": "operator",
                     "audit": "audit"}.get(
             command[0], command[1] if command[0] == "processor" else None)
@@ -201,7 +218,7 @@ def test_each_worker_group_scales_on_its_own_lag_within_its_partitions(folder):
         assert trigger["metadata"]["consumerGroup"] == worker_group(model)
         assert trigger["metadata"]["topic"] == inference_topic(model).name
         assert obj["spec"]["maxReplicaCount"] <= topics[inference_topic(model).name]["spec"]["partitions"]
-        args = target["spec"]["template"]["spec"]["containers"][0]["args"]
+        args = _role_args(target["spec"]["template"]["spec"]["containers"][0])
         assert args[:3] == ["worker", "--model", model]
         assert target["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
 
@@ -228,7 +245,7 @@ def test_workers_are_ready_only_by_their_health_and_live_unless_stuck():
 def test_the_tool_processor_runs_with_its_group_probe_and_a_sandbox_folder():
     [tools] = [r for r in build(K8S / "base") if r["kind"] == "Deployment" and r["metadata"]["name"] == "tools"]
     [container] = tools["spec"]["template"]["spec"]["containers"]
-    assert container["args"] == ["tools"]
+    assert container["args"] == ["guard", "tools"]
     for probe in ("readinessProbe", "livenessProbe"):
         assert container[probe]["exec"]["command"][-2:] == ["--group", processor_group("tools")]
     assert {"name": "TOKENSTREAM_TOOLS_SANDBOX_DIR", "value": "/sandbox"} in container["env"]

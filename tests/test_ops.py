@@ -29,7 +29,7 @@ from tokenstream.stack.scale import (
     instances,
     parse_targets,
 )
-from topics import inference_topic, worker_group
+from topics import inference_topic, processor_group, worker_group
 from topics.admin import apply, partition_counts
 from topics.registry import all_topics, co_partitioned
 
@@ -116,6 +116,7 @@ def test_supervisor_scales_a_processor_restarts_it_after_a_crash_and_scales_down
         assert sorted(sup.reconcile(wait=True)) == ["started router", "started router-2"]
         roles = {r.name: r for r in sup.make()}
         old = roles["router-2"].pid()
+        asyncio.run(group_settled(stack.kafka.address, processor_group("router"), 2))
         os.killpg(old, signal.SIGKILL)
         deadline = time.monotonic() + 60
         while roles["router-2"].pid() in (None, old) and time.monotonic() < deadline:
@@ -123,6 +124,8 @@ def test_supervisor_scales_a_processor_restarts_it_after_a_crash_and_scales_down
             time.sleep(0.2)
         assert roles["router-2"].pid() not in (None, old), said
         assert any("router-2: exited; restart in 1s (restart 1)" in s for s in said)
+        # its member was taken out of the group when it was seen dead, not when its session ended
+        assert f"router-2: taken out of {processor_group('router')}" in said
         wanted = Wanted.load(run_dir)
         wanted.counts["router"] = 1
         wanted.save()

@@ -14,7 +14,7 @@ from common.config import settings
 from processors.faust_app import make_app
 from producers.settings import faust_liveness, liveness
 from tokenstream.chaos.clients import Outcome
-from tokenstream.chaos.drill import worst_stall
+from tokenstream.chaos.drill import worst_answer, worst_stall
 
 
 pytestmark = pytest.mark.usefixtures("no_broker")  # the apps are only built: no broker is reached
@@ -114,6 +114,15 @@ def test_a_stall_counts_from_the_fault_or_from_the_sending():
     assert worst_stall([in_flight, sent_after, ended_before], 11.2, 13.0) == 4.0
     assert worst_stall([in_flight, sent_after], 11.2, 11.9) == 14.0 - 11.2  # b was sent after the window
     assert worst_stall([never], 11.2, 13.0) == float("inf")
+
+
+def test_the_longest_answer_without_a_fault_counts_only_answers_within_the_window():
+    whole = Outcome("a", sent=10.0, arrivals=[10.5], finished_at=13.5, done=True)
+    early = Outcome("b", sent=9.0, arrivals=[9.5], finished_at=20.0, done=True)  # sent before the window
+    late = Outcome("c", sent=11.0, arrivals=[11.5], finished_at=16.0, done=True)  # ended after it
+    cut = Outcome("d", sent=10.5, arrivals=[11.0], finished_at=14.5)  # not answered in full
+    assert worst_answer([whole, early, late, cut], 10.0, 15.0) == 3.5
+    assert worst_answer([early, late], 10.0, 15.0) is None
 
 
 def test_a_fault_is_recovered_from_at_a_later_requests_first_token_and_its_end():

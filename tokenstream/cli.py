@@ -268,6 +268,8 @@ ROLE_COMMANDS = {
     (processor_app, "router"): "processors.cli:router",
     (app, "tools"): "tools.cli:tools",
 }
+# commands whose trailing words are another command's (typer leaves them in ctx.args)
+PASS_THROUGH = {(app, "guard"): "tokenstream.guard:guard"}
 
 
 # Tools for auditors and operators, each a typer app in its own module.
@@ -285,6 +287,10 @@ def _register() -> None:
     for (parent, name), target in ROLE_COMMANDS.items():
         module, func = target.split(":")
         parent.command(name)(getattr(importlib.import_module(module), func))
+    for (parent, name), target in PASS_THROUGH.items():
+        module, func = target.split(":")
+        parent.command(name, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(
+            getattr(importlib.import_module(module), func))
     for name, target in TOOL_APPS.items():
         module, attr = target.split(":")
         app.add_typer(getattr(importlib.import_module(module), attr), name=name)
@@ -302,6 +308,8 @@ BROKER_USERS = {
 def _broker_user(argv: list[str]) -> str:
     from common.kafka_auth import ADMIN
 
+    if argv[:1] == ["guard"]:  # the guard acts as the role it runs
+        argv = argv[1:]
     for words, user in BROKER_USERS.items():
         if tuple(argv[: len(words)]) == words:
             return user

@@ -59,6 +59,7 @@ def as_dict(report) -> dict:
         "worst_first_token_s": round(max(first_tokens), 2) if first_tokens else None,
         "worst_kill_stall_s": _rounded(max(kill_stalls)) if kill_stalls else None,
         "baseline_stall_s": _rounded(report.baseline_stall_s),
+        "baseline_answer_s": _rounded(report.baseline_answer_s),
         "lag_left": report.lag_left, "running_left": report.running_left, "logs": report.logs,
     }
 
@@ -97,6 +98,7 @@ def print_report(report) -> None:
             ("worst stall after a kill (next token of a stream, first of a new request)",
              f"{d['worst_kill_stall_s']} s"),
             ("worst stall without a fault (before the first)", f"{d['baseline_stall_s']} s"),
+            ("longest whole answer without a fault (before the first)", f"{d['baseline_answer_s']} s"),
             ("lag left", ", ".join(f"{g}={n}" for g, n in d["lag_left"].items() if n) or "0"),
             ("still generating", f"{d['running_left']:g}"),
             ("verdict", "PASS" if d["ok"] else "FAIL")]

@@ -69,6 +69,7 @@ class Report:
     logs: str = ""
     every_s: float = 0.0  # the time between two faults
     baseline_stall_s: float | None = None  # the same wait measured without a fault (before the first)
+    baseline_answer_s: float | None = None  # the longest whole answer without a fault (a recovery's own part)
 
     @property
     def ok(self) -> bool:
@@ -138,6 +139,7 @@ async def run(minutes: float, *, clients: int = 3, every_s: float = 20.0, stall_
         # there may not run into the fault)
         quiet = bool(faults) and warm_at < faults[0].at
         baseline = worst_stall(outcomes, warm_at, faults[0].at - 1.0) if quiet else None
+        answer = worst_answer(outcomes, warm_at, faults[0].at - 1.0) if quiet else None
         say(f"chaos: load stopped after {time.time() - started:.0f} s; checking the log and the lag")
         _timeline(root / "timeline.jsonl", started, faults, outcomes)
         answers = await read_answers(system.stack.kafka.address, {o.rid for o in outcomes}, started - 5)
@@ -145,7 +147,8 @@ async def run(minutes: float, *, clients: int = 3, every_s: float = 20.0, stall_
         report = Report(time.time() - started, faults, judge(outcomes, answers), every_s=every_s,
                         refused=sum(c.refused for c in senders),
                         unacknowledged=sum(c.unacknowledged for c in senders),
-                        resumes=sum(o.resumes for o in outcomes), logs=str(root), baseline_stall_s=baseline)
+                        resumes=sum(o.resumes for o in outcomes), logs=str(root), baseline_stall_s=baseline,
+                        baseline_answer_s=answer)
         behind: list[str] = []
         report.lag_left = await drained(system.stack.kafka.address, _groups(), timeout=90, behind=behind)
         if behind:  # which partitions, for the logs' reader
@@ -285,6 +288,14 @@ def _stalls(faults: list[Fault], outcomes: list[Outcome]) -> None:
             continue
         until = faults[i + 1].at if i + 1 < len(faults) else time.time()
         fault.stall_s = worst_stall(outcomes, fault.at, fault.ended_at + (until - fault.ended_at) / 2)
+
+
+def worst_answer(outcomes: list[Outcome], start: float, end: float) -> float | None:
+    """The longest time from sending to the whole answer of a request sent at `start` or later and
+    answered before `end`: what a recovery, counted to a whole answer, holds beside the fault's own."""
+    times = [o.finished_at - o.sent for o in outcomes if o.done and o.finished_at and start <= o.sent
+             and o.finished_at < end]
+    return max(times) if times else None
 
 
 def _groups() -> list[tuple[str, str]]:
