@@ -28,7 +28,8 @@ class Settings(BaseSettings):
                                "--brokers 3`: a three-node cluster on the bootstrap port and the next five)")
     kafka_session_timeout_s: float = Field(
         3.0, ge=1, le=300, description="how long a group member may stay silent before the broker hands its "
-        "partitions to the others: the takeover time after a kill -9 (heartbeats every sixth of it); the "
+        "partitions to the others: the takeover time after a death no supervisor reports (a process that "
+        "dies under `ops supervise` or `guard` leaves at once); heartbeats every sixth of it; the "
         "brokers' group.min.session.timeout.ms must allow it (Kafka's default, 6 s, does not allow 3)")
     kafka_security: Literal["sasl_plaintext", "sasl_ssl", "plaintext"] = Field(
         "sasl_plaintext", description="how every client authenticates to the broker: SASL/SCRAM-SHA-512 "

@@ -168,7 +168,7 @@ def test_the_checks_catch_an_upward_import_a_role_importing_a_role_and_a_circle(
 def test_every_command_of_the_cli_resolves_to_a_module_that_imports():
     from tokenstream import cli
 
-    for table in (cli.ROLE_COMMANDS, cli.TOOL_APPS):
+    for table in (cli.ROLE_COMMANDS, cli.PASS_THROUGH, cli.TOOL_APPS):
         for target in table.values():
             module, attr = target.split(":")
             assert hasattr(importlib.import_module(module), attr), target
