@@ -106,7 +106,7 @@ class LocalSystem:
                 if proc.killed:
                     proc.killed, proc.backoff_s = False, first_backoff_s
                 if proc.name not in died:  # seen dead just now: its groups need not wait out its session
-                    task = asyncio.create_task(self._evict(proc))
+                    task = asyncio.create_task(self._evict(proc.name, proc.popen.pid))
                     evicting.add(task)
                     task.add_done_callback(evicting.discard)
                 since = died.setdefault(proc.name, now)
@@ -117,17 +117,17 @@ class LocalSystem:
                     self.launch(proc)
             await asyncio.sleep(0.2)
 
-    async def _evict(self, proc: Process) -> None:
+    async def _evict(self, name: str, pid: int) -> None:
         """Take a dead process's place in its consumer groups (producers/membership.py, `evict`)."""
         from producers.membership import evict
 
         try:
-            groups = await evict(self.stack.kafka.address, proc.popen.pid)
+            groups = await evict(self.stack.kafka.address, pid)
         except Exception as exc:  # noqa: BLE001 - the broker may be the fault: the session ends it then
-            self.say(f"{proc.name}: could not leave its groups ({type(exc).__name__}: {exc})")
+            self.say(f"{name}: could not leave its groups ({type(exc).__name__}: {exc})")
             return
         if groups:
-            self.say(f"{proc.name}: exited; taken out of {', '.join(groups)}")
+            self.say(f"{name}: exited; taken out of {', '.join(groups)}")
 
     def of_role(self, role: str) -> list[Process]:
         return [p for p in self.procs.values() if p.role == role]
