@@ -48,3 +48,17 @@ async def test_a_three_node_cluster_under_load_loses_nothing_to_a_node_the_contr
     summary = as_dict(report)
     assert [f["kind"] for f in summary["faults"]] == list(CLUSTER_FAULTS), summary
     held(summary)
+
+
+@pytest.mark.heavy
+@pytest.mark.timeout(1200)  # start-up of ten processes, a minute of load, then the checks
+async def test_a_frozen_worker_and_processor_are_replaced_and_lose_and_double_nothing_when_they_wake(tmp_path):
+    """`tokenstream chaos --freezes` reduced: a worker and the conversation processor stopped (SIGSTOP)
+    for twice their session while their supervisor sees them alive: the broker expels them, the others
+    take over, and what they do when they wake up (a worker mid-answer) writes nothing twice."""
+    report = await run(1.2, clients=2, max_tokens=16, schedule=("freeze",) * 2, roles=("worker", "conversation"),
+                       root=tmp_path)
+    summary = as_dict(report)
+    assert [(f["kind"], f["target"].split("-")[0]) for f in summary["faults"]] == [
+        ("freeze", "worker"), ("freeze", "conversation")], summary
+    held(summary)

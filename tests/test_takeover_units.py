@@ -14,7 +14,7 @@ from common.config import settings
 from processors.faust_app import make_app
 from producers.settings import faust_liveness, liveness
 from tokenstream.chaos.clients import Outcome
-from tokenstream.chaos.drill import worst_answer, worst_stall
+from tokenstream.chaos.drill import plan, worst_answer, worst_stall
 
 
 pytestmark = pytest.mark.usefixtures("no_broker")  # the apps are only built: no broker is reached
@@ -114,6 +114,14 @@ def test_a_stall_counts_from_the_fault_or_from_the_sending():
     assert worst_stall([in_flight, sent_after, ended_before], 11.2, 13.0) == 4.0
     assert worst_stall([in_flight, sent_after], 11.2, 11.9) == 14.0 - 11.2  # b was sent after the window
     assert worst_stall([never], 11.2, 13.0) == float("inf")
+
+
+def test_a_drill_plan_holds_exactly_the_faults_asked_spread_over_the_run():
+    schedule = plan(1, 1, 0, ("conversation", "worker"), freezes=2)
+    assert sorted(schedule) == ["broker", "freeze", "freeze", "kill", "kill"]
+    # the freezes at a quarter and three quarters of the run, the broker fault half way, the kills between
+    assert schedule == ("kill", "freeze", "broker", "kill", "freeze")
+    assert plan(0, 0, 0, ("worker",), freezes=3) == ("freeze",) * 3
 
 
 def test_the_longest_answer_without_a_fault_counts_only_answers_within_the_window():

@@ -17,11 +17,13 @@ def chaos(
                                         "turn, kill -9 of a node, of the active controller, a rolling restart"),
     brokers: int = typer.Option(1, min=1, max=9, help="Kafka nodes of the drill's stack (3: a cluster)"),
     stalls: int = typer.Option(3, help="clients that stop reading for a while mid-answer"),
+    freezes: int = typer.Option(0, help="processes of the roles stopped (SIGSTOP) for 6 s, twice their "
+                                "session, then let go on: expelled members that wake up"),
     max_tokens: int = typer.Option(24, help="tokens per answer"),
     report_file: Path = typer.Option(None, "--report", help="also write the report as JSON here"),
 ) -> None:
-    """Kill -9 every role in turn, restart the broker and stall clients under load, exactly as many of
-    each as asked, spread evenly over the run; then prove that no token was lost or repeated, every
+    """Kill -9 every role in turn, restart the broker, stall clients and (--freezes) stop processes a
+    while under load, exactly as many of each as asked, spread evenly over the run; then prove that no token was lost or repeated, every
     group drained and nothing is left generating."""
     import asyncio
     import json
@@ -32,7 +34,7 @@ def chaos(
     if not chosen or set(chosen) - set(ROLES):
         raise typer.BadParameter(f"roles among {', '.join(ROLES)}", param_hint="--roles")
     report = asyncio.run(run(minutes, clients=clients, max_tokens=max_tokens,
-                             schedule=plan(kills_per_role, broker_restarts, stalls, chosen), brokers=brokers,
+                             schedule=plan(kills_per_role, broker_restarts, stalls, chosen, freezes), brokers=brokers,
                              roles=chosen, say=lambda m: print(m, flush=True)))
     print_report(report)
     if report_file is not None:

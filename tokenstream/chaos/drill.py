@@ -8,7 +8,10 @@ turn (or, with `schedule`, exactly those faults spread evenly over the run):
   kill     kill -9 one process of a role (the roles in turn, a random instance);
   broker   stop the broker (SIGTERM) and start it again; on a three-node cluster (`brokers=3`) kill -9
            a node, kill -9 the active controller, or restart every node in turn (chaos/brokers.py);
-  stall    the next request's client stops reading for `stall_s` seconds mid-answer.
+  stall    the next request's client stops reading for `stall_s` seconds mid-answer;
+  freeze   stop one process of a role (SIGSTOP) for `freeze_s` seconds, longer than its session, then
+           let it go on (SIGCONT): a member its supervisor sees alive, expelled by the broker, that
+           wakes up believing it still owns its partitions (a long GC or VM pause).
 The faults start once a first answer is complete. Each kill's stall is the longest wait for a next
 token it caused (`_stalls`), beside the same measure over the quiet time before the first fault.
 Afterwards (`verify.Verdict`): every admitted request must have ended for its client with [DONE]
@@ -78,12 +81,14 @@ class Report:
                 and self.running_left == 0 and all(f.recovered_at is not None for f in self.faults))
 
 
-def plan(kills_per_role: int, broker_restarts: int, stalls: int, roles: tuple[str, ...] = ROLES) -> tuple[str, ...]:
-    """A schedule of exactly these faults: the kills (`roles` in turn), with the broker restarts and
-    the client stalls each at an even fraction of the run."""
+def plan(kills_per_role: int, broker_restarts: int, stalls: int, roles: tuple[str, ...] = ROLES,
+         freezes: int = 0) -> tuple[str, ...]:
+    """A schedule of exactly these faults: the kills (`roles` in turn), with the broker restarts, the
+    client stalls and the freezes each at an even fraction of the run."""
     kills = ["kill"] * (kills_per_role * len(roles))
     marks = sorted([((j + 0.5) / broker_restarts, "broker") for j in range(broker_restarts)]
-                   + [((j + 0.5) / stalls, "stall") for j in range(stalls)])
+                   + [((j + 0.5) / stalls, "stall") for j in range(stalls)]
+                   + [((j + 0.5) / freezes, "freeze") for j in range(freezes)])
     total, schedule = len(kills) + len(marks), []
     for fraction, kind in marks:
         while kills and len(schedule) < round(fraction * total):
@@ -92,7 +97,8 @@ def plan(kills_per_role: int, broker_restarts: int, stalls: int, roles: tuple[st
     return tuple(schedule + kills)
 
 
-async def run(minutes: float, *, clients: int = 3, every_s: float = 20.0, stall_s: float = 8.0, max_tokens: int = 24, deadline_s: float = 120.0,
+async def run(minutes: float, *, clients: int = 3, every_s: float = 20.0, stall_s: float = 8.0, freeze_s: float = 6.0,
+              max_tokens: int = 24, deadline_s: float = 120.0,
               kinds: tuple[str, ...] = ("kill", "kill", "kill", "kill", "kill", "broker", "stall"),
               schedule: tuple[str, ...] | None = None, root: Path | None = None, brokers: int = 1,
               roles: tuple[str, ...] = ROLES, say=print) -> Report:
@@ -128,7 +134,7 @@ async def run(minutes: float, *, clients: int = 3, every_s: float = 20.0, stall_
         def send_probe() -> None:  # the next request after a fault, sent the moment it ends
             probes.append(asyncio.create_task(_probe(probe, len(probes), outcomes, system.key)))
 
-        faults = await _inject(system, users, schedule, every_s, stall_s, roles, say, send_probe)
+        faults = await _inject(system, users, schedule, every_s, (stall_s, freeze_s), roles, say, send_probe)
         await _until_recovered(faults, outcomes, deadline_s)
         stop.set()
         say("chaos: faults done; waiting for the requests in flight to end")
@@ -212,12 +218,13 @@ async def _first_answer(outcomes: list[Outcome], timeout: float) -> float:
     return time.time()
 
 
-async def _inject(system, users: list[Client], schedule: tuple[str, ...], every_s: float, stall_s: float,
-                  roles: tuple[str, ...], say, send_probe) -> list[Fault]:
+async def _inject(system, users: list[Client], schedule: tuple[str, ...], every_s: float,
+                  lengths: tuple[float, float], roles: tuple[str, ...], say, send_probe) -> list[Fault]:
     """Each fault of `schedule` in turn, one every `every_s` from the end of the one before: a broker
     restart that lasts (tens of seconds on a loaded host) moves the rest later rather than firing the
     faults it held up at once (three kills within a second right after the broker came back left
     both workers down together for over a minute, harsher than the cadence the drill states)."""
+    stall_s, freeze_s = lengths
     faults: list[Fault] = []
     turn = itertools.cycle(roles)
     brokers_hit = 0
@@ -228,6 +235,10 @@ async def _inject(system, users: list[Client], schedule: tuple[str, ...], every_
             proc = random.choice(system.of_role(next(turn)))
             fault = Fault("kill -9", proc.name, time.time())
             system.kill9(proc.name)  # the supervisor starts it again
+        elif kind == "freeze":
+            proc = random.choice(system.of_role(next(turn)))
+            fault = Fault("freeze", proc.name, time.time())
+            await system.freeze(proc.name, freeze_s)
         elif kind == "broker":
             fault = Fault("broker", "kafka", time.time())
             fault.kind, fault.target = await broker_fault(system.stack.kafka, brokers_hit)

@@ -88,6 +88,17 @@ class LocalSystem:
             os.killpg(proc.popen.pid, signal.SIGKILL)
             proc.popen.wait()
 
+    async def freeze(self, name: str, seconds: float) -> None:
+        """Stop a process (SIGSTOP) for `seconds`, then let it go on: alive to its supervisor, silent
+        to the broker."""
+        proc = self.procs[name]
+        if proc.alive:
+            os.killpg(proc.popen.pid, signal.SIGSTOP)
+            try:
+                await asyncio.sleep(seconds)
+            finally:
+                os.killpg(proc.popen.pid, signal.SIGCONT)
+
     async def supervise(self, stop: asyncio.Event, first_backoff_s: float = 1.0, most_s: float = 30.0) -> None:
         """Start again every process that exited, after a back-off that doubles while it keeps
         exiting by itself within a minute of its start (and resets once it stays up). A process
