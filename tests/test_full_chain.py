@@ -395,6 +395,11 @@ async def test_the_chat_page_voice_mode_stop_silences_the_answer_being_spoken(sy
     await voice_round_trip(system.gateways[0], tmp_path, interrupt=True)
 
 
+async def _stored(http: httpx.AsyncClient, completion_id: str) -> httpx.Response | None:
+    kept = await http.get(f"/v1/chat/completions/{completion_id}")
+    return kept if kept.status_code != 404 else None
+
+
 async def test_erasing_a_tenant_leaves_nothing_of_its_content_readable_anywhere(system: System, stack, unique):
     """Crypto-shredding through the whole chain: a tenant's question and answer cross every role sealed
     (the broker's segments hold the request's id, never its words); `tokenstream erase` destroys its
@@ -412,7 +417,8 @@ async def test_erasing_a_tenant_leaves_nothing_of_its_content_readable_anywhere(
             messages=[{"role": "user", "content": f"My locker code is {marker}. Repeat the code."}], max_tokens=24,
             store=True))
         assert r.status_code == 200, r.text
-        kept = await http.get(f"/v1/chat/completions/{r.json()['id']}")  # stored: with its messages
+        # stored, with its messages: kept once the answer has ended (settled after the response went out)
+        kept = await wait_for(lambda: _stored(http, r.json()["id"]), 10, "the stored completion")
         conversation = await http.post("/v1/conversations", json={"items": [
             {"type": "message", "role": "user", "content": f"Remember {marker}."}]})
         assert kept.status_code == 200 and conversation.status_code == 200, (kept.text, conversation.text)
