@@ -110,6 +110,18 @@ async def evict(bootstrap: str, pid: int, host: str | None = None, timeout_s: fl
     return sorted(g for groups in found for g in groups)
 
 
+async def evict_and_say(bootstrap: str, pid: int, name: str, say: Callable[[str], object]) -> None:
+    """`evict`, for a supervisor: says which groups `name` (the dead process) was taken out of, or why
+    it could not be (the broker may be the fault too: its session then ends the membership)."""
+    try:
+        groups = await evict(bootstrap, pid)
+    except Exception as exc:  # noqa: BLE001 - whatever failed, the session is the backstop
+        say(f"{name}: could not be taken out of its groups ({type(exc).__name__}: {exc})")
+        return
+    if groups:
+        say(f"{name}: taken out of {', '.join(groups)}")
+
+
 async def _evict_on(admin: AIOKafkaAdminClient, node: int, pid: int, host: str | None) -> list[str]:
     """`evict` on the groups node `node` coordinates (ListGroups asks one node for exactly those)."""
     groups = [g for g, kind in await admin.list_consumer_groups(broker_ids=[node]) if kind == "consumer"]

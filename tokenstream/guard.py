@@ -25,7 +25,7 @@ from common.config import settings
 def guard(ctx: typer.Context) -> None:
     """Run `tokenstream <role command>` (e.g. `guard processor conversation`); when it exits, take it
     out of its consumer groups at once and exit with its status."""
-    from producers.membership import evict
+    from producers.membership import evict_and_say
 
     if not ctx.args:
         raise typer.BadParameter("name the role command to run, e.g. `tokenstream guard processor safety`")
@@ -34,11 +34,6 @@ def guard(ctx: typer.Context) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda received, _frame: child.send_signal(received))
     status = child.wait()
-    try:
-        groups = asyncio.run(evict(settings().kafka_bootstrap, child.pid))
-    except Exception as exc:  # noqa: BLE001 - the broker may be down too: the session ends it then
-        print(f"guard: could not take pid {child.pid} out of its groups ({type(exc).__name__}: {exc})", flush=True)
-    else:
-        if groups:
-            print(f"guard: pid {child.pid} exited ({status}); taken out of {', '.join(groups)}", flush=True)
+    asyncio.run(evict_and_say(settings().kafka_bootstrap, child.pid, f"guard: pid {child.pid} (exit {status})",
+                              lambda said: print(said, flush=True)))
     raise typer.Exit(status if status >= 0 else 128 - status)

@@ -134,7 +134,7 @@ async def run(minutes: float, *, clients: int = 3, every_s: float = 20.0, stall_
         def send_probe() -> None:  # the next request after a fault, sent the moment it ends
             probes.append(asyncio.create_task(_probe(probe, len(probes), outcomes, system.key)))
 
-        faults = await _inject(system, users, schedule, every_s, (stall_s, freeze_s), roles, say, send_probe)
+        faults = await _inject(system, users, schedule, every_s, stall_s, roles, say, send_probe, freeze_s=freeze_s)
         await _until_recovered(faults, outcomes, deadline_s)
         stop.set()
         say("chaos: faults done; waiting for the requests in flight to end")
@@ -144,8 +144,9 @@ async def run(minutes: float, *, clients: int = 3, every_s: float = 20.0, stall_
         # the same measure over the warm, quiet time before the first fault (1 s short of it: a wait
         # there may not run into the fault)
         quiet = bool(faults) and warm_at < faults[0].at
-        baseline = worst_stall(outcomes, warm_at, faults[0].at - 1.0) if quiet else None
-        answer = worst_answer(outcomes, warm_at, faults[0].at - 1.0) if quiet else None
+        window = (warm_at, faults[0].at - 1.0) if quiet else None
+        baseline = worst_stall(outcomes, *window) if window else None
+        answer = worst_answer(outcomes, *window) if window else None  # a whole answer's own time there
         say(f"chaos: load stopped after {time.time() - started:.0f} s; checking the log and the lag")
         _timeline(root / "timeline.jsonl", started, faults, outcomes)
         answers = await read_answers(system.stack.kafka.address, {o.rid for o in outcomes}, started - 5)
@@ -218,13 +219,12 @@ async def _first_answer(outcomes: list[Outcome], timeout: float) -> float:
     return time.time()
 
 
-async def _inject(system, users: list[Client], schedule: tuple[str, ...], every_s: float,
-                  lengths: tuple[float, float], roles: tuple[str, ...], say, send_probe) -> list[Fault]:
+async def _inject(system, users: list[Client], schedule: tuple[str, ...], every_s: float, stall_s: float,
+                  roles: tuple[str, ...], say, send_probe, *, freeze_s: float) -> list[Fault]:
     """Each fault of `schedule` in turn, one every `every_s` from the end of the one before: a broker
     restart that lasts (tens of seconds on a loaded host) moves the rest later rather than firing the
     faults it held up at once (three kills within a second right after the broker came back left
     both workers down together for over a minute, harsher than the cadence the drill states)."""
-    stall_s, freeze_s = lengths
     faults: list[Fault] = []
     turn = itertools.cycle(roles)
     brokers_hit = 0

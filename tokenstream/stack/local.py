@@ -105,8 +105,10 @@ class LocalSystem:
         killed by `kill9` is started again after the first back-off: an injected fault is no crash
         loop (doubled, a role killed twice within a minute stayed down up to 30 s, longer than
         the fault it stood for)."""
+        from producers.membership import evict_and_say
+
         died: dict[str, float] = {}
-        evicting: set[asyncio.Task] = set()
+        evicting: set[asyncio.Task] = set()  # a dead process taken out of its groups (membership.evict)
         while not stop.is_set():
             now = time.monotonic()
             for proc in self.procs.values():
@@ -117,7 +119,8 @@ class LocalSystem:
                 if proc.killed:
                     proc.killed, proc.backoff_s = False, first_backoff_s
                 if proc.name not in died:  # seen dead just now: its groups need not wait out its session
-                    task = asyncio.create_task(self._evict(proc.name, proc.popen.pid))
+                    task = asyncio.create_task(evict_and_say(self.stack.kafka.address, proc.popen.pid,
+                                                             proc.name, self.say))
                     evicting.add(task)
                     task.add_done_callback(evicting.discard)
                 since = died.setdefault(proc.name, now)
@@ -127,18 +130,6 @@ class LocalSystem:
                     proc.backoff_s = min(most_s, proc.backoff_s * 2) if quick else first_backoff_s
                     self.launch(proc)
             await asyncio.sleep(0.2)
-
-    async def _evict(self, name: str, pid: int) -> None:
-        """Take a dead process's place in its consumer groups (producers/membership.py, `evict`)."""
-        from producers.membership import evict
-
-        try:
-            groups = await evict(self.stack.kafka.address, pid)
-        except Exception as exc:  # noqa: BLE001 - the broker may be the fault: the session ends it then
-            self.say(f"{name}: could not leave its groups ({type(exc).__name__}: {exc})")
-            return
-        if groups:
-            self.say(f"{name}: exited; taken out of {', '.join(groups)}")
 
     def of_role(self, role: str) -> list[Process]:
         return [p for p in self.procs.values() if p.role == role]

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.config import settings
-from producers.membership import evict
+from producers.membership import evict_and_say
 from tokenstream.stack.roles import Role, shared_host_worker_args
 from topics.registry import CHAT_REQUESTS, PREPARED, SCREENED, TOKENS, TOOL_CALLS, inference_topic, processor_group
 
@@ -238,15 +238,8 @@ class Supervisor:
         return actions
 
     def _evict(self, name: str, pid: int) -> None:
-        if not pid:
-            return
-        try:
-            groups = asyncio.run(evict(settings().kafka_bootstrap, pid))
-        except Exception as exc:  # noqa: BLE001 - the broker may be down too: the session ends it then
-            self.say(f"{name}: could not leave its groups ({type(exc).__name__}: {exc})")
-            return
-        if groups:
-            self.say(f"{name}: taken out of {', '.join(groups)}")
+        if pid:
+            asyncio.run(evict_and_say(settings().kafka_bootstrap, pid, name, self.say))
 
     def run(self, interval_s: float = 1.0, stop: Callable[[], bool] = lambda: False) -> None:
         while not stop():
