@@ -22,8 +22,10 @@ from audit.run import Auditor, Options, Outcome
 from common import id_key
 from common.config import settings
 
-app = typer.Typer(help="Replay requests and conversations from the topics, in order, with a gap check.",
-                  no_args_is_help=True)
+app = typer.Typer(
+    help="Replay requests and conversations from the topics, in order, with a gap check.",
+    no_args_is_help=True,
+)
 console = Console()
 errors = Console(stderr=True)
 
@@ -32,6 +34,7 @@ errors = Console(stderr=True)
 def _start() -> None:
     """Every command reads request ids, which only the deployment's id key opens (schemas/ids.py)."""
     id_key.install()
+
 
 Tenant = typer.Option(None, help="only this tenant's requests")
 Export = typer.Option(None, help="also write every event as JSON Lines to this file")
@@ -55,12 +58,26 @@ def parse_time(value: str) -> int:
 def _run(make, export: Path | None, tenant: str | None, horizon: float) -> Outcome:
     with contextlib.ExitStack() as stack:
         exporter = Exporter(stack.enter_context(export.open("wb"))) if export else None
-        progress = stack.enter_context(Progress(TextColumn("scanning"), BarColumn(), MofNCompleteColumn(),
-                                                TextColumn("records"), TimeRemainingColumn(),
-                                                console=errors, transient=True, disable=not errors.is_terminal))
+        progress = stack.enter_context(
+            Progress(
+                TextColumn("scanning"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("records"),
+                TimeRemainingColumn(),
+                console=errors,
+                transient=True,
+                disable=not errors.is_terminal,
+            )
+        )
         task = progress.add_task("scan", total=None)
-        opts = Options(settings().kafka_bootstrap, tenant=tenant, horizon_s=horizon, export=exporter,
-                       progress=lambda done, total: progress.update(task, completed=done, total=total))
+        opts = Options(
+            settings().kafka_bootstrap,
+            tenant=tenant,
+            horizon_s=horizon,
+            export=exporter,
+            progress=lambda done, total: progress.update(task, completed=done, total=total),
+        )
 
         async def go() -> Outcome:
             async with Auditor(opts) as auditor:
@@ -73,15 +90,22 @@ def _run(make, export: Path | None, tenant: str | None, horizon: float) -> Outco
 
 
 def _finish(outcome: Outcome) -> None:
-    console.print(f"{outcome.requests} request(s), {outcome.failed} failing the gap check, {outcome.open} open; "
-                  f"{outcome.records:,} records read" + (f", {outcome.undecodable} undecodable"
-                                                          if outcome.undecodable else ""), highlight=False)
+    console.print(
+        f"{outcome.requests} request(s), {outcome.failed} failing the gap check, {outcome.open} open; "
+        f"{outcome.records:,} records read"
+        + (f", {outcome.undecodable} undecodable" if outcome.undecodable else ""),
+        highlight=False,
+    )
     raise typer.Exit(2 if not outcome.requests else 1 if outcome.failed else 0)
 
 
 @app.command("request")
-def request(request_id: str, since: str = typer.Option(None, help="for an id without its admission time"),
-            export: Path = Export, horizon: float = Horizon) -> None:
+def request(
+    request_id: str,
+    since: str = typer.Option(None, help="for an id without its admission time"),
+    export: Path = Export,
+    horizon: float = Horizon,
+) -> None:
     """Every event of one request across all topics, in order, and the text its client saw."""
     since_ms = parse_time(since) if since else None
     outcome = _run(lambda a: a.request(request_id, since_ms), export, None, horizon)
@@ -91,11 +115,16 @@ def request(request_id: str, since: str = typer.Option(None, help="for an id wit
 
 
 @app.command("conversation")
-def conversation(conversation_id: str, tenant: str = Tenant,
-                 since: str = typer.Option(None, help="where to start (default: the conversation id's "
-                                           "admission time when it is a request id)"),
-                 until: str = typer.Option(None, help="where to stop looking for its requests"),
-                 export: Path = Export, horizon: float = Horizon) -> None:
+def conversation(
+    conversation_id: str,
+    tenant: str = Tenant,
+    since: str = typer.Option(
+        None, help="where to start (default: the conversation id's admission time when it is a request id)"
+    ),
+    until: str = typer.Option(None, help="where to stop looking for its requests"),
+    export: Path = Export,
+    horizon: float = Horizon,
+) -> None:
     """Every request of a conversation, each as a timeline, in order."""
     since_ms = parse_time(since) if since else None
     until_ms = parse_time(until) if until else None
@@ -109,10 +138,14 @@ def conversation(conversation_id: str, tenant: str = Tenant,
 
 
 @app.command("range")
-def range_(since: str = typer.Option(..., help="ISO 8601 time or a duration back from now (15m, 2h)"),
-           until: str = typer.Option(None, help="default: now"), tenant: str = Tenant,
-           timelines: bool = typer.Option(False, "--timeline", help="print every request's timeline"),
-           export: Path = Export, horizon: float = Horizon) -> None:
+def range_(
+    since: str = typer.Option(..., help="ISO 8601 time or a duration back from now (15m, 2h)"),
+    until: str = typer.Option(None, help="default: now"),
+    tenant: str = Tenant,
+    timelines: bool = typer.Option(False, "--timeline", help="print every request's timeline"),
+    export: Path = Export,
+    horizon: float = Horizon,
+) -> None:
     """Every request admitted between --since and --until: a summary (or timelines) and the gap check."""
     since_ms = parse_time(since)
     until_ms = parse_time(until) if until else int(dt.datetime.now(dt.UTC).timestamp() * 1000)
@@ -133,11 +166,14 @@ def range_(since: str = typer.Option(..., help="ISO 8601 time or a duration back
 
 
 @app.command("rescreen")
-def rescreen(policy: str = typer.Option(..., help="a policy name from the policies file (e.g. strict)"),
-             since: str = typer.Option(..., help="ISO 8601 time or a duration back from now (15m, 2h, 7d)"),
-             until: str = typer.Option(None, help="default: now"), tenant: str = Tenant,
-             policies: Path = typer.Option(None, help="policies file (default safety_model/policies.json)"),
-             horizon: float = Horizon) -> None:
+def rescreen(
+    policy: str = typer.Option(..., help="a policy name from the policies file (e.g. strict)"),
+    since: str = typer.Option(..., help="ISO 8601 time or a duration back from now (15m, 2h, 7d)"),
+    until: str = typer.Option(None, help="default: now"),
+    tenant: str = Tenant,
+    policies: Path = typer.Option(None, help="policies file (default safety_model/policies.json)"),
+    horizon: float = Horizon,
+) -> None:
     """Re-judge stored inputs and answers under another safety policy, into its own verdict topic."""
     from audit.rescreen import Rescreener, commit_progress, group_of
     from safety_model.classifier import SafetyClassifier
@@ -168,21 +204,37 @@ def rescreen(policy: str = typer.Option(..., help="a policy name from the polici
 
     outcome = _run(make, None, tenant, horizon)
     report = holder["screener"].report
-    table = Table("stage", "judged", f"blocked under {report.policy_version}", "newly blocked", "newly allowed",
-                  title=f"rescreen of {report.requests} request(s) under {policy} ({report.policy_version})")
+    table = Table(
+        "stage",
+        "judged",
+        f"blocked under {report.policy_version}",
+        "newly blocked",
+        "newly allowed",
+        title=f"rescreen of {report.requests} request(s) under {policy} ({report.policy_version})",
+    )
     for stage, st in report.stages.items():
-        table.add_row(stage, str(st.judged), str(st.blocked_now), str(sum(st.newly_blocked.values())),
-                      str(sum(st.newly_allowed.values())))
+        table.add_row(
+            stage,
+            str(st.judged),
+            str(st.blocked_now),
+            str(sum(st.newly_blocked.values())),
+            str(sum(st.newly_allowed.values())),
+        )
     console.print(table)
     changes = Table("stage", "change", "category", "requests", "examples", title="what would change")
     for stage, st in report.stages.items():
         for change, counts in (("newly blocked", st.newly_blocked), ("newly allowed", st.newly_allowed)):
             for category, n in counts.most_common():
-                examples = "\n".join(f"{rid}: {text!r}" for rid, text in st.examples.get((change, category), []))
+                examples = "\n".join(
+                    f"{rid}: {text!r}" for rid, text in st.examples.get((change, category), [])
+                )
                 changes.add_row(stage, change, category, str(n), examples)
     console.print(changes)
-    console.print(f"{report.written} verdict(s) written to ts.audit.rescreen.verdicts; offsets committed in group "
-                  f"{group_of(policy)}; {outcome.records:,} records read", highlight=False)
+    console.print(
+        f"{report.written} verdict(s) written to ts.audit.rescreen.verdicts; offsets committed in group "
+        f"{group_of(policy)}; {outcome.records:,} records read",
+        highlight=False,
+    )
 
 
 if __name__ == "__main__":  # pragma: no cover

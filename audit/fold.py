@@ -71,8 +71,12 @@ class ErasedRecord:
 
     @classmethod
     def of(cls, clear: dict) -> ErasedRecord:
-        return cls(kind=str(clear.get("type", "?")), request_id=str(clear.get("request_id", "")),
-                   conversation_id=str(clear.get("conversation_id", "")), tenant=str(clear.get("tenant", "")))
+        return cls(
+            kind=str(clear.get("type", "?")),
+            request_id=str(clear.get("request_id", "")),
+            conversation_id=str(clear.get("conversation_id", "")),
+            tenant=str(clear.get("tenant", "")),
+        )
 
 
 @dataclass
@@ -125,7 +129,9 @@ class Audit:
 
     # ------------------------------------------------------------------ folding
 
-    def add(self, topic: str, partition: int, offset: int, timestamp: int, event: Event | ErasedRecord) -> None:
+    def add(
+        self, topic: str, partition: int, offset: int, timestamp: int, event: Event | ErasedRecord
+    ) -> None:
         if isinstance(event, ErasedRecord):
             self._erased(topic, partition, offset, timestamp, event)
             return
@@ -142,8 +148,15 @@ class Audit:
         self._note(topic, event, timestamp)
         if self.timeline:
             self._flush()
-            self.rows.append(Row(timestamp, topic, f"{partition}@{offset}", type(event).__struct_config__.tag,
-                                 describe(event)))
+            self.rows.append(
+                Row(
+                    timestamp,
+                    topic,
+                    f"{partition}@{offset}",
+                    type(event).__struct_config__.tag,
+                    describe(event),
+                )
+            )
 
     def _erased(self, topic: str, partition: int, offset: int, timestamp: int, record: ErasedRecord) -> None:
         self.events += 1
@@ -190,10 +203,18 @@ class Audit:
         partition, first, ts, head = self._run[0]
         last = self._run[-1]
         text = "".join(c.text for *_, c in self._run)
-        span = f"seq {head.seq}" if len(self._run) == 1 else f"seq {head.seq}..{last[3].seq} ({len(self._run)})"
-        self.rows.append(Row(ts, TOKENS.name, f"{partition}@{first}" + (f"..{last[1]}" if len(self._run) > 1
-                                                                          else ""),
-                             "token_chunks", f"{span} {_short(text)!r}"))
+        span = (
+            f"seq {head.seq}" if len(self._run) == 1 else f"seq {head.seq}..{last[3].seq} ({len(self._run)})"
+        )
+        self.rows.append(
+            Row(
+                ts,
+                TOKENS.name,
+                f"{partition}@{first}" + (f"..{last[1]}" if len(self._run) > 1 else ""),
+                "token_chunks",
+                f"{span} {_short(text)!r}",
+            )
+        )
         self._run.clear()
 
     def _note(self, topic: str, event: Event, timestamp: int) -> None:
@@ -220,7 +241,12 @@ class Audit:
         elif isinstance(event, SafetyVerdict):
             if topic == VERDICTS.name and event.stage == "input":
                 self.live_input = event
-            if topic == VERDICTS.name and event.stage == "output" and event.blocked and self.live_output is None:
+            if (
+                topic == VERDICTS.name
+                and event.stage == "output"
+                and event.blocked
+                and self.live_output is None
+            ):
                 self.live_output = event
             if event.blocked and event.stage == "input" and topic in (VERDICTS.name, TOKENS.name):
                 self.input_blocked = True
@@ -338,15 +364,19 @@ def describe(event: Event) -> str:
         return f"model {event.model}, {len(event.messages)} message(s), user: {_short(newest)!r}"
     if isinstance(event, InferenceRequest):
         return f"model {event.model}, {len(event.messages)} message(s)" + (
-            f", {event.dropped_messages} dropped" if event.dropped_messages else "")
+            f", {event.dropped_messages} dropped" if event.dropped_messages else ""
+        )
     if isinstance(event, SafetyVerdict):
         state = "BLOCKED" if event.blocked else "allowed"
         where = f" up to seq {event.window_end_seq}" if event.stage == "output" else ""
         cats = f" ({', '.join(event.categories)})" if event.categories else ""
         return f"{event.stage}{where}: {state}{cats}, policy {event.policy_version or '-'}"
     if isinstance(event, Completion):
-        return (f"seq {event.seq}, {event.finish_reason}, {event.usage.completion_tokens} tokens"
-                + (f", {event.error}" if event.error else "") + (f", {event.worker_id}" if event.worker_id else ""))
+        return (
+            f"seq {event.seq}, {event.finish_reason}, {event.usage.completion_tokens} tokens"
+            + (f", {event.error}" if event.error else "")
+            + (f", {event.worker_id}" if event.worker_id else "")
+        )
     if isinstance(event, Cancel):
         return event.reason
     if isinstance(event, ToolCall):
@@ -355,8 +385,10 @@ def describe(event: Event) -> str:
         outcome = "ok" if event.ok else "failed"
         return f"{event.call_id} {event.name}: {outcome} {_short(event.output or event.error or '')}"
     if isinstance(event, DeadLetter):
-        return (f"{event.error_type} from {event.source_topic}[{event.source_partition}]@{event.source_offset}: "
-                f"{_short(event.reason)}")
+        return (
+            f"{event.error_type} from {event.source_topic}[{event.source_partition}]@{event.source_offset}: "
+            f"{_short(event.reason)}"
+        )
     if isinstance(event, Transcript):
         return f"final record: {event.answer.finish_reason}, {len(event.answer.text)} chars"
     if isinstance(event, TurnDeadline):

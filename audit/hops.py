@@ -47,22 +47,31 @@ class Marks:
             setattr(self, name, at)
 
 
-def hop_times(marks: Marks, *, sent: float | None = None, delivered: float | None = None,
-              through: str = "completion") -> list[tuple[str, float]]:
+def hop_times(
+    marks: Marks, *, sent: float | None = None, delivered: float | None = None, through: str = "completion"
+) -> list[tuple[str, float]]:
     """(hop, seconds) in order, from `sent` (the client's send) or the admission, up to `through`
     ("first_token": time to first token; "completion": the whole answer) and then `delivered`."""
     start = sent if sent is not None else marks.admitted if marks.admitted is not None else marks.chat
     if start is None:
         return []
     received = engine = None
-    if marks.timings is not None and (marks.timings.pipeline_s or marks.timings.queue_s or marks.timings.prefill_s):
+    if marks.timings is not None and (
+        marks.timings.pipeline_s or marks.timings.queue_s or marks.timings.prefill_s
+    ):
         admitted = marks.admitted if marks.admitted is not None else marks.chat
         if admitted is not None:
             received = admitted + marks.timings.pipeline_s
             engine = received + marks.timings.queue_s + marks.timings.prefill_s
-    points = [("gateway", marks.chat), ("conversation", marks.prepared), ("safety", marks.screened),
-              ("router", marks.inference), ("fetch", received), ("engine", engine),
-              ("publish", marks.first_token)]
+    points = [
+        ("gateway", marks.chat),
+        ("conversation", marks.prepared),
+        ("safety", marks.screened),
+        ("router", marks.inference),
+        ("fetch", received),
+        ("engine", engine),
+        ("publish", marks.first_token),
+    ]
     if through == "completion":
         points.append(("decode", marks.completion))
     points.append(("delivery", delivered))

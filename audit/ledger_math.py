@@ -29,10 +29,12 @@ def _field(value: bytes | None) -> bytes:
     return struct.pack(">q", -1) if value is None else struct.pack(">q", len(value)) + value
 
 
-def record_digest(timestamp: int, key: bytes | None, value: bytes | None,
-                  headers: list[tuple[str, bytes]] | tuple = ()) -> str:
-    h = hashlib.sha256(TAG + struct.pack(">q", timestamp) + _field(key) + _field(value)
-                       + struct.pack(">q", len(headers)))
+def record_digest(
+    timestamp: int, key: bytes | None, value: bytes | None, headers: list[tuple[str, bytes]] | tuple = ()
+) -> str:
+    h = hashlib.sha256(
+        TAG + struct.pack(">q", timestamp) + _field(key) + _field(value) + struct.pack(">q", len(headers))
+    )
     for name, data in headers:
         h.update(_field(name.encode()) + _field(bytes(data)))
     return h.hexdigest()
@@ -63,8 +65,9 @@ def signature_ok(checkpoint: dict, public_key: bytes) -> bool:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
     try:
-        Ed25519PublicKey.from_public_bytes(public_key).verify(bytes.fromhex(checkpoint["signature"]),
-                                                              signed_bytes(checkpoint))
+        Ed25519PublicKey.from_public_bytes(public_key).verify(
+            bytes.fromhex(checkpoint["signature"]), signed_bytes(checkpoint)
+        )
         return True
     except (InvalidSignature, ValueError):
         return False
@@ -95,19 +98,23 @@ def first_difference(attested: list[tuple[int, str]], actual: list[tuple[int, st
     have = [d for _, d in actual]
     for i, digest in enumerate(want):
         if i >= len(have):
-            return (f"removed: the record attested at offset {attested[i][0]} and the {len(want) - i - 1} "
-                    f"after it are missing (the log ends at {len(have)} of {len(want)} attested records)")
+            return (
+                f"removed: the record attested at offset {attested[i][0]} and the {len(want) - i - 1} "
+                f"after it are missing (the log ends at {len(have)} of {len(want)} attested records)"
+            )
         if have[i] == digest:
             continue
         read_at, attested_at = actual[i][0], attested[i][0]
-        later_want, later_have = set(want[i + 1:]), set(have[i + 1:])
+        later_want, later_have = set(want[i + 1 :]), set(have[i + 1 :])
         if have[i] in later_want and digest in later_have:
             return f"reordered: offset {read_at} holds the record attested at another place (offset {attested_at} expected)"
         if have[i] in later_want:
             return f"removed: the record attested at offset {attested_at} is missing (offset {read_at} holds the next)"
         if digest in later_have:
             return f"inserted: offset {read_at} holds a record nothing attested"
-        return f"changed: the record at offset {read_at} differs from the one attested at offset {attested_at}"
+        return (
+            f"changed: the record at offset {read_at} differs from the one attested at offset {attested_at}"
+        )
     return None
 
 
@@ -129,8 +136,12 @@ def verify_bundle(folder: Path) -> list[str]:
         if "digest" in r:  # another tenant's record, exported as its digest alone: it keeps its place
             digest = r["digest"]
         else:
-            digest = record_digest(r["timestamp"], _bytes(r["key"]), _bytes(r["value"]),
-                                   [(h[0], base64.b64decode(h[1])) for h in r["headers"]])
+            digest = record_digest(
+                r["timestamp"],
+                _bytes(r["key"]),
+                _bytes(r["value"]),
+                [(h[0], base64.b64decode(h[1])) for h in r["headers"]],
+            )
         records.setdefault(f"{r['topic']}/{r['partition']}", []).append((r["offset"], digest))
     problems = []
     for name, cps in sorted(checkpoints.items()):
@@ -153,8 +164,10 @@ def main(argv: list[str]) -> int:
         print(problem)
     if not problems:
         manifest = json.loads((Path(argv[0]) / "manifest.json").read_text())
-        print(f"verified: {manifest['records']} records on {manifest['partitions']} partitions, "
-              f"signed by key {manifest['key_id']}")
+        print(
+            f"verified: {manifest['records']} records on {manifest['partitions']} partitions, "
+            f"signed by key {manifest['key_id']}"
+        )
     return 1 if problems else 0
 
 

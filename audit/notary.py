@@ -58,8 +58,16 @@ async def read_ledger(bootstrap: str) -> dict[tuple[str, int], list[Checkpoint]]
         await consumer.stop()
 
 
-async def notarize(bootstrap: str, signer: Signer, *, follow: bool = False, interval_s: float = 5.0,
-                   max_records: int = MAX_RECORDS, heartbeat: Path | None = None, say=print) -> int:
+async def notarize(
+    bootstrap: str,
+    signer: Signer,
+    *,
+    follow: bool = False,
+    interval_s: float = 5.0,
+    max_records: int = MAX_RECORDS,
+    heartbeat: Path | None = None,
+    say=print,
+) -> int:
     """Attest every record written since the last checkpoints; the number of records attested."""
     counts = await partition_counts(bootstrap)
     specs = ledgered(list(counts))
@@ -85,7 +93,9 @@ async def notarize(bootstrap: str, signer: Signer, *, follow: bool = False, inte
             for tp, records in (await consumer.getmany(timeout_ms=500, max_records=2000)).items():
                 chain = chains[tp]
                 for r in records:
-                    chain.pending.append((r.offset, lm.record_digest(r.timestamp, r.key, r.value, list(r.headers))))
+                    chain.pending.append(
+                        (r.offset, lm.record_digest(r.timestamp, r.key, r.value, list(r.headers)))
+                    )
                     if len(chain.pending) >= max_records:
                         attested += await _checkpoint(producer, signer, tp, chain)
             if time.monotonic() - last_flush >= interval_s:
@@ -104,22 +114,34 @@ async def _flush(producer, signer: Signer, chains: dict[TopicPartition, Chain]) 
 
 async def _checkpoint(producer, signer: Signer, tp: TopicPartition, chain: Chain) -> int:
     offsets, digests = [o for o, _ in chain.pending], [d for _, d in chain.pending]
-    cp = Checkpoint(request_id=f"{tp.topic}/{tp.partition}", topic=tp.topic, partition=tp.partition,
-                    first_offset=offsets[0], last_offset=offsets[-1], offsets=offsets, record_digests=digests,
-                    prev_head=chain.head, head=lm.fold(chain.head, digests), signed_at=time.time(),
-                    key_id=signer.key_id)
+    cp = Checkpoint(
+        request_id=f"{tp.topic}/{tp.partition}",
+        topic=tp.topic,
+        partition=tp.partition,
+        first_offset=offsets[0],
+        last_offset=offsets[-1],
+        offsets=offsets,
+        record_digests=digests,
+        prev_head=chain.head,
+        head=lm.fold(chain.head, digests),
+        signed_at=time.time(),
+        key_id=signer.key_id,
+    )
     cp = signer.sign(cp)
     await publish(producer, LEDGER, cp, key=cp.request_id)
     chain.last_offset, chain.head, chain.pending = cp.last_offset, cp.head, []
     return len(offsets)
 
 
-async def run_forever(bootstrap: str, signer: Signer, interval_s: float, heartbeat: Path | None = None,
-                      say=print) -> None:
+async def run_forever(
+    bootstrap: str, signer: Signer, interval_s: float, heartbeat: Path | None = None, say=print
+) -> None:
     """`notarize --follow`: starts again after a broker outage (the ledger on the topic is the state)."""
     while True:
         try:
-            await notarize(bootstrap, signer, follow=True, interval_s=interval_s, heartbeat=heartbeat, say=say)
+            await notarize(
+                bootstrap, signer, follow=True, interval_s=interval_s, heartbeat=heartbeat, say=say
+            )
         except Exception as exc:  # noqa: BLE001 - the broker went away: begin again from the ledger
             say(f"notary: {type(exc).__name__}: {exc}; starting again in 5 s")
             await asyncio.sleep(5)

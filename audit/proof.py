@@ -82,9 +82,16 @@ def _tenant_of(record) -> str | None:
     return None if event is None else event.tenant
 
 
-async def prove(bootstrap: str, public_key: bytes, *, since_ms: int | None = None, until_ms: int | None = None,
-                tenant: str | None = None, copies: dict[str, str] | None = None,
-                topics: set[str] | None = None) -> list[PartitionProof]:
+async def prove(
+    bootstrap: str,
+    public_key: bytes,
+    *,
+    since_ms: int | None = None,
+    until_ms: int | None = None,
+    tenant: str | None = None,
+    copies: dict[str, str] | None = None,
+    topics: set[str] | None = None,
+) -> list[PartitionProof]:
     """One proof per attested partition (of `topics` only, or of the `copies`' topics, when given)."""
     copies = copies or {}
     out = []
@@ -92,8 +99,9 @@ async def prove(bootstrap: str, public_key: bytes, *, since_ms: int | None = Non
     try:
         ledger = await read_ledger(bootstrap)
         for (topic, partition), cps in sorted(ledger.items()):
-            proof = await _prove_one(consumer, topic, partition, cps, public_key, since_ms, until_ms, tenant,
-                                     copies, topics)
+            proof = await _prove_one(
+                consumer, topic, partition, cps, public_key, since_ms, until_ms, tenant, copies, topics
+            )
             if proof is not None:
                 out.append(proof)
     finally:
@@ -101,9 +109,18 @@ async def prove(bootstrap: str, public_key: bytes, *, since_ms: int | None = Non
     return out
 
 
-async def _prove_one(consumer, topic: str, partition: int, cps: list[Checkpoint], public_key: bytes,
-                     since_ms: int | None, until_ms: int | None, tenant: str | None, copies: dict[str, str],
-                     topics: set[str] | None) -> PartitionProof | None:
+async def _prove_one(
+    consumer,
+    topic: str,
+    partition: int,
+    cps: list[Checkpoint],
+    public_key: bytes,
+    since_ms: int | None,
+    until_ms: int | None,
+    tenant: str | None,
+    copies: dict[str, str],
+    topics: set[str] | None,
+) -> PartitionProof | None:
     cps = [c for c in cps if _in_range(c, since_ms, until_ms)]
     if not cps or (copies and topic not in copies) or (topics is not None and topic not in topics):
         return None
@@ -116,7 +133,8 @@ async def _prove_one(consumer, topic: str, partition: int, cps: list[Checkpoint]
         return None
     attested = [(o, d) for c in cps for o, d in zip(c.offsets, c.record_digests, strict=True)]
     problem = lm.check_checkpoints([as_dict(c) for c in cps], public_key) or lm.first_difference(
-        attested, [(r.offset, _digest(r)) for r in records])
+        attested, [(r.offset, _digest(r)) for r in records]
+    )
     return PartitionProof(topic, partition, len(cps), len(attested), problem, source)
 
 
@@ -126,32 +144,59 @@ def _sha(text: str) -> str:
 
 def _request_fields(event, requests: dict[str, dict]) -> None:
     """Fold one decoded event into the per-request record-keeping fields."""
-    row = requests.setdefault(event.request_id, {"request_id": event.request_id, "verdicts": [], "tool_calls": []})
+    row = requests.setdefault(
+        event.request_id, {"request_id": event.request_id, "verdicts": [], "tool_calls": []}
+    )
     if isinstance(event, ChatRequest):
-        row.update(conversation_id=event.conversation_id, tenant=event.tenant, model=event.model,
-                   admitted_at=event.created_at,
-                   input_sha256=_sha(json.dumps([m.content for m in event.messages], default=str)))
+        row.update(
+            conversation_id=event.conversation_id,
+            tenant=event.tenant,
+            model=event.model,
+            admitted_at=event.created_at,
+            input_sha256=_sha(json.dumps([m.content for m in event.messages], default=str)),
+        )
     elif isinstance(event, Completion):
-        row.update(finished_at=event.created_at, finish_reason=event.finish_reason, output_sha256=_sha(event.text),
-                   usage={"prompt": event.usage.prompt_tokens, "completion": event.usage.completion_tokens},
-                   worker_id=event.worker_id)
+        row.update(
+            finished_at=event.created_at,
+            finish_reason=event.finish_reason,
+            output_sha256=_sha(event.text),
+            usage={"prompt": event.usage.prompt_tokens, "completion": event.usage.completion_tokens},
+            worker_id=event.worker_id,
+        )
     elif isinstance(event, SafetyVerdict):
-        row["verdicts"].append({"stage": event.stage, "blocked": event.blocked, "categories": event.categories,
-                                "policy": event.policy_version})
+        row["verdicts"].append(
+            {
+                "stage": event.stage,
+                "blocked": event.blocked,
+                "categories": event.categories,
+                "policy": event.policy_version,
+            }
+        )
     elif isinstance(event, ToolCall):
-        row["tool_calls"].append({"call_id": event.call_id, "name": event.name,
-                                  "arguments_sha256": _sha(event.arguments)})
+        row["tool_calls"].append(
+            {"call_id": event.call_id, "name": event.name, "arguments_sha256": _sha(event.arguments)}
+        )
 
 
-async def export(bootstrap: str, signer_public_key: bytes, folder: Path, *, since_ms: int | None = None,
-                 until_ms: int | None = None, tenant: str | None = None) -> dict:
+async def export(
+    bootstrap: str,
+    signer_public_key: bytes,
+    folder: Path,
+    *,
+    since_ms: int | None = None,
+    until_ms: int | None = None,
+    tenant: str | None = None,
+) -> dict:
     """Write the bundle; its manifest."""
     folder.mkdir(parents=True, exist_ok=True)
     n_records = n_partitions = 0
     requests: dict[str, dict] = {}
     consumer = await start_consumer(group=None, bootstrap=bootstrap, from_beginning=True)
     try:
-        with (folder / "checkpoints.jsonl").open("w") as cps_out, (folder / "records.jsonl").open("w") as rec_out:
+        with (
+            (folder / "checkpoints.jsonl").open("w") as cps_out,
+            (folder / "records.jsonl").open("w") as rec_out,
+        ):
             for (topic, partition), cps in sorted((await read_ledger(bootstrap)).items()):
                 cps = [c for c in cps if _in_range(c, since_ms, until_ms)]
                 if not cps:
@@ -169,8 +214,12 @@ async def export(bootstrap: str, signer_public_key: bytes, folder: Path, *, sinc
                     if tenant is not None and (event is None or event.tenant != tenant):
                         row["digest"] = _digest(r)  # another tenant's record: its place, not its content
                     else:
-                        row.update(timestamp=r.timestamp, key=_b64(r.key), value=_b64(r.value),
-                                   headers=[[k, base64.b64encode(bytes(v)).decode()] for k, v in r.headers])
+                        row.update(
+                            timestamp=r.timestamp,
+                            key=_b64(r.key),
+                            value=_b64(r.value),
+                            headers=[[k, base64.b64encode(bytes(v)).decode()] for k, v in r.headers],
+                        )
                         if event is not None:
                             _request_fields(event, requests)
                     rec_out.write(json.dumps(row) + "\n")
@@ -181,10 +230,18 @@ async def export(bootstrap: str, signer_public_key: bytes, folder: Path, *, sinc
             if "tenant" in row or tenant is None:
                 out.write(json.dumps(row, default=str) + "\n")
     shutil.copyfile(Path(lm.__file__), folder / "verify.py")
-    manifest = {"format": "tokenstream-audit-bundle-1", "since_ms": since_ms, "until_ms": until_ms, "tenant": tenant,
-                "partitions": n_partitions, "records": n_records, "requests": len(requests),
-                "public_key": signer_public_key.hex(), "key_id": lm.key_id(signer_public_key),
-                "verify": "python verify.py <this folder> (Python 3.11+ and the cryptography package)"}
+    manifest = {
+        "format": "tokenstream-audit-bundle-1",
+        "since_ms": since_ms,
+        "until_ms": until_ms,
+        "tenant": tenant,
+        "partitions": n_partitions,
+        "records": n_records,
+        "requests": len(requests),
+        "public_key": signer_public_key.hex(),
+        "key_id": lm.key_id(signer_public_key),
+        "verify": "python verify.py <this folder> (Python 3.11+ and the cryptography package)",
+    }
     (folder / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
 

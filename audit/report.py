@@ -29,19 +29,39 @@ def verdict(audit: Audit) -> str:
 
 
 def timeline(console: Console, audit: Audit) -> None:
-    table = Table("time (UTC)", "+ms", "topic", "partition@offset", "event", "detail",
-                  title=f"request {audit.request_id}", caption=f"conversation {audit.conversation_id or '-'}"
-                  f" · tenant {audit.tenant or '-'} · model {audit.model or '-'} · {audit.events} events",
-                  expand=False)
+    table = Table(
+        "time (UTC)",
+        "+ms",
+        "topic",
+        "partition@offset",
+        "event",
+        "detail",
+        title=f"request {audit.request_id}",
+        caption=f"conversation {audit.conversation_id or '-'}"
+        f" · tenant {audit.tenant or '-'} · model {audit.model or '-'} · {audit.events} events",
+        expand=False,
+    )
     for row in audit.rows:
-        table.add_row(stamp(row.timestamp), str(row.timestamp - audit.first_ms), row.topic, row.where,
-                      row.kind, row.detail)
+        table.add_row(
+            stamp(row.timestamp),
+            str(row.timestamp - audit.first_ms),
+            row.topic,
+            row.where,
+            row.kind,
+            row.detail,
+        )
     console.print(table)
     hops(console, audit)
     extra = f" · {audit.withheld} chunk(s) generated after the stream ended" if audit.withheld else ""
     extra += f" · {audit.duplicates} duplicate chunk(s) dropped" if audit.duplicates else ""
-    console.print(Panel("(erased)" if audit.erased else audit.text or "(nothing)", title="the text the client saw",
-                        subtitle=f"finish: {audit.finish_reason or '-'}{extra}", title_align="left"))
+    console.print(
+        Panel(
+            "(erased)" if audit.erased else audit.text or "(nothing)",
+            title="the text the client saw",
+            subtitle=f"finish: {audit.finish_reason or '-'}{extra}",
+            title_align="left",
+        )
+    )
     console.print("gap check: " + verdict(audit), highlight=False)
 
 
@@ -51,7 +71,9 @@ def hops(console: Console, audit: Audit) -> None:
     if not spent:
         return
     total = sum(s for _, s in spent)
-    table = Table("", *(name for name, _ in spent), "total", title="time in each hop (ms)", title_justify="left")
+    table = Table(
+        "", *(name for name, _ in spent), "total", title="time in each hop (ms)", title_justify="left"
+    )
     table.add_row("ms", *(f"{s * 1000:.0f}" for _, s in spent), f"{total * 1000:.0f}")
     if total > 0:
         table.add_row("share", *(f"{s / total:.0%}" for _, s in spent), "100%")
@@ -62,8 +84,9 @@ class Summary:
     """A range's one-line-per-request table, bounded to SUMMARY_ROWS; failures always listed."""
 
     def __init__(self) -> None:
-        self.table = Table("admitted (UTC)", "request", "tenant", "finish", "chunks", "check",
-                           title="requests in the range")
+        self.table = Table(
+            "admitted (UTC)", "request", "tenant", "finish", "chunks", "check", title="requests in the range"
+        )
         self.rows = 0
         self.hidden = 0
 
@@ -73,8 +96,14 @@ class Summary:
             self.hidden += 1
             return
         self.rows += 1
-        self.table.add_row(stamp(audit.first_ms), audit.request_id, audit.tenant, audit.finish_reason or "-",
-                           str(len(audit.seqs)), verdict(audit))
+        self.table.add_row(
+            stamp(audit.first_ms),
+            audit.request_id,
+            audit.tenant,
+            audit.finish_reason or "-",
+            str(len(audit.seqs)),
+            verdict(audit),
+        )
 
     def print(self, console: Console) -> None:
         if self.hidden:

@@ -46,7 +46,9 @@ class StageReport:
 class Report:
     policy_version: str
     requests: int = 0
-    stages: dict[str, StageReport] = field(default_factory=lambda: {"input": StageReport(), "output": StageReport()})
+    stages: dict[str, StageReport] = field(
+        default_factory=lambda: {"input": StageReport(), "output": StageReport()}
+    )
     written: int = 0
 
 
@@ -82,13 +84,24 @@ class Rescreener:
                     stats.newly_blocked[c] += 1
                     stats.example("newly blocked", c, audit.request_id, text)
             elif live_blocked and not new.blocked:
-                for c in (live.categories or ["(none named)"]):
+                for c in live.categories or ["(none named)"]:
                     stats.newly_allowed[c] += 1
                     stats.example("newly allowed", c, audit.request_id, text)
-            await publish(self.producer, RESCREENED, SafetyVerdict(
-                request_id=audit.request_id, conversation_id=audit.conversation_id, tenant=audit.tenant or "default",
-                stage=stage, blocked=new.blocked, categories=new.categories, scores=new.scores,
-                policy_version=new.policy_version), wait=False)
+            await publish(
+                self.producer,
+                RESCREENED,
+                SafetyVerdict(
+                    request_id=audit.request_id,
+                    conversation_id=audit.conversation_id,
+                    tenant=audit.tenant or "default",
+                    stage=stage,
+                    blocked=new.blocked,
+                    categories=new.categories,
+                    scores=new.scores,
+                    policy_version=new.policy_version,
+                ),
+                wait=False,
+            )
             self.report.written += 1
         await self.producer.flush()
 

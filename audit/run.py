@@ -66,8 +66,10 @@ class Outcome:
 
 def _order(specs: list[TopicSpec]) -> dict[str, int]:
     flow = {name: i for i, name in enumerate(FLOW)}
-    return {s.name: flow.get("ts.inference.<model>" if s.name.startswith("ts.inference.") else s.name, 50)
-            for s in specs}
+    return {
+        s.name: flow.get("ts.inference.<model>" if s.name.startswith("ts.inference.") else s.name, 50)
+        for s in specs
+    }
 
 
 class Auditor:
@@ -78,8 +80,9 @@ class Auditor:
         self.timelines = True  # range scans without --timeline turn this off (only the check is kept)
 
     async def __aenter__(self) -> Auditor:
-        self.consumer = await start_consumer(group=None, bootstrap=self.opts.bootstrap,
-                                             max_partition_fetch_bytes=FETCH_BYTES)
+        self.consumer = await start_consumer(
+            group=None, bootstrap=self.opts.bootstrap, max_partition_fetch_bytes=FETCH_BYTES
+        )
         counts = await partition_counts(self.opts.bootstrap)
         self.specs = {s.name: s for s in audited(list(counts))}
         self.partitions = {n: counts[n] for n in self.specs}
@@ -100,11 +103,15 @@ class Auditor:
         at = admitted_ms(request_id) or since_ms
         if at is None:
             raise ValueError(f"{request_id!r} is not a gateway request id: give --since")
-        tps = [TopicPartition(n, p) for n, spec in self.specs.items()
-               for p in request_partitions(spec, request_id, self.partitions[n])]
+        tps = [
+            TopicPartition(n, p)
+            for n, spec in self.specs.items()
+            for p in request_partitions(spec, request_id, self.partitions[n])
+        ]
         spans = await self._spans(tps, at - CLOCK_MARGIN_MS, at + int(self.opts.horizon_s * 1000))
-        return await self._fold(spans, wanted=lambda rid, ts: rid == request_id, keep_all=True,
-                                keys={request_id.encode()})
+        return await self._fold(
+            spans, wanted=lambda rid, ts: rid == request_id, keep_all=True, keys={request_id.encode()}
+        )
 
     async def conversation(self, conversation_id: str, since_ms: int | None, until_ms: int | None) -> Outcome:
         """First the conversation's requests (its keyed topics hold them in one partition each), then
@@ -112,8 +119,11 @@ class Auditor:
         since = since_ms if since_ms is not None else admitted_ms(conversation_id)
         if since is None:
             raise ValueError("give --since for a conversation whose id is not a request id")
-        tps = [TopicPartition(n, p) for n, spec in self.specs.items()
-               for p in conversation_partitions(spec, conversation_id, self.opts.tenant, self.partitions[n])]
+        tps = [
+            TopicPartition(n, p)
+            for n, spec in self.specs.items()
+            for p in conversation_partitions(spec, conversation_id, self.opts.tenant, self.partitions[n])
+        ]
         found: dict[str, int] = {}
         for record, event in await self._collect(await self._spans(tps, since - CLOCK_MARGIN_MS, until_ms)):
             if event.conversation_id == conversation_id and self._tenant_ok(event):
@@ -124,10 +134,13 @@ class Auditor:
         first, last = min(times), max(times)
         tps = [TopicPartition(n, p) for n in self.specs for p in range(self.partitions[n])]
         spans = await self._spans(tps, first - CLOCK_MARGIN_MS, last + int(self.opts.horizon_s * 1000))
-        return await self._fold(spans, wanted=lambda rid, ts: rid in found, keep_all=True,
-                                keys={r.encode() for r in found})
+        return await self._fold(
+            spans, wanted=lambda rid, ts: rid in found, keep_all=True, keys={r.encode() for r in found}
+        )
 
-    async def range(self, since_ms: int, until_ms: int, keep: Callable[[Audit], None | Awaitable[None]]) -> Outcome:
+    async def range(
+        self, since_ms: int, until_ms: int, keep: Callable[[Audit], None | Awaitable[None]]
+    ) -> Outcome:
         """Every request admitted in [since, until): each finished audit goes to `keep` (a function or
         a coroutine function), not kept here."""
         tps = [TopicPartition(n, p) for n in self.specs for p in range(self.partitions[n])]
@@ -140,8 +153,7 @@ class Auditor:
                 seen[rid] = since_ms <= (at if at is not None else ts) < until_ms
             return seen[rid]
 
-        outcome = await self._fold(spans, wanted=wanted, keep_all=False, sink=keep,
-                                   forget=seen)
+        outcome = await self._fold(spans, wanted=wanted, keep_all=False, sink=keep, forget=seen)
         return outcome
 
     # ------------------------------------------------------------------ the machinery
@@ -149,10 +161,13 @@ class Auditor:
     def _tenant_ok(self, event: Event) -> bool:
         return self.opts.tenant is None or event.tenant == self.opts.tenant
 
-    async def _spans(self, tps: list[TopicPartition], since_ms: int | None, until_ms: int | None) -> list[Span]:
+    async def _spans(
+        self, tps: list[TopicPartition], since_ms: int | None, until_ms: int | None
+    ) -> list[Span]:
         now = int(time.time() * 1000)
-        self.last_spans = await spans_between(self.consumer, tps, since_ms,
-                                              until_ms if until_ms and until_ms < now else None)
+        self.last_spans = await spans_between(
+            self.consumer, tps, since_ms, until_ms if until_ms and until_ms < now else None
+        )
         return self.last_spans
 
     def _decode(self, record: ConsumerRecord) -> Event | ErasedRecord | None:
@@ -172,9 +187,16 @@ class Auditor:
                     out.append((record, event))
         return out
 
-    async def _fold(self, spans: list[Span], *, wanted: Callable[[str, int], bool], keep_all: bool,
-                    sink: Callable[[Audit], None | Awaitable[None]] | None = None,
-                    forget: dict | None = None, keys: set[bytes] | None = None) -> Outcome:
+    async def _fold(
+        self,
+        spans: list[Span],
+        *,
+        wanted: Callable[[str, int], bool],
+        keep_all: bool,
+        sink: Callable[[Audit], None | Awaitable[None]] | None = None,
+        forget: dict | None = None,
+        keys: set[bytes] | None = None,
+    ) -> Outcome:
         """Fold every record of `spans` into the audits of the requests `wanted` says yes to.
 
         `keys`: the only Kafka keys of interest on topics keyed by request id (one request or a
@@ -227,7 +249,9 @@ class Auditor:
                 forget.clear()
 
         decoders, export, timeline = self.scan_decoders, self.opts.export, keep_all or self.timelines
-        filtered = {n for n, spec in self.specs.items() if keyed_by_request(spec)} if keys is not None else set()
+        filtered = (
+            {n for n, spec in self.specs.items() if keyed_by_request(spec)} if keys is not None else set()
+        )
         records = undecodable = since_sweep = 0
         tenant_ok, tokens, keys_held = self._tenant_ok, TOKENS.name, sealer()
         async with _fewer_collections():
@@ -258,8 +282,15 @@ class Auditor:
                     else:
                         audit.add(topic, record.partition, record.offset, record.timestamp, event)
                     if export is not None and tenant_ok(event) and not isinstance(event, ErasedRecord):
-                        export({"topic": topic, "partition": record.partition, "offset": record.offset,
-                                "timestamp": record.timestamp, "event": msgspec.to_builtins(event)})
+                        export(
+                            {
+                                "topic": topic,
+                                "partition": record.partition,
+                                "offset": record.offset,
+                                "timestamp": record.timestamp,
+                                "event": msgspec.to_builtins(event),
+                            }
+                        )
                 since_sweep += len(batch)
                 if not keep_all and since_sweep >= SWEEP_EVERY:  # finish requests that can have nothing more
                     since_sweep = 0

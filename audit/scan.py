@@ -42,8 +42,9 @@ class Span:
         return max(0, self.stop - self.start)
 
 
-async def spans_between(consumer: AIOKafkaConsumer, tps: list[TopicPartition], since_ms: int | None,
-                        until_ms: int | None) -> list[Span]:
+async def spans_between(
+    consumer: AIOKafkaConsumer, tps: list[TopicPartition], since_ms: int | None, until_ms: int | None
+) -> list[Span]:
     """Offsets of the first record at or after `since_ms` and `until_ms` (None: beginning / end)."""
     if not tps:
         return []
@@ -60,8 +61,12 @@ async def spans_between(consumer: AIOKafkaConsumer, tps: list[TopicPartition], s
     return [Span(tp, starts[tp], stops[tp]) for tp in tps if stops[tp] > starts[tp]]
 
 
-async def merged(consumer: AIOKafkaConsumer, spans: list[Span], order: dict[str, int],
-                 progress: Callable[[int], None] = lambda n: None) -> AsyncIterator[list[ConsumerRecord]]:
+async def merged(
+    consumer: AIOKafkaConsumer,
+    spans: list[Span],
+    order: dict[str, int],
+    progress: Callable[[int], None] = lambda n: None,
+) -> AsyncIterator[list[ConsumerRecord]]:
     """Every record of `spans` in batches, merged by (timestamp, topic order, partition, offset).
 
     `progress(n)` is told how many records were read since its last call.
@@ -128,12 +133,16 @@ async def merged(consumer: AIOKafkaConsumer, spans: list[Span], order: dict[str,
         if out_records:
             idle = 0
             if len(keys) > 1:
-                ranked = sorted(range(len(keys)), key=keys.__getitem__)  # stable: log order within a partition
+                ranked = sorted(
+                    range(len(keys)), key=keys.__getitem__
+                )  # stable: log order within a partition
                 out_records = [out_records[i] for i in ranked]
             yield out_records
             continue
         # nothing can go out yet: wait for the partitions that hold the watermark back
-        behind = [tp for tp in active if latest[tp] <= watermark]  # (all at the watermark: taken however many)
+        behind = [
+            tp for tp in active if latest[tp] <= watermark
+        ]  # (all at the watermark: taken however many)
         if not behind:
             continue
         got = take(await consumer.getmany(*behind, timeout_ms=WAIT_MS, max_records=TAKE))

@@ -20,8 +20,11 @@ INFERENCE_PREFIX = "ts.inference."
 def audited(existing: list[str]) -> list[TopicSpec]:
     """Registry topics an auditor reads, plus every inference topic that exists on the broker."""
     specs = [s for s in REGISTRY if AUDITOR in s.readers]
-    specs += [inference_topic(n.removeprefix(INFERENCE_PREFIX)) for n in sorted(existing)
-              if n.startswith(INFERENCE_PREFIX)]
+    specs += [
+        inference_topic(n.removeprefix(INFERENCE_PREFIX))
+        for n in sorted(existing)
+        if n.startswith(INFERENCE_PREFIX)
+    ]
     return [s for s in specs if s.name in set(existing)]
 
 
@@ -33,7 +36,9 @@ def keyed_by_request(spec: TopicSpec) -> bool:
     return spec.key == "request_id"
 
 
-def conversation_partitions(spec: TopicSpec, conversation_id: str, tenant: str | None, partitions: int) -> list[int]:
+def conversation_partitions(
+    spec: TopicSpec, conversation_id: str, tenant: str | None, partitions: int
+) -> list[int]:
     """Where a conversation's records can be on `spec`: none when it is not keyed by conversation;
     every partition of a tenant-scoped key when the tenant is not known."""
     if spec.key == "conversation_id":

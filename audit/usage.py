@@ -42,8 +42,11 @@ class Tally:
             return  # a transcript read twice (at-least-once) counts once
         hit = done.worker_id.startswith(CACHE_WORKER)
         self.shares[done.request_id] = {
-            "requests": 1, "prompt": done.usage.prompt_tokens, "completion": done.usage.completion_tokens,
-            "cache_hit_tokens": done.usage.prompt_tokens + done.usage.completion_tokens if hit else 0}
+            "requests": 1,
+            "prompt": done.usage.prompt_tokens,
+            "completion": done.usage.completion_tokens,
+            "cache_hit_tokens": done.usage.prompt_tokens + done.usage.completion_tokens if hit else 0,
+        }
         self.requests += 1
         self.prompt += done.usage.prompt_tokens
         self.completion += done.usage.completion_tokens
@@ -58,7 +61,9 @@ def day_of(seconds: float) -> str:
     return time.strftime("%Y-%m-%d", time.gmtime(seconds))
 
 
-async def from_log(bootstrap: str, tenant: str, since_ms: int, until_ms: int) -> dict[tuple[str, str, str], Tally]:
+async def from_log(
+    bootstrap: str, tenant: str, since_ms: int, until_ms: int
+) -> dict[tuple[str, str, str], Tally]:
     """(day, model, tier) -> Tally of `tenant`'s answers between since and until (by record time)."""
     out: dict[tuple[str, str, str], Tally] = {}
     consumer = await start_consumer(group=None, bootstrap=bootstrap, from_beginning=True)

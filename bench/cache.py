@@ -84,11 +84,16 @@ async def _run(requests: int, limiter_calls: int, entries: int, lookups: int) ->
         semantic = await _semantic(stack, entries, lookups)
         return {
             "command": f"tokenstream bench cache --requests {requests} --limiter-calls {limiter_calls} "
-                       f"--entries {entries} --lookups {lookups}",
-            "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                        "load_average_1m_at_end": round(os.getloadavg()[0], 2),
-                        "note": "gateway, broker, Redis, Weaviate and load generator share this host"},
-            "exact": exact, "limiter": limiter, "semantic": semantic,
+            f"--entries {entries} --lookups {lookups}",
+            "machine": {
+                "cpus": os.cpu_count(),
+                "python": platform.python_version(),
+                "load_average_1m_at_end": round(os.getloadavg()[0], 2),
+                "note": "gateway, broker, Redis, Weaviate and load generator share this host",
+            },
+            "exact": exact,
+            "limiter": limiter,
+            "semantic": semantic,
             "targets": {"exact_hit_ttft_p50_ms": 20, "limiter_p50_ms": 2, "limiter_p99_ms": 2},
         }
     finally:
@@ -96,10 +101,19 @@ async def _run(requests: int, limiter_calls: int, entries: int, lookups: int) ->
 
 
 def _request(port: int, key: str, prompt: str) -> bytes:
-    body = json.dumps({"model": MODEL, "stream": True, "max_tokens": 16, "temperature": 0,
-                       "messages": [{"role": "user", "content": prompt}]}).encode()
-    return (f"POST /v1/chat/completions HTTP/1.0\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
-            f"Authorization: Bearer {key}\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+    body = json.dumps(
+        {
+            "model": MODEL,
+            "stream": True,
+            "max_tokens": 16,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": prompt}],
+        }
+    ).encode()
+    return (
+        f"POST /v1/chat/completions HTTP/1.0\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {key}\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
 
 
 async def _ttft(port: int, key: str, prompt: str) -> tuple[float | None, bytes]:
@@ -142,8 +156,12 @@ async def _exact(port: int, key: str, worker: SyntheticWorker, n: int) -> dict:
             wrong += 1
         floor.append(await _models(port, key))
     worker.auto_answer = False
-    return {"miss_ttft_ms": _stats(miss[5:]), "hit_ttft_ms": _stats(hit[5:]), "not_hit_on_second_ask": wrong,
-            "models_get_ms": _stats(floor[5:])}
+    return {
+        "miss_ttft_ms": _stats(miss[5:]),
+        "hit_ttft_ms": _stats(hit[5:]),
+        "not_hit_on_second_ask": wrong,
+        "models_get_ms": _stats(floor[5:]),
+    }
 
 
 async def _models(port: int, key: str) -> float:
@@ -152,8 +170,9 @@ async def _models(port: int, key: str) -> float:
 
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     t0 = time.perf_counter()
-    writer.write(f"GET /v1/models HTTP/1.0\r\nHost: 127.0.0.1:{port}\r\nAuthorization: Bearer {key}\r\n\r\n"
-                 .encode())
+    writer.write(
+        f"GET /v1/models HTTP/1.0\r\nHost: 127.0.0.1:{port}\r\nAuthorization: Bearer {key}\r\n\r\n".encode()
+    )
     while await reader.read(65536):
         pass
     writer.close()
@@ -169,8 +188,9 @@ async def _limiter(redis_url: str, n: int) -> dict:
 
     r = aioredis.from_url(redis_url)
     limiter = RateLimiter(r, Metrics())
-    key = ApiKey(key_id="bench-limiter", tenant="bench", rpm=10**9, tpm=10**12, tenant_rpm=10**9,
-                 tenant_tpm=10**12)
+    key = ApiKey(
+        key_id="bench-limiter", tenant="bench", rpm=10**9, tpm=10**12, tenant_rpm=10**9, tenant_tpm=10**12
+    )
     take, ping = [], []
     for i in range(n + 50):
         t0 = time.perf_counter()
@@ -183,12 +203,19 @@ async def _limiter(redis_url: str, n: int) -> dict:
             ping.append((t1 - t0) * 1000)
             take.append((t2 - t1) * 1000)
     await r.aclose()
-    return {"take_ms": _stats(take), "redis_ping_ms": _stats(ping),
-            "overhead_over_ping_ms": {"p50": round(_pct(take, 50) - _pct(ping, 50), 3),
-                                      "p99": round(_pct(take, 99) - _pct(ping, 99), 3)},
-            # the host's scheduling shows in both: the share of calls over the 2 ms target, each
-            "share_over_2ms": {"take": round(sum(t > 2 for t in take) / len(take), 4),
-                               "redis_ping": round(sum(p > 2 for p in ping) / len(ping), 4)}}
+    return {
+        "take_ms": _stats(take),
+        "redis_ping_ms": _stats(ping),
+        "overhead_over_ping_ms": {
+            "p50": round(_pct(take, 50) - _pct(ping, 50), 3),
+            "p99": round(_pct(take, 99) - _pct(ping, 99), 3),
+        },
+        # the host's scheduling shows in both: the share of calls over the 2 ms target, each
+        "share_over_2ms": {
+            "take": round(sum(t > 2 for t in take) / len(take), 4),
+            "redis_ping": round(sum(p > 2 for p in ping) / len(ping), 4),
+        },
+    }
 
 
 async def _semantic(stack, entries: int, lookups: int) -> dict:
@@ -200,21 +227,33 @@ async def _semantic(stack, entries: int, lookups: int) -> dict:
     from gateway.metrics import Metrics
     from gateway.semantic import SemanticCache
 
-    cache = SemanticCache("127.0.0.1", stack.weaviate.port, stack.weaviate.grpc_port, 0.9, 3600, 32768, Metrics())
+    cache = SemanticCache(
+        "127.0.0.1", stack.weaviate.port, stack.weaviate.grpc_port, 0.9, 3600, 32768, Metrics()
+    )
     topics = ["capital of", "population of", "weather in", "history of", "food in", "language of"]
     places = [f"place{i}" for i in range(max(1, entries // len(topics) + 1))]
     questions = [f"What is the {t} {p}?" for p in places for t in topics][:entries]
     vectors = {}
     for q in questions:
         vectors[q] = await cache.embed(q)
-        await cache.store("bench", MODEL, "", q, vectors[q], Entry(chunks=[q], finish_reason="stop", prompt_tokens=5,
-                                                                 completion_tokens=5, request_id=q))
+        await cache.store(
+            "bench",
+            MODEL,
+            "",
+            q,
+            vectors[q],
+            Entry(chunks=[q], finish_reason="stop", prompt_tokens=5, completion_tokens=5, request_id=q),
+        )
     r = aioredis.from_url(stack.redis.address)
     await r.set("bench:exact", b"x" * 500)
     embed, query, get, hits = [], [], [], 0
     rng = random.Random(7)
     for i in range(lookups + 10):
-        q = rng.choice(questions).replace("What is", "Tell me") if i % 2 else f"Unrelated question number {i}?"
+        q = (
+            rng.choice(questions).replace("What is", "Tell me")
+            if i % 2
+            else f"Unrelated question number {i}?"
+        )
         t0 = time.perf_counter()
         vector = await cache.embed(q)
         t1 = time.perf_counter()
@@ -229,8 +268,14 @@ async def _semantic(stack, entries: int, lookups: int) -> dict:
             hits += hit is not None
     await r.aclose()
     await cache.close()
-    return {"entries": len(questions), "lookups": lookups, "hits": hits, "query_ms": _stats(query),
-            "embed_ms": _stats(embed), "exact_cache_get_ms": _stats(get)}
+    return {
+        "entries": len(questions),
+        "lookups": lookups,
+        "hits": hits,
+        "query_ms": _stats(query),
+        "embed_ms": _stats(embed),
+        "exact_cache_get_ms": _stats(get),
+    }
 
 
 def _table(r: dict) -> None:
@@ -244,15 +289,28 @@ def _table(r: dict) -> None:
 
     ok_hit = e["hit_ttft_ms"]["p50"] < r["targets"]["exact_hit_ttft_p50_ms"]
     ok_lim = lim["take_ms"]["p99"] < r["targets"]["limiter_p99_ms"]
-    t = Table("measure (p50 / p99)", "value", "baseline (same run)", "target", title="tokenstream bench cache")
-    t.add_row("(a) exact-cache hit: client TTFT", pair(e["hit_ttft_ms"]), f"miss (live): {pair(e['miss_ttft_ms'])}",
-              f"p50 < 20 ms {'[green]ok' if ok_hit else '[red]missed'}")
+    t = Table(
+        "measure (p50 / p99)", "value", "baseline (same run)", "target", title="tokenstream bench cache"
+    )
+    t.add_row(
+        "(a) exact-cache hit: client TTFT",
+        pair(e["hit_ttft_ms"]),
+        f"miss (live): {pair(e['miss_ttft_ms'])}",
+        f"p50 < 20 ms {'[green]ok' if ok_hit else '[red]missed'}",
+    )
     t.add_row("(a) floor: GET /v1/models", pair(e["models_get_ms"]), "", "")
     over = lim["share_over_2ms"]
-    t.add_row("(b) rate limiter round trip", pair(lim["take_ms"]) + f" ({over['take']:.1%} over 2 ms)",
-              f"Redis PING: {pair(lim['redis_ping_ms'])} ({over['redis_ping']:.1%} over 2 ms)",
-              f"< 2 ms {'[green]ok' if ok_lim else '[red]missed'}")
-    t.add_row("(c) semantic lookup: Weaviate query", pair(s["query_ms"]),
-              f"exact-cache GET: {pair(s['exact_cache_get_ms'])}", "")
+    t.add_row(
+        "(b) rate limiter round trip",
+        pair(lim["take_ms"]) + f" ({over['take']:.1%} over 2 ms)",
+        f"Redis PING: {pair(lim['redis_ping_ms'])} ({over['redis_ping']:.1%} over 2 ms)",
+        f"< 2 ms {'[green]ok' if ok_lim else '[red]missed'}",
+    )
+    t.add_row(
+        "(c) semantic lookup: Weaviate query",
+        pair(s["query_ms"]),
+        f"exact-cache GET: {pair(s['exact_cache_get_ms'])}",
+        "",
+    )
     t.add_row("(c) semantic lookup: embedding (CPU)", pair(s["embed_ms"]), "", "")
     Console().print(t)

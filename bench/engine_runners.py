@@ -50,18 +50,27 @@ def run_tokenstream(spec: dict) -> dict:
     loaded = _setup(spec, spec.get("dtype", "auto"))  # the worker's default: bf16 where the CPU has it
     cache = PagedKVCache.for_model(loaded.model, None, spec.get("block_size", 16), spec.get("kv_gb", 1.0))
     kw = {"prefix_cache": spec.get("prefix_cache", True)} if _has_prefix_cache(Engine) else {}
-    if "packed_linears" in spec:  # A/B of the packed linear layers (gpu_workers/linears.py; RESULTS.md, streams)
+    if (
+        "packed_linears" in spec
+    ):  # A/B of the packed linear layers (gpu_workers/linears.py; RESULTS.md, streams)
         kw["packed_linears"] = spec["packed_linears"]
-    eng = Engine(loaded.model, loaded.tokenizer, cache, max_running=spec["max_running"],
-                 prefill_chunk=spec["prefill_chunk"], **kw)
+    eng = Engine(
+        loaded.model,
+        loaded.tokenizer,
+        cache,
+        max_running=spec["max_running"],
+        prefill_chunk=spec["prefill_chunk"],
+        **kw,
+    )
     warm = Sequence("warm", spec["requests"][0]["prompt_ids"], max_tokens=4, temperature=0)
     eng.generate([warm])
     prefix = getattr(eng, "prefix_cache", None)
     if prefix is not None:
         prefix.clear()
     reqs = sorted(spec["requests"], key=lambda r: r["arrival"])
-    seqs = {r["rid"]: Sequence(r["rid"], r["prompt_ids"], max_tokens=r["max_tokens"], temperature=0)
-            for r in reqs}
+    seqs = {
+        r["rid"]: Sequence(r["rid"], r["prompt_ids"], max_tokens=r["max_tokens"], temperature=0) for r in reqs
+    }
     times: dict[str, list[float]] = {r["rid"]: [] for r in reqs}
     steps0 = eng.steps
     cpu0 = time.process_time()
@@ -89,17 +98,32 @@ def run_tokenstream(spec: dict) -> dict:
                 times[rid] += [stamp] * new
     wall = time.perf_counter() - t0
     cpu = round(time.process_time() - cpu0, 2)
-    info = {"engine": "tokenstream Engine (in-process)", "torch": torch.__version__, "dtype": loaded.dtype,
-            "threads": torch.get_num_threads(), "max_running": spec["max_running"],
-            "prefill_chunk": spec["prefill_chunk"], "kv_pages": cache.allocator.num_blocks,
-            "page_size": cache.block_size, "prefix_cache": prefix is not None, "steps": eng.steps - steps0,
-            "process_cpu_s": cpu, "packed_linears": getattr(eng, "packed_linears", 0),
-            "decode_kernel": getattr(eng, "decode_kernel", False),
-            "own_llama_forward": getattr(eng, "llama_step", None) is not None}
+    info = {
+        "engine": "tokenstream Engine (in-process)",
+        "torch": torch.__version__,
+        "dtype": loaded.dtype,
+        "threads": torch.get_num_threads(),
+        "max_running": spec["max_running"],
+        "prefill_chunk": spec["prefill_chunk"],
+        "kv_pages": cache.allocator.num_blocks,
+        "page_size": cache.block_size,
+        "prefix_cache": prefix is not None,
+        "steps": eng.steps - steps0,
+        "process_cpu_s": cpu,
+        "packed_linears": getattr(eng, "packed_linears", 0),
+        "decode_kernel": getattr(eng, "decode_kernel", False),
+        "own_llama_forward": getattr(eng, "llama_step", None) is not None,
+    }
     if prefix is not None:
         info["prefix_cache_hit_tokens"] = prefix.hit_tokens
-    return {"requests": [{"rid": rid, "times": times[rid], "tokens": seqs[rid].generated,
-                          "submitted": submitted[rid]} for rid in times], "wall_s": wall, "info": info}
+    return {
+        "requests": [
+            {"rid": rid, "times": times[rid], "tokens": seqs[rid].generated, "submitted": submitted[rid]}
+            for rid in times
+        ],
+        "wall_s": wall,
+        "info": info,
+    }
 
 
 def run_transformers(spec: dict) -> dict:
@@ -111,10 +135,18 @@ def run_transformers(spec: dict) -> dict:
 
     loaded = _setup(spec, "float32")
     model, tok = loaded.model, loaded.tokenizer
-    gen = GenerationConfig(do_sample=False, max_new_tokens=max(r["max_tokens"] for r in spec["requests"]),
-                           eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    cb = ContinuousBatchingConfig(page_size=16, num_blocks=2048, max_batch_tokens=spec["prefill_chunk"],
-                                  max_requests_per_batch=spec["max_running"])
+    gen = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=max(r["max_tokens"] for r in spec["requests"]),
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    cb = ContinuousBatchingConfig(
+        page_size=16,
+        num_blocks=2048,
+        max_batch_tokens=spec["prefill_chunk"],
+        max_requests_per_batch=spec["max_running"],
+    )
     manager = model.init_continuous_batching(gen, cb)
     manager.start()
     reqs = sorted(spec["requests"], key=lambda r: r["arrival"])
@@ -129,8 +161,9 @@ def run_transformers(spec: dict) -> dict:
             wait = r["arrival"] - (time.perf_counter() - t0)
             if wait > 0:
                 time.sleep(wait)
-            manager.add_request(r["prompt_ids"], request_id=r["rid"], max_new_tokens=r["max_tokens"],
-                                streaming=True)
+            manager.add_request(
+                r["prompt_ids"], request_id=r["rid"], max_new_tokens=r["max_tokens"], streaming=True
+            )
 
     feeder = threading.Thread(target=feed, daemon=True)
     feeder.start()
@@ -141,7 +174,7 @@ def run_transformers(spec: dict) -> dict:
                 raise RuntimeError("transformers continuous batching stopped")
             continue
         stamp = time.perf_counter() - t0
-        new = out.generated_tokens[len(tokens[out.request_id]):]
+        new = out.generated_tokens[len(tokens[out.request_id]) :]
         tokens[out.request_id] += new
         times[out.request_id] += [stamp] * len(new)
         if out.is_finished():
@@ -149,12 +182,22 @@ def run_transformers(spec: dict) -> dict:
     wall = time.perf_counter() - t0
     done.set()
     manager.stop(block=True, timeout=10)
-    info = {"engine": "transformers continuous batching", "transformers": transformers.__version__,
-            "torch": torch.__version__, "dtype": loaded.dtype, "threads": torch.get_num_threads(),
-            "max_requests_per_batch": spec["max_running"], "max_batch_tokens": spec["prefill_chunk"],
-            "page_size": 16, "num_blocks": 2048}
-    return {"requests": [{"rid": rid, "times": times[rid], "tokens": tokens[rid]} for rid in times],
-            "wall_s": wall, "info": info}
+    info = {
+        "engine": "transformers continuous batching",
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "dtype": loaded.dtype,
+        "threads": torch.get_num_threads(),
+        "max_requests_per_batch": spec["max_running"],
+        "max_batch_tokens": spec["prefill_chunk"],
+        "page_size": 16,
+        "num_blocks": 2048,
+    }
+    return {
+        "requests": [{"rid": rid, "times": times[rid], "tokens": tokens[rid]} for rid in times],
+        "wall_s": wall,
+        "info": info,
+    }
 
 
 def run_reference(spec: dict) -> dict:
@@ -165,8 +208,9 @@ def run_reference(spec: dict) -> dict:
     out = []
     t0 = time.perf_counter()
     for k, r in enumerate(spec["requests"]):
-        ids = loaded.model.generate(torch.tensor([r["prompt_ids"]]), max_new_tokens=r["max_tokens"],
-                                    do_sample=False)[0, len(r["prompt_ids"]):].tolist()
+        ids = loaded.model.generate(
+            torch.tensor([r["prompt_ids"]]), max_new_tokens=r["max_tokens"], do_sample=False
+        )[0, len(r["prompt_ids"]) :].tolist()
         out.append({"rid": r["rid"], "times": [], "tokens": ids})
         print(f"reference {k + 1}/{len(spec['requests'])}", file=sys.stderr, flush=True)
     return {"requests": out, "wall_s": time.perf_counter() - t0, "info": {"engine": "HF generate()"}}
@@ -189,18 +233,40 @@ def run_worker(spec: dict, backend: str = "transformers", dtype: str = "auto", s
     logging.getLogger("aiokafka").setLevel(logging.ERROR)
     loaded = None
     if backend == "transformers":
-        loaded = run_on_torch_thread(_setup, spec, dtype)  # where the worker steps: one OpenMP team (torch_thread.py)
+        loaded = run_on_torch_thread(
+            _setup, spec, dtype
+        )  # where the worker steps: one OpenMP team (torch_thread.py)
     limits = (spec["max_running"], spec["prefill_chunk"]) if backend == "transformers" else (None, None)
-    work = [Work(r["rid"], r["arrival"], r["messages"], r["max_tokens"], r["prompt_ids"]) for r in spec["requests"]]
-    with broker_and_keyring("bench-engine-", lambda m: print(m, file=sys.stderr, flush=True), sealing) as stack:
-        res = asyncio.run(run_worker_bench(loaded, work, stack.kafka.address, *limits,
-                                           broker_pid=stack.kafka.pid(), backend=backend,
-                                           model_path=Path(spec["model_dir"]), dtype=dtype))
-    info = {"engine": "worker via Kafka (run_worker in-process, client in its own process on ts.tokens)"
-                      + (", vLLM backend at vLLM's batch limits" if backend == "vllm" else "")
-                      + ("" if sealing else ", sealing off (content in clear on the topics)"),
-            "torch": torch.__version__, "dtype": res.extra.pop("dtype"), "threads": torch.get_num_threads(),
-            "max_running": limits[0] or "vLLM's default", "prefill_chunk": limits[1] or "vLLM's default", **res.extra}
+    work = [
+        Work(r["rid"], r["arrival"], r["messages"], r["max_tokens"], r["prompt_ids"])
+        for r in spec["requests"]
+    ]
+    with broker_and_keyring(
+        "bench-engine-", lambda m: print(m, file=sys.stderr, flush=True), sealing
+    ) as stack:
+        res = asyncio.run(
+            run_worker_bench(
+                loaded,
+                work,
+                stack.kafka.address,
+                *limits,
+                broker_pid=stack.kafka.pid(),
+                backend=backend,
+                model_path=Path(spec["model_dir"]),
+                dtype=dtype,
+            )
+        )
+    info = {
+        "engine": "worker via Kafka (run_worker in-process, client in its own process on ts.tokens)"
+        + (", vLLM backend at vLLM's batch limits" if backend == "vllm" else "")
+        + ("" if sealing else ", sealing off (content in clear on the topics)"),
+        "torch": torch.__version__,
+        "dtype": res.extra.pop("dtype"),
+        "threads": torch.get_num_threads(),
+        "max_running": limits[0] or "vLLM's default",
+        "prefill_chunk": limits[1] or "vLLM's default",
+        **res.extra,
+    }
     from schemas.codec import sealer
 
     info["sealing"] = sealer() is not None  # what the run's clients really did (a keyring installed)
@@ -208,8 +274,12 @@ def run_worker(spec: dict, backend: str = "transformers", dtype: str = "auto", s
         import vllm
 
         info["vllm"] = vllm.__version__
-    return {"aggregate": {"tokens": res.tokens, "ttft": res.ttft, "itl": res.itl}, "outputs": res.outputs,
-            "wall_s": res.wall_s, "info": info}
+    return {
+        "aggregate": {"tokens": res.tokens, "ttft": res.ttft, "itl": res.itl},
+        "outputs": res.outputs,
+        "wall_s": res.wall_s,
+        "info": info,
+    }
 
 
 def run_conversations(spec: dict) -> dict:
@@ -222,8 +292,14 @@ def run_conversations(spec: dict) -> dict:
     result = {}
     for reuse in (False, True):
         cache = PagedKVCache.for_model(loaded.model, None, 16, spec.get("kv_gb", 1.0))
-        eng = Engine(loaded.model, tok, cache, max_running=spec["max_running"], prefill_chunk=spec["prefill_chunk"],
-                     prefix_cache=reuse)
+        eng = Engine(
+            loaded.model,
+            tok,
+            cache,
+            max_running=spec["max_running"],
+            prefill_chunk=spec["prefill_chunk"],
+            prefix_cache=reuse,
+        )
         eng.generate([Sequence("warm", tok("warm up")["input_ids"], max_tokens=2, temperature=0)])
         if eng.prefix_cache is not None:
             eng.prefix_cache.clear()
@@ -235,24 +311,42 @@ def run_conversations(spec: dict) -> dict:
                 hist.append({"role": "user", "content": spec["questions"][(c + t) % len(spec["questions"])]})
                 ids = tok.apply_chat_template(hist, add_generation_prompt=True, tokenize=True)
                 ids = list(ids if isinstance(ids, list) else ids["input_ids"])
-                seqs.append(Sequence(f"c{c}-t{t}", ids, max_tokens=spec["answer_tokens"], temperature=0,
-                                     tenant=f"tenant-{c % 2}"))
+                seqs.append(
+                    Sequence(
+                        f"c{c}-t{t}",
+                        ids,
+                        max_tokens=spec["answer_tokens"],
+                        temperature=0,
+                        tenant=f"tenant-{c % 2}",
+                    )
+                )
             eng.generate(seqs)
             for c, s in enumerate(seqs):
                 histories[c].append({"role": "assistant", "content": s.emitted_text})
-                turns[t].append({"prompt_tokens": len(s.prompt_ids), "cached_tokens": s.cached_tokens,
-                                 "prefill_tokens": len(s.prompt_ids) - s.cached_tokens,
-                                 "ttft_s": s.first_token_at - s.arrival, "tokens": list(s.generated)})
+                turns[t].append(
+                    {
+                        "prompt_tokens": len(s.prompt_ids),
+                        "cached_tokens": s.cached_tokens,
+                        "prefill_tokens": len(s.prompt_ids) - s.cached_tokens,
+                        "ttft_s": s.first_token_at - s.arrival,
+                        "tokens": list(s.generated),
+                    }
+                )
         result["with_reuse" if reuse else "without_reuse"] = turns
     return result
 
 
-RUNNERS = {"tokenstream": run_tokenstream, "tokenstream-fp32": lambda spec: run_tokenstream(dict(spec, dtype="float32")),
-           "transformers": run_transformers, "reference": run_reference,
-           "worker": run_worker, "worker-clear": lambda spec: run_worker(spec, sealing=False),
-           "worker-vllm": lambda spec: run_worker(spec, "vllm"),
-           "worker-vllm-fp32": lambda spec: run_worker(spec, "vllm", "float32"),
-           "conversations": run_conversations}
+RUNNERS = {
+    "tokenstream": run_tokenstream,
+    "tokenstream-fp32": lambda spec: run_tokenstream(dict(spec, dtype="float32")),
+    "transformers": run_transformers,
+    "reference": run_reference,
+    "worker": run_worker,
+    "worker-clear": lambda spec: run_worker(spec, sealing=False),
+    "worker-vllm": lambda spec: run_worker(spec, "vllm"),
+    "worker-vllm-fp32": lambda spec: run_worker(spec, "vllm", "float32"),
+    "conversations": run_conversations,
+}
 
 if __name__ == "__main__":
     engine, src, dst = sys.argv[1:4]

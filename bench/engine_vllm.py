@@ -38,10 +38,16 @@ async def serve(spec: dict) -> dict:
     if spec.get("defaults"):  # vLLM as its users run it: nothing but the model (and no periodic stats log)
         args = AsyncEngineArgs(model=spec["model_dir"], disable_log_stats=True)
     else:  # the same batch limits as every engine: rows per step and tokens per step
-        args = AsyncEngineArgs(model=spec["model_dir"], dtype="float32", max_num_seqs=spec["max_running"],
-                               max_num_batched_tokens=spec["prefill_chunk"], max_model_len=2048,
-                               enable_prefix_caching=spec.get("prefix_cache", True), disable_log_stats=True,
-                               seed=0)
+        args = AsyncEngineArgs(
+            model=spec["model_dir"],
+            dtype="float32",
+            max_num_seqs=spec["max_running"],
+            max_num_batched_tokens=spec["prefill_chunk"],
+            max_model_len=2048,
+            enable_prefix_caching=spec.get("prefix_cache", True),
+            disable_log_stats=True,
+            seed=0,
+        )
     llm = AsyncLLM.from_engine_args(args)
     reqs = sorted(spec["requests"], key=lambda r: r["arrival"])
     times: dict[str, list[float]] = {r["rid"]: [] for r in reqs}
@@ -55,7 +61,9 @@ async def serve(spec: dict) -> dict:
             await asyncio.sleep(wait)
         if not tag:
             submitted[r["rid"]] = time.perf_counter() - t0
-        params = SamplingParams(temperature=0, max_tokens=r["max_tokens"], output_kind=RequestOutputKind.DELTA)
+        params = SamplingParams(
+            temperature=0, max_tokens=r["max_tokens"], output_kind=RequestOutputKind.DELTA
+        )
         async for out in llm.generate(TokensPrompt(prompt_token_ids=r["prompt_ids"]), params, r["rid"] + tag):
             if tag:
                 continue
@@ -76,19 +84,29 @@ async def serve(spec: dict) -> dict:
         await asyncio.gather(*(one(r, t0) for r in reqs))
     wall = time.perf_counter() - t0
     how = " at its defaults" if spec.get("defaults") else ", held to the benchmark's batch limits"
-    info = {"engine": "vLLM AsyncLLM (CPU build)" + how, "vllm": vllm.__version__, "torch": torch.__version__,
-            "dtype": str(llm.vllm_config.model_config.dtype).removeprefix("torch."),
-            "threads": torch.get_num_threads(),
-            "max_num_seqs": llm.vllm_config.scheduler_config.max_num_seqs,
-            "max_num_batched_tokens": llm.vllm_config.scheduler_config.max_num_batched_tokens,
-            "prefix_caching": llm.vllm_config.cache_config.enable_prefix_caching,
-            "max_model_len": llm.vllm_config.model_config.max_model_len,
-            "compiled": not llm.vllm_config.model_config.enforce_eager,
-            "omp_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
-            "kv_cache_space_gib": os.environ.get("VLLM_CPU_KVCACHE_SPACE")}
+    info = {
+        "engine": "vLLM AsyncLLM (CPU build)" + how,
+        "vllm": vllm.__version__,
+        "torch": torch.__version__,
+        "dtype": str(llm.vllm_config.model_config.dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "max_num_seqs": llm.vllm_config.scheduler_config.max_num_seqs,
+        "max_num_batched_tokens": llm.vllm_config.scheduler_config.max_num_batched_tokens,
+        "prefix_caching": llm.vllm_config.cache_config.enable_prefix_caching,
+        "max_model_len": llm.vllm_config.model_config.max_model_len,
+        "compiled": not llm.vllm_config.model_config.enforce_eager,
+        "omp_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
+        "kv_cache_space_gib": os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
+    }
     llm.shutdown()
-    return {"requests": [{"rid": rid, "times": times[rid], "tokens": tokens[rid], "submitted": submitted[rid]}
-                         for rid in times], "wall_s": wall, "info": info}
+    return {
+        "requests": [
+            {"rid": rid, "times": times[rid], "tokens": tokens[rid], "submitted": submitted[rid]}
+            for rid in times
+        ],
+        "wall_s": wall,
+        "info": info,
+    }
 
 
 if __name__ == "__main__":

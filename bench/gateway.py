@@ -72,14 +72,23 @@ async def synthetic_gateway(stack, tmp: Path, key_name: str):
 
     await apply([CHAT_REQUESTS, TOKENS, CONTROL, inference_topic(MODEL)], stack.kafka.address)
     port = free_port()
-    env = {**os.environ, **stack.environment(), "PYTHONUNBUFFERED": "1",
-           "TOKENSTREAM_GATEWAY_MODELS": json.dumps([MODEL]),
-           "TOKENSTREAM_GATEWAY_ADMISSION_BUDGET_S": "100000",
-           # the synthetic worker stands in for the processors too: no input verdicts come
-           "TOKENSTREAM_GATEWAY_SCREENING": "serial"}
+    env = {
+        **os.environ,
+        **stack.environment(),
+        "PYTHONUNBUFFERED": "1",
+        "TOKENSTREAM_GATEWAY_MODELS": json.dumps([MODEL]),
+        "TOKENSTREAM_GATEWAY_ADMISSION_BUDGET_S": "100000",
+        # the synthetic worker stands in for the processors too: no input verdicts come
+        "TOKENSTREAM_GATEWAY_SCREENING": "serial",
+    }
     with open(tmp / "gateway.log", "wb") as log:
-        gateway = subprocess.Popen([sys.executable, "-m", "tokenstream.cli", "gateway", "--port", str(port)],
-                                   env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        gateway = subprocess.Popen(
+            [sys.executable, "-m", "tokenstream.cli", "gateway", "--port", str(port)],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         for _ in range(300):
             try:
@@ -116,7 +125,9 @@ async def _run(streams: int, rate: float, tokens: int, light_requests: int) -> d
     stack.kafka.start(say)
     stack.redis.start(say)
     stack.cache.start(say)
-    use({**stack.kafka.environment(), "TOKENSTREAM_REDIS_URL": stack.redis.address})  # this process's keyring too
+    use(
+        {**stack.kafka.environment(), "TOKENSTREAM_REDIS_URL": stack.redis.address}
+    )  # this process's keyring too
     try:
         async with synthetic_gateway(stack, tmp, "bench gateway") as (gateway, port, key):
             bootstrap = stack.kafka.address
@@ -131,11 +142,15 @@ async def _run(streams: int, rate: float, tokens: int, light_requests: int) -> d
                 await worker.stop()
             return {
                 "command": f"tokenstream bench gateway --streams {streams} --rate {rate} --tokens {tokens} "
-                           f"--light-requests {light_requests}",
-                "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                            "load_average_1m_at_end": round(os.getloadavg()[0], 2),
-                            "note": "gateway, broker and load generator share this host (loopback)"},
-                "fanout": fan, "light_load": light,
+                f"--light-requests {light_requests}",
+                "machine": {
+                    "cpus": os.cpu_count(),
+                    "python": platform.python_version(),
+                    "load_average_1m_at_end": round(os.getloadavg()[0], 2),
+                    "note": "gateway, broker and load generator share this host (loopback)",
+                },
+                "fanout": fan,
+                "light_load": light,
                 "targets": {"overhead_p50_ms": 15, "overhead_p99_ms": 50},
             }
     finally:
@@ -197,12 +212,23 @@ class SyntheticWorker:
         from schemas import Completion, TokenChunk, Usage
         from topics import TOKENS
 
-        await publish(self.producer, TOKENS, TokenChunk(request_id=rid, seq=0, text="hello"),
-                      partition=partition, wait=False)
+        await publish(
+            self.producer,
+            TOKENS,
+            TokenChunk(request_id=rid, seq=0, text="hello"),
+            partition=partition,
+            wait=False,
+        )
         self.first_written[rid] = time.time()
-        await publish(self.producer, TOKENS, Completion(request_id=rid, seq=1, finish_reason="stop",
-                                                        usage=Usage(prompt_tokens=1, completion_tokens=1)),
-                      partition=partition, wait=False)
+        await publish(
+            self.producer,
+            TOKENS,
+            Completion(
+                request_id=rid, seq=1, finish_reason="stop", usage=Usage(prompt_tokens=1, completion_tokens=1)
+            ),
+            partition=partition,
+            wait=False,
+        )
 
     async def tick(self, rids: list[str], seq: int, last: bool) -> dict[str, float]:
         """One token for each of `rids` (and their completions when `last`); returns created_at."""
@@ -216,15 +242,23 @@ class SyntheticWorker:
             created[rid] = ev.created_at
             await publish(self.producer, TOKENS, ev, partition=self.arrived[rid][0], wait=False)
             if last:
-                await publish(self.producer, TOKENS, Completion(request_id=rid, seq=seq + 1, finish_reason="stop"),
-                              partition=self.arrived[rid][0], wait=False)
+                await publish(
+                    self.producer,
+                    TOKENS,
+                    Completion(request_id=rid, seq=seq + 1, finish_reason="stop"),
+                    partition=self.arrived[rid][0],
+                    wait=False,
+                )
         await self.producer.flush()
         return created
 
 
 def _post(port: int, prompt: str, key: str) -> bytes:
-    return chat_post(port, {"model": MODEL, "stream": True, "max_tokens": 64,
-                            "messages": [{"role": "user", "content": prompt}]}, key=key)
+    return chat_post(
+        port,
+        {"model": MODEL, "stream": True, "max_tokens": 64, "messages": [{"role": "user", "content": prompt}]},
+        key=key,
+    )
 
 
 async def _light(port: int, key: str, worker: SyntheticWorker, n: int) -> dict:
@@ -248,13 +282,18 @@ async def _light(port: int, key: str, worker: SyntheticWorker, n: int) -> dict:
         "worker_ttft_ms": {"p50": _pct(worker_ttft, 50), "p99": _pct(worker_ttft, 99)},
         "request_to_worker_ms": {"p50": _pct(inbound, 50), "p99": _pct(inbound, 99)},
         "first_token_to_client_ms": {"p50": _pct(outbound, 50), "p99": _pct(outbound, 99)},
-        "overhead_ms": {"p50": _pct(overhead, 50), "p90": _pct(overhead, 90), "p99": _pct(overhead, 99),
-                        "max": max(overhead) if overhead else None},
+        "overhead_ms": {
+            "p50": _pct(overhead, 50),
+            "p90": _pct(overhead, 90),
+            "p99": _pct(overhead, 99),
+            "max": max(overhead) if overhead else None,
+        },
     }
 
 
-async def _fanout(port: int, key: str, worker: SyntheticWorker, proc, streams: int, rate: float,
-                  tokens: int) -> dict:
+async def _fanout(
+    port: int, key: str, worker: SyntheticWorker, proc, streams: int, rate: float, tokens: int
+) -> dict:
     import asyncio
 
     received: dict[str, dict[int, float]] = {}
@@ -332,14 +371,27 @@ async def _fanout(port: int, key: str, worker: SyntheticWorker, proc, streams: i
             lags.append((min(later) - at) * 1000)
             by_seq.setdefault(seq, []).append(lags[-1])
     return {
-        "streams_requested": streams, "streams_open": len(rids), "connect_errors": errors,
-        "open_all_s": round(open_s, 2), "tokens_per_stream": tokens, "rate_per_stream": rate,
-        "events_per_s": round(len(rids) * rate, 1), "tokens_delivered": len(lags), "tokens_missing": missing,
-        "delivery_lag_ms": {"p50": _pct(lags, 50), "p90": _pct(lags, 90), "p99": _pct(lags, 99),
-                            "max": max(lags) if lags else None},
+        "streams_requested": streams,
+        "streams_open": len(rids),
+        "connect_errors": errors,
+        "open_all_s": round(open_s, 2),
+        "tokens_per_stream": tokens,
+        "rate_per_stream": rate,
+        "events_per_s": round(len(rids) * rate, 1),
+        "tokens_delivered": len(lags),
+        "tokens_missing": missing,
+        "delivery_lag_ms": {
+            "p50": _pct(lags, 50),
+            "p90": _pct(lags, 90),
+            "p99": _pct(lags, 99),
+            "max": max(lags) if lags else None,
+        },
         "delivery_lag_p99_by_token_ms": {s: round(_pct(v, 99), 1) for s, v in sorted(by_seq.items())},
-        "gateway_rss_mb": {"before": round(rss[0] / 2**20, 1), "peak": round(max(rss) / 2**20, 1),
-                           "after": round(rss[-1] / 2**20, 1)},
+        "gateway_rss_mb": {
+            "before": round(rss[0] / 2**20, 1),
+            "peak": round(max(rss) / 2**20, 1),
+            "after": round(rss[-1] / 2**20, 1),
+        },
     }
 
 
@@ -351,21 +403,49 @@ def _table(r: dict) -> None:
     t = Table("measure", "value", "target", title="tokenstream bench gateway")
     t.add_row("(a) streams open at once", f"{f['streams_open']:,} / {f['streams_requested']:,}", ">= 1,000")
     t.add_row("(a) token events/s", f"{f['events_per_s']:,}", "")
-    t.add_row("(a) tokens delivered / missing", f"{f['tokens_delivered']:,} / {f['tokens_missing']}", "all / 0")
-    t.add_row("(a) delivery lag p50 / p99", f"{f['delivery_lag_ms']['p50']:.1f} / {f['delivery_lag_ms']['p99']:.1f} ms",
-              "")
-    t.add_row("(a) gateway RSS before / peak / after",
-              f"{f['gateway_rss_mb']['before']} / {f['gateway_rss_mb']['peak']} / {f['gateway_rss_mb']['after']} MB",
-              "bounded")
+    t.add_row(
+        "(a) tokens delivered / missing", f"{f['tokens_delivered']:,} / {f['tokens_missing']}", "all / 0"
+    )
+    t.add_row(
+        "(a) delivery lag p50 / p99",
+        f"{f['delivery_lag_ms']['p50']:.1f} / {f['delivery_lag_ms']['p99']:.1f} ms",
+        "",
+    )
+    t.add_row(
+        "(a) gateway RSS before / peak / after",
+        f"{f['gateway_rss_mb']['before']} / {f['gateway_rss_mb']['peak']} / {f['gateway_rss_mb']['after']} MB",
+        "bounded",
+    )
     ok50 = lt["overhead_ms"]["p50"] <= r["targets"]["overhead_p50_ms"]
     ok99 = lt["overhead_ms"]["p99"] <= r["targets"]["overhead_p99_ms"]
-    t.add_row("(b) client TTFT p50 / p99", f"{lt['client_ttft_ms']['p50']:.1f} / {lt['client_ttft_ms']['p99']:.1f} ms", "")
-    t.add_row("(b) worker's own TTFT p50 / p99",
-              f"{lt['worker_ttft_ms']['p50']:.2f} / {lt['worker_ttft_ms']['p99']:.2f} ms", "")
-    t.add_row("(b) request -> worker p50 / p99",
-              f"{lt['request_to_worker_ms']['p50']:.1f} / {lt['request_to_worker_ms']['p99']:.1f} ms", "")
-    t.add_row("(b) first token -> client p50 / p99",
-              f"{lt['first_token_to_client_ms']['p50']:.1f} / {lt['first_token_to_client_ms']['p99']:.1f} ms", "")
-    t.add_row("(b) overhead p50", f"{lt['overhead_ms']['p50']:.1f} ms", f"<= 15 ms {'[green]ok' if ok50 else '[red]missed'}")
-    t.add_row("(b) overhead p99", f"{lt['overhead_ms']['p99']:.1f} ms", f"<= 50 ms {'[green]ok' if ok99 else '[red]missed'}")
+    t.add_row(
+        "(b) client TTFT p50 / p99",
+        f"{lt['client_ttft_ms']['p50']:.1f} / {lt['client_ttft_ms']['p99']:.1f} ms",
+        "",
+    )
+    t.add_row(
+        "(b) worker's own TTFT p50 / p99",
+        f"{lt['worker_ttft_ms']['p50']:.2f} / {lt['worker_ttft_ms']['p99']:.2f} ms",
+        "",
+    )
+    t.add_row(
+        "(b) request -> worker p50 / p99",
+        f"{lt['request_to_worker_ms']['p50']:.1f} / {lt['request_to_worker_ms']['p99']:.1f} ms",
+        "",
+    )
+    t.add_row(
+        "(b) first token -> client p50 / p99",
+        f"{lt['first_token_to_client_ms']['p50']:.1f} / {lt['first_token_to_client_ms']['p99']:.1f} ms",
+        "",
+    )
+    t.add_row(
+        "(b) overhead p50",
+        f"{lt['overhead_ms']['p50']:.1f} ms",
+        f"<= 15 ms {'[green]ok' if ok50 else '[red]missed'}",
+    )
+    t.add_row(
+        "(b) overhead p99",
+        f"{lt['overhead_ms']['p99']:.1f} ms",
+        f"<= 50 ms {'[green]ok' if ok99 else '[red]missed'}",
+    )
     Console().print(t)

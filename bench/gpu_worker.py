@@ -33,11 +33,17 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def knobs() -> dict:
-    return {"shape": ENV.get("SHAPE", "1b"), "device": ENV.get("DEVICE", "cuda"),
-            "requests": int(ENV.get("REQUESTS", "256")), "prompt": int(ENV.get("PROMPT", "128")),
-            "output": int(ENV.get("OUTPUT", "128")), "max_running": int(ENV.get("MAX_RUNNING", "128")),
-            "kv_gb": float(ENV.get("KV_GB", "16")), "modes": ENV.get("MODES", "bf16,8bit,4bit").split(","),
-            "agreement": int(ENV.get("AGREEMENT", "8"))}
+    return {
+        "shape": ENV.get("SHAPE", "1b"),
+        "device": ENV.get("DEVICE", "cuda"),
+        "requests": int(ENV.get("REQUESTS", "256")),
+        "prompt": int(ENV.get("PROMPT", "128")),
+        "output": int(ENV.get("OUTPUT", "128")),
+        "max_running": int(ENV.get("MAX_RUNNING", "128")),
+        "kv_gb": float(ENV.get("KV_GB", "16")),
+        "modes": ENV.get("MODES", "bf16,8bit,4bit").split(","),
+        "agreement": int(ENV.get("AGREEMENT", "8")),
+    }
 
 
 def prompts(k: dict) -> list[list[int]]:
@@ -105,16 +111,28 @@ def _engine_run(k: dict, mode: str) -> dict:
     m = load(k["shape"], folder(k), dtype=dtype_name(k), quantization=quant, device=k["device"])
     load_s = time.perf_counter() - t
     cache = PagedKVCache.for_model(m.model, None, 16, k["kv_gb"])
-    eng = Engine(m.model, m.tokenizer, cache, max_running=k["max_running"], prefill_chunk=8192,
-                 max_model_len=k["prompt"] + k["output"] + 16)
+    eng = Engine(
+        m.model,
+        m.tokenizer,
+        cache,
+        max_running=k["max_running"],
+        prefill_chunk=8192,
+        max_model_len=k["prompt"] + k["output"] + 16,
+    )
     # warm-up at the measured shapes (a full batch's prefill and decode: lazy CUDA initialisation and
     # kernel selection happen here, not in the measured run)
-    eng.generate([Sequence(f"w{i}", p, max_tokens=8, temperature=0.8, top_p=0.95, seed=i)
-                  for i, p in enumerate(prompts(k)[:k["max_running"]])])
+    eng.generate(
+        [
+            Sequence(f"w{i}", p, max_tokens=8, temperature=0.8, top_p=0.95, seed=i)
+            for i, p in enumerate(prompts(k)[: k["max_running"]])
+        ]
+    )
     if eng.prefix_cache is not None:
         eng.prefix_cache.clear()  # the measured run starts cold
-    seqs = [Sequence(f"r{i}", p, max_tokens=k["output"], temperature=0.8, top_p=0.95, seed=i)
-            for i, p in enumerate(prompts(k))]
+    seqs = [
+        Sequence(f"r{i}", p, max_tokens=k["output"], temperature=0.8, top_p=0.95, seed=i)
+        for i, p in enumerate(prompts(k))
+    ]
     for s in seqs:
         eng.add(s)
     sync = _sync(k)
@@ -129,13 +147,21 @@ def _engine_run(k: dict, mode: str) -> dict:
     sync()
     wall = time.perf_counter() - t0
     tokens = sum(len(s.generated) for s in seqs)
-    r = {"tokens": tokens, "wall_s": round(wall, 2), "tokens_per_s": round(tokens / wall, 1),
-         "peak_batch": peak_batch, "peak_kv_usage": round(peak_kv, 3), "steps": steps,
-         "step_ms": round(1000 * wall / max(steps, 1), 2),
-         "finished_by_eos": sum(s.finish_reason == "stop" for s in seqs),
-         "kv_budget_gib": round(cache.nbytes() / 2**30, 2), "kv_pages": cache.allocator.num_blocks,
-         "load_s": round(load_s, 1), "params_m": round(m.params / 1e6, 1),
-         "weights_gib": round(m.model.get_memory_footprint() / 2**30, 2)}
+    r = {
+        "tokens": tokens,
+        "wall_s": round(wall, 2),
+        "tokens_per_s": round(tokens / wall, 1),
+        "peak_batch": peak_batch,
+        "peak_kv_usage": round(peak_kv, 3),
+        "steps": steps,
+        "step_ms": round(1000 * wall / max(steps, 1), 2),
+        "finished_by_eos": sum(s.finish_reason == "stop" for s in seqs),
+        "kv_budget_gib": round(cache.nbytes() / 2**30, 2),
+        "kv_pages": cache.allocator.num_blocks,
+        "load_s": round(load_s, 1),
+        "params_m": round(m.params / 1e6, 1),
+        "weights_gib": round(m.model.get_memory_footprint() / 2**30, 2),
+    }
     if on_gpu(k):
         r["peak_gpu_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     del eng, cache, m
@@ -167,9 +193,20 @@ def stage_transformers() -> None:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     k = knobs()
-    model = AutoModelForCausalLM.from_pretrained(folder(k), dtype=getattr(torch, dtype_name(k))).to(k["device"]).eval()
-    gen = GenerationConfig(do_sample=True, temperature=0.8, top_p=0.95, top_k=0, max_new_tokens=k["output"],
-                           eos_token_id=model.config.eos_token_id, pad_token_id=model.config.eos_token_id)
+    model = (
+        AutoModelForCausalLM.from_pretrained(folder(k), dtype=getattr(torch, dtype_name(k)))
+        .to(k["device"])
+        .eval()
+    )
+    gen = GenerationConfig(
+        do_sample=True,
+        temperature=0.8,
+        top_p=0.95,
+        top_k=0,
+        max_new_tokens=k["output"],
+        eos_token_id=model.config.eos_token_id,
+        pad_token_id=model.config.eos_token_id,
+    )
     out = {}
     for name, run in (("static", _hf_static), ("continuous", _hf_continuous)):
         try:
@@ -200,16 +237,20 @@ def _hf_static(model, gen, k: dict) -> dict:
     def run(batch_prompts):
         tokens = 0
         for i in range(0, len(batch_prompts), rows):
-            batch = torch.tensor(batch_prompts[i:i + rows], device=dev)
+            batch = torch.tensor(batch_prompts[i : i + rows], device=dev)
             with torch.inference_mode():
                 done = model.generate(batch, attention_mask=torch.ones_like(batch), generation_config=gen)
-            tokens += int((done[:, batch.shape[1]:] != gen.pad_token_id).sum())
+            tokens += int((done[:, batch.shape[1] :] != gen.pad_token_id).sum())
         return tokens
 
     run(ps[:4])  # warm-up
     wall, tokens = _timed(k, lambda: run(ps))
-    return {"how": f"static batches of generate() ({rows} rows)", "tokens": tokens, "wall_s": round(wall, 2),
-            "tokens_per_s": round(tokens / wall, 1)}
+    return {
+        "how": f"static batches of generate() ({rows} rows)",
+        "tokens": tokens,
+        "wall_s": round(wall, 2),
+        "tokens_per_s": round(tokens / wall, 1),
+    }
 
 
 def _hf_continuous(model, gen, k: dict) -> dict:
@@ -220,15 +261,28 @@ def _hf_continuous(model, gen, k: dict) -> dict:
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
         accepted = inspect.signature(ContinuousBatchingConfig.__init__).parameters
-        wanted = {"page_size" if "page_size" in accepted else "block_size": 16, "max_batch_tokens": 8192,
-                  "max_requests_per_batch": k["max_running"]}
+        wanted = {
+            "page_size" if "page_size" in accepted else "block_size": 16,
+            "max_batch_tokens": 8192,
+            "max_requests_per_batch": k["max_running"],
+        }
         kwargs["continuous_batching_config"] = ContinuousBatchingConfig(
-            **{key: v for key, v in wanted.items() if key in accepted})
+            **{key: v for key, v in wanted.items() if key in accepted}
+        )
     model.generate_batch(ps[:4], generation_config=gen, progress_bar=False, **kwargs)  # warm-up
-    wall, tokens = _timed(k, lambda: sum(len(o.generated_tokens) for o in model.generate_batch(
-        ps, generation_config=gen, progress_bar=False, **kwargs).values()))
-    return {"how": "continuous batching (generate_batch)", "tokens": tokens, "wall_s": round(wall, 2),
-            "tokens_per_s": round(tokens / wall, 1)}
+    wall, tokens = _timed(
+        k,
+        lambda: sum(
+            len(o.generated_tokens)
+            for o in model.generate_batch(ps, generation_config=gen, progress_bar=False, **kwargs).values()
+        ),
+    )
+    return {
+        "how": "continuous batching (generate_batch)",
+        "tokens": tokens,
+        "wall_s": round(wall, 2),
+        "tokens_per_s": round(tokens / wall, 1),
+    }
 
 
 def stage_agreement() -> None:
@@ -247,21 +301,37 @@ def stage_agreement() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     m = load(k["shape"], folder(k), dtype="float32", quantization="none", device=k["device"])
-    eng = Engine(m.model, m.tokenizer, PagedKVCache.for_model(m.model, None, 16, 1.0), max_running=n,
-                 prefill_chunk=8192, max_model_len=k["prompt"] + length + 16)
+    eng = Engine(
+        m.model,
+        m.tokenizer,
+        PagedKVCache.for_model(m.model, None, 16, 1.0),
+        max_running=n,
+        prefill_chunk=8192,
+        max_model_len=k["prompt"] + length + 16,
+    )
     ps = prompts(k)[:n]
     seqs = [Sequence(f"g{i}", p, max_tokens=length, temperature=0) for i, p in enumerate(ps)]
     eng.generate(seqs)
     same, first_diff = 0, []
     with torch.inference_mode():
         for p, s in zip(ps, seqs):
-            ref = m.model.generate(torch.tensor([p], device=m.device), do_sample=False, max_new_tokens=length,
-                                   eos_token_id=None, pad_token_id=m.tokenizer.eos_token_id)[0, len(p):].tolist()
+            ref = m.model.generate(
+                torch.tensor([p], device=m.device),
+                do_sample=False,
+                max_new_tokens=length,
+                eos_token_id=None,
+                pad_token_id=m.tokenizer.eos_token_id,
+            )[0, len(p) :].tolist()
             got = s.generated[:length]
-            same += got == ref[:len(got)] and len(got) > 0
+            same += got == ref[: len(got)] and len(got) > 0
             first_diff.append(next((j for j, (a, b) in enumerate(zip(got, ref)) if a != b), len(got)))
-    r = {"requests": n, "tokens_each": length, "identical": same, "first_difference_at": first_diff,
-         "dtype": "float32"}
+    r = {
+        "requests": n,
+        "tokens_each": length,
+        "identical": same,
+        "first_difference_at": first_diff,
+        "dtype": "float32",
+    }
     print(f"agreement {r}", flush=True)
     write("agreement", r)
 
@@ -277,9 +347,15 @@ def stage_profile() -> None:
 
     k = knobs()
     m = load(k["shape"], folder(k), dtype=dtype_name(k), quantization="none", device=k["device"])
-    eng = Engine(m.model, m.tokenizer, PagedKVCache.for_model(m.model, None, 16, k["kv_gb"]),
-                 max_running=k["max_running"], prefill_chunk=8192, max_model_len=k["prompt"] + k["output"] + 16)
-    for i, p in enumerate(prompts(k)[:k["max_running"]]):
+    eng = Engine(
+        m.model,
+        m.tokenizer,
+        PagedKVCache.for_model(m.model, None, 16, k["kv_gb"]),
+        max_running=k["max_running"],
+        prefill_chunk=8192,
+        max_model_len=k["prompt"] + k["output"] + 16,
+    )
+    for i, p in enumerate(prompts(k)[: k["max_running"]]):
         eng.add(Sequence(f"p{i}", p, max_tokens=k["output"], temperature=0.8, top_p=0.95, seed=i))
     for _ in range(8):  # prefill, then a few decodes
         eng.step()
@@ -294,10 +370,15 @@ def stage_profile() -> None:
         wall = time.perf_counter() - t0
     events = prof.key_averages()
     device_us = sum(e.self_device_time_total for e in events) if on_gpu(k) else 0
-    r = {"rows": len(eng.running), "step_ms": round(1000 * wall / steps, 2),
-         "device_busy_ms_per_step": round(device_us / 1000 / steps, 2),
-         "device_busy_share": round(device_us / 1e6 / wall, 3) if on_gpu(k) else None,
-         "kernel_launches_per_step": round(sum(e.count for e in events if e.key.startswith("cudaLaunch")) / steps)}
+    r = {
+        "rows": len(eng.running),
+        "step_ms": round(1000 * wall / steps, 2),
+        "device_busy_ms_per_step": round(device_us / 1000 / steps, 2),
+        "device_busy_share": round(device_us / 1e6 / wall, 3) if on_gpu(k) else None,
+        "kernel_launches_per_step": round(
+            sum(e.count for e in events if e.key.startswith("cudaLaunch")) / steps
+        ),
+    }
     print(f"profile {r}", flush=True)
     print(events.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=48), flush=True)
     write("profile", r)
@@ -311,16 +392,27 @@ def stage_vllm() -> None:
 
     k = knobs()
     ps = prompts(k)
-    llm = LLM(model=ENV["MODEL_DIR"], dtype="bfloat16",  # the folder the engine stage built
-              max_num_seqs=k["max_running"],
-              max_model_len=k["prompt"] + k["output"] + 16, seed=0)
-    params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=k["output"], seed=i) for i in range(len(ps))]
+    llm = LLM(
+        model=ENV["MODEL_DIR"],
+        dtype="bfloat16",  # the folder the engine stage built
+        max_num_seqs=k["max_running"],
+        max_model_len=k["prompt"] + k["output"] + 16,
+        seed=0,
+    )
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.95, max_tokens=k["output"], seed=i) for i in range(len(ps))
+    ]
     llm.generate([TokensPrompt(prompt_token_ids=ps[0])], SamplingParams(max_tokens=4))
     t0 = time.perf_counter()
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps], params, use_tqdm=False)
     wall = time.perf_counter() - t0
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    r = {"tokens": tokens, "wall_s": round(wall, 2), "tokens_per_s": round(tokens / wall, 1), "vllm": vllm.__version__}
+    r = {
+        "tokens": tokens,
+        "wall_s": round(wall, 2),
+        "tokens_per_s": round(tokens / wall, 1),
+        "vllm": vllm.__version__,
+    }
     print(f"vllm  bf16  {r}", flush=True)
     write("vllm", r)
 
@@ -339,28 +431,47 @@ def stage_report() -> None:
     hf = max(measured, key=lambda r: r["tokens_per_s"]) if measured else {"skipped": str(peers)[:300]}
     bf16 = runs.get("bf16", {})
     print(f"\n{'engine':28s} {'tokens/s':>9s} {'wall s':>7s} {'peak GiB':>9s}")
-    for name, r in [*((f"tokenstream {mode}", r) for mode, r in runs.items()),
-                    *((f"transformers {name}", r) for name, r in peers.items() if isinstance(r, dict)),
-                    ("vLLM bf16", vl)]:
+    for name, r in [
+        *((f"tokenstream {mode}", r) for mode, r in runs.items()),
+        *((f"transformers {name}", r) for name, r in peers.items() if isinstance(r, dict)),
+        ("vLLM bf16", vl),
+    ]:
         if "tokens_per_s" in r:
-            print(f"{name[:28]:28s} {r['tokens_per_s']:9.1f} {r['wall_s']:7.2f} {r.get('peak_gpu_mem_gib', '-')!s:>9s}")
+            print(
+                f"{name[:28]:28s} {r['tokens_per_s']:9.1f} {r['wall_s']:7.2f} {r.get('peak_gpu_mem_gib', '-')!s:>9s}"
+            )
         else:
             print(f"{name[:28]:28s} skipped: {r.get('skipped')}")
-    out = {**{key: k[key] for key in ("shape", "device", "requests", "prompt", "output", "max_running")},
-           "runs": runs, "transformers": peers, "vllm": vl, "profile_bf16": prof, "greedy_agreement": agree,
-           "engine_vs_vllm_bf16": ratio(bf16, vl), "engine_vs_transformers_bf16": ratio(bf16, hf),
-           "versions": read("versions")}
-    print(f"engine bf16 / vLLM bf16: {out['engine_vs_vllm_bf16']}x; "
-          f"engine bf16 / transformers' faster ({hf.get('how', '-')}): {out['engine_vs_transformers_bf16']}x; "
-          f"greedy agreement: {agree.get('identical', '-')}/{agree.get('requests', '-')}")
+    out = {
+        **{key: k[key] for key in ("shape", "device", "requests", "prompt", "output", "max_running")},
+        "runs": runs,
+        "transformers": peers,
+        "vllm": vl,
+        "profile_bf16": prof,
+        "greedy_agreement": agree,
+        "engine_vs_vllm_bf16": ratio(bf16, vl),
+        "engine_vs_transformers_bf16": ratio(bf16, hf),
+        "versions": read("versions"),
+    }
+    print(
+        f"engine bf16 / vLLM bf16: {out['engine_vs_vllm_bf16']}x; "
+        f"engine bf16 / transformers' faster ({hf.get('how', '-')}): {out['engine_vs_transformers_bf16']}x; "
+        f"greedy agreement: {agree.get('identical', '-')}/{agree.get('requests', '-')}"
+    )
     target = Path(ENV.get("RESULT", ROOT / "bench" / "results" / "gpu_worker.json"))
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps(out, indent=2))
     print(f"written {target}")
 
 
-STAGES = {"engine": stage_engine, "transformers": stage_transformers, "agreement": stage_agreement,
-          "profile": stage_profile, "vllm": stage_vllm, "report": stage_report}
+STAGES = {
+    "engine": stage_engine,
+    "transformers": stage_transformers,
+    "agreement": stage_agreement,
+    "profile": stage_profile,
+    "vllm": stage_vllm,
+    "report": stage_report,
+}
 
 if __name__ == "__main__":
     STAGES[sys.argv[1]]()

@@ -41,14 +41,20 @@ def main(
 
     console = Console()
     pairs = tools(50)
-    figures: dict = {"rows": rows, "max_tokens": max_tokens, "repeats": repeats, "library": "llguidance",
-                     "command": f"tokenstream bench grammar --rows {rows} --max-tokens {max_tokens} "
-                                f"--repeats {repeats}", "load_avg_1m_before": os.getloadavg()[0]}
+    figures: dict = {
+        "rows": rows,
+        "max_tokens": max_tokens,
+        "repeats": repeats,
+        "library": "llguidance",
+        "command": f"tokenstream bench grammar --rows {rows} --max-tokens {max_tokens} --repeats {repeats}",
+        "load_avg_1m_before": os.getloadavg()[0],
+    }
     if rows:
         from gpu_workers.model_loader import load
 
-        column, grammars = constrained_column(load("smollm2", device=device), rows, max_tokens, repeats,
-                                              say=console.print)
+        column, grammars = constrained_column(
+            load("smollm2", device=device), rows, max_tokens, repeats, say=console.print
+        )
         figures.update(column)
         console.print(column_table(column))
     else:
@@ -71,8 +77,9 @@ def main(
     out.write_text(json.dumps(figures, indent=2) + "\n")
 
 
-def constrained_column(loaded, rows: int = 32, max_tokens: int = 64, repeats: int = 3, timed_steps: int = 32, *,
-                       say=print):
+def constrained_column(
+    loaded, rows: int = 32, max_tokens: int = 64, repeats: int = 3, timed_steps: int = 32, *, say=print
+):
     """Decode tokens/s of the engine at exactly `rows` running rows, with a grammar on every row
     (tool_choice "required", one of the 50 benchmark tools each) against the same rows without one.
 
@@ -94,8 +101,13 @@ def constrained_column(loaded, rows: int = 32, max_tokens: int = 64, repeats: in
     from schemas.prompt import prompt_ids
 
     pairs = tools(50)
-    engine = Engine(loaded.model, loaded.tokenizer, PagedKVCache.for_model(loaded.model, 4096, 16, 1.0),
-                    max_running=rows, prefill_chunk=2048)
+    engine = Engine(
+        loaded.model,
+        loaded.tokenizer,
+        PagedKVCache.for_model(loaded.model, 4096, 16, 1.0),
+        max_running=rows,
+        prefill_chunk=2048,
+    )
     grammars = Grammars(loaded.tokenizer, engine.eos_ids, timeout_s=60)
     work = []
     for i in range(rows):
@@ -110,7 +122,9 @@ def constrained_column(loaded, rows: int = 32, max_tokens: int = 64, repeats: in
         seq = Sequence(f"r{i}-{next(serial)}", list(ids), max_tokens=max_tokens, temperature=0)
         seq.tag = i
         if constrained:
-            seq.grammar = asyncio.run(grammars.state_for(spec))  # compiled once, then a copy of the cached one
+            seq.grammar = asyncio.run(
+                grammars.state_for(spec)
+            )  # compiled once, then a copy of the cached one
         return seq
 
     def batch(constrained: bool) -> tuple[int, float, int]:
@@ -119,8 +133,11 @@ def constrained_column(loaded, rows: int = 32, max_tokens: int = 64, repeats: in
             engine.add(fresh(i, constrained))
         tokens, seconds, steps = 0, 0.0, 0
         while steps < timed_steps:
-            full = (len(engine.running) == rows and not engine.waiting
-                    and all(s.pending == 1 for s in engine.running))
+            full = (
+                len(engine.running) == rows
+                and not engine.waiting
+                and all(s.pending == 1 for s in engine.running)
+            )
             started = time.perf_counter()
             outputs = engine.step()
             if full:
@@ -146,21 +163,33 @@ def constrained_column(loaded, rows: int = 32, max_tokens: int = 64, repeats: in
     free, constrained = statistics.median(runs["free"]), statistics.median(runs["constrained"])
     # each pair ran back to back: the ratio within a pair is what the host's load swings least
     ratio = statistics.median(c / f for f, c in zip(runs["free"], runs["constrained"]))
-    return {"rows": rows, "max_tokens": max_tokens, "repeats": repeats, "timed_steps_per_run": timed_steps,
-            "device": loaded.device,
-            "free_tok_s": round(free, 1), "constrained_tok_s": round(constrained, 1),
-            "constrained_vs_free": round(ratio, 3), "masking_cost": round(1 - ratio, 3),
-            "runs_tok_s": {k: [round(x, 1) for x in v] for k, v in runs.items()}}, grammars
+    return {
+        "rows": rows,
+        "max_tokens": max_tokens,
+        "repeats": repeats,
+        "timed_steps_per_run": timed_steps,
+        "device": loaded.device,
+        "free_tok_s": round(free, 1),
+        "constrained_tok_s": round(constrained, 1),
+        "constrained_vs_free": round(ratio, 3),
+        "masking_cost": round(1 - ratio, 3),
+        "runs_tok_s": {k: [round(x, 1) for x in v] for k, v in runs.items()},
+    }, grammars
 
 
 def column_table(column: dict):
     from rich.table import Table
 
-    table = Table(title=f"grammar-constrained decoding: decode tokens/s at {column['rows']} running rows, "
-                        f"{column['device']}")
+    table = Table(
+        title=f"grammar-constrained decoding: decode tokens/s at {column['rows']} running rows, "
+        f"{column['device']}"
+    )
     for col in ("column", "tokens/s", "vs free"):
         table.add_column(col)
     table.add_row("free (baseline)", f"{column['free_tok_s']:.1f}", "1.00")
-    table.add_row("constrained (grammar on every row)", f"{column['constrained_tok_s']:.1f}",
-                  f"{column['constrained_vs_free']:.2f}  (masking cost {column['masking_cost']:.1%}, target <= 10%)")
+    table.add_row(
+        "constrained (grammar on every row)",
+        f"{column['constrained_tok_s']:.1f}",
+        f"{column['constrained_vs_free']:.2f}  (masking cost {column['masking_cost']:.1%}, target <= 10%)",
+    )
     return table

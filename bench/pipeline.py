@@ -54,12 +54,20 @@ def pct(values: list[float], q: float) -> float | None:
 def main(
     requests: int = typer.Option(40, help="measured requests per screening order (after warm-up)"),
     max_tokens: int = typer.Option(4, help="tokens per answer (only the first one is timed)"),
-    think_ms: float = typer.Option(100.0, help="the client's pause after each answer, before its next request"),
+    think_ms: float = typer.Option(
+        100.0, help="the client's pause after each answer, before its next request"
+    ),
     out: Path = typer.Option(RESULTS, help="where the JSON results go"),
-    sealing: str = typer.Option("on", help="on (as deployed), off, or both: off then on in one run, to show what "
-                                "sealing tenants' content costs (common/sealing.py)"),
-    kafka_security: str = typer.Option("sasl_plaintext", help="the throwaway broker's: sasl_plaintext (SCRAM "
-                                       "users and ACLs, as `make run`) or plaintext (no authentication)"),
+    sealing: str = typer.Option(
+        "on",
+        help="on (as deployed), off, or both: off then on in one run, to show what "
+        "sealing tenants' content costs (common/sealing.py)",
+    ),
+    kafka_security: str = typer.Option(
+        "sasl_plaintext",
+        help="the throwaway broker's: sasl_plaintext (SCRAM "
+        "users and ACLs, as `make run`) or plaintext (no authentication)",
+    ),
 ) -> None:
     """Client TTFT through every role against the worker's own TTFT, serial and parallel screening."""
     import asyncio
@@ -70,9 +78,11 @@ def main(
         raise typer.BadParameter("sasl_plaintext or plaintext", param_hint="--kafka-security")
     if sealing not in ("on", "off", "both"):
         raise typer.BadParameter("on, off or both", param_hint="--sealing")
-    os.environ["TOKENSTREAM_KAFKA_SECURITY"] = kafka_security  # the stack, its roles and this process's clients
+    os.environ["TOKENSTREAM_KAFKA_SECURITY"] = (
+        kafka_security  # the stack, its roles and this process's clients
+    )
     runs = {}
-    for state in (("off", "on") if sealing == "both" else (sealing,)):  # off first: this process then installs
+    for state in ("off", "on") if sealing == "both" else (sealing,):  # off first: this process then installs
         os.environ["TOKENSTREAM_SEALING"] = "true" if state == "on" else "false"  # the second stack's keyring
         settings.cache_clear()
         runs[state] = asyncio.run(_run(requests, max_tokens, think_ms))
@@ -80,8 +90,15 @@ def main(
         runs[state]["kafka_security"] = kafka_security
         runs[state]["sealing"] = state
         _table(runs[state])
-    result = runs[sealing] if sealing != "both" else {"sealing_off": runs["off"], "sealing_on": runs["on"],
-                                                       "sealing_cost": _sealing_cost(runs["off"], runs["on"])}
+    result = (
+        runs[sealing]
+        if sealing != "both"
+        else {
+            "sealing_off": runs["off"],
+            "sealing_on": runs["on"],
+            "sealing_cost": _sealing_cost(runs["off"], runs["on"]),
+        }
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"written to {out}")
@@ -91,17 +108,25 @@ def _sealing_cost(off: dict, on: dict) -> dict:
     """What sealing adds (on - off, p50, each screening order): to the client's TTFT, and to the pipeline's
     overhead (client TTFT less the worker's own TTFT: every hop where sealing works, without the engine's
     run-to-run spread); and the codec's own cost per token event."""
+
     def added(figure: str) -> dict:
-        return {mode: round(on["modes"][mode][figure]["p50"] - off["modes"][mode][figure]["p50"], 1) for mode in MODES}
+        return {
+            mode: round(on["modes"][mode][figure]["p50"] - off["modes"][mode][figure]["p50"], 1)
+            for mode in MODES
+        }
 
     cost, overhead = added("client_ttft_ms"), added("overhead_ms")
     codec = on.get("codec", {})
-    print(f"sealing on - off, p50 (ms): client TTFT {cost}, pipeline overhead {overhead} "
-          f"(target < 2 ms; the run-to-run spread is a few ms)")
+    print(
+        f"sealing on - off, p50 (ms): client TTFT {cost}, pipeline overhead {overhead} "
+        f"(target < 2 ms; the run-to-run spread is a few ms)"
+    )
     if codec:
-        print(f"token event encode+decode: {codec['clear_us']} us clear, {codec['sealed_us']} us sealed "
-              f"({codec['ratio']}x): {codec['sealed_and_opened_per_s']:,} token events sealed and opened a second "
-              f"on one core")
+        print(
+            f"token event encode+decode: {codec['clear_us']} us clear, {codec['sealed_us']} us sealed "
+            f"({codec['ratio']}x): {codec['sealed_and_opened_per_s']:,} token events sealed and opened a second "
+            f"on one core"
+        )
     return {"client_ttft_p50_added_ms": cost, "overhead_p50_added_ms": overhead, "codec": codec}
 
 
@@ -111,8 +136,9 @@ def _codec_cost(n: int = 20_000) -> dict:
     from schemas.codec import sealer, use_sealer
 
     keys = sealer()
-    chunk = TokenChunk(request_id="r" * 32, tenant="bench", conversation_id="c" * 32, seq=7, text=" word",
-                       token_ids=[1234])
+    chunk = TokenChunk(
+        request_id="r" * 32, tenant="bench", conversation_id="c" * 32, seq=7, text=" word", token_ids=[1234]
+    )
     figures = {}
     for name, using in (("clear", None), ("sealed", keys)):
         use_sealer(using)
@@ -122,9 +148,12 @@ def _codec_cost(n: int = 20_000) -> dict:
             decode(encode(chunk), TokenChunk)
         figures[name] = (time.perf_counter() - started) / n * 1e6
     use_sealer(keys)
-    return {"clear_us": round(figures["clear"], 1), "sealed_us": round(figures["sealed"], 1),
-            "ratio": round(figures["sealed"] / figures["clear"], 2),
-            "sealed_and_opened_per_s": int(1e6 / figures["sealed"])}
+    return {
+        "clear_us": round(figures["clear"], 1),
+        "sealed_us": round(figures["sealed"], 1),
+        "ratio": round(figures["sealed"] / figures["clear"], 2),
+        "sealed_and_opened_per_s": int(1e6 / figures["sealed"]),
+    }
 
 
 async def _run(requests: int, max_tokens: int, think_ms: float) -> dict:
@@ -133,8 +162,9 @@ async def _run(requests: int, max_tokens: int, think_ms: float) -> dict:
     from tokenstream.stack.local import LocalSystem
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-pipeline-"))
-    async with LocalSystem(tmp, MODEL, gateways={mode: {"TOKENSTREAM_GATEWAY_SCREENING": mode}
-                                                 for mode in MODES}) as system:
+    async with LocalSystem(
+        tmp, MODEL, gateways={mode: {"TOKENSTREAM_GATEWAY_SCREENING": mode} for mode in MODES}
+    ) as system:
         from common import sealing
 
         sealing.install(system.stack.redis.address)  # this process reads the roles' sealed events (if on)
@@ -145,9 +175,20 @@ async def _run(requests: int, max_tokens: int, think_ms: float) -> dict:
         for i in range(warm + requests):
             for mode in MODES:
                 port = system.ports[mode]
-                rid, sent, first = await first_token(port, chat_post(port, {
-                    "model": MODEL, "stream": True, "max_tokens": max_tokens, "temperature": 0,
-                    "messages": [{"role": "user", "content": f"Say the number {i} in words."}]}, key=system.key))
+                rid, sent, first = await first_token(
+                    port,
+                    chat_post(
+                        port,
+                        {
+                            "model": MODEL,
+                            "stream": True,
+                            "max_tokens": max_tokens,
+                            "temperature": 0,
+                            "messages": [{"role": "user", "content": f"Say the number {i} in words."}],
+                        },
+                        key=system.key,
+                    ),
+                )
                 if i >= warm:
                     samples[mode].append({"rid": rid, "sent": sent, "first": first})
                 # a user reads the answer before asking again: the pipeline's work after [DONE] (the
@@ -165,12 +206,18 @@ async def _run(requests: int, max_tokens: int, think_ms: float) -> dict:
     return {
         "codec": codec,
         "command": f"tokenstream bench pipeline --requests {requests} --max-tokens {max_tokens} --think-ms {think_ms:g}",
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                    "load_average_1m_at_end": round(os.getloadavg()[0], 2),
-                    "note": "every role, the broker and the client share this host (loopback)"},
-        "warm_up": {"broker_round_trips": WARM_ROUND_TRIPS, "requests_per_order": WARM_REQUESTS,
-                    "why": "steady state: a broker started seconds before serves its first produce and fetch "
-                           "requests interpreted (about 4 ms a round trip on this host, 1.8-2.4 ms once compiled)"},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "load_average_1m_at_end": round(os.getloadavg()[0], 2),
+            "note": "every role, the broker and the client share this host (loopback)",
+        },
+        "warm_up": {
+            "broker_round_trips": WARM_ROUND_TRIPS,
+            "requests_per_order": WARM_REQUESTS,
+            "why": "steady state: a broker started seconds before serves its first produce and fetch "
+            "requests interpreted (about 4 ms a round trip on this host, 1.8-2.4 ms once compiled)",
+        },
         "modes": by_mode,
         "targets": {"overhead_p50_ms": 30, "overhead_p99_ms": 100},
     }
@@ -184,8 +231,13 @@ class Timeline:
 
         self.bootstrap = bootstrap
         self.marks: dict[str, Marks] = {}
-        self.topics = {CHAT_REQUESTS.name: "chat", PREPARED.name: "prepared", SCREENED.name: "screened",
-                       inference_topic(model).name: "inference", TOKENS.name: "tokens"}
+        self.topics = {
+            CHAT_REQUESTS.name: "chat",
+            PREPARED.name: "prepared",
+            SCREENED.name: "screened",
+            inference_topic(model).name: "inference",
+            TOKENS.name: "tokens",
+        }
 
     async def start(self) -> Timeline:
         from aiokafka.structs import TopicPartition
@@ -231,7 +283,10 @@ class Timeline:
 
     async def settle(self, rids: list[str], timeout: float = 30) -> None:
         deadline = time.monotonic() + timeout
-        while any(getattr(self.marks.get(r), "timings", None) is None for r in rids) and time.monotonic() < deadline:
+        while (
+            any(getattr(self.marks.get(r), "timings", None) is None for r in rids)
+            and time.monotonic() < deadline
+        ):
             await asyncio.sleep(0.1)
 
     async def stop(self) -> None:
@@ -258,8 +313,12 @@ def _summarise(samples: list[dict], timeline: Timeline) -> dict:
         "requests": len(overhead),
         "client_ttft_ms": {"p50": pct(client, 50), "p99": pct(client, 99)},
         "worker_ttft_ms": {"p50": pct(worker, 50), "p99": pct(worker, 99)},
-        "overhead_ms": {"p50": pct(overhead, 50), "p90": pct(overhead, 90), "p99": pct(overhead, 99),
-                        "max": pct(overhead, 100)},
+        "overhead_ms": {
+            "p50": pct(overhead, 50),
+            "p90": pct(overhead, 90),
+            "p99": pct(overhead, 99),
+            "max": pct(overhead, 100),
+        },
         "hop_p50_ms": {h: pct(v, 50) for h, v in hops.items() if v},
     }
 
@@ -269,13 +328,23 @@ def _table(r: dict) -> None:
     from rich.table import Table
 
     console = Console(width=120)
-    table = Table("screening", "requests", "client TTFT p50 / p99", "worker TTFT p50 / p99",
-                  "overhead p50 / p90 / p99", title="pipeline overhead = client TTFT - worker TTFT (ms)")
+    table = Table(
+        "screening",
+        "requests",
+        "client TTFT p50 / p99",
+        "worker TTFT p50 / p99",
+        "overhead p50 / p90 / p99",
+        title="pipeline overhead = client TTFT - worker TTFT (ms)",
+    )
     for mode, m in r["modes"].items():
         o = m["overhead_ms"]
-        table.add_row(mode, str(m["requests"]), f"{m['client_ttft_ms']['p50']} / {m['client_ttft_ms']['p99']}",
-                      f"{m['worker_ttft_ms']['p50']} / {m['worker_ttft_ms']['p99']}",
-                      f"{o['p50']} / {o['p90']} / {o['p99']}")
+        table.add_row(
+            mode,
+            str(m["requests"]),
+            f"{m['client_ttft_ms']['p50']} / {m['client_ttft_ms']['p99']}",
+            f"{m['worker_ttft_ms']['p50']} / {m['worker_ttft_ms']['p99']}",
+            f"{o['p50']} / {o['p90']} / {o['p99']}",
+        )
     console.print(table)
     hops = Table("screening", *HOPS, title="time to first token by hop, p50 (ms)")
     for mode, m in r["modes"].items():
@@ -283,6 +352,8 @@ def _table(r: dict) -> None:
     console.print(hops)
     s, p = r["modes"]["serial"]["overhead_ms"], r["modes"]["parallel"]["overhead_ms"]
     if s["p50"] and p["p50"]:
-        print(f"parallel / serial overhead: p50 {p['p50'] / s['p50']:.2f}x, p99 {p['p99'] / s['p99']:.2f}x "
-              f"(targets: p50 <= {r['targets']['overhead_p50_ms']} ms, p99 <= {r['targets']['overhead_p99_ms']} ms)")
+        print(
+            f"parallel / serial overhead: p50 {p['p50'] / s['p50']:.2f}x, p99 {p['p99'] / s['p99']:.2f}x "
+            f"(targets: p50 <= {r['targets']['overhead_p50_ms']} ms, p99 <= {r['targets']['overhead_p99_ms']} ms)"
+        )
     print(f"load average (1 min) at the end: {r['machine']['load_average_1m_at_end']}")

@@ -15,8 +15,10 @@ def chat_post(port: int, body: dict, *, key: str | None = None) -> bytes:
     """A POST /v1/chat/completions request with `body` as JSON (and the API key, when given)."""
     data = json.dumps(body).encode()
     auth = f"Authorization: Bearer {key}\r\n" if key else ""
-    return (f"POST /v1/chat/completions HTTP/1.0\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
-            f"{auth}Content-Length: {len(data)}\r\n\r\n").encode() + data
+    return (
+        f"POST /v1/chat/completions HTTP/1.0\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+        f"{auth}Content-Length: {len(data)}\r\n\r\n"
+    ).encode() + data
 
 
 async def first_token(port: int, request: bytes) -> tuple[str | None, float, float | None]:

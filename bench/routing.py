@@ -29,8 +29,10 @@ from bench.rawhttp import chat_post
 
 RESULTS = Path(__file__).parent / "results" / "routing.json"
 MODEL = "smollm2"
-WORDS = ("harbour ferry lighthouse tide gull net anchor pier rope sail keel mast storm calm fog wave "
-         "shore cliff island boat market fish salt wind rain sun moon star chart compass").split()
+WORDS = (
+    "harbour ferry lighthouse tide gull net anchor pier rope sail keel mast storm calm fog wave "
+    "shore cliff island boat market fish salt wind rain sun moon star chart compass"
+).split()
 
 
 def paragraph(rng: random.Random, words: int) -> str:
@@ -55,11 +57,16 @@ async def ask(port: int, key: str, body: dict) -> dict:
             usage = json.loads(line[6:]).get("usage") or usage
     if first is None or not usage:
         raise RuntimeError(f"no answer: {buf[-400:]!r}")
-    return {"ttft_s": first - sent, "prompt_tokens": usage["prompt_tokens"],
-            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)}
+    return {
+        "ttft_s": first - sent,
+        "prompt_tokens": usage["prompt_tokens"],
+        "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+    }
 
 
-async def _run(routing: bool, conversations: int, turns: int, words: int, answer_tokens: int, seed: int) -> dict:
+async def _run(
+    routing: bool, conversations: int, turns: int, words: int, answer_tokens: int, seed: int
+) -> dict:
     import tempfile
 
     from tokenstream.stack.local import LocalSystem
@@ -70,26 +77,54 @@ async def _run(routing: bool, conversations: int, turns: int, words: int, answer
         await warm_broker(system.stack.kafka.address)
         port, rng = system.ports["g"], random.Random(seed)
         for i in range(6):  # untimed: each role's first requests, the group settled over both workers
-            await ask(port, system.key, {"model": MODEL, "stream": True, "max_tokens": 4, "temperature": 0,
-                                         "messages": [{"role": "user", "content": f"Warm up {i}."}]})
+            await ask(
+                port,
+                system.key,
+                {
+                    "model": MODEL,
+                    "stream": True,
+                    "max_tokens": 4,
+                    "temperature": 0,
+                    "messages": [{"role": "user", "content": f"Warm up {i}."}],
+                },
+            )
         names = [f"bench-{os.getpid()}-{routing}-{c}" for c in range(conversations)]
         per_turn: list[list[dict]] = []
         for t in range(turns):
             rows = []
             for name in names:
-                got = await ask(port, system.key, {
-                    "model": MODEL, "stream": True, "max_tokens": answer_tokens, "temperature": 0,
-                    "conversation_id": name,
-                    "messages": [{"role": "user", "content": paragraph(rng, words) + " Summarise this."}]})
+                got = await ask(
+                    port,
+                    system.key,
+                    {
+                        "model": MODEL,
+                        "stream": True,
+                        "max_tokens": answer_tokens,
+                        "temperature": 0,
+                        "conversation_id": name,
+                        "messages": [{"role": "user", "content": paragraph(rng, words) + " Summarise this."}],
+                    },
+                )
                 rows.append(got)
                 await asyncio.sleep(0.1)  # a user reads the answer before the next question
             per_turn.append(rows)
-            print(f"routing {'on' if routing else 'off'}: turn {t + 1}/{turns}, TTFT mean "
-                  f"{statistics.mean(r['ttft_s'] for r in rows):.3f} s", flush=True)
-    return {"turns": [{"turn": t + 1, "ttft_mean_s": round(statistics.mean(r["ttft_s"] for r in rows), 4),
-                       "prompt_tokens": sum(r["prompt_tokens"] for r in rows),
-                       "cached_tokens": sum(r["cached_tokens"] for r in rows),
-                       "requests": rows} for t, rows in enumerate(per_turn)]}
+            print(
+                f"routing {'on' if routing else 'off'}: turn {t + 1}/{turns}, TTFT mean "
+                f"{statistics.mean(r['ttft_s'] for r in rows):.3f} s",
+                flush=True,
+            )
+    return {
+        "turns": [
+            {
+                "turn": t + 1,
+                "ttft_mean_s": round(statistics.mean(r["ttft_s"] for r in rows), 4),
+                "prompt_tokens": sum(r["prompt_tokens"] for r in rows),
+                "cached_tokens": sum(r["cached_tokens"] for r in rows),
+                "requests": rows,
+            }
+            for t, rows in enumerate(per_turn)
+        ]
+    }
 
 
 def main(
@@ -105,31 +140,46 @@ def main(
     from rich.table import Table
 
     load_before = os.getloadavg()[0]
-    runs = {label: asyncio.run(_run(on, conversations, turns, words, answer_tokens, seed))
-            for label, on in (("on", True), ("off", False))}
+    runs = {
+        label: asyncio.run(_run(on, conversations, turns, words, answer_tokens, seed))
+        for label, on in (("on", True), ("off", False))
+    }
     last = turns - 1
     on, off = runs["on"]["turns"][last], runs["off"]["turns"][last]
     result = {
         "command": f"tokenstream bench routing --conversations {conversations} --turns {turns} --words {words} "
-                   f"--answer-tokens {answer_tokens} --seed {seed}",
-        "at_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "load_avg_before": load_before,
-        "load_avg_after": os.getloadavg()[0], "cpus": os.cpu_count(), "model": "SmolLM2-135M-Instruct fp32",
+        f"--answer-tokens {answer_tokens} --seed {seed}",
+        "at_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "load_avg_before": load_before,
+        "load_avg_after": os.getloadavg()[0],
+        "cpus": os.cpu_count(),
+        "model": "SmolLM2-135M-Instruct fp32",
         "runs": runs,
-        f"turn{turns}": {"ttft_ratio_on_vs_off": round(on["ttft_mean_s"] / off["ttft_mean_s"], 3),
-                         "cached_share_on": round(on["cached_tokens"] / max(on["prompt_tokens"], 1), 3),
-                         "cached_share_off": round(off["cached_tokens"] / max(off["prompt_tokens"], 1), 3),
-                         "target": "<= 0.6"},
+        f"turn{turns}": {
+            "ttft_ratio_on_vs_off": round(on["ttft_mean_s"] / off["ttft_mean_s"], 3),
+            "cached_share_on": round(on["cached_tokens"] / max(on["prompt_tokens"], 1), 3),
+            "cached_share_off": round(off["cached_tokens"] / max(off["prompt_tokens"], 1), 3),
+            "target": "<= 0.6",
+        },
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    table = Table(title=f"bench routing: {conversations} conversations x {turns} turns, two workers "
-                        f"(mean client TTFT per turn, share of prompt tokens from the cache)")
+    table = Table(
+        title=f"bench routing: {conversations} conversations x {turns} turns, two workers "
+        f"(mean client TTFT per turn, share of prompt tokens from the cache)"
+    )
     for c in ("turn", "TTFT on (s)", "TTFT off (s)", "cached on", "cached off"):
         table.add_column(c, justify="right")
     for a, b in zip(runs["on"]["turns"], runs["off"]["turns"]):
-        table.add_row(str(a["turn"]), str(a["ttft_mean_s"]), str(b["ttft_mean_s"]),
-                      f"{a['cached_tokens'] / max(a['prompt_tokens'], 1):.0%}",
-                      f"{b['cached_tokens'] / max(b['prompt_tokens'], 1):.0%}")
+        table.add_row(
+            str(a["turn"]),
+            str(a["ttft_mean_s"]),
+            str(b["ttft_mean_s"]),
+            f"{a['cached_tokens'] / max(a['prompt_tokens'], 1):.0%}",
+            f"{b['cached_tokens'] / max(b['prompt_tokens'], 1):.0%}",
+        )
     Console(width=120).print(table)
-    print(f"turn {turns}: TTFT with routing {result[f'turn{turns}']['ttft_ratio_on_vs_off']}x without "
-          f"(target <= 0.6); written to {out}")
+    print(
+        f"turn {turns}: TTFT with routing {result[f'turn{turns}']['ttft_ratio_on_vs_off']}x without "
+        f"(target <= 0.6); written to {out}"
+    )

@@ -33,8 +33,13 @@ def broker_and_keyring(prefix: str, say: Callable[[str], None], sealing: bool = 
         try:
             for service in services:
                 service.start(say)
-            use({**stack.kafka.environment(), "TOKENSTREAM_REDIS_URL": stack.redis.address,
-                 "TOKENSTREAM_SEALING": "true" if sealing else "false"})
+            use(
+                {
+                    **stack.kafka.environment(),
+                    "TOKENSTREAM_REDIS_URL": stack.redis.address,
+                    "TOKENSTREAM_SEALING": "true" if sealing else "false",
+                }
+            )
             yield stack
         finally:
             for service in services:

@@ -39,12 +39,16 @@ SENTENCES = [
     "The weather will be sunny and warm this afternoon.",
     "My favourite colour is blue and I like to read books.",
 ]
-TEXT = ("Thank you for calling. The library opens early in the morning. It closes late in the evening. "
-        "Books may be borrowed for three weeks. Please bring your card with you.")
+TEXT = (
+    "Thank you for calling. The library opens early in the morning. It closes late in the evening. "
+    "Books may be borrowed for three weeks. Please bring your card with you."
+)
 
 
-def main(rounds: int = typer.Option(5, help="times each recording and the speech text are sent"),
-         out: Path = typer.Option(RESULTS, help="where the JSON results go")) -> None:
+def main(
+    rounds: int = typer.Option(5, help="times each recording and the speech text are sent"),
+    out: Path = typer.Option(RESULTS, help="where the JSON results go"),
+) -> None:
     """Transcription real-time factor and speech time to first byte through the log, beside the models alone."""
     result = asyncio.run(_run(rounds))
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -54,7 +58,9 @@ def main(rounds: int = typer.Option(5, help="times each recording and the speech
 
 
 def _recording(text: str) -> bytes:
-    return subprocess.run(["espeak-ng", "--stdout", "--", text], capture_output=True, check=True, timeout=60).stdout
+    return subprocess.run(
+        ["espeak-ng", "--stdout", "--", text], capture_output=True, check=True, timeout=60
+    ).stdout
 
 
 def _duration_s(wav: bytes) -> float:
@@ -95,13 +101,23 @@ async def _run(rounds: int) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="bench-speech-"))
     async with LocalSystem(tmp, "smollm2", gateways={"speech": {}}, instances=0, workers=0) as system:
         port = free_port()
-        system.add("tools", "tools", "tools", "--health-port", str(port), probe=f"http://127.0.0.1:{port}/health/live")
+        system.add(
+            "tools",
+            "tools",
+            "tools",
+            "--health-port",
+            str(port),
+            probe=f"http://127.0.0.1:{port}/health/live",
+        )
         await system.ready([system.procs["tools"]])
         url, headers = system.url("speech"), {"Authorization": f"Bearer {system.key}"}
         async with httpx.AsyncClient(base_url=url, headers=headers, timeout=120) as http:
             for _ in range(60):  # the speech loop joins its group after the tools are warm
-                answer = await http.post("/v1/audio/transcriptions", data={"model": "whisper-1"},
-                                         files={"file": ("w.wav", recordings[0])})
+                answer = await http.post(
+                    "/v1/audio/transcriptions",
+                    data={"model": "whisper-1"},
+                    files={"file": ("w.wav", recordings[0])},
+                )
                 if answer.status_code == 200:
                     break
                 await asyncio.sleep(2)
@@ -109,13 +125,19 @@ async def _run(rounds: int) -> dict:
             for i in range(rounds):
                 for audio in recordings:
                     started = time.perf_counter()
-                    answer = await http.post("/v1/audio/transcriptions", data={"model": "whisper-1"},
-                                             files={"file": ("q.wav", audio)})
+                    answer = await http.post(
+                        "/v1/audio/transcriptions",
+                        data={"model": "whisper-1"},
+                        files={"file": ("q.wav", audio)},
+                    )
                     answer.raise_for_status()
                     chain.append(time.perf_counter() - started)
                 started = time.perf_counter()
-                async with http.stream("POST", "/v1/audio/speech", json={"model": "tts-1", "voice": "alloy",
-                                                                         "input": TEXT, "response_format": "mp3"}) as r:
+                async with http.stream(
+                    "POST",
+                    "/v1/audio/speech",
+                    json={"model": "tts-1", "voice": "alloy", "input": TEXT, "response_format": "mp3"},
+                ) as r:
                     got = None
                     async for _ in r.aiter_bytes():
                         got = got or time.perf_counter()
@@ -132,9 +154,12 @@ async def _run(rounds: int) -> dict:
 
     return {
         "command": f"tokenstream bench speech --rounds {rounds}",
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                    "load_average_1m_at_end": round(os.getloadavg()[0], 2),
-                    "note": "the broker, Redis, the tool processor, the gateway and this client share this host"},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "load_average_1m_at_end": round(os.getloadavg()[0], 2),
+            "note": "the broker, Redis, the tool processor, the gateway and this client share this host",
+        },
         "transcription": {
             "recording_s": round(statistics.mean(seconds), 2),
             "through_the_log_rtf": {"p50": p(rtf_chain, 50), "p90": p(rtf_chain, 90)},
@@ -154,11 +179,15 @@ async def _run(rounds: int) -> dict:
 def _table(r: dict) -> None:
     t, s = r["transcription"], r["speech"]
     print(f"transcription of {t['recording_s']} s recordings, real-time factor (lower is faster)")
-    print(f"  through the log   p50 {t['through_the_log_rtf']['p50']:.3f}  p90 {t['through_the_log_rtf']['p90']:.3f}")
+    print(
+        f"  through the log   p50 {t['through_the_log_rtf']['p50']:.3f}  p90 {t['through_the_log_rtf']['p90']:.3f}"
+    )
     print(f"  model alone       p50 {t['model_alone_rtf']['p50']:.3f}  p90 {t['model_alone_rtf']['p90']:.3f}")
     print(f"  ratio (p50)       {t['ratio_p50']:.2f}x")
     print(f"speech of {s['text_chars']} characters as mp3, seconds")
     print(f"  first byte        p50 {s['first_byte_s']['p50']:.3f}  p90 {s['first_byte_s']['p90']:.3f}")
     print(f"  last byte         p50 {s['last_byte_s']['p50']:.3f}  p90 {s['last_byte_s']['p90']:.3f}")
-    print(f"  whole mp3 alone   p50 {s['whole_mp3_alone_s']['p50']:.3f}  p90 {s['whole_mp3_alone_s']['p90']:.3f}")
+    print(
+        f"  whole mp3 alone   p50 {s['whole_mp3_alone_s']['p50']:.3f}  p90 {s['whole_mp3_alone_s']['p90']:.3f}"
+    )
     print(f"  first byte / whole alone (p50) {s['first_byte_vs_whole_alone_p50']:.2f}x")

@@ -23,8 +23,22 @@ DOMAINS = [
 
 
 def _prop(rng: random.Random, field: str) -> dict[str, Any]:
-    kind = rng.choice(["string", "short", "pattern", "integer", "number", "boolean", "enum", "array",
-                       "int_array", "object", "any_of", "date"])
+    kind = rng.choice(
+        [
+            "string",
+            "short",
+            "pattern",
+            "integer",
+            "number",
+            "boolean",
+            "enum",
+            "array",
+            "int_array",
+            "object",
+            "any_of",
+            "date",
+        ]
+    )
     if kind == "string":
         return {"type": "string", "description": f"the {field}"}
     if kind == "short":
@@ -39,19 +53,34 @@ def _prop(rng: random.Random, field: str) -> dict[str, Any]:
     if kind == "boolean":
         return {"type": "boolean"}
     if kind == "enum":
-        return {"type": "string", "enum": rng.sample(["low", "normal", "high", "urgent", "celsius",
-                                                      "fahrenheit", "economy", "business"], 3)}
+        return {
+            "type": "string",
+            "enum": rng.sample(
+                ["low", "normal", "high", "urgent", "celsius", "fahrenheit", "economy", "business"], 3
+            ),
+        }
     if kind == "array":
         return {"type": "array", "items": {"type": "string", "maxLength": 16}, "maxItems": 3}
     if kind == "int_array":
-        return {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 100},
-                "minItems": 1, "maxItems": 4}
+        return {
+            "type": "array",
+            "items": {"type": "integer", "minimum": 0, "maximum": 100},
+            "minItems": 1,
+            "maxItems": 4,
+        }
     if kind == "object":
-        return {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
-                                                 "count": {"type": "integer", "minimum": 1, "maximum": 9}},
-                "required": ["name", "count"]}
+        return {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "maxLength": 20},
+                "count": {"type": "integer", "minimum": 1, "maximum": 9},
+            },
+            "required": ["name", "count"],
+        }
     if kind == "any_of":
-        return {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 1000}, {"type": "string", "maxLength": 12}]}
+        return {
+            "anyOf": [{"type": "integer", "minimum": 0, "maximum": 1000}, {"type": "string", "maxLength": 12}]
+        }
     return {"type": "string", "format": "date"}
 
 
@@ -70,6 +99,10 @@ def tools(n: int = 50) -> list[tuple[dict[str, Any], str]]:
             function["parameters"] = {"type": "object", "properties": props, "required": required}
             if rng.random() < 0.5:
                 function["parameters"]["additionalProperties"] = False
-        out.append(({"type": "function", "function": function},
-                    f"Please help me with {what}: call {name} with sensible values."))
+        out.append(
+            (
+                {"type": "function", "function": function},
+                f"Please help me with {what}: call {name} with sensible values.",
+            )
+        )
     return out

@@ -33,8 +33,10 @@ from typing import Annotated
 import typer
 
 RESULTS = Path(__file__).resolve().parent / "results" / "tools.json"
-WORDS = ("harbour ferry lighthouse library bakery island fjord winter keeper map loaf puffin cliff pier "
-         "storm ticket crossing oven cellar season village club pitch goal tower lamp reef mason").split()
+WORDS = (
+    "harbour ferry lighthouse library bakery island fjord winter keeper map loaf puffin cliff pier "
+    "storm ticket crossing oven cellar season village club pitch goal tower lamp reef mason"
+).split()
 
 
 def percentiles_ms(samples_s: list[float]) -> dict[str, float]:
@@ -44,8 +46,10 @@ def percentiles_ms(samples_s: list[float]) -> dict[str, float]:
 
 
 def page(rng: random.Random, n: int) -> str:
-    sentences = [" ".join(rng.choice(WORDS) for _ in range(12)).capitalize() + f" (page {n})." for _ in range(40)]
-    return "\n\n".join(" ".join(sentences[i:i + 8]) for i in range(0, 40, 8))
+    sentences = [
+        " ".join(rng.choice(WORDS) for _ in range(12)).capitalize() + f" (page {n})." for _ in range(40)
+    ]
+    return "\n\n".join(" ".join(sentences[i : i + 8]) for i in range(0, 40, 8))
 
 
 def bench_sandbox(calls: int) -> dict:
@@ -79,8 +83,10 @@ def _time_sandbox(sandbox, calls: int) -> dict:
         t0 = time.perf_counter()
         subprocess.run([PYTHON, "-I", "-c", "1 + 1"], check=True)
         bare.append(time.perf_counter() - t0)
-    return {"sandbox_trivial_call_ms": percentiles_ms(asyncio.run(sandboxed())),
-            "baseline_bare_python_ms": percentiles_ms(bare[3:])}
+    return {
+        "sandbox_trivial_call_ms": percentiles_ms(asyncio.run(sandboxed())),
+        "baseline_bare_python_ms": percentiles_ms(bare[3:]),
+    }
 
 
 def bench_search(pages: int, queries: int) -> dict:
@@ -121,22 +127,29 @@ def bench_search(pages: int, queries: int) -> dict:
         bm25 = []
         for q in questions:
             t0 = time.perf_counter()
-            shard.query.bm25(query=q, limit=5, filters=Filter.by_property("vector_store_id").contains_any([store]))
+            shard.query.bm25(
+                query=q, limit=5, filters=Filter.by_property("vector_store_id").contains_any([store])
+            )
             bm25.append(time.perf_counter() - t0)
     finally:
         index.close()
-    return {"pages": pages, "ingest_pages_per_s": round(pages / ingest_s, 2),
-            "baseline_embed_only_pages_per_s": round(pages / embed_only_s, 2),
-            "hybrid_search_ms": percentiles_ms(hybrid[3:]),
-            "query_embedding_ms": percentiles_ms(embed_q[3:]), "baseline_bm25_search_ms": percentiles_ms(bm25[3:])}
+    return {
+        "pages": pages,
+        "ingest_pages_per_s": round(pages / ingest_s, 2),
+        "baseline_embed_only_pages_per_s": round(pages / embed_only_s, 2),
+        "hybrid_search_ms": percentiles_ms(hybrid[3:]),
+        "query_embedding_ms": percentiles_ms(embed_q[3:]),
+        "baseline_bm25_search_ms": percentiles_ms(bm25[3:]),
+    }
 
 
 def main(
     calls: Annotated[int, typer.Option(help="trivial sandbox calls timed")] = 100,
     pages: Annotated[int, typer.Option(help="~500-word pages ingested")] = 40,
     queries: Annotated[int, typer.Option(help="searches timed")] = 100,
-    use_configured: Annotated[bool, typer.Option(help="use the Weaviate of TOKENSTREAM_WEAVIATE_* "
-                                                 "instead of a throwaway one")] = False,
+    use_configured: Annotated[
+        bool, typer.Option(help="use the Weaviate of TOKENSTREAM_WEAVIATE_* instead of a throwaway one")
+    ] = False,
     out: Annotated[Path, typer.Option(help="where to write the JSON results")] = RESULTS,
 ) -> None:
     """Sandbox start-up, ingestion pages/s and search latency, each beside its baseline."""
@@ -173,22 +186,42 @@ def main(
 
     table = Table("figure", "measured", "baseline (same run)", "baseline is", title="Tools")
     s, b = sandbox["sandbox_trivial_call_ms"], sandbox["baseline_bare_python_ms"]
-    table.add_row("sandbox trivial call p50 / p99 (ms)", f"{s['p50']} / {s['p99']}", f"{b['p50']} / {b['p99']}",
-                  "python3 -I -c, no sandbox")
-    table.add_row("ingestion (pages/s)", f"{search['ingest_pages_per_s']}",
-                  f"{search['baseline_embed_only_pages_per_s']}", "extract+chunk+embed, no Weaviate")
+    table.add_row(
+        "sandbox trivial call p50 / p99 (ms)",
+        f"{s['p50']} / {s['p99']}",
+        f"{b['p50']} / {b['p99']}",
+        "python3 -I -c, no sandbox",
+    )
+    table.add_row(
+        "ingestion (pages/s)",
+        f"{search['ingest_pages_per_s']}",
+        f"{search['baseline_embed_only_pages_per_s']}",
+        "extract+chunk+embed, no Weaviate",
+    )
     h, m = search["hybrid_search_ms"], search["baseline_bm25_search_ms"]
-    table.add_row("hybrid search p50 / p99 (ms)", f"{h['p50']} / {h['p99']}", f"{m['p50']} / {m['p99']}",
-                  "BM25 alone, same index")
+    table.add_row(
+        "hybrid search p50 / p99 (ms)",
+        f"{h['p50']} / {h['p99']}",
+        f"{m['p50']} / {m['p99']}",
+        "BM25 alone, same index",
+    )
     e = search["query_embedding_ms"]
     table.add_row("  of which: query embedding p50 / p99 (ms)", f"{e['p50']} / {e['p99']}", "", "MiniLM, CPU")
     console.print(table)
     console.print(f"load average before/after: {load_before:.1f} / {load_after:.1f} on {os.cpu_count()} CPUs")
-    result = {"benchmark": "tools", "command": f"tokenstream bench tools --calls {calls} --pages {pages} "
-              f"--queries {queries}", "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                          "load_average_before": load_before, "load_average_after": load_after},
-              "sandbox": sandbox, "search": search}
+    result = {
+        "benchmark": "tools",
+        "command": f"tokenstream bench tools --calls {calls} --pages {pages} --queries {queries}",
+        "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "load_average_before": load_before,
+            "load_average_after": load_after,
+        },
+        "sandbox": sandbox,
+        "search": search,
+    }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     console.print(f"wrote {out}")

@@ -28,12 +28,29 @@ from bench.stats import inclusive
 
 RESULTS = Path(__file__).parent / "results" / "worker.json"
 WARM_REQUESTS, WARM_TOKENS = 16, 16  # the worker's untimed warm-up through Kafka (run_worker_bench)
-SUBJECTS = ["Kafka consumer groups", "the water cycle", "Roman aqueducts", "sourdough bread", "black holes",
-            "the French revolution", "photosynthesis", "TCP congestion control", "honey bees", "chess openings",
-            "volcanoes", "the printing press", "GPU memory", "jazz harmony", "glaciers", "compound interest"]
-NOTE = ("The team met on Tuesday to review the quarterly roadmap. Latency targets were missed twice, "
-        "mostly because of cold caches after deploys. Two engineers proposed warming the caches from "
-        "the access logs, and the on-call rotation asked for clearer runbooks. ")
+SUBJECTS = [
+    "Kafka consumer groups",
+    "the water cycle",
+    "Roman aqueducts",
+    "sourdough bread",
+    "black holes",
+    "the French revolution",
+    "photosynthesis",
+    "TCP congestion control",
+    "honey bees",
+    "chess openings",
+    "volcanoes",
+    "the printing press",
+    "GPU memory",
+    "jazz harmony",
+    "glaciers",
+    "compound interest",
+]
+NOTE = (
+    "The team met on Tuesday to review the quarterly roadmap. Latency targets were missed twice, "
+    "mostly because of cold caches after deploys. Two engineers proposed warming the caches from "
+    "the access logs, and the on-call rotation asked for clearer runbooks. "
+)
 
 
 @dataclass
@@ -58,12 +75,19 @@ class Result:
 
     def summary(self) -> dict:
         pct = inclusive
-        return {"tokens": self.tokens, "wall_s": round(self.wall_s, 2),
-                "throughput_tok_s": round(self.tokens / self.wall_s, 2) if self.wall_s else 0,
-                "ttft_p50_s": pct(self.ttft, 50), "ttft_p99_s": pct(self.ttft, 99),
-                "itl_p50_s": pct(self.itl, 50), "itl_p99_s": pct(self.itl, 99),
-                "mem_per_running_request_mib": round(statistics.mean(self.mem_per_request) / 2**20, 2)
-                if self.mem_per_request else None, **self.extra}
+        return {
+            "tokens": self.tokens,
+            "wall_s": round(self.wall_s, 2),
+            "throughput_tok_s": round(self.tokens / self.wall_s, 2) if self.wall_s else 0,
+            "ttft_p50_s": pct(self.ttft, 50),
+            "ttft_p99_s": pct(self.ttft, 99),
+            "itl_p50_s": pct(self.itl, 50),
+            "itl_p99_s": pct(self.itl, 99),
+            "mem_per_running_request_mib": round(statistics.mean(self.mem_per_request) / 2**20, 2)
+            if self.mem_per_request
+            else None,
+            **self.extra,
+        }
 
 
 def workload(tokenizer, n: int, rate: float, seed: int) -> list[Work]:
@@ -121,8 +145,10 @@ def run_sequential(model, tok, work: list[Work], bpt: int, eos: set[int]) -> Res
         if wait > 0:
             time.sleep(wait)
         s = Stamps()
-        out = model.generate(torch.tensor([w.prompt_ids]), max_new_tokens=w.max_tokens, do_sample=False, streamer=s)
-        n = useful(out[0, len(w.prompt_ids):].tolist(), w.max_tokens, eos)
+        out = model.generate(
+            torch.tensor([w.prompt_ids]), max_new_tokens=w.max_tokens, do_sample=False, streamer=s
+        )
+        n = useful(out[0, len(w.prompt_ids) :].tolist(), w.max_tokens, eos)
         res.tokens += n
         res.ttft.append(s.times[0] - t0 - w.arrival)
         res.itl += [b - a for a, b in zip(s.times[: n - 1], s.times[1:n])]
@@ -148,7 +174,7 @@ def run_static(model, tok, work: list[Work], bpt: int, eos: set[int], batch: int
     tok.padding_side = "left"
     t0 = time.perf_counter()
     for i in range(0, len(work), batch):
-        group = work[i:i + batch]
+        group = work[i : i + batch]
         wait = group[-1].arrival - (time.perf_counter() - t0)  # the batch starts when it is full
         if wait > 0:
             time.sleep(wait)
@@ -158,8 +184,14 @@ def run_static(model, tok, work: list[Work], bpt: int, eos: set[int], batch: int
         mask = torch.tensor([[0] * (width - len(w.prompt_ids)) + [1] * len(w.prompt_ids) for w in group])
         stamp = Stamp()
         longest = max(w.max_tokens for w in group)
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=longest, do_sample=False,
-                             logits_processor=LogitsProcessorList([stamp]), pad_token_id=pad)
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=longest,
+            do_sample=False,
+            logits_processor=LogitsProcessorList([stamp]),
+            pad_token_id=pad,
+        )
         for r, w in enumerate(group):
             n = useful(out[r, width:].tolist(), w.max_tokens, eos)
             res.tokens += n
@@ -178,10 +210,17 @@ def process_cpu_s(pid: int) -> float:
     return times.user + times.system
 
 
-async def run_worker_bench(loaded, work: list[Work], bootstrap: str, max_running: int | None,
-                           prefill_chunk: int | None, broker_pid: int | None = None,
-                           backend: str = "transformers", model_path: Path | None = None,
-                           dtype: str = "auto") -> Result:
+async def run_worker_bench(
+    loaded,
+    work: list[Work],
+    bootstrap: str,
+    max_running: int | None,
+    prefill_chunk: int | None,
+    broker_pid: int | None = None,
+    backend: str = "transformers",
+    model_path: Path | None = None,
+    dtype: str = "auto",
+) -> Result:
     """The worker in this process (its torch thread: the model loaded here), fed and read by
     bench/worker_client.py in a process of its own, as the gateway is in production: the client's
     decoding of every token record does not compete with the worker for this process's GIL."""
@@ -195,14 +234,31 @@ async def run_worker_bench(loaded, work: list[Work], bootstrap: str, max_running
     from topics.admin import apply
 
     res = Result("worker via Kafka" + (" (vLLM backend)" if backend == "vllm" else ""))
-    limits = {k: v for k, v in (("max_running", max_running), ("prefill_chunk", prefill_chunk)) if v is not None}
-    cfg = WorkerConfig(model="smollm2-bench", backend=backend, max_waiting=64, kv_memory_gb=1.0, worker_id="bench",
-                       model_path=model_path, dtype=dtype, **limits)
+    limits = {
+        k: v for k, v in (("max_running", max_running), ("prefill_chunk", prefill_chunk)) if v is not None
+    }
+    cfg = WorkerConfig(
+        model="smollm2-bench",
+        backend=backend,
+        max_waiting=64,
+        kv_memory_gb=1.0,
+        worker_id="bench",
+        model_path=model_path,
+        dtype=dtype,
+        **limits,
+    )
     await apply(needed_topics(cfg.model), bootstrap)  # what run_worker requires
     stop, ready = asyncio.Event(), asyncio.Event()
     holder = {}
-    task = asyncio.create_task(run_worker(cfg, stop, loaded=loaded, bootstrap=bootstrap,
-                                          on_ready=lambda w: (holder.update(w=w), ready.set())))
+    task = asyncio.create_task(
+        run_worker(
+            cfg,
+            stop,
+            loaded=loaded,
+            bootstrap=bootstrap,
+            on_ready=lambda w: (holder.update(w=w), ready.set()),
+        )
+    )
     await asyncio.wait_for(ready.wait(), 120)
     engine = holder["w"].engine
     pool = getattr(engine, "cache", None)  # the own engine's KV pool (vLLM's is its own)
@@ -213,21 +269,42 @@ async def run_worker_bench(loaded, work: list[Work], bootstrap: str, max_running
     # and fetch paths under its first requests, on the same cores as the engine) are start-up costs,
     # not the worker's serving rate. Then the prefix cache is emptied, as the in-process runner does,
     # so no measured request finds pages of the warm-up.
-    spec = {"model": cfg.model,
-            "warm": [{"rid": f"warm-{i}", "arrival": 0.0, "messages": w.messages,
-                      "max_tokens": min(w.max_tokens, WARM_TOKENS)} for i, w in enumerate(work[:WARM_REQUESTS])],
-            "requests": [{"rid": w.rid, "arrival": w.arrival, "messages": w.messages, "max_tokens": w.max_tokens}
-                         for w in work]}
+    spec = {
+        "model": cfg.model,
+        "warm": [
+            {
+                "rid": f"warm-{i}",
+                "arrival": 0.0,
+                "messages": w.messages,
+                "max_tokens": min(w.max_tokens, WARM_TOKENS),
+            }
+            for i, w in enumerate(work[:WARM_REQUESTS])
+        ],
+        "requests": [
+            {"rid": w.rid, "arrival": w.arrival, "messages": w.messages, "max_tokens": w.max_tokens}
+            for w in work
+        ],
+    }
     with tempfile.TemporaryDirectory(prefix="bench-client-") as tmp:
         src, dst = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         src.write_text(json.dumps(spec))
         client = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "bench.worker_client", bootstrap, str(src), str(dst),
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=py_env())
+            sys.executable,
+            "-m",
+            "bench.worker_client",
+            bootstrap,
+            str(src),
+            str(dst),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            env=py_env(),
+        )
         try:
             line = await asyncio.wait_for(client.stdout.readline(), 600)
             if line.strip() != b"warm":
-                raise RuntimeError(f"bench client: expected 'warm', got {line!r} (exit {await client.wait()})")
+                raise RuntimeError(
+                    f"bench client: expected 'warm', got {line!r} (exit {await client.wait()})"
+                )
             while engine.has_work:  # the warm-up's last step: the engine idles before the clock starts
                 await asyncio.sleep(0.01)
             engine.reset_prefix_cache()
@@ -266,9 +343,14 @@ async def run_worker_bench(loaded, work: list[Work], bootstrap: str, max_running
             res.ttft.append(c[0][0] - got["sent"][w.rid])
             for (a, _), (b, n) in zip(c, c[1:]):
                 res.itl += [(b - a) / max(n, 1)] * max(n, 1)
-    res.extra = {"dtype": getattr(engine, "dtype", None) or str(loaded.dtype), "max_batch": peak["running"], "peak_kv_usage": round(peak["kv"], 3),
-                 "kv_pool_mib": round(pool.nbytes() / 2**20, 1) if pool is not None else None,
-                 "steps": engine.steps - steps0, **cpu}
+    res.extra = {
+        "dtype": getattr(engine, "dtype", None) or str(loaded.dtype),
+        "max_batch": peak["running"],
+        "peak_kv_usage": round(peak["kv"], 3),
+        "kv_pool_mib": round(pool.nbytes() / 2**20, 1) if pool is not None else None,
+        "steps": engine.steps - steps0,
+        **cpu,
+    }
     stop.set()
     await task
     return res
@@ -304,15 +386,22 @@ def main(
     loaded = run_on_torch_thread(load, "smollm2")
     model, tok = loaded.model, loaded.tokenizer
     cfg = model.config
-    bpt = PagedKVCache.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads,
-                                       cfg.hidden_size // cfg.num_attention_heads, torch.float32)
+    bpt = PagedKVCache.bytes_per_token(
+        cfg.num_hidden_layers,
+        cfg.num_key_value_heads,
+        cfg.hidden_size // cfg.num_attention_heads,
+        torch.float32,
+    )
     eos = {tok.eos_token_id}
     work = workload(tok, requests, rate, seed)
-    console.print(f"workload: {len(work)} requests over {work[-1].arrival:.1f} s, prompts "
-                  f"{min(len(w.prompt_ids) for w in work)}-{max(len(w.prompt_ids) for w in work)} tokens, "
-                  f"outputs 16-64 tokens (greedy); torch threads {torch.get_num_threads()}")
-    run_on_torch_thread(model.generate, torch.tensor([work[0].prompt_ids]), max_new_tokens=4,
-                        do_sample=False)  # warm-up
+    console.print(
+        f"workload: {len(work)} requests over {work[-1].arrival:.1f} s, prompts "
+        f"{min(len(w.prompt_ids) for w in work)}-{max(len(w.prompt_ids) for w in work)} tokens, "
+        f"outputs 16-64 tokens (greedy); torch threads {torch.get_num_threads()}"
+    )
+    run_on_torch_thread(
+        model.generate, torch.tensor([work[0].prompt_ids]), max_new_tokens=4, do_sample=False
+    )  # warm-up
     results = []
     console.print("[bold]1/3 sequential generate()[/]")
     results.append(run_on_torch_thread(run_sequential, model, tok, work, bpt, eos))
@@ -320,38 +409,67 @@ def main(
     results.append(run_on_torch_thread(run_static, model, tok, work, bpt, eos))
     console.print("[bold]3/3 worker through Kafka[/]")
     with broker_and_keyring("bench-worker-", lambda m: console.print(m, highlight=False)) as stack:
-        results.append(asyncio.run(run_worker_bench(loaded, work, stack.kafka.address, max_running, prefill_chunk)))
+        results.append(
+            asyncio.run(run_worker_bench(loaded, work, stack.kafka.address, max_running, prefill_chunk))
+        )
     constrained = None
     if grammar_rows:
         from bench.grammar import column_table, constrained_column
 
         console.print(f"[bold]constrained column: {grammar_rows} rows with and without grammars[/]")
-        constrained, _ = run_on_torch_thread(constrained_column, loaded, grammar_rows,
-                                             say=lambda m: console.print(m, highlight=False))
+        constrained, _ = run_on_torch_thread(
+            constrained_column, loaded, grammar_rows, say=lambda m: console.print(m, highlight=False)
+        )
     summaries = {r.name: r.summary() for r in results}
     seq, static, worker = (summaries[r.name] for r in results)
-    ratios = {"worker_vs_sequential": round(worker["throughput_tok_s"] / seq["throughput_tok_s"], 2),
-              "worker_vs_static8": round(worker["throughput_tok_s"] / static["throughput_tok_s"], 2)}
+    ratios = {
+        "worker_vs_sequential": round(worker["throughput_tok_s"] / seq["throughput_tok_s"], 2),
+        "worker_vs_static8": round(worker["throughput_tok_s"] / static["throughput_tok_s"], 2),
+    }
     table = Table(title=f"bench worker: {len(work)} requests, SmolLM2-135M-Instruct fp32, {loaded.device}")
     table.add_column("metric")
     for r in results:
         table.add_column(r.name, justify="right")
-    for key in ("throughput_tok_s", "tokens", "wall_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s",
-                "mem_per_running_request_mib"):
+    for key in (
+        "throughput_tok_s",
+        "tokens",
+        "wall_s",
+        "ttft_p50_s",
+        "ttft_p99_s",
+        "itl_p50_s",
+        "itl_p99_s",
+        "mem_per_running_request_mib",
+    ):
         table.add_row(key, *(str(summaries[r.name].get(key)) for r in results))
     console.print(table)
-    console.print(f"worker throughput: {ratios['worker_vs_sequential']}x sequential (target 3x), "
-                  f"{ratios['worker_vs_static8']}x static batching (target 1.5x); "
-                  f"batch reached {worker.get('max_batch')}, peak KV usage {worker.get('peak_kv_usage')}")
+    console.print(
+        f"worker throughput: {ratios['worker_vs_sequential']}x sequential (target 3x), "
+        f"{ratios['worker_vs_static8']}x static batching (target 1.5x); "
+        f"batch reached {worker.get('max_batch')}, peak KV usage {worker.get('peak_kv_usage')}"
+    )
     if constrained is not None:
         console.print(column_table(constrained))
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"workload": {"requests": len(work), "rate_per_s": rate, "seed": seed,
-                                            "output_tokens": "16-64 (greedy)", "device": loaded.device,
-                                            "worker_max_running": max_running, "worker_prefill_chunk": prefill_chunk,
-                                            "load_avg_1m_before_after": [load_before, os.getloadavg()[0]],
-                                            "torch_threads": torch.get_num_threads(),
-                                            "requests_detail": [asdict(w) | {"prompt_ids": len(w.prompt_ids)}
-                                                                for w in work]},
-                               "results": summaries, "ratios": ratios, "constrained_column": constrained}, indent=2))
+    out.write_text(
+        json.dumps(
+            {
+                "workload": {
+                    "requests": len(work),
+                    "rate_per_s": rate,
+                    "seed": seed,
+                    "output_tokens": "16-64 (greedy)",
+                    "device": loaded.device,
+                    "worker_max_running": max_running,
+                    "worker_prefill_chunk": prefill_chunk,
+                    "load_avg_1m_before_after": [load_before, os.getloadavg()[0]],
+                    "torch_threads": torch.get_num_threads(),
+                    "requests_detail": [asdict(w) | {"prompt_ids": len(w.prompt_ids)} for w in work],
+                },
+                "results": summaries,
+                "ratios": ratios,
+                "constrained_column": constrained,
+            },
+            indent=2,
+        )
+    )
     console.print(f"figures written to {out}")

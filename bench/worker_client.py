@@ -26,10 +26,15 @@ def _request(spec: dict, i: int, r: dict):
     from topics import TOKENS
 
     # each request its own conversation, as a gateway's new chats are: a conversation key of its own
-    return InferenceRequest(request_id=r["rid"], conversation_id=r["rid"], tenant="bench", model=spec["model"],
-                            reply_partition=i % TOKENS.partitions,
-                            messages=[ChatMessage(**m) for m in r["messages"]],
-                            sampling=SamplingParams(max_tokens=r["max_tokens"], temperature=0))
+    return InferenceRequest(
+        request_id=r["rid"],
+        conversation_id=r["rid"],
+        tenant="bench",
+        model=spec["model"],
+        reply_partition=i % TOKENS.partitions,
+        messages=[ChatMessage(**m) for m in r["messages"]],
+        sampling=SamplingParams(max_tokens=r["max_tokens"], temperature=0),
+    )
 
 
 async def run(bootstrap: str, spec: dict) -> dict:
@@ -43,8 +48,9 @@ async def run(bootstrap: str, spec: dict) -> dict:
 
     topic = inference_topic(spec["model"])
     producer = await start_producer(bootstrap)
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, **kafka_auth.client_options(),
-                                enable_auto_commit=False)
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap, **kafka_auth.client_options(), enable_auto_commit=False
+    )
     await consumer.start()
     tps = [TopicPartition(TOKENS.name, p) for p in range(TOKENS.partitions)]
     consumer.assign(tps)
@@ -64,8 +70,9 @@ async def run(bootstrap: str, spec: dict) -> dict:
         pending = {r["rid"] for r in spec["warm"]}
         for i, r in enumerate(spec["warm"]):
             await publish(producer, topic, _request(spec, i, r), wait=False)
-        await read(lambda: not pending,
-                   lambda ev, _: isinstance(ev, Completion) and pending.discard(ev.request_id))
+        await read(
+            lambda: not pending, lambda ev, _: isinstance(ev, Completion) and pending.discard(ev.request_id)
+        )
         print("warm", flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
 
@@ -98,8 +105,14 @@ async def run(bootstrap: str, spec: dict) -> dict:
         await read(lambda: len(done) == len(work), take)
         wall = time.perf_counter() - t0
         await feeder
-        return {"sent": sent, "chunks": chunks, "outputs": outputs, "completion_tokens": done, "wall_s": wall,
-                "cpu_s": round(time.process_time() - cpu0, 2)}
+        return {
+            "sent": sent,
+            "chunks": chunks,
+            "outputs": outputs,
+            "completion_tokens": done,
+            "wall_s": wall,
+            "cpu_s": round(time.process_time() - cpu0, 2),
+        }
     finally:
         await consumer.stop()
         await producer.stop()

@@ -35,7 +35,9 @@ def extract(filename: str, data: bytes) -> Document:
 
         try:
             reader = PdfReader(io.BytesIO(data))
-            return Document("\n\n".join(page.extract_text() or "" for page in reader.pages), len(reader.pages))
+            return Document(
+                "\n\n".join(page.extract_text() or "" for page in reader.pages), len(reader.pages)
+            )
         except Exception as exc:  # noqa: BLE001 - pypdf raises assorted errors on malformed files
             raise UnsupportedFile(f"{filename!r} is not a readable PDF: {exc}") from None
     text = data.decode("utf-8", errors="replace")
@@ -48,8 +50,9 @@ def readable(html: str, url: str = "") -> str:
     """The page's main text (trafilatura), or all its text when it finds no main part."""
     import trafilatura
 
-    text = trafilatura.extract(html, url=url or None, include_comments=False, include_tables=True,
-                               favor_recall=True)
+    text = trafilatura.extract(
+        html, url=url or None, include_comments=False, include_tables=True, favor_recall=True
+    )
     if text:
         return text
     from lxml import html as lhtml

@@ -42,8 +42,13 @@ class _Quiet(WSGIRequestHandler):
 
 
 class HealthServer:
-    def __init__(self, port: int, check: Callable[[], Report], registry: CollectorRegistry | None = None,
-                 host: str = "0.0.0.0") -> None:
+    def __init__(
+        self,
+        port: int,
+        check: Callable[[], Report],
+        registry: CollectorRegistry | None = None,
+        host: str = "0.0.0.0",
+    ) -> None:
         self.check = check
         self.metrics = make_wsgi_app(registry) if registry is not None else None
         self.server = make_server(host, port, self._app, ThreadingWSGIServer, handler_class=_Quiet)
@@ -59,8 +64,10 @@ class HealthServer:
                 log.exception("health check failed")
                 report = Report(ready=False, detail=[f"health check failed: {type(exc).__name__}: {exc}"])
             ok = report.ready if path == "/health/ready" else report.live
-            start_response("200 OK" if ok else "503 Service Unavailable",
-                           [("Content-Type", "application/json"), ("Cache-Control", "no-store")])
+            start_response(
+                "200 OK" if ok else "503 Service Unavailable",
+                [("Content-Type", "application/json"), ("Cache-Control", "no-store")],
+            )
             return [report.body()]
         if self.metrics is not None and path in ("/metrics", "/"):
             return self.metrics(environ, start_response)

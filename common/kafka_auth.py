@@ -71,7 +71,8 @@ def password(name: str | None = None) -> str:
         raise CredentialsMissing(
             f"no Kafka password for user {name!r}: set TOKENSTREAM_KAFKA_PASSWORD, or "
             f"TOKENSTREAM_KAFKA_CREDENTIALS_DIR to a folder holding a file {name!r} "
-            f"(the local stack's: run `tokenstream stack up` and `tokenstream topics apply`)") from None
+            f"(the local stack's: run `tokenstream stack up` and `tokenstream topics apply`)"
+        ) from None
 
 
 def enabled() -> bool:
@@ -94,11 +95,16 @@ def client_options(name: str | None = None) -> dict:
     return scram_options(name, password(name), cfg.kafka_security, _ssl_context())
 
 
-def scram_options(name: str, secret: str, security: str = "sasl_plaintext",
-                  context: ssl.SSLContext | None = None) -> dict:
+def scram_options(
+    name: str, secret: str, security: str = "sasl_plaintext", context: ssl.SSLContext | None = None
+) -> dict:
     """aiokafka keyword arguments for one SCRAM user (also the local stack's own checks, as admin)."""
-    options = dict(security_protocol=security.upper(), sasl_mechanism=MECHANISM, sasl_plain_username=name,
-                   sasl_plain_password=secret)
+    options = dict(
+        security_protocol=security.upper(),
+        sasl_mechanism=MECHANISM,
+        sasl_plain_username=name,
+        sasl_plain_password=secret,
+    )
     if context is not None:
         options["ssl_context"] = context
     return options
@@ -110,8 +116,9 @@ def faust_credentials():
 
     if not enabled():
         return None
-    return faust.SASLCredentials(username=user(), password=password(), mechanism=MECHANISM,
-                                 ssl_context=_ssl_context())
+    return faust.SASLCredentials(
+        username=user(), password=password(), mechanism=MECHANISM, ssl_context=_ssl_context()
+    )
 
 
 def librdkafka_config(name: str | None = None) -> dict:
@@ -120,8 +127,12 @@ def librdkafka_config(name: str | None = None) -> dict:
     if not enabled():
         return {"security.protocol": "plaintext"}
     name = name or user()
-    config = {"security.protocol": cfg.kafka_security, "sasl.mechanism": MECHANISM,
-              "sasl.username": name, "sasl.password": password(name)}
+    config = {
+        "security.protocol": cfg.kafka_security,
+        "sasl.mechanism": MECHANISM,
+        "sasl.username": name,
+        "sasl.password": password(name),
+    }
     if cfg.kafka_security == "sasl_ssl" and cfg.kafka_ssl_cafile:
         config["ssl.ca.location"] = str(cfg.kafka_ssl_cafile)
     return config

@@ -34,8 +34,15 @@ SILENCE_S = 3.0  # nothing heard for this long: the feed is not live (messages m
 
 
 def made_message(key_id: str, tenant: str, scope: str, material: bytes) -> str:
-    return json.dumps({"op": "made", "id": key_id, "tenant": tenant, "scope": scope,
-                       "key": base64.b64encode(material).decode("ascii")})
+    return json.dumps(
+        {
+            "op": "made",
+            "id": key_id,
+            "tenant": tenant,
+            "scope": scope,
+            "key": base64.b64encode(material).decode("ascii"),
+        }
+    )
 
 
 def destroyed_message(key_ids: list[str]) -> str:
@@ -46,8 +53,12 @@ class KeyFeed:
     """A daemon thread subscribed to CHANNEL, calling `on_made(key_id, tenant, scope, material)` and
     `on_destroyed(key_ids)` for what it hears."""
 
-    def __init__(self, client: redis.Redis, on_made: Callable[[str, str, str, bytes], None],
-                 on_destroyed: Callable[[list[str]], None]) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        on_made: Callable[[str, str, str, bytes], None],
+        on_destroyed: Callable[[list[str]], None],
+    ) -> None:
         self.client, self.on_made, self.on_destroyed = client, on_made, on_destroyed
         self._since: float | None = None
         self._heard = 0.0

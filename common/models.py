@@ -39,7 +39,9 @@ def model_folder(model: str) -> Path | None:
         return Path(path)
     if model.lower() in SMOLLM2_NAMES:
         return None
-    raise ValueError(f"model {model!r} has no local files: set TOKENSTREAM_MODEL_PATHS='{{\"{model}\": \"/dir\"}}'")
+    raise ValueError(
+        f'model {model!r} has no local files: set TOKENSTREAM_MODEL_PATHS=\'{{"{model}": "/dir"}}\''
+    )
 
 
 @lru_cache(maxsize=8)

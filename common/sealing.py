@@ -96,7 +96,9 @@ class Keyring:
         self._make = self.redis.register_script(_MAKE)
         self._writing: dict[tuple[str, str], tuple[str, AESGCM, float]] = {}
         self._reading: dict[str, tuple[AESGCM | None, float]] = {}
-        self._erased: dict[str, None] = {}  # key ids destroyed (never reused): a late fetch must not revive one
+        self._erased: dict[
+            str, None
+        ] = {}  # key ids destroyed (never reused): a late fetch must not revive one
         self._lock = threading.Lock()  # sealing runs on event loops, in worker threads and in the feed's
         self.feed = KeyFeed(self.redis, self._pushed, self._destroyed) if feed else None
 
@@ -123,8 +125,9 @@ class Keyring:
             raw = _unb64(body)
             return aead.decrypt(raw[:12], raw[12:], key_id.encode())
         except (ValueError, InvalidTag) as exc:  # altered or cut: bad input, dead-lettered like any other
-            raise MalformedEvent(f"malformed event: a sealed value under key {key_id} does not open "
-                                 f"({type(exc).__name__})") from exc
+            raise MalformedEvent(
+                f"malformed event: a sealed value under key {key_id} does not open ({type(exc).__name__})"
+            ) from exc
 
     # -- keys ------------------------------------------------------------------------------------------
 
@@ -142,16 +145,29 @@ class Keyring:
             return held[0], held[1]
         fresh_id, material = os.urandom(8).hex(), os.urandom(32)
         try:
-            key_id, material = self._make(keys=[current_key(tenant, scope), key_hash(fresh_id), tenant_keys(tenant)],
-                                          args=[fresh_id, tenant, scope, material, str(time.time()), CHANNEL,
-                                                made_message(fresh_id, tenant, scope, material)])
+            key_id, material = self._make(
+                keys=[current_key(tenant, scope), key_hash(fresh_id), tenant_keys(tenant)],
+                args=[
+                    fresh_id,
+                    tenant,
+                    scope,
+                    material,
+                    str(time.time()),
+                    CHANNEL,
+                    made_message(fresh_id, tenant, scope, material),
+                ],
+            )
             key_id = key_id.decode() if isinstance(key_id, bytes) else key_id
         except redis.RedisError as exc:
             if held is not None:  # nobody can destroy a key while the store is away: keep using it
                 return held[0], held[1]
             raise SealingUnavailable(f"the keyring (durable Redis) is unreachable: {exc}") from exc
-        if material is None or key_id in self._erased:  # destroyed while fetched: the next seal makes a new one
-            raise SealingUnavailable(f"the key {key_id} of {tenant}/{scope} was destroyed while it was fetched")
+        if (
+            material is None or key_id in self._erased
+        ):  # destroyed while fetched: the next seal makes a new one
+            raise SealingUnavailable(
+                f"the key {key_id} of {tenant}/{scope} was destroyed while it was fetched"
+            )
         aead = AESGCM(material)
         with self._lock:
             self._hold(key_id, tenant, scope, aead, now)
@@ -178,7 +194,9 @@ class Keyring:
             self._hold(key_id, tenant.decode(), scope.decode(), aead, now, replace=False)
         return aead
 
-    def _hold(self, key_id: str, tenant: str, scope: str, aead: AESGCM, now: float, replace: bool = True) -> None:
+    def _hold(
+        self, key_id: str, tenant: str, scope: str, aead: AESGCM, now: float, replace: bool = True
+    ) -> None:
         """Keep a live key for reading, and as its scope's key for writing (under the lock)."""
         _put(self._reading, key_id, (aead, now))
         held = self._writing.get((tenant, scope))
@@ -229,7 +247,7 @@ def open_stored(value: bytes | None) -> bytes | None:
     keys = keyring()
     if keys is None:
         raise SealingUnavailable("a sealed value was read with sealing off (TOKENSTREAM_SEALING)")
-    return keys.open(value[len(STORED):].decode("ascii", "replace"))
+    return keys.open(value[len(STORED) :].decode("ascii", "replace"))
 
 
 def seal_json(tenant: str, scope: str, value: Any) -> bytes:
@@ -274,8 +292,12 @@ async def patiently(work: Callable[[], T], role: str) -> T:
             if time.monotonic() + delay > deadline:
                 raise SealingUnavailable(f"{exc} (for {budget:.0f} s)") from exc
             if not warned:
-                log.warning("%s: redis unreachable (keyring: %s); retrying for up to %.0fs, input held",
-                            role, exc, budget)
+                log.warning(
+                    "%s: redis unreachable (keyring: %s); retrying for up to %.0fs, input held",
+                    role,
+                    exc,
+                    budget,
+                )
                 warned = True
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)

@@ -136,8 +136,14 @@ class Hop:
         self.end()
 
 
-def hop(name: str, parent: TraceContext | None, *, role: str, kind: str = "consumer",
-        attributes: dict[str, Any] | None = None) -> Hop:
+def hop(
+    name: str,
+    parent: TraceContext | None,
+    *,
+    role: str,
+    kind: str = "consumer",
+    attributes: dict[str, Any] | None = None,
+) -> Hop:
     """Start the span of one hop under `parent` (None: a new trace). kind: server | consumer | internal."""
     tracer = _state["tracer"]
     if tracer is None:
@@ -147,13 +153,19 @@ def hop(name: str, parent: TraceContext | None, *, role: str, kind: str = "consu
 
     context = None
     if parent is not None:
-        remote = SpanContext(int(parent.trace_id, 16), int(parent.span_id, 16), is_remote=True,
-                             trace_flags=TraceFlags(int(parent.flags, 16)))
+        remote = SpanContext(
+            int(parent.trace_id, 16),
+            int(parent.span_id, 16),
+            is_remote=True,
+            trace_flags=TraceFlags(int(parent.flags, 16)),
+        )
         context = trace.set_span_in_context(NonRecordingSpan(remote))
     attrs = {"tokenstream.hop": role, **{k: v for k, v in (attributes or {}).items() if v is not None}}
     span = tracer.start_span(name, context=context, kind=getattr(SpanKind, kind.upper()), attributes=attrs)
     own = span.get_span_context()
-    return Hop(TraceContext(f"{own.trace_id:032x}", f"{own.span_id:016x}", f"{int(own.trace_flags):02x}"), span)
+    return Hop(
+        TraceContext(f"{own.trace_id:032x}", f"{own.span_id:016x}", f"{int(own.trace_flags):02x}"), span
+    )
 
 
 # ---------------------------------------------------------------- GenAI attributes of the events

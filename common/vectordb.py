@@ -31,8 +31,11 @@ def client_config(timeout_s: float, insert_s: float | None = None):
     """The weaviate-client AdditionalConfig with `timeout_s` for connecting and querying."""
     from weaviate.classes.init import AdditionalConfig, Timeout
 
-    return AdditionalConfig(timeout=Timeout(init=timeout_s, query=timeout_s,
-                                            insert=insert_s if insert_s is not None else timeout_s))
+    return AdditionalConfig(
+        timeout=Timeout(
+            init=timeout_s, query=timeout_s, insert=insert_s if insert_s is not None else timeout_s
+        )
+    )
 
 
 def ready_url() -> str:
@@ -60,12 +63,15 @@ async def aready(timeout_s: float = 1.0) -> bool:
         return False
 
 
-BACKOFF_FIRST_S, BACKOFF_MOST_S = 0.25, 2.0  # the pause after a failure, doubling: the breaker's and ingestion's
+BACKOFF_FIRST_S, BACKOFF_MOST_S = (
+    0.25,
+    2.0,
+)  # the pause after a failure, doubling: the breaker's and ingestion's
 
 
 def backoff_s(failures: int, first_s: float = BACKOFF_FIRST_S, most_s: float = BACKOFF_MOST_S) -> float:
     """The pause after `failures` + 1 failures in a row: first_s, doubling, at most most_s."""
-    return min(most_s, first_s * 2 ** failures)
+    return min(most_s, first_s * 2**failures)
 
 
 @dataclass

@@ -43,9 +43,18 @@ class Decision:
 
 
 class Admission:
-    def __init__(self, bootstrap: str, models: list[str], metrics: Metrics, *, budget_s: float,
-                 poll_s: float = 0.5, window_s: float = 10.0, min_rate: float = 1.0,
-                 stale_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        bootstrap: str,
+        models: list[str],
+        metrics: Metrics,
+        *,
+        budget_s: float,
+        poll_s: float = 0.5,
+        window_s: float = 10.0,
+        min_rate: float = 1.0,
+        stale_s: float = 5.0,
+    ) -> None:
         self.metrics = metrics
         self.budget_s, self.poll_s = budget_s, poll_s
         self.min_rate, self.stale_s = min_rate, stale_s
@@ -57,8 +66,10 @@ class Admission:
     def decide(self, model: str, share: float = 1.0) -> Decision:
         load = self.loads[model]
         if time.monotonic() - load.last_ok > self.stale_s:
-            raise unavailable("The inference pipeline is unreachable (no broker answer for "
-                              f"{self.stale_s:.0f}s); try again shortly.")
+            raise unavailable(
+                "The inference pipeline is unreachable (no broker answer for "
+                f"{self.stale_s:.0f}s); try again shortly."
+            )
         lag = load.lag + load.admitted_since_sample
         rate = max(load.rate, self.min_rate)
         wait = lag / rate
@@ -100,6 +111,11 @@ class Admission:
     async def _sample_all(self) -> None:
         for load in self.loads.values():
             sample = await self.sampler.sample(worker_group(load.model), inference_topic(load.model).name)
-            load.lag, load.rate, load.admitted_since_sample, load.last_ok = sample.lag, sample.rate, 0, time.monotonic()
+            load.lag, load.rate, load.admitted_since_sample, load.last_ok = (
+                sample.lag,
+                sample.rate,
+                0,
+                time.monotonic(),
+            )
             self.metrics.lag.labels(load.model).set(load.lag)
             self.metrics.drain_rate.labels(load.model).set(load.rate)

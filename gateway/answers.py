@@ -37,11 +37,13 @@ class KeepAlive(ServerSentEvent):
         return b": ping\r\n"
 
 
-def live_events(gw: Gateway, stream: Stream,
-                observe: Callable[[list[Event]], None] | None = None) -> AsyncIterator[list[Event]]:
+def live_events(
+    gw: Gateway, stream: Stream, observe: Callable[[list[Event]], None] | None = None
+) -> AsyncIterator[list[Event]]:
     """Batches of a subscribed stream until none comes within the progress timeout; held back until
     the input verdict when this instance screens in parallel. `observe` sees each batch as it
     arrives (the request's trace span)."""
+
     async def live() -> AsyncIterator[list[Event]]:
         while True:
             batch = await stream.take(gw.cfg.progress_timeout_s)
@@ -54,10 +56,18 @@ def live_events(gw: Gateway, stream: Stream,
     return held_until_screened(live()) if gw.cfg.screening == "parallel" else live()
 
 
-def sse_response(gw: Gateway, framer: Framer, source: AsyncIterator[list[Event]], generation: int,
-                 started: float, cleanup: Callable[[], None], *, settle: Settle | None = None,
-                 before_end: BeforeEnd | None = None,
-                 headers: dict[str, str] | None = None) -> EventSourceResponse:
+def sse_response(
+    gw: Gateway,
+    framer: Framer,
+    source: AsyncIterator[list[Event]],
+    generation: int,
+    started: float,
+    cleanup: Callable[[], None],
+    *,
+    settle: Settle | None = None,
+    before_end: BeforeEnd | None = None,
+    headers: dict[str, str] | None = None,
+) -> EventSourceResponse:
     """Stream `source` as OpenAI chunks; `started` (monotonic) is the admission time for TTFT, or 0.
 
     `settle` runs (in the background) with the completion and the texts sent once the answer has ended;
@@ -65,6 +75,7 @@ def sse_response(gw: Gateway, framer: Framer, source: AsyncIterator[list[Event]]
     may read as soon as it has the end, such as its conversation's new items); `headers` go on the
     response (rate limit headers).
     """
+
     async def frames():
         observed = timed_out = False
         try:
@@ -83,16 +94,31 @@ def sse_response(gw: Gateway, framer: Framer, source: AsyncIterator[list[Event]]
                     if framer.done:
                         return
             except SlowReader:  # dropped for holding up others: the client resumes at its own pace
-                yield ServerSentEvent(json.dumps(api.error_body(
-                    "This stream fell too far behind and was ended; resume it with GET "
-                    f"/v1/chat/completions/{framer.cid}/stream and the Last-Event-ID header.",
-                    "server_error", None, "slow_reader")))
+                yield ServerSentEvent(
+                    json.dumps(
+                        api.error_body(
+                            "This stream fell too far behind and was ended; resume it with GET "
+                            f"/v1/chat/completions/{framer.cid}/stream and the Last-Event-ID header.",
+                            "server_error",
+                            None,
+                            "slow_reader",
+                        )
+                    )
+                )
                 return
             if not framer.done:  # no progress within the deadline: the client hears why, the work stops
                 timed_out = True
-                yield ServerSentEvent(json.dumps(api.error_body(
-                    f"The model made no progress for {gw.cfg.progress_timeout_s:.0f}s; the request was cancelled. "
-                    "Please retry.", "server_error", None, "timeout")))
+                yield ServerSentEvent(
+                    json.dumps(
+                        api.error_body(
+                            f"The model made no progress for {gw.cfg.progress_timeout_s:.0f}s; the request was cancelled. "
+                            "Please retry.",
+                            "server_error",
+                            None,
+                            "timeout",
+                        )
+                    )
+                )
         finally:
             cleanup()
             with contextlib.suppress(Exception):
@@ -106,14 +132,29 @@ def sse_response(gw: Gateway, framer: Framer, source: AsyncIterator[list[Event]]
             else:
                 gw.canceller.detached(framer.rid, generation)
 
-    return EventSourceResponse(frames(), ping=gw.cfg.ping_s, ping_message_factory=KeepAlive, headers={
-        "Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
+    return EventSourceResponse(
+        frames(),
+        ping=gw.cfg.ping_s,
+        ping_message_factory=KeepAlive,
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})},
+    )
 
 
-async def collect(gw: Gateway, rid: str, model_name: str, created: int, source: AsyncIterator[list[Event]],
-                  generation: int, request: Request, cleanup: Callable[[], None], *, settle: Settle | None = None,
-                  before_end: BeforeEnd | None = None, headers: dict[str, str] | None = None,
-                  logprobs: bool = False) -> JSONResponse:
+async def collect(
+    gw: Gateway,
+    rid: str,
+    model_name: str,
+    created: int,
+    source: AsyncIterator[list[Event]],
+    generation: int,
+    request: Request,
+    cleanup: Callable[[], None],
+    *,
+    settle: Settle | None = None,
+    before_end: BeforeEnd | None = None,
+    headers: dict[str, str] | None = None,
+    logprobs: bool = False,
+) -> JSONResponse:
     """Wait for the whole answer and return it as one `chat.completion` body (with each token's log
     probability when `logprobs`); `settle` and `before_end` as in `sse_response`."""
     text: list[str] = []
@@ -159,8 +200,13 @@ async def collect(gw: Gateway, rid: str, model_name: str, created: int, source: 
         cleanup()
     if done is None:
         gw.canceller.no_progress(rid, generation)
-        raise api.APIError(504, f"The model made no progress for {gw.cfg.progress_timeout_s:.0f}s; the request "
-                                "was cancelled. Please retry.", "server_error", code="timeout")
+        raise api.APIError(
+            504,
+            f"The model made no progress for {gw.cfg.progress_timeout_s:.0f}s; the request "
+            "was cancelled. Please retry.",
+            "server_error",
+            code="timeout",
+        )
     gw.canceller.release(rid)
     if before_end is not None:
         await before_end(done)
@@ -168,8 +214,18 @@ async def collect(gw: Gateway, rid: str, model_name: str, created: int, source: 
         gw.background(settle(done, text))
     if done.finish_reason == "error":
         raise api.refusal(done)
-    return JSONResponse(api.completion_body(
-        api.completion_id(rid), created, model_name, "".join(text),
-        api.finish_reason_for_client(done.finish_reason), done.usage.prompt_tokens,
-        done.usage.completion_tokens, done.usage.cached_tokens, tool_calls=calls,
-        logprobs=reported if logprobs else None), headers=headers)
+    return JSONResponse(
+        api.completion_body(
+            api.completion_id(rid),
+            created,
+            model_name,
+            "".join(text),
+            api.finish_reason_for_client(done.finish_reason),
+            done.usage.prompt_tokens,
+            done.usage.completion_tokens,
+            done.usage.cached_tokens,
+            tool_calls=calls,
+            logprobs=reported if logprobs else None,
+        ),
+        headers=headers,
+    )

@@ -31,8 +31,9 @@ from gateway.routes import ROUTERS
 UPLOAD_FORM_BYTES = 64 * 1024  # the multipart framing and the purpose field around an uploaded file
 
 
-def create_app(cfg: GatewaySettings, bootstrap: str, redis_url: str | None = None,
-               cache_url: str | None = None) -> FastAPI:
+def create_app(
+    cfg: GatewaySettings, bootstrap: str, redis_url: str | None = None, cache_url: str | None = None
+) -> FastAPI:
     id_key.install()  # request ids are sealed with the deployment's key (schemas/ids.py)
     sealing.install(redis_url)  # and tenants' content with their conversations' keys (common/sealing.py)
     gw = Gateway(cfg, bootstrap, redis_url, cache_url)
@@ -53,10 +54,15 @@ def create_app(cfg: GatewaySettings, bootstrap: str, redis_url: str | None = Non
     app.add_exception_handler(Exception, api.unexpected_error_handler)
     if gw.key_homes is not None:  # a deployment with regions: a key at home elsewhere is served there
         app.add_middleware(HomeRegion, gateway=gw)
-    app.add_middleware(BodyLimits, max_body_bytes=cfg.max_body_bytes,
-                       uploads={"/v1/files": cfg.file_max_bytes + UPLOAD_FORM_BYTES,
-                                "/v1/audio/transcriptions": cfg.audio_max_bytes + UPLOAD_FORM_BYTES,
-                                "/v1/audio/translations": cfg.audio_max_bytes + UPLOAD_FORM_BYTES})
+    app.add_middleware(
+        BodyLimits,
+        max_body_bytes=cfg.max_body_bytes,
+        uploads={
+            "/v1/files": cfg.file_max_bytes + UPLOAD_FORM_BYTES,
+            "/v1/audio/transcriptions": cfg.audio_max_bytes + UPLOAD_FORM_BYTES,
+            "/v1/audio/translations": cfg.audio_max_bytes + UPLOAD_FORM_BYTES,
+        },
+    )
     for router in ROUTERS:
         app.include_router(router)
     return app

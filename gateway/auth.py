@@ -16,8 +16,9 @@ from schemas import keys as K
 
 
 def invalid_key(message: str) -> api.APIError:
-    return api.APIError(401, message, "invalid_request_error", code="invalid_api_key",
-                        headers={"WWW-Authenticate": "Bearer"})
+    return api.APIError(
+        401, message, "invalid_request_error", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}
+    )
 
 
 def _masked(secret: str) -> str:
@@ -33,8 +34,10 @@ async def key_of(header: str, gw: Gateway) -> K.ApiKey:
     scheme, _, secret = header.partition(" ")
     secret = secret.strip()
     if scheme.lower() != "bearer" or not secret:
-        raise invalid_key("You didn't provide an API key. Send it as `Authorization: Bearer sk-ts-...` "
-                          "(create one with `tokenstream keys create --tenant NAME`).")
+        raise invalid_key(
+            "You didn't provide an API key. Send it as `Authorization: Bearer sk-ts-...` "
+            "(create one with `tokenstream keys create --tenant NAME`)."
+        )
     if gw.redis is None:
         raise api.unavailable("API keys cannot be checked: the gateway has no Redis.")
     try:
@@ -54,6 +57,10 @@ async def key_of(header: str, gw: Gateway) -> K.ApiKey:
 async def admin(key: K.ApiKey = Depends(principal)) -> K.ApiKey:
     """Operator endpoints (/metrics): a key created with --admin."""
     if not key.admin:
-        raise api.APIError(403, "This endpoint needs an admin key (`tokenstream keys create --admin`).",
-                           "invalid_request_error", code="insufficient_permissions")
+        raise api.APIError(
+            403,
+            "This endpoint needs an admin key (`tokenstream keys create --admin`).",
+            "invalid_request_error",
+            code="insufficient_permissions",
+        )
     return key

@@ -39,7 +39,9 @@ CANCEL_WAIT_S = 10.0  # how long `cancel` waits to answer with the run ended
 Finish = Callable[[ResponseFramer], Awaitable[None]]  # store the ended response, settle its usage
 
 
-async def fold(framer: ResponseFramer, source: AsyncIterator[list[Event]], cleanup: Callable[[], None]) -> bool:
+async def fold(
+    framer: ResponseFramer, source: AsyncIterator[list[Event]], cleanup: Callable[[], None]
+) -> bool:
     """Feed the run's event batches to `framer` until it ends (True) or `source` gives out (False: no
     progress within its deadline); `cleanup` then, whichever."""
     try:
@@ -54,8 +56,14 @@ async def fold(framer: ResponseFramer, source: AsyncIterator[list[Event]], clean
     return framer.done
 
 
-async def follow(gw: Gateway, framer: ResponseFramer, source: AsyncIterator[list[Event]], generation: int,
-                 cleanup: Callable[[], None], finish: Finish) -> None:
+async def follow(
+    gw: Gateway,
+    framer: ResponseFramer,
+    source: AsyncIterator[list[Event]],
+    generation: int,
+    cleanup: Callable[[], None],
+    finish: Finish,
+) -> None:
     """The admitting instance's fold of a background run, to its end (then `finish` stores it)."""
     if await fold(framer, source, cleanup):
         gw.canceller.release(framer.run_id)
@@ -70,8 +78,10 @@ async def snapshot(gw: Gateway, framer: ResponseFramer, meta: dict, finish: Fini
     steps = [step_request_id(framer.run_id, k) for k in range(1, framer.spec.max_steps)]
     events = await read_so_far(gw.bootstrap, framer.run_id, also=steps)
     if meta.get("screening") == "parallel":  # text before the input verdict is never shown
+
         async def held() -> AsyncIterator[list[Event]]:
             yield events
+
         events = [e for batch in [b async for b in held_until_screened(held())] for e in batch]
     framer.feed(events)
     if not events:

@@ -29,8 +29,9 @@ def deterministic(sampling: SamplingParams) -> bool:
 
 
 def cache_key(tenant: str, model: str, messages: list[ChatMessage], sampling: SamplingParams) -> str:
-    material = msgspec.json.encode({"tenant": tenant, "model": model, "messages": messages,
-                                    "sampling": msgspec.structs.asdict(sampling)})
+    material = msgspec.json.encode(
+        {"tenant": tenant, "model": model, "messages": messages, "sampling": msgspec.structs.asdict(sampling)}
+    )
     return K.exact_cache(hashlib.sha256(material).hexdigest())
 
 
@@ -71,7 +72,9 @@ class ExactCache:
         if sum(len(c) for c in entry.chunks) > self.max_chars:
             return False
         try:
-            await self.redis.set(key, sealing.seal_stored(tenant, "", msgspec.json.encode(entry)), ex=int(self.ttl_s), nx=True)
+            await self.redis.set(
+                key, sealing.seal_stored(tenant, "", msgspec.json.encode(entry)), ex=int(self.ttl_s), nx=True
+            )
             return True
         except Exception as exc:  # noqa: BLE001
             log.warning("exact cache: could not store %s: %s", entry.request_id, exc)
@@ -82,10 +85,20 @@ def hit_events(entry: Entry, request: ChatRequest) -> list[Event]:
     """The token events of a cache hit for `request`: its chunks, then its completion."""
     ids = dict(request_id=request.request_id, conversation_id=request.conversation_id, tenant=request.tenant)
     worker = f"cache:{entry.request_id}"
-    events: list[Event] = [TokenChunk(**ids, seq=i, text=text, worker_id=worker)
-                           for i, text in enumerate(entry.chunks)]
+    events: list[Event] = [
+        TokenChunk(**ids, seq=i, text=text, worker_id=worker) for i, text in enumerate(entry.chunks)
+    ]
     usage = Usage(prompt_tokens=entry.prompt_tokens, completion_tokens=entry.completion_tokens)
-    events.append(Completion(**ids, seq=len(entry.chunks), finish_reason=entry.finish_reason,
-                             text="".join(entry.chunks), usage=usage, worker_id=worker, model=request.model,
-                             tier=request.tier))
+    events.append(
+        Completion(
+            **ids,
+            seq=len(entry.chunks),
+            finish_reason=entry.finish_reason,
+            text="".join(entry.chunks),
+            usage=usage,
+            worker_id=worker,
+            model=request.model,
+            tier=request.tier,
+        )
+    )
     return events

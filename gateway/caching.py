@@ -24,8 +24,10 @@ HEADER = "x-tokenstream-cache"
 def structured(body: api.ChatCompletionRequest) -> bool:
     """Whether the request asks for tools or a response format (never answered from a cache)."""
     extra = body.model_extra or {}
-    return any(getattr(body, name, None) or extra.get(name)
-               for name in ("tools", "tool_choice", "functions", "response_format"))
+    return any(
+        getattr(body, name, None) or extra.get(name)
+        for name in ("tools", "tool_choice", "functions", "response_format")
+    )
 
 
 @dataclass
@@ -42,11 +44,22 @@ class Lookup:
             await gw.semantic_cache.store(tenant, model, *self.semantic, entry=entry)
 
 
-async def look_up(gw: Gateway, key: ApiKey, body: api.ChatCompletionRequest, messages: list[ChatMessage],
-                  sampling: SamplingParams) -> Lookup:
+async def look_up(
+    gw: Gateway,
+    key: ApiKey,
+    body: api.ChatCompletionRequest,
+    messages: list[ChatMessage],
+    sampling: SamplingParams,
+) -> Lookup:
     found = Lookup()
-    if (not body.cache or body.conversation_id or body.conversation or body.assistant or structured(body)
-            or body.logprobs):
+    if (
+        not body.cache
+        or body.conversation_id
+        or body.conversation
+        or body.assistant
+        or structured(body)
+        or body.logprobs
+    ):
         # opted out, part of the context is stored server-side (and the answer goes into a conversation),
         # or the answer may hold tool calls or log probabilities (a cache entry keeps text chunks only)
         return found

@@ -70,11 +70,18 @@ class Canceller:
         """The answer was delivered in full: nothing to cancel, forget the local generation."""
         self._local.pop(request_id, None)
 
-    def detached(self, request_id: str, generation: int, *, grace_s: float | None = None,
-                 reason: str = "client_disconnected") -> None:
+    def detached(
+        self,
+        request_id: str,
+        generation: int,
+        *,
+        grace_s: float | None = None,
+        reason: str = "client_disconnected",
+    ) -> None:
         """The connection of `generation` dropped before the end: cancel unless resumed in time."""
         task = asyncio.get_running_loop().create_task(
-            self._cancel_later(request_id, generation, self.grace_s if grace_s is None else grace_s, reason))
+            self._cancel_later(request_id, generation, self.grace_s if grace_s is None else grace_s, reason)
+        )
         self._timers.add(task)
         task.add_done_callback(self._timers.discard)
 

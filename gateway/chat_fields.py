@@ -24,17 +24,29 @@ from gateway import openai_api as api
 # field -> (is the value neutral?, why it cannot be honoured)
 _REFUSED: dict[str, tuple[Any, str]] = {
     "audio": (lambda v: v is None, "audio output is not offered: the model writes text only"),
-    "modalities": (lambda v: v is None or v == ["text"], "the model writes text only: modalities may be [\"text\"]"),
+    "modalities": (
+        lambda v: v is None or v == ["text"],
+        'the model writes text only: modalities may be ["text"]',
+    ),
     "prediction": (lambda v: v is None, "Predicted Outputs are not supported"),
-    "reasoning_effort": (lambda v: v is None, "the model does not reason before it answers: reasoning_effort "
-                                              "would have no effect"),
-    "verbosity": (lambda v: v is None, "verbosity is not supported: bound the answer with max_completion_tokens"),
-    "web_search_options": (lambda v: v is None, "web search runs as a server tool of POST /v1/responses "
-                                                "(tools: [{\"type\": \"web_search\"}])"),
+    "reasoning_effort": (
+        lambda v: v is None,
+        "the model does not reason before it answers: reasoning_effort would have no effect",
+    ),
+    "verbosity": (
+        lambda v: v is None,
+        "verbosity is not supported: bound the answer with max_completion_tokens",
+    ),
+    "web_search_options": (
+        lambda v: v is None,
+        'web search runs as a server tool of POST /v1/responses (tools: [{"type": "web_search"}])',
+    ),
     "functions": (lambda v: v is None, "the legacy `functions` are not supported: send them as `tools`"),
     "function_call": (lambda v: v is None, "the legacy `function_call` is not supported: send `tool_choice`"),
-    "service_tier": (lambda v: v in (None, "auto", "default"), "the service tier follows the API key's tier: "
-                                                               "service_tier may be \"auto\" or \"default\""),
+    "service_tier": (
+        lambda v: v in (None, "auto", "default"),
+        'the service tier follows the API key\'s tier: service_tier may be "auto" or "default"',
+    ),
 }
 
 # fields of a message other than those gateway.openai_api.Message honours, neutral only when null
@@ -60,18 +72,23 @@ def refuse_unhonoured(body: api.ChatCompletionRequest) -> None:
     for i, message in enumerate(body.messages):
         for name, value in (message.model_extra or {}).items():
             if value is not None:
-                why = ("is not supported" if name in _MESSAGE_NULL_ONLY else "is not a field of a message")
+                why = "is not supported" if name in _MESSAGE_NULL_ONLY else "is not a field of a message"
                 raise api.invalid_request(f"messages[{i}].{name} {why}", f"messages[{i}].{name}")
         if isinstance(message.content, list):
             for j, part in enumerate(message.content):
                 if part.type != "text":
                     raise api.invalid_request(
                         f"messages[{i}].content[{j}]: `{part.type}` parts are not supported: the model reads "
-                        "text only", f"messages[{i}].content[{j}].type")
+                        "text only",
+                        f"messages[{i}].content[{j}].type",
+                    )
                 if part.text is None:
-                    raise api.invalid_request(f"messages[{i}].content[{j}].text is required",
-                                              f"messages[{i}].content[{j}].text")
+                    raise api.invalid_request(
+                        f"messages[{i}].content[{j}].text is required", f"messages[{i}].content[{j}].text"
+                    )
                 if part.model_extra:
                     name = next(iter(part.model_extra))
-                    raise api.invalid_request(f"messages[{i}].content[{j}].{name} is not supported",
-                                              f"messages[{i}].content[{j}].{name}")
+                    raise api.invalid_request(
+                        f"messages[{i}].content[{j}].{name} is not supported",
+                        f"messages[{i}].content[{j}].{name}",
+                    )

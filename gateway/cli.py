@@ -8,7 +8,9 @@ import typer
 def gateway(
     host: str = typer.Option(None, help="bind address (default TOKENSTREAM_GATEWAY_HOST or 127.0.0.1)"),
     port: int = typer.Option(None, help="port (default TOKENSTREAM_GATEWAY_PORT or 8000)"),
-    instance_index: int = typer.Option(None, help="this instance's index i: owns tokens partitions p % n == i"),
+    instance_index: int = typer.Option(
+        None, help="this instance's index i: owns tokens partitions p % n == i"
+    ),
     instance_count: int = typer.Option(None, help="number n of gateway instances"),
     model: list[str] = typer.Option(None, help="models served (default TOKENSTREAM_GATEWAY_MODELS)"),
 ) -> None:
@@ -19,16 +21,27 @@ def gateway(
     from gateway.config import GatewaySettings
     from common.config import settings
 
-    overrides = {k: v for k, v in dict(host=host, port=port, instance_index=instance_index,
-                                       instance_count=instance_count, models=model or None).items()
-                 if v is not None}
+    overrides = {
+        k: v
+        for k, v in dict(
+            host=host,
+            port=port,
+            instance_index=instance_index,
+            instance_count=instance_count,
+            models=model or None,
+        ).items()
+        if v is not None
+    }
     cfg = GatewaySettings(**overrides)
     from common import tracing
 
     tracing.setup("gateway")
     base = settings()
     app = create_app(cfg, base.kafka_bootstrap, base.redis_url, base.cache_redis_url)
-    typer.echo(f"gateway {cfg.instance_id}: chat page http://{cfg.host}:{cfg.port}/ "
-               f"(OpenAI base URL http://{cfg.host}:{cfg.port}/v1), models {cfg.models}")
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False,
-                timeout_graceful_shutdown=3)
+    typer.echo(
+        f"gateway {cfg.instance_id}: chat page http://{cfg.host}:{cfg.port}/ "
+        f"(OpenAI base URL http://{cfg.host}:{cfg.port}/v1), models {cfg.models}"
+    )
+    uvicorn.run(
+        app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False, timeout_graceful_shutdown=3
+    )

@@ -26,8 +26,10 @@ from gateway import openai_api as api
 from schemas import ChatMessage
 from schemas.ids import new_item_id
 
-INSTRUCTIONS = ("Summarise the conversation below for whoever continues it: keep every name, number, "
-                "decision, question still open and what the user asked for. Write the summary only.")
+INSTRUCTIONS = (
+    "Summarise the conversation below for whoever continues it: keep every name, number, "
+    "decision, question still open and what the user asked for. Write the summary only."
+)
 SUMMARY_PREFIX = "Summary of the earlier conversation: "
 SUMMARY_TOKENS = 256  # the longest summary the model may write
 _VERSION = b"c1"
@@ -38,7 +40,8 @@ def _aead() -> AESGCM:
     from common import id_key
 
     key = HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=b"tokenstream compaction v1").derive(
-        id_key.load())
+        id_key.load()
+    )
     return AESGCM(key)
 
 
@@ -58,8 +61,11 @@ def unseal(tenant: str, content: str, where: str) -> str:
         plain = _aead().decrypt(raw[2:14], raw[14:], _VERSION + tenant.encode())
         return str(json.loads(plain)["summary"])
     except (ValueError, InvalidTag, KeyError, TypeError):
-        raise api.invalid_request(f"{where}: the compaction item's encrypted_content is not one this server made "
-                                  "for this organization (changed, or another's).", where) from None
+        raise api.invalid_request(
+            f"{where}: the compaction item's encrypted_content is not one this server made "
+            "for this organization (changed, or another's).",
+            where,
+        ) from None
 
 
 def summary_message(summary: str) -> ChatMessage:
@@ -69,20 +75,36 @@ def summary_message(summary: str) -> ChatMessage:
 def superseded(before: list[ChatMessage]) -> list[ChatMessage]:
     """What a compaction item leaves of the messages before it: the user's messages and the system
     instructions (not an older summary: the new one covers it); the rest it summarises."""
-    return [m for m in before if m.role == "user" or (m.role == "system" and not m.content.startswith(SUMMARY_PREFIX))]
+    return [
+        m
+        for m in before
+        if m.role == "user" or (m.role == "system" and not m.content.startswith(SUMMARY_PREFIX))
+    ]
 
 
-async def summarise(run: Callable[[str, str, int], Awaitable[dict]], messages: list[ChatMessage],
-                    window: int | None) -> tuple[str, dict]:
+async def summarise(
+    run: Callable[[str, str, int], Awaitable[dict]], messages: list[ChatMessage], window: int | None
+) -> tuple[str, dict]:
     """The model's summary of `messages` and the usage of writing it. `run(instructions, input,
     max_output_tokens)` answers a stored-false response run through the pipeline."""
     room = (window or 2048) - SUMMARY_TOKENS - 256  # the instructions' and the chat template's share
-    answer = await run(INSTRUCTIONS, transcript(messages, max(room, 256) * 3), SUMMARY_TOKENS)  # ~3 chars a token
-    summary = "".join(part["text"] for item in answer["output"] if item["type"] == "message"
-                      for part in item["content"] if part["type"] == "output_text").strip()
+    answer = await run(
+        INSTRUCTIONS, transcript(messages, max(room, 256) * 3), SUMMARY_TOKENS
+    )  # ~3 chars a token
+    summary = "".join(
+        part["text"]
+        for item in answer["output"]
+        if item["type"] == "message"
+        for part in item["content"]
+        if part["type"] == "output_text"
+    ).strip()
     if answer["status"] not in ("completed", "incomplete") or not summary:
-        raise api.APIError(502, "The model wrote no summary to compact the input into; nothing was compacted.",
-                           "server_error", code="compaction_failed")
+        raise api.APIError(
+            502,
+            "The model wrote no summary to compact the input into; nothing was compacted.",
+            "server_error",
+            code="compaction_failed",
+        )
     return summary, answer["usage"]
 
 

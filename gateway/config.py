@@ -109,8 +109,9 @@ class GatewaySettings(BaseSettings):
     def _index_below_count(self) -> GatewaySettings:
         # refused at start (a StatefulSet pod whose ordinal is not below the replica count it was given)
         if not self.reply_partitions and self.instance_index >= self.instance_count:
-            raise ValueError(f"instance index {self.instance_index} must be below the instance count "
-                             f"{self.instance_count}")
+            raise ValueError(
+                f"instance index {self.instance_index} must be below the instance count {self.instance_count}"
+            )
         return self
 
     def owned_partitions(self, total: int) -> list[int]:

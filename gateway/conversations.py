@@ -53,8 +53,12 @@ return 0
 
 
 def conversation_object(conv_id: str, record: dict[str, str]) -> dict[str, Any]:
-    return {"id": conv_id, "object": "conversation", "created_at": int(record["created_at"]),
-            "metadata": json.loads(record.get("metadata") or "{}")}
+    return {
+        "id": conv_id,
+        "object": "conversation",
+        "created_at": int(record["created_at"]),
+        "metadata": json.loads(record.get("metadata") or "{}"),
+    }
 
 
 class Conversations:
@@ -70,8 +74,12 @@ class Conversations:
 
     async def create(self, tenant: str, metadata: dict[str, str]) -> tuple[str, dict[str, str]]:
         conv_id = new_conversation_id()
-        record = {"tenant": tenant, "created_at": str(int(time.time())), "metadata": json.dumps(metadata),
-                  "next": "0"}
+        record = {
+            "tenant": tenant,
+            "created_at": str(int(time.time())),
+            "metadata": json.dumps(metadata),
+            "next": "0",
+        }
         await self._store().hset(K.conversation(conv_id), mapping=record)
         return conv_id, record
 
@@ -80,16 +88,25 @@ class Conversations:
         raw = await self._store().hgetall(K.conversation(conv_id)) if conv_id.startswith("conv_") else {}
         record = {k.decode(): v.decode() for k, v in raw.items()}
         if record.get("tenant") != tenant:
-            raise api.APIError(404, f"Conversation with id {conv_id!r} not found.", "invalid_request_error",
-                               param=param, code="not_found")
+            raise api.APIError(
+                404,
+                f"Conversation with id {conv_id!r} not found.",
+                "invalid_request_error",
+                param=param,
+                code="not_found",
+            )
         return record
 
     async def set_metadata(self, conv_id: str, metadata: dict[str, str]) -> None:
         await self._store().hset(K.conversation(conv_id), "metadata", json.dumps(metadata))
 
     async def delete(self, conv_id: str) -> None:
-        await self._store().delete(K.conversation(conv_id), K.conversation_items(conv_id),
-                                   K.conversation_order(conv_id), K.conversation_busy(conv_id))
+        await self._store().delete(
+            K.conversation(conv_id),
+            K.conversation_items(conv_id),
+            K.conversation_order(conv_id),
+            K.conversation_busy(conv_id),
+        )
 
     async def append(self, conv_id: str, tenant: str, items: list[dict[str, Any]]) -> int:
         """Append the items whose ids are not there yet, in order; how many were new. Each is kept sealed
@@ -101,13 +118,16 @@ class Conversations:
             if item["id"] not in seen:
                 seen.add(item["id"])
                 args += [item["id"], sealing.seal_json(tenant, conv_id, item)]
-        added = await self._append(keys=[K.conversation(conv_id), K.conversation_items(conv_id),
-                                         K.conversation_order(conv_id)], args=args)
+        added = await self._append(
+            keys=[K.conversation(conv_id), K.conversation_items(conv_id), K.conversation_order(conv_id)],
+            args=args,
+        )
         if added == -1:
             raise api.not_found(f"Conversation with id {conv_id!r} not found.")
         if added == -2:
-            raise api.invalid_request(f"A conversation holds at most {self.max_items} items: delete some first.",
-                                      "items")
+            raise api.invalid_request(
+                f"A conversation holds at most {self.max_items} items: delete some first.", "items"
+            )
         return added
 
     async def items(self, conv_id: str) -> list[dict[str, Any]]:
@@ -130,10 +150,16 @@ class Conversations:
 
     async def hold(self, conv_id: str, run_id: str) -> None:
         """Mark `run_id` the conversation's response in progress; a 409 when another holds it."""
-        if not await self._store().set(K.conversation_busy(conv_id), run_id, nx=True, ex=K.CONVERSATION_BUSY_S):
-            raise api.APIError(409, f"Another response is in progress in conversation {conv_id!r}: retry when it "
-                                    "has ended.", "invalid_request_error", param="conversation",
-                               code="conversation_locked")
+        if not await self._store().set(
+            K.conversation_busy(conv_id), run_id, nx=True, ex=K.CONVERSATION_BUSY_S
+        ):
+            raise api.APIError(
+                409,
+                f"Another response is in progress in conversation {conv_id!r}: retry when it has ended.",
+                "invalid_request_error",
+                param="conversation",
+                code="conversation_locked",
+            )
 
     async def history(self, conv_id: str, tenant: str) -> list[ChatMessage]:
         """The tenant's conversation (else a 404 naming `conversation`) as the messages the model reads."""
@@ -167,7 +193,8 @@ def _server_call(item: dict[str, Any]) -> tuple[MessageToolCall, str | None]:
         results = item.get("results")
         query = (item.get("queries") or [""])[0]
         return _call(call_id, "file_search", {"query": query}), None if results is None else json.dumps(
-            {"results": results})
+            {"results": results}
+        )
     url = (item.get("action") or {}).get("url", "")
     return _call(call_id, "web_fetch", {"url": url}), None if result is None else json.dumps(result)
 
@@ -191,7 +218,9 @@ def history(items: list[dict[str, Any]], tenant: str) -> list[ChatMessage]:
             call, output = _server_call(item)
             add_call(call)
             if output is not None:
-                outputs.append(ChatMessage(role="tool", tool_call_id=call.id, name=call.function.name, content=output))
+                outputs.append(
+                    ChatMessage(role="tool", tool_call_id=call.id, name=call.function.name, content=output)
+                )
             continue
         out += outputs
         outputs = []
@@ -203,9 +232,13 @@ def history(items: list[dict[str, Any]], tenant: str) -> list[ChatMessage]:
         elif kind == "function_call":
             add_call(_call(item["call_id"], item["name"], item.get("arguments", "")))
         elif kind == "function_call_output":
-            out.append(ChatMessage(role="tool", tool_call_id=item["call_id"], content=_text(item.get("output"))))
+            out.append(
+                ChatMessage(role="tool", tool_call_id=item["call_id"], content=_text(item.get("output")))
+            )
         elif kind == "compaction":
-            summary = summary_message(unseal(tenant, item.get("encrypted_content", ""), f"items[{item['id']}]"))
+            summary = summary_message(
+                unseal(tenant, item.get("encrypted_content", ""), f"items[{item['id']}]")
+            )
             out = superseded(out) + [summary]
     return out + outputs
 
@@ -216,16 +249,36 @@ def chat_items(rid: str, asked: list[ChatMessage], done: Completion) -> list[dic
     items: list[dict[str, Any]] = []
     for i, m in enumerate(asked):
         if m.role == "tool":
-            items.append({"id": f"fco_{rid}_{i}", "type": "function_call_output", "call_id": m.tool_call_id,
-                          "output": m.content})
+            items.append(
+                {
+                    "id": f"fco_{rid}_{i}",
+                    "type": "function_call_output",
+                    "call_id": m.tool_call_id,
+                    "output": m.content,
+                }
+            )
             continue
         if m.content or not m.tool_calls:
             kind = "output_text" if m.role == "assistant" else "input_text"
-            items.append({"id": f"msg_{rid}_{i}", "type": "message", "role": m.role, "status": "completed",
-                          "content": [{"type": kind, "text": m.content}]})
+            items.append(
+                {
+                    "id": f"msg_{rid}_{i}",
+                    "type": "message",
+                    "role": m.role,
+                    "status": "completed",
+                    "content": [{"type": kind, "text": m.content}],
+                }
+            )
         items += [function_call_item(c.id, c.function.name, c.function.arguments) for c in m.tool_calls]
     if done.text or not done.tool_calls:
-        items.append({"id": f"msg_{rid}", "type": "message", "role": "assistant", "status": "completed",
-                      "content": [{"type": "output_text", "text": done.text, "annotations": []}]})
+        items.append(
+            {
+                "id": f"msg_{rid}",
+                "type": "message",
+                "role": "assistant",
+                "status": "completed",
+                "content": [{"type": "output_text", "text": done.text, "annotations": []}],
+            }
+        )
     items += [function_call_item(c.id, c.function.name, c.function.arguments) for c in done.tool_calls]
     return items

@@ -45,8 +45,9 @@ class SlowReader(Exception):
 class Stream:
     """The pending events of one connection: at most `capacity` events, never more."""
 
-    def __init__(self, request_id: str, capacity: int, coalesce_chars: int,
-                 on_drain: Callable[[Stream], None]) -> None:
+    def __init__(
+        self, request_id: str, capacity: int, coalesce_chars: int, on_drain: Callable[[Stream], None]
+    ) -> None:
         self.request_id = request_id
         self.capacity = capacity
         self.coalesce_chars = coalesce_chars
@@ -64,10 +65,14 @@ class Stream:
             self._ready.set()
             return True
         tail = self.items[-1]
-        if (isinstance(event, TokenChunk) and isinstance(tail, TokenChunk)
-                and len(tail.text) < self.coalesce_chars):
+        if (
+            isinstance(event, TokenChunk)
+            and isinstance(tail, TokenChunk)
+            and len(tail.text) < self.coalesce_chars
+        ):
             self.items[-1] = msgspec.structs.replace(
-                tail, seq=event.seq, text=tail.text + event.text, token_ids=tail.token_ids + event.token_ids)
+                tail, seq=event.seq, text=tail.text + event.text, token_ids=tail.token_ids + event.token_ids
+            )
             self.coalesced += 1
             self._ready.set()
             return True
@@ -107,9 +112,16 @@ def _is_completion(record: ConsumerRecord) -> bool:
 
 
 class Fanout:
-    def __init__(self, consumer: AIOKafkaConsumer, partitions: list[int], metrics: Metrics,
-                 capacity: int = 64, coalesce_chars: int = 4096, slow_reader_s: float = 30.0,
-                 watcher: Watcher | None = None) -> None:
+    def __init__(
+        self,
+        consumer: AIOKafkaConsumer,
+        partitions: list[int],
+        metrics: Metrics,
+        capacity: int = 64,
+        coalesce_chars: int = 4096,
+        slow_reader_s: float = 30.0,
+        watcher: Watcher | None = None,
+    ) -> None:
         self.consumer = consumer
         self.watcher = watcher
         self.slow_reader_s = slow_reader_s
@@ -124,7 +136,9 @@ class Fanout:
         self.parked: dict[TopicPartition, deque[ConsumerRecord]] = {}
         self.paused_at: dict[TopicPartition, float] = {}
         self.last_poll = 0.0
-        self._counters = {tp.partition: metrics.token_events.labels(str(tp.partition)) for tp in self.partitions}
+        self._counters = {
+            tp.partition: metrics.token_events.labels(str(tp.partition)) for tp in self.partitions
+        }
 
     async def start(self) -> None:
         self.consumer.assign(self.partitions)
@@ -171,8 +185,12 @@ class Fanout:
             blocking = next((s for s in self.streams.values() if s.blocked_on == tp), None)
             if blocking is None:
                 continue
-            log.warning("dropping stream %s: its reader kept partition %d paused for %.0fs",
-                        blocking.request_id, tp.partition, now - since)
+            log.warning(
+                "dropping stream %s: its reader kept partition %d paused for %.0fs",
+                blocking.request_id,
+                tp.partition,
+                now - since,
+            )
             self.metrics.slow_readers.inc()
             blocking.dropped = True
             blocking._ready.set()  # noqa: SLF001 - wakes its reader, which ends the connection
@@ -185,7 +203,9 @@ class Fanout:
         while records:
             record = records[0]
             key = record.key.decode() if record.key else ""
-            stream = self.streams.get(key) or self.aliases.get(key)  # a response run's later steps: its stream
+            stream = self.streams.get(key) or self.aliases.get(
+                key
+            )  # a response run's later steps: its stream
             watched = self.watcher is not None and key in self.watcher
             event = None
             if stream is not None or (watched and _is_completion(record)):
@@ -193,7 +213,9 @@ class Fanout:
                     event = decode(record.value or b"", *TOKENS.events)
                 except DecodeError as exc:
                     log.warning("undecodable token event %s@%d: %s", tp, record.offset, exc)
-            if stream is not None and event is not None:  # else nobody holds it here (gone, or a replay serves it)
+            if (
+                stream is not None and event is not None
+            ):  # else nobody holds it here (gone, or a replay serves it)
                 before = stream.coalesced
                 if not stream.offer(event):
                     stream.blocked_on = tp

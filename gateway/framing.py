@@ -18,15 +18,22 @@ def content_filtered(verdict: SafetyVerdict, seq: int) -> Completion:
     `seq` is one past the highest chunk seq before the verdict in the log, so the finish frame
     gets the same SSE id live and on a resume.
     """
-    return Completion(request_id=verdict.request_id, conversation_id=verdict.conversation_id,
-                      tenant=verdict.tenant, seq=seq, finish_reason="content_filter",
-                      error="output flagged: " + ", ".join(verdict.categories))
+    return Completion(
+        request_id=verdict.request_id,
+        conversation_id=verdict.conversation_id,
+        tenant=verdict.tenant,
+        seq=seq,
+        finish_reason="content_filter",
+        error="output flagged: " + ", ".join(verdict.categories),
+    )
 
 
 class Framer:
     """Turns a request's token events into OpenAI chunk frames with resumable SSE ids."""
 
-    def __init__(self, request_id: str, model: str, created: int, include_usage: bool, last_seen: int) -> None:
+    def __init__(
+        self, request_id: str, model: str, created: int, include_usage: bool, last_seen: int
+    ) -> None:
         self.rid = request_id
         self.cid = api.completion_id(request_id)
         self.model, self.created, self.include_usage = model, created, include_usage
@@ -45,9 +52,21 @@ class Framer:
         if self.last >= -1:
             return []
         self.last = -1
-        return [ServerSentEvent(self._data(api.chunk(self.cid, self.created, self.model, role="assistant",
-                                                     content="", include_usage=self.include_usage)),
-                                id=event_id(self.rid, -1))]
+        return [
+            ServerSentEvent(
+                self._data(
+                    api.chunk(
+                        self.cid,
+                        self.created,
+                        self.model,
+                        role="assistant",
+                        content="",
+                        include_usage=self.include_usage,
+                    )
+                ),
+                id=event_id(self.rid, -1),
+            )
+        ]
 
     def frames(self, events: list[Event]) -> list[ServerSentEvent]:
         """Frames for new events: the chunks of a batch are coalesced into one frame whose SSE id is
@@ -93,8 +112,15 @@ class Framer:
         self.sent.append(text)
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
-        body = api.chunk(self.cid, self.created, self.model, content=text if text or not calls else None,
-                         tool_calls=calls, include_usage=self.include_usage, logprobs=logprobs)
+        body = api.chunk(
+            self.cid,
+            self.created,
+            self.model,
+            content=text if text or not calls else None,
+            tool_calls=calls,
+            include_usage=self.include_usage,
+            logprobs=logprobs,
+        )
         return ServerSentEvent(self._data(body), id=event_id(self.rid, seq))
 
     def _completion_frames(self, c: Completion) -> list[ServerSentEvent]:
@@ -105,13 +131,36 @@ class Framer:
             err = api.error_body(refused.message, refused.type, refused.param, refused.code)
             frames.append((c.seq, self._data(err)))
         else:
-            frames.append((c.seq, self._data(api.chunk(
-                self.cid, self.created, self.model, finish_reason=api.finish_reason_for_client(c.finish_reason),
-                include_usage=self.include_usage))))
+            frames.append(
+                (
+                    c.seq,
+                    self._data(
+                        api.chunk(
+                            self.cid,
+                            self.created,
+                            self.model,
+                            finish_reason=api.finish_reason_for_client(c.finish_reason),
+                            include_usage=self.include_usage,
+                        )
+                    ),
+                )
+            )
             if self.include_usage:
-                frames.append((c.seq + 1, self._data(api.usage_chunk(
-                    self.cid, self.created, self.model, c.usage.prompt_tokens, c.usage.completion_tokens,
-                    c.usage.cached_tokens))))
+                frames.append(
+                    (
+                        c.seq + 1,
+                        self._data(
+                            api.usage_chunk(
+                                self.cid,
+                                self.created,
+                                self.model,
+                                c.usage.prompt_tokens,
+                                c.usage.completion_tokens,
+                                c.usage.cached_tokens,
+                            )
+                        ),
+                    )
+                )
         frames.append((c.seq + 2, "[DONE]"))
         out = [ServerSentEvent(data, id=event_id(self.rid, pos)) for pos, data in frames if pos > self.last]
         self.last = max(self.last, c.seq + 2)
@@ -121,8 +170,12 @@ class Framer:
 def call_delta(d: ToolCallDelta) -> dict:
     """A ToolCallDelta in OpenAI's stream shape: the first of a call names it, later ones add arguments."""
     if d.id:
-        return {"index": d.index, "id": d.id, "type": "function",
-                "function": {"name": d.name, "arguments": d.arguments}}
+        return {
+            "index": d.index,
+            "id": d.id,
+            "type": "function",
+            "function": {"name": d.name, "arguments": d.arguments},
+        }
     return {"index": d.index, "function": {"arguments": d.arguments}}
 
 

@@ -30,8 +30,16 @@ log = logging.getLogger(__name__)
 
 VIA = b"x-tokenstream-via"  # set on a proxied request: the region that sent it
 REGION = b"x-tokenstream-region"  # set on a proxied answer: the region that served it
-HOP_BY_HOP = {b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te", b"trailer",
-              b"transfer-encoding", b"upgrade"}
+HOP_BY_HOP = {
+    b"connection",
+    b"keep-alive",
+    b"proxy-authenticate",
+    b"proxy-authorization",
+    b"te",
+    b"trailer",
+    b"transfer-encoding",
+    b"upgrade",
+}
 NOT_FORWARDED = HOP_BY_HOP | {b"host", b"content-length"}  # httpx sets both for the home region's gateway
 
 
@@ -44,12 +52,26 @@ def bearer_digest(headers: list[tuple[bytes, bytes]]) -> str | None:
     return None
 
 
-async def _answer(send, status: int, message: str, code: str, type_: str = "invalid_request_error",
-                  extra: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+async def _answer(
+    send,
+    status: int,
+    message: str,
+    code: str,
+    type_: str = "invalid_request_error",
+    extra: tuple[tuple[bytes, bytes], ...] = (),
+) -> None:
     body = json.dumps(error_body(message, type_, None, code)).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            *extra]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                *extra,
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -57,8 +79,9 @@ class HomeRegion:
     def __init__(self, app, gateway, connect_timeout_s: float = 5.0, read_timeout_s: float = 300.0) -> None:
         """`gateway`: the instance's Gateway (its key_homes, region and the regions' URLs)."""
         self.app, self.gateway = app, gateway
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(read_timeout_s, connect=connect_timeout_s),
-                                        follow_redirects=False)
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(read_timeout_s, connect=connect_timeout_s), follow_redirects=False
+        )
 
     async def __call__(self, scope, receive, send) -> None:
         homes = self.gateway.key_homes
@@ -74,13 +97,23 @@ class HomeRegion:
         self.gateway.metrics.home_region.labels(home).inc()
         if scope["type"] == "websocket":
             where = f"connect to {url}" if url else "use that region's endpoint"
-            await send({"type": "websocket.close", "code": 1008,
-                        "reason": f"this key is at home in region {home}: {where}"[:120]})
+            await send(
+                {
+                    "type": "websocket.close",
+                    "code": 1008,
+                    "reason": f"this key is at home in region {home}: {where}"[:120],
+                }
+            )
             return
         if url is None or any(name.lower() == VIA for name, _ in scope["headers"]):
-            await _answer(send, 421, f"This API key is at home in region {home}, which this endpoint "
-                          f"(region {self.gateway.region}) does not serve: send its requests to region {home}'s "
-                          "endpoint.", "wrong_region")
+            await _answer(
+                send,
+                421,
+                f"This API key is at home in region {home}, which this endpoint "
+                f"(region {self.gateway.region}) does not serve: send its requests to region {home}'s "
+                "endpoint.",
+                "wrong_region",
+            )
             return
         await self._proxy(scope, receive, send, url, home)
 
@@ -103,9 +136,15 @@ class HomeRegion:
             response = await self.client.send(request, stream=True)
         except httpx.HTTPError as exc:
             log.warning("region %s unreachable at %s: %s", home, base_url, exc)
-            await _answer(send, 503, f"This API key is at home in region {home}, which cannot be reached "
-                          "right now; try again shortly.", "region_unreachable", "service_unavailable",
-                          ((b"retry-after", b"5"),))
+            await _answer(
+                send,
+                503,
+                f"This API key is at home in region {home}, which cannot be reached "
+                "right now; try again shortly.",
+                "region_unreachable",
+                "service_unavailable",
+                ((b"retry-after", b"5"),),
+            )
             return
         relay = asyncio.create_task(self._relay(response, send, home))
         gone = asyncio.create_task(_disconnected(receive))
@@ -123,8 +162,13 @@ class HomeRegion:
     @staticmethod
     async def _relay(response: httpx.Response, send, home: str) -> None:
         headers = [(k, v) for k, v in response.headers.raw if k.lower() not in HOP_BY_HOP]
-        await send({"type": "http.response.start", "status": response.status_code,
-                    "headers": [*headers, (REGION, home.encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": response.status_code,
+                "headers": [*headers, (REGION, home.encode())],
+            }
+        )
         async for chunk in response.aiter_raw():
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})

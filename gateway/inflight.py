@@ -41,8 +41,9 @@ class Open:
 
 
 class Inflight:
-    def __init__(self, limiter: RateLimiter, canceller: Canceller, *, lease_s: float,
-                 progress_timeout_s: float) -> None:
+    def __init__(
+        self, limiter: RateLimiter, canceller: Canceller, *, lease_s: float, progress_timeout_s: float
+    ) -> None:
         self.limiter = limiter
         self.canceller = canceller
         self.lease_s = lease_s
@@ -90,7 +91,9 @@ class Inflight:
         try:
             await self.limiter.release(request_id, note)
         except Exception as exc:  # noqa: BLE001 - Redis away: the lease lapses instead
-            log.warning("open-request slot of %s not released (%s); it lapses with its lease", request_id, exc)
+            log.warning(
+                "open-request slot of %s not released (%s); it lapses with its lease", request_id, exc
+            )
 
     async def run(self) -> None:
         """Renew the leases of open requests' slots; cancel and forget what went quiet."""
@@ -103,7 +106,9 @@ class Inflight:
                     if now - entry.cancelled > self.progress_timeout_s:
                         self.open.pop(rid, None)  # no Completion came: its reservation lapses with the minute
                 elif now - entry.heard > self.progress_timeout_s and not self.attached(rid):
-                    log.info("no event of %s for %.0fs and no client here: cancelling it", rid, now - entry.heard)
+                    log.info(
+                        "no event of %s for %.0fs and no client here: cancelling it", rid, now - entry.heard
+                    )
                     with contextlib.suppress(Exception):
                         await self.canceller.cancel(rid, "deadline")
                     self.cancelled(rid)

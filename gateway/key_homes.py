@@ -46,8 +46,10 @@ class KeyHomes:
 
     def tasks(self) -> list[asyncio.Task]:
         """Start following the topics and publishing this region's keys (the caller cancels them)."""
-        return [asyncio.create_task(self._follow(), name="key-homes-follow"),
-                asyncio.create_task(self._publish(), name="key-homes-publish")]
+        return [
+            asyncio.create_task(self._follow(), name="key-homes-follow"),
+            asyncio.create_task(self._publish(), name="key-homes-publish"),
+        ]
 
     async def _follow(self) -> None:
         while True:
@@ -81,15 +83,22 @@ class KeyHomes:
         missing = [t for t in self.topics if not cluster.partitions_for_topic(t)]
         if missing:  # a region's copy appears once MirrorMaker has started and its source exists
             raise RuntimeError(f"no topic {', '.join(missing)} yet")
-        own = [TopicPartition(KEY_HOMES.name, p) for p in sorted(cluster.partitions_for_topic(KEY_HOMES.name))]
-        return own + [TopicPartition(copy, p) for copy in self.topics[1:]
-                      for p in sorted(cluster.partitions_for_topic(copy))]
+        own = [
+            TopicPartition(KEY_HOMES.name, p) for p in sorted(cluster.partitions_for_topic(KEY_HOMES.name))
+        ]
+        return own + [
+            TopicPartition(copy, p)
+            for copy in self.topics[1:]
+            for p in sorted(cluster.partitions_for_topic(copy))
+        ]
 
     def _take(self, record) -> None:
         try:
             event = decode_record(record, KEY_HOMES)
         except DecodeError as exc:
-            log.warning("key homes: record %s/%d@%d skipped: %s", record.topic, record.partition, record.offset, exc)
+            log.warning(
+                "key homes: record %s/%d@%d skipped: %s", record.topic, record.partition, record.offset, exc
+            )
             return
         if isinstance(event, KeyHome):
             self.homes[event.digest] = event.region
@@ -121,8 +130,12 @@ class KeyHomes:
             region = await self.redis.hget(K.api_key(digest), "region")
             if region is not None and region.decode() not in ("", self.region):
                 continue  # made at home elsewhere (a copy of another region's store): not ours to publish
-            await publish(producer, KEY_HOMES, KeyHome(request_id=f"key-{digest[:16]}", digest=digest,
-                                                        region=self.region), key=digest)
+            await publish(
+                producer,
+                KEY_HOMES,
+                KeyHome(request_id=f"key-{digest[:16]}", digest=digest, region=self.region),
+                key=digest,
+            )
             self.homes[digest] = self.region
         if unknown:
             log.info("key homes: published %d keys at home in %s", len(unknown), self.region)

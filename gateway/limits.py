@@ -28,9 +28,17 @@ def _is_json(content_type: bytes) -> bool:
 
 async def _refuse(send, status: int, message: str, code: str, param: str | None = None) -> None:
     body = json.dumps(error_body(message, "invalid_request_error", param, code)).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -50,15 +58,20 @@ class BodyLimits:
         headers = dict(scope["headers"])
         upload = scope["method"] == "POST" and scope["path"].rstrip("/") in self.uploads
         most = self.uploads[scope["path"].rstrip("/")] if upload else self.max_body
-        too_large = (f"The upload exceeds the limit of {most} bytes." if upload else
-                     f"The request body exceeds the limit of {most} bytes; send a shorter conversation "
-                     "(or continue a stored one with conversation_id).")
+        too_large = (
+            f"The upload exceeds the limit of {most} bytes."
+            if upload
+            else f"The request body exceeds the limit of {most} bytes; send a shorter conversation "
+            "(or continue a stored one with conversation_id)."
+        )
         declared = headers.get(b"content-length")
         if declared is not None:
             try:
                 length = int(declared)
             except ValueError:
-                await _refuse(send, 400, "Content-Length is not a number.", "invalid_header", "Content-Length")
+                await _refuse(
+                    send, 400, "Content-Length is not a number.", "invalid_header", "Content-Length"
+                )
                 return
             if length > most:
                 if headers.get(b"expect", b"").lower() != b"100-continue" and length <= DRAIN_BYTES:
@@ -83,9 +96,14 @@ class BodyLimits:
                 break
         content_type = headers.get(b"content-type")
         if size and content_type is not None and not upload and not _is_json(content_type):
-            await _refuse(send, 400, f"Content-Type {content_type.decode('latin-1')!r} is not supported: "
-                                     "send the body as application/json.", "unsupported_content_type",
-                          "Content-Type")
+            await _refuse(
+                send,
+                400,
+                f"Content-Type {content_type.decode('latin-1')!r} is not supported: "
+                "send the body as application/json.",
+                "unsupported_content_type",
+                "Content-Type",
+            )
             return
         body = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
         await self.app(scope, _replay([body], None, receive), send)

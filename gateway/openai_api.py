@@ -115,10 +115,18 @@ class ChatCompletionRequest(UnicodeBody):
     # appended to it once the answer has ended (gateway/routes/chat.py)
     conversation: ConversationParam = None
     # tokenstream extensions (the SDK sends them with extra_body=...):
-    conversation_id: str | None = Field(None, min_length=1, max_length=200,
-                                        description="continue a stored conversation: send only the new message")
-    assistant: str | None = Field(None, min_length=1, max_length=MAX_NAME_CHARS, description="an assistant preset: system prompt, "
-                                                                  "model and sampling settings")
+    conversation_id: str | None = Field(
+        None,
+        min_length=1,
+        max_length=200,
+        description="continue a stored conversation: send only the new message",
+    )
+    assistant: str | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_NAME_CHARS,
+        description="an assistant preset: system prompt, model and sampling settings",
+    )
     cache: bool = Field(True, description="false: never answer this request from the response cache")
 
     @field_validator("stop")
@@ -170,7 +178,9 @@ class ChatCompletionRequest(UnicodeBody):
 def check_metadata(v: dict[str, str] | None) -> dict[str, str] | None:
     """OpenAI's metadata limits (a field validator of every object that keeps metadata)."""
     if v is not None and (len(v) > 16 or any(len(k) > 64 or len(x) > 512 for k, x in v.items())):
-        raise ValueError("metadata holds at most 16 pairs, keys of at most 64 and values of at most 512 characters")
+        raise ValueError(
+            "metadata holds at most 16 pairs, keys of at most 64 and values of at most 512 characters"
+        )
     return v
 
 
@@ -199,6 +209,7 @@ def lone_surrogate(data: Any) -> str | None:
 
 # ----------------------------------------------------------------- responses (plain dicts: fast)
 
+
 def completion_id(request_id: str) -> str:
     return f"chatcmpl-{request_id}"
 
@@ -209,15 +220,34 @@ def request_id_of(completion: str) -> str:
 
 def logprobs_body(entries: list) -> dict[str, Any]:
     """schemas.TokenLogprob entries -> OpenAI's choice `logprobs` object."""
-    return {"content": [{"token": e.token, "logprob": e.logprob, "bytes": e.bytes,
-                         "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": t.bytes}
-                                          for t in e.top_logprobs]} for e in entries],
-            "refusal": None}
+    return {
+        "content": [
+            {
+                "token": e.token,
+                "logprob": e.logprob,
+                "bytes": e.bytes,
+                "top_logprobs": [
+                    {"token": t.token, "logprob": t.logprob, "bytes": t.bytes} for t in e.top_logprobs
+                ],
+            }
+            for e in entries
+        ],
+        "refusal": None,
+    }
 
 
-def chunk(cid: str, created: int, model: str, *, content: str | None = None, role: str | None = None,
-          finish_reason: str | None = None, include_usage: bool = False,
-          tool_calls: list[dict[str, Any]] | None = None, logprobs: list | None = None) -> dict[str, Any]:
+def chunk(
+    cid: str,
+    created: int,
+    model: str,
+    *,
+    content: str | None = None,
+    role: str | None = None,
+    finish_reason: str | None = None,
+    include_usage: bool = False,
+    tool_calls: list[dict[str, Any]] | None = None,
+    logprobs: list | None = None,
+) -> dict[str, Any]:
     delta: dict[str, Any] = {}
     if role is not None:
         delta["role"] = role
@@ -226,10 +256,19 @@ def chunk(cid: str, created: int, model: str, *, content: str | None = None, rol
     if tool_calls:
         delta["tool_calls"] = tool_calls
     body: dict[str, Any] = {
-        "id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+        "id": cid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
         "system_fingerprint": None,
-        "choices": [{"index": 0, "delta": delta, "logprobs": logprobs_body(logprobs) if logprobs else None,
-                     "finish_reason": finish_reason}],
+        "choices": [
+            {
+                "index": 0,
+                "delta": delta,
+                "logprobs": logprobs_body(logprobs) if logprobs else None,
+                "finish_reason": finish_reason,
+            }
+        ],
     }
     if include_usage:
         body["usage"] = None
@@ -237,28 +276,59 @@ def chunk(cid: str, created: int, model: str, *, content: str | None = None, rol
 
 
 def usage_dict(prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
-def usage_chunk(cid: str, created: int, model: str, prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:
-    return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "system_fingerprint": None, "choices": [], "usage": usage_dict(prompt, completion, cached)}
+def usage_chunk(
+    cid: str, created: int, model: str, prompt: int, completion: int, cached: int = 0
+) -> dict[str, Any]:
+    return {
+        "id": cid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "system_fingerprint": None,
+        "choices": [],
+        "usage": usage_dict(prompt, completion, cached),
+    }
 
 
-def completion_body(cid: str, created: int, model: str, text: str, finish_reason: str,
-                    prompt: int, completion: int, cached: int = 0,
-                    tool_calls: list[dict[str, Any]] | None = None, logprobs: list | None = None) -> dict[str, Any]:
+def completion_body(
+    cid: str,
+    created: int,
+    model: str,
+    text: str,
+    finish_reason: str,
+    prompt: int,
+    completion: int,
+    cached: int = 0,
+    tool_calls: list[dict[str, Any]] | None = None,
+    logprobs: list | None = None,
+) -> dict[str, Any]:
     """The whole answer; `logprobs` is None unless the request asked for them (then a list, maybe empty)."""
     message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
     if tool_calls:  # OpenAI: content is null beside calls unless the model also wrote text
         message["content"] = text or None
         message["tool_calls"] = tool_calls
     return {
-        "id": cid, "object": "chat.completion", "created": created, "model": model,
+        "id": cid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
         "system_fingerprint": None,
-        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason,
-                     "logprobs": None if logprobs is None else logprobs_body(logprobs)}],
+        "choices": [
+            {
+                "index": 0,
+                "message": message,
+                "finish_reason": finish_reason,
+                "logprobs": None if logprobs is None else logprobs_body(logprobs),
+            }
+        ],
         "usage": usage_dict(prompt, completion, cached),
     }
 
@@ -274,6 +344,7 @@ def now_s() -> int:
 
 # ----------------------------------------------------------------------------------- errors
 
+
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
@@ -281,15 +352,26 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
 class APIError(Exception):
     """Raised inside a route; rendered as the OpenAI error body with `status`."""
 
-    def __init__(self, status: int, message: str, type_: str, *, param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
         self.headers = headers or {}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(error_body(self.message, self.type, self.param, self.code),
-                            status_code=self.status, headers=self.headers)
+        return JSONResponse(
+            error_body(self.message, self.type, self.param, self.code),
+            status_code=self.status,
+            headers=self.headers,
+        )
 
 
 def invalid_request(message: str, param: str | None = None) -> APIError:
@@ -297,33 +379,47 @@ def invalid_request(message: str, param: str | None = None) -> APIError:
 
 
 def model_not_found(model: str) -> APIError:
-    return APIError(404, f"The model `{model}` does not exist or you do not have access to it.",
-                    "invalid_request_error", param="model", code="model_not_found")
+    return APIError(
+        404,
+        f"The model `{model}` does not exist or you do not have access to it.",
+        "invalid_request_error",
+        param="model",
+        code="model_not_found",
+    )
 
 
 def overloaded(retry_after: int, wait_s: float) -> APIError:
-    return APIError(429, f"The model is overloaded (estimated queue wait {wait_s:.1f}s); "
-                         f"retry after {retry_after}s.", "rate_limit_error", code="rate_limit_exceeded",
-                    headers={"Retry-After": str(retry_after)})
+    return APIError(
+        429,
+        f"The model is overloaded (estimated queue wait {wait_s:.1f}s); retry after {retry_after}s.",
+        "rate_limit_error",
+        code="rate_limit_exceeded",
+        headers={"Retry-After": str(retry_after)},
+    )
 
 
 def unavailable(message: str) -> APIError:
-    return APIError(503, message, "service_unavailable", code="pipeline_unavailable",
-                    headers={"Retry-After": "5"})
+    return APIError(
+        503, message, "service_unavailable", code="pipeline_unavailable", headers={"Retry-After": "5"}
+    )
 
 
 # Completion.error_code -> (status, param) of a request the pipeline refused for the client's fault
-CLIENT_ERRORS = {"context_length_exceeded": (400, "messages"), "preset_not_found": (404, "assistant"),
-                 # the conversation's previous turn was never answered: this one can be sent again
-                 "previous_turn_unanswered": (409, "messages")}
+CLIENT_ERRORS = {
+    "context_length_exceeded": (400, "messages"),
+    "preset_not_found": (404, "assistant"),
+    # the conversation's previous turn was never answered: this one can be sent again
+    "previous_turn_unanswered": (409, "messages"),
+}
 
 
 def refusal(done) -> APIError:
     """The error a Completion with finish_reason "error" stands for: 4xx when the client's fault."""
     if done.error_code in CLIENT_ERRORS:
         status, param = CLIENT_ERRORS[done.error_code]
-        return APIError(status, done.error or done.error_code, "invalid_request_error", param=param,
-                        code=done.error_code)
+        return APIError(
+            status, done.error or done.error_code, "invalid_request_error", param=param, code=done.error_code
+        )
     return APIError(500, done.error or "generation failed", "server_error", code="generation_error")
 
 
@@ -337,8 +433,15 @@ async def validation_error_handler(_: Request, exc: RequestValidationError) -> J
     if first.get("type") == "json_invalid":
         where = first.get("loc", ("body", "?"))[-1]
         why = (first.get("ctx") or {}).get("error", "invalid JSON")
-        return JSONResponse(error_body(f"We could not parse the JSON body of your request: {why} (at byte {where}).",
-                                       "invalid_request_error", None, "invalid_json"), status_code=400)
+        return JSONResponse(
+            error_body(
+                f"We could not parse the JSON body of your request: {why} (at byte {where}).",
+                "invalid_request_error",
+                None,
+                "invalid_json",
+            ),
+            status_code=400,
+        )
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
     msg = first.get("msg", "invalid request")
@@ -358,13 +461,21 @@ async def http_error_handler(request: Request, exc: HTTPException) -> JSONRespon
     elif exc.status_code == 405:
         message, code = f"Method {method} is not allowed on {path}.", "method_not_allowed"
     elif exc.status_code == 400:
-        message, code = ("We could not parse the JSON body of your request: it must be valid UTF-8 JSON "
-                         "(nested at most a few hundred levels deep)."), "invalid_json"
+        message, code = (
+            (
+                "We could not parse the JSON body of your request: it must be valid UTF-8 JSON "
+                "(nested at most a few hundred levels deep)."
+            ),
+            "invalid_json",
+        )
     else:
         message, code = str(exc.detail), None
     type_ = "server_error" if exc.status_code >= 500 else "invalid_request_error"
-    return JSONResponse(error_body(message, type_, None, code), status_code=exc.status_code,
-                        headers=getattr(exc, "headers", None))
+    return JSONResponse(
+        error_body(message, type_, None, code),
+        status_code=exc.status_code,
+        headers=getattr(exc, "headers", None),
+    )
 
 
 async def unexpected_error_handler(_: Request, exc: Exception) -> JSONResponse:
@@ -373,7 +484,14 @@ async def unexpected_error_handler(_: Request, exc: Exception) -> JSONResponse:
     from schemas.sealing import SealingUnavailable
 
     if isinstance(exc, SealingUnavailable):
-        return JSONResponse(error_body("the key store is unavailable; retry shortly", "server_error", None,
-                                       "service_unavailable"), status_code=503, headers={"Retry-After": "1"})
-    return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error", None, "internal_error"),
-                        status_code=500)
+        return JSONResponse(
+            error_body(
+                "the key store is unavailable; retry shortly", "server_error", None, "service_unavailable"
+            ),
+            status_code=503,
+            headers={"Retry-After": "1"},
+        )
+    return JSONResponse(
+        error_body(f"internal error: {type(exc).__name__}", "server_error", None, "internal_error"),
+        status_code=500,
+    )

@@ -40,41 +40,65 @@ log = logging.getLogger(__name__)
 class Gateway:
     """Connections to the broker and the per-instance machinery; connects in the background."""
 
-    def __init__(self, cfg: GatewaySettings, bootstrap: str, redis_url: str | None,
-                 cache_url: str | None = None) -> None:
+    def __init__(
+        self, cfg: GatewaySettings, bootstrap: str, redis_url: str | None, cache_url: str | None = None
+    ) -> None:
         """redis_url: the durable store (keys, limits, usage, files, ledgers; never evicts); cache_url: the
         evicting store, which holds the exact response cache alone (no cache_url: no exact cache)."""
         self.cfg = cfg
         self.bootstrap = bootstrap
         self.metrics = Metrics()
-        self.admission = Admission(bootstrap, cfg.models, self.metrics, budget_s=cfg.admission_budget_s,
-                                   poll_s=cfg.admission_poll_s, window_s=cfg.admission_window_s,
-                                   min_rate=cfg.admission_min_rate, stale_s=cfg.broker_stale_s)
+        self.admission = Admission(
+            bootstrap,
+            cfg.models,
+            self.metrics,
+            budget_s=cfg.admission_budget_s,
+            poll_s=cfg.admission_poll_s,
+            window_s=cfg.admission_window_s,
+            min_rate=cfg.admission_min_rate,
+            stale_s=cfg.broker_stale_s,
+        )
         self.canceller = Canceller(redis_url, cfg.cancel_grace_s, self.metrics)
         self.redis = self.canceller._redis  # noqa: SLF001 - one connection pool for both uses
         self.limiter = RateLimiter(self.redis, self.metrics)
-        self.inflight = Inflight(self.limiter, self.canceller, lease_s=cfg.stream_lease_s,
-                                 progress_timeout_s=cfg.progress_timeout_s)
+        self.inflight = Inflight(
+            self.limiter,
+            self.canceller,
+            lease_s=cfg.stream_lease_s,
+            progress_timeout_s=cfg.progress_timeout_s,
+        )
         self.inflight.attached = lambda rid: self.fanout is not None and rid in self.fanout.streams
-        self.cache_redis = (aioredis.from_url(cache_url, socket_timeout=1, socket_connect_timeout=1)
-                            if cache_url else None)
-        self.exact_cache = ExactCache(self.cache_redis, cfg.exact_cache_ttl_s, cfg.exact_cache_max_chars,
-                                      self.metrics)
+        self.cache_redis = (
+            aioredis.from_url(cache_url, socket_timeout=1, socket_connect_timeout=1) if cache_url else None
+        )
+        self.exact_cache = ExactCache(
+            self.cache_redis, cfg.exact_cache_ttl_s, cfg.exact_cache_max_chars, self.metrics
+        )
         base = settings()
-        self.semantic_cache = SemanticCache(base.weaviate_host, base.weaviate_http_port, base.weaviate_grpc_port,
-                                            cfg.semantic_cache_threshold, cfg.semantic_cache_ttl_s,
-                                            cfg.exact_cache_max_chars, self.metrics,
-                                            timeout_s=cfg.semantic_cache_timeout_s)
+        self.semantic_cache = SemanticCache(
+            base.weaviate_host,
+            base.weaviate_http_port,
+            base.weaviate_grpc_port,
+            cfg.semantic_cache_threshold,
+            cfg.semantic_cache_ttl_s,
+            cfg.exact_cache_max_chars,
+            self.metrics,
+            timeout_s=cfg.semantic_cache_timeout_s,
+        )
         # files and vector stores: their own Redis connection, with room for a file's bytes
-        self.files_redis = (aioredis.from_url(redis_url, socket_timeout=10, socket_connect_timeout=2)
-                            if redis_url else None)
+        self.files_redis = (
+            aioredis.from_url(redis_url, socket_timeout=10, socket_connect_timeout=2) if redis_url else None
+        )
         self.uploads = Uploads(self.files_redis, cfg.tenant_files_max_bytes) if self.files_redis else None
         self.searches = ToolSearches(bootstrap)
         self.conversations = Conversations(self.redis, cfg.conversation_max_items)
         self.stored_chats = StoredChats(self.redis)
         self.region, self.regions = base.region, dict(base.regions)
-        self.key_homes = (KeyHomes(bootstrap, base.region, list(base.regions), self.redis)
-                          if base.region and base.regions else None)
+        self.key_homes = (
+            KeyHomes(bootstrap, base.region, list(base.regions), self.redis)
+            if base.region and base.regions
+            else None
+        )
         self._background: set[asyncio.Task] = set()
         self.producer = None
         self.fanout: Fanout | None = None
@@ -107,7 +131,9 @@ class Gateway:
         while True:
             consumer = None
             try:
-                self.producer = self.producer or await start_producer(self.bootstrap, request_timeout_ms=10_000)
+                self.producer = self.producer or await start_producer(
+                    self.bootstrap, request_timeout_ms=10_000
+                )
                 self.canceller.producer = self.producer
                 consumer = await start_consumer(group=None, bootstrap=self.bootstrap)
                 total = consumer.partitions_for_topic(TOKENS.name)
@@ -119,8 +145,15 @@ class Gateway:
                 self.partitions = self.cfg.owned_partitions(len(total))
                 if not self.partitions:
                     raise RuntimeError("this instance owns no tokens partition")
-                fanout = Fanout(consumer, self.partitions, self.metrics, self.cfg.buffer_events,
-                                self.cfg.coalesce_chars, self.cfg.slow_reader_s, watcher=self.inflight)
+                fanout = Fanout(
+                    consumer,
+                    self.partitions,
+                    self.metrics,
+                    self.cfg.buffer_events,
+                    self.cfg.coalesce_chars,
+                    self.cfg.slow_reader_s,
+                    watcher=self.inflight,
+                )
                 await fanout.start()
                 self.fanout = fanout
                 log.info("gateway %s owns tokens partitions %s", self.cfg.instance_id, self.partitions)

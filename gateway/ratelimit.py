@@ -134,8 +134,14 @@ class Ticket:
     headers: dict[str, str] = field(default_factory=dict)
 
     def note(self) -> dict:
-        return {"key_id": self.key_id, "window": self.window, "reserved": self.reserved,
-                "key_tpm": self.key_tpm, "tenant_tpm": self.tenant_tpm, "slot": self.slot}
+        return {
+            "key_id": self.key_id,
+            "window": self.window,
+            "reserved": self.reserved,
+            "key_tpm": self.key_tpm,
+            "tenant_tpm": self.tenant_tpm,
+            "slot": self.slot,
+        }
 
 
 def _headers(limits: list[int], used: list[int], reset_s: int) -> dict[str, str]:
@@ -163,23 +169,31 @@ class RateLimiter:
         self._settle = redis.register_script(SETTLE) if redis is not None else None
         self._renew = redis.register_script(RENEW) if redis is not None else None
 
-    async def take(self, key: K.ApiKey, tokens: int, request_id: str = "", max_streams: int = 0,
-                   lease_s: float = 30.0) -> Ticket:
+    async def take(
+        self, key: K.ApiKey, tokens: int, request_id: str = "", max_streams: int = 0, lease_s: float = 30.0
+    ) -> Ticket:
         """Take one request and `tokens` from the key's and tenant's minute, and one of the key's
         `max_streams` open-request slots for `request_id` (0: no limit); 429 when over a limit."""
-        ticket = Ticket(key.key_id, key.tenant, reserved=tokens, key_tpm=key.tpm > 0, tenant_tpm=key.tenant_tpm > 0)
+        ticket = Ticket(
+            key.key_id, key.tenant, reserved=tokens, key_tpm=key.tpm > 0, tenant_tpm=key.tenant_tpm > 0
+        )
         limits = [key.rpm, key.tpm, key.tenant_rpm, key.tenant_tpm]
         if not any(limits) and max_streams <= 0:
             return ticket
         if self._take is None:
             raise api.unavailable("Rate limits cannot be checked: the gateway has no Redis.")
-        buckets = [K.rate_bucket("key", key.key_id, "requests"), K.rate_bucket("key", key.key_id, "tokens"),
-                   K.rate_bucket("tenant", key.tenant, "requests"), K.rate_bucket("tenant", key.tenant, "tokens"),
-                   K.open_streams(key.key_id)]
+        buckets = [
+            K.rate_bucket("key", key.key_id, "requests"),
+            K.rate_bucket("key", key.key_id, "tokens"),
+            K.rate_bucket("tenant", key.tenant, "requests"),
+            K.rate_bucket("tenant", key.tenant, "tokens"),
+            K.open_streams(key.key_id),
+        ]
         started = time.perf_counter()
         try:
             admitted, failed, window, reset, *used, open_now = await self._take(
-                keys=buckets, args=[*limits, tokens, max(0, max_streams), request_id, lease_s])
+                keys=buckets, args=[*limits, tokens, max(0, max_streams), request_id, lease_s]
+            )
         except Exception:  # noqa: BLE001
             raise api.unavailable("Rate limits cannot be checked right now (Redis unreachable).") from None
         finally:
@@ -191,9 +205,14 @@ class RateLimiter:
             ticket.headers["x-tokenstream-open-streams"] = str(int(open_now))
         if int(failed) == 5:
             self.metrics.rate_limited.labels("streams").inc()
-            raise api.APIError(429, f"This API key already has {int(open_now)} requests open, its limit at once "
-                                    f"({max_streams}); retry when one of them has ended.", "rate_limit_exceeded",
-                               code="too_many_concurrent_requests", headers={**ticket.headers, "Retry-After": "1"})
+            raise api.APIError(
+                429,
+                f"This API key already has {int(open_now)} requests open, its limit at once "
+                f"({max_streams}); retry when one of them has ended.",
+                "rate_limit_exceeded",
+                code="too_many_concurrent_requests",
+                headers={**ticket.headers, "Retry-After": "1"},
+            )
         ticket.slot = max_streams > 0
         if not admitted:
             failed = int(failed) - 1
@@ -201,14 +220,24 @@ class RateLimiter:
             kind = KINDS[failed % 2]
             self.metrics.rate_limited.labels(kind).inc()
             if kind == "tokens" and tokens > limits[failed]:
-                raise api.APIError(429, f"This request needs about {tokens} tokens (prompt estimate plus "
-                                        f"max_tokens), more than the {scope}'s limit of {limits[failed]} tokens "
-                                        "per minute; lower max_tokens.", "rate_limit_exceeded",
-                                   code="rate_limit_exceeded", headers=ticket.headers)
+                raise api.APIError(
+                    429,
+                    f"This request needs about {tokens} tokens (prompt estimate plus "
+                    f"max_tokens), more than the {scope}'s limit of {limits[failed]} tokens "
+                    "per minute; lower max_tokens.",
+                    "rate_limit_exceeded",
+                    code="rate_limit_exceeded",
+                    headers=ticket.headers,
+                )
             retry = max(1, math.ceil(int(reset)))
-            raise api.APIError(429, f"Rate limit reached for the {scope}: {limits[failed]} {kind} per minute "
-                                    f"(used {used[failed]}); retry after {retry}s.", "rate_limit_exceeded",
-                               code="rate_limit_exceeded", headers={**ticket.headers, "Retry-After": str(retry)})
+            raise api.APIError(
+                429,
+                f"Rate limit reached for the {scope}: {limits[failed]} {kind} per minute "
+                f"(used {used[failed]}); retry after {retry}s.",
+                "rate_limit_exceeded",
+                code="rate_limit_exceeded",
+                headers={**ticket.headers, "Retry-After": str(retry)},
+            )
         return ticket
 
     async def renew(self, slots: dict[str, list[str]], lease_s: float) -> None:
@@ -228,20 +257,33 @@ class RateLimiter:
     async def settle_answer(self, request_id: str, note: dict, done: Completion) -> bool:
         """`settle` with the usage of the request's Completion (all of it cached for a cache hit)."""
         usage = done.usage
-        return await self.settle(request_id, note, usage.prompt_tokens, usage.completion_tokens,
-                                 usage.total_tokens if note.get("cached") else 0)
+        return await self.settle(
+            request_id,
+            note,
+            usage.prompt_tokens,
+            usage.completion_tokens,
+            usage.total_tokens if note.get("cached") else 0,
+        )
 
-    async def settle(self, request_id: str, note: dict, prompt: int, completion: int, cached: int = 0) -> bool:
+    async def settle(
+        self, request_id: str, note: dict, prompt: int, completion: int, cached: int = 0
+    ) -> bool:
         """Give back what was reserved but not used and add the usage to the key's day; once per request."""
         if self._settle is None or not note.get("key_id"):
             return False
         back = int(note.get("reserved", 0)) - (prompt + completion) if note.get("window") else 0
-        keys = [K.usage_settled(request_id),
-                K.rate_bucket("key", note["key_id"], "tokens") if note.get("key_tpm") else "",
-                K.rate_bucket("tenant", note.get("tenant", ""), "tokens") if note.get("tenant_tpm") else "",
-                K.usage(note["key_id"], K.usage_day())]
+        keys = [
+            K.usage_settled(request_id),
+            K.rate_bucket("key", note["key_id"], "tokens") if note.get("key_tpm") else "",
+            K.rate_bucket("tenant", note.get("tenant", ""), "tokens") if note.get("tenant_tpm") else "",
+            K.usage(note["key_id"], K.usage_day()),
+        ]
         try:
-            return bool(await self._settle(keys=keys, args=[note.get("window", 0), back, prompt, completion,
-                                                            cached, 86400, USAGE_TTL_S]))
+            return bool(
+                await self._settle(
+                    keys=keys,
+                    args=[note.get("window", 0), back, prompt, completion, cached, 86400, USAGE_TTL_S],
+                )
+            )
         except Exception:  # noqa: BLE001 - usage is best effort when Redis is away
             return False

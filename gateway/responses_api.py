@@ -28,17 +28,28 @@ INCLUDED = ("code_interpreter_call.outputs", "file_search_call.results")
 CODE_TOOL = tp.FunctionDef(
     name="code_interpreter",
     description="Run Python code in a sandbox and get its output. Files written in the working folder "
-                "stay there for later calls of this conversation. Print what you want to see.",
+    "stay there for later calls of this conversation. Print what you want to see.",
     # The grammar holds a forced call to code that starts as Python does (a name, a number, a bracket, a
     # comment, a decorator, a string): not `{"code": ""}`, and not a string opened on `}}` that runs on
     # with prose (what SmolLM2 wrote when only one character was required, until its token limit). No
     # example in a description: the model copies it instead of the user's code.
-    parameters={"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Za-z_(\\[0-9#@'-][\\s\\S]*$"}},
-                "required": ["code"], "additionalProperties": False})
+    parameters={
+        "type": "object",
+        "properties": {"code": {"type": "string", "pattern": "^[A-Za-z_(\\[0-9#@'-][\\s\\S]*$"}},
+        "required": ["code"],
+        "additionalProperties": False,
+    },
+)
 WEB_TOOL = tp.FunctionDef(
-    name="web_fetch", description="Fetch a web page (from the hosts the operator allows) and read its text.",
-    parameters={"type": "object", "properties": {"url": {"type": "string", "minLength": 8}}, "required": ["url"],
-                "additionalProperties": False})
+    name="web_fetch",
+    description="Fetch a web page (from the hosts the operator allows) and read its text.",
+    parameters={
+        "type": "object",
+        "properties": {"url": {"type": "string", "minLength": 8}},
+        "required": ["url"],
+        "additionalProperties": False,
+    },
+)
 
 
 class _Strict(BaseModel):
@@ -155,7 +166,9 @@ class WebFetchTool(_Strict):
     type: Literal["web_fetch"]
 
 
-ResponseTool = Annotated[FunctionTool | CodeInterpreterTool | FileSearchTool | WebFetchTool, Field(discriminator="type")]
+ResponseTool = Annotated[
+    FunctionTool | CodeInterpreterTool | FileSearchTool | WebFetchTool, Field(discriminator="type")
+]
 BUILTIN_TYPES = ("code_interpreter", "file_search", "web_fetch")
 
 
@@ -225,14 +238,20 @@ class Moderation(_Strict):
     def refused(self) -> tuple[str, str] | None:
         """(message, param) of what this server cannot honour, or None."""
         if self.model not in MODERATION_MODELS:
-            return (f"moderation.model {self.model!r} is not served here; use one of "
-                    f"{', '.join(MODERATION_MODELS)} (each is this deployment's safety classifier).", "moderation.model")
+            return (
+                f"moderation.model {self.model!r} is not served here; use one of "
+                f"{', '.join(MODERATION_MODELS)} (each is this deployment's safety classifier).",
+                "moderation.model",
+            )
         for side in ("input", "output"):
             mode = getattr(self.policy, side, None) if self.policy else None
             if mode is not None and mode.mode == "score":
-                return (f"moderation.policy.{side}.mode 'score' (report, never block) is not offered: this "
-                        "deployment's safety policy blocks flagged content. Send 'block', or no policy: the "
-                        "results are reported either way.", f"moderation.policy.{side}.mode")
+                return (
+                    f"moderation.policy.{side}.mode 'score' (report, never block) is not offered: this "
+                    "deployment's safety policy blocks flagged content. Send 'block', or no policy: the "
+                    "results are reported either way.",
+                    f"moderation.policy.{side}.mode",
+                )
         return None
 
 
@@ -262,8 +281,14 @@ class ResponseCreate(api.UnicodeBody):
     service_tier: Literal["auto", "default", "flex"] | None = None  # the key's tier; flex: below every tier
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    include: list[Literal["code_interpreter_call.outputs", "file_search_call.results",
-                          "message.output_text.logprobs"]] | None = None
+    include: (
+        list[
+            Literal[
+                "code_interpreter_call.outputs", "file_search_call.results", "message.output_text.logprobs"
+            ]
+        ]
+        | None
+    ) = None
     top_logprobs: int | None = Field(None, ge=0, le=api.MAX_TOP_LOGPROBS)
     truncation: Literal["auto", "disabled"] | None = None  # OpenAI's default: disabled
     text: TextConfig | None = None
@@ -297,14 +322,18 @@ def _text(content: str | list[InputText | InputFile | MediaPart], where: str) ->
         return content
     for j, part in enumerate(content):
         if isinstance(part, MediaPart):
-            raise api.invalid_request(f"{where}.content[{j}]: `{part.type}` parts are not supported: the model "
-                                      "reads text only", f"{where}.content[{j}].type")
+            raise api.invalid_request(
+                f"{where}.content[{j}]: `{part.type}` parts are not supported: the model reads text only",
+                f"{where}.content[{j}].type",
+            )
         if isinstance(part, InputFile) and part.text is None:
             raise api.invalid_request(f"{where}.content[{j}]: the file was not read", f"{where}.content[{j}]")
     return "".join(p.text for p in content)
 
 
-def messages_of(body: ResponseCreate, tenant: str, earlier: list[ChatMessage] | None = None) -> list[ChatMessage]:
+def messages_of(
+    body: ResponseCreate, tenant: str, earlier: list[ChatMessage] | None = None
+) -> list[ChatMessage]:
     """`instructions`, then the `earlier` history (a conversation's items), then `input`, as chat
     messages (function calls joined into assistant turns, a compaction item as its summary)."""
     out: list[ChatMessage] = []
@@ -320,7 +349,9 @@ def messages_of(body: ResponseCreate, tenant: str, earlier: list[ChatMessage] | 
             role = "system" if item.role == "developer" else item.role
             out.append(ChatMessage(role=role, content=_text(item.content, f"input[{i}]")))
         elif isinstance(item, FunctionCallItem):
-            call = MessageToolCall(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments))
+            call = MessageToolCall(
+                id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments)
+            )
             if out and joins_calls(out[-1], commentary):
                 out[-1].tool_calls.append(call)
             else:
@@ -335,30 +366,49 @@ def messages_of(body: ResponseCreate, tenant: str, earlier: list[ChatMessage] | 
         made = {c.id for m in out for c in m.tool_calls}
         for i, m in enumerate(out):
             if m.role == "tool" and m.tool_call_id not in made:
-                raise api.invalid_request(f"function_call_output answers {m.tool_call_id!r}, a call that no "
-                                          "function_call item of this input (or previous_response_id) made",
-                                          f"input[{i}].call_id")
+                raise api.invalid_request(
+                    f"function_call_output answers {m.tool_call_id!r}, a call that no "
+                    "function_call item of this input (or previous_response_id) made",
+                    f"input[{i}].call_id",
+                )
     return out
 
 
 def _as_function(tool: ResponseTool) -> tp.Tool:
     if isinstance(tool, FunctionTool):
-        return tp.Tool(type="function", function=tp.FunctionDef(
-            name=tool.name, description=tool.description, parameters=tool.parameters, strict=tool.strict))
+        return tp.Tool(
+            type="function",
+            function=tp.FunctionDef(
+                name=tool.name, description=tool.description, parameters=tool.parameters, strict=tool.strict
+            ),
+        )
     if isinstance(tool, CodeInterpreterTool):
         return tp.Tool(type="function", function=CODE_TOOL)
     if isinstance(tool, WebFetchTool):
         return tp.Tool(type="function", function=WEB_TOOL)
     # the stores and the result count are fixed by the request: the grammar writes them as given
-    return tp.Tool(type="function", function=tp.FunctionDef(
-        name="file_search", description="Search the uploaded files for passages that answer a query.",
-        parameters={"type": "object", "properties": {
-            "query": {"type": "string"},
-            "vector_store_ids": {"type": "array", "items": {"type": "string", "enum": tool.vector_store_ids},
-                                 "minItems": len(tool.vector_store_ids),
-                                 "maxItems": len(tool.vector_store_ids)},
-            "max_num_results": {"type": "integer", "enum": [tool.max_num_results]}},
-            "required": ["query", "vector_store_ids", "max_num_results"], "additionalProperties": False}))
+    return tp.Tool(
+        type="function",
+        function=tp.FunctionDef(
+            name="file_search",
+            description="Search the uploaded files for passages that answer a query.",
+            parameters={
+                "type": "object",
+                "properties": {
+                    "query": {"type": "string"},
+                    "vector_store_ids": {
+                        "type": "array",
+                        "items": {"type": "string", "enum": tool.vector_store_ids},
+                        "minItems": len(tool.vector_store_ids),
+                        "maxItems": len(tool.vector_store_ids),
+                    },
+                    "max_num_results": {"type": "integer", "enum": [tool.max_num_results]},
+                },
+                "required": ["query", "vector_store_ids", "max_num_results"],
+                "additionalProperties": False,
+            },
+        ),
+    )
 
 
 def _name(tool: ResponseTool | NamedFunction | HostedTool) -> str:
@@ -370,9 +420,16 @@ def _choice(choice: ResponseToolChoice | None) -> tp.ToolChoice | None:
         return choice
     if isinstance(choice, NamedFunction | HostedTool):
         return tp.NamedToolChoice(type="function", function=tp.FunctionName(name=_name(choice)))
-    return tp.AllowedToolsChoice(type="allowed_tools", allowed_tools=tp.AllowedTools(
-        mode=choice.mode, tools=[tp.NamedToolChoice(type="function", function=tp.FunctionName(name=_name(t)))
-                                 for t in choice.tools]))
+    return tp.AllowedToolsChoice(
+        type="allowed_tools",
+        allowed_tools=tp.AllowedTools(
+            mode=choice.mode,
+            tools=[
+                tp.NamedToolChoice(type="function", function=tp.FunctionName(name=_name(t)))
+                for t in choice.tools
+            ],
+        ),
+    )
 
 
 def _format(text: TextConfig | None) -> tp.ResponseFormat | None:
@@ -381,22 +438,34 @@ def _format(text: TextConfig | None) -> tp.ResponseFormat | None:
         return None if fmt is None else tp.ResponseFormat(type=fmt.type)
     if fmt.name is None or fmt.schema_ is None:
         raise tp.BadField("text.format json_schema needs name and schema", "text.format")
-    return tp.ResponseFormat(type="json_schema", json_schema=tp.JSONSchemaFormat(
-        name=fmt.name, description=fmt.description, schema=fmt.schema_, strict=fmt.strict))
+    return tp.ResponseFormat(
+        type="json_schema",
+        json_schema=tp.JSONSchemaFormat(
+            name=fmt.name, description=fmt.description, schema=fmt.schema_, strict=fmt.strict
+        ),
+    )
 
 
-def output_and_run(tools: list[ResponseTool], body: ResponseCreate, max_steps: int) -> tuple[OutputSpec, RunSpec]:
+def output_and_run(
+    tools: list[ResponseTool], body: ResponseCreate, max_steps: int
+) -> tuple[OutputSpec, RunSpec]:
     """The OutputSpec (function specs for every tool, built-ins included) and the run's RunSpec."""
     try:
         # with max_tool_calls a step makes one call at most, so the run's count is its step number
         parallel = False if body.max_tool_calls is not None else body.parallel_tool_calls
-        spec = tp.output_spec([_as_function(t) for t in tools], _choice(body.tool_choice), parallel,
-                              _format(body.text))
+        spec = tp.output_spec(
+            [_as_function(t) for t in tools], _choice(body.tool_choice), parallel, _format(body.text)
+        )
     except tp.BadField as exc:
         raise api.invalid_request(str(exc), exc.param) from None
     server = [t.type for t in tools if t.type in BUILTIN_TYPES]
-    return spec, RunSpec(server_tools=server, max_steps=max_steps, max_output_tokens=body.max_output_tokens,
-                         truncation=body.truncation or "disabled", max_tool_calls=body.max_tool_calls)
+    return spec, RunSpec(
+        server_tools=server,
+        max_steps=max_steps,
+        max_output_tokens=body.max_output_tokens,
+        truncation=body.truncation or "disabled",
+        max_tool_calls=body.max_tool_calls,
+    )
 
 
 def item_dict(item: InputItem, default_id: str) -> dict[str, Any]:

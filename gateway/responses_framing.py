@@ -20,31 +20,59 @@ from schemas.tools import notebook_logs
 IMAGE_TYPES = (".png", ".jpg", ".jpeg", ".gif")  # a code interpreter's files shown as image outputs
 
 ITEM_PREFIX = {"code_interpreter": "ci_", "file_search": "fs_", "web_fetch": "ws_"}
-ITEM_TYPE = {"code_interpreter": "code_interpreter_call", "file_search": "file_search_call",
-             "web_fetch": "web_search_call"}
+ITEM_TYPE = {
+    "code_interpreter": "code_interpreter_call",
+    "file_search": "file_search_call",
+    "web_fetch": "web_search_call",
+}
 
 
 def base_response(run_id: str, created: int, model: str, params: dict[str, Any]) -> dict[str, Any]:
     """The response object before any output (params: the request fields it echoes)."""
-    return {"id": response_id(run_id), "object": "response", "created_at": created, "status": "in_progress",
-            "error": None, "incomplete_details": None, "model": model, "output": [], "usage": None,
-            "reasoning": {"effort": None, "summary": None}, "truncation": "auto", "completed_at": None,
-            # fields the Open Responses object requires, at the values this server runs with
-            "top_logprobs": 0, "max_tool_calls": None, "background": False, "service_tier": "default",
-            "prompt_cache_key": None, **params}
+    return {
+        "id": response_id(run_id),
+        "object": "response",
+        "created_at": created,
+        "status": "in_progress",
+        "error": None,
+        "incomplete_details": None,
+        "model": model,
+        "output": [],
+        "usage": None,
+        "reasoning": {"effort": None, "summary": None},
+        "truncation": "auto",
+        "completed_at": None,
+        # fields the Open Responses object requires, at the values this server runs with
+        "top_logprobs": 0,
+        "max_tool_calls": None,
+        "background": False,
+        "service_tier": "default",
+        "prompt_cache_key": None,
+        **params,
+    }
 
 
 def function_call_item(call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
     """A client function's call as an output (or conversation) item."""
-    return {"id": f"fc_{call_id}", "type": "function_call", "status": status, "call_id": call_id, "name": name,
-            "arguments": arguments}
+    return {
+        "id": f"fc_{call_id}",
+        "type": "function_call",
+        "status": status,
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+    }
 
 
 def usage_of(prompt: int, completion: int, cached: int, written: int) -> dict[str, Any]:
     """A response's usage over its steps (written: prompt tokens the workers put into their prefix caches)."""
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": written},
-            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": prompt + completion}
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": written},
+        "output_tokens": completion,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt + completion,
+    }
 
 
 def _args(call_arguments: str) -> dict[str, Any]:
@@ -57,15 +85,28 @@ def _args(call_arguments: str) -> dict[str, Any]:
 
 def _logprob(entry) -> dict[str, Any]:
     """A schemas.TokenLogprob as a Responses output_text logprob."""
-    return {"token": entry.token, "logprob": entry.logprob, "bytes": entry.bytes,
-            "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": t.bytes} for t in entry.top_logprobs]}
+    return {
+        "token": entry.token,
+        "logprob": entry.logprob,
+        "bytes": entry.bytes,
+        "top_logprobs": [
+            {"token": t.token, "logprob": t.logprob, "bytes": t.bytes} for t in entry.top_logprobs
+        ],
+    }
 
 
 class ResponseFramer:
     """Folds a run's events into stream events (dicts with `type` and `sequence_number`)."""
 
-    def __init__(self, run_id: str, spec: RunSpec, response: dict[str, Any], conversation_id: str,
-                 preface: list[dict[str, Any]] = (), moderated: bool = False) -> None:
+    def __init__(
+        self,
+        run_id: str,
+        spec: RunSpec,
+        response: dict[str, Any],
+        conversation_id: str,
+        preface: list[dict[str, Any]] = (),
+        moderated: bool = False,
+    ) -> None:
         """`preface`: items the gateway made before the run (a compaction), first in the output;
         `moderated`: the response reports moderation results (its end waits for the last verdict)."""
         self.run_id, self.spec, self.response = run_id, spec, response
@@ -98,11 +139,15 @@ class ResponseFramer:
         return json.loads(json.dumps(self.response))
 
     def start(self) -> list[dict[str, Any]]:
-        out = [self._ev("response.created", response=self._snapshot()),
-               self._ev("response.in_progress", response=self._snapshot())]
+        out = [
+            self._ev("response.created", response=self._snapshot()),
+            self._ev("response.in_progress", response=self._snapshot()),
+        ]
         for index, item in enumerate(self.preface):
-            out += [self._ev("response.output_item.added", output_index=index, item=dict(item)),
-                    self._ev("response.output_item.done", output_index=index, item=dict(item))]
+            out += [
+                self._ev("response.output_item.added", output_index=index, item=dict(item)),
+                self._ev("response.output_item.done", output_index=index, item=dict(item)),
+            ]
         return out
 
     def feed(self, events: list[Event]) -> list[dict[str, Any]]:
@@ -145,8 +190,16 @@ class ResponseFramer:
             part["text"] += ev.text
             logprobs = [_logprob(e) for e in ev.logprobs]  # when asked: one per token of the chunk
             part["logprobs"] += logprobs
-            out.append(self._ev("response.output_text.delta", item_id=self.output[index]["id"], output_index=index,
-                                content_index=0, delta=ev.text, logprobs=logprobs))
+            out.append(
+                self._ev(
+                    "response.output_text.delta",
+                    item_id=self.output[index]["id"],
+                    output_index=index,
+                    content_index=0,
+                    delta=ev.text,
+                    logprobs=logprobs,
+                )
+            )
         for delta in ev.tool_calls:
             out += self._call_delta(rid, delta)
         return out
@@ -156,13 +209,27 @@ class ResponseFramer:
             return []
         index = len(self.output)
         self.message[rid] = index
-        item = {"id": f"msg_{rid}", "type": "message", "status": "in_progress", "role": "assistant", "content": []}
+        item = {
+            "id": f"msg_{rid}",
+            "type": "message",
+            "status": "in_progress",
+            "role": "assistant",
+            "content": [],
+        }
         self.output.append(item)
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         added = self._ev("response.output_item.added", output_index=index, item=json.loads(json.dumps(item)))
         item["content"].append(part)
-        return [added, self._ev("response.content_part.added", item_id=item["id"], output_index=index,
-                                content_index=0, part=dict(part))]
+        return [
+            added,
+            self._ev(
+                "response.content_part.added",
+                item_id=item["id"],
+                output_index=index,
+                content_index=0,
+                part=dict(part),
+            ),
+        ]
 
     def _call_delta(self, rid: str, d: ToolCallDelta) -> list[dict[str, Any]]:
         key = (rid, d.index)
@@ -171,8 +238,10 @@ class ResponseFramer:
             if d.name in self.spec.server_tools:
                 item = self._server_item(d.id, d.name)
                 self.output.append(item)
-                return [self._ev("response.output_item.added", output_index=index, item=dict(item)),
-                        self._ev(f"response.{item['type']}.in_progress", item_id=item["id"], output_index=index)]
+                return [
+                    self._ev("response.output_item.added", output_index=index, item=dict(item)),
+                    self._ev(f"response.{item['type']}.in_progress", item_id=item["id"], output_index=index),
+                ]
             item = function_call_item(d.id, d.name, d.arguments, "in_progress")
             self.output.append(item)
             return [self._ev("response.output_item.added", output_index=index, item=dict(item))]
@@ -180,11 +249,21 @@ class ResponseFramer:
         if index is None or self.output[index]["type"] != "function_call":
             return []  # a server call's arguments are shown whole at the step's end
         self.output[index]["arguments"] += d.arguments
-        return [self._ev("response.function_call_arguments.delta", item_id=self.output[index]["id"],
-                         output_index=index, delta=d.arguments)]
+        return [
+            self._ev(
+                "response.function_call_arguments.delta",
+                item_id=self.output[index]["id"],
+                output_index=index,
+                delta=d.arguments,
+            )
+        ]
 
     def _server_item(self, call_id: str, name: str) -> dict[str, Any]:
-        item: dict[str, Any] = {"id": ITEM_PREFIX[name] + call_id, "type": ITEM_TYPE[name], "status": "in_progress"}
+        item: dict[str, Any] = {
+            "id": ITEM_PREFIX[name] + call_id,
+            "type": ITEM_TYPE[name],
+            "status": "in_progress",
+        }
         if name == "code_interpreter":
             item.update(code="", container_id=self.container, outputs=None)
         elif name == "file_search":
@@ -200,13 +279,25 @@ class ResponseFramer:
             return []
         self.ended_steps.add(rid)
         self.moderation.ended(done)
-        for i, n in enumerate((done.usage.prompt_tokens, done.usage.completion_tokens, done.usage.cached_tokens,
-                               done.usage.cache_write_tokens)):
+        for i, n in enumerate(
+            (
+                done.usage.prompt_tokens,
+                done.usage.completion_tokens,
+                done.usage.cached_tokens,
+                done.usage.cache_write_tokens,
+            )
+        ):
             self.tokens[i] += n
         out = self._close_message(rid, "commentary" if done.tool_calls else "final_answer")
         if done.finish_reason == "error":
-            return out + self._end("failed", error={"code": done.error_code or "server_error",
-                                                    "message": done.error or "generation failed"}, hold=False)
+            return out + self._end(
+                "failed",
+                error={
+                    "code": done.error_code or "server_error",
+                    "message": done.error or "generation failed",
+                },
+                hold=False,
+            )
         for i, call in enumerate(done.tool_calls):
             out += self._close_call(rid, i, call.id, call.function.name, call.function.arguments)
         if self.spec.continues(step, done, self.tokens[1]):
@@ -232,18 +323,45 @@ class ResponseFramer:
         out = []
         for kept in self.kept_files:  # the files the run's code wrote, cited at the end of the text
             at = len(part["text"])
-            part["annotations"].append({"type": "container_file_citation", "container_id": self.container,
-                                        "file_id": kept["file_id"], "filename": posixpath.basename(kept["path"]),
-                                        "start_index": at, "end_index": at})
-            out.append(self._ev("response.output_text.annotation.added", item_id=item["id"], output_index=index,
-                                content_index=0, annotation_index=len(part["annotations"]) - 1,
-                                annotation=part["annotations"][-1]))
+            part["annotations"].append(
+                {
+                    "type": "container_file_citation",
+                    "container_id": self.container,
+                    "file_id": kept["file_id"],
+                    "filename": posixpath.basename(kept["path"]),
+                    "start_index": at,
+                    "end_index": at,
+                }
+            )
+            out.append(
+                self._ev(
+                    "response.output_text.annotation.added",
+                    item_id=item["id"],
+                    output_index=index,
+                    content_index=0,
+                    annotation_index=len(part["annotations"]) - 1,
+                    annotation=part["annotations"][-1],
+                )
+            )
         self.kept_files = []
-        return out + [self._ev("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
-                         text=part["text"], logprobs=list(part["logprobs"])),
-                self._ev("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
-                         part=dict(part)),
-                self._ev("response.output_item.done", output_index=index, item=json.loads(json.dumps(item)))]
+        return out + [
+            self._ev(
+                "response.output_text.done",
+                item_id=item["id"],
+                output_index=index,
+                content_index=0,
+                text=part["text"],
+                logprobs=list(part["logprobs"]),
+            ),
+            self._ev(
+                "response.content_part.done",
+                item_id=item["id"],
+                output_index=index,
+                content_index=0,
+                part=dict(part),
+            ),
+            self._ev("response.output_item.done", output_index=index, item=json.loads(json.dumps(item))),
+        ]
 
     def _close_call(self, rid: str, i: int, call_id: str, name: str, arguments: str) -> list[dict[str, Any]]:
         index = self.calls.get((rid, i))
@@ -255,20 +373,38 @@ class ResponseFramer:
         item = self.output[index]
         if item["type"] == "function_call":
             item.update(arguments=arguments, status="completed")
-            return out + [self._ev("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                                   name=name, arguments=arguments),
-                          self._ev("response.output_item.done", output_index=index, item=dict(item))]
+            return out + [
+                self._ev(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    name=name,
+                    arguments=arguments,
+                ),
+                self._ev("response.output_item.done", output_index=index, item=dict(item)),
+            ]
         args = _args(arguments)
         self.by_call[call_id] = index
         if name == "code_interpreter":
             item["code"] = str(args.get("code", ""))
             item["status"] = "interpreting"
-            return out + [self._ev("response.code_interpreter_call_code.delta", item_id=item["id"],
-                                   output_index=index, delta=item["code"]),
-                          self._ev("response.code_interpreter_call_code.done", item_id=item["id"],
-                                   output_index=index, code=item["code"]),
-                          self._ev("response.code_interpreter_call.interpreting", item_id=item["id"],
-                                   output_index=index)]
+            return out + [
+                self._ev(
+                    "response.code_interpreter_call_code.delta",
+                    item_id=item["id"],
+                    output_index=index,
+                    delta=item["code"],
+                ),
+                self._ev(
+                    "response.code_interpreter_call_code.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    code=item["code"],
+                ),
+                self._ev(
+                    "response.code_interpreter_call.interpreting", item_id=item["id"], output_index=index
+                ),
+            ]
         if name == "file_search":
             item["queries"] = [str(args.get("query", ""))]
         else:
@@ -289,22 +425,45 @@ class ResponseFramer:
             logs = notebook_logs(result)
             kept = [f for f in json.loads(result.meta.get("files") or "[]") if f.get("kept")]
             self.kept_files += kept
-            item["outputs"] = [{"type": "logs", "logs": logs}, *(
-                {"type": "image", "url": f"/v1/containers/{self.container}/files/{f['file_id']}/content"}
-                for f in kept if posixpath.splitext(f["path"])[1].lower() in IMAGE_TYPES)]
+            item["outputs"] = [
+                {"type": "logs", "logs": logs},
+                *(
+                    {"type": "image", "url": f"/v1/containers/{self.container}/files/{f['file_id']}/content"}
+                    for f in kept
+                    if posixpath.splitext(f["path"])[1].lower() in IMAGE_TYPES
+                ),
+            ]
             item["result"] = {k: output.get(k) for k in ("value", "files", "exit_code", "truncated")}
         elif item["type"] == "file_search_call":
-            item["results"] = [{"file_id": r.get("file_id"), "filename": r.get("filename"), "score": r.get("score"),
-                                "text": r.get("text"), "attributes": {"vector_store_id": r.get("vector_store_id"),
-                                                                      "chunk_index": r.get("chunk_index")}}
-                               for r in output.get("results", [])]
+            item["results"] = [
+                {
+                    "file_id": r.get("file_id"),
+                    "filename": r.get("filename"),
+                    "score": r.get("score"),
+                    "text": r.get("text"),
+                    "attributes": {
+                        "vector_store_id": r.get("vector_store_id"),
+                        "chunk_index": r.get("chunk_index"),
+                    },
+                }
+                for r in output.get("results", [])
+            ]
         else:
             item["result"] = output
-        return [self._ev(f"response.{item['type']}.completed", item_id=item["id"], output_index=index),
-                self._ev("response.output_item.done", output_index=index, item=json.loads(json.dumps(item)))]
+        return [
+            self._ev(f"response.{item['type']}.completed", item_id=item["id"], output_index=index),
+            self._ev("response.output_item.done", output_index=index, item=json.loads(json.dumps(item))),
+        ]
 
-    def _end(self, status: str, *, error: dict | None = None, incomplete: dict | None = None,
-             at: int | None = None, hold: bool = True) -> list[dict[str, Any]]:
+    def _end(
+        self,
+        status: str,
+        *,
+        error: dict | None = None,
+        incomplete: dict | None = None,
+        at: int | None = None,
+        hold: bool = True,
+    ) -> list[dict[str, Any]]:
         """End the response; `at` is when its last step completed (completed_at, for status completed).
         A moderated answer's end is held (`hold`) until the verdict over its last step is in."""
         if hold and not self.moderation.complete():
@@ -317,10 +476,15 @@ class ResponseFramer:
         for item in self.output:  # calls left without a result (a step that also called a function)
             if item.get("status") in ("in_progress", "interpreting", "searching"):
                 item["status"] = "incomplete"
-        self.response.update(status=status, error=error, incomplete_details=incomplete,
-                             usage=usage_of(*self.tokens))
-        name = {"completed": "response.completed", "failed": "response.failed",
-                "incomplete": "response.incomplete", "cancelled": "response.failed"}[status]
+        self.response.update(
+            status=status, error=error, incomplete_details=incomplete, usage=usage_of(*self.tokens)
+        )
+        name = {
+            "completed": "response.completed",
+            "failed": "response.failed",
+            "incomplete": "response.incomplete",
+            "cancelled": "response.failed",
+        }[status]
         return [self._ev(name, response=self._snapshot())]
 
 
@@ -366,12 +530,20 @@ class ModerationResults:
         if self.peak:
             said = _result(model, self.peak, self.flagged)
         else:
-            said = {"type": "error", "code": "not_generated", "message": "no output was judged (the input was "
-                    "blocked, or the run ended before any answer)"}
+            said = {
+                "type": "error",
+                "code": "not_generated",
+                "message": "no output was judged (the input was blocked, or the run ended before any answer)",
+            }
         return {"input": given, "output": said}
 
 
 def _result(model: str, scores: dict[str, float], flagged: set[str]) -> dict[str, Any]:
-    return {"type": "moderation_result", "model": model, "flagged": bool(flagged),
-            "categories": {c: c in flagged for c in scores}, "category_scores": dict(scores),
-            "category_applied_input_types": {c: ["text"] for c in scores}}
+    return {
+        "type": "moderation_result",
+        "model": model,
+        "flagged": bool(flagged),
+        "categories": {c: c in flagged for c in scores},
+        "category_scores": dict(scores),
+        "category_applied_input_types": {c: ["text"] for c in scores},
+    }

@@ -41,9 +41,14 @@ def ends_answer(event: Event) -> bool:
     return isinstance(event, Completion) or (isinstance(event, SafetyVerdict) and event.blocked)
 
 
-async def replay(bootstrap: str, request_id: str, *, idle_timeout_s: float = 600.0,
-                 also: Iterable[str] = (), ends: Callable[[Event], bool] = ends_answer
-                 ) -> AsyncIterator[list[Event]]:
+async def replay(
+    bootstrap: str,
+    request_id: str,
+    *,
+    idle_timeout_s: float = 600.0,
+    also: Iterable[str] = (),
+    ends: Callable[[Event], bool] = ends_answer,
+) -> AsyncIterator[list[Event]]:
     """Every event of `request_id` (and of the request ids `also`, on the same partition: a run's
     steps) from the log, in order, then live until one `ends` the answer.
 

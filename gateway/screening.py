@@ -16,9 +16,16 @@ from schemas import REFUSAL, Completion, Event, SafetyVerdict, TokenChunk
 
 def refusal(verdict: SafetyVerdict) -> list[Event]:
     ids = dict(request_id=verdict.request_id, conversation_id=verdict.conversation_id, tenant=verdict.tenant)
-    return [TokenChunk(**ids, seq=0, text=REFUSAL),
-            Completion(**ids, seq=1, finish_reason="content_filter", text=REFUSAL,
-                       error="input flagged: " + ", ".join(verdict.categories))]
+    return [
+        TokenChunk(**ids, seq=0, text=REFUSAL),
+        Completion(
+            **ids,
+            seq=1,
+            finish_reason="content_filter",
+            text=REFUSAL,
+            error="input flagged: " + ", ".join(verdict.categories),
+        ),
+    ]
 
 
 async def held_until_screened(source: AsyncIterator[list[Event]]) -> AsyncIterator[list[Event]]:
@@ -40,11 +47,12 @@ async def held_until_screened(source: AsyncIterator[list[Event]]) -> AsyncIterat
                         yield refusal(event)
                         return
                     released = True
-                    if held or batch[i + 1:]:
-                        yield held + batch[i + 1:]
+                    if held or batch[i + 1 :]:
+                        yield held + batch[i + 1 :]
                     break
                 if (isinstance(event, Completion) and event.finish_reason == "error") or (
-                        isinstance(event, SafetyVerdict) and event.blocked):
+                    isinstance(event, SafetyVerdict) and event.blocked
+                ):
                     yield [event]
                     return
                 held.append(event)

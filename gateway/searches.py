@@ -53,7 +53,9 @@ class ToolSearches:
             tps = [TopicPartition(TOOL_RESULTS.name, p) for p in sorted(partitions)]
             if not tps:
                 await consumer.stop()
-                raise RuntimeError(f"topic {TOOL_RESULTS.name} does not exist (run `tokenstream topics apply`)")
+                raise RuntimeError(
+                    f"topic {TOOL_RESULTS.name} does not exist (run `tokenstream topics apply`)"
+                )
             consumer.assign(tps)
             await consumer.seek_to_end(*tps)
             for tp in tps:
@@ -82,12 +84,18 @@ class ToolSearches:
                 if not future.done():
                     future.set_exception(SearchTimeout("the tool results could not be read"))
 
-    async def search(self, producer, tenant: str, store_ids: list[str], query: str, k: int,
-                     timeout_s: float) -> ToolResult:
+    async def search(
+        self, producer, tenant: str, store_ids: list[str], query: str, k: int, timeout_s: float
+    ) -> ToolResult:
         await self._reader()
-        call = ToolCall(request_id=new_request_id(0, time.time()), call_id=f"search-{secrets.token_hex(12)}",
-                        tenant=tenant, conversation_id="", name="file_search",
-                        arguments=json.dumps({"query": query, "vector_store_ids": store_ids, "max_num_results": k}))
+        call = ToolCall(
+            request_id=new_request_id(0, time.time()),
+            call_id=f"search-{secrets.token_hex(12)}",
+            tenant=tenant,
+            conversation_id="",
+            name="file_search",
+            arguments=json.dumps({"query": query, "vector_store_ids": store_ids, "max_num_results": k}),
+        )
         future = asyncio.get_running_loop().create_future()
         self.waiting[call.call_id] = future
         try:
@@ -95,7 +103,9 @@ class ToolSearches:
             async with asyncio.timeout(timeout_s):
                 return await future
         except TimeoutError:
-            raise SearchTimeout(f"no search result within {timeout_s:g} s (is the tool processor running?)") from None
+            raise SearchTimeout(
+                f"no search result within {timeout_s:g} s (is the tool processor running?)"
+            ) from None
         finally:
             self.waiting.pop(call.call_id, None)
 

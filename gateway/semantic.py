@@ -55,8 +55,17 @@ class SemanticCache:
     doubling to 2 s, see common.vectordb.Breaker) every lookup is a miss at once and nothing is
     stored, and the next try after the pause connects a new client."""
 
-    def __init__(self, host: str, http_port: int, grpc_port: int, threshold: float, ttl_s: float,
-                 max_chars: int, metrics, timeout_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        host: str,
+        http_port: int,
+        grpc_port: int,
+        threshold: float,
+        ttl_s: float,
+        max_chars: int,
+        metrics,
+        timeout_s: float = 1.0,
+    ) -> None:
         self.host, self.http_port, self.grpc_port = host, http_port, grpc_port
         self.threshold, self.ttl_s, self.max_chars, self.metrics = threshold, ttl_s, max_chars, metrics
         self.timeout_s = timeout_s
@@ -77,9 +86,13 @@ class SemanticCache:
             if self._client is None:
                 import weaviate
 
-                client = weaviate.use_async_with_local(host=self.host, port=self.http_port,
-                                                       grpc_port=self.grpc_port, skip_init_checks=True,
-                                                       additional_config=client_config(self.timeout_s))
+                client = weaviate.use_async_with_local(
+                    host=self.host,
+                    port=self.http_port,
+                    grpc_port=self.grpc_port,
+                    skip_init_checks=True,
+                    additional_config=client_config(self.timeout_s),
+                )
                 try:
                     await client.connect()
                     await self._ensure(client)
@@ -95,16 +108,21 @@ class SemanticCache:
         if not self.breaker.allow():
             return _SKIPPED
         import weaviate  # noqa: F401 - imported (once, slowly) outside the timeout
+
         try:
             async with asyncio.timeout(timeout_s):
                 result = await work()
         except Exception as exc:  # noqa: BLE001 - without Weaviate every request is a miss
             was_up = self.breaker.up
-            pause = self.breaker.failed(exc if not isinstance(exc, TimeoutError)
-                                        else f"no answer within {timeout_s:g} s")
+            pause = self.breaker.failed(
+                exc if not isinstance(exc, TimeoutError) else f"no answer within {timeout_s:g} s"
+            )
             if was_up:
-                log.warning("semantic cache: Weaviate failed (%s); lookups are misses, next try in %.2f s",
-                            self.breaker.last_error, pause)
+                log.warning(
+                    "semantic cache: Weaviate failed (%s); lookups are misses, next try in %.2f s",
+                    self.breaker.last_error,
+                    pause,
+                )
             client, self._client = self._client, None
             if client is not None:
                 self._close_later(client)
@@ -121,21 +139,29 @@ class SemanticCache:
         if await client.collections.exists(SEMANTIC_CACHE_COLLECTION):
             return
         # whole-field tokenization: the scope filters compare exact values, not words
-        text = [Property(name=n, data_type=DataType.TEXT, tokenization=Tokenization.FIELD) for n in
-                ("tenant", "model", "system", "prompt", "chunks", "finish_reason", "request_id")]
-        numbers = [Property(name=n, data_type=DataType.NUMBER) for n in
-                   ("prompt_tokens", "completion_tokens", "created_at")]
+        text = [
+            Property(name=n, data_type=DataType.TEXT, tokenization=Tokenization.FIELD)
+            for n in ("tenant", "model", "system", "prompt", "chunks", "finish_reason", "request_id")
+        ]
+        numbers = [
+            Property(name=n, data_type=DataType.NUMBER)
+            for n in ("prompt_tokens", "completion_tokens", "created_at")
+        ]
         try:
             await client.collections.create(
-                SEMANTIC_CACHE_COLLECTION, properties=text + numbers,
+                SEMANTIC_CACHE_COLLECTION,
+                properties=text + numbers,
                 vector_config=Configure.Vectors.self_provided(
-                    vector_index_config=Configure.VectorIndex.hnsw(distance_metric=VectorDistances.COSINE)))
+                    vector_index_config=Configure.VectorIndex.hnsw(distance_metric=VectorDistances.COSINE)
+                ),
+            )
         except Exception:  # noqa: BLE001 - another gateway created it meanwhile
             if not await client.collections.exists(SEMANTIC_CACHE_COLLECTION):
                 raise
 
     async def embed(self, text: str) -> list[float]:
         if self._embedder is None:
+
             def load():
                 import transformers
 
@@ -156,11 +182,17 @@ class SemanticCache:
         async def query():
             collection = await self._collection()
             return await collection.query.near_vector(
-                near_vector=vector, limit=1, distance=1 - self.threshold,
-                filters=(Filter.by_property("tenant").equal(tenant) & Filter.by_property("model").equal(model)
-                         & Filter.by_property("system").equal(digest(system))
-                         & Filter.by_property("created_at").greater_than(time.time() - self.ttl_s)),
-                return_metadata=MetadataQuery(distance=True))
+                near_vector=vector,
+                limit=1,
+                distance=1 - self.threshold,
+                filters=(
+                    Filter.by_property("tenant").equal(tenant)
+                    & Filter.by_property("model").equal(model)
+                    & Filter.by_property("system").equal(digest(system))
+                    & Filter.by_property("created_at").greater_than(time.time() - self.ttl_s)
+                ),
+                return_metadata=MetadataQuery(distance=True),
+            )
 
         try:
             found = await self._bounded(query, self.timeout_s)
@@ -172,32 +204,55 @@ class SemanticCache:
         for obj in found.objects:
             p = obj.properties
             similarity = 1 - float(obj.metadata.distance)
-            if (p.get("tenant"), p.get("model"), p.get("system") or "") != (tenant, model, digest(system)) \
-                    or similarity < self.threshold:
+            if (p.get("tenant"), p.get("model"), p.get("system") or "") != (
+                tenant,
+                model,
+                digest(system),
+            ) or similarity < self.threshold:
                 continue
             chunks = sealing.open_text(p["chunks"])
             if chunks is None:  # its tenant was erased
                 continue
             self.metrics.cache.labels("semantic", "hit").inc()
-            return Hit(Entry(chunks=json.loads(chunks), finish_reason=p["finish_reason"],
-                             prompt_tokens=int(p["prompt_tokens"]), completion_tokens=int(p["completion_tokens"]),
-                             request_id=p["request_id"]), similarity)
+            return Hit(
+                Entry(
+                    chunks=json.loads(chunks),
+                    finish_reason=p["finish_reason"],
+                    prompt_tokens=int(p["prompt_tokens"]),
+                    completion_tokens=int(p["completion_tokens"]),
+                    request_id=p["request_id"],
+                ),
+                similarity,
+            )
         self.metrics.cache.labels("semantic", "miss").inc()
         return None
 
-    async def store(self, tenant: str, model: str, system: str, prompt: str, vector: list[float],
-                    entry: Entry) -> None:
-        if entry.finish_reason not in ("stop", "length") or sum(len(c) for c in entry.chunks) > self.max_chars:
+    async def store(
+        self, tenant: str, model: str, system: str, prompt: str, vector: list[float], entry: Entry
+    ) -> None:
+        if (
+            entry.finish_reason not in ("stop", "length")
+            or sum(len(c) for c in entry.chunks) > self.max_chars
+        ):
             return
 
         async def insert():
             collection = await self._collection()
             await collection.data.insert(
-                {"tenant": tenant, "model": model, "system": digest(system),
-                 "prompt": sealing.seal_text(tenant, "", prompt),
-                 "chunks": sealing.seal_text(tenant, "", json.dumps(entry.chunks)), "finish_reason": entry.finish_reason,
-                 "request_id": entry.request_id, "prompt_tokens": entry.prompt_tokens,
-                 "completion_tokens": entry.completion_tokens, "created_at": time.time()}, vector=vector)
+                {
+                    "tenant": tenant,
+                    "model": model,
+                    "system": digest(system),
+                    "prompt": sealing.seal_text(tenant, "", prompt),
+                    "chunks": sealing.seal_text(tenant, "", json.dumps(entry.chunks)),
+                    "finish_reason": entry.finish_reason,
+                    "request_id": entry.request_id,
+                    "prompt_tokens": entry.prompt_tokens,
+                    "completion_tokens": entry.completion_tokens,
+                    "created_at": time.time(),
+                },
+                vector=vector,
+            )
             return True
 
         if await self._bounded(insert, max(STORE_TIMEOUT_S, self.timeout_s)) is _SKIPPED:

@@ -18,12 +18,28 @@ from schemas import Completion
 from schemas import keys as K
 
 
-def completion_of(rid: str, created: int, model: str, done: Completion, metadata: dict[str, str]) -> dict[str, Any]:
-    calls = [{"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
-             for c in done.tool_calls]
-    body = api.completion_body(api.completion_id(rid), created, model, done.text,
-                               api.finish_reason_for_client(done.finish_reason), done.usage.prompt_tokens,
-                               done.usage.completion_tokens, done.usage.cached_tokens, tool_calls=calls)
+def completion_of(
+    rid: str, created: int, model: str, done: Completion, metadata: dict[str, str]
+) -> dict[str, Any]:
+    calls = [
+        {
+            "id": c.id,
+            "type": "function",
+            "function": {"name": c.function.name, "arguments": c.function.arguments},
+        }
+        for c in done.tool_calls
+    ]
+    body = api.completion_body(
+        api.completion_id(rid),
+        created,
+        model,
+        done.text,
+        api.finish_reason_for_client(done.finish_reason),
+        done.usage.prompt_tokens,
+        done.usage.completion_tokens,
+        done.usage.cached_tokens,
+        tool_calls=calls,
+    )
     return {**body, "metadata": metadata, "request_id": None, "service_tier": "default"}
 
 
@@ -37,11 +53,14 @@ class StoredChats:
 
     def _store(self):
         if self.redis is None:
-            raise api.unavailable("Stored completions need the durable store, which this gateway has not got.")
+            raise api.unavailable(
+                "Stored completions need the durable store, which this gateway has not got."
+            )
         return self.redis
 
-    async def keep(self, tenant: str, scope: str, rid: str, completion: dict[str, Any],
-                   messages: list[dict[str, Any]]) -> None:
+    async def keep(
+        self, tenant: str, scope: str, rid: str, completion: dict[str, Any], messages: list[dict[str, Any]]
+    ) -> None:
         """Keep a completion (`scope`: the conversation its events were sealed under)."""
         record = {"tenant": tenant, "scope": scope, "completion": completion, "messages": messages}
         async with self._store().pipeline(transaction=True) as pipe:

@@ -95,13 +95,19 @@ def check_schema(schema: dict[str, Any], param: str) -> None:
     if len(json.dumps(schema)) > MAX_SCHEMA_BYTES:
         raise BadField(f"schema is larger than {MAX_SCHEMA_BYTES} bytes", param)
     try:
-        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
+        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(
+            schema
+        )
     except jsonschema.SchemaError as exc:
         raise BadField(f"Invalid schema: {exc.message}", param) from None
 
 
-def output_spec(tools: list[Tool] | None, choice: ToolChoice | None, parallel: bool | None,
-                response_format: ResponseFormat | None) -> OutputSpec:
+def output_spec(
+    tools: list[Tool] | None,
+    choice: ToolChoice | None,
+    parallel: bool | None,
+    response_format: ResponseFormat | None,
+) -> OutputSpec:
     """The checked OutputSpec of a request, or BadField (a 400 naming the field)."""
     tools = tools or []
     if len(tools) > MAX_TOOLS:
@@ -116,10 +122,20 @@ def output_spec(tools: list[Tool] | None, choice: ToolChoice | None, parallel: b
         if fn.parameters is not None:
             check_schema(fn.parameters, f"tools[{i}].function.parameters")
             if fn.parameters.get("type", "object") != "object":
-                raise BadField("function parameters must be a JSON schema of type object",
-                               f"tools[{i}].function.parameters")
-        specs.append(ToolSpec(function=FunctionSpec(name=fn.name, description=fn.description or "",
-                                                    parameters=fn.parameters, strict=bool(fn.strict))))
+                raise BadField(
+                    "function parameters must be a JSON schema of type object",
+                    f"tools[{i}].function.parameters",
+                )
+        specs.append(
+            ToolSpec(
+                function=FunctionSpec(
+                    name=fn.name,
+                    description=fn.description or "",
+                    parameters=fn.parameters,
+                    strict=bool(fn.strict),
+                )
+            )
+        )
     spec = OutputSpec(tools=specs, parallel_tool_calls=True if parallel is None else parallel)
     if choice is None:
         spec.tool_choice = "auto" if tools else "none"
@@ -129,7 +145,9 @@ def output_spec(tools: list[Tool] | None, choice: ToolChoice | None, parallel: b
         spec.tool_choice = choice
     elif isinstance(choice, NamedToolChoice):
         if choice.function.name not in names:
-            raise BadField(f"tool_choice names {choice.function.name!r}, which is not in tools", "tool_choice")
+            raise BadField(
+                f"tool_choice names {choice.function.name!r}, which is not in tools", "tool_choice"
+            )
         spec.tool_choice, spec.tool_name = "function", choice.function.name
     else:
         allowed = [t.function.name for t in choice.allowed_tools.tools]
@@ -162,7 +180,9 @@ def check_tool_messages(messages: list, continued: bool) -> None:
             if not msg.tool_call_id:
                 raise BadField("a tool message needs tool_call_id", f"messages[{i}].tool_call_id")
             if msg.tool_call_id not in made and not continued:
-                raise BadField(f"tool message answers {msg.tool_call_id!r}, a call no earlier assistant "
-                               "message made", f"messages[{i}].tool_call_id")
+                raise BadField(
+                    f"tool message answers {msg.tool_call_id!r}, a call no earlier assistant message made",
+                    f"messages[{i}].tool_call_id",
+                )
         elif msg.tool_calls and msg.role != "assistant":
             raise BadField("only assistant messages carry tool_calls", f"messages[{i}].tool_calls")

@@ -18,8 +18,10 @@ from schemas.ids import new_file_id, new_vector_store_id
 
 
 def _text(raw: dict) -> dict[str, str]:
-    return {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
-            for k, v in raw.items()}
+    return {
+        (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+        for k, v in raw.items()
+    }
 
 
 class QuotaExceeded(Exception):
@@ -37,11 +39,19 @@ class Uploads:
         used = await self.redis.incrby(K.tenant_file_bytes(tenant), len(data))
         if used > self.tenant_max_bytes:
             await self.redis.decrby(K.tenant_file_bytes(tenant), len(data))
-            raise QuotaExceeded(f"Your files would take {used:,} bytes; each tenant may keep "
-                                f"{self.tenant_max_bytes:,}. Delete files you no longer need.")
+            raise QuotaExceeded(
+                f"Your files would take {used:,} bytes; each tenant may keep "
+                f"{self.tenant_max_bytes:,}. Delete files you no longer need."
+            )
         file_id, now = new_file_id(), int(time.time())
-        record = {"id": file_id, "tenant": tenant, "filename": filename, "purpose": purpose,
-                  "bytes": str(len(data)), "created_at": str(now)}
+        record = {
+            "id": file_id,
+            "tenant": tenant,
+            "filename": filename,
+            "purpose": purpose,
+            "bytes": str(len(data)),
+            "created_at": str(now),
+        }
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.set(K.file_data(file_id), sealing.seal_stored(tenant, "", data))
             pipe.hset(K.file_record(file_id), mapping=record)
@@ -84,11 +94,18 @@ class Uploads:
 
     # ------------------------------------------------------------------ vector stores
 
-    async def create_store(self, tenant: str, name: str, description: str,
-                           metadata: dict[str, str]) -> dict[str, str]:
+    async def create_store(
+        self, tenant: str, name: str, description: str, metadata: dict[str, str]
+    ) -> dict[str, str]:
         vs_id, now = new_vector_store_id(), int(time.time())
-        record = {"id": vs_id, "tenant": tenant, "name": name, "description": description,
-                  "metadata": json.dumps(metadata), "created_at": str(now)}
+        record = {
+            "id": vs_id,
+            "tenant": tenant,
+            "name": name,
+            "description": description,
+            "metadata": json.dumps(metadata),
+            "created_at": str(now),
+        }
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(K.vector_store(vs_id), mapping=record)
             pipe.zadd(K.tenant_vector_stores(tenant), {vs_id: time.time()})
@@ -127,9 +144,19 @@ class Uploads:
         """Record `file` as in progress in the store under a new generation (a new add of a file
         already there starts it again); returns the entry."""
         now = int(time.time())
-        entry = {"file_id": file["id"], "status": IN_PROGRESS, "generation": secrets.token_hex(8),
-                 "created_at": str(now), "tenant": file["tenant"], "filename": file["filename"],
-                 "bytes": file["bytes"], "chunks": "0", "error_code": "", "error": "", "updated_at": str(now)}
+        entry = {
+            "file_id": file["id"],
+            "status": IN_PROGRESS,
+            "generation": secrets.token_hex(8),
+            "created_at": str(now),
+            "tenant": file["tenant"],
+            "filename": file["filename"],
+            "bytes": file["bytes"],
+            "chunks": "0",
+            "error_code": "",
+            "error": "",
+            "updated_at": str(now),
+        }
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.delete(K.store_file(vs_id, file["id"]))
             pipe.hset(K.store_file(vs_id, file["id"]), mapping=entry)

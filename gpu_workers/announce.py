@@ -36,8 +36,11 @@ class Announcer:
             log.warning("worker: cannot check %s (%s): not announcing prefixes", KV_PREFIXES.name, exc)
             self.enabled = False
         if not self.enabled:
-            log.warning("worker: topic %s does not exist (`tokenstream topics apply`): not announcing prefixes; "
-                        "routers route this model's turns without them", KV_PREFIXES.name)
+            log.warning(
+                "worker: topic %s does not exist (`tokenstream topics apply`): not announcing prefixes; "
+                "routers route this model's turns without them",
+                KV_PREFIXES.name,
+            )
 
     async def held(self, request: InferenceRequest, answer: str) -> None:
         """The answer of `request` ended in text: its messages plus the answer are in the cache now."""
@@ -45,24 +48,43 @@ class Announcer:
             return  # (a turn with tools continues with calls and results: not a plain next turn)
         messages = [*request.messages, ChatMessage(role="assistant", content=answer)]
         digest = conversation_digest(request.tenant, self.model, messages)
-        event = PrefixHeld(request_id=request.request_id, conversation_id=request.conversation_id,
-                           tenant=request.tenant, model=self.model, worker_id=self.worker_id, digest=digest)
+        event = PrefixHeld(
+            request_id=request.request_id,
+            conversation_id=request.conversation_id,
+            tenant=request.tenant,
+            model=self.model,
+            worker_id=self.worker_id,
+            digest=digest,
+        )
         await publish(self.producer, KV_PREFIXES, event, key=digest, wait=False)
 
     async def load(self, partitions: list[int], running: int, waiting: int, max_running: int) -> None:
         if not self.enabled:
             return
-        event = WorkerLoad(request_id=f"load-{self.worker_id}", model=self.model, worker_id=self.worker_id,
-                           partitions=sorted(partitions), running=running, waiting=waiting, max_running=max_running)
-        await publish(self.producer, KV_PREFIXES, event, key=f"load:{self.model}:{self.worker_id}", wait=False)
+        event = WorkerLoad(
+            request_id=f"load-{self.worker_id}",
+            model=self.model,
+            worker_id=self.worker_id,
+            partitions=sorted(partitions),
+            running=running,
+            waiting=waiting,
+            max_running=max_running,
+        )
+        await publish(
+            self.producer, KV_PREFIXES, event, key=f"load:{self.model}:{self.worker_id}", wait=False
+        )
 
     async def heartbeat(self, worker, stop: asyncio.Event, interval_s: float = 1.0) -> None:
         """Every `interval_s`: this worker's partitions of its topic and its batch."""
         while self.enabled and not stop.is_set():
             try:
                 tps = worker.consumer.assignment()
-                await self.load([tp.partition for tp in tps if tp.topic == worker.spec.name],
-                                len(worker.engine.running), worker.engine.queued, worker.engine.max_running)
+                await self.load(
+                    [tp.partition for tp in tps if tp.topic == worker.spec.name],
+                    len(worker.engine.running),
+                    worker.engine.queued,
+                    worker.engine.max_running,
+                )
             except Exception as exc:  # noqa: BLE001 - the broker may be away: the next beat tries again
                 log.debug("worker: heartbeat not sent: %s", exc)
             try:

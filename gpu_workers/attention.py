@@ -59,16 +59,30 @@ class StepPlan:
     positions: torch.Tensor  # [T] its position in the slot
     segments: list[Segment] = field(default_factory=list)
     chunks: list[Chunk] = field(default_factory=list)
-    kernel: tuple[torch.Tensor, torch.Tensor] | None = None  # the decoding rows' (slots, lengths) for the CPU kernel
+    kernel: tuple[torch.Tensor, torch.Tensor] | None = (
+        None  # the decoding rows' (slots, lengths) for the CPU kernel
+    )
     _moved: dict = field(default_factory=dict)
 
     @classmethod
-    def build(cls, pool: list[torch.Tensor], decodes: list[tuple[int, int]], chunks: list[Chunk],
-              token_slots: list[int], token_positions: list[int], device, kernel: bool = False) -> StepPlan:
+    def build(
+        cls,
+        pool: list[torch.Tensor],
+        decodes: list[tuple[int, int]],
+        chunks: list[Chunk],
+        token_slots: list[int],
+        token_positions: list[int],
+        device,
+        kernel: bool = False,
+    ) -> StepPlan:
         """decodes: (slot, length after this token) of the decoding rows, in slot order (packed first).
         kernel: the CPU decode kernel serves them (one call per layer, no segments)."""
-        plan = cls(pool, torch.tensor(token_slots, device=device), torch.tensor(token_positions, device=device),
-                   chunks=chunks)
+        plan = cls(
+            pool,
+            torch.tensor(token_slots, device=device),
+            torch.tensor(token_positions, device=device),
+            chunks=chunks,
+        )
         if kernel and decodes:
             plan.kernel = (torch.tensor([s for s, _ in decodes]), torch.tensor([n for _, n in decodes]))
             return plan
@@ -93,8 +107,11 @@ class StepPlan:
                 lengths[slot - lo] = n
             mask = None
             if min(lengths) < longest:
-                mask = (torch.arange(longest).view(1, -1) < torch.tensor(lengths).view(-1, 1)).view(
-                    hi - lo, 1, 1, longest).to(device)
+                mask = (
+                    (torch.arange(longest).view(1, -1) < torch.tensor(lengths).view(-1, 1))
+                    .view(hi - lo, 1, 1, longest)
+                    .to(device)
+                )
             where = None if dense else torch.tensor([s - lo for s, _ in g], device=device)
             plan.segments.append(Segment(lo, hi, longest, a, a + len(g), where, mask))
             a += len(g)
@@ -116,8 +133,9 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     if plan is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                                      **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
     dev = query.device
     pool = plan.pool[module.layer_idx]
     heads, kv_heads, dim = query.shape[1], key.shape[1], query.shape[3]
@@ -130,19 +148,19 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     if plan.kernel is not None:
         # 2. decoding rows (packed first): one call, each over its own slot's keys
         slots, lengths = plan.kernel
-        scale = scaling if scaling is not None else dim ** -0.5
-        outs.append(torch.ops.tokenstream.decode_attention(q_all[:len(slots)], pool, slots, lengths, scale))
+        scale = scaling if scaling is not None else dim**-0.5
+        outs.append(torch.ops.tokenstream.decode_attention(q_all[: len(slots)], pool, slots, lengths, scale))
     for s in plan.segments:
         # 2. decoding rows: one call per slot range, read in place
         span = s.hi - s.lo
-        q = q_all[s.a:s.b]
+        q = q_all[s.a : s.b]
         if s.where is not None:
             full = q.new_zeros(span, heads, dim)
             full[plan.on(s.where, dev)] = q
             q = full
         q = q.reshape(span, kv_heads, group, dim)  # the query heads of a kv head as its query positions
-        k = pool[s.lo:s.hi, 0, :, :s.longest]
-        v = pool[s.lo:s.hi, 1, :, :s.longest]
+        k = pool[s.lo : s.hi, 0, :, : s.longest]
+        v = pool[s.lo : s.hi, 1, :, : s.longest]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.on(s.mask, dev), scale=scaling)
         o = o.reshape(span, heads, dim)
         outs.append(o if s.where is None else o[plan.on(s.where, dev)])
@@ -150,10 +168,15 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         # 3. prefill chunks: each over its slot's keys 0..end
         end = c.start + c.b - c.a
         kv = pool[c.slot]
-        o = F.scaled_dot_product_attention(query[:, :, c.a:c.b], kv[0, :, :end].unsqueeze(0),
-                                           kv[1, :, :end].unsqueeze(0), attn_mask=plan.on(c.mask, dev),
-                                           is_causal=c.mask is None and c.b - c.a > 1, scale=scaling,
-                                           enable_gqa=True)
+        o = F.scaled_dot_product_attention(
+            query[:, :, c.a : c.b],
+            kv[0, :, :end].unsqueeze(0),
+            kv[1, :, :end].unsqueeze(0),
+            attn_mask=plan.on(c.mask, dev),
+            is_causal=c.mask is None and c.b - c.a > 1,
+            scale=scaling,
+            enable_gqa=True,
+        )
         outs.append(o[0].transpose(0, 1))
     out = torch.cat(outs) if len(outs) > 1 else outs[0]
     return out.unsqueeze(0), None

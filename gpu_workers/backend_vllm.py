@@ -49,11 +49,22 @@ _REASONS = {"stop": "stop", "length": "length"}
 class VllmEngine(Intake, TextStream):
     """The seam (add, cancel, abort, step, has_work, queued, running, tokenizer, eos_ids) over vLLM."""
 
-    def __init__(self, folder: Path, *, dtype: str = "auto", max_running: int | None = None,
-                 prefill_chunk: int | None = None,
-                 max_model_len: int = 2048, metrics=None, prefix_cache: bool = True, seed: int = 0,
-                 block_size: int | None = None, enforce_eager: bool = False, tensor_parallel_size: int = 1,
-                 pipeline_parallel_size: int = 1) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        *,
+        dtype: str = "auto",
+        max_running: int | None = None,
+        prefill_chunk: int | None = None,
+        max_model_len: int = 2048,
+        metrics=None,
+        prefix_cache: bool = True,
+        seed: int = 0,
+        block_size: int | None = None,
+        enforce_eager: bool = False,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+    ) -> None:
         from transformers import AutoTokenizer, GenerationConfig
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
@@ -74,12 +85,22 @@ class VllmEngine(Intake, TextStream):
             limits["max_num_seqs"] = max_running
         if prefill_chunk is not None:
             limits["max_num_batched_tokens"] = prefill_chunk + (max_running or 0)
-        args = EngineArgs(model=str(folder), tokenizer=str(folder), dtype=dtype, max_model_len=max_model_len,
-                          enable_prefix_caching=prefix_cache, scheduling_policy="priority", seed=seed,
-                          disable_log_stats=True, structured_outputs_config={"backend": "guidance"},
-                          block_size=block_size, enforce_eager=enforce_eager,
-                          tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
-                          **limits)
+        args = EngineArgs(
+            model=str(folder),
+            tokenizer=str(folder),
+            dtype=dtype,
+            max_model_len=max_model_len,
+            enable_prefix_caching=prefix_cache,
+            scheduling_policy="priority",
+            seed=seed,
+            disable_log_stats=True,
+            structured_outputs_config={"backend": "guidance"},
+            block_size=block_size,
+            enforce_eager=enforce_eager,
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            **limits,
+        )
         self.llm = LLMEngine.from_engine_args(args)
         self.dtype = str(self.llm.vllm_config.model_config.dtype).removeprefix("torch.")
         scheduler = self.llm.vllm_config.scheduler_config
@@ -136,13 +157,21 @@ class VllmEngine(Intake, TextStream):
         if seq.grammar is not None and not seq.generated and seq.grammar.text:
             constraint = StructuredOutputsParams(grammar=seq.grammar.text)
         greedy = seq.temperature <= 0
-        params = SamplingParams(n=1, temperature=0.0 if greedy else seq.temperature,
-                                top_p=1.0 if greedy else seq.top_p, seed=None if greedy else seq.seed,
-                                max_tokens=seq.max_tokens - len(seq.generated), detokenize=False,
-                                skip_special_tokens=False, output_kind=RequestOutputKind.DELTA,
-                                structured_outputs=constraint, presence_penalty=seq.presence_penalty,
-                                frequency_penalty=seq.frequency_penalty, logit_bias=seq.logit_bias or None,
-                                logprobs=seq.logprobs)
+        params = SamplingParams(
+            n=1,
+            temperature=0.0 if greedy else seq.temperature,
+            top_p=1.0 if greedy else seq.top_p,
+            seed=None if greedy else seq.seed,
+            max_tokens=seq.max_tokens - len(seq.generated),
+            detokenize=False,
+            skip_special_tokens=False,
+            output_kind=RequestOutputKind.DELTA,
+            structured_outputs=constraint,
+            presence_penalty=seq.presence_penalty,
+            frequency_penalty=seq.frequency_penalty,
+            logit_bias=seq.logit_bias or None,
+            logprobs=seq.logprobs,
+        )
         prompt = {"prompt_token_ids": seq.all_ids}
         if seq.tenant:
             prompt["cache_salt"] = seq.tenant
@@ -188,14 +217,24 @@ class VllmEngine(Intake, TextStream):
         for i, token in enumerate(tokens):
             if self._vid.get(seq) is None:
                 return  # ended by the last token (EOS, stop string, max_tokens)
-            self._append(seq, token, now, outputs, _reported(done.logprobs, i, seq.logprobs, done.token_ids[i]))
+            self._append(
+                seq, token, now, outputs, _reported(done.logprobs, i, seq.logprobs, done.token_ids[i])
+            )
         if ro.finished and self._vid.get(seq) is not None:  # vLLM ended it for a reason of its own
             self._emit(seq, self._final_text(seq), outputs)
             reason = _REASONS.get(done.finish_reason or "", "error")
-            self._finish(seq, reason, outputs, error=None if reason != "error" else
-                         f"vllm ended the request: {done.finish_reason} {done.stop_reason or ''}".strip())
+            self._finish(
+                seq,
+                reason,
+                outputs,
+                error=None
+                if reason != "error"
+                else f"vllm ended the request: {done.finish_reason} {done.stop_reason or ''}".strip(),
+            )
 
-    def _finish(self, seq: Sequence, reason: str | None, outputs: list[Output], error: str | None = None) -> None:
+    def _finish(
+        self, seq: Sequence, reason: str | None, outputs: list[Output], error: str | None = None
+    ) -> None:
         seq.finished_at = time.time()
         seq.finish_reason = reason
         vid = self._vid.pop(seq, None)

@@ -67,8 +67,15 @@ def build(verbose: bool = False) -> Path:
     bin_dir = str(Path(sys.executable).parent)  # the venv's ninja, also when the venv is not activated
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-    cpp_extension.load(NAME, [str(p) for p in SOURCES], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
-                       build_directory=str(folder), is_python_module=False, verbose=verbose)
+    cpp_extension.load(
+        NAME,
+        [str(p) for p in SOURCES],
+        extra_cflags=FLAGS,
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(folder),
+        is_python_module=False,
+        verbose=verbose,
+    )
     return library()
 
 
@@ -78,8 +85,10 @@ def available() -> bool:
     if _loaded is None:
         _loaded = False
         if not library().exists():
-            log.warning("CPU kernels not built (run `make setup` or `python -m gpu_workers.cpu_kernels`): "
-                        "decoding rows use SDPA, layers torch's ops, slower")
+            log.warning(
+                "CPU kernels not built (run `make setup` or `python -m gpu_workers.cpu_kernels`): "
+                "decoding rows use SDPA, layers torch's ops, slower"
+            )
         else:
             try:
                 torch.ops.load_library(str(library()))
@@ -104,8 +113,10 @@ def main() -> int:
     try:
         path = build()
     except Exception as e:  # noqa: BLE001 - the engine runs without them; say why
-        print(f"cpu kernels: not built ({type(e).__name__}: {e}); the engine will use torch's own ops",
-              file=sys.stderr)
+        print(
+            f"cpu kernels: not built ({type(e).__name__}: {e}); the engine will use torch's own ops",
+            file=sys.stderr,
+        )
         return 0
     print(f"cpu kernels: built in {time.monotonic() - t0:.0f} s ({path})")
     return 0

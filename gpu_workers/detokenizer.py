@@ -25,7 +25,7 @@ class Detokenizer:
         self.text = self._decode(self.ids)
         while self.text.endswith("\ufffd") and self.read_offset > 0:  # a split character at the end
             self.read_offset -= 1
-            self.text = self._decode(self.ids[:self.read_offset])
+            self.text = self._decode(self.ids[: self.read_offset])
         self.prefix_offset = max(0, self.read_offset - WINDOW)
 
     def _decode(self, ids: list[int]) -> str:
@@ -34,11 +34,11 @@ class Detokenizer:
     def add(self, token: int) -> str:
         """Append one token; returns the text it completed (possibly "")."""
         self.ids.append(token)
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset:])
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""  # nothing visible yet (a special token, or an incomplete character)
-        new = full[len(prefix):]
+        new = full[len(prefix) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         self.text += new
         return new

@@ -44,13 +44,26 @@ from gpu_workers.streaming import TextStream
 
 __all__ = ["Engine", "Output", "Sequence"]
 
-_NO_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)  # a 4D mask is passed through untouched; attention masks per row
+_NO_MASK = torch.ones(
+    1, 1, 1, 1, dtype=torch.bool
+)  # a 4D mask is passed through untouched; attention masks per row
 
 
 class Engine(Intake, TextStream):
-    def __init__(self, model, tokenizer, cache: PagedKVCache, *, max_running: int = 32,
-                 prefill_chunk: int = 256, max_model_len: int = 2048, metrics=None,
-                 prefix_cache: bool | int = True, packed_linears: bool = True, cpu_kernels: bool = True) -> None:
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        cache: PagedKVCache,
+        *,
+        max_running: int = 32,
+        prefill_chunk: int = 256,
+        max_model_len: int = 2048,
+        metrics=None,
+        prefix_cache: bool | int = True,
+        packed_linears: bool = True,
+        cpu_kernels: bool = True,
+    ) -> None:
         """prefix_cache: True (a pool of half the KV budget's pages), a number of pages, or False/0 (off).
         packed_linears: the step's linear layers on weights prepacked for oneDNN (CPU; linears.py).
         cpu_kernels: on a CPU where they are built (cpu_kernels.py), decoding rows attended by the engine's
@@ -82,9 +95,14 @@ class Engine(Intake, TextStream):
         pages = cache.allocator.num_blocks // 2 if prefix_cache is True else int(prefix_cache)
         self.prefix_cache = PrefixCache(cache, pages) if pages > 0 else None
         self.slots = SlotPool(cache, max_running, self.max_model_len)
-        self.decode_kernel = cpu_kernels and available() and all(
-            t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            for t in self.slots.layers)
+        self.decode_kernel = (
+            cpu_kernels
+            and available()
+            and all(
+                t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16, torch.float16)
+                for t in self.slots.layers
+            )
+        )
         self._mask_cache: dict[tuple[int, int], torch.Tensor] = {}
 
     # ---- called from any thread ----
@@ -170,7 +188,9 @@ class Engine(Intake, TextStream):
         budget = self.prefill_chunk
         decodes: list[tuple[Sequence, int]] = []
         chunks: list[tuple[Sequence, int]] = []
-        busy = {k for s in self.running if s.matched and s.pending > 1 for k in s.page_keys}  # being prefilled
+        busy = {
+            k for s in self.running if s.matched and s.pending > 1 for k in s.page_keys
+        }  # being prefilled
         for seq in self.running:
             if not seq.matched and (budget > 0 or seq.pending <= 1):
                 if self._sibling_prefills(seq, busy):
@@ -189,7 +209,7 @@ class Engine(Intake, TextStream):
         return decodes + chunks
 
     def _sibling_prefills(self, seq: Sequence, busy: set[bytes]) -> bool:
-        keys = seq.page_keys[:(seq.pending - 1) // self.cache.block_size]
+        keys = seq.page_keys[: (seq.pending - 1) // self.cache.block_size]
         n = self.prefix_cache.cached(keys)
         return n < len(keys) and keys[n] in busy
 
@@ -232,13 +252,16 @@ class Engine(Intake, TextStream):
             self._take_pages(seq, start + n)
             a = len(ids)
             if n == 1:
-                ids.append(seq.prompt_ids[start] if start < len(seq.prompt_ids)
-                           else seq.generated[start - len(seq.prompt_ids)])
+                ids.append(
+                    seq.prompt_ids[start]
+                    if start < len(seq.prompt_ids)
+                    else seq.generated[start - len(seq.prompt_ids)]
+                )
                 pos.append(start)
                 slots.append(seq.slot)
                 decodes.append((seq.slot, start + 1))
             else:
-                ids += seq.all_ids[start:start + n]
+                ids += seq.all_ids[start : start + n]
                 pos += range(start, start + n)
                 slots += [seq.slot] * n
                 chunks.append(Chunk(seq.slot, a, a + n, start, self._mask(start, n)))
@@ -249,15 +272,22 @@ class Engine(Intake, TextStream):
             if self.llama_step is not None:
                 hidden = self.llama_step(torch.tensor(ids, device=dev), plan.positions, plan)
             else:
-                out = self.decoder(input_ids=torch.tensor([ids], device=dev), position_ids=plan.positions.unsqueeze(0),
-                                   attention_mask=_NO_MASK.to(dev), use_cache=False, ts_plan=plan)
+                out = self.decoder(
+                    input_ids=torch.tensor([ids], device=dev),
+                    position_ids=plan.positions.unsqueeze(0),
+                    attention_mask=_NO_MASK.to(dev),
+                    use_cache=False,
+                    ts_plan=plan,
+                )
                 hidden = out.last_hidden_state[0]
         to_sample = []
         for (seq, n), end in zip(rows, ends):
             seq.computed += n
             if self.prefix_cache is not None and n > 1:
                 # the full pages of the prompt (and any resumed tokens) prefilled so far may serve others
-                written = self.prefix_cache.store(seq.kv, seq.all_ids, seq.tenant, seq.computed, seq.page_keys)
+                written = self.prefix_cache.store(
+                    seq.kv, seq.all_ids, seq.tenant, seq.computed, seq.page_keys
+                )
                 seq.cache_written = min(seq.cache_written + written, len(seq.prompt_ids) - seq.cached_tokens)
             if seq.pending == 0:
                 to_sample.append(end - 1)
@@ -275,7 +305,9 @@ class Engine(Intake, TextStream):
         for row, (seq, token) in enumerate(zip(picked, tokens)):
             self._append(seq, token, now, outputs, reported.of(row, token))
 
-    def _finish(self, seq: Sequence, reason: str | None, outputs: list[Output], error: str | None = None) -> None:
+    def _finish(
+        self, seq: Sequence, reason: str | None, outputs: list[Output], error: str | None = None
+    ) -> None:
         seq.finished_at = time.time()
         seq.finish_reason = reason
         if seq in self.running:

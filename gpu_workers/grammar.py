@@ -92,7 +92,7 @@ def grammar_text(spec: OutputSpec, max_calls: int = MAX_PARALLEL_CALLS) -> str |
     for i, tool in enumerate(tools):
         fn = tool.function
         prefix = json.dumps(f'{{"name": "{fn.name}", "arguments": ')
-        lines.append(f"f{i}: {prefix} a{i} \"}}\"")
+        lines.append(f'f{i}: {prefix} a{i} "}}"')
         lines.append(f"a{i}: %json {_json(fn.parameters or EMPTY_OBJECT)}")
         alternatives.append(f"f{i}")
     call = f'call: "{CALL_OPEN}" ({" | ".join(alternatives)}) "{CALL_CLOSE}"'
@@ -124,7 +124,9 @@ def stop_scope(spec: OutputSpec) -> str:
 class GrammarState:
     """One request's position in its grammar."""
 
-    def __init__(self, owner: Grammars, matcher: llguidance.LLMatcher, stops: str = "all", text: str = "") -> None:
+    def __init__(
+        self, owner: Grammars, matcher: llguidance.LLMatcher, stops: str = "all", text: str = ""
+    ) -> None:
         self.owner = owner
         self.text = text  # the llguidance (lark) grammar: what a backend with its own structured outputs runs
         self.matcher = matcher
@@ -148,9 +150,17 @@ class GrammarState:
 class Grammars:
     """Compiles and caches grammars for one tokenizer; fills and applies the masks of a batch."""
 
-    def __init__(self, tokenizer, eos_ids: set[int], *, timeout_s: float = 5.0, cache_size: int = 256,
-                 threads: int = 2, max_calls: int = MAX_PARALLEL_CALLS,
-                 limits: llguidance.LLParserLimits | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        eos_ids: set[int],
+        *,
+        timeout_s: float = 5.0,
+        cache_size: int = 256,
+        threads: int = 2,
+        max_calls: int = MAX_PARALLEL_CALLS,
+        limits: llguidance.LLParserLimits | None = None,
+    ) -> None:
         self.max_calls = max_calls
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, eos_token=sorted(eos_ids) or None)
         self.vocab = self.tokenizer.vocab_size
@@ -195,12 +205,14 @@ class Grammars:
         try:
             matcher = await asyncio.wait_for(asyncio.shield(future), self.timeout_s)
         except TimeoutError:
-            raise GrammarError(f"the output grammar did not compile within {self.timeout_s:g} s "
-                               "(simplify the schema)") from None
+            raise GrammarError(
+                f"the output grammar did not compile within {self.timeout_s:g} s (simplify the schema)"
+            ) from None
         state = GrammarState(self, matcher.deep_copy(), stop_scope(spec), text)
         if consumed and not state.matcher.consume_tokens(list(consumed)):
-            raise GrammarError("the tokens already generated do not fit the grammar: "
-                               + state.matcher.get_error()[:300])
+            raise GrammarError(
+                "the tokens already generated do not fit the grammar: " + state.matcher.get_error()[:300]
+            )
         return state
 
     def mask(self, logits: torch.Tensor, states: list[GrammarState | None]) -> None:
@@ -212,7 +224,8 @@ class Grammars:
             return
         bitmask = torch.zeros(len(rows), (self.vocab + 31) // 32, dtype=torch.int32)
         llguidance.torch.fill_next_token_bitmask_par(
-            self.executor, [(states[i].matcher, j) for j, i in enumerate(rows)], bitmask)
+            self.executor, [(states[i].matcher, j) for j, i in enumerate(rows)], bitmask
+        )
         allowed = ((bitmask.unsqueeze(-1) >> self.bits) & 1).bool().view(len(rows), -1)
         for j, i in enumerate(rows):
             state = states[i]

@@ -60,8 +60,11 @@ class Handover:
         """The held partitions assigned back, by what the new assignment (joined in `generation`) makes of
         them: (kept, to check against the log); every other held partition is lost."""
         back = self.held & assigned
-        kept = {tp for tp in back if generation != NO_GENERATION
-                and self.assigned_in.get(tp, NO_GENERATION) + 1 == generation}
+        kept = {
+            tp
+            for tp in back
+            if generation != NO_GENERATION and self.assigned_in.get(tp, NO_GENERATION) + 1 == generation
+        }
         return kept, back - kept
 
     def settle(self, assigned: set[TopicPartition], generation: int, kept: set[TopicPartition]) -> Settled:

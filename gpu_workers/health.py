@@ -49,12 +49,24 @@ class WorkerHealth:
         stalled = self.stalled_s()
         stuck = stalled > self.cfg.stuck_s
         if stuck:
-            detail.append(f"engine: no step for {stalled:.0f} s with {len(self.engine.running)} running and "
-                          f"{self.engine.queued} waiting")
+            detail.append(
+                f"engine: no step for {stalled:.0f} s with {len(self.engine.running)} running and "
+                f"{self.engine.queued} waiting"
+            )
         age = s.broker_age_s()
         broker = s.broker_ok(self.cfg.broker_stale_s)
-        return Report(ready=not detail, live=not (stuck and broker), detail=detail, checks={
-            "broker": broker,
-            "broker_age_s": None if age is None else round(age, 1), "group": s.group, "member": s.member,
-            "partitions": s.partitions, "group_state": s.state, "members": s.members,
-            "engine_stalled_s": round(stalled, 1)})
+        return Report(
+            ready=not detail,
+            live=not (stuck and broker),
+            detail=detail,
+            checks={
+                "broker": broker,
+                "broker_age_s": None if age is None else round(age, 1),
+                "group": s.group,
+                "member": s.member,
+                "partitions": s.partitions,
+                "group_state": s.state,
+                "members": s.members,
+                "engine_stalled_s": round(stalled, 1),
+            },
+        )

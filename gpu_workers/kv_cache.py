@@ -50,8 +50,16 @@ class BlockAllocator:
 class PagedKVCache:
     """The KV budget (pages) and the shape of the per-request storage, per layer and device."""
 
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, devices: list[torch.device]) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        devices: list[torch.device],
+    ) -> None:
         self.block_size = block_size
         self.allocator = BlockAllocator(num_blocks)
         self.num_layers = num_layers
@@ -108,12 +116,16 @@ class PagedKVCache:
 
     def nbytes(self) -> int:
         """Bytes the whole budget holds when every page is in use."""
-        return self.capacity_tokens * self.bytes_per_token(self.num_layers, self.kv_heads, self.head_dim, self.dtype)
+        return self.capacity_tokens * self.bytes_per_token(
+            self.num_layers, self.kv_heads, self.head_dim, self.dtype
+        )
 
     def storage(self, tokens: int) -> list[torch.Tensor]:
         """One request's KV: per layer [2, kv_heads, tokens, head_dim] on that layer's device."""
-        return [torch.empty(2, self.kv_heads, tokens, self.head_dim, dtype=self.dtype, device=d)
-                for d in self.devices]
+        return [
+            torch.empty(2, self.kv_heads, tokens, self.head_dim, dtype=self.dtype, device=d)
+            for d in self.devices
+        ]
 
 
 class SlotPool:
@@ -165,8 +177,12 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS  # private: madvise(DONTNEED) gives its pages back as zeros
-    return torch.frombuffer(mmap.mmap(-1, max(size, 1), flags=private), dtype=dtype, count=math.prod(shape)).view(shape)
+    private = (
+        mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    )  # private: madvise(DONTNEED) gives its pages back as zeros
+    return torch.frombuffer(
+        mmap.mmap(-1, max(size, 1), flags=private), dtype=dtype, count=math.prod(shape)
+    ).view(shape)
 
 
 def _release(views: list[torch.Tensor]) -> bool:

@@ -46,18 +46,25 @@ def supports(model) -> bool:
     cfg = model.config
     if type(decoder) is not llama.LlamaModel or not cpu_kernels.available() or not packing_available():
         return False
-    if getattr(cfg, "hidden_act", None) != "silu" or getattr(cfg, "attention_bias", False) \
-            or getattr(cfg, "mlp_bias", False):
+    if (
+        getattr(cfg, "hidden_act", None) != "silu"
+        or getattr(cfg, "attention_bias", False)
+        or getattr(cfg, "mlp_bias", False)
+    ):
         return False
     params = list(decoder.parameters())
     dtype = params[0].dtype
-    if any(p.device.type != "cpu" or p.dtype != dtype for p in params) or dtype not in (torch.float32, torch.bfloat16):
+    if any(p.device.type != "cpu" or p.dtype != dtype for p in params) or dtype not in (
+        torch.float32,
+        torch.bfloat16,
+    ):
         return False
     for layer in decoder.layers:
         a, m = layer.self_attn, layer.mlp
         if type(layer) is not llama.LlamaDecoderLayer or any(
-                type(lin) is not torch.nn.Linear for lin in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj,
-                                                             m.up_proj, m.down_proj)):
+            type(lin) is not torch.nn.Linear
+            for lin in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
+        ):
             return False
     return True
 
@@ -90,11 +97,19 @@ class LlamaStep:
         with torch.no_grad():
             for layer in decoder.layers:
                 a, m = layer.self_attn, layer.mlp
-                self.layers.append(_Layer(
-                    a, layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                    _pack(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight),
-                    _pack(a.o_proj.weight), _pack(m.gate_proj.weight, m.up_proj.weight), _pack(m.down_proj.weight),
-                    self.heads * self.head_dim, self.kv_heads * self.head_dim))
+                self.layers.append(
+                    _Layer(
+                        a,
+                        layer.input_layernorm.weight,
+                        layer.post_attention_layernorm.weight,
+                        _pack(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight),
+                        _pack(a.o_proj.weight),
+                        _pack(m.gate_proj.weight, m.up_proj.weight),
+                        _pack(m.down_proj.weight),
+                        self.heads * self.head_dim,
+                        self.kv_heads * self.head_dim,
+                    )
+                )
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, plan) -> torch.Tensor:
@@ -106,9 +121,13 @@ class LlamaStep:
         h = ops.rms_norm(x, self.layers[0].norm_in, eps)
         for i, layer in enumerate(self.layers):
             qkv = _linear(h, layer.qkv)
-            q = qkv[:, :layer.q_size].view(1, t, self.heads, d).transpose(1, 2)
-            k = qkv[:, layer.q_size:layer.q_size + layer.kv_size].view(1, t, self.kv_heads, d).transpose(1, 2)
-            v = qkv[:, layer.q_size + layer.kv_size:].view(1, t, self.kv_heads, d).transpose(1, 2)
+            q = qkv[:, : layer.q_size].view(1, t, self.heads, d).transpose(1, 2)
+            k = (
+                qkv[:, layer.q_size : layer.q_size + layer.kv_size]
+                .view(1, t, self.kv_heads, d)
+                .transpose(1, 2)
+            )
+            v = qkv[:, layer.q_size + layer.kv_size :].view(1, t, self.kv_heads, d).transpose(1, 2)
             q, k = ops.rotary(q, k, cos, sin)
             attn, _ = paged_attention(layer.attn, q, k, v, None, scaling=layer.attn.scaling, ts_plan=plan)
             x, h = ops.add_rms_norm(x, _linear(attn.reshape(t, layer.q_size), layer.o), layer.norm_post, eps)

@@ -33,12 +33,16 @@ def shape(logits: torch.Tensor, seqs) -> None:
             if seq.generated:
                 ids = torch.tensor(seq.generated, device=logits.device)
                 counts = torch.bincount(ids[ids < vocab], minlength=vocab).to(logits.dtype)
-                logits[row] -= seq.frequency_penalty * counts + seq.presence_penalty * (counts > 0).to(logits.dtype)
+                logits[row] -= seq.frequency_penalty * counts + seq.presence_penalty * (counts > 0).to(
+                    logits.dtype
+                )
         if seq.logit_bias:
             ids = [t for t in seq.logit_bias if t < vocab]
             if ids:
                 index = torch.tensor(ids, device=logits.device)
-                bias = torch.tensor([seq.logit_bias[t] for t in ids], device=logits.device, dtype=logits.dtype)
+                bias = torch.tensor(
+                    [seq.logit_bias[t] for t in ids], device=logits.device, dtype=logits.dtype
+                )
                 logits[row].index_add_(0, index, bias)
 
 
@@ -99,8 +103,9 @@ class TokenTexts:
         out = []
         for token, logprob, top in reported:
             text, raw = self(token)
-            alternatives = [TopLogprob(token=t, bytes=b, logprob=lp) for t, b, lp in
-                            ((*self(alt), lp) for alt, lp in top)]
+            alternatives = [
+                TopLogprob(token=t, bytes=b, logprob=lp) for t, b, lp in ((*self(alt), lp) for alt, lp in top)
+            ]
             out.append(TokenLogprob(token=text, bytes=raw, logprob=logprob, top_logprobs=alternatives))
         return out
 
@@ -108,7 +113,10 @@ class TokenTexts:
 def _byte_level_alphabet() -> dict[str, int]:
     """Byte-level BPE's character for each byte (GPT-2's table, which SmolLM2, Llama 3 and Qwen share):
     printable Latin-1 bytes stand for themselves, the other bytes for the characters from U+0100 on."""
-    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
-            *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    kept = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("\u00a1"), ord("\u00ac") + 1),
+        *range(ord("\u00ae"), ord("\u00ff") + 1),
+    ]
     moved = [b for b in range(256) if b not in kept]
     return {**{chr(b): b for b in kept}, **{chr(256 + i): b for i, b in enumerate(moved)}}

@@ -17,32 +17,67 @@ class WorkerMetrics:
         self.registry = registry or CollectorRegistry()
         r, labels = self.registry, ["model_name"]
         self.model = model
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token (from request arrival)",
-                              labels, buckets=_LATENCY, registry=r)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between successive output tokens",
-                             labels, buckets=_LATENCY, registry=r)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to completion", labels,
-                             buckets=_LONG, registry=r)
-        self.queue = Histogram("vllm:request_queue_time_seconds", "Time waiting before admission", labels,
-                               buckets=_LONG, registry=r)
-        self.prefill = Histogram("vllm:request_prefill_time_seconds", "Admission to first token", labels,
-                                 buckets=_LONG, registry=r)
-        self.decode = Histogram("vllm:request_decode_time_seconds", "First token to completion", labels,
-                                buckets=_LONG, registry=r)
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Time to first token (from request arrival)",
+            labels,
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Time between successive output tokens",
+            labels,
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds", "Arrival to completion", labels, buckets=_LONG, registry=r
+        )
+        self.queue = Histogram(
+            "vllm:request_queue_time_seconds",
+            "Time waiting before admission",
+            labels,
+            buckets=_LONG,
+            registry=r,
+        )
+        self.prefill = Histogram(
+            "vllm:request_prefill_time_seconds", "Admission to first token", labels, buckets=_LONG, registry=r
+        )
+        self.decode = Histogram(
+            "vllm:request_decode_time_seconds", "First token to completion", labels, buckets=_LONG, registry=r
+        )
         self.running = Gauge("vllm:num_requests_running", "Requests in the running batch", labels, registry=r)
-        self.waiting = Gauge("vllm:num_requests_waiting", "Requests admitted to the worker, waiting", labels,
-                             registry=r)
-        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Fraction of KV pages in use (0-1)", labels, registry=r)
+        self.waiting = Gauge(
+            "vllm:num_requests_waiting", "Requests admitted to the worker, waiting", labels, registry=r
+        )
+        self.kv_usage = Gauge(
+            "vllm:kv_cache_usage_perc", "Fraction of KV pages in use (0-1)", labels, registry=r
+        )
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefilled prompt tokens", labels, registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens", labels, registry=r)
-        self.finished_total = Counter("vllm:request_success", "Finished requests by reason",
-                                      ["model_name", "finished_reason"], registry=r)
-        self.takeovers = Counter("tokenstream_worker_takeovers", "Requests resumed from another worker's tokens",
-                                 labels, registry=r)
-        self.commits = Counter("tokenstream_worker_offset_commits", "Offset commits to the inference topic",
-                               labels, registry=r)
-        self.step_seconds = Histogram("tokenstream_worker_step_seconds", "Duration of one engine step", labels,
-                                      buckets=_LATENCY, registry=r)
+        self.finished_total = Counter(
+            "vllm:request_success",
+            "Finished requests by reason",
+            ["model_name", "finished_reason"],
+            registry=r,
+        )
+        self.takeovers = Counter(
+            "tokenstream_worker_takeovers",
+            "Requests resumed from another worker's tokens",
+            labels,
+            registry=r,
+        )
+        self.commits = Counter(
+            "tokenstream_worker_offset_commits", "Offset commits to the inference topic", labels, registry=r
+        )
+        self.step_seconds = Histogram(
+            "tokenstream_worker_step_seconds",
+            "Duration of one engine step",
+            labels,
+            buckets=_LATENCY,
+            registry=r,
+        )
 
     # engine hooks
     def engine_state(self, running: int, waiting: int, kv: float) -> None:

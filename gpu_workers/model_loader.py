@@ -90,7 +90,9 @@ def cpu_computes_bf16(cpuinfo: str | None = None) -> bool:
             cpuinfo = Path("/proc/cpuinfo").read_text()
         except OSError:
             return False
-    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+    flags = next(
+        (line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), []
+    )
     return any(flag in flags for flag in BF16_CPU_FLAGS)
 
 
@@ -106,8 +108,14 @@ def resolve_dtype(dtype: str, device: str, cpuinfo: str | None = None):
     return getattr(torch, dtype)
 
 
-def load(model: str = "smollm2", model_path: Path | str | None = None, dtype: str = "auto",
-         quantization: str = "none", device: str = "auto", device_map: str | None = None) -> LoadedModel:
+def load(
+    model: str = "smollm2",
+    model_path: Path | str | None = None,
+    dtype: str = "auto",
+    quantization: str = "none",
+    device: str = "auto",
+    device_map: str | None = None,
+) -> LoadedModel:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
@@ -126,7 +134,8 @@ def load(model: str = "smollm2", model_path: Path | str | None = None, dtype: st
         logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     elif quantization == "4bit":
         kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch_dtype)
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch_dtype
+        )
         logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     if device_map == "auto" and dev.startswith("cuda") and torch.cuda.device_count() > 1:
         kwargs["device_map"] = "auto"
@@ -138,10 +147,13 @@ def load(model: str = "smollm2", model_path: Path | str | None = None, dtype: st
     with _quiet_bnb():
         loaded = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     loaded.eval()
-    t0 = _step(f"weights ({quantization}, {str(torch_dtype).removeprefix('torch.')}) on {kwargs['device_map']}", t0)
+    t0 = _step(
+        f"weights ({quantization}, {str(torch_dtype).removeprefix('torch.')}) on {kwargs['device_map']}", t0
+    )
     params = sum(p.numel() for p in loaded.parameters())
-    return LoadedModel(loaded, tokenizer, dev, str(torch_dtype).removeprefix("torch."), quantization,
-                       str(path), params)
+    return LoadedModel(
+        loaded, tokenizer, dev, str(torch_dtype).removeprefix("torch."), quantization, str(path), params
+    )
 
 
 class _quiet_bnb:

@@ -32,8 +32,10 @@ def page_hashes(tokens: list[int], tenant: str, block_size: int, pages: int | No
     parent = hashlib.blake2b(b"tenant:" + tenant.encode(), digest_size=16).digest()
     out = []
     for i in range(n):
-        chunk = tokens[i * block_size:(i + 1) * block_size]
-        parent = hashlib.blake2b(parent + b"".join(t.to_bytes(4, "little") for t in chunk), digest_size=16).digest()
+        chunk = tokens[i * block_size : (i + 1) * block_size]
+        parent = hashlib.blake2b(
+            parent + b"".join(t.to_bytes(4, "little") for t in chunk), digest_size=16
+        ).digest()
         out.append(parent)
     return out
 
@@ -43,8 +45,10 @@ class PrefixCache:
         self.block_size = cache.block_size
         self.num_pages = num_pages
         size = num_pages * cache.block_size
-        self.pool = [torch.empty(2, cache.kv_heads, size, cache.head_dim, dtype=cache.dtype, device=d)
-                     for d in cache.devices]
+        self.pool = [
+            torch.empty(2, cache.kv_heads, size, cache.head_dim, dtype=cache.dtype, device=d)
+            for d in cache.devices
+        ]
         self.table: OrderedDict[bytes, int] = OrderedDict()  # key -> page, least recently used first
         self.free = list(range(num_pages - 1, -1, -1))
         self.hit_tokens = 0
@@ -92,13 +96,19 @@ class PrefixCache:
             kv[layer][:, :, :n] = pool.index_select(2, self._slots(pages, pool.device))
         return n
 
-    def store(self, kv: list[torch.Tensor], tokens: list[int], tenant: str, upto: int,
-              keys: list[bytes] | None = None) -> int:
+    def store(
+        self,
+        kv: list[torch.Tensor],
+        tokens: list[int],
+        tenant: str,
+        upto: int,
+        keys: list[bytes] | None = None,
+    ) -> int:
         """Keep the full pages of tokens[:upto] (their KV is in `kv`) that are not cached yet; returns
         the tokens written."""
         n = upto // self.block_size
         keys = page_hashes(tokens, tenant, self.block_size, n) if keys is None or len(keys) < n else keys[:n]
-        new = [(i, k) for i, k in enumerate(keys) if k not in self.table][:self.num_pages]
+        new = [(i, k) for i, k in enumerate(keys) if k not in self.table][: self.num_pages]
         for k in keys:
             if k in self.table:
                 self.table.move_to_end(k)

@@ -49,9 +49,13 @@ class TokenLog:
         self._lock = asyncio.Lock()
 
     async def start(self) -> None:
-        self._consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, **kafka_auth.client_options(),
-                                          group_id=None,
-                                          enable_auto_commit=False, isolation_level="read_committed")
+        self._consumer = AIOKafkaConsumer(
+            bootstrap_servers=self.bootstrap,
+            **kafka_auth.client_options(),
+            group_id=None,
+            enable_auto_commit=False,
+            isolation_level="read_committed",
+        )
         await self._consumer.start()
 
     async def stop(self) -> None:
@@ -109,6 +113,11 @@ class TokenLog:
                 emitted.chunks.append(chunks[n])
                 n += 1
         resumed = sum(1 for e in result.values() if e.chunks)
-        log.info("takeover of %d requests: one read of %d tokens partitions, %d had chunks, %d completions found",
-                 len(result), len(since), resumed, len(completions))
+        log.info(
+            "takeover of %d requests: one read of %d tokens partitions, %d had chunks, %d completions found",
+            len(result),
+            len(since),
+            resumed,
+            len(completions),
+        )
         return result

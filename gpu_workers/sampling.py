@@ -64,7 +64,9 @@ def sample(logits: torch.Tensor, params: list[tuple[float, float, int, int]]) ->
         drop_sorted[:, 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         logp = logp.masked_fill(drop, float("-inf"))
-    seeds = torch.tensor([token_seed(params[i][2], params[i][3]) for i in rows], dtype=torch.int64, device=dev)
+    seeds = torch.tensor(
+        [token_seed(params[i][2], params[i][3]) for i in rows], dtype=torch.int64, device=dev
+    )
     gumbel = -torch.log(-torch.log(hashed_uniform(seeds, logits.shape[-1])))
     picked = (logp.double() + gumbel).argmax(-1)
     out[idx] = picked

@@ -72,8 +72,14 @@ class _Rebalance(ConsumerRebalanceListener):
 
 
 class Worker:
-    def __init__(self, cfg: WorkerConfig, engine: Backend, metrics: WorkerMetrics, bootstrap: str,
-                 health: WorkerHealth | None = None) -> None:
+    def __init__(
+        self,
+        cfg: WorkerConfig,
+        engine: Backend,
+        metrics: WorkerMetrics,
+        bootstrap: str,
+        health: WorkerHealth | None = None,
+    ) -> None:
         self.cfg = cfg
         self.health = health or WorkerHealth(cfg)
         self.health.engine = engine
@@ -99,7 +105,9 @@ class Worker:
         self.token_texts = TokenTexts(engine.tokenizer)  # for reported log probabilities
         self.handover = Handover()
         self.chunks_written: dict[str, int] = {}  # request id -> chunks written for it (handover checks)
-        self.resuming: dict[str, float] = {}  # request id -> when it was taken over (its first chunk is logged)
+        self.resuming: dict[
+            str, float
+        ] = {}  # request id -> when it was taken over (its first chunk is logged)
         self.assignor = StickyAssignor()
         self.step_lock = asyncio.Lock()
         self.commit_lock = asyncio.Lock()
@@ -117,9 +125,13 @@ class Worker:
 
     # ---- lifecycle ----
     async def run(self, stop: asyncio.Event) -> None:
-        self.grammars = await asyncio.to_thread(Grammars, self.engine.tokenizer, self.engine.eos_ids,
-                                                timeout_s=self.cfg.grammar_timeout_s,
-                                                max_calls=self.cfg.max_parallel_calls)
+        self.grammars = await asyncio.to_thread(
+            Grammars,
+            self.engine.tokenizer,
+            self.engine.eos_ids,
+            timeout_s=self.cfg.grammar_timeout_s,
+            max_calls=self.cfg.max_parallel_calls,
+        )
         # no linger (producers/settings.py): a step's tokens go into one batch anyway, appended without
         # yielding to the sender
         self.producer = await start_producer(self.bootstrap)
@@ -129,23 +141,36 @@ class Worker:
         await self._cancels_since(time.time() - CANCELS_KEPT_S)
         client_id = member_client_id("worker")
         self.consumer = await start_consumer(
-            group=self.group, bootstrap=self.bootstrap, from_beginning=True,
-            max_poll_interval_ms=600_000, client_id=client_id,
-            partition_assignment_strategy=assignor_strategy(self.assignor))
+            group=self.group,
+            bootstrap=self.bootstrap,
+            from_beginning=True,
+            max_poll_interval_ms=600_000,
+            client_id=client_id,
+            partition_assignment_strategy=assignor_strategy(self.assignor),
+        )
         self.consumer.subscribe([self.spec.name], listener=_Rebalance(self))
         # the group's standing as the broker sees it, for /health/ready (gpu_workers/health.py)
-        self.watch = GroupWatch(self.bootstrap, self.group, client_id, interval_s=self.cfg.health_interval_s,
-                                topic_partitions=lambda: len(self.consumer.partitions_for_topic(self.spec.name)
-                                                             or ()))
-        self.announcer = Announcer(self.producer, self.cfg.model, self.worker_id, self.bootstrap,
-                                   self.cfg.announce_prefixes)
+        self.watch = GroupWatch(
+            self.bootstrap,
+            self.group,
+            client_id,
+            interval_s=self.cfg.health_interval_s,
+            topic_partitions=lambda: len(self.consumer.partitions_for_topic(self.spec.name) or ()),
+        )
+        self.announcer = Announcer(
+            self.producer, self.cfg.model, self.worker_id, self.bootstrap, self.cfg.announce_prefixes
+        )
         await self.announcer.start()
-        tasks = [asyncio.create_task(self._consume(stop)), asyncio.create_task(self._steps(stop)),
-                 asyncio.create_task(self._cancels(stop))]
+        tasks = [
+            asyncio.create_task(self._consume(stop)),
+            asyncio.create_task(self._steps(stop)),
+            asyncio.create_task(self._cancels(stop)),
+        ]
         watching = asyncio.gather(self.watch.run(), self.announcer.heartbeat(self, stop))
         try:
-            done, _ = await asyncio.wait([*tasks, asyncio.create_task(stop.wait())],
-                                         return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(
+                [*tasks, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED
+            )
             for t in done:
                 if t in tasks and t.exception():
                     raise t.exception()
@@ -188,8 +213,14 @@ class Worker:
             ends = await self.consumer.end_offsets(list(fresh))
             self.takeover_below.update(ends)  # anything below may have been started by a previous owner
         self.settled = set(tps)
-        log.info("worker %s assigned %d partitions of %s (generation %d, %d kept through the rebalance)",
-                 self.worker_id, len(tps), self.spec.name, generation, len(settled.kept))
+        log.info(
+            "worker %s assigned %d partitions of %s (generation %d, %d kept through the rebalance)",
+            self.worker_id,
+            len(tps),
+            self.spec.name,
+            generation,
+            len(settled.kept),
+        )
         if not self.ready.is_set():
             log.info("worker ready: %s in group %s", self.worker_id, self.group)
             if self.watch is not None:
@@ -219,11 +250,22 @@ class Worker:
         """Of held partitions assigned back after a skipped generation, those whose requests nobody else
         continued: the tokens topic holds exactly the chunks this worker wrote for each, and no end."""
         held = [(rid, tp, request) for rid, (tp, _, request, _) in self.owned.items() if tp in tps]
-        emitted = await self.tokens.emitted([(rid, request.reply_partition,
-                                              request.created_at - self.cfg.takeover_margin_s)
-                                             for rid, _, request in held]) if held else {}
-        moved = {tp for rid, tp, _ in held
-                 if emitted[rid].completion is not None or len(emitted[rid].chunks) != self.chunks_written.get(rid, 0)}
+        emitted = (
+            await self.tokens.emitted(
+                [
+                    (rid, request.reply_partition, request.created_at - self.cfg.takeover_margin_s)
+                    for rid, _, request in held
+                ]
+            )
+            if held
+            else {}
+        )
+        moved = {
+            tp
+            for rid, tp, _ in held
+            if emitted[rid].completion is not None
+            or len(emitted[rid].chunks) != self.chunks_written.get(rid, 0)
+        }
         return tps - moved
 
     def _give_up(self, tps: set[TopicPartition]) -> None:
@@ -294,8 +336,11 @@ class Worker:
             seen.add(rid)
             parents[rid] = TraceContext.from_headers(rec.headers)
             taken.append((tp, rec.offset, request))
-        resumed = [(r.request_id, r.reply_partition, r.created_at - self.cfg.takeover_margin_s)
-                   for tp, offset, r in taken if tp not in self.settled or offset < self.takeover_below.get(tp, -1)]
+        resumed = [
+            (r.request_id, r.reply_partition, r.created_at - self.cfg.takeover_margin_s)
+            for tp, offset, r in taken
+            if tp not in self.settled or offset < self.takeover_below.get(tp, -1)
+        ]
         emitted = await self.tokens.emitted(resumed) if resumed else {}
         for tp, offset, request in taken:
             if not self.tracker.tracks(tp, offset):
@@ -305,11 +350,23 @@ class Worker:
                 continue
             s = request.sampling
             ids = prompt_ids(self.engine.tokenizer, request.messages, request.output)
-            seq = Sequence(request.request_id, ids, max_tokens=s.max_tokens, temperature=s.temperature,
-                           top_p=s.top_p, seed=s.seed, stop=list(s.stop), presence_penalty=s.presence_penalty,
-                           frequency_penalty=s.frequency_penalty, logit_bias=dict(s.logit_bias),
-                           logprobs=s.logprobs, arrival=time.time(), tag=(tp, offset),
-                           priority=request.priority, tenant=request.tenant)
+            seq = Sequence(
+                request.request_id,
+                ids,
+                max_tokens=s.max_tokens,
+                temperature=s.temperature,
+                top_p=s.top_p,
+                seed=s.seed,
+                stop=list(s.stop),
+                presence_penalty=s.presence_penalty,
+                frequency_penalty=s.frequency_penalty,
+                logit_bias=dict(s.logit_bias),
+                logprobs=s.logprobs,
+                arrival=time.time(),
+                tag=(tp, offset),
+                priority=request.priority,
+                tenant=request.tenant,
+            )
             before = emitted.get(request.request_id)
             if before is not None and before.completion is not None:
                 await self._done(tp, offset)
@@ -324,10 +381,17 @@ class Worker:
             self.owned[request.request_id] = (tp, offset, request, seq)
             self.chunks_written[request.request_id] = seq.next_seq  # a takeover's: what the log holds
             self.spans[request.request_id] = tracing.hop(
-                f"chat {request.model}", parents.get(request.request_id), role="worker", kind="internal",
-                attributes={**tracing.request_attributes(request),
-                            **tracing.record_attributes(tp.topic, tp.partition, offset, self.group),
-                            "tokenstream.worker_id": self.worker_id, "tokenstream.resumed_tokens": seq.resumed})
+                f"chat {request.model}",
+                parents.get(request.request_id),
+                role="worker",
+                kind="internal",
+                attributes={
+                    **tracing.request_attributes(request),
+                    **tracing.record_attributes(tp.topic, tp.partition, offset, self.group),
+                    "tokenstream.worker_id": self.worker_id,
+                    "tokenstream.resumed_tokens": seq.resumed,
+                },
+            )
             if request.output.callable_tools:
                 parser = self.parsers[request.request_id] = ToolCallParser(request.request_id)
                 parser.feed(seq.emitted_text)  # a request taken over: the calls emitted so far
@@ -346,8 +410,16 @@ class Worker:
             async with self.step_lock:
                 if self.owned.get(request.request_id, (None,) * 4)[3] is seq:
                     seq.finished_at = time.time()
-                    await self._publish([Output(seq, finish_reason="error", completion_seq=seq.next_seq,
-                                                error=f"output grammar: {exc}")])
+                    await self._publish(
+                        [
+                            Output(
+                                seq,
+                                finish_reason="error",
+                                completion_seq=seq.next_seq,
+                                error=f"output grammar: {exc}",
+                            )
+                        ]
+                    )
             return
         if self.owned.get(request.request_id, (None,) * 4)[3] is seq:  # not revoked meanwhile
             self.engine.add(seq)
@@ -460,17 +532,36 @@ class Worker:
                 text, calls, raw = out.text, [], None
                 if parser is not None:  # the model's text -> content and call deltas
                     (text, calls), raw = parser.feed(out.text), out.text
-                chunk = TokenChunk(request_id=rid, conversation_id=request.conversation_id, tenant=request.tenant,
-                                   seq=out.chunk_seq, text=text, token_ids=out.token_ids, tool_calls=calls,
-                                   raw=raw, worker_id=self.worker_id,
-                                   logprobs=self.token_texts.report(out.logprobs) if out.logprobs else [])
+                chunk = TokenChunk(
+                    request_id=rid,
+                    conversation_id=request.conversation_id,
+                    tenant=request.tenant,
+                    seq=out.chunk_seq,
+                    text=text,
+                    token_ids=out.token_ids,
+                    tool_calls=calls,
+                    raw=raw,
+                    worker_id=self.worker_id,
+                    logprobs=self.token_texts.report(out.logprobs) if out.logprobs else [],
+                )
                 if not request.shadow_of:  # a shadow replay's answer is its Completion alone
-                    await publish(self.producer, TOKENS, chunk, partition=request.reply_partition, wait=False,
-                                  trace=chunk_trace)
+                    await publish(
+                        self.producer,
+                        TOKENS,
+                        chunk,
+                        partition=request.reply_partition,
+                        wait=False,
+                        trace=chunk_trace,
+                    )
                 self.chunks_written[rid] = out.chunk_seq + 1
                 if rid in self.resuming:  # where a takeover's time goes: taken in -> its next token out
-                    log.info("worker %s resumed %s at chunk %d, %.2f s after taking it over", self.worker_id,
-                             rid, out.chunk_seq, time.monotonic() - self.resuming.pop(rid))
+                    log.info(
+                        "worker %s resumed %s at chunk %d, %.2f s after taking it over",
+                        self.worker_id,
+                        rid,
+                        out.chunk_seq,
+                        time.monotonic() - self.resuming.pop(rid),
+                    )
             if out.finish_reason is not None and self.owned.get(rid) is owned:  # not given up meanwhile
                 seq = out.seq
                 reason, error = out.finish_reason, out.error
@@ -481,35 +572,69 @@ class Worker:
                     if parser.calls and reason == "stop":
                         reason = "tool_calls"
                     for call in [] if request.shadow_of else parser.calls:  # the audit trail (by call_id)
-                        await publish(self.producer, TOOL_CALLS, ToolCall(
-                            request_id=rid, conversation_id=request.conversation_id, tenant=request.tenant,
-                            call_id=call.id, name=call.function.name, arguments=call.function.arguments),
-                            wait=False, trace=trace)
+                        await publish(
+                            self.producer,
+                            TOOL_CALLS,
+                            ToolCall(
+                                request_id=rid,
+                                conversation_id=request.conversation_id,
+                                tenant=request.tenant,
+                                call_id=call.id,
+                                name=call.function.name,
+                                arguments=call.function.arguments,
+                            ),
+                            wait=False,
+                            trace=trace,
+                        )
                 queue, prefill, decode = seq.timings()
                 done = Completion(
-                    request_id=rid, conversation_id=request.conversation_id, tenant=request.tenant,
-                    seq=out.completion_seq, finish_reason=reason, error=error,
+                    request_id=rid,
+                    conversation_id=request.conversation_id,
+                    tenant=request.tenant,
+                    seq=out.completion_seq,
+                    finish_reason=reason,
+                    error=error,
                     text=seq.emitted_text if parser is None else parser.text,
                     tool_calls=[] if parser is None else parser.calls,
-                    usage=Usage(prompt_tokens=len(seq.prompt_ids), completion_tokens=len(seq.generated),
-                                cached_tokens=seq.cached_tokens, cache_write_tokens=seq.cache_written),
-                    timings=Timings(queue_s=queue, prefill_s=prefill, decode_s=decode,
-                                    pipeline_s=max(0.0, seq.arrival - (request.admitted_at or request.created_at))),
-                    dropped_messages=request.dropped_messages, worker_id=self.worker_id, model=self.cfg.model,
-                    tier=request.tier, moderated=request.output.moderated)
+                    usage=Usage(
+                        prompt_tokens=len(seq.prompt_ids),
+                        completion_tokens=len(seq.generated),
+                        cached_tokens=seq.cached_tokens,
+                        cache_write_tokens=seq.cache_written,
+                    ),
+                    timings=Timings(
+                        queue_s=queue,
+                        prefill_s=prefill,
+                        decode_s=decode,
+                        pipeline_s=max(0.0, seq.arrival - (request.admitted_at or request.created_at)),
+                    ),
+                    dropped_messages=request.dropped_messages,
+                    worker_id=self.worker_id,
+                    model=self.cfg.model,
+                    tier=request.tier,
+                    moderated=request.output.moderated,
+                )
                 headers = [(EVENT_TYPE, b"completion"), *(trace.headers() if trace else ())]
                 if request.shadow_of:  # never a client's: apart from ts.tokens, for `tokenstream shadow`
-                    future = await self.producer.send(SHADOW_ANSWERS.name, encode(done), key=rid.encode(),
-                                                      headers=headers)
+                    future = await self.producer.send(
+                        SHADOW_ANSWERS.name, encode(done), key=rid.encode(), headers=headers
+                    )
                 else:
-                    future = await self.producer.send(TOKENS.name, encode(done), key=rid.encode(),
-                                                      partition=request.reply_partition, headers=headers)
+                    future = await self.producer.send(
+                        TOKENS.name,
+                        encode(done),
+                        key=rid.encode(),
+                        partition=request.reply_partition,
+                        headers=headers,
+                    )
                 if span is not None and span.span is not None:
                     span.set(tracing.completion_attributes(done, request.model))
                     if reason == "error":
                         span.fail(error or "error")
                 self._end_span(rid)
-                if reason in ("stop", "length") and not request.shadow_of:  # its messages and answer: in the KV cache
+                if (
+                    reason in ("stop", "length") and not request.shadow_of
+                ):  # its messages and answer: in the KV cache
                     await self.announcer.held(request, done.text)
                 self.owned.pop(rid, None)
                 self.chunks_written.pop(rid, None)

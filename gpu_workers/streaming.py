@@ -56,8 +56,12 @@ class TextStream:
         d = seq.detok
         if d is None or d.read_offset == len(d.ids):
             return seq.text
-        return seq.text + self.tokenizer.decode(d.ids[d.prefix_offset:], skip_special_tokens=True)[
-            len(self.tokenizer.decode(d.ids[d.prefix_offset:d.read_offset], skip_special_tokens=True)):]
+        return (
+            seq.text
+            + self.tokenizer.decode(d.ids[d.prefix_offset :], skip_special_tokens=True)[
+                len(self.tokenizer.decode(d.ids[d.prefix_offset : d.read_offset], skip_special_tokens=True)) :
+            ]
+        )
 
     def _emit(self, seq: Sequence, upto: str, outputs: list[Output]) -> None:
         n = len(seq.emitted_text)
@@ -65,15 +69,30 @@ class TextStream:
         if not delta:
             return
         seq.emitted_text += delta
-        outputs.append(Output(seq, chunk_seq=seq.next_seq, text=delta, token_ids=seq.unsent_ids,
-                              logprobs=seq.unsent_logprobs))
+        outputs.append(
+            Output(
+                seq,
+                chunk_seq=seq.next_seq,
+                text=delta,
+                token_ids=seq.unsent_ids,
+                logprobs=seq.unsent_logprobs,
+            )
+        )
         seq.unsent_ids, seq.unsent_logprobs = [], []
         seq.next_seq += 1
 
     def _completion(self, seq: Sequence, reason: str, outputs: list[Output], error: str | None) -> None:
         """The request's last output: its end, with the ids (and log probabilities) not yet sent."""
-        outputs.append(Output(seq, finish_reason=reason, completion_seq=seq.next_seq, error=error,
-                              token_ids=seq.unsent_ids, logprobs=seq.unsent_logprobs))
+        outputs.append(
+            Output(
+                seq,
+                finish_reason=reason,
+                completion_seq=seq.next_seq,
+                error=error,
+                token_ids=seq.unsent_ids,
+                logprobs=seq.unsent_logprobs,
+            )
+        )
         seq.unsent_ids, seq.unsent_logprobs = [], []
         seq.next_seq += 1
         if self.metrics is not None:

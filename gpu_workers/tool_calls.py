@@ -72,8 +72,11 @@ class ToolCallParser:
                 return
             index = len(self.calls)
             name = "".join(self._name)
-            self.calls.append(MessageToolCall(id=call_id(self.request_id, index),
-                                              function=FunctionCall(name=name, arguments="")))
+            self.calls.append(
+                MessageToolCall(
+                    id=call_id(self.request_id, index), function=FunctionCall(name=name, arguments="")
+                )
+            )
             deltas.append(ToolCallDelta(index=index, id=self.calls[-1].id, name=name, arguments=""))
             self._name = []
             self._literal(ARGS_PREFIX[1:], "args")

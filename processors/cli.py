@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import typer
 
-LogLevel = typer.Option("warn", envvar="TOKENSTREAM_PROCESSOR_LOGLEVEL",
-                        help="faust log level: crit, error, warn, info, debug")
+LogLevel = typer.Option(
+    "warn", envvar="TOKENSTREAM_PROCESSOR_LOGLEVEL", help="faust log level: crit, error, warn, info, debug"
+)
 
 
 def conversation(loglevel: str = LogLevel) -> None:

@@ -76,8 +76,10 @@ def refetch_discarded(app: faust.App) -> None:
         resume()
         if not oldest:
             return
-        log.info("fetching again what flow control discarded: %s",
-                 ", ".join(f"{tp.topic}[{tp.partition}]@{offset}" for tp, offset in sorted(oldest.items())))
+        log.info(
+            "fetching again what flow control discarded: %s",
+            ", ".join(f"{tp.topic}[{tp.partition}]@{offset}" for tp, offset in sorted(oldest.items())),
+        )
         assigned = consumer.assignment()
         for tp, offset in oldest.items():
             at = _position(consumer, tp)
@@ -150,8 +152,13 @@ def _forget_committed(consumer, tp, acked: list[int], committed: int) -> None:
     stale = [offset for offset in acked if offset < committed]
     acked[:] = [offset for offset in acked if offset >= committed]
     consumer._acked_index[tp].difference_update(stale)  # noqa: SLF001
-    log.info("dropped acks of %s[%d] below its committed offset %d: %s", tp.topic, tp.partition, committed,
-             ", ".join(map(str, stale[:10])))
+    log.info(
+        "dropped acks of %s[%d] below its committed offset %d: %s",
+        tp.topic,
+        tp.partition,
+        committed,
+        ", ".join(map(str, stale[:10])),
+    )
 
 
 def record_only_done_commits(app: faust.App) -> None:
@@ -202,7 +209,9 @@ def _fetch_again(consumer, message) -> None:
     tp, offset = message.tp, message.offset
     at = _position(consumer, tp)
     if tp in consumer.assignment() and at is not None and offset < at:
-        log.info("fetching again %s[%d]@%d, handed over from an earlier generation", tp.topic, tp.partition, offset)
+        log.info(
+            "fetching again %s[%d]@%d, handed over from an earlier generation", tp.topic, tp.partition, offset
+        )
         consumer._thread.seek(tp, offset)  # noqa: SLF001 - synchronously, as in refetch_discarded
 
 

@@ -45,8 +45,12 @@ class Ledger:
         self.role = role
         self.outage_s = settings().redis_outage_s if outage_s is None else outage_s
         # one retry policy, ours (time-bounded), instead of the client's own
-        self._redis = aioredis.Redis.from_url(url or settings().redis_url, socket_timeout=2,
-                                              socket_connect_timeout=1, retry=Retry(NoBackoff(), 0))
+        self._redis = aioredis.Redis.from_url(
+            url or settings().redis_url,
+            socket_timeout=2,
+            socket_connect_timeout=1,
+            retry=Retry(NoBackoff(), 0),
+        )
 
     async def _patiently(self, call: Callable[[], Awaitable[object]]) -> object:
         deadline = time.monotonic() + self.outage_s
@@ -58,8 +62,12 @@ class Ledger:
                 if time.monotonic() + delay > deadline:
                     raise RedisUnavailable(f"redis unreachable for {self.outage_s:.0f}s: {exc}") from exc
                 if not warned:
-                    log.warning("%s: redis unreachable (%s); retrying for up to %.0fs, input held",
-                                self.role, exc, self.outage_s)
+                    log.warning(
+                        "%s: redis unreachable (%s); retrying for up to %.0fs, input held",
+                        self.role,
+                        exc,
+                        self.outage_s,
+                    )
                     warned = True
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)

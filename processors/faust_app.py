@@ -112,16 +112,27 @@ GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 async def _exit_on_agent_crash(agent, exc: BaseException) -> None:
-    log.critical("agent %s crashed (%s: %s): exiting with %d for the supervisor to restart this processor",
-                 getattr(agent, "name", agent), type(exc).__name__, exc, EXIT_AGENT_CRASHED)
+    log.critical(
+        "agent %s crashed (%s: %s): exiting with %d for the supervisor to restart this processor",
+        getattr(agent, "name", agent),
+        type(exc).__name__,
+        exc,
+        EXIT_AGENT_CRASHED,
+    )
     logging.shutdown()
     os._exit(EXIT_AGENT_CRASHED)
 
 
 def topic(app: faust.App, spec: TopicSpec) -> faust.TopicT:
     """A registry topic as faust sees it: raw bytes, decoded by `schemas` (not by faust)."""
-    return app.topic(spec.name, key_type=bytes, value_type=bytes, key_serializer="raw",
-                     value_serializer="raw", partitions=spec.partitions)
+    return app.topic(
+        spec.name,
+        key_type=bytes,
+        value_type=bytes,
+        key_serializer="raw",
+        value_serializer="raw",
+        partitions=spec.partitions,
+    )
 
 
 def table(app: faust.App, spec: TopicSpec, name: str) -> faust.Table:
@@ -135,33 +146,48 @@ def traced(raw: EventT, name: str, attributes: dict | None = None) -> tracing.Ho
     traceparent header); `.trace` is what the events written meanwhile carry. Use it with `with`."""
     message = raw.message
     group = raw.app.conf.id
-    return tracing.hop(name, tracing.parent_of(message.headers), role=group.removeprefix("ts-"), attributes={
-        **tracing.record_attributes(message.topic, message.partition, message.offset, group), **(attributes or {})})
+    return tracing.hop(
+        name,
+        tracing.parent_of(message.headers),
+        role=group.removeprefix("ts-"),
+        attributes={
+            **tracing.record_attributes(message.topic, message.partition, message.offset, group),
+            **(attributes or {}),
+        },
+    )
 
 
-async def typed(stream: faust.StreamT, specs: dict[str, TopicSpec],
-                dead_letters: faust.TopicT) -> AsyncIterator[tuple[Event, EventT]]:
+async def typed(
+    stream: faust.StreamT, specs: dict[str, TopicSpec], dead_letters: faust.TopicT
+) -> AsyncIterator[tuple[Event, EventT]]:
     """Yield (event, faust event) for each record; undecodable ones go to the dead-letter topic, erased
     ones (their content's key destroyed by `tokenstream erase`) are passed over."""
     async for event in stream.events():
         message = event.message
         try:
-            decoded = await sealing.patiently(lambda: decode(event.value or b"", *specs[message.topic].events),
-                                              stream.app.conf.id)
+            decoded = await sealing.patiently(
+                lambda: decode(event.value or b"", *specs[message.topic].events), stream.app.conf.id
+            )
         except Erased:
             log.info("passed over erased %s[%d]@%d", message.topic, message.partition, message.offset)
             continue
         except DecodeError as exc:
-            log.warning("dead-lettered %s[%d]@%d: %s", message.topic, message.partition, message.offset,
-                        exc.reason)
+            log.warning(
+                "dead-lettered %s[%d]@%d: %s", message.topic, message.partition, message.offset, exc.reason
+            )
             key = message.key if isinstance(message.key, bytes) else None
             headers = message.headers or []
             items = headers.items() if isinstance(headers, dict) else headers
             letter = DeadLetter(
-                request_id=key.decode("utf-8", "replace") if key else "", reason=exc.reason,
-                error_type=type(exc).__name__, source_topic=message.topic,
-                source_partition=message.partition, source_offset=message.offset,
-                consumer_group=stream.app.conf.id, payload=event.value or b"", key=key,
+                request_id=key.decode("utf-8", "replace") if key else "",
+                reason=exc.reason,
+                error_type=type(exc).__name__,
+                source_topic=message.topic,
+                source_partition=message.partition,
+                source_offset=message.offset,
+                consumer_group=stream.app.conf.id,
+                payload=event.value or b"",
+                key=key,
                 headers=[(k, bytes(v)) for k, v in items],
             )
             await send(dead_letters, DEAD_LETTER, letter, key=letter.request_id)
@@ -169,8 +195,15 @@ async def typed(stream: faust.StreamT, specs: dict[str, TopicSpec],
         yield decoded, event
 
 
-async def send(target: faust.TopicT, spec: TopicSpec, event: Event, *, key: str,
-               partition: int | None = None, trace: TraceContext | None = None) -> None:
+async def send(
+    target: faust.TopicT,
+    spec: TopicSpec,
+    event: Event,
+    *,
+    key: str,
+    partition: int | None = None,
+    trace: TraceContext | None = None,
+) -> None:
     """Write a typed event and wait for the broker's acknowledgement."""
     if not isinstance(event, spec.events):
         raise TypeError(f"{type(event).__name__} does not belong on topic {spec.name}")

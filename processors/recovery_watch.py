@@ -32,8 +32,11 @@ def stalled(recovery, now: float, stall_s: float) -> dict[TP, int]:
         return {}
     started = recovery._recovery_started_at  # noqa: SLF001 - faust keeps its recovery's progress private
     received = recovery._active_events_received_at  # noqa: SLF001
-    return {tp: left for tp, left in recovery.active_remaining().items()
-            if left > 0 and now - received.get(tp, started) >= stall_s}
+    return {
+        tp: left
+        for tp, left in recovery.active_remaining().items()
+        if left > 0 and now - received.get(tp, started) >= stall_s
+    }
 
 
 def watch_recovery(app: faust.App, stall_s: float) -> None:
@@ -45,9 +48,12 @@ def watch_recovery(app: faust.App, stall_s: float) -> None:
             await asyncio.sleep(min(5.0, stall_s / 3))
             late = stalled(app.tables.recovery, monotonic(), stall_s)
             if late:
-                log.critical("table recovery read nothing for %.0fs with records left (%s): exiting with %d for "
-                             "the supervisor to restart this processor", stall_s,
-                             ", ".join(f"{tp.topic}[{tp.partition}] {left} left" for tp, left in sorted(late.items())),
-                             EXIT_RECOVERY_STALLED)
+                log.critical(
+                    "table recovery read nothing for %.0fs with records left (%s): exiting with %d for "
+                    "the supervisor to restart this processor",
+                    stall_s,
+                    ", ".join(f"{tp.topic}[{tp.partition}] {left} left" for tp, left in sorted(late.items())),
+                    EXIT_RECOVERY_STALLED,
+                )
                 logging.shutdown()
                 os._exit(EXIT_RECOVERY_STALLED)

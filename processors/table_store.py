@@ -41,8 +41,9 @@ class Store(memory.Store):
         self._assigned: set[TP] = set()  # this generation's partitions (read into the rows)
         self._active: set[TP] = set()  # changelog partitions this member writes, between recoveries
 
-    def apply_changelog_batch(self, batch: Iterable[EventT], to_key: Callable[[Any], Any],
-                              to_value: Callable[[Any], Any]) -> None:
+    def apply_changelog_batch(
+        self, batch: Iterable[EventT], to_key: Callable[[Any], Any], to_value: Callable[[Any], Any]
+    ) -> None:
         batch = list(batch)
         super().apply_changelog_batch(batch, to_key, to_value)
         for event in batch:
@@ -60,8 +61,9 @@ class Store(memory.Store):
         if tp in self._active:
             self._advance(tp, offset)
 
-    async def on_rebalance(self, assigned: set[TP], revoked: set[TP], newly_assigned: set[TP],
-                           generation_id: int = 0) -> None:
+    async def on_rebalance(
+        self, assigned: set[TP], revoked: set[TP], newly_assigned: set[TP], generation_id: int = 0
+    ) -> None:
         await super().on_rebalance(assigned, revoked, newly_assigned, generation_id)
         self._active = set()  # nothing is written until the recovery ends
         self._assigned = set(assigned)

@@ -15,8 +15,9 @@ async def start_producer(bootstrap: str | None = None, **overrides) -> AIOKafkaP
 
     Its process seals tenants' content from now on (common/sealing.py)."""
     sealing.install()
-    options = dict(bootstrap_servers=bootstrap or settings().kafka_bootstrap, **kafka_auth.client_options(),
-                   **PRODUCER)
+    options = dict(
+        bootstrap_servers=bootstrap or settings().kafka_bootstrap, **kafka_auth.client_options(), **PRODUCER
+    )
     options.update(overrides)
     producer = AIOKafkaProducer(**options)
     await producer.start()

@@ -59,12 +59,17 @@ class LagSampler:
     async def _clients(self) -> tuple[AIOKafkaAdminClient, AIOKafkaConsumer]:
         if self._admin is None or self._consumer is None:
             await self.close()
-            self._admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap, **kafka_auth.client_options(),
-                                              request_timeout_ms=5000)
+            self._admin = AIOKafkaAdminClient(
+                bootstrap_servers=self.bootstrap, **kafka_auth.client_options(), request_timeout_ms=5000
+            )
             await self._admin.start()
-            self._consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, **kafka_auth.client_options(),
-                                              group_id=None,
-                                              request_timeout_ms=5000, enable_auto_commit=False)
+            self._consumer = AIOKafkaConsumer(
+                bootstrap_servers=self.bootstrap,
+                **kafka_auth.client_options(),
+                group_id=None,
+                request_timeout_ms=5000,
+                enable_auto_commit=False,
+            )
             await self._consumer.start()
         return self._admin, self._consumer
 

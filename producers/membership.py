@@ -98,8 +98,9 @@ async def evict(bootstrap: str, pid: int, host: str | None = None, timeout_s: fl
     sees (a host lost, a process frozen). Only the dead process's own members are named (the client
     ids of `member_client_id`), each group asked of the node that coordinates it, every node at once.
     """
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, **kafka_auth.client_options(),
-                                request_timeout_ms=int(timeout_s * 1000))
+    admin = AIOKafkaAdminClient(
+        bootstrap_servers=bootstrap, **kafka_auth.client_options(), request_timeout_ms=int(timeout_s * 1000)
+    )
     try:
         async with asyncio.timeout(timeout_s):
             await admin.start()
@@ -129,8 +130,9 @@ async def _evict_on(admin: AIOKafkaAdminClient, node: int, pid: int, host: str |
         return []
     # one group per request: aiokafka 0.14 reads DescribeGroups v3 answers with v2's layout, which
     # loses its place after the first group (each group's authorized operations are left unread)
-    described = await asyncio.gather(*(admin.describe_consumer_groups([g], group_coordinator_id=node)
-                                       for g in groups))
+    described = await asyncio.gather(
+        *(admin.describe_consumer_groups([g], group_coordinator_id=node) for g in groups)
+    )
     left = []
     for [response] in described:
         for g in response.to_object()["groups"]:
@@ -143,7 +145,9 @@ async def _evict_on(admin: AIOKafkaAdminClient, node: int, pid: int, host: str |
                 if answer.error_code == 0:
                     left.append(g["group"])
                 else:  # gone already (its session ended) or the group moved: nothing left to take
-                    log.info("LeaveGroup of %s in %s: error %d", m["member_id"], g["group"], answer.error_code)
+                    log.info(
+                        "LeaveGroup of %s in %s: error %d", m["member_id"], g["group"], answer.error_code
+                    )
     return left
 
 
@@ -183,16 +187,25 @@ class Standing:
         if not self.member:
             return [f"group {self.group}: this consumer is not a member (group {self.state or 'unknown'})"]
         if self.partitions == 0 and self.should_hold():
-            return [f"group {self.group}: this consumer holds no partition although the group is stable "
-                    f"with {self.members} member(s) for {self.topic_partitions} partition(s)"]
+            return [
+                f"group {self.group}: this consumer holds no partition although the group is stable "
+                f"with {self.members} member(s) for {self.topic_partitions} partition(s)"
+            ]
         return []
 
 
 class GroupWatch:
     """Describes `group` every `interval_s` and keeps `standing` of the consumer `client_id` up to date."""
 
-    def __init__(self, bootstrap: str, group: str, client_id: str, topic_partitions: Callable[[], int],
-                 interval_s: float = 1.0, timeout_s: float = 3.0) -> None:
+    def __init__(
+        self,
+        bootstrap: str,
+        group: str,
+        client_id: str,
+        topic_partitions: Callable[[], int],
+        interval_s: float = 1.0,
+        timeout_s: float = 3.0,
+    ) -> None:
         self.bootstrap, self.interval_s, self.timeout_s = bootstrap, interval_s, timeout_s
         self.topic_partitions = topic_partitions
         self.standing = Standing(group, client_id)
@@ -212,8 +225,11 @@ class GroupWatch:
         try:
             async with asyncio.timeout(self.timeout_s):
                 if self._admin is None:
-                    self._admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap, **kafka_auth.client_options(),
-                                                      request_timeout_ms=int(self.timeout_s * 1000))
+                    self._admin = AIOKafkaAdminClient(
+                        bootstrap_servers=self.bootstrap,
+                        **kafka_auth.client_options(),
+                        request_timeout_ms=int(self.timeout_s * 1000),
+                    )
                     await self._admin.start()
                 state = await describe(self._admin, s.group)
         except (KafkaError, OSError, TimeoutError) as exc:  # down or restarting: start afresh next time

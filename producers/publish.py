@@ -12,7 +12,6 @@ from schemas.headers import EVENT_TYPE as TYPE_HEADER
 from topics import TopicSpec
 
 
-
 def _headers(event: Event, trace: TraceContext | None) -> list[tuple[str, bytes]]:
     headers = [(TYPE_HEADER, type(event).__struct_config__.tag.encode())]
     if trace is not None:

@@ -74,5 +74,7 @@ def liveness() -> dict[str, int]:
 
 def faust_liveness() -> dict[str, float]:
     ms = liveness()
-    return dict(broker_session_timeout=ms["session_timeout_ms"] / 1000,
-                broker_heartbeat_interval=ms["heartbeat_interval_ms"] / 1000)
+    return dict(
+        broker_session_timeout=ms["session_timeout_ms"] / 1000,
+        broker_heartbeat_interval=ms["heartbeat_interval_ms"] / 1000,
+    )

@@ -5,8 +5,14 @@ Config names import eagerly; the classifier (which imports torch) loads on first
 
 from safety_model.config import DEFAULT_CATEGORIES, Policy, SafetySettings, safety_settings
 
-__all__ = ["DEFAULT_CATEGORIES", "Judgement", "Policy", "SafetyClassifier", "SafetySettings",
-           "safety_settings"]
+__all__ = [
+    "DEFAULT_CATEGORIES",
+    "Judgement",
+    "Policy",
+    "SafetyClassifier",
+    "SafetySettings",
+    "safety_settings",
+]
 
 
 def __getattr__(name: str):

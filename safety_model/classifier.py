@@ -85,7 +85,7 @@ class Embedder:
         for i, toks in zip(owner_of_piece, ids):
             start = 0
             while True:
-                out.append([cls, *toks[start:start + self.body], sep])
+                out.append([cls, *toks[start : start + self.body], sep])
                 owner.append(i)
                 if start + self.body >= len(toks):
                     break
@@ -114,10 +114,11 @@ class Embedder:
                 input_ids = torch.full((len(idx), width), pad, dtype=torch.long)
                 mask = torch.zeros((len(idx), width), dtype=torch.long)
                 for r, j in enumerate(idx):
-                    input_ids[r, :len(chunks[j])] = torch.tensor(chunks[j])
-                    mask[r, :len(chunks[j])] = 1
-                hidden = self.model(input_ids=input_ids, attention_mask=mask,
-                                    token_type_ids=torch.zeros_like(input_ids)).last_hidden_state
+                    input_ids[r, : len(chunks[j])] = torch.tensor(chunks[j])
+                    mask[r, : len(chunks[j])] = 1
+                hidden = self.model(
+                    input_ids=input_ids, attention_mask=mask, token_type_ids=torch.zeros_like(input_ids)
+                ).last_hidden_state
                 m = mask.unsqueeze(-1).to(hidden.dtype)
                 pooled = (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
                 result[idx] = F.normalize(pooled, p=2, dim=-1)
@@ -178,8 +179,7 @@ class Head:
         from safetensors import safe_open
 
         if not Path(path).exists():
-            raise FileNotFoundError(f"no trained safety head at {path}; "
-                                    "run `python -m safety_model.train`")
+            raise FileNotFoundError(f"no trained safety head at {path}; run `python -m safety_model.train`")
         with safe_open(str(path), framework="pt") as f:
             meta = dict(f.metadata() or {})
             weight, bias = f.get_tensor("weight").float(), f.get_tensor("bias").float()
@@ -206,8 +206,12 @@ class SafetyClassifier:
     @classmethod
     def load(cls, policy: Policy | None = None, settings: SafetySettings | None = None) -> "SafetyClassifier":
         s = settings or safety_settings()
-        return cls(get_embedder(s), Head.load(s.head_path), policy or Policy.from_settings(s),
-                   sentences=s.sentence_units)
+        return cls(
+            get_embedder(s),
+            Head.load(s.head_path),
+            policy or Policy.from_settings(s),
+            sentences=s.sentence_units,
+        )
 
     def with_policy(self, policy: Policy) -> "SafetyClassifier":
         """The same model under another policy (no reload)."""
@@ -232,7 +236,8 @@ class SafetyClassifier:
     def judge(self, texts: list[str]) -> list[Judgement]:
         out = []
         for s in self.scores(texts):
-            flagged = sorted((c for c in self.categories if s[c] >= self.policy.threshold(c)),
-                             key=lambda c: -s[c])
+            flagged = sorted(
+                (c for c in self.categories if s[c] >= self.policy.threshold(c)), key=lambda c: -s[c]
+            )
             out.append(Judgement(bool(flagged), flagged, s, self.policy.version))
         return out

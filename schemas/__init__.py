@@ -37,7 +37,15 @@ from schemas.requests import ChatMessage, ChatRequest, InferenceRequest, Samplin
 from schemas.routing import KeyHome, PrefixHeld, WorkerLoad, conversation_digest
 from schemas.runs import SERVER_TOOLS, RunSpec
 from schemas.safety import REFUSAL, OutputWindow, SafetyVerdict
-from schemas.speech import SpeakParams, SpeechAudio, SpeechDone, SpeechJob, TranscribeParams, TranscriptDone, TranscriptSegment
+from schemas.speech import (
+    SpeakParams,
+    SpeechAudio,
+    SpeechDone,
+    SpeechJob,
+    TranscribeParams,
+    TranscriptDone,
+    TranscriptSegment,
+)
 from schemas.structured import (
     FunctionCall,
     FunctionSpec,

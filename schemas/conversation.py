@@ -54,7 +54,9 @@ class ConversationHistory(Event, tag="conversation_history"):
     missing reply.
     """
 
-    content: ClassVar[frozenset[str]] = frozenset({"messages", "parked", "run"})  # sealed (schemas/sealing.py)
+    content: ClassVar[frozenset[str]] = frozenset(
+        {"messages", "parked", "run"}
+    )  # sealed (schemas/sealing.py)
 
     messages: list[ChatMessage] = msgspec.field(default_factory=list)
     pending_request_id: str | None = None

@@ -14,8 +14,15 @@ from typing import ClassVar, Literal
 from schemas.base import Event
 
 #: File name endings searched, and the kind each is read as.
-FILE_KINDS = {"txt": "txt", "text": "txt", "md": "md", "markdown": "md", "pdf": "pdf", "html": "html",
-              "htm": "html"}
+FILE_KINDS = {
+    "txt": "txt",
+    "text": "txt",
+    "md": "md",
+    "markdown": "md",
+    "pdf": "pdf",
+    "html": "html",
+    "htm": "html",
+}
 MEDIA_TYPES = {"txt": "text/plain", "md": "text/markdown", "pdf": "application/pdf", "html": "text/html"}
 #: Purposes an upload may name (the ones whose files this system uses: file search).
 PURPOSES = ("assistants", "user_data")

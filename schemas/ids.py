@@ -50,8 +50,12 @@ def _key_cipher() -> Cipher:
 
 
 def new_request_id(partition: int, created_at: float) -> str:
-    block = (partition.to_bytes(2, "big") + int(created_at * 1000).to_bytes(6, "big") + secrets.token_bytes(4)
-             + _MARK)
+    block = (
+        partition.to_bytes(2, "big")
+        + int(created_at * 1000).to_bytes(6, "big")
+        + secrets.token_bytes(4)
+        + _MARK
+    )
     encryptor = _key_cipher().encryptor()
     return (encryptor.update(block) + encryptor.finalize()).hex()
 

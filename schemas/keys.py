@@ -252,8 +252,10 @@ class ApiKey(msgspec.Struct, kw_only=True):
 
     @classmethod
     def from_redis(cls, raw: dict) -> ApiKey:
-        fields = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
-                  for k, v in raw.items()}
+        fields = {
+            (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+            for k, v in raw.items()
+        }
         return msgspec.convert(fields, cls, strict=False)
 
 
@@ -330,5 +332,15 @@ def store_file(vs_id: str, file_id: str) -> str:
 
 #: status (schemas.files.STORE_FILE_STATES), generation (set per add; the ingestion event carries it),
 #: created_at, tenant, filename, bytes, chunks, error_code, error (empty when none), updated_at
-STORE_FILE_FIELDS = ("status", "generation", "created_at", "tenant", "filename", "bytes", "chunks",
-                     "error_code", "error", "updated_at")
+STORE_FILE_FIELDS = (
+    "status",
+    "generation",
+    "created_at",
+    "tenant",
+    "filename",
+    "bytes",
+    "chunks",
+    "error_code",
+    "error",
+    "updated_at",
+)

@@ -32,11 +32,20 @@ def instructions(spec: OutputSpec) -> str:
     parts = []
     tools = spec.callable_tools
     if tools:
-        lines = "\n".join(json.dumps({"name": t.function.name, "description": t.function.description,
-                                      "parameters": t.function.parameters or {"type": "object", "properties": {}}})
-                          for t in tools)
-        parts.append("Functions you can call:\n<tools>\n" + lines + "\n</tools>\n"
-                     f"Call one as {CALL_OPEN}{{\"name\": ..., \"arguments\": {{...}}}}{CALL_CLOSE}")
+        lines = "\n".join(
+            json.dumps(
+                {
+                    "name": t.function.name,
+                    "description": t.function.description,
+                    "parameters": t.function.parameters or {"type": "object", "properties": {}},
+                }
+            )
+            for t in tools
+        )
+        parts.append(
+            "Functions you can call:\n<tools>\n" + lines + "\n</tools>\n"
+            f'Call one as {CALL_OPEN}{{"name": ..., "arguments": {{...}}}}{CALL_CLOSE}'
+        )
     if spec.response_format == "json_schema":
         parts.append("Answer with JSON that follows this schema: " + json.dumps(spec.json_schema))
     elif spec.response_format == "json_object":

@@ -58,8 +58,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2]")
         if len(self.logit_bias) > MAX_LOGIT_BIAS or any(
-                t < 0 or not -100 <= b <= 100 for t, b in self.logit_bias.items()):
-            raise ValueError(f"logit_bias maps at most {MAX_LOGIT_BIAS} token ids (>= 0) to biases in [-100, 100]")
+            t < 0 or not -100 <= b <= 100 for t, b in self.logit_bias.items()
+        ):
+            raise ValueError(
+                f"logit_bias maps at most {MAX_LOGIT_BIAS} token ids (>= 0) to biases in [-100, 100]"
+            )
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
 
@@ -78,7 +81,9 @@ class ChatRequest(Event, tag="chat_request"):
     holds the client's connection: every token event for this request goes there.
     """
 
-    content: ClassVar[frozenset[str]] = frozenset({"messages", "output", "user", "run"})  # sealed (schemas/sealing.py)
+    content: ClassVar[frozenset[str]] = frozenset(
+        {"messages", "output", "user", "run"}
+    )  # sealed (schemas/sealing.py)
 
     model: str
     messages: list[ChatMessage]

@@ -50,14 +50,22 @@ class RunSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
     def continues(self, step: int, done: Completion, written: int) -> bool:
         """Whether the answer of step `step` is followed by step + 1 (its server calls' results);
         `written` is the tokens the answers of steps 0..step wrote together."""
-        return (done.finish_reason == "tool_calls" and bool(done.tool_calls) and step + 1 < self.max_steps
-                and all(c.function.name in self.server_tools for c in done.tool_calls)
-                and self.tokens_left(written) != 0)
+        return (
+            done.finish_reason == "tool_calls"
+            and bool(done.tool_calls)
+            and step + 1 < self.max_steps
+            and all(c.function.name in self.server_tools for c in done.tool_calls)
+            and self.tokens_left(written) != 0
+        )
 
     def out_of_tokens(self, done: Completion, written: int) -> bool:
         """A step that would go on to its calls' results but the response's token budget is spent."""
-        return (done.finish_reason == "tool_calls" and bool(done.tool_calls) and self.tokens_left(written) == 0
-                and all(c.function.name in self.server_tools for c in done.tool_calls))
+        return (
+            done.finish_reason == "tool_calls"
+            and bool(done.tool_calls)
+            and self.tokens_left(written) == 0
+            and all(c.function.name in self.server_tools for c in done.tool_calls)
+        )
 
     def tokens_left(self, written: int) -> int | None:
         """What the next step may still write (None: no budget for the whole response)."""
@@ -71,7 +79,9 @@ class RunSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
         if step + 1 >= self.max_steps:
             return msgspec.structs.replace(output, tool_choice="none", tool_name=None, allowed=[])
         if self.max_tool_calls is not None and step >= self.max_tool_calls:  # one call a step: spent
-            functions = [t.function.name for t in output.callable_tools if t.function.name not in self.server_tools]
+            functions = [
+                t.function.name for t in output.callable_tools if t.function.name not in self.server_tools
+            ]
             if not functions:
                 return msgspec.structs.replace(output, tool_choice="none", tool_name=None, allowed=[])
             return msgspec.structs.replace(output, tool_choice="auto", tool_name=None, allowed=functions)

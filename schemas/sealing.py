@@ -74,8 +74,8 @@ def unseal(data: bytes, sealer: Sealer | None) -> bytes:
     end = data.find(b'"', len(SEALED_PREFIX))
     if end < 0:
         raise MalformedEvent("malformed event: the sealed field is not closed")
-    token = data[len(SEALED_PREFIX):end].decode("ascii", "replace")
-    rest = data[end + 1:]  # ',"type":...}' or '}'
+    token = data[len(SEALED_PREFIX) : end].decode("ascii", "replace")
+    rest = data[end + 1 :]  # ',"type":...}' or '}'
     if sealer is None:
         raise Unsealed("a sealed event was read in a process without a keyring (common.sealing.install)")
     plain = sealer.open(token)
@@ -84,8 +84,10 @@ def unseal(data: bytes, sealer: Sealer | None) -> bytes:
             clear = _untyped.decode(b"{" + rest.lstrip(b","))
         except msgspec.DecodeError:
             clear = {}
-        raise Erased(f"erased: the key of {token.split('.')[1] if token.count('.') >= 2 else '?'} was destroyed",
-                     clear if isinstance(clear, dict) else {})
+        raise Erased(
+            f"erased: the key of {token.split('.')[1] if token.count('.') >= 2 else '?'} was destroyed",
+            clear if isinstance(clear, dict) else {},
+        )
     if not (plain.startswith(b"{") and plain.endswith(b"}")):
         raise MalformedEvent("malformed event: its sealed content is not a JSON object")
     inner = plain[1:-1]

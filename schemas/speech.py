@@ -24,9 +24,21 @@ SPEAK_MODEL = "espeak-ng"
 #: OpenAI's model names, served by the models above (clients hard-code them).
 MODEL_ALIASES = {"whisper-1": TRANSCRIBE_MODEL, "tts-1": SPEAK_MODEL, "tts-1-hd": SPEAK_MODEL}
 #: OpenAI's voices, each an eSpeak NG voice of its own (American English with a variant).
-VOICES = {"alloy": "en-us+m3", "ash": "en-us+m1", "ballad": "en-us+m5", "coral": "en-us+f2", "echo": "en-us+m2",
-          "fable": "en-gb+m3", "nova": "en-us+f3", "onyx": "en-us+m7", "sage": "en-us+f4", "shimmer": "en-us+f1",
-          "verse": "en-us+m4", "marin": "en-us+f5", "cedar": "en-us+m6"}
+VOICES = {
+    "alloy": "en-us+m3",
+    "ash": "en-us+m1",
+    "ballad": "en-us+m5",
+    "coral": "en-us+f2",
+    "echo": "en-us+m2",
+    "fable": "en-gb+m3",
+    "nova": "en-us+f3",
+    "onyx": "en-us+m7",
+    "sage": "en-us+f4",
+    "shimmer": "en-us+f1",
+    "verse": "en-us+m4",
+    "marin": "en-us+f5",
+    "cedar": "en-us+m6",
+}
 AUDIO_FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")
 MAX_SPEECH_CHARS = 4096
 MAX_AUDIO_BYTES = 25 * 1024 * 1024  # OpenAI's upload limit
@@ -51,7 +63,9 @@ class SpeechJob(Event, tag="speech_job"):
     durable store holds under `audio_key`, or speak `speak.text`. Results go to `reply_partition`
     of ts.tokens."""
 
-    content: ClassVar[frozenset[str]] = frozenset({"filename", "transcribe", "speak"})  # sealed (schemas/sealing.py)
+    content: ClassVar[frozenset[str]] = frozenset(
+        {"filename", "transcribe", "speak"}
+    )  # sealed (schemas/sealing.py)
 
     kind: Literal["transcribe", "speak"]
     model: str

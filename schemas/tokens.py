@@ -41,7 +41,9 @@ class TokenChunk(Event, tag="token_chunk"):
     content part, and `raw` is the model's text behind both (what a worker taking over resumes).
     """
 
-    content: ClassVar[frozenset[str]] = frozenset({"text", "token_ids", "tool_calls", "raw", "logprobs"})  # sealed (schemas/sealing.py)
+    content: ClassVar[frozenset[str]] = frozenset(
+        {"text", "token_ids", "tool_calls", "raw", "logprobs"}
+    )  # sealed (schemas/sealing.py)
 
     seq: int
     text: str
@@ -88,7 +90,9 @@ class Completion(Event, tag="completion"):
     replaying chunks.
     """
 
-    content: ClassVar[frozenset[str]] = frozenset({"text", "tool_calls", "error"})  # sealed (schemas/sealing.py)
+    content: ClassVar[frozenset[str]] = frozenset(
+        {"text", "tool_calls", "error"}
+    )  # sealed (schemas/sealing.py)
 
     seq: int
     finish_reason: FinishReason

@@ -41,18 +41,26 @@ async def chart_on_the_page(gateway: str, item: dict, citations: list[dict], tmp
         await asyncio.to_thread(browser.call, "Page.enable")
         await asyncio.to_thread(browser.call, "Page.navigate", url=f"{gateway}/#key={default_key()}")
         await asyncio.to_thread(browser.wait_for, "document.body.dataset.state === 'idle'", 60)
-        await asyncio.to_thread(browser.js, f"""(() => {{
+        await asyncio.to_thread(
+            browser.js,
+            f"""(() => {{
             const div = bubble("assistant", "The chart and its table: ");
             showStep(callView(div), {json.dumps(item)});
             for (const note of {json.dumps(citations)}) fileLink(div, note);
-        }})()""")
+        }})()""",
+        )
         drawn = "(() => { const i = document.querySelector('img.chart'); return i && i.naturalWidth > 0; })()"
         await asyncio.to_thread(browser.wait_for, drawn, 30)
-        size = await asyncio.to_thread(browser.js, "[document.querySelector('img.chart').naturalWidth, "
-                                                   "document.querySelector('img.chart').naturalHeight]")
+        size = await asyncio.to_thread(
+            browser.js,
+            "[document.querySelector('img.chart').naturalWidth, "
+            "document.querySelector('img.chart').naturalHeight]",
+        )
         assert size[0] >= 300 and size[1] >= 200, size  # matplotlib's figure, not a broken-image icon
         # the cited table, downloaded through the page's link (fetched with the key into a blob)
-        table = "Array.from(document.querySelectorAll('a.file')).find(a => a.textContent.endsWith('data.csv'))"
+        table = (
+            "Array.from(document.querySelectorAll('a.file')).find(a => a.textContent.endsWith('data.csv'))"
+        )
         await asyncio.to_thread(browser.js, f"{table}.click()")
         await asyncio.to_thread(browser.wait_for, f"{table}.href.startsWith('blob:')", 30)
         text = await asyncio.to_thread(browser.js, f"fetch({table}.href).then(r => r.text())")

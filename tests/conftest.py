@@ -77,16 +77,26 @@ class Roles:
         self.log_dir = log_dir
         self.procs: list[subprocess.Popen] = []
 
-    def start(self, *args: str, env: dict[str, str] | None = None, name: str | None = None) -> subprocess.Popen:
+    def start(
+        self, *args: str, env: dict[str, str] | None = None, name: str | None = None
+    ) -> subprocess.Popen:
         name = name or "-".join(args[:2])
         log = open(self.log_dir / f"{name}-{len(self.procs)}.log", "wb")
         proc = subprocess.Popen(
             [sys.executable, "-m", "tokenstream.cli", *args],
             # every role of the suite shares this host's cores: a worker's threads sleep rather than spin
             # (as the local stacks run it, tokenstream.stack.roles.shared_host_worker_args)
-            env={**os.environ, **self.stack.environment(), "PYTHONUNBUFFERED": "1",
-                 "TOKENSTREAM_WORKER_SPIN_WAIT": "false", **(env or {})},
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent,
+            env={
+                **os.environ,
+                **self.stack.environment(),
+                "PYTHONUNBUFFERED": "1",
+                "TOKENSTREAM_WORKER_SPIN_WAIT": "false",
+                **(env or {}),
+            },
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
         proc.log_path = log.name  # type: ignore[attr-defined]
         self.procs.append(proc)
@@ -94,8 +104,10 @@ class Roles:
 
     def start_processors(self, env: dict[str, str] | None = None) -> dict[str, subprocess.Popen]:
         """The conversation, safety and router processors, logging at info."""
-        return {name: self.start("processor", name, "--loglevel", "info", env=env, name=f"processor-{name}")
-                for name in ("conversation", "safety", "router")}
+        return {
+            name: self.start("processor", name, "--loglevel", "info", env=env, name=f"processor-{name}")
+            for name in ("conversation", "safety", "router")
+        }
 
     def log(self, proc: subprocess.Popen) -> str:
         return Path(proc.log_path).read_text(errors="replace")  # type: ignore[attr-defined]

@@ -10,8 +10,13 @@ import cramjam
 import redis
 
 BATCH_HEADER = 61  # bytes before a v2 record batch's records
-CODECS = {0: bytes, 1: lambda b: bytes(cramjam.gzip.decompress(b)), 2: lambda b: bytes(cramjam.snappy.decompress(b)),
-          3: lambda b: bytes(cramjam.lz4.decompress(b)), 4: lambda b: bytes(cramjam.zstd.decompress(b))}
+CODECS = {
+    0: bytes,
+    1: lambda b: bytes(cramjam.gzip.decompress(b)),
+    2: lambda b: bytes(cramjam.snappy.decompress(b)),
+    3: lambda b: bytes(cramjam.lz4.decompress(b)),
+    4: lambda b: bytes(cramjam.zstd.decompress(b)),
+}
 
 
 def segment_records(path: Path):
@@ -23,7 +28,7 @@ def segment_records(path: Path):
         if length <= 0 or at + 12 + length > len(data):
             break
         attributes = struct.unpack_from(">h", data, at + 21)[0]
-        yield CODECS[attributes & 7](data[at + BATCH_HEADER:at + 12 + length])
+        yield CODECS[attributes & 7](data[at + BATCH_HEADER : at + 12 + length])
         at += 12 + length
 
 

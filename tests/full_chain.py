@@ -37,9 +37,16 @@ class System:
     procs: dict[str, object] = field(default_factory=dict)
 
     @classmethod
-    def start(cls, stack, log_dir, *, processor_env: dict[str, str] | None = None,
-              gateway_env: dict[str, str] | None = None, worker_args: tuple[str, ...] = (),
-              tools: bool = False) -> System:
+    def start(
+        cls,
+        stack,
+        log_dir,
+        *,
+        processor_env: dict[str, str] | None = None,
+        gateway_env: dict[str, str] | None = None,
+        worker_args: tuple[str, ...] = (),
+        tools: bool = False,
+    ) -> System:
         asyncio.run(apply(all_topics([MODEL]), stack.kafka.address))
         system = cls(Roles(stack, log_dir))
         system.procs.update(system.roles.start_processors(processor_env))
@@ -48,12 +55,14 @@ class System:
 
             port = free_port()
             system.tools_health = f"http://127.0.0.1:{port}"
-            system.procs["tools"] = system.roles.start("tools", "--health-port", str(port),
-                                                       env=tools_env(sandbox_root()), name="tools")
+            system.procs["tools"] = system.roles.start(
+                "tools", "--health-port", str(port), env=tools_env(sandbox_root()), name="tools"
+            )
         port = free_port()
         system.worker_metrics = f"http://127.0.0.1:{port}/metrics"
-        system.procs["worker"] = system.roles.start("worker", "--model", MODEL, "--metrics-port", str(port),
-                                                    *worker_args, name="worker")
+        system.procs["worker"] = system.roles.start(
+            "worker", "--model", MODEL, "--metrics-port", str(port), *worker_args, name="worker"
+        )
         for index in range(2):
             env = {"TOKENSTREAM_GATEWAY_SCREENING": SCREENING[index], **(gateway_env or {})}
             url, proc = start_gateway(system.roles, [MODEL], index=index, count=2, env=env, timeout=120)

@@ -87,8 +87,13 @@ class FakePipeline:
             self._work_in = None
             self._tasks = [asyncio.create_task(self._process()), asyncio.create_task(self._control())]
             return self
-        self._work_in = await start_consumer(self._topic, group=f"worker.{self.model}", bootstrap=self.bootstrap,
-                                             from_beginning=True, max_poll_records=1)
+        self._work_in = await start_consumer(
+            self._topic,
+            group=f"worker.{self.model}",
+            bootstrap=self.bootstrap,
+            from_beginning=True,
+            max_poll_records=1,
+        )
         deadline = time.monotonic() + 30
         while not self._work_in.assignment():
             if time.monotonic() > deadline:
@@ -120,10 +125,18 @@ class FakePipeline:
                     if req.model != self.model or req.cached_from:  # like the conversation processor
                         continue
                     self.requests[req.request_id] = req
-                    inf = InferenceRequest(request_id=req.request_id, conversation_id=req.conversation_id,
-                                           tenant=req.tenant, tier=req.tier, priority=req.priority,
-                                           model=req.model, messages=req.messages, sampling=req.sampling,
-                                           reply_partition=req.reply_partition, admitted_at=time.time())
+                    inf = InferenceRequest(
+                        request_id=req.request_id,
+                        conversation_id=req.conversation_id,
+                        tenant=req.tenant,
+                        tier=req.tier,
+                        priority=req.priority,
+                        model=req.model,
+                        messages=req.messages,
+                        sampling=req.sampling,
+                        reply_partition=req.reply_partition,
+                        admitted_at=time.time(),
+                    )
                     await publish(self._producer, self._topic, inf)
 
     # worker double: group worker.<model>, `slots` requests at a time
@@ -161,9 +174,13 @@ class FakePipeline:
                     reason = "error"
                     break
                 text = word if i == 0 else " " + word
-                await publish(self._producer, TOKENS, TokenChunk(request_id=rid, seq=seq, text=text,
-                                                                 token_ids=[i], worker_id="fake"),
-                              partition=req.reply_partition, wait=False)
+                await publish(
+                    self._producer,
+                    TOKENS,
+                    TokenChunk(request_id=rid, seq=seq, text=text, token_ids=[i], worker_id="fake"),
+                    partition=req.reply_partition,
+                    wait=False,
+                )
                 if served.first_token_at is None:
                     served.first_token_at = time.time()
                 seq += 1
@@ -173,9 +190,14 @@ class FakePipeline:
             if flag.is_set():
                 reason = "cancelled"
             prompt_tokens = sum(len(m.content.split()) for m in req.messages)
-            done = Completion(request_id=rid, seq=seq, finish_reason=reason, worker_id="fake",
-                              usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=seq),
-                              error="the worker double was asked to fail" if reason == "error" else None)
+            done = Completion(
+                request_id=rid,
+                seq=seq,
+                finish_reason=reason,
+                worker_id="fake",
+                usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=seq),
+                error="the worker double was asked to fail" if reason == "error" else None,
+            )
             await publish(self._producer, TOKENS, done, partition=req.reply_partition)
             served.finish_reason = reason
         finally:
@@ -258,16 +280,37 @@ def auth_headers(key: str | None = None) -> dict[str, str]:
 
 # ------------------------------------------------------------------ gateway processes
 
-def start_gateway(roles, models: list[str], *, index: int = 0, count: int = 1, env: dict | None = None,
-                  wait_ready: bool = True, timeout: float = 60.0, port: int | None = None) -> tuple[str, object]:
+
+def start_gateway(
+    roles,
+    models: list[str],
+    *,
+    index: int = 0,
+    count: int = 1,
+    env: dict | None = None,
+    wait_ready: bool = True,
+    timeout: float = 60.0,
+    port: int | None = None,
+) -> tuple[str, object]:
     """Run `tokenstream gateway` as a real process; returns (base URL, process)."""
     port = port or free_port()
-    proc = roles.start("gateway", "--port", str(port), "--instance-index", str(index),
-                       "--instance-count", str(count), name=f"gateway-{index}-{port}",
-                       env={"TOKENSTREAM_GATEWAY_MODELS": json.dumps(models),
-                            "TOKENSTREAM_GATEWAY_INSTANCE_ID": f"gw{index}-{port}",
-                            # FakePipeline writes no input verdicts: it plays the serial order
-                            "TOKENSTREAM_GATEWAY_SCREENING": "serial", **(env or {})})
+    proc = roles.start(
+        "gateway",
+        "--port",
+        str(port),
+        "--instance-index",
+        str(index),
+        "--instance-count",
+        str(count),
+        name=f"gateway-{index}-{port}",
+        env={
+            "TOKENSTREAM_GATEWAY_MODELS": json.dumps(models),
+            "TOKENSTREAM_GATEWAY_INSTANCE_ID": f"gw{index}-{port}",
+            # FakePipeline writes no input verdicts: it plays the serial order
+            "TOKENSTREAM_GATEWAY_SCREENING": "serial",
+            **(env or {}),
+        },
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     while True:
@@ -303,8 +346,14 @@ def api_client(base_url: str, *, kind: str = "openai", timeout: float = 120.0, *
     if kind == "openai":
         import openai
 
-        return openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=timeout,
-                                  default_headers=headers(), **kw)
+        return openai.AsyncOpenAI(
+            base_url=base_url + "/v1",
+            api_key="unused",
+            max_retries=0,
+            timeout=timeout,
+            default_headers=headers(),
+            **kw,
+        )
     if kind == "http":
         import httpx
 
@@ -312,8 +361,14 @@ def api_client(base_url: str, *, kind: str = "openai", timeout: float = 120.0, *
     if kind == "langchain":
         from langchain_openai import ChatOpenAI
 
-        return ChatOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=timeout,
-                          default_headers=headers(), **kw)
+        return ChatOpenAI(
+            base_url=base_url + "/v1",
+            api_key="unused",
+            max_retries=0,
+            timeout=timeout,
+            default_headers=headers(),
+            **kw,
+        )
     raise ValueError(kind)
 
 
@@ -356,6 +411,7 @@ def content_of(data: str) -> str:
 
 # ------------------------------------------------------------------ a headless browser
 
+
 class Chromium:
     """Debian's chromium, headless, driven over the Chrome DevTools Protocol.
 
@@ -363,24 +419,45 @@ class Chromium:
     so the test downloads nothing and needs no extra package.
     """
 
-    def __init__(self, profile: Path, binary: str = "/usr/bin/chromium", extra_args: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, profile: Path, binary: str = "/usr/bin/chromium", extra_args: tuple[str, ...] = ()
+    ) -> None:
         import subprocess
 
         self.port = free_port()
         self.proc = subprocess.Popen(
-            [binary, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-             f"--remote-debugging-port={self.port}", f"--user-data-dir={profile}",
-             "--disable-background-networking", "--disable-component-update", "--disable-sync",
-             "--no-first-run", "--disable-quic", "--disable-extensions", "--mute-audio",
-             "--window-size=1100,800", *extra_args, "about:blank"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+            [
+                binary,
+                "--headless=new",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-dev-shm-usage",
+                f"--remote-debugging-port={self.port}",
+                f"--user-data-dir={profile}",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--no-first-run",
+                "--disable-quic",
+                "--disable-extensions",
+                "--mute-audio",
+                "--window-size=1100,800",
+                *extra_args,
+                "about:blank",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         self._id = 0
 
     def connect(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                targets = json.load(urllib.request.urlopen(f"http://127.0.0.1:{self.port}/json/list", timeout=2))
+                targets = json.load(
+                    urllib.request.urlopen(f"http://127.0.0.1:{self.port}/json/list", timeout=2)
+                )
                 page = next(t for t in targets if t["type"] == "page")
                 break
             except Exception:  # noqa: BLE001
@@ -396,9 +473,12 @@ class Chromium:
         host, port = host_port.split(":")
         self.sock = socket.create_connection((host, int(port)), timeout=60)
         key = base64.b64encode(os.urandom(16)).decode()
-        self.sock.sendall((f"GET /{path} HTTP/1.1\r\nHost: {host_port}\r\nUpgrade: websocket\r\n"
-                           f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n"
-                           ).encode())
+        self.sock.sendall(
+            (
+                f"GET /{path} HTTP/1.1\r\nHost: {host_port}\r\nUpgrade: websocket\r\n"
+                f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n"
+            ).encode()
+        )
         head = b""
         while b"\r\n\r\n" not in head:
             head += self.sock.recv(1)
@@ -419,8 +499,13 @@ class Chromium:
 
         data = text.encode()
         n = len(data)
-        head = b"\x81" + (bytes([0x80 | n]) if n < 126 else
-                          b"\xfe" + struct.pack(">H", n) if n < 65536 else b"\xff" + struct.pack(">Q", n))
+        head = b"\x81" + (
+            bytes([0x80 | n])
+            if n < 126
+            else b"\xfe" + struct.pack(">H", n)
+            if n < 65536
+            else b"\xff" + struct.pack(">Q", n)
+        )
         mask = os.urandom(4)
         self.sock.sendall(head + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(data)))
 

@@ -38,16 +38,22 @@ def partition_of(key: str, partitions: int) -> int:
     return DefaultPartitioner()(key.encode(), every, every)
 
 
-def key_on_partition_of(key: str, partitions: int, prefix: str = "marker-",
-                        as_key: Callable[[str], str] = lambda k: k) -> str:
+def key_on_partition_of(
+    key: str, partitions: int, prefix: str = "marker-", as_key: Callable[[str], str] = lambda k: k
+) -> str:
     """A new name whose key (`as_key(name)`) lands on the same partition as `as_key(key)`: a marker
     written after a record of `key` is handled after it by a consumer that keeps each partition's order."""
     want = partition_of(as_key(key), partitions)
-    return next(k for k in (f"{prefix}{key}-{i}" for i in itertools.count())
-                if partition_of(as_key(k), partitions) == want)
+    return next(
+        k
+        for k in (f"{prefix}{key}-{i}" for i in itertools.count())
+        if partition_of(as_key(k), partitions) == want
+    )
 
 
-def one_key_per_partition(partitions: int, prefix: str, as_key: Callable[[str], str] = lambda k: k) -> list[str]:
+def one_key_per_partition(
+    partitions: int, prefix: str, as_key: Callable[[str], str] = lambda k: k
+) -> list[str]:
     """Names `prefix0`, `prefix1`, ... chosen so that their keys (`as_key(name)`) cover every partition."""
     found: dict[int, str] = {}
     for i in itertools.count():
@@ -100,21 +106,24 @@ class Tap:
 
         async def read() -> bool:
             return all([await self.consumer.position(tp) >= ends[tp] for tp in tps])
+
         await wait_for(read, timeout, f"{self.spec.name}: read to its end", interval=0.05)
 
     def matching(self, predicate: Callable[[Event], bool]) -> list[Event]:
         return [e for e, _ in self.events if predicate(e)]
 
-    async def wait_for(self, predicate: Callable[[Event], bool], count: int = 1,
-                       timeout: float = 60.0) -> list[Event]:
+    async def wait_for(
+        self, predicate: Callable[[Event], bool], count: int = 1, timeout: float = 60.0
+    ) -> list[Event]:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             found = self.matching(predicate)
             if len(found) >= count:
                 return found
             await asyncio.sleep(0.05)
-        raise AssertionError(f"{self.spec.name}: {len(self.matching(predicate))} of {count} events "
-                             f"after {timeout:.0f}s")
+        raise AssertionError(
+            f"{self.spec.name}: {len(self.matching(predicate))} of {count} events after {timeout:.0f}s"
+        )
 
 
 async def group_settled(bootstrap: str, group: str, members: int, timeout: float = 120) -> None:
@@ -130,7 +139,12 @@ async def group_settled(bootstrap: str, group: str, members: int, timeout: float
         deadline = time.monotonic() + timeout
         while True:
             state = (await _group_states(admin, [group])).get(group)
-            if state and state.state == "Stable" and state.members == members and len(state.owners) >= members:
+            if (
+                state
+                and state.state == "Stable"
+                and state.members == members
+                and len(state.owners) >= members
+            ):
                 return
             assert time.monotonic() < deadline, f"group {group} not settled: {state}"
             await asyncio.sleep(0.5)

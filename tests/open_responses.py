@@ -37,8 +37,12 @@ def _within_spec(response: dict) -> dict:
     choice = response["tool_choice"]
     if isinstance(choice, dict) and choice.get("type") not in ("function", "allowed_tools"):
         choice = "required"
-    return dict(response, output=[i for i in response["output"] if i["type"] in SPEC_ITEMS],
-                tools=[t for t in response["tools"] if t["type"] == "function"], tool_choice=choice)
+    return dict(
+        response,
+        output=[i for i in response["output"] if i["type"] in SPEC_ITEMS],
+        tools=[t for t in response["tools"] if t["type"] == "function"],
+        tool_choice=choice,
+    )
 
 
 def response(body: dict) -> spec.ResponseResource:
@@ -52,8 +56,10 @@ def event(body: dict) -> bool:
     model = EVENTS.get(body["type"])
     if model is None:
         return False
-    if body["type"] in ("response.output_item.added", "response.output_item.done") \
-            and body["item"]["type"] not in SPEC_ITEMS:
+    if (
+        body["type"] in ("response.output_item.added", "response.output_item.done")
+        and body["item"]["type"] not in SPEC_ITEMS
+    ):
         return False
     if "response" in body:
         body = dict(body, response=_within_spec(body["response"]))

@@ -41,8 +41,11 @@ async def two_regions(eu: Stack, roles, root: Path, model: str):
     us = Stack.ephemeral(root / "us")
     eu_port, us_port = free_port(), free_port()
     urls = {"eu": f"http://127.0.0.1:{eu_port}", "us": f"http://127.0.0.1:{us_port}"}
-    mirror = MirrorMaker(*_folders(root / "mirror", settings().cache_dir), clusters={"eu": eu.kafka, "us": us.kafka},
-                         topics=tuple(s.name for s in REGISTRY if s.mirrored))
+    mirror = MirrorMaker(
+        *_folders(root / "mirror", settings().cache_dir),
+        clusters={"eu": eu.kafka, "us": us.kafka},
+        topics=tuple(s.name for s in REGISTRY if s.mirrored),
+    )
     started = []
     try:
         for service in (us.kafka, us.redis, us.cache):
@@ -55,8 +58,9 @@ async def two_regions(eu: Stack, roles, root: Path, model: str):
             await apply(all_topics([model]), eu.kafka.address)
         mirror.start(print, wait=False)  # (its copies appear while the gateways start)
         started.append(mirror)
-        eu_url, eu_proc = start_gateway(roles, [model], port=eu_port, wait_ready=False,
-                                        env={"TOKENSTREAM_REGION": "eu", **regions})
+        eu_url, eu_proc = start_gateway(
+            roles, [model], port=eu_port, wait_ready=False, env={"TOKENSTREAM_REGION": "eu", **regions}
+        )
         us_env = {**us.environment(), "TOKENSTREAM_REGION": "us", **regions}
         us_url, us_proc = start_gateway(roles, [model], port=us_port, wait_ready=False, env=us_env)
         mirror.wait_ready()
@@ -92,8 +96,12 @@ async def records_on(kafka) -> dict[str, int]:
 
     async with _consumer(kafka) as consumer:
         cluster = await consumer._client.fetch_all_metadata()  # noqa: SLF001
-        parts = [TopicPartition(t, p) for t in cluster.topics() if t.startswith(("ts.", "ts-"))
-                 for p in cluster.partitions_for_topic(t)]
+        parts = [
+            TopicPartition(t, p)
+            for t in cluster.topics()
+            if t.startswith(("ts.", "ts-"))
+            for p in cluster.partitions_for_topic(t)
+        ]
         ends = await consumer.end_offsets(parts)
     out: dict[str, int] = {}
     for tp, end in ends.items():
@@ -101,7 +109,9 @@ async def records_on(kafka) -> dict[str, int]:
     return {t: n for t, n in out.items() if n}
 
 
-async def topics_holding(kafka, needles: list[bytes], topics: list[str] | None = None) -> dict[bytes, set[str]]:
+async def topics_holding(
+    kafka, needles: list[bytes], topics: list[str] | None = None
+) -> dict[bytes, set[str]]:
     """needle -> the topics (default: every topic of the cluster, its internal ones too) with a record
     whose key, value or headers contain it, read as a consumer reads them (decompressed)."""
     from aiokafka.structs import TopicPartition
@@ -111,7 +121,11 @@ async def topics_holding(kafka, needles: list[bytes], topics: list[str] | None =
     found: dict[bytes, set[str]] = {n: set() for n in needles}
     async with _consumer(kafka) as consumer:
         cluster = await consumer._client.fetch_all_metadata()  # noqa: SLF001
-        parts = [TopicPartition(t, p) for t in (topics or cluster.topics()) for p in cluster.partitions_for_topic(t)]
+        parts = [
+            TopicPartition(t, p)
+            for t in (topics or cluster.topics())
+            for p in cluster.partitions_for_topic(t)
+        ]
         consumer.assign(parts)
         await consumer.seek_to_beginning(*parts)
         ends = await consumer.end_offsets(parts)
@@ -129,7 +143,9 @@ async def topics_holding(kafka, needles: list[bytes], topics: list[str] | None =
 async def _consumer(kafka):
     from aiokafka import AIOKafkaConsumer
 
-    consumer = AIOKafkaConsumer(bootstrap_servers=kafka.address, enable_auto_commit=False, **kafka.client_options())
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=kafka.address, enable_auto_commit=False, **kafka.client_options()
+    )
     await consumer.start()
     try:
         yield consumer

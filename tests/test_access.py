@@ -43,20 +43,34 @@ def test_every_grant_comes_from_the_registry_or_is_listed_with_its_reason():
         allowed = {w.role.value for w in spec.writers}
         assert {g.user for g in grants(SPECS) if g.name == spec.name and g.operation == "write"} == allowed
     assert set(by_user(SPECS)) == {r.value for r in Role} | {"autoscaler"}
-    assert {(g.operation, g.resource) for g in by_user(SPECS)["autoscaler"]} == {("describe", "topic"),
-                                                                               ("describe", "group")}
+    assert {(g.operation, g.resource) for g in by_user(SPECS)["autoscaler"]} == {
+        ("describe", "topic"),
+        ("describe", "group"),
+    }
 
 
 async def _produce(bootstrap: str, user: str, password: str, topic: str) -> str:
     """'ok', or the name of the error that refused the write."""
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, security_protocol="SASL_PLAINTEXT",
-                                sasl_mechanism=kafka_auth.MECHANISM, sasl_plain_username=user,
-                                sasl_plain_password=password, acks="all", enable_idempotence=True,
-                                request_timeout_ms=10_000, metadata_max_age_ms=1000)
+    producer = AIOKafkaProducer(
+        bootstrap_servers=bootstrap,
+        security_protocol="SASL_PLAINTEXT",
+        sasl_mechanism=kafka_auth.MECHANISM,
+        sasl_plain_username=user,
+        sasl_plain_password=password,
+        acks="all",
+        enable_idempotence=True,
+        request_timeout_ms=10_000,
+        metadata_max_age_ms=1000,
+    )
     try:
         await producer.start()
-        request = ChatRequest(request_id=f"forged-{user}", tenant="victim", conversation_id="c1",
-                              model=MODEL, messages=[ChatMessage(role="user", content="forged")])
+        request = ChatRequest(
+            request_id=f"forged-{user}",
+            tenant="victim",
+            conversation_id="c1",
+            model=MODEL,
+            messages=[ChatMessage(role="user", content="forged")],
+        )
         await asyncio.wait_for(producer.send_and_wait(topic, encode(request), key=b"victim:c1"), 15)
         return "ok"
     except (KafkaError, TimeoutError) as exc:
@@ -71,8 +85,9 @@ async def _written_ids(bootstrap: str, spec) -> set[str]:
 
     from schemas import decode
 
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False,
-                                **kafka_auth.client_options())
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False, **kafka_auth.client_options()
+    )
     await consumer.start()
     try:
         tps = [TopicPartition(spec.name, p) for p in range(spec.partitions)]
@@ -80,6 +95,7 @@ async def _written_ids(bootstrap: str, spec) -> set[str]:
         await consumer.seek_to_beginning(*tps)
         ends = await consumer.end_offsets(tps)
         ids: set[str] = set()
+
         async def behind() -> bool:
             return any([await consumer.position(tp) < ends[tp] for tp in tps])
 
@@ -101,25 +117,34 @@ async def test_a_roles_credentials_write_what_the_registry_says_and_nothing_else
     # written last, is the only one the topic holds.
     others = [r.value for r in Role if r is not Role.GATEWAY]
     for user in others:
-        assert await _produce(bootstrap, user, passwords[user], CHAT_REQUESTS.name) == \
-            "TopicAuthorizationFailedError", user
+        assert (
+            await _produce(bootstrap, user, passwords[user], CHAT_REQUESTS.name)
+            == "TopicAuthorizationFailedError"
+        ), user
     assert await _produce(bootstrap, "gateway", passwords["gateway"], CHAT_REQUESTS.name) == "ok"
     forged = {i for i in await _written_ids(bootstrap, CHAT_REQUESTS) if i.startswith("forged-")}
     assert forged == {"forged-gateway"}  # (other tests of the session write their own requests there)
     # And a topic each role does own takes its records.
     assert await _produce(bootstrap, "tools", passwords["tools"], TOOL_RESULTS.name) == "ok"
-    assert await _produce(bootstrap, "worker", passwords["worker"], TOOL_RESULTS.name) == \
-        "TopicAuthorizationFailedError"
+    assert (
+        await _produce(bootstrap, "worker", passwords["worker"], TOOL_RESULTS.name)
+        == "TopicAuthorizationFailedError"
+    )
 
 
 @pytest.mark.asyncio
 async def test_a_role_cannot_read_or_join_what_it_does_not_own(stack, bootstrap):
     await apply(SPECS, bootstrap)
-    worker = dict(security_protocol="SASL_PLAINTEXT", sasl_mechanism=kafka_auth.MECHANISM,
-                  sasl_plain_username="worker", sasl_plain_password=kafka_auth.password("worker"))
+    worker = dict(
+        security_protocol="SASL_PLAINTEXT",
+        sasl_mechanism=kafka_auth.MECHANISM,
+        sasl_plain_username="worker",
+        sasl_plain_password=kafka_auth.password("worker"),
+    )
     # ts.chat.requests holds every tenant's messages: the worker has no business reading it.
-    consumer = AIOKafkaConsumer(CHAT_REQUESTS.name, bootstrap_servers=bootstrap, group_id=None,
-                                auto_offset_reset="earliest", **worker)
+    consumer = AIOKafkaConsumer(
+        CHAT_REQUESTS.name, bootstrap_servers=bootstrap, group_id=None, auto_offset_reset="earliest", **worker
+    )
     try:
         with pytest.raises(TopicAuthorizationFailedError):
             await asyncio.wait_for(consumer.start(), 20)
@@ -127,8 +152,9 @@ async def test_a_role_cannot_read_or_join_what_it_does_not_own(stack, bootstrap)
     finally:
         await consumer.stop()
     # Nor may it join the conversation processor's group (and take its partitions).
-    consumer = AIOKafkaConsumer(inference_topic(MODEL).name, bootstrap_servers=bootstrap,
-                                group_id="ts-conversation", **worker)
+    consumer = AIOKafkaConsumer(
+        inference_topic(MODEL).name, bootstrap_servers=bootstrap, group_id="ts-conversation", **worker
+    )
     try:
         with pytest.raises(KafkaError) as refused:
             await asyncio.wait_for(consumer.start(), 20)
@@ -140,8 +166,9 @@ async def test_a_role_cannot_read_or_join_what_it_does_not_own(stack, bootstrap)
 
 @pytest.mark.asyncio
 async def test_no_credentials_or_a_wrong_password_are_not_let_in(stack, bootstrap):
-    assert await _produce(bootstrap, "gateway", "not-its-password", CHAT_REQUESTS.name) == \
-        "KafkaConnectionError"
+    assert (
+        await _produce(bootstrap, "gateway", "not-its-password", CHAT_REQUESTS.name) == "KafkaConnectionError"
+    )
     anonymous = AIOKafkaProducer(bootstrap_servers=bootstrap, request_timeout_ms=5000)
     with pytest.raises(KafkaConnectionError):
         await asyncio.wait_for(anonymous.start(), 30)
@@ -149,8 +176,10 @@ async def test_no_credentials_or_a_wrong_password_are_not_let_in(stack, bootstra
 
 
 def test_grants_print_as_acls():
-    assert str(Grant("audit", "group", "ts-audit-rescreen.", "read", "prefixed")) == \
-        "User:audit read group ts-audit-rescreen.*"
+    assert (
+        str(Grant("audit", "group", "ts-audit-rescreen.", "read", "prefixed"))
+        == "User:audit read group ts-audit-rescreen.*"
+    )
 
 
 @pytest.mark.asyncio
@@ -161,8 +190,13 @@ async def test_topics_describe_access_shows_each_users_grants_held(stack, bootst
 
     await apply(SPECS, bootstrap)
     out = await asyncio.to_thread(
-        subprocess.run, [sys.executable, "-m", "tokenstream.cli", "topics", "describe", "--access", "--model", MODEL],
-        capture_output=True, text=True, timeout=120, env={**os.environ, **stack.environment(), "COLUMNS": "200"})
+        subprocess.run,
+        [sys.executable, "-m", "tokenstream.cli", "topics", "describe", "--access", "--model", MODEL],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **stack.environment(), "COLUMNS": "200"},
+    )
     assert out.returncode == 0, out.stderr
     rows = [line for line in out.stdout.splitlines() if "ts.chat.requests" in line]
     assert any("gateway" in r and "write" in r and "yes" in r for r in rows), out.stdout

@@ -61,70 +61,134 @@ def topics_ready(stack):
 
 
 def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tokenstream.cli", "audit", *args], capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "COLUMNS": "220", **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "tokenstream.cli", "audit", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "COLUMNS": "220", **(env or {})},
+    )
 
 
-async def play(producer, *, conversation: str, tenant: str, kind: str = "ok", partition: int = 3,
-               missing_seq: int | None = None) -> str:
+async def play(
+    producer,
+    *,
+    conversation: str,
+    tenant: str,
+    kind: str = "ok",
+    partition: int = 3,
+    missing_seq: int | None = None,
+) -> str:
     """Write one request's events as the roles do; `kind`: ok | input_blocked | output_blocked | tool |
     parallel_ok | parallel_blocked (screened in parallel: generation starts before the input verdict)."""
     rid = new_request_id(partition, time.time())
     ids = dict(request_id=rid, conversation_id=conversation, tenant=tenant)
     question = [ChatMessage(role="user", content=f"What colour is the sky? ({kind})")]
     screening = "parallel" if kind.startswith("parallel") else "serial"
-    await publish(producer, CHAT_REQUESTS, ChatRequest(**ids, model=MODEL, messages=question, screening=screening,
-                                                       reply_partition=partition),
-                  key=conversation_key(tenant, conversation))  # as the gateway keys it
-    prepared = InferenceRequest(**ids, model=MODEL, messages=question, reply_partition=partition,
-                                screening=screening)
+    await publish(
+        producer,
+        CHAT_REQUESTS,
+        ChatRequest(**ids, model=MODEL, messages=question, screening=screening, reply_partition=partition),
+        key=conversation_key(tenant, conversation),
+    )  # as the gateway keys it
+    prepared = InferenceRequest(
+        **ids, model=MODEL, messages=question, reply_partition=partition, screening=screening
+    )
     await publish(producer, PREPARED, prepared)
     if screening == "parallel":
         return await play_parallel(producer, prepared, blocked=kind == "parallel_blocked")
     blocked = kind == "input_blocked"
-    await publish(producer, VERDICTS, SafetyVerdict(**ids, stage="input", blocked=blocked,
-                                                    categories=["violence"] if blocked else [],
-                                                    policy_version="test-1"))
+    await publish(
+        producer,
+        VERDICTS,
+        SafetyVerdict(
+            **ids,
+            stage="input",
+            blocked=blocked,
+            categories=["violence"] if blocked else [],
+            policy_version="test-1",
+        ),
+    )
     on_tokens = dict(partition=partition)
     if blocked:
-        await publish(producer, TOKENS, TokenChunk(**ids, seq=0, text="I can't help with that request."),
-                      **on_tokens)
-        await publish(producer, TOKENS, Completion(**ids, seq=1, finish_reason="content_filter",
-                                                   text="I can't help with that request."), **on_tokens)
+        await publish(
+            producer, TOKENS, TokenChunk(**ids, seq=0, text="I can't help with that request."), **on_tokens
+        )
+        await publish(
+            producer,
+            TOKENS,
+            Completion(**ids, seq=1, finish_reason="content_filter", text="I can't help with that request."),
+            **on_tokens,
+        )
         return rid
     await publish(producer, SCREENED, prepared)
     await publish(producer, inference_topic(MODEL), prepared)
     seq = 0
     for i, word in enumerate(WORDS):
         if kind == "tool" and i == 2:
-            await publish(producer, TOOL_CALLS, ToolCall(**ids, call_id="call-1", name="weather",
-                                                         arguments='{"city":"Oslo"}'))
-            await publish(producer, TOOL_RESULTS, ToolResult(**ids, call_id="call-1", name="weather", ok=True,
-                                                             output="sunny"))
+            await publish(
+                producer,
+                TOOL_CALLS,
+                ToolCall(**ids, call_id="call-1", name="weather", arguments='{"city":"Oslo"}'),
+            )
+            await publish(
+                producer,
+                TOOL_RESULTS,
+                ToolResult(**ids, call_id="call-1", name="weather", ok=True, output="sunny"),
+            )
         if kind == "output_blocked" and i == 3:
-            await publish(producer, TOKENS, SafetyVerdict(**ids, stage="output", blocked=True,
-                                                          categories=["violence"], window_end_seq=2,
-                                                          policy_version="test-1"), **on_tokens)
+            await publish(
+                producer,
+                TOKENS,
+                SafetyVerdict(
+                    **ids,
+                    stage="output",
+                    blocked=True,
+                    categories=["violence"],
+                    window_end_seq=2,
+                    policy_version="test-1",
+                ),
+                **on_tokens,
+            )
             await publish(producer, CONTROL, Cancel(**ids, reason="content_filter"))
         if seq != missing_seq:
-            await publish(producer, TOKENS, TokenChunk(**ids, seq=seq, text=word, worker_id="w1"), **on_tokens)
+            await publish(
+                producer, TOKENS, TokenChunk(**ids, seq=seq, text=word, worker_id="w1"), **on_tokens
+            )
         seq += 1
     reason = "cancelled" if kind == "output_blocked" else "stop"
-    await publish(producer, TOKENS, Completion(**ids, seq=seq, finish_reason=reason, text="".join(WORDS),
-                                               usage=Usage(prompt_tokens=7, completion_tokens=seq),
-                                               worker_id="w1"), **on_tokens)
+    await publish(
+        producer,
+        TOKENS,
+        Completion(
+            **ids,
+            seq=seq,
+            finish_reason=reason,
+            text="".join(WORDS),
+            usage=Usage(prompt_tokens=7, completion_tokens=seq),
+            worker_id="w1",
+        ),
+        **on_tokens,
+    )
     return rid
 
 
 async def play_parallel(producer, prepared: InferenceRequest, *, blocked: bool) -> str:
     """The router forwards at once; the input verdict lands in band after two chunks; a block cancels."""
-    ids = dict(request_id=prepared.request_id, conversation_id=prepared.conversation_id, tenant=prepared.tenant)
+    ids = dict(
+        request_id=prepared.request_id, conversation_id=prepared.conversation_id, tenant=prepared.tenant
+    )
     where = dict(partition=prepared.reply_partition)
     await publish(producer, inference_topic(MODEL), prepared)
     for seq in (0, 1):
         await publish(producer, TOKENS, TokenChunk(**ids, seq=seq, text=WORDS[seq], worker_id="w1"), **where)
-    verdict = SafetyVerdict(**ids, stage="input", blocked=blocked, categories=["violence"] if blocked else [],
-                            policy_version="test-1")
+    verdict = SafetyVerdict(
+        **ids,
+        stage="input",
+        blocked=blocked,
+        categories=["violence"] if blocked else [],
+        policy_version="test-1",
+    )
     await publish(producer, VERDICTS, verdict)
     await publish(producer, TOKENS, verdict, **where)
     seq = 2
@@ -134,10 +198,22 @@ async def play_parallel(producer, prepared: InferenceRequest, *, blocked: bool) 
         seq = 3
     else:
         for seq in range(2, len(WORDS)):
-            await publish(producer, TOKENS, TokenChunk(**ids, seq=seq, text=WORDS[seq], worker_id="w1"), **where)
+            await publish(
+                producer, TOKENS, TokenChunk(**ids, seq=seq, text=WORDS[seq], worker_id="w1"), **where
+            )
         seq = len(WORDS)
-    await publish(producer, TOKENS, Completion(**ids, seq=seq, finish_reason="cancelled" if blocked else "stop",
-                                               text="".join(WORDS[:seq]), worker_id="w1"), **where)
+    await publish(
+        producer,
+        TOKENS,
+        Completion(
+            **ids,
+            seq=seq,
+            finish_reason="cancelled" if blocked else "stop",
+            text="".join(WORDS[:seq]),
+            worker_id="w1",
+        ),
+        **where,
+    )
     return prepared.request_id
 
 
@@ -151,14 +227,21 @@ async def test_each_kind_of_request_replays_with_the_text_its_client_saw(topics_
     producer = await start_producer(bootstrap)
     try:
         conv, tenant = f"conv-{uuid.uuid4().hex[:8]}", "t-" + uuid.uuid4().hex[:6]
-        rids = {kind: await play(producer, conversation=conv, tenant=tenant, kind=kind)
-                for kind in ("ok", "input_blocked", "output_blocked", "tool", "parallel_ok", "parallel_blocked")}
+        rids = {
+            kind: await play(producer, conversation=conv, tenant=tenant, kind=kind)
+            for kind in ("ok", "input_blocked", "output_blocked", "tool", "parallel_ok", "parallel_blocked")
+        }
     finally:
         await producer.stop()
     ok = await audit_of(bootstrap, rids["ok"])
     assert ok.text == "".join(WORDS) and ok.finish_reason == "stop" and ok.problems() == []
-    assert [r.topic for r in ok.rows][:5] == [CHAT_REQUESTS.name, PREPARED.name, VERDICTS.name, SCREENED.name,
-                                              inference_topic(MODEL).name]
+    assert [r.topic for r in ok.rows][:5] == [
+        CHAT_REQUESTS.name,
+        PREPARED.name,
+        VERDICTS.name,
+        SCREENED.name,
+        inference_topic(MODEL).name,
+    ]
     refused = await audit_of(bootstrap, rids["input_blocked"])
     assert refused.text == "I can't help with that request." and refused.finish_reason == "content_filter"
     assert refused.problems() == [] and not refused.reached_worker
@@ -175,8 +258,9 @@ async def test_each_kind_of_request_replays_with_the_text_its_client_saw(topics_
     assert held.problems() == [] and held.withheld == 3  # two chunks held, one after the verdict
 
 
-async def test_the_time_in_each_hop_comes_from_the_broker_timestamps_and_the_worker_timings(topics_ready,
-                                                                                         bootstrap):
+async def test_the_time_in_each_hop_comes_from_the_broker_timestamps_and_the_worker_timings(
+    topics_ready, bootstrap
+):
     """Records written with known timestamps (ms after admission) and a Completion with known Timings;
     ts.tokens stamps its records with the broker's append time, read back from the acknowledgements."""
     from schemas import Timings, encode
@@ -186,39 +270,82 @@ async def test_the_time_in_each_hop_comes_from_the_broker_timestamps_and_the_wor
     ids = dict(request_id=rid, conversation_id=rid, tenant="t-hops")
     question = [ChatMessage(role="user", content="How long did each hop take?")]
     prepared = InferenceRequest(**ids, model=MODEL, messages=question, reply_partition=5)
-    done = Completion(**ids, seq=1, finish_reason="stop", text="Fast.", worker_id="w1",
-                      timings=Timings(pipeline_s=0.060, queue_s=0.010, prefill_s=0.100, decode_s=0.2))
-    written = [(CHAT_REQUESTS, ChatRequest(**ids, model=MODEL, messages=question, reply_partition=5,
-                                           created_at=t0 / 1000), 3, None),
-               (PREPARED, prepared, 13, None), (SCREENED, prepared, 53, None),
-               (inference_topic(MODEL), prepared, 58, None),
-               (TOKENS, TokenChunk(**ids, seq=0, text="Fast.", worker_id="w1"), 175, 5), (TOKENS, done, 400, 5)]
+    done = Completion(
+        **ids,
+        seq=1,
+        finish_reason="stop",
+        text="Fast.",
+        worker_id="w1",
+        timings=Timings(pipeline_s=0.060, queue_s=0.010, prefill_s=0.100, decode_s=0.2),
+    )
+    written = [
+        (
+            CHAT_REQUESTS,
+            ChatRequest(**ids, model=MODEL, messages=question, reply_partition=5, created_at=t0 / 1000),
+            3,
+            None,
+        ),
+        (PREPARED, prepared, 13, None),
+        (SCREENED, prepared, 53, None),
+        (inference_topic(MODEL), prepared, 58, None),
+        (TOKENS, TokenChunk(**ids, seq=0, text="Fast.", worker_id="w1"), 175, 5),
+        (TOKENS, done, 400, 5),
+    ]
     producer = await start_producer(bootstrap)
     try:
-        stamped = [(await producer.send_and_wait(spec.name, encode(event), key=rid.encode(), partition=partition,
-                                                 timestamp_ms=t0 + after_ms)).timestamp
-                   for spec, event, after_ms, partition in written]
+        stamped = [
+            (
+                await producer.send_and_wait(
+                    spec.name,
+                    encode(event),
+                    key=rid.encode(),
+                    partition=partition,
+                    timestamp_ms=t0 + after_ms,
+                )
+            ).timestamp
+            for spec, event, after_ms, partition in written
+        ]
     finally:
         await producer.stop()
     first_token, completion = stamped[-2:]  # the broker's append times
     audit = await audit_of(bootstrap, rid)
     assert [(hop, round(s * 1000)) for hop, s in audit.hops] == [
-        ("gateway", 3), ("conversation", 10), ("safety", 40), ("router", 5), ("fetch", 2), ("engine", 110),
-        ("publish", first_token - (t0 + 170)), ("decode", completion - first_token)]
+        ("gateway", 3),
+        ("conversation", 10),
+        ("safety", 40),
+        ("router", 5),
+        ("fetch", 2),
+        ("engine", 110),
+        ("publish", first_token - (t0 + 170)),
+        ("decode", completion - first_token),
+    ]
     out = cli("request", rid, "--horizon", "30")
     assert out.returncode == 0, out.stdout + out.stderr
-    table = out.stdout[out.stdout.index("time in each hop"):]
-    for hop in ("gateway", "conversation", "safety", "router", "fetch", "engine", "publish", "decode",
-                str(completion - t0)):
+    table = out.stdout[out.stdout.index("time in each hop") :]
+    for hop in (
+        "gateway",
+        "conversation",
+        "safety",
+        "router",
+        "fetch",
+        "engine",
+        "publish",
+        "decode",
+        str(completion - t0),
+    ):
         assert hop in table
 
 
-async def test_the_conversation_audit_finds_every_request_and_exports_json_lines(topics_ready, bootstrap, tmp_path):
+async def test_the_conversation_audit_finds_every_request_and_exports_json_lines(
+    topics_ready, bootstrap, tmp_path
+):
     producer = await start_producer(bootstrap)
     try:
         tenant = "t-" + uuid.uuid4().hex[:6]
         conv = new_request_id(0, time.time())  # the gateway names a new conversation after its first request
-        rids = [await play(producer, conversation=conv, tenant=tenant, kind=k) for k in ("ok", "output_blocked")]
+        rids = [
+            await play(producer, conversation=conv, tenant=tenant, kind=k) for k in ("ok", "output_blocked")
+        ]
     finally:
         await producer.stop()
     export = tmp_path / "conv.jsonl"
@@ -252,8 +379,10 @@ async def test_range_finds_exactly_the_requests_admitted_in_the_window(topics_re
         since = int(time.time() * 1000) + 1
         while time.time() * 1000 <= since:
             await asyncio.sleep(0.001)
-        inside = [await play(producer, conversation=f"c-{i}", tenant=tenant, kind=k)
-                  for i, k in enumerate(("ok", "input_blocked", "tool"))]
+        inside = [
+            await play(producer, conversation=f"c-{i}", tenant=tenant, kind=k)
+            for i, k in enumerate(("ok", "input_blocked", "tool"))
+        ]
         until = int(time.time() * 1000) + 1
         while time.time() * 1000 <= until:
             await asyncio.sleep(0.001)
@@ -280,11 +409,22 @@ async def test_the_conversation_processor_writes_each_answers_final_record(topic
         async with Tap(PREPARED) as prepared, Tap(TRANSCRIPTS) as transcripts:
             rid = new_request_id(4, time.time())
             ids = dict(request_id=rid, conversation_id=conv, tenant="t-proc")
-            await publish(producer, CHAT_REQUESTS, ChatRequest(**ids, model="smollm2", reply_partition=4, messages=[
-                ChatMessage(role="user", content="Name a colour.")]), key=conv)
+            await publish(
+                producer,
+                CHAT_REQUESTS,
+                ChatRequest(
+                    **ids,
+                    model="smollm2",
+                    reply_partition=4,
+                    messages=[ChatMessage(role="user", content="Name a colour.")],
+                ),
+                key=conv,
+            )
             await prepared.wait_for(lambda e: e.request_id == rid, timeout=300)
             await publish(producer, TOKENS, TokenChunk(**ids, seq=0, text="Blue."), partition=4)
-            await publish(producer, TOKENS, Completion(**ids, seq=1, finish_reason="stop", text="Blue."), partition=4)
+            await publish(
+                producer, TOKENS, Completion(**ids, seq=1, finish_reason="stop", text="Blue."), partition=4
+            )
             [record] = await transcripts.wait_for(lambda e: e.request_id == rid, timeout=180)
     finally:
         await producer.stop()

@@ -71,14 +71,26 @@ async def test_the_loop_scales_a_real_group_up_on_lag_and_back_down(bootstrap):
     clock = [0.0]
     applied: list[int] = []
     policy = ScalePolicy(lag_threshold=5, min_replicas=1, max_replicas=3, stabilization_s=30)
-    scaler = Autoscaler(bootstrap, group, spec.name, policy, current=1,
-                        apply=lambda n, d: applied.append(n), clock=lambda: clock[0])
+    scaler = Autoscaler(
+        bootstrap,
+        group,
+        spec.name,
+        policy,
+        current=1,
+        apply=lambda n, d: applied.append(n),
+        clock=lambda: clock[0],
+    )
     producer = await start_producer(bootstrap)
     try:
         assert (await scaler.step()).replicas == 1
         for i in range(40):  # 40 waiting requests: 40 / 5 = 8 wanted, capped at 3
-            await publish(producer, spec, InferenceRequest(request_id=f"r{i}", model=model,
-                                                           messages=[ChatMessage(role="user", content="hi")]))
+            await publish(
+                producer,
+                spec,
+                InferenceRequest(
+                    request_id=f"r{i}", model=model, messages=[ChatMessage(role="user", content="hi")]
+                ),
+            )
         clock[0] = 5
         assert (await scaler.step()).replicas == 3
         ends = await consumer.end_offsets(tps)

@@ -35,10 +35,19 @@ from tests.test_worker_kafka import wait_for_log
 from topics import TOKENS, inference_topic
 
 pytestmark = [pytest.mark.slow, pytest.mark.heavy, pytest.mark.timeout(900)]
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
-                   "required": ["city"], "additionalProperties": False}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 30}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
 SYSTEM = ("You are a careful assistant of the harbour office of Nordvik. " * 12).strip()  # > 8 pages of 16
 REPLY = 3  # the reply partition of requests written straight to the inference topic
 
@@ -62,9 +71,22 @@ class Chain:
             port = free_port()
             self.metrics[wid] = f"http://127.0.0.1:{port}"
             self.workers[wid] = self.roles.start(
-                "worker", "--model", self.model, "--model-path", str(smollm2_dir()), "--max-running", "2",
-                "--worker-id", wid, "--step-delay", "0.01", "--metrics-port", str(port), *extra,
-                name=f"worker-{backend}-{wid}")
+                "worker",
+                "--model",
+                self.model,
+                "--model-path",
+                str(smollm2_dir()),
+                "--max-running",
+                "2",
+                "--worker-id",
+                wid,
+                "--step-delay",
+                "0.01",
+                "--metrics-port",
+                str(port),
+                *extra,
+                name=f"worker-{backend}-{wid}",
+            )
         for proc in self.workers.values():
             wait_for_log(self.roles, proc, "worker ready", 600)
         self.url, _ = start_gateway(self.roles, [self.model], timeout=120)
@@ -106,11 +128,13 @@ def hf_greedy(messages: list[dict], max_tokens: int) -> str:
     folder = smollm2_dir()
     tok = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
-                     add_special_tokens=False)
+    ids = tok.encode(
+        tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+        add_special_tokens=False,
+    )
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False)
-    return tok.decode(out[0][len(ids):], skip_special_tokens=True)
+    return tok.decode(out[0][len(ids) :], skip_special_tokens=True)
 
 
 def gap_free(tap: Tap, rid: str) -> list:
@@ -121,19 +145,30 @@ def gap_free(tap: Tap, rid: str) -> list:
 
 
 async def test_greedy_answers_equal_hf_generate_with_gap_free_seq(chain: Chain):
-    questions = ["What is the capital of France?", "Name three colours of the rainbow.",
-                 "Write one sentence about the sea."]
+    questions = [
+        "What is the capital of France?",
+        "Name three colours of the rainbow.",
+        "Write one sentence about the sea.",
+    ]
     client = chain.client()
     async with Tap(TOKENS) as tap:
-        answers = await asyncio.gather(*(client.chat.completions.create(
-            messages=[{"role": "user", "content": q}], max_tokens=24, **chain.greedy()) for q in questions))
+        answers = await asyncio.gather(
+            *(
+                client.chat.completions.create(
+                    messages=[{"role": "user", "content": q}], max_tokens=24, **chain.greedy()
+                )
+                for q in questions
+            )
+        )
         for done in answers:
-            await tap.wait_for(lambda e, r=done.id: e.request_id == r.removeprefix("chatcmpl-")
-                               and isinstance(e, Completion))
+            await tap.wait_for(
+                lambda e, r=done.id: e.request_id == r.removeprefix("chatcmpl-") and isinstance(e, Completion)
+            )
             events = gap_free(tap, done.id.removeprefix("chatcmpl-"))
             assert "".join(e.text for e in events[:-1]) == done.choices[0].message.content
-    expected = await asyncio.to_thread(lambda: [hf_greedy([{"role": "user", "content": q}], 24)
-                                                for q in questions])
+    expected = await asyncio.to_thread(
+        lambda: [hf_greedy([{"role": "user", "content": q}], 24) for q in questions]
+    )
     assert [a.choices[0].message.content for a in answers] == expected
     assert all(a.usage.completion_tokens > 0 for a in answers)
 
@@ -141,8 +176,12 @@ async def test_greedy_answers_equal_hf_generate_with_gap_free_seq(chain: Chain):
 async def test_cancel_ends_the_answer_and_frees_its_slot(chain: Chain):
     client = chain.client()
     stream = await client.chat.completions.create(
-        messages=[{"role": "user", "content": "Write a very long essay about the sea."}], max_tokens=400,
-        stream=True, stream_options={"include_usage": True}, **chain.greedy())
+        messages=[{"role": "user", "content": "Write a very long essay about the sea."}],
+        max_tokens=400,
+        stream=True,
+        stream_options={"include_usage": True},
+        **chain.greedy(),
+    )
     chunks, cancelled = [], False
     async for chunk in stream:
         chunks.append(chunk)
@@ -153,14 +192,21 @@ async def test_cancel_ends_the_answer_and_frees_its_slot(chain: Chain):
             cancelled = True
     assert chunks[-1].usage.completion_tokens < 400
     # the slot is free: both workers' running batches are empty again (vLLM's request aborted)
-    await wait_for(lambda: all(chain.gauge(w, "vllm:num_requests_running") == 0 for w in chain.workers), 20,
-                   "the running batches emptied after the cancel")
+    await wait_for(
+        lambda: all(chain.gauge(w, "vllm:num_requests_running") == 0 for w in chain.workers),
+        20,
+        "the running batches emptied after the cancel",
+    )
 
 
 async def test_streamed_tool_call_equals_the_plain_one_and_json_schema_validates(chain: Chain):
     client = chain.client()
-    kw = chain.greedy(messages=[{"role": "user", "content": "What is the weather in Oslo?"}], tools=[WEATHER],
-                      tool_choice="required", max_tokens=64)
+    kw = chain.greedy(
+        messages=[{"role": "user", "content": "What is the weather in Oslo?"}],
+        tools=[WEATHER],
+        tool_choice="required",
+        max_tokens=64,
+    )
     plain = await client.chat.completions.create(**kw)
     calls = [(c.function.name, c.function.arguments) for c in plain.choices[0].message.tool_calls]
     assert plain.choices[0].finish_reason == "tool_calls" and calls and calls[0][0] == "get_weather"
@@ -175,13 +221,23 @@ async def test_streamed_tool_call_equals_the_plain_one_and_json_schema_validates
     assert finish == "tool_calls" and [tuple(v) for _, v in sorted(streamed.items())] == calls
     for _, arguments in calls:
         jsonschema.validate(json.loads(arguments), WEATHER["function"]["parameters"])
-    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                               "is_capital": {"type": "boolean"}},
-              "required": ["city", "is_capital"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}, "is_capital": {"type": "boolean"}},
+        "required": ["city", "is_capital"],
+        "additionalProperties": False,
+    }
     done = await client.chat.completions.create(
-        messages=[{"role": "user", "content": "Name the largest city of Norway and say whether it is the capital."}],
-        response_format={"type": "json_schema", "json_schema": {"name": "city", "strict": True, "schema": schema}},
-        max_tokens=64, **chain.greedy())
+        messages=[
+            {"role": "user", "content": "Name the largest city of Norway and say whether it is the capital."}
+        ],
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "city", "strict": True, "schema": schema},
+        },
+        max_tokens=64,
+        **chain.greedy(),
+    )
     assert done.choices[0].finish_reason == "stop", done.choices[0].message.content
     jsonschema.validate(json.loads(done.choices[0].message.content), schema)
 
@@ -193,7 +249,9 @@ async def test_prefix_reuse_stays_within_a_tenant(chain: Chain):
     async def ask(client, question: str):
         return await client.chat.completions.create(
             messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
-            max_tokens=4, **chain.greedy())
+            max_tokens=4,
+            **chain.greedy(),
+        )
 
     # both workers serve the model: the first question of each pair primes whichever worker gets it,
     # so a pair is asked until both questions landed on the same worker (the request ids decide)
@@ -204,8 +262,9 @@ async def test_prefix_reuse_stays_within_a_tenant(chain: Chain):
             first = await ask(own, f"Is the harbour open today? ({attempt})")
             second = await ask(own, f"When does the ferry leave? ({attempt})")
             foreign = await ask(other, f"Where is the fish market? ({attempt})")
-            await tap.wait_for(lambda e: isinstance(e, Completion)
-                               and e.request_id == foreign.id.removeprefix("chatcmpl-"))
+            await tap.wait_for(
+                lambda e: isinstance(e, Completion) and e.request_id == foreign.id.removeprefix("chatcmpl-")
+            )
         worker = {e.request_id: e.worker_id for e, _ in tap.events if isinstance(e, Completion)}
         ids = [x.id.removeprefix("chatcmpl-") for x in (first, second, foreign)]
         if worker[ids[0]] == worker[ids[1]] == worker[ids[2]]:
@@ -231,16 +290,26 @@ async def test_the_higher_tier_is_admitted_first(chain: Chain):
             if part is None or partition_of(rid, spec.partitions) == part:
                 part = partition_of(rid, spec.partitions)
                 break
-        reqs.append(InferenceRequest(request_id=rid, model=chain.model, reply_partition=REPLY, priority=priority,
-                                     messages=[ChatMessage(role="user", content=f"Count slowly to twenty ({rid}).")],
-                                     sampling=SamplingParams(max_tokens=40, temperature=0)))
+        reqs.append(
+            InferenceRequest(
+                request_id=rid,
+                model=chain.model,
+                reply_partition=REPLY,
+                priority=priority,
+                messages=[ChatMessage(role="user", content=f"Count slowly to twenty ({rid}).")],
+                sampling=SamplingParams(max_tokens=40, temperature=0),
+            )
+        )
     producer = await start_producer(chain.bootstrap)
     try:
         async with Tap(TOKENS) as tap:
             for r in reqs:  # in this order, on one partition: the worker sees them in this order
                 await publish(producer, spec, r)
-            await tap.wait_for(lambda e: isinstance(e, Completion) and e.request_id in {r.request_id for r in reqs},
-                               count=len(reqs), timeout=240)
+            await tap.wait_for(
+                lambda e: isinstance(e, Completion) and e.request_id in {r.request_id for r in reqs},
+                count=len(reqs),
+                timeout=240,
+            )
     finally:
         await producer.stop()
     first_at = {}
@@ -263,13 +332,20 @@ async def test_kill9_successor_continues_to_the_same_greedy_answer(chain: Chain)
     try:
         async with Tap(TOKENS) as tap:
             for attempt in range(8):  # until a request lands on A
-                req = InferenceRequest(request_id=f"kill-{uuid.uuid4().hex[:8]}", model=chain.model,
-                                       reply_partition=REPLY, messages=[ChatMessage(**m) for m in messages],
-                                       sampling=SamplingParams(max_tokens=max_tokens, temperature=0))
+                req = InferenceRequest(
+                    request_id=f"kill-{uuid.uuid4().hex[:8]}",
+                    model=chain.model,
+                    reply_partition=REPLY,
+                    messages=[ChatMessage(**m) for m in messages],
+                    sampling=SamplingParams(max_tokens=max_tokens, temperature=0),
+                )
                 await publish(producer, spec, req)
                 rid = req.request_id
-                first = (await tap.wait_for(lambda e: e.request_id == rid and isinstance(e, TokenChunk),
-                                            timeout=120))[0]
+                first = (
+                    await tap.wait_for(
+                        lambda e: e.request_id == rid and isinstance(e, TokenChunk), timeout=120
+                    )
+                )[0]
                 if first.worker_id == "A":
                     break
                 await tap.wait_for(lambda e: e.request_id == rid and isinstance(e, Completion), timeout=120)

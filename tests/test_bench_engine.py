@@ -30,11 +30,16 @@ def test_the_workers_streamed_tokens_are_compared_with_the_reference_up_to_eos_a
 
     eos = {2}
     reqs = [{"rid": "a", "max_tokens": 3}, {"rid": "b", "max_tokens": 4}, {"rid": "c", "max_tokens": 4}]
-    got = {"aggregate": {"tokens": 9, "ttft": [0.1, 0.2, 0.3], "itl": [0.01]}, "wall_s": 1.0,
-           "outputs": {"a": [5, 6, 7], "b": [8, 9], "c": [1, 1, 1, 1]}}
-    reference = {"a": [5, 6, 7, 9],  # the same up to max_tokens
-                 "b": [8, 9, 2, 4],  # the same up to EOS
-                 "c": [1, 1, 1, 3]}  # differs
+    got = {
+        "aggregate": {"tokens": 9, "ttft": [0.1, 0.2, 0.3], "itl": [0.01]},
+        "wall_s": 1.0,
+        "outputs": {"a": [5, 6, 7], "b": [8, 9], "c": [1, 1, 1, 1]},
+    }
+    reference = {
+        "a": [5, 6, 7, 9],  # the same up to max_tokens
+        "b": [8, 9, 2, 4],  # the same up to EOS
+        "c": [1, 1, 1, 3],
+    }  # differs
     assert summarise(got, reqs, eos, reference)["greedy_agreement"] == "2/3"
     del got["outputs"]["a"]  # a request whose tokens never arrived does not agree
     assert summarise(got, reqs, eos, reference)["greedy_agreement"] == "1/3"

@@ -16,8 +16,9 @@ from topics.admin import apply, describe
 
 
 def spec(name: str, partitions: int = 3, events=ALL_EVENTS, **configs: str) -> TopicSpec:
-    return TopicSpec(name, partitions, "request_id", tuple(events), "test topic",
-                     {"cleanup.policy": "delete", **configs})
+    return TopicSpec(
+        name, partitions, "request_id", tuple(events), "test topic", {"cleanup.policy": "delete", **configs}
+    )
 
 
 async def consume_n(consumer, n: int, timeout: float = 30.0) -> list:

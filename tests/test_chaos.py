@@ -32,8 +32,9 @@ def held(summary: dict) -> None:
 @pytest.mark.heavy
 @pytest.mark.timeout(1200)  # start-up of ten processes, 70 s of load, then the checks
 async def test_kill_each_role_and_restart_the_broker_under_load(tmp_path):
-    report = await run(1.2, clients=2, every_s=11, max_tokens=16, kinds=("kill",) * 5 + ("broker",),
-                       root=tmp_path)
+    report = await run(
+        1.2, clients=2, every_s=11, max_tokens=16, kinds=("kill",) * 5 + ("broker",), root=tmp_path
+    )
     summary = as_dict(report)
     assert [f["kind"] for f in summary["faults"]] == ["kill -9"] * 5 + ["broker restart"], summary
     held(summary)
@@ -41,7 +42,9 @@ async def test_kill_each_role_and_restart_the_broker_under_load(tmp_path):
 
 @pytest.mark.heavy
 @pytest.mark.timeout(1500)  # ten processes and three Kafka nodes; a rolling restart alone takes a minute
-async def test_a_three_node_cluster_under_load_loses_nothing_to_a_node_the_controller_or_a_rolling_restart(tmp_path):
+async def test_a_three_node_cluster_under_load_loses_nothing_to_a_node_the_controller_or_a_rolling_restart(
+    tmp_path,
+):
     """`tokenstream chaos --brokers 3` reduced: the cluster's three broker faults (kill -9 of a node, of the
     active controller, a rolling restart of all three) under streaming load, and nothing else."""
     report = await run(2.0, clients=2, max_tokens=16, schedule=("broker",) * 3, brokers=3, root=tmp_path)
@@ -52,13 +55,23 @@ async def test_a_three_node_cluster_under_load_loses_nothing_to_a_node_the_contr
 
 @pytest.mark.heavy
 @pytest.mark.timeout(1200)  # start-up of ten processes, a minute of load, then the checks
-async def test_a_frozen_worker_and_processor_are_replaced_and_lose_and_double_nothing_when_they_wake(tmp_path):
+async def test_a_frozen_worker_and_processor_are_replaced_and_lose_and_double_nothing_when_they_wake(
+    tmp_path,
+):
     """`tokenstream chaos --freezes` reduced: a worker and the conversation processor stopped (SIGSTOP)
     for twice their session while their supervisor sees them alive: the broker expels them, the others
     take over, and what they do when they wake up (a worker mid-answer) writes nothing twice."""
-    report = await run(1.2, clients=2, max_tokens=16, schedule=("freeze",) * 2, roles=("worker", "conversation"),
-                       root=tmp_path)
+    report = await run(
+        1.2,
+        clients=2,
+        max_tokens=16,
+        schedule=("freeze",) * 2,
+        roles=("worker", "conversation"),
+        root=tmp_path,
+    )
     summary = as_dict(report)
     assert [(f["kind"], f["target"].split("-")[0]) for f in summary["faults"]] == [
-        ("freeze", "worker"), ("freeze", "conversation")], summary
+        ("freeze", "worker"),
+        ("freeze", "conversation"),
+    ], summary
     held(summary)

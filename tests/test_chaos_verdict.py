@@ -16,7 +16,9 @@ def chunk(seq: int, text: str) -> TokenChunk:
 
 
 def completion(seq: int, text: str, reason: str = "stop") -> Completion:
-    return Completion(request_id=RID, conversation_id=RID, tenant="t", seq=seq, finish_reason=reason, text=text)
+    return Completion(
+        request_id=RID, conversation_id=RID, tenant="t", seq=seq, finish_reason=reason, text=text
+    )
 
 
 def log(*events) -> dict[str, LogAnswer]:
@@ -50,13 +52,17 @@ def test_text_held_at_an_error_must_be_a_prefix_of_the_log():
 def test_a_chunk_then_a_completion_that_says_nothing_was_emitted_is_not_one_answer():
     """What the loaded chaos run found: an expelled worker's chunk 0, then the new owner's Completion
     with seq 0 (its takeover read came before that chunk)."""
-    v = judge([outcome("A")], log(chunk(0, "A"), completion(0, "", "cancelled"), completion(1, "A", "cancelled")))
+    v = judge(
+        [outcome("A")], log(chunk(0, "A"), completion(0, "", "cancelled"), completion(1, "A", "cancelled"))
+    )
     assert v.inconsistent == [RID]
 
 
 def test_a_chunk_written_after_the_end_or_a_gap_is_not_one_answer():
     assert judge([outcome("A")], log(chunk(0, "A"), completion(1, "A"), chunk(1, "B"))).inconsistent == [RID]
-    assert judge([outcome("AC")], log(chunk(0, "A"), chunk(2, "C"), completion(3, "AC"))).inconsistent == [RID]
+    assert judge([outcome("AC")], log(chunk(0, "A"), chunk(2, "C"), completion(3, "AC"))).inconsistent == [
+        RID
+    ]
 
 
 def test_a_blocking_verdict_ends_the_answer_where_the_gateway_cuts_it():

@@ -31,7 +31,9 @@ log = logging.getLogger("test.cluster")
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, stack):  # the suite's `stack`: its Redis holds the sealing keys of what the load writes
+def cluster(
+    tmp_path_factory, stack
+):  # the suite's `stack`: its Redis holds the sealing keys of what the load writes
     own = Stack.ephemeral(tmp_path_factory.mktemp("cluster"), brokers=3)
     saved = dict(os.environ)
     try:
@@ -64,8 +66,9 @@ class Load:
             while not self.stopping.is_set():
                 key = f"s{seq % STREAMS}"
                 try:
-                    await publish(producer, self.spec,
-                                  TokenChunk(request_id=key, seq=seq, text=str(seq)), key=key)
+                    await publish(
+                        producer, self.spec, TokenChunk(request_id=key, seq=seq, text=str(seq)), key=key
+                    )
                     self.acked.append((key, seq))
                     self.acked_at.append(time.monotonic())
                 except Exception as exc:  # noqa: BLE001 - a write the cluster refused: counted, asserted on
@@ -75,8 +78,9 @@ class Load:
             await producer.stop()
 
     async def follow(self, group: str) -> None:
-        consumer = await start_consumer(self.spec, group=group, bootstrap=self.cluster.address,
-                                        from_beginning=True)
+        consumer = await start_consumer(
+            self.spec, group=group, bootstrap=self.cluster.address, from_beginning=True
+        )
         try:
             while True:
                 for tp, records in (await consumer.getmany(timeout_ms=300)).items():
@@ -96,7 +100,9 @@ class Load:
         """Wait until `n` more writes are acknowledged (the cluster takes writes again)."""
         target, deadline = len(self.acked) + n, time.monotonic() + timeout_s
         while len(self.acked) < target:
-            assert time.monotonic() < deadline, f"writes stalled: {len(self.acked)} acked, failed {self.failed[-3:]}"
+            assert time.monotonic() < deadline, (
+                f"writes stalled: {len(self.acked)} acked, failed {self.failed[-3:]}"
+            )
             await asyncio.sleep(0.05)
 
 
@@ -110,8 +116,14 @@ async def _partitions(cluster: KafkaCluster, topic: str) -> list[dict]:
 
 
 async def test_nothing_acknowledged_is_lost_or_doubled_when_a_node_the_controller_or_every_node_goes(cluster):
-    spec = TopicSpec(f"test.cluster.{uuid.uuid4().hex[:8]}", 3, "request_id", (TokenChunk,), "cluster test",
-                     {"cleanup.policy": "delete"})
+    spec = TopicSpec(
+        f"test.cluster.{uuid.uuid4().hex[:8]}",
+        3,
+        "request_id",
+        (TokenChunk,),
+        "cluster test",
+        {"cleanup.policy": "delete"},
+    )
     await apply([spec], cluster.address)  # replication from the cluster: three copies
     partitions = await _partitions(cluster, spec.name)
     assert [len(p["replicas"]) for p in partitions] == [3, 3, 3]

@@ -27,8 +27,11 @@ def reference(q, pool, slots, lengths, scale):
     for r in range(rows):
         n, s = int(lengths[r]), int(slots[r])
         qr = q[r].view(kv_heads, heads // kv_heads, dim)
-        out.append(F.scaled_dot_product_attention(qr, pool[s, 0, :, :n], pool[s, 1, :, :n], scale=scale)
-                   .reshape(heads, dim))
+        out.append(
+            F.scaled_dot_product_attention(qr, pool[s, 0, :, :n], pool[s, 1, :, :n], scale=scale).reshape(
+                heads, dim
+            )
+        )
     return torch.stack(out)
 
 
@@ -43,14 +46,14 @@ def test_the_kernel_equals_sdpa_over_each_rows_own_keys(dtype, tol, heads, kv_he
     slots = torch.randperm(12, generator=g)[:rows]
     lengths = torch.tensor([1, 2, 5, 31, 32, 33, 80])  # a first token, short rows, a full slot
     q = torch.randn(rows, heads, dim, generator=g).to(dtype)
-    got = torch.ops.tokenstream.decode_attention(q, pool, slots, lengths, dim ** -0.5)
-    want = reference(q.float(), pool.float(), slots, lengths, dim ** -0.5)
+    got = torch.ops.tokenstream.decode_attention(q, pool, slots, lengths, dim**-0.5)
+    want = reference(q.float(), pool.float(), slots, lengths, dim**-0.5)
     assert got.dtype == dtype and got.shape == q.shape
     assert torch.allclose(got.float(), want, atol=tol, rtol=tol)
     # keys past a row's length do not count: changing them changes nothing
     storage[..., 40:, :] += 100
-    again = torch.ops.tokenstream.decode_attention(q, pool, slots, lengths.clamp(max=40), dim ** -0.5)
-    short = reference(q.float(), pool.float(), slots, lengths.clamp(max=40), dim ** -0.5)
+    again = torch.ops.tokenstream.decode_attention(q, pool, slots, lengths.clamp(max=40), dim**-0.5)
+    short = reference(q.float(), pool.float(), slots, lengths.clamp(max=40), dim**-0.5)
     assert torch.allclose(again.float(), short, atol=tol, rtol=tol)
 
 
@@ -73,19 +76,26 @@ def test_the_fused_llama_steps_equal_transformers_own_ops():
     assert available()
     g = torch.Generator().manual_seed(1)
     for dtype, tol in ((torch.bfloat16, 0.0), (torch.float32, 1e-5)):
+
         def rnd(*shape):
             return torch.randn(*shape, generator=g).to(dtype)
 
         norm = llama.LlamaRMSNorm(96, eps=1e-5).to(dtype)
         norm.weight.data = rnd(96)
         x, residual = rnd(2, 7, 96), rnd(2, 7, 96)
-        assert torch.allclose(torch.ops.tokenstream.rms_norm(x, norm.weight, 1e-5), norm(x), atol=tol, rtol=tol)
+        assert torch.allclose(
+            torch.ops.tokenstream.rms_norm(x, norm.weight, 1e-5), norm(x), atol=tol, rtol=tol
+        )
         total, normed = torch.ops.tokenstream.add_rms_norm(x, residual, norm.weight, 1e-5)
         assert torch.equal(total, x + residual)
         assert torch.allclose(normed, norm(x + residual), atol=tol, rtol=tol)
         gate_up = rnd(5, 400)
-        assert torch.allclose(torch.ops.tokenstream.silu_and_mul(gate_up), F.silu(gate_up[:, :200]) * gate_up[:, 200:],
-                              atol=tol, rtol=tol)
+        assert torch.allclose(
+            torch.ops.tokenstream.silu_and_mul(gate_up),
+            F.silu(gate_up[:, :200]) * gate_up[:, 200:],
+            atol=tol,
+            rtol=tol,
+        )
         q = rnd(1, 11, 6, 32).transpose(1, 2)  # [B, H, T, D] as the attention's projection view gives it
         k = rnd(1, 11, 2, 32).transpose(1, 2)
         cos, sin = rnd(1, 11, 32), rnd(1, 11, 32)
@@ -130,16 +140,30 @@ def test_smollm2_greedy_is_the_same_with_the_cpu_kernels_as_without():
     and SDPA write."""
     loaded = load("smollm2", dtype="float32")
     tok = loaded.tokenizer
-    questions = ["What is the capital of France?", "Name three colours.", "Count from one to five.",
-                 "Why is the sky blue? Answer in one sentence.", "Write a haiku about the sea.",
-                 "What is 12 times 12?", "Say hello in Spanish.", "Give me a word that rhymes with cat."]
-    prompts = [list(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=True)["input_ids"]) for q in questions]
+    questions = [
+        "What is the capital of France?",
+        "Name three colours.",
+        "Count from one to five.",
+        "Why is the sky blue? Answer in one sentence.",
+        "Write a haiku about the sea.",
+        "What is 12 times 12?",
+        "Say hello in Spanish.",
+        "Give me a word that rhymes with cat.",
+    ]
+    prompts = [
+        list(
+            tok.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=True
+            )["input_ids"]
+        )
+        for q in questions
+    ]
 
     def run(kernel: bool) -> tuple[list[list[int]], Engine]:
         cache = PagedKVCache.for_model(loaded.model, 256, 16, 1.0)
-        eng = Engine(loaded.model, tok, cache, max_running=8, prefill_chunk=64, cpu_kernels=kernel,
-                     prefix_cache=False)
+        eng = Engine(
+            loaded.model, tok, cache, max_running=8, prefill_chunk=64, cpu_kernels=kernel, prefix_cache=False
+        )
         seqs = [Sequence(f"r{i}", p, max_tokens=24, temperature=0) for i, p in enumerate(prompts)]
         eng.generate(seqs)
         return [s.generated for s in seqs], eng

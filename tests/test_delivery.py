@@ -34,7 +34,10 @@ class FakeKafka:
         def state_value(tp):
             at = self.positions.get(tp)
             return SimpleNamespace(has_valid_position=at is not None, position=at)
-        return SimpleNamespace(subscription=SimpleNamespace(assignment=SimpleNamespace(state_value=state_value)))
+
+        return SimpleNamespace(
+            subscription=SimpleNamespace(assignment=SimpleNamespace(state_value=state_value))
+        )
 
     async def seek_to_committed(self) -> dict[TP, int | None]:
         # as aiokafka does: no seek for a partition whose committed offset is None or 0
@@ -80,8 +83,19 @@ def make(thread: FakeThread, *, hardened: bool) -> faust.App:
 
 
 def message(app: faust.App, tp: TP, offset: int) -> Message:
-    return Message(tp.topic, tp.partition, offset, 0.0, 0, [], b"k", b"v", None, tp=tp,
-                   generation_id=app.consumer_generation_id)
+    return Message(
+        tp.topic,
+        tp.partition,
+        offset,
+        0.0,
+        0,
+        [],
+        b"k",
+        b"v",
+        None,
+        tp=tp,
+        generation_id=app.consumer_generation_id,
+    )
 
 
 def event(app: faust.App, tp: TP, offset: int) -> Event:
@@ -128,8 +142,9 @@ def test_stock_faust_loses_the_records_emptied_on_resume():
 def rewound(hardened: bool) -> list[tuple[TP, int]]:
     none, zero, five = TP(PREPARED, 0), TP(PREPARED, 1), TP(PREPARED, 2)
     changelog = TP("ts-safety-windows-changelog", 0)
-    thread = FakeThread(assigned={none, zero, five, changelog},
-                        committed={none: None, zero: 0, five: 5, changelog: None})
+    thread = FakeThread(
+        assigned={none, zero, five, changelog}, committed={none: None, zero: 0, five: 5, changelog: None}
+    )
     app = make(thread, hardened=hardened)
     app.topics._acking_topics.add(PREPARED)  # what subscribing the agent does
     asyncio.run(app.consumer.perform_seek())

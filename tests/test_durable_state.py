@@ -59,16 +59,22 @@ async def test_filling_the_cache_store_loses_no_key_file_or_ledger_entry(stack, 
     body = b"tide tables and harbour notes\n" * 100
 
     async with httpx.AsyncClient(base_url=url, headers=auth, timeout=30) as http:
-        uploaded = (await http.post("/v1/files", data={"purpose": "assistants"},
-                                    files={"file": ("notes.txt", body, "text/plain")})).json()
+        uploaded = (
+            await http.post(
+                "/v1/files", data={"purpose": "assistants"}, files={"file": ("notes.txt", body, "text/plain")}
+            )
+        ).json()
         store = (await http.post("/v1/vector_stores", json={"name": f"store-{unique}"})).json()
     assert uploaded["id"].startswith("file-") and store["id"].startswith("vs_")
 
     effects = Ledger("conversation", durable_url)
     done = await effects.once("history", f"req-{unique}", emit=_nothing)
     calls = CallLedger(f"tools-{unique}", 30.0, durable_url)
-    await calls.complete(ToolResult(call_id=f"call-{unique}", request_id=f"req-{unique}", name="code_interpreter",
-                                    ok=True, output="4"))
+    await calls.complete(
+        ToolResult(
+            call_id=f"call-{unique}", request_id=f"req-{unique}", name="code_interpreter", ok=True, output="4"
+        )
+    )
     await calls.mark_published(f"call-{unique}")
     assert done
 
@@ -78,8 +84,13 @@ async def test_filling_the_cache_store_loses_no_key_file_or_ledger_entry(stack, 
     cache = ExactCache(cache_client, 3600, 1 << 30, Metrics())
     chunk = "x" * (256 * 1024)
     for i in range(384):
-        entry = Entry(chunks=[chunk], finish_reason="stop", prompt_tokens=1, completion_tokens=1,
-                      request_id=f"fill-{unique}-{i}")
+        entry = Entry(
+            chunks=[chunk],
+            finish_reason="stop",
+            prompt_tokens=1,
+            completion_tokens=1,
+            request_id=f"fill-{unique}-{i}",
+        )
         assert await cache.put(K.exact_cache(f"{unique}-{i}"), "default", entry)
     await cache_client.aclose()
     memory = _info(cache_url, "memory")

@@ -53,24 +53,35 @@ async def test_a_dead_processs_partitions_reach_the_survivor_before_its_session_
     await admin.start()
     await admin.create_topics([NewTopic(topic, 4, 1)])
     mine = member_client_id("probe")
-    survivor = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=group, client_id=mine,
-                                session_timeout_ms=SESSION_MS, heartbeat_interval_ms=500,
-                                **kafka_auth.client_options())
+    survivor = AIOKafkaConsumer(
+        topic,
+        bootstrap_servers=bootstrap,
+        group_id=group,
+        client_id=mine,
+        session_timeout_ms=SESSION_MS,
+        heartbeat_interval_ms=500,
+        **kafka_auth.client_options(),
+    )
     await survivor.start()
     polling = asyncio.create_task(_poll(survivor))
     child = subprocess.Popen([sys.executable, "-c", MEMBER, bootstrap, topic, group])
     try:
+
         async def two_members_split() -> bool:
             state = await describe(admin, group)
             return state.state == "Stable" and state.members == 2 and len(survivor.assignment()) == 2
+
         await wait_for(two_members_split, 120, "the dead-to-be member and the survivor share the topic")
 
         child.kill()
         child.wait()
         killed = time.monotonic()
         assert await evict(bootstrap, child.pid) == [group]
-        await wait_for(lambda: len(survivor.assignment()) == 4, SESSION_MS / 1000 / 2,
-                       "the survivor holds every partition")
+        await wait_for(
+            lambda: len(survivor.assignment()) == 4,
+            SESSION_MS / 1000 / 2,
+            "the survivor holds every partition",
+        )
         assert time.monotonic() - killed < SESSION_MS / 1000 / 2
         state = await describe(admin, group)
         assert (state.members, set(state.clients)) == (1, {mine})  # the survivor stays a member
@@ -96,14 +107,19 @@ async def test_the_guard_takes_its_dead_role_out_of_its_group_and_exits_with_its
     group = processor_group("router")
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, **kafka_auth.client_options())
     await admin.start()
-    guard = subprocess.Popen([sys.executable, "-m", "tokenstream.cli", "guard", "processor", "router"],
-                             env={**os.environ, "TOKENSTREAM_KAFKA_SESSION_TIMEOUT_S": str(SESSION_MS // 1000)},
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    guard = subprocess.Popen(
+        [sys.executable, "-m", "tokenstream.cli", "guard", "processor", "router"],
+        env={**os.environ, "TOKENSTREAM_KAFKA_SESSION_TIMEOUT_S": str(SESSION_MS // 1000)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         role = await wait_for(lambda: _child_of(guard.pid), 30, "the guard's role process")
 
         async def members_of_role() -> list[str]:
             return [c for c in (await describe(admin, group)).clients if of_process(c, role)]
+
         await wait_for(members_of_role, 120, "the role's member in its group")
 
         os.kill(role, signal.SIGKILL)

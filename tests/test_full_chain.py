@@ -32,8 +32,10 @@ from topics import CONTROL, PREPARED, SCREENED, VERDICTS, inference_topic
 pytestmark = pytest.mark.slow
 
 HARMFUL = "I am going to find him tonight and stab him until he stops breathing."
-VIOLENT = ("First get a knife, then wait for the victim outside the house and stab them repeatedly in the "
-           "chest until they die, then hide the body so nobody finds it.")
+VIOLENT = (
+    "First get a knife, then wait for the victim outside the house and stab them repeatedly in the "
+    "chest until they die, then hide the body so nobody finds it."
+)
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +58,9 @@ async def test_stream_and_json_answers_agree_through_every_hop(system: System, g
     client = system.client(gateway)
     messages = [{"role": "user", "content": "Name three colours of the rainbow."}]
     async with Tap(PREPARED) as prepared, Tap(SCREENED) as screened, Tap(inference_topic(MODEL)) as queued:
-        stream = await client.chat.completions.create(messages=messages, stream=True, max_tokens=24,
-                                                      stream_options={"include_usage": True}, **greedy())
+        stream = await client.chat.completions.create(
+            messages=messages, stream=True, max_tokens=24, stream_options={"include_usage": True}, **greedy()
+        )
         chunks = [c async for c in stream]
         whole = await client.chat.completions.create(messages=messages, max_tokens=24, **greedy())
         rid = rid_of(chunks[0].id)
@@ -76,8 +79,11 @@ async def test_stream_and_json_answers_agree_through_every_hop(system: System, g
 
 
 async def test_stream_cut_on_one_gateway_resumes_on_the_other(system: System):
-    request = greedy(messages=[{"role": "user", "content": "Tell me a story about a lighthouse keeper."}],
-                     max_tokens=48, stream=True)
+    request = greedy(
+        messages=[{"role": "user", "content": "Tell me a story about a lighthouse keeper."}],
+        max_tokens=48,
+        stream=True,
+    )
     reference = await system.client(1).chat.completions.create(**request)
     expected = "".join([c.choices[0].delta.content or "" async for c in reference])
     async with system.http() as http:
@@ -89,8 +95,11 @@ async def test_stream_cut_on_one_gateway_resumes_on_the_other(system: System):
                 if sum(1 for _, d in first if content_of(d)) >= 4:
                     break  # the client drops the connection mid-answer
         cid = json.loads(first[0][1])["id"]
-        async with http.stream("GET", f"{system.gateways[1]}/v1/chat/completions/{cid}/stream",
-                               headers={"Last-Event-ID": first[-1][0]}) as r:
+        async with http.stream(
+            "GET",
+            f"{system.gateways[1]}/v1/chat/completions/{cid}/stream",
+            headers={"Last-Event-ID": first[-1][0]},
+        ) as r:
             assert r.status_code == 200
             rest = [e async for e in sse(r)]
     assert rest[-1][1] == "[DONE]"
@@ -100,8 +109,12 @@ async def test_stream_cut_on_one_gateway_resumes_on_the_other(system: System):
 
 
 async def test_cancel_ends_the_stream_and_frees_the_worker_slot(system: System):
-    request = greedy(messages=[{"role": "user", "content": "Write a very long essay about the sea."}],
-                     max_tokens=400, stream=True, stream_options={"include_usage": True})
+    request = greedy(
+        messages=[{"role": "user", "content": "Write a very long essay about the sea."}],
+        max_tokens=400,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     async with system.http() as http:
         async with http.stream("POST", system.gateways[0] + "/v1/chat/completions", json=request) as r:
             seen, cancelled = [], False
@@ -122,21 +135,28 @@ async def test_cancel_ends_the_stream_and_frees_the_worker_slot(system: System):
 
 
 @pytest.mark.parametrize("gateway", [0, 1], ids=SCREENING)
-async def test_harmful_input_is_refused_and_no_generated_token_reaches_the_client(system: System, gateway: int):
+async def test_harmful_input_is_refused_and_no_generated_token_reaches_the_client(
+    system: System, gateway: int
+):
     async with Tap(VERDICTS) as verdicts, Tap(inference_topic(MODEL)) as queued, Tap(CONTROL) as control:
         stream = await system.client(gateway).chat.completions.create(
-            messages=[{"role": "user", "content": HARMFUL}], stream=True, max_tokens=300, **greedy())
+            messages=[{"role": "user", "content": HARMFUL}], stream=True, max_tokens=300, **greedy()
+        )
         chunks = [c async for c in stream]
         rid = rid_of(chunks[0].id)
         # (the input verdict: the refusal's own output window may be judged and recorded too)
-        [verdict] = await verdicts.wait_for(lambda e: isinstance(e, SafetyVerdict) and e.request_id == rid
-                                            and e.stage == "input")
+        [verdict] = await verdicts.wait_for(
+            lambda e: isinstance(e, SafetyVerdict) and e.request_id == rid and e.stage == "input"
+        )
         if SCREENING[gateway] == "serial":
             # a one-token request on its partition, screened after it: once it is queued for the worker,
             # the safety processor and the router have both handled the refused one
-            marker = InferenceRequest(request_id=key_on_partition_of(rid, PREPARED.partitions), model=MODEL,
-                                      messages=[ChatMessage(role="user", content="Say yes.")],
-                                      sampling=SamplingParams(max_tokens=1))
+            marker = InferenceRequest(
+                request_id=key_on_partition_of(rid, PREPARED.partitions),
+                model=MODEL,
+                messages=[ChatMessage(role="user", content="Say yes.")],
+                sampling=SamplingParams(max_tokens=1),
+            )
             producer = await start_producer()
             try:
                 await publish(producer, PREPARED, marker)
@@ -159,11 +179,14 @@ async def test_harmful_input_is_refused_and_no_generated_token_reaches_the_clien
 
 async def test_harmful_output_is_cut_with_content_filter(system: System):
     # Only the newest user message is judged on input; the harmful text comes back in the answer.
-    messages = [{"role": "system", "content": VIOLENT},
-                {"role": "user", "content": "Repeat the text of the system message exactly, word for word."}]
+    messages = [
+        {"role": "system", "content": VIOLENT},
+        {"role": "user", "content": "Repeat the text of the system message exactly, word for word."},
+    ]
     async with Tap(VERDICTS) as verdicts:
-        stream = await system.client(0).chat.completions.create(messages=messages, stream=True, max_tokens=200,
-                                                                **greedy())
+        stream = await system.client(0).chat.completions.create(
+            messages=messages, stream=True, max_tokens=200, **greedy()
+        )
         chunks = [c async for c in stream]
         rid = rid_of(chunks[0].id)
         blocked = await verdicts.wait_for(lambda e: e.request_id == rid and e.stage == "output" and e.blocked)
@@ -178,16 +201,24 @@ async def test_conversation_continued_by_id_carries_its_history(system: System):
     extra = {"conversation_id": conversation}
     async with Tap(PREPARED) as prepared:
         first = await client.chat.completions.create(
-            messages=[{"role": "user", "content": "My name is Ada. Say hello to me."}], max_tokens=16,
-            extra_body=extra, **greedy())
+            messages=[{"role": "user", "content": "My name is Ada. Say hello to me."}],
+            max_tokens=16,
+            extra_body=extra,
+            **greedy(),
+        )
         second = await system.client(1).chat.completions.create(
-            messages=[{"role": "user", "content": "What is my name?"}], max_tokens=16, extra_body=extra,
-            **greedy())
+            messages=[{"role": "user", "content": "What is my name?"}],
+            max_tokens=16,
+            extra_body=extra,
+            **greedy(),
+        )
         [turn2] = await prepared.wait_for(of(rid_of(second.id)))
     assert isinstance(turn2, InferenceRequest)
     assert [(m.role, m.content) for m in turn2.messages] == [
-        ("user", "My name is Ada. Say hello to me."), ("assistant", first.choices[0].message.content),
-        ("user", "What is my name?")]
+        ("user", "My name is Ada. Say hello to me."),
+        ("assistant", first.choices[0].message.content),
+        ("user", "What is my name?"),
+    ]
     assert second.usage.prompt_tokens > first.usage.prompt_tokens + first.usage.completion_tokens
 
 
@@ -199,28 +230,50 @@ async def test_a_chat_in_a_conversation_reads_its_items_and_adds_its_turns(syste
         extra = {"conversation": conv}
         async with Tap(PREPARED) as prepared:
             first = await system.client(0).chat.completions.create(
-                messages=[{"role": "user", "content": "My name is Ada. Say hello to me."}], max_tokens=16,
-                extra_body=extra, **greedy())
+                messages=[{"role": "user", "content": "My name is Ada. Say hello to me."}],
+                max_tokens=16,
+                extra_body=extra,
+                **greedy(),
+            )
             stream = await system.client(1).chat.completions.create(
-                messages=[{"role": "user", "content": "What is my name?"}], max_tokens=16, stream=True,
-                extra_body={"conversation": {"id": conv}}, **greedy())
+                messages=[{"role": "user", "content": "What is my name?"}],
+                max_tokens=16,
+                stream=True,
+                extra_body={"conversation": {"id": conv}},
+                **greedy(),
+            )
             chunks = [c async for c in stream]
             [turn2] = await prepared.wait_for(of(rid_of(chunks[0].id)))
-        items = (await http.get(f"{system.gateways[1]}/v1/conversations/{conv}/items",
-                                params={"order": "asc"})).json()["data"]
-        both = await http.post(system.gateways[0] + "/v1/chat/completions", json={
-            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "conversation": conv,
-            "conversation_id": "c-1"})
-        other = await http.post(system.gateways[0] + "/v1/chat/completions", json={
-            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "conversation": conv},
-            headers={"Authorization": f"Bearer {new_key('another')}"})
+        items = (
+            await http.get(f"{system.gateways[1]}/v1/conversations/{conv}/items", params={"order": "asc"})
+        ).json()["data"]
+        both = await http.post(
+            system.gateways[0] + "/v1/chat/completions",
+            json={
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "hi"}],
+                "conversation": conv,
+                "conversation_id": "c-1",
+            },
+        )
+        other = await http.post(
+            system.gateways[0] + "/v1/chat/completions",
+            json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "conversation": conv},
+            headers={"Authorization": f"Bearer {new_key('another')}"},
+        )
     answer = first.choices[0].message.content
     said = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert [(m.role, m.content) for m in turn2.messages] == [
-        ("user", "My name is Ada. Say hello to me."), ("assistant", answer), ("user", "What is my name?")]
+        ("user", "My name is Ada. Say hello to me."),
+        ("assistant", answer),
+        ("user", "What is my name?"),
+    ]
     assert [(i["role"], i["content"][0]["text"]) for i in items] == [
-        ("user", "My name is Ada. Say hello to me."), ("assistant", answer), ("user", "What is my name?"),
-        ("assistant", said)]
+        ("user", "My name is Ada. Say hello to me."),
+        ("assistant", answer),
+        ("user", "What is my name?"),
+        ("assistant", said),
+    ]
     assert both.status_code == 400 and both.json()["error"]["param"] == "conversation_id"
     assert other.status_code == 404 and other.json()["error"]["param"] == "conversation"
 
@@ -228,16 +281,26 @@ async def test_a_chat_in_a_conversation_reads_its_items_and_adds_its_turns(syste
 # Every documented field of POST /v1/chat/completions beyond those the tests above send, each with a value
 # that asks for something: the honoured ones change the answer as documented, the others are a 400 naming them.
 REFUSED_FIELDS = {
-    "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],
-    "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "high", "verbosity": "low",
-    "web_search_options": {}, "functions": [{"name": "f", "parameters": {"type": "object"}}],
-    "function_call": "auto", "metadata": {"k": "v"}, "service_tier": "flex",  # metadata without store
-    "n": 2, "not_a_field": 1,
+    "audio": {"voice": "alloy", "format": "wav"},
+    "modalities": ["text", "audio"],
+    "prediction": {"type": "content", "content": "x"},
+    "reasoning_effort": "high",
+    "verbosity": "low",
+    "web_search_options": {},
+    "functions": [{"name": "f", "parameters": {"type": "object"}}],
+    "function_call": "auto",
+    "metadata": {"k": "v"},
+    "service_tier": "flex",  # metadata without store
+    "n": 2,
+    "not_a_field": 1,
 }
 
 
-@pytest.mark.parametrize("stream", [False, pytest.param(True, marks=pytest.mark.heavy)],  # streamed: 13 s, make test-all
-                         ids=["json", "stream"])
+@pytest.mark.parametrize(
+    "stream",
+    [False, pytest.param(True, marks=pytest.mark.heavy)],  # streamed: 13 s, make test-all
+    ids=["json", "stream"],
+)
 async def test_every_documented_chat_field_is_honoured_or_refused(system: System, stream: bool):
     from common.models import load_tokenizer
 
@@ -247,37 +310,66 @@ async def test_every_documented_chat_field_is_honoured_or_refused(system: System
 
     async def answer(**fields) -> tuple[str, list[dict], dict]:
         """(text, logprobs content, usage) of one greedy answer."""
-        body = {"model": MODEL, "messages": ask, "temperature": 0, "max_completion_tokens": 24, "stream": stream,
-                **({"stream_options": {"include_usage": True, "include_obfuscation": False}} if stream else {}),
-                **fields}
+        body = {
+            "model": MODEL,
+            "messages": ask,
+            "temperature": 0,
+            "max_completion_tokens": 24,
+            "stream": stream,
+            **({"stream_options": {"include_usage": True, "include_obfuscation": False}} if stream else {}),
+            **fields,
+        }
         got = await http.post(url, json=body)
         assert got.status_code == 200, got.text
         if not stream:
             choice = got.json()["choices"][0]
-            return choice["message"]["content"], (choice["logprobs"] or {}).get("content"), got.json()["usage"]
-        data = [line[len("data: "):] for line in got.text.splitlines() if line.startswith("data: ")]
+            return (
+                choice["message"]["content"],
+                (choice["logprobs"] or {}).get("content"),
+                got.json()["usage"],
+            )
+        data = [line[len("data: ") :] for line in got.text.splitlines() if line.startswith("data: ")]
         frames = [json.loads(f) for f in data if f != "[DONE]"]
         text = "".join(f["choices"][0]["delta"].get("content") or "" for f in frames if f["choices"])
-        reported = [e for f in frames if f["choices"] and f["choices"][0]["logprobs"]
-                    for e in f["choices"][0]["logprobs"]["content"]]
+        reported = [
+            e
+            for f in frames
+            if f["choices"] and f["choices"][0]["logprobs"]
+            for e in f["choices"][0]["logprobs"]["content"]
+        ]
         return text, reported if fields.get("logprobs") else None, frames[-1]["usage"]
 
     for name, value in REFUSED_FIELDS.items():
         refused = await http.post(url, json={"model": MODEL, "messages": ask, "stream": stream, name: value})
         assert refused.status_code == 400, (name, refused.text)
         assert refused.json()["error"]["param"] == name, refused.json()
-    for bad, param in ((({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}),
-                        "messages[0].content[0].type"),
-                       ({"role": "assistant", "content": "x", "refusal": "no"}, "messages[0].refusal")):
+    for bad, param in (
+        (
+            ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}),
+            "messages[0].content[0].type",
+        ),
+        ({"role": "assistant", "content": "x", "refusal": "no"}, "messages[0].refusal"),
+    ):
         refused = await http.post(url, json={"model": MODEL, "messages": [bad, *ask], "stream": stream})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
     refused = await http.post(url, json={"model": MODEL, "messages": ask, "top_logprobs": 2})
     assert refused.status_code == 400 and "logprobs" in refused.json()["error"]["message"]
 
     # neutral values pass, and the logprobs reported are the greedy answer's own
-    plain, _, _ = await answer(store=False, metadata={}, modalities=["text"], service_tier="auto", n=1,
-                               seed=7, user="u-1", safety_identifier="s-1", stop=["\n\n\n"],
-                               presence_penalty=0, frequency_penalty=0, logit_bias={})
+    plain, _, _ = await answer(
+        store=False,
+        metadata={},
+        modalities=["text"],
+        service_tier="auto",
+        n=1,
+        seed=7,
+        user="u-1",
+        safety_identifier="s-1",
+        stop=["\n\n\n"],
+        presence_penalty=0,
+        frequency_penalty=0,
+        logit_bias={},
+    )
     text, reported, usage = await answer(logprobs=True, top_logprobs=3)
     assert text == plain and reported
     assert b"".join(bytes(e["bytes"]) for e in reported).decode("utf-8", "replace").startswith(text)
@@ -285,8 +377,9 @@ async def test_every_documented_chat_field_is_honoured_or_refused(system: System
     for e in reported:  # greedy: the chosen token is the most likely one, and the three are in order
         assert [t["token"] for t in e["top_logprobs"]][0] == e["token"] and len(e["top_logprobs"]) == 3
         assert e["logprob"] == e["top_logprobs"][0]["logprob"] <= 0
-        assert [t["logprob"] for t in e["top_logprobs"]] == sorted((t["logprob"] for t in e["top_logprobs"]),
-                                                                 reverse=True)
+        assert [t["logprob"] for t in e["top_logprobs"]] == sorted(
+            (t["logprob"] for t in e["top_logprobs"]), reverse=True
+        )
     # a bias of +100 on one token makes the answer that token alone
     tokenizer = load_tokenizer(MODEL)
     [wave] = tokenizer.encode(" wave", add_special_tokens=False)
@@ -314,28 +407,51 @@ async def a_prompt_cache_key_puts_its_requests_on_one_partition(http, url: str, 
     questions = ["Name a colour.", "Name a fruit.", "Name a city."]
     async with Tap(inference_topic(MODEL)) as queued:
         for question in questions:
-            got = await http.post(url, json={"model": MODEL, "messages": [{"role": "user", "content": question}],
-                                             "max_completion_tokens": 4, "stream": stream, "prompt_cache_key": key})
+            got = await http.post(
+                url,
+                json={
+                    "model": MODEL,
+                    "messages": [{"role": "user", "content": question}],
+                    "max_completion_tokens": 4,
+                    "stream": stream,
+                    "prompt_cache_key": key,
+                },
+            )
             assert got.status_code == 200, got.text
-        placed = await queued.wait_for(lambda e: isinstance(e, InferenceRequest) and e.cache_key == key,
-                                       count=len(questions))
+        placed = await queued.wait_for(
+            lambda e: isinstance(e, InferenceRequest) and e.cache_key == key, count=len(questions)
+        )
     assert len(placed) == len(questions)
-    named = {by_cache_key(Placement(None, "first-turn"), e, e.model, inference_topic(MODEL).partitions).partition
-             for e in placed}
+    named = {
+        by_cache_key(Placement(None, "first-turn"), e, e.model, inference_topic(MODEL).partitions).partition
+        for e in placed
+    }
     landed = {p for e, p in queued.events if isinstance(e, InferenceRequest) and e.cache_key == key}
     assert len(named) == 1 and landed == named, (landed, named)
 
 
-async def stored_completions_are_kept_for_their_owner(system: System, http, url: str, ask: list[dict], plain: str,
-                                                       stream: bool) -> None:
+async def stored_completions_are_kept_for_their_owner(
+    system: System, http, url: str, ask: list[dict], plain: str, stream: bool
+) -> None:
     """store + metadata: the ended answer is listed, read, re-labelled and deleted by its owner only."""
     label = {"run": uuid.uuid4().hex[:8]}
-    got = await http.post(url, json={"model": MODEL, "messages": ask, "temperature": 0, "max_completion_tokens": 24,
-                                     "stream": stream, "store": True, "metadata": label})
+    got = await http.post(
+        url,
+        json={
+            "model": MODEL,
+            "messages": ask,
+            "temperature": 0,
+            "max_completion_tokens": 24,
+            "stream": stream,
+            "store": True,
+            "metadata": label,
+        },
+    )
     assert got.status_code == 200, got.text
     first = next(line for line in got.text.splitlines() if line.startswith("data: ")) if stream else None
-    cid = (json.loads(first[len("data: "):]) if stream else got.json())["id"]
+    cid = (json.loads(first[len("data: ") :]) if stream else got.json())["id"]
     base = url + "/" + cid
+
     async def stored():  # kept once the answer has ended
         answer = await http.get(base)
         return answer if answer.status_code == 200 else None
@@ -364,18 +480,37 @@ async def test_input_tokens_counts_what_the_model_reads(system: System):
     from schemas.prompt import prompt_ids
 
     url = system.gateways[0] + "/v1/responses/input_tokens"
-    tool = {"type": "function", "name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+    tool = {
+        "type": "function",
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    }
     async with system.http() as http:
-        plain = (await http.post(url, json={"model": MODEL, "input": "Say hello.", "instructions": "Be brief."})).json()
-        tools = (await http.post(url, json={"model": MODEL, "input": "Say hello.", "instructions": "Be brief.",
-                                            "tools": [tool]})).json()
+        plain = (
+            await http.post(url, json={"model": MODEL, "input": "Say hello.", "instructions": "Be brief."})
+        ).json()
+        tools = (
+            await http.post(
+                url,
+                json={"model": MODEL, "input": "Say hello.", "instructions": "Be brief.", "tools": [tool]},
+            )
+        ).json()
         refused = await http.post(url, json={"model": MODEL, "input": "x", "previous_response_id": "resp_1"})
-        answered = await http.post(system.gateways[0] + "/v1/responses", json={
-            "model": MODEL, "input": "Say hello.", "instructions": "Be brief.", "max_output_tokens": 4,
-            "temperature": 0})
-    expected = prompt_ids(load_tokenizer(MODEL), [ChatMessage(role="system", content="Be brief."),
-                                                  ChatMessage(role="user", content="Say hello.")], OutputSpec())
+        answered = await http.post(
+            system.gateways[0] + "/v1/responses",
+            json={
+                "model": MODEL,
+                "input": "Say hello.",
+                "instructions": "Be brief.",
+                "max_output_tokens": 4,
+                "temperature": 0,
+            },
+        )
+    expected = prompt_ids(
+        load_tokenizer(MODEL),
+        [ChatMessage(role="system", content="Be brief."), ChatMessage(role="user", content="Say hello.")],
+        OutputSpec(),
+    )
     assert plain == {"object": "response.input_tokens", "input_tokens": len(expected)}
     assert tools["input_tokens"] > plain["input_tokens"] + 20  # the tool's schema is in the prompt
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "previous_response_id"
@@ -386,7 +521,8 @@ async def test_input_tokens_counts_what_the_model_reads(system: System):
 # speech through the log, tests/test_speech.py)
 @pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="Debian's chromium is not installed")
 async def test_the_chat_page_voice_mode_hears_the_question_and_speaks_the_answer_as_it_streams(
-        system: System, tmp_path):
+    system: System, tmp_path
+):
     await voice_round_trip(system.gateways[0], tmp_path, interrupt=False)
 
 
@@ -400,7 +536,9 @@ async def _stored(http: httpx.AsyncClient, completion_id: str) -> httpx.Response
     return kept if kept.status_code != 404 else None
 
 
-async def test_erasing_a_tenant_leaves_nothing_of_its_content_readable_anywhere(system: System, stack, unique):
+async def test_erasing_a_tenant_leaves_nothing_of_its_content_readable_anywhere(
+    system: System, stack, unique
+):
     """Crypto-shredding through the whole chain: a tenant's question and answer cross every role sealed
     (the broker's segments hold the request's id, never its words); `tokenstream erase` destroys its
     keys, after which the audit shows its records as erased and no file or record of the broker,
@@ -412,21 +550,32 @@ async def test_erasing_a_tenant_leaves_nothing_of_its_content_readable_anywhere(
     from tests.gateway_support import auth_headers
 
     tenant, marker = f"erase-{unique}", f"quokka{unique}"
-    async with httpx.AsyncClient(base_url=system.gateways[1], timeout=180, headers=auth_headers(new_key(tenant))) as http:
-        r = await http.post("/v1/chat/completions", json=greedy(
-            messages=[{"role": "user", "content": f"My locker code is {marker}. Repeat the code."}], max_tokens=24,
-            store=True))
+    async with httpx.AsyncClient(
+        base_url=system.gateways[1], timeout=180, headers=auth_headers(new_key(tenant))
+    ) as http:
+        r = await http.post(
+            "/v1/chat/completions",
+            json=greedy(
+                messages=[{"role": "user", "content": f"My locker code is {marker}. Repeat the code."}],
+                max_tokens=24,
+                store=True,
+            ),
+        )
         assert r.status_code == 200, r.text
         # stored, with its messages: kept once the answer has ended (settled after the response went out)
         kept = await wait_for(lambda: _stored(http, r.json()["id"]), 10, "the stored completion")
-        conversation = await http.post("/v1/conversations", json={"items": [
-            {"type": "message", "role": "user", "content": f"Remember {marker}."}]})
+        conversation = await http.post(
+            "/v1/conversations",
+            json={"items": [{"type": "message", "role": "user", "content": f"Remember {marker}."}]},
+        )
         assert kept.status_code == 200 and conversation.status_code == 200, (kept.text, conversation.text)
     rid, answer = rid_of(r.json()["id"]), r.json()["choices"][0]["message"]["content"]
     words = {marker.encode()} | ({answer.strip().encode()} if len(answer.strip()) >= 12 else set())
     durable = redis.Redis.from_url(stack.redis.address)
     # the stored completion and the conversation's item are in the durable store, sealed like the events
-    assert durable.exists(K.conversation_items(conversation.json()["id"])) and durable.exists(K.stored_chat(rid))
+    assert durable.exists(K.conversation_items(conversation.json()["id"])) and durable.exists(
+        K.stored_chat(rid)
+    )
     assert not await asyncio.to_thread(found_in_redis, stack.redis.address, words)
     key_ids = {k.decode() for k in durable.smembers(f"ts:seal:tenant:{tenant}")}
     assert key_ids, "the tenant's content was sealed with no key of its own"
@@ -434,20 +583,39 @@ async def test_erasing_a_tenant_leaves_nothing_of_its_content_readable_anywhere(
     found = await asyncio.to_thread(found_in_segments, segments, words | {rid.encode()})
     assert rid.encode() in found and not found & words, "the broker's log holds the tenant's words in clear"
     held = {f"ts:seal:key:{k}".encode() for k in key_ids}  # each key's hash (its material with it)
-    await wait_for(lambda: found_in_files(stack.redis.data_dir, held) == held, timeout=10,  # (fsync: every second)
-                   what="the keys in the durable store's append-only file")  # so that the check after can fail
+    await wait_for(
+        lambda: found_in_files(stack.redis.data_dir, held) == held,
+        timeout=10,  # (fsync: every second)
+        what="the keys in the durable store's append-only file",
+    )  # so that the check after can fail
 
     erase = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tokenstream.cli", "erase", "--tenant", tenant, "--yes",
-        env={**os.environ, **stack.environment()}, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        sys.executable,
+        "-m",
+        "tokenstream.cli",
+        "erase",
+        "--tenant",
+        tenant,
+        "--yes",
+        env={**os.environ, **stack.environment()},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
     out = (await erase.communicate())[0].decode()
     assert erase.returncode == 0 and "sealing keys destroyed" in out, out
     assert not durable.smembers(f"ts:seal:tenant:{tenant}")
 
     audit = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tokenstream.cli", "audit", "request", rid,
-        env={**os.environ, **stack.environment(), "COLUMNS": "200"}, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT)
+        sys.executable,
+        "-m",
+        "tokenstream.cli",
+        "audit",
+        "request",
+        rid,
+        env={**os.environ, **stack.environment(), "COLUMNS": "200"},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
     report = (await audit.communicate())[0].decode()
     assert "(content erased)" in report and "gap check: erased" in report and marker not in report, report
     assert not await asyncio.to_thread(found_in_redis, stack.redis.address, words | held)
@@ -457,13 +625,15 @@ async def test_erasing_a_tenant_leaves_nothing_of_its_content_readable_anywhere(
     assert not await asyncio.to_thread(found_in_segments, segments, words)
     durable.close()
     # another tenant's conversations go on as before
-    again = await system.client(1).chat.completions.create(messages=[{"role": "user", "content": "Say hello."}],
-                                                           max_tokens=4, **greedy())
+    again = await system.client(1).chat.completions.create(
+        messages=[{"role": "user", "content": "Say hello."}], max_tokens=4, **greedy()
+    )
     assert again.choices[0].message.content
 
 
 async def test_a_key_at_home_in_eu_is_served_by_eu_through_the_us_gateway_and_nothing_of_it_lands_in_us(
-        system: System, stack, tmp_path):
+    system: System, stack, tmp_path
+):
     """Residency: the session's stack is region eu, a second cluster region us (tests/regions_support.py).
     A key made in eu is served through us's gateway by eu's pipeline, and nothing of its tenant reaches
     us's cluster or stores (nor eu's broker passwords: MirrorMaker's connector configs there hold placeholders),
@@ -476,11 +646,15 @@ async def test_a_key_at_home_in_eu_is_served_by_eu_through_the_us_gateway_and_no
     key = new_key(tenant, tier="paid")
     async with two_regions(stack, system.roles, tmp_path, MODEL) as regions:
         async with httpx.AsyncClient(timeout=30, headers={"Authorization": f"Bearer {key}"}) as http:
-            seen = await wait_for(lambda: _served_from(http, regions.us_gateway), 60, "the key's home known in us")
+            seen = await wait_for(
+                lambda: _served_from(http, regions.us_gateway), 60, "the key's home known in us"
+            )
         assert seen == "eu"  # us's gateway learnt the key's home from eu, through MirrorMaker
         question = [{"role": "user", "content": f"Repeat this word: {marker}"}]
         via_us = openai.AsyncOpenAI(base_url=regions.us_gateway + "/v1", api_key=key, timeout=120)
-        stream = await via_us.chat.completions.create(messages=question, stream=True, max_tokens=12, **greedy())
+        stream = await via_us.chat.completions.create(
+            messages=question, stream=True, max_tokens=12, **greedy()
+        )
         streamed = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
         via_eu = openai.AsyncOpenAI(base_url=regions.eu_gateway + "/v1", api_key=key, timeout=120)
         direct = await via_eu.chat.completions.create(messages=question, max_tokens=12, **greedy())
@@ -488,7 +662,11 @@ async def test_a_key_at_home_in_eu_is_served_by_eu_through_the_us_gateway_and_no
 
         written = await records_on(regions.us.kafka)
         assert set(written) <= {KEY_HOMES.name}, written  # no request, token or tool event of anyone in us
-        needles = [tenant.encode(), marker.encode(), *(stack.kafka.secret(u).encode() for u in ("admin", "mirror"))]
+        needles = [
+            tenant.encode(),
+            marker.encode(),
+            *(stack.kafka.secret(u).encode() for u in ("admin", "mirror")),
+        ]
         digest = hashlib.sha256(key.encode()).hexdigest().encode()  # what alone may cross: the key's home
         in_us = await topics_holding(regions.us.kafka, [*needles, digest])  # every record, decompressed
         assert in_us.pop(digest) == {"eu." + KEY_HOMES.name}  # (the scan finds what is there)
@@ -496,7 +674,9 @@ async def test_a_key_at_home_in_eu_is_served_by_eu_through_the_us_gateway_and_no
         for needle in needles:  # and the raw bytes of us's log segments and Redis files
             assert not files_holding(regions.us.redis.data_dir, needle), needle
             assert not files_holding(regions.us.kafka.data_dir, needle, ".log"), needle
-        assert files_holding(regions.us.kafka.data_dir, digest, ".log")  # (MirrorMaker's copy is not compressed)
+        assert files_holding(
+            regions.us.kafka.data_dir, digest, ".log"
+        )  # (MirrorMaker's copy is not compressed)
         in_eu = await topics_holding(stack.kafka, needles[:1], [CHAT_REQUESTS.name])  # (the scan's control)
         assert in_eu[needles[0]] == {CHAT_REQUESTS.name}
 
@@ -506,12 +686,18 @@ async def test_a_key_at_home_in_eu_is_served_by_eu_through_the_us_gateway_and_no
         producer = await start_producer(stack.kafka.address)
         try:
             digest = hashlib.sha256(stray.encode()).hexdigest()
-            await publish(producer, KEY_HOMES, KeyHome(request_id=f"key-{digest[:16]}", digest=digest, region="ap"),
-                          key=digest)
+            await publish(
+                producer,
+                KEY_HOMES,
+                KeyHome(request_id=f"key-{digest[:16]}", digest=digest, region="ap"),
+                key=digest,
+            )
         finally:
             await producer.stop()
         async with httpx.AsyncClient(timeout=30, headers={"Authorization": f"Bearer {stray}"}) as http:
-            refused = await wait_for(lambda: _refused(http, regions.eu_gateway), 30, "a 421 for a key of region ap")
+            refused = await wait_for(
+                lambda: _refused(http, regions.eu_gateway), 30, "a 421 for a key of region ap"
+            )
         assert refused["error"]["code"] == "wrong_region" and "region ap" in refused["error"]["message"]
 
 
@@ -548,8 +734,11 @@ async def until_ready(url: str, want: bool, timeout: float) -> dict:
 async def in_flight(system: System) -> asyncio.Task:
     """A streamed answer that has begun, read on to its end by a task whose result is `ending`."""
     stream = await system.client(0).chat.completions.create(
-        messages=[{"role": "user", "content": "Write a long story about a sailor and the sea."}], stream=True,
-        max_tokens=120, **greedy())
+        messages=[{"role": "user", "content": "Write a long story about a sailor and the sea."}],
+        stream=True,
+        max_tokens=120,
+        **greedy(),
+    )
     first = await anext(stream)
     assert first.choices
     return asyncio.create_task(ending(stream))
@@ -557,12 +746,16 @@ async def in_flight(system: System) -> asyncio.Task:
 
 async def ending(stream) -> str:
     """How a stream ended: its finish reason, or the error it ended with (never a hang)."""
+
     async def rest() -> str:
         try:
-            finishes = [c.choices[0].finish_reason async for c in stream if c.choices and c.choices[0].finish_reason]
+            finishes = [
+                c.choices[0].finish_reason async for c in stream if c.choices and c.choices[0].finish_reason
+            ]
             return finishes[-1] if finishes else "no finish"
         except openai.APIError as exc:
             return f"error: {exc.message}"
+
     return await asyncio.wait_for(rest(), timeout=120)
 
 
@@ -572,21 +765,25 @@ async def served_after(system: System, back: float) -> float:
     while True:
         try:
             done = await system.client(1, timeout=SERVED_WITHIN_S).chat.completions.create(
-                messages=[{"role": "user", "content": "Say hello."}], max_tokens=4, **greedy())
+                messages=[{"role": "user", "content": "Say hello."}], max_tokens=4, **greedy()
+            )
             if done.choices[0].finish_reason in ("stop", "length"):
                 return time.monotonic() - back
             tries.append(f"+{time.monotonic() - back:.1f}s {done.choices[0].finish_reason}")
         except (openai.APIError, httpx.HTTPError) as exc:
             tries.append(f"+{time.monotonic() - back:.1f}s {type(exc).__name__}: {str(exc)[:120]}")
-        assert time.monotonic() - back < SERVED_WITHIN_S + 20, f"no request served 30 s after the outage's end: {tries}"
+        assert time.monotonic() - back < SERVED_WITHIN_S + 20, (
+            f"no request served 30 s after the outage's end: {tries}"
+        )
         await asyncio.sleep(0.3)
 
 
 async def baseline(system: System) -> float:
     """Seconds a request like `served_after`'s takes on this machine now, before any outage."""
     started = time.monotonic()
-    await system.client(1).chat.completions.create(messages=[{"role": "user", "content": "Say hello."}],
-                                                   max_tokens=4, **greedy())
+    await system.client(1).chat.completions.create(
+        messages=[{"role": "user", "content": "Say hello."}], max_tokens=4, **greedy()
+    )
     return time.monotonic() - started
 
 
@@ -599,8 +796,12 @@ async def test_redis_outage_under_the_running_system(system: System, stack):
         down = await until_ready(system.gateways[0], False, timeout=10)  # no key can be checked: not ready
         assert down["redis"] is False, down
         with pytest.raises(openai.APIStatusError) as during:  # refused at once with a clear 503
-            await asyncio.wait_for(client.chat.completions.create(
-                messages=[{"role": "user", "content": "Hi"}], max_tokens=4, **greedy()), timeout=15)
+            await asyncio.wait_for(
+                client.chat.completions.create(
+                    messages=[{"role": "user", "content": "Hi"}], max_tokens=4, **greedy()
+                ),
+                timeout=15,
+            )
         assert during.value.status_code == 503 and "Redis" in during.value.message
         await asyncio.sleep(3.0)  # the outage lasts a while (what is tested: riding it out)
     finally:
@@ -622,8 +823,12 @@ async def test_broker_restart_under_the_running_system(system: System, stack):
         down = await until_ready(system.gateways[0], False, timeout=30)
         assert down["broker"] is False, down
         with pytest.raises(openai.APIStatusError) as during:
-            await asyncio.wait_for(client.chat.completions.create(
-                messages=[{"role": "user", "content": "Hi"}], max_tokens=4, **greedy()), timeout=30)
+            await asyncio.wait_for(
+                client.chat.completions.create(
+                    messages=[{"role": "user", "content": "Hi"}], max_tokens=4, **greedy()
+                ),
+                timeout=30,
+            )
         assert during.value.status_code == 503
     finally:
         await asyncio.to_thread(stack.kafka.start, lambda _m: None)
@@ -649,13 +854,15 @@ async def test_weaviate_outage_under_the_running_system(system: System, stack):
 
     def phase(name: str) -> None:
         print(f"{name}: +{time.monotonic() - began:.1f} s")
+
     key = new_key(f"vec-{uuid.uuid4().hex[:6]}", semantic_cache=True, exact_cache=False)
     client = openai.AsyncOpenAI(base_url=system.gateways[0] + "/v1", api_key=key, max_retries=0, timeout=120)
     question, near = "What is the capital of France?", "What is the capital city of France?"
 
     async def ask(text: str) -> tuple[str, str]:
         raw = await client.chat.completions.with_raw_response.create(
-            messages=[{"role": "user", "content": text}], max_tokens=8, **greedy())
+            messages=[{"role": "user", "content": text}], max_tokens=8, **greedy()
+        )
         done = raw.parse()
         assert done.choices[0].finish_reason in ("stop", "length"), done
         return raw.headers.get("x-tokenstream-cache", ""), done.choices[0].message.content
@@ -697,8 +904,9 @@ async def test_weaviate_outage_under_the_running_system(system: System, stack):
         phase("the store indexed")
         assert any(expected in hit.content[0].text for hit in await search())
 
-    uploaded = await client.files.create(file=("nordvik.md", document().encode(), "text/markdown"),
-                                         purpose="assistants")
+    uploaded = await client.files.create(
+        file=("nordvik.md", document().encode(), "text/markdown"), purpose="assistants"
+    )
     store = await client.vector_stores.create(name="nordvik", file_ids=[uploaded.id])
     normal, _ = await asyncio.gather(cached(), indexed())
     phase("indexed, cached, searched")
@@ -713,7 +921,9 @@ async def test_weaviate_outage_under_the_running_system(system: System, stack):
             await asyncio.sleep(0.2)
         assert body["degraded"] and "weaviate" in body["degraded"][0], body
         tools_body = await until_ready(tools_ready, True, timeout=10)
-        assert tools_body["checks"]["weaviate"] is False and "weaviate" in tools_body["degraded"][0], tools_body
+        assert tools_body["checks"]["weaviate"] is False and "weaviate" in tools_body["degraded"][0], (
+            tools_body
+        )
 
         async def chat() -> None:  # the cached question is answered live now (a miss at once), a new one too
             started = time.monotonic()
@@ -727,19 +937,24 @@ async def test_weaviate_outage_under_the_running_system(system: System, stack):
             with pytest.raises(openai.APIStatusError) as caught:
                 await search()
             assert time.monotonic() - started < 10
-            assert caught.value.status_code == 503 and "Weaviate" in caught.value.message, caught.value.message
+            assert caught.value.status_code == 503 and "Weaviate" in caught.value.message, (
+                caught.value.message
+            )
 
         async def held_file():  # a file added now: held (in progress) while the tool processor says so
-            held = await client.files.create(file=("ferry.md", b"The Lindholm ferry horn is tuned to B flat.\n",
-                                                   "text/markdown"), purpose="assistants")
+            held = await client.files.create(
+                file=("ferry.md", b"The Lindholm ferry horn is tuned to B flat.\n", "text/markdown"),
+                purpose="assistants",
+            )
             await client.vector_stores.files.create(vector_store_id=store.id, file_id=held.id)
             body, deadline = tools_body, time.monotonic() + 20
             while not any(d.startswith("ingestion: an event held") for d in body["degraded"]):
                 assert time.monotonic() < deadline, body
                 await asyncio.sleep(0.3)
                 body = await until_ready(tools_ready, True, timeout=10)
-            assert (await client.vector_stores.files.retrieve(held.id, vector_store_id=store.id)).status \
-                == "in_progress"
+            assert (
+                await client.vector_stores.files.retrieve(held.id, vector_store_id=store.id)
+            ).status == "in_progress"
             return held
 
         _, _, held = await asyncio.gather(chat(), refused(), held_file())
@@ -762,7 +977,9 @@ async def test_weaviate_outage_under_the_running_system(system: System, stack):
             await asyncio.sleep(0.3)
 
     async def indexed_held() -> None:
-        while (await client.vector_stores.files.retrieve(held.id, vector_store_id=store.id)).status != "completed":
+        while (
+            await client.vector_stores.files.retrieve(held.id, vector_store_id=store.id)
+        ).status != "completed":
             assert time.monotonic() - back < SERVED_WITHIN_S, "the held file was not indexed"
             await asyncio.sleep(0.3)
 

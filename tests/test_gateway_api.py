@@ -52,8 +52,15 @@ def ask(text: str = PROMPT):
 async def test_models_health_metrics(gateway, client, pipeline):
     models = await client.models.list()
     # the chat models, and the speech models the tool processor serves (/v1/audio) under both names
-    assert {m.id for m in models.data} == {pipeline.model, "smollm2", "whisper-tiny.en", "whisper-1", "espeak-ng",
-                                           "tts-1", "tts-1-hd"}
+    assert {m.id for m in models.data} == {
+        pipeline.model,
+        "smollm2",
+        "whisper-tiny.en",
+        "whisper-1",
+        "espeak-ng",
+        "tts-1",
+        "tts-1-hd",
+    }
     async with httpx.AsyncClient(base_url=gateway, headers=auth_headers()) as http:
         assert (await http.get("/health/live")).status_code == 200
         ready = await http.get("/health/ready")
@@ -63,8 +70,9 @@ async def test_models_health_metrics(gateway, client, pipeline):
 
 
 async def test_non_streaming(client, pipeline):
-    done = await client.chat.completions.create(model=pipeline.model, messages=ask(), user="alice",
-                                                temperature=0, seed=7, top_p=0.5)
+    done = await client.chat.completions.create(
+        model=pipeline.model, messages=ask(), user="alice", temperature=0, seed=7, top_p=0.5
+    )
     assert done.object == "chat.completion"
     assert done.choices[0].message.role == "assistant"
     assert done.choices[0].message.content == PROMPT
@@ -81,8 +89,11 @@ async def test_non_streaming(client, pipeline):
 
 async def test_conversation_and_assistant_extensions(client, pipeline):
     done = await client.chat.completions.create(
-        model=pipeline.model, messages=ask(), extra_body={"conversation_id": "conv-42", "assistant": "coder"},
-        extra_headers={"x-tenant": "acme"})
+        model=pipeline.model,
+        messages=ask(),
+        extra_body={"conversation_id": "conv-42", "assistant": "coder"},
+        extra_headers={"x-tenant": "acme"},
+    )
     sent = pipeline.requests[done.id.removeprefix("chatcmpl-")]
     # the tenant and tier come from the API key; the x-tenant header decides nothing
     assert (sent.conversation_id, sent.assistant, sent.tenant) == ("conv-42", "coder", "test")
@@ -100,8 +111,9 @@ async def test_streaming(client, pipeline):
 
 
 async def test_streaming_include_usage(client, pipeline):
-    stream = await client.chat.completions.create(model=pipeline.model, messages=ask(), stream=True,
-                                                  stream_options={"include_usage": True})
+    stream = await client.chat.completions.create(
+        model=pipeline.model, messages=ask(), stream=True, stream_options={"include_usage": True}
+    )
     chunks = [c async for c in stream]
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == PROMPT
     last = chunks[-1]
@@ -114,11 +126,11 @@ async def test_max_tokens_stop_and_max_completion_tokens(client, pipeline):
     done = await client.chat.completions.create(model=pipeline.model, messages=ask(), max_tokens=3)
     assert done.choices[0].message.content == expected_answer(PROMPT, 3)
     assert done.choices[0].finish_reason == "length"
-    done = await client.chat.completions.create(model=pipeline.model, messages=ask(),
-                                                max_completion_tokens=2)
+    done = await client.chat.completions.create(model=pipeline.model, messages=ask(), max_completion_tokens=2)
     assert done.choices[0].message.content == "the quick" and done.choices[0].finish_reason == "length"
-    stream = await client.chat.completions.create(model=pipeline.model, messages=ask(), stream=True,
-                                                  stop=["fox"])
+    stream = await client.chat.completions.create(
+        model=pipeline.model, messages=ask(), stream=True, stop=["fox"]
+    )
     text = "".join([c.choices[0].delta.content or "" async for c in stream])
     assert text == "the quick brown"
 
@@ -126,21 +138,25 @@ async def test_max_tokens_stop_and_max_completion_tokens(client, pipeline):
 async def test_generation_error_is_reported(client, pipeline):
     with pytest.raises(openai.InternalServerError):
         await client.chat.completions.create(model=pipeline.model, messages=ask("a [[error]] b"))
-    stream = await client.chat.completions.create(model=pipeline.model, messages=ask("a [[error]] b"),
-                                                  stream=True)
+    stream = await client.chat.completions.create(
+        model=pipeline.model, messages=ask("a [[error]] b"), stream=True
+    )
     with pytest.raises(openai.APIError):
         async for _ in stream:
             pass
 
 
-@pytest.mark.parametrize("kwargs, param", [
-    (dict(messages=[]), "messages"),
-    (dict(temperature=3.5), "temperature"),
-    (dict(top_p=0), "top_p"),
-    (dict(max_tokens=0), "max_tokens"),
-    (dict(n=2), "n"),
-    (dict(messages=[{"role": "wizard", "content": "hi"}]), "messages.0"),
-])
+@pytest.mark.parametrize(
+    "kwargs, param",
+    [
+        (dict(messages=[]), "messages"),
+        (dict(temperature=3.5), "temperature"),
+        (dict(top_p=0), "top_p"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(n=2), "n"),
+        (dict(messages=[{"role": "wizard", "content": "hi"}]), "messages.0"),
+    ],
+)
 async def test_invalid_request_is_400(client, pipeline, kwargs, param):
     args = dict(model=pipeline.model, messages=ask()) | kwargs
     with pytest.raises(openai.BadRequestError) as info:
@@ -165,7 +181,9 @@ def test_pipeline_down_is_503(stack, tmp_path):
     roles = Roles(stack, tmp_path)
     dead = f"127.0.0.1:{free_port()}"
     try:
-        url, _ = start_gateway(roles, ["smollm2"], env={"TOKENSTREAM_KAFKA_BOOTSTRAP": dead}, wait_ready=False)
+        url, _ = start_gateway(
+            roles, ["smollm2"], env={"TOKENSTREAM_KAFKA_BOOTSTRAP": dead}, wait_ready=False
+        )
         assert httpx.get(url + "/health/ready").status_code == 503
         client = openai.OpenAI(base_url=url + "/v1", api_key=default_key(), max_retries=0)
         with pytest.raises(openai.InternalServerError) as info:

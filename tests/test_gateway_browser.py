@@ -59,20 +59,26 @@ async def test_chat_page(stack, pipeline, browser, tmp_path):
             return await asyncio.to_thread(browser.wait_for, expr, timeout)
 
         async def say(text: str) -> None:
-            await js(f"document.getElementById('input').value = {json.dumps(text)};"
-                     "document.getElementById('send').click()")
+            await js(
+                f"document.getElementById('input').value = {json.dumps(text)};"
+                "document.getElementById('send').click()"
+            )
 
         answers = "Array.from(document.querySelectorAll('.assistant')).map(d => d.firstChild.data)"
         await asyncio.to_thread(browser.call, "Page.enable")
         await asyncio.to_thread(browser.call, "Page.navigate", url=url + "/")
         # no key yet: the page asks for one; once given, it is remembered across a reload
         await wait_for("document.body.classList.contains('needs-key')")
-        await js(f"document.getElementById('apikey').value = {json.dumps(default_key())};"
-                 "document.getElementById('savekey').click()")
+        await js(
+            f"document.getElementById('apikey').value = {json.dumps(default_key())};"
+            "document.getElementById('savekey').click()"
+        )
         await wait_for("document.body.dataset.state === 'idle' && document.getElementById('model').value")
         await asyncio.to_thread(browser.call, "Page.reload")
-        await wait_for("document.body.dataset.state === 'idle' && document.getElementById('model').value"
-                       " && !document.body.classList.contains('needs-key')")
+        await wait_for(
+            "document.body.dataset.state === 'idle' && document.getElementById('model').value"
+            " && !document.body.classList.contains('needs-key')"
+        )
 
         # a streamed answer: tokens appear one by one before the answer completes
         turn1 = "hello from a real browser " + " ".join(f"w{i}" for i in range(12))
@@ -86,7 +92,9 @@ async def test_chat_page(stack, pipeline, browser, tmp_path):
 
         # multi-turn: the whole history goes with the second question
         await say("and a second turn")
-        await wait_for("document.body.dataset.state === 'idle' && document.querySelectorAll('.assistant').length == 2")
+        await wait_for(
+            "document.body.dataset.state === 'idle' && document.querySelectorAll('.assistant').length == 2"
+        )
         assert (await js(answers))[1] == "and a second turn"
         last = max(pipeline.requests.values(), key=lambda r: r.created_at)
         assert [m.role for m in last.messages] == ["user", "assistant", "user"]

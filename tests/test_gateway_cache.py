@@ -39,8 +39,14 @@ def gateways(stack, pipeline, tmp_path_factory):
 
 
 def ask(model: str, text: str, **extra) -> dict:
-    return {"model": model, "messages": [{"role": "user", "content": text}], "stream": True,
-            "stream_options": {"include_usage": True}, "temperature": 0, **extra}
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": text}],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": 0,
+        **extra,
+    }
 
 
 async def stream(http: httpx.AsyncClient, url: str, key: str, body: dict) -> tuple[httpx.Headers, list]:
@@ -50,8 +56,11 @@ async def stream(http: httpx.AsyncClient, url: str, key: str, body: dict) -> tup
 
 
 def content(events: list) -> str:
-    return "".join(json.loads(d)["choices"][0]["delta"].get("content") or "" for _, d in events
-                   if d != "[DONE]" and json.loads(d)["choices"])
+    return "".join(
+        json.loads(d)["choices"][0]["delta"].get("content") or ""
+        for _, d in events
+        if d != "[DONE]" and json.loads(d)["choices"]
+    )
 
 
 def shape(events: list) -> list:
@@ -90,14 +99,23 @@ async def test_a_deterministic_request_asked_again_is_answered_from_the_cache(ga
         # no generation: the pipeline never got it; the log holds the request and its answer for an audit
         assert hit_rid not in pipeline.requests
         [audit] = await requests.wait_for(lambda e: e.request_id == hit_rid)
-        assert isinstance(audit, ChatRequest) and audit.cached_from == live_rid and audit.tenant == "cache-tenant"
+        assert (
+            isinstance(audit, ChatRequest)
+            and audit.cached_from == live_rid
+            and audit.tenant == "cache-tenant"
+        )
         logged = await tokens.wait_for(lambda e: e.request_id == hit_rid and isinstance(e, Completion))
         assert logged[0].text == text
-        assert all(e.worker_id == f"cache:{live_rid}" for e in tokens.matching(
-            lambda e: e.request_id == hit_rid and isinstance(e, TokenChunk)))
+        assert all(
+            e.worker_id == f"cache:{live_rid}"
+            for e in tokens.matching(lambda e: e.request_id == hit_rid and isinstance(e, TokenChunk))
+        )
         # and it resumes like any answer, on the other instance
-        async with http.stream("GET", f"{a}/v1/chat/completions/chatcmpl-{hit_rid}/stream",
-                               headers={**auth_headers(key), "Last-Event-ID": hit[3][0]}) as r:
+        async with http.stream(
+            "GET",
+            f"{a}/v1/chat/completions/chatcmpl-{hit_rid}/stream",
+            headers={**auth_headers(key), "Last-Event-ID": hit[3][0]},
+        ) as r:
             rest = [item async for item in sse(r)]
         assert content(rest) == content(hit[4:]) and rest[-1] == hit[-1]  # (a replay may coalesce frames)
 
@@ -105,9 +123,11 @@ async def test_a_deterministic_request_asked_again_is_answered_from_the_cache(ga
         headers, _ = await stream(http, a, new_key("other-tenant"), ask(pipeline.model, text))
         assert headers["x-tokenstream-cache"] == "miss"
         # opted out per request, per key, or not deterministic: live, no cache header
-        for body, k in ((ask(pipeline.model, text, cache=False), key),
-                        (ask(pipeline.model, text), new_key("cache-tenant", exact_cache=False)),
-                        (ask(pipeline.model, text, temperature=0.7), key)):
+        for body, k in (
+            (ask(pipeline.model, text, cache=False), key),
+            (ask(pipeline.model, text), new_key("cache-tenant", exact_cache=False)),
+            (ask(pipeline.model, text, temperature=0.7), key),
+        ):
             headers, events = await stream(http, a, k, body)
             assert "x-tokenstream-cache" not in headers
             assert events[0][0].split(":")[0] in pipeline.requests
@@ -132,8 +152,11 @@ async def test_a_near_duplicate_question_is_answered_from_the_semantic_cache(gat
     question = "What is the capital of France?"
 
     async def ask_once(url: str, k: str, messages: list[dict]) -> httpx.Response:
-        r = await http.post(url + "/v1/chat/completions", headers=auth_headers(k),
-                            json={"model": pipeline.model, "messages": messages, "temperature": 0.8})
+        r = await http.post(
+            url + "/v1/chat/completions",
+            headers=auth_headers(k),
+            json={"model": pipeline.model, "messages": messages, "temperature": 0.8},
+        )
         assert r.status_code == 200, r.text
         return r
 
@@ -156,7 +179,9 @@ async def test_a_near_duplicate_question_is_answered_from_the_semantic_cache(gat
         assert near.json()["id"].removeprefix("chatcmpl-") not in pipeline.requests
 
         # a different question, another tenant, another system message, or a conversation: never from it
-        assert (await ask_once(a, key, user("What is the capital of Germany?"))).headers["x-tokenstream-cache"] == "miss"
+        assert (await ask_once(a, key, user("What is the capital of Germany?"))).headers[
+            "x-tokenstream-cache"
+        ] == "miss"
         other = new_key(f"other-{tenant}", semantic_cache=True)
         assert (await ask_once(a, other, user(question))).headers["x-tokenstream-cache"] == "miss"
         system = [{"role": "system", "content": "Answer in French."}, *user(question)]

@@ -21,7 +21,16 @@ import pytest
 
 from schemas import Cancel
 from tests.conftest import Roles
-from tests.gateway_support import FakePipeline, client, content_of, headers, metric, openai_client, sse, start_gateway
+from tests.gateway_support import (
+    FakePipeline,
+    client,
+    content_of,
+    headers,
+    metric,
+    openai_client,
+    sse,
+    start_gateway,
+)
 from tests.kafka_support import Tap
 from topics import CONTROL
 
@@ -46,9 +55,13 @@ async def fast(stack, bootstrap):
 @pytest.fixture(scope="module")
 def gateway(stack, stuck, fast, tmp_path_factory):
     roles = Roles(stack, tmp_path_factory.mktemp("gateway-deadlines"))
-    env = {"TOKENSTREAM_GATEWAY_PROGRESS_TIMEOUT_S": str(DEADLINE_S), "TOKENSTREAM_GATEWAY_SLOW_READER_S": "1",
-           "TOKENSTREAM_GATEWAY_BUFFER_EVENTS": "4", "TOKENSTREAM_GATEWAY_COALESCE_CHARS": "64",
-           "TOKENSTREAM_GATEWAY_REPLY_PARTITIONS": "[3]"}  # every stream shares one partition
+    env = {
+        "TOKENSTREAM_GATEWAY_PROGRESS_TIMEOUT_S": str(DEADLINE_S),
+        "TOKENSTREAM_GATEWAY_SLOW_READER_S": "1",
+        "TOKENSTREAM_GATEWAY_BUFFER_EVENTS": "4",
+        "TOKENSTREAM_GATEWAY_COALESCE_CHARS": "64",
+        "TOKENSTREAM_GATEWAY_REPLY_PARTITIONS": "[3]",
+    }  # every stream shares one partition
     url, _ = start_gateway(roles, [stuck.model, fast.model], env=env)
     yield url
     roles.stop_all()
@@ -71,15 +84,23 @@ async def test_no_progress_ends_with_an_error_and_a_cancel(gateway, stuck):
         assert time.monotonic() - started < 4 * DEADLINE_S + 10
         rids = list(stuck.requests)
         assert len(rids) == 2
-        found = await control.wait_for(lambda e: isinstance(e, Cancel) and e.request_id in rids, count=2, timeout=30)
+        found = await control.wait_for(
+            lambda e: isinstance(e, Cancel) and e.request_id in rids, count=2, timeout=30
+        )
         assert {e.reason for e in found} == {"deadline"}
 
 
 async def test_a_slow_reader_is_dropped_and_resumes_while_others_go_on(gateway, fast):
     block = [f"s{i}" + "x" * 200 for i in range(100)]
     words = block * 400  # 8 MB of text: more than the socket buffers absorb
-    payload = json.dumps({"model": fast.model, "stream": True, "max_tokens": 100_000, "messages": [
-        {"role": "user", "content": "[[repeat 400]] " + " ".join(block)}]}).encode()
+    payload = json.dumps(
+        {
+            "model": fast.model,
+            "stream": True,
+            "max_tokens": 100_000,
+            "messages": [{"role": "user", "content": "[[repeat 400]] " + " ".join(block)}],
+        }
+    ).encode()
     host, port = gateway.removeprefix("http://").split(":")
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32768)
@@ -87,8 +108,14 @@ async def test_a_slow_reader_is_dropped_and_resumes_while_others_go_on(gateway, 
     sock.setblocking(False)
     reader, writer = await asyncio.open_connection(sock=sock, limit=4096)
     auth = "".join(f"{k}: {v}\r\n" for k, v in headers().items()).encode()
-    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + auth +
-                 b"Content-Length: " + str(len(payload)).encode() + b"\r\nConnection: close\r\n\r\n" + payload)
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + auth
+        + b"Content-Length: "
+        + str(len(payload)).encode()
+        + b"\r\nConnection: close\r\n\r\n"
+        + payload
+    )
     await writer.drain()
     body = await reader.read(2048)  # headers and the first events, then the reader stalls
     deadline = time.monotonic() + 60
@@ -102,8 +129,9 @@ async def test_a_slow_reader_is_dropped_and_resumes_while_others_go_on(gateway, 
         assert time.monotonic() < deadline, "the slow reader was never dropped"
         await asyncio.sleep(0.1)
     sdk = openai_client(gateway, timeout=30)
-    stream = await sdk.chat.completions.create(model=fast.model, stream=True,
-                                               messages=[{"role": "user", "content": "others go on"}])
+    stream = await sdk.chat.completions.create(
+        model=fast.model, stream=True, messages=[{"role": "user", "content": "others go on"}]
+    )
     assert "".join([c.choices[0].delta.content or "" async for c in stream]) == "others go on"
     assert metric(gateway, "gateway_slow_readers_dropped_total") == 1
 
@@ -125,8 +153,9 @@ async def test_a_slow_reader_is_dropped_and_resumes_while_others_go_on(gateway, 
     # it resumes from the log, at its own pace, and the two parts make the whole answer
     rid = last_id.rsplit(":", 1)[0]
     async with client(gateway, timeout=60) as http:
-        async with http.stream("GET", f"/v1/chat/completions/chatcmpl-{rid}/stream",
-                               headers={"Last-Event-ID": last_id}) as resumed:
+        async with http.stream(
+            "GET", f"/v1/chat/completions/chatcmpl-{rid}/stream", headers={"Last-Event-ID": last_id}
+        ) as resumed:
             assert resumed.status_code == 200
             rest = [data async for _, data in sse(resumed)]
     assert rest[-1] == "[DONE]"

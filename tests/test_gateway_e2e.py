@@ -59,16 +59,27 @@ async def test_real_worker_resume_and_cancel(stack, bootstrap, tmp_path, tiny_mo
     roles = Roles(stack, tmp_path)
     metrics_port = free_port()
     try:
-        worker = roles.start("worker", "--model", model, "--model-path", str(tiny_model), "--step-delay", "0.05",
-                             "--metrics-port", str(metrics_port), name="worker")
+        worker = roles.start(
+            "worker",
+            "--model",
+            model,
+            "--model-path",
+            str(tiny_model),
+            "--step-delay",
+            "0.05",
+            "--metrics-port",
+            str(metrics_port),
+            name="worker",
+        )
         await asyncio.to_thread(wait_for_log, roles, worker, "worker ready")
         env = {"TOKENSTREAM_GATEWAY_CANCEL_GRACE_S": "1"}
         a, _ = await asyncio.to_thread(start_gateway, roles, [model], index=0, count=2, env=env)
         b, _ = await asyncio.to_thread(start_gateway, roles, [model], index=1, count=2, env=env)
 
         client = openai.AsyncOpenAI(base_url=b + "/v1", api_key=default_key(), max_retries=0, timeout=120)
-        stream = await client.chat.completions.create(model=model, messages=PROMPT, temperature=0, max_tokens=40,
-                                                      stream=True)
+        stream = await client.chat.completions.create(
+            model=model, messages=PROMPT, temperature=0, max_tokens=40, stream=True
+        )
         greedy = "".join([c.choices[0].delta.content or "" async for c in stream])
         assert greedy
 
@@ -81,8 +92,9 @@ async def test_real_worker_resume_and_cancel(stack, bootstrap, tmp_path, tiny_mo
                     if sum(1 for _, d in first if content_of(d)) >= 5:
                         break
             cid = json.loads(first[0][1])["id"]
-            async with http.stream("GET", f"{b}/v1/chat/completions/{cid}/stream",
-                                   headers={"Last-Event-ID": first[-1][0]}) as r:
+            async with http.stream(
+                "GET", f"{b}/v1/chat/completions/{cid}/stream", headers={"Last-Event-ID": first[-1][0]}
+            ) as r:
                 rest = [e async for e in sse(r)]
         assert rest[-1][1] == "[DONE]"
         assert "".join(content_of(d) for _, d in first + rest) == greedy
@@ -124,12 +136,25 @@ async def test_a_paid_key_is_served_first_under_a_free_tier_flood(stack, bootstr
     free, paid = new_key("flood", tier="free"), new_key("vip", tier="paid")
     finished: dict[str, float] = {}
     try:
-        worker = roles.start("worker", "--model", model, "--model-path", str(tiny_model), "--step-delay", "0.03",
-                             "--max-running", "1", "--metrics-port", str(metrics_port), name="worker")
+        worker = roles.start(
+            "worker",
+            "--model",
+            model,
+            "--model-path",
+            str(tiny_model),
+            "--step-delay",
+            "0.03",
+            "--max-running",
+            "1",
+            "--metrics-port",
+            str(metrics_port),
+            name="worker",
+        )
         await asyncio.to_thread(wait_for_log, roles, worker, "worker ready")
         # the flood is meant to queue at the worker: no early 429 from the gateway's admission
-        url, _ = await asyncio.to_thread(start_gateway, roles, [model],
-                                         env={"TOKENSTREAM_GATEWAY_ADMISSION_BUDGET_S": "1000"})
+        url, _ = await asyncio.to_thread(
+            start_gateway, roles, [model], env={"TOKENSTREAM_GATEWAY_ADMISSION_BUDGET_S": "1000"}
+        )
         request = {"model": model, "messages": PROMPT, "max_tokens": 16, "cache": False}
 
         async def one(http: httpx.AsyncClient, name: str, key: str) -> None:

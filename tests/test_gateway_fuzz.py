@@ -24,7 +24,10 @@ from tests.gateway_support import FakePipeline, client, headers, start_gateway
 # raised by schemathesis's own strategies, not by this test
 # heavy (make test-all): the fuzzing took 58 s of a 20-minute make test on 2026-12-07; make test keeps
 # tests/test_gateway_hostile.py and every route's own tests
-pytestmark = [pytest.mark.filterwarnings("ignore::hypothesis.errors.HypothesisDeprecationWarning"), pytest.mark.heavy]
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::hypothesis.errors.HypothesisDeprecationWarning"),
+    pytest.mark.heavy,
+]
 EXAMPLES = int(os.environ.get("TOKENSTREAM_FUZZ_EXAMPLES", "60"))
 
 
@@ -45,14 +48,23 @@ def gateway(stack, pipeline, tmp_path_factory):
 
 
 def operations(gateway: str) -> list:
-    return [result.ok() for result in schemathesis.openapi.from_url(gateway + "/openapi.json").get_all_operations()]
+    return [
+        result.ok()
+        for result in schemathesis.openapi.from_url(gateway + "/openapi.json").get_all_operations()
+    ]
 
 
 def check(case, gateway: str, model: str) -> None:
     if isinstance(case.body, dict) and "model" in case.body and len(repr(case.body)) % 2:
         case.body["model"] = model  # half of the bodies name the served model: they go deeper
     response = case.call(base_url=gateway, headers=headers(), timeout=30)
-    assert response.status_code < 500, (case.method, case.path, case.body, response.status_code, response.text[:500])
+    assert response.status_code < 500, (
+        case.method,
+        case.path,
+        case.body,
+        response.status_code,
+        response.text[:500],
+    )
     if response.status_code >= 400:
         err = response.json()["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["message"], response.text[:500]
@@ -66,8 +78,14 @@ def fuzz(gateway: str, model: str, mode: GenerationMode) -> list[str]:
         examples = EXAMPLES // 6 if op.path.startswith(("/v1/files", "/v1/vector_stores")) else EXAMPLES
 
         @given(case=op.as_strategy(generation_mode=mode))
-        @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
-                  phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+        @settings(
+            max_examples=examples,
+            deadline=None,
+            derandomize=True,
+            database=None,
+            phases=[Phase.explicit, Phase.generate],
+            suppress_health_check=list(HealthCheck),
+        )
         def each(case):
             check(case, gateway, model)
 
@@ -82,13 +100,21 @@ def fuzz(gateway: str, model: str, mode: GenerationMode) -> list[str]:
 async def test_no_operation_answers_a_server_error(gateway, pipeline, mode):
     # in a thread: the pipeline double runs on this event loop meanwhile
     fuzzed = await asyncio.to_thread(fuzz, gateway, pipeline.model, mode)
-    assert set(fuzzed) >= {"POST /v1/chat/completions", "GET /v1/models",
-                           "GET /v1/chat/completions/{completion}/stream", "POST /v1/chat/completions/{completion}/cancel",
-                           "POST /v1/vector_stores", "POST /v1/vector_stores/{vs_id}/search", "GET /v1/files"}
+    assert set(fuzzed) >= {
+        "POST /v1/chat/completions",
+        "GET /v1/models",
+        "GET /v1/chat/completions/{completion}/stream",
+        "POST /v1/chat/completions/{completion}/cancel",
+        "POST /v1/vector_stores",
+        "POST /v1/vector_stores/{vs_id}/search",
+        "GET /v1/files",
+    }
 
 
 async def test_the_gateway_still_serves_after_the_fuzzing(gateway, pipeline):
     async with client(gateway) as http:
-        r = await http.post("/v1/chat/completions",
-                            json={"model": pipeline.model, "messages": [{"role": "user", "content": "after fuzzing"}]})
+        r = await http.post(
+            "/v1/chat/completions",
+            json={"model": pipeline.model, "messages": [{"role": "user", "content": "after fuzzing"}]},
+        )
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "after fuzzing"

@@ -32,8 +32,9 @@ async def pipeline(stack, bootstrap):
 @pytest.fixture(scope="module")
 def gateway(stack, pipeline, tmp_path_factory):
     roles = Roles(stack, tmp_path_factory.mktemp("gateway-hostile"))
-    url, _ = start_gateway(roles, [pipeline.model, "smollm2"],
-                           env={"TOKENSTREAM_GATEWAY_MAX_BODY_BYTES": str(MAX_BODY)})
+    url, _ = start_gateway(
+        roles, [pipeline.model, "smollm2"], env={"TOKENSTREAM_GATEWAY_MAX_BODY_BYTES": str(MAX_BODY)}
+    )
     yield url
     roles.stop_all()
 
@@ -69,23 +70,34 @@ async def test_body_over_the_limit_is_413_before_it_is_read(gateway, pipeline):
 
         async def chunked():  # no Content-Length: counted while reading
             for i in range(0, len(big), 16384):
-                yield big[i:i + 16384]
+                yield big[i : i + 16384]
 
-        r = await http.post("/v1/chat/completions", content=chunked(), headers={"content-type": "application/json"})
+        r = await http.post(
+            "/v1/chat/completions", content=chunked(), headers={"content-type": "application/json"}
+        )
         assert_openai_error(r, 413, "request_too_large")
     # the SDK sees a non-retryable error (413 is not in its retry list)
     with pytest.raises(openai.APIStatusError) as info:
         await openai_client(gateway).chat.completions.create(
-            model=pipeline.model, messages=[{"role": "user", "content": "y" * MAX_BODY}])
+            model=pipeline.model, messages=[{"role": "user", "content": "y" * MAX_BODY}]
+        )
     assert info.value.status_code == 413
     await served_normally(gateway, pipeline.model)
 
 
 RAW_BODIES = {
-    "lone high surrogate": (b'{"model": "M", "messages": [{"role": "user", "content": "a \\ud800 b"}]}', None),
-    "lone low surrogate in user": (b'{"model": "M", "user": "\\udc00", "messages": [{"role": "user", "content": "x"}]}',
-                                   None),
-    "invalid utf-8": (b'{"model": "M", "messages": [{"role": "user", "content": "\xff\xfe bad"}]}', "invalid_json"),
+    "lone high surrogate": (
+        b'{"model": "M", "messages": [{"role": "user", "content": "a \\ud800 b"}]}',
+        None,
+    ),
+    "lone low surrogate in user": (
+        b'{"model": "M", "user": "\\udc00", "messages": [{"role": "user", "content": "x"}]}',
+        None,
+    ),
+    "invalid utf-8": (
+        b'{"model": "M", "messages": [{"role": "user", "content": "\xff\xfe bad"}]}',
+        "invalid_json",
+    ),
     "not json": (b"model=M&messages=hi", "invalid_json"),
     "truncated": (b'{"model": "M", "messages": [{"role": "user", "content": "hel', "invalid_json"),
     "empty": (b"", None),
@@ -93,10 +105,22 @@ RAW_BODIES = {
     "json string": (b'"hello"', None),
     "null": (b"null", None),
     "deep nesting": (b'{"model": "M", "messages": ' + b"[" * 20000 + b"]" * 20000 + b"}", "invalid_json"),
-    "deep nesting in an ignored field": (b'{"model": "M", "x": ' + b'{"a":' * 500 + b"1" + b"}" * 500
-                                         + b', "messages": [{"role": "user", "content": "\\ud83d"}]}', None),
-    "nan temperature": (b'{"model": "M", "temperature": NaN, "messages": [{"role": "user", "content": "x"}]}', None),
-    "infinite top_p": (b'{"model": "M", "top_p": Infinity, "messages": [{"role": "user", "content": "x"}]}', None),
+    "deep nesting in an ignored field": (
+        b'{"model": "M", "x": '
+        + b'{"a":' * 500
+        + b"1"
+        + b"}" * 500
+        + b', "messages": [{"role": "user", "content": "\\ud83d"}]}',
+        None,
+    ),
+    "nan temperature": (
+        b'{"model": "M", "temperature": NaN, "messages": [{"role": "user", "content": "x"}]}',
+        None,
+    ),
+    "infinite top_p": (
+        b'{"model": "M", "top_p": Infinity, "messages": [{"role": "user", "content": "x"}]}',
+        None,
+    ),
     "huge integer": (b'{"model": "M", "max_tokens": 1' + b"0" * 5000 + b', "messages": []}', None),
     "messages not a list": (b'{"model": "M", "messages": {"role": "user"}}', None),
     "content a number": (b'{"model": "M", "messages": [{"role": "user", "content": 12}]}', None),
@@ -145,10 +169,13 @@ async def test_wrong_content_type_path_and_method(gateway, pipeline):
         for ctype in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
             r = await http.post("/v1/chat/completions", content=body, headers={"content-type": ctype})
             assert_openai_error(r, 400, "unsupported_content_type")
-        r = await http.post("/v1/chat/completions", content=body,
-                            headers={"content-type": "application/json; charset=utf-8"})
+        r = await http.post(
+            "/v1/chat/completions", content=body, headers={"content-type": "application/json; charset=utf-8"}
+        )
         assert r.status_code == 200, r.text
-        assert_openai_error(await http.post("/v1/chat/completion", json=chat(pipeline.model)), 404, "not_found")
+        assert_openai_error(
+            await http.post("/v1/chat/completion", json=chat(pipeline.model)), 404, "not_found"
+        )
         assert_openai_error(await http.get("/v2/models"), 404, "not_found")
         assert_openai_error(await http.put("/v1/chat/completions"), 405, "method_not_allowed")
         assert_openai_error(await http.delete("/v1/models"), 405, "method_not_allowed")
@@ -157,10 +184,14 @@ async def test_wrong_content_type_path_and_method(gateway, pipeline):
 async def test_unknown_preset_is_404_and_a_known_one_passes(gateway, pipeline):
     with pytest.raises(openai.NotFoundError) as info:
         await openai_client(gateway).chat.completions.create(
-            model=pipeline.model, messages=[{"role": "user", "content": "hi"}], extra_body={"assistant": "nope"})
+            model=pipeline.model,
+            messages=[{"role": "user", "content": "hi"}],
+            extra_body={"assistant": "nope"},
+        )
     assert info.value.code == "preset_not_found" and info.value.body["param"] == "assistant"
     done = await openai_client(gateway).chat.completions.create(
-        model=pipeline.model, messages=[{"role": "user", "content": "hi"}], extra_body={"assistant": "coder"})
+        model=pipeline.model, messages=[{"role": "user", "content": "hi"}], extra_body={"assistant": "coder"}
+    )
     assert done.choices[0].message.content == "hi"
 
 
@@ -168,22 +199,30 @@ async def test_context_limits_of_a_real_model_are_400_before_queueing(gateway, p
     sdk = openai_client(gateway)
     async with Tap(CHAT_REQUESTS) as queued:
         with pytest.raises(openai.BadRequestError) as info:
-            await sdk.chat.completions.create(model="smollm2", max_tokens=9000,
-                                              messages=[{"role": "user", "content": "hi"}])
+            await sdk.chat.completions.create(
+                model="smollm2", max_tokens=9000, messages=[{"role": "user", "content": "hi"}]
+            )
         assert info.value.body["param"] == "max_tokens" and "8192" in info.value.message
         long_text = " ".join(f"w{i}" for i in range(6000))  # about 14,000 tokens in 36 kB
         for stream in (False, True):
             with pytest.raises(openai.BadRequestError) as info:
-                await sdk.chat.completions.create(model="smollm2", stream=stream,
-                                                  messages=[{"role": "user", "content": long_text}])
+                await sdk.chat.completions.create(
+                    model="smollm2", stream=stream, messages=[{"role": "user", "content": long_text}]
+                )
             assert info.value.code == "context_length_exceeded" and "8192" in info.value.message
         # the tools the worker renders into the prompt count too: a short message with 4 long tool
         # descriptions (about 3,000 tokens each) does not fit
-        tools = [{"type": "function", "function": {"name": f"tool_{t}", "description": " ".join(
-            f"d{t}x{i}" for i in range(500))}} for t in range(4)]
+        tools = [
+            {
+                "type": "function",
+                "function": {"name": f"tool_{t}", "description": " ".join(f"d{t}x{i}" for i in range(500))},
+            }
+            for t in range(4)
+        ]
         with pytest.raises(openai.BadRequestError) as info:
-            await sdk.chat.completions.create(model="smollm2", tools=tools,
-                                              messages=[{"role": "user", "content": "hi"}])
+            await sdk.chat.completions.create(
+                model="smollm2", tools=tools, messages=[{"role": "user", "content": "hi"}]
+            )
         assert info.value.code == "context_length_exceeded" and "and the tools" in info.value.message
         # a later request reaches the topic: everything before it would have too
         await served_normally(gateway, pipeline.model)
@@ -191,10 +230,18 @@ async def test_context_limits_of_a_real_model_are_400_before_queueing(gateway, p
         assert not queued.matching(lambda e: e.model == "smollm2")
 
 
-@pytest.mark.parametrize("text", [
-    "emoji 👩‍👩‍👧‍👦 and flags 🇺🇦", "nul \u0000 and bell \u0007", "bom \ufeff rtl \u202e zwj \u200d",
-    "combining e\u0301\u0301\u0301", "private \ue000 and max \U0010ffff", "cjk 漢字 かな", "\\ud800 as plain text",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "emoji 👩‍👩‍👧‍👦 and flags 🇺🇦",
+        "nul \u0000 and bell \u0007",
+        "bom \ufeff rtl \u202e zwj \u200d",
+        "combining e\u0301\u0301\u0301",
+        "private \ue000 and max \U0010ffff",
+        "cjk 漢字 かな",
+        "\\ud800 as plain text",
+    ],
+)
 async def test_unicode_edge_cases_are_served_unchanged(gateway, pipeline, text):
     async with client(gateway) as http:
         r = await http.post("/v1/chat/completions", json=chat(pipeline.model, text))

@@ -47,8 +47,13 @@ def ask(model: str, text: str = "hello there", **extra) -> dict:
 
 
 def cli(*args: str) -> str:
-    done = subprocess.run([sys.executable, "-m", "tokenstream.cli", "keys", *args], capture_output=True,
-                          text=True, env={**os.environ, "COLUMNS": "250"}, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "tokenstream.cli", "keys", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "COLUMNS": "250"},
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout
 
@@ -67,14 +72,24 @@ async def test_every_api_route_needs_a_valid_key(gateways, pipeline):
     expired = new_key("acme", expires="2001-01-01")
     user = new_key("acme")  # not an admin
     async with httpx.AsyncClient(base_url=a, timeout=30) as http:
-        for headers in ({}, {"Authorization": "Bearer sk-ts-not-a-key"}, {"Authorization": "Basic abc"},
-                        auth_headers(revoked), auth_headers(expired)):
-            assert_invalid_key(await http.post("/v1/chat/completions", json=ask(pipeline.model), headers=headers))
+        for headers in (
+            {},
+            {"Authorization": "Bearer sk-ts-not-a-key"},
+            {"Authorization": "Basic abc"},
+            auth_headers(revoked),
+            auth_headers(expired),
+        ):
+            assert_invalid_key(
+                await http.post("/v1/chat/completions", json=ask(pipeline.model), headers=headers)
+            )
             assert_invalid_key(await http.get("/v1/models", headers=headers))
             assert_invalid_key(await http.get("/v1/chat/completions/chatcmpl-x/stream", headers=headers))
             assert_invalid_key(await http.post("/v1/chat/completions/chatcmpl-x/cancel", headers=headers))
             assert_invalid_key(await http.get("/metrics", headers=headers))
-        assert "revoked" in (await http.get("/v1/models", headers=auth_headers(revoked))).json()["error"]["message"]
+        assert (
+            "revoked"
+            in (await http.get("/v1/models", headers=auth_headers(revoked))).json()["error"]["message"]
+        )
         # the chat page and health stay open; /metrics wants an admin key
         assert (await http.get("/")).status_code == 200
         assert (await http.get("/health/live")).status_code == 200
@@ -98,8 +113,9 @@ async def test_keys_commands_create_list_revoke_and_count_usage(gateways, pipeli
     listing = cli("list")
     assert key_id in listing and "cli-tenant" in listing and "active" in listing
     async with httpx.AsyncClient(base_url=a, timeout=30) as http:
-        r = await http.post("/v1/chat/completions", json=ask(pipeline.model, "one two three"),
-                            headers=auth_headers(secret))
+        r = await http.post(
+            "/v1/chat/completions", json=ask(pipeline.model, "one two three"), headers=auth_headers(secret)
+        )
         assert r.status_code == 200
         usage = r.json()["usage"]
         deadline = time.monotonic() + 20
@@ -111,16 +127,21 @@ async def test_keys_commands_create_list_revoke_and_count_usage(gateways, pipeli
         assert cells[3:7] == ["1", str(usage["prompt_tokens"]), "0", str(usage["completion_tokens"])]
         assert "revoked" in cli("revoke", key_id)
         assert "revoked" in next(line for line in cli("list").splitlines() if key_id in line)
-        assert_invalid_key(await http.post("/v1/chat/completions", json=ask(pipeline.model),
-                                           headers=auth_headers(secret)))
+        assert_invalid_key(
+            await http.post("/v1/chat/completions", json=ask(pipeline.model), headers=auth_headers(secret))
+        )
 
 
 async def test_another_tenant_cannot_resume_or_cancel_a_stream(gateways, pipeline):
     a, b = gateways
     owner, other_tenant, same_tenant = new_key("alpha"), new_key("beta"), new_key("alpha")
     async with httpx.AsyncClient(timeout=30) as http:
-        async with http.stream("POST", f"{a}/v1/chat/completions", headers=auth_headers(owner),
-                               json=ask(pipeline.model, LONG, stream=True)) as r:
+        async with http.stream(
+            "POST",
+            f"{a}/v1/chat/completions",
+            headers=auth_headers(owner),
+            json=ask(pipeline.model, LONG, stream=True),
+        ) as r:
             assert r.status_code == 200
             seen = []
             async for event_id, data in sse(r):
@@ -129,18 +150,26 @@ async def test_another_tenant_cannot_resume_or_cancel_a_stream(gateways, pipelin
                     break
         cid = "chatcmpl-" + seen[-1].split(":")[0]
         for url in (a, b):
-            resume = await http.get(f"{url}/v1/chat/completions/{cid}/stream", headers={
-                **auth_headers(other_tenant), "Last-Event-ID": seen[-1]})
+            resume = await http.get(
+                f"{url}/v1/chat/completions/{cid}/stream",
+                headers={**auth_headers(other_tenant), "Last-Event-ID": seen[-1]},
+            )
             assert resume.status_code == 404 and resume.json()["error"]["code"] == "not_found"
-            cancel = await http.post(f"{url}/v1/chat/completions/{cid}/cancel", headers=auth_headers(other_tenant))
+            cancel = await http.post(
+                f"{url}/v1/chat/completions/{cid}/cancel", headers=auth_headers(other_tenant)
+            )
             assert cancel.status_code == 404
         # an id that never existed gets the very same answer
-        missing = await http.get(f"{b}/v1/chat/completions/chatcmpl-{'0' * 16}p0t1/stream",
-                                 headers=auth_headers(other_tenant))
+        missing = await http.get(
+            f"{b}/v1/chat/completions/chatcmpl-{'0' * 16}p0t1/stream", headers=auth_headers(other_tenant)
+        )
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
         # the owner's tenant (any of its keys) resumes on the other instance; nothing was cancelled
-        async with http.stream("GET", f"{b}/v1/chat/completions/{cid}/stream", headers={
-                **auth_headers(same_tenant), "Last-Event-ID": seen[-1]}) as r:
+        async with http.stream(
+            "GET",
+            f"{b}/v1/chat/completions/{cid}/stream",
+            headers={**auth_headers(same_tenant), "Last-Event-ID": seen[-1]},
+        ) as r:
             assert r.status_code == 200
             rest = [data async for _, data in sse(r)]
         assert rest[-1] == "[DONE]"
@@ -162,11 +191,22 @@ async def test_requests_per_minute_hold_across_two_gateways(gateways, pipeline):
     await wait_for_fresh_minute(redis.Redis.from_url(os.environ["TOKENSTREAM_REDIS_URL"]))
     async with httpx.AsyncClient(timeout=60) as http:
         # one on each instance first, then a concurrent burst over both
-        answers = [await http.post(f"{g}/v1/chat/completions", json=ask(pipeline.model, "first"),
-                                   headers=auth_headers(key)) for g in gateways]
-        answers += await asyncio.gather(*(
-            http.post(f"{gateways[i % 2]}/v1/chat/completions", json=ask(pipeline.model, f"r{i}"),
-                      headers=auth_headers(key)) for i in range(3 * n - 2)))
+        answers = [
+            await http.post(
+                f"{g}/v1/chat/completions", json=ask(pipeline.model, "first"), headers=auth_headers(key)
+            )
+            for g in gateways
+        ]
+        answers += await asyncio.gather(
+            *(
+                http.post(
+                    f"{gateways[i % 2]}/v1/chat/completions",
+                    json=ask(pipeline.model, f"r{i}"),
+                    headers=auth_headers(key),
+                )
+                for i in range(3 * n - 2)
+            )
+        )
     assert [r.status_code for r in answers[:2]] == [200, 200]
     ok = [r for r in answers if r.status_code == 200]
     limited = [r for r in answers if r.status_code == 429]
@@ -190,13 +230,23 @@ async def test_tokens_per_minute_reserve_up_front_and_reconcile_at_completion(ga
     await wait_for_fresh_minute(redis.Redis.from_url(os.environ["TOKENSTREAM_REDIS_URL"]))
     text = "[[repeat 10]] x y"  # 20 words at 50 ms: every answer is still running while the others arrive
     async with httpx.AsyncClient(timeout=60) as http:
-        answers = await asyncio.gather(*(
-            http.post(f"{gateways[i % 2]}/v1/chat/completions", headers=auth_headers(key),
-                      json=ask(pipeline.model, text, max_tokens=max_tokens)) for i in range(n)))
+        answers = await asyncio.gather(
+            *(
+                http.post(
+                    f"{gateways[i % 2]}/v1/chat/completions",
+                    headers=auth_headers(key),
+                    json=ask(pipeline.model, text, max_tokens=max_tokens),
+                )
+                for i in range(n)
+            )
+        )
         ok = [r for r in answers if r.status_code == 200]
         refused = [r for r in answers if r.status_code == 429]
-        cost = tpm - int(max(ok, key=lambda r: int(r.headers["x-ratelimit-remaining-tokens"]))
-                         .headers["x-ratelimit-remaining-tokens"])  # what the first admitted one took
+        cost = tpm - int(
+            max(ok, key=lambda r: int(r.headers["x-ratelimit-remaining-tokens"])).headers[
+                "x-ratelimit-remaining-tokens"
+            ]
+        )  # what the first admitted one took
         assert cost > max_tokens
         assert len(ok) == tpm // cost and len(refused) == n - tpm // cost
         reserved = len(ok) * cost
@@ -207,8 +257,11 @@ async def test_tokens_per_minute_reserve_up_front_and_reconcile_at_completion(ga
         assert used < cost
         deadline = time.monotonic() + 20
         while True:
-            again = await http.post(f"{gateways[0]}/v1/chat/completions", headers=auth_headers(key),
-                                    json=ask(pipeline.model, text, max_tokens=max_tokens))
+            again = await http.post(
+                f"{gateways[0]}/v1/chat/completions",
+                headers=auth_headers(key),
+                json=ask(pipeline.model, text, max_tokens=max_tokens),
+            )
             if again.status_code == 200:
                 break
             assert time.monotonic() < deadline, "reservations were never given back"
@@ -222,11 +275,18 @@ async def test_tokens_per_minute_reserve_up_front_and_reconcile_at_completion(ga
         await asyncio.sleep(0.2)
 
 
-async def open_stream(stack: contextlib.AsyncExitStack, http: httpx.AsyncClient, url: str, key: str, model: str,
-                      text: str) -> tuple[httpx.Response, str]:
+async def open_stream(
+    stack: contextlib.AsyncExitStack, http: httpx.AsyncClient, url: str, key: str, model: str, text: str
+) -> tuple[httpx.Response, str]:
     """A streamed request read by a client until `stack` closes: its response and its request id."""
-    r = await stack.enter_async_context(http.stream("POST", f"{url}/v1/chat/completions", headers=auth_headers(key),
-                                                    json=ask(model, text, stream=True)))
+    r = await stack.enter_async_context(
+        http.stream(
+            "POST",
+            f"{url}/v1/chat/completions",
+            headers=auth_headers(key),
+            json=ask(model, text, stream=True),
+        )
+    )
     assert r.status_code == 200, await r.aread()
     events = sse(r)
     event_id, _ = await anext(events)
@@ -272,7 +332,9 @@ async def test_open_requests_per_key_hold_across_two_gateways(gateways, pipeline
         assert first.headers["x-tokenstream-limit-streams"] == "2"
         _, second_rid = await open_stream(streams, http, b, key, pipeline.model, long)
         for url in (a, b):  # a third at once is refused on either instance
-            r = await http.post(f"{url}/v1/chat/completions", headers=auth_headers(key), json=ask(pipeline.model))
+            r = await http.post(
+                f"{url}/v1/chat/completions", headers=auth_headers(key), json=ask(pipeline.model)
+            )
             assert r.status_code == 429, r.text
             err = r.json()["error"]
             assert (err["type"], err["code"]) == ("rate_limit_exceeded", "too_many_concurrent_requests")
@@ -280,15 +342,22 @@ async def test_open_requests_per_key_hold_across_two_gateways(gateways, pipeline
             assert "2 requests open" in err["message"]
         # a cancel on the other instance frees the slot at once; the short requests that take it complete
         # and free it again
-        cancel = await http.post(f"{b}/v1/chat/completions/chatcmpl-{first_rid}/cancel", headers=auth_headers(key))
+        cancel = await http.post(
+            f"{b}/v1/chat/completions/chatcmpl-{first_rid}/cancel", headers=auth_headers(key)
+        )
         assert cancel.status_code == 200
         await admitted_within(http, b, key, pipeline.model, 10)
         await admitted_within(http, a, key, pipeline.model, 10)
         # a non-streamed client that leaves: its request is cancelled (no resume is possible), its slot freed
-        gone = asyncio.create_task(http.post(f"{a}/v1/chat/completions", headers=auth_headers(key),
-                                             json=ask(pipeline.model, long)))
-        gone_rid = await started_on_pipeline(pipeline, "streams-tenant", {first_rid, second_rid} | {
-            rid for rid, s in pipeline.served.items() if s.request.messages[-1].content != long})
+        gone = asyncio.create_task(
+            http.post(f"{a}/v1/chat/completions", headers=auth_headers(key), json=ask(pipeline.model, long))
+        )
+        gone_rid = await started_on_pipeline(
+            pipeline,
+            "streams-tenant",
+            {first_rid, second_rid}
+            | {rid for rid, s in pipeline.served.items() if s.request.messages[-1].content != long},
+        )
         r = await http.post(f"{b}/v1/chat/completions", headers=auth_headers(key), json=ask(pipeline.model))
         assert r.status_code == 429  # both slots held again
         gone.cancel()
@@ -305,15 +374,21 @@ async def test_a_dead_gateways_slots_lapse_with_their_lease(stack, gateways, pip
     a, _ = gateways
     roles = Roles(stack, tmp_path)
     try:
-        c, proc = start_gateway(roles, [pipeline.model], index=0, count=2,
-                                env={"TOKENSTREAM_GATEWAY_STREAM_LEASE_S": "3",
-                                     "TOKENSTREAM_GATEWAY_ADMISSION_BUDGET_S": "1000"})
+        c, proc = start_gateway(
+            roles,
+            [pipeline.model],
+            index=0,
+            count=2,
+            env={"TOKENSTREAM_GATEWAY_STREAM_LEASE_S": "3", "TOKENSTREAM_GATEWAY_ADMISSION_BUDGET_S": "1000"},
+        )
         key = new_key("lease-tenant", max_streams=1)
         async with httpx.AsyncClient(timeout=60) as http, contextlib.AsyncExitStack() as streams:
             await open_stream(streams, http, c, key, pipeline.model, "[[repeat 200]] s t")
             held_until = time.monotonic() + 8  # more than two leases: renewed while the request is open
             while time.monotonic() < held_until:
-                r = await http.post(f"{a}/v1/chat/completions", headers=auth_headers(key), json=ask(pipeline.model))
+                r = await http.post(
+                    f"{a}/v1/chat/completions", headers=auth_headers(key), json=ask(pipeline.model)
+                )
                 assert r.status_code == 429 and r.json()["error"]["code"] == "too_many_concurrent_requests"
                 await asyncio.sleep(1.0)  # the other client asks once a second while the lease is renewed
             proc.kill()  # kill -9: nobody renews or releases its slot now
@@ -335,24 +410,38 @@ async def test_usage_of_a_request_whose_client_left_is_counted_at_its_completion
     async with httpx.AsyncClient(timeout=60) as http:
         # a stream whose client leaves after two chunks: nobody resumes it within the grace period (30 s
         # here), so the pipeline finishes it with no client attached
-        async with http.stream("POST", f"{a}/v1/chat/completions", headers=auth_headers(key),
-                               json=ask(pipeline.model, text, stream=True, max_tokens=30)) as resp:
+        async with http.stream(
+            "POST",
+            f"{a}/v1/chat/completions",
+            headers=auth_headers(key),
+            json=ask(pipeline.model, text, stream=True, max_tokens=30),
+        ) as resp:
             assert resp.status_code == 200
             events = sse(resp)
             rid = (await anext(events))[0].split(":")[0]
             await anext(events)
         # a non-streamed request whose client leaves: cancelled at once, the worker's partial usage counted
-        gone = asyncio.create_task(http.post(f"{b}/v1/chat/completions", headers=auth_headers(key),
-                                             json=ask(pipeline.model, text, max_tokens=30)))
+        gone = asyncio.create_task(
+            http.post(
+                f"{b}/v1/chat/completions",
+                headers=auth_headers(key),
+                json=ask(pipeline.model, text, max_tokens=30),
+            )
+        )
         deadline = time.monotonic() + 10
-        while not [s for s in pipeline.served.values() if s.request.tenant == "left-tenant"
-                   and s.request.request_id != rid and s.first_token_at]:
+        while not [
+            s
+            for s in pipeline.served.values()
+            if s.request.tenant == "left-tenant" and s.request.request_id != rid and s.first_token_at
+        ]:
             assert time.monotonic() < deadline
             await asyncio.sleep(0.1)
         gone.cancel()
     deadline = time.monotonic() + 30
-    while not all(s.finish_reason for s in pipeline.served.values() if s.request.tenant == "left-tenant") \
-            or int((r.hget(K.usage(key_id, K.usage_day()), "requests") or b"0")) < 2:
+    while (
+        not all(s.finish_reason for s in pipeline.served.values() if s.request.tenant == "left-tenant")
+        or int((r.hget(K.usage(key_id, K.usage_day()), "requests") or b"0")) < 2
+    ):
         assert time.monotonic() < deadline, r.hgetall(K.usage(key_id, K.usage_day()))
         await asyncio.sleep(0.2)
     served = [s for s in pipeline.served.values() if s.request.tenant == "left-tenant"]

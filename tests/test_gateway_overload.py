@@ -34,9 +34,13 @@ async def fast(stack, bootstrap):
 @pytest.fixture(scope="module")
 def gateway(stack, pipeline, fast, tmp_path_factory):
     roles = Roles(stack, tmp_path_factory.mktemp("gateway-overload"))
-    env = {"TOKENSTREAM_GATEWAY_ADMISSION_BUDGET_S": "1.0", "TOKENSTREAM_GATEWAY_ADMISSION_POLL_S": "0.25",
-           "TOKENSTREAM_GATEWAY_ADMISSION_MIN_RATE": "1", "TOKENSTREAM_GATEWAY_BUFFER_EVENTS": "4",
-           "TOKENSTREAM_GATEWAY_COALESCE_CHARS": "2048"}
+    env = {
+        "TOKENSTREAM_GATEWAY_ADMISSION_BUDGET_S": "1.0",
+        "TOKENSTREAM_GATEWAY_ADMISSION_POLL_S": "0.25",
+        "TOKENSTREAM_GATEWAY_ADMISSION_MIN_RATE": "1",
+        "TOKENSTREAM_GATEWAY_BUFFER_EVENTS": "4",
+        "TOKENSTREAM_GATEWAY_COALESCE_CHARS": "2048",
+    }
     url, proc = start_gateway(roles, [pipeline.model, fast.model], env=env)
     yield url, proc
     roles.stop_all()
@@ -49,7 +53,8 @@ async def test_overload_gets_429_with_retry_after(gateway, pipeline):
     async def one(i: int):
         try:
             done = await client.chat.completions.create(
-                model=pipeline.model, messages=[{"role": "user", "content": f"{i} {WORDS}"}])
+                model=pipeline.model, messages=[{"role": "user", "content": f"{i} {WORDS}"}]
+            )
             return done.choices[0].message.content == f"{i} {WORDS}"
         except openai.RateLimitError as err:
             return err
@@ -69,16 +74,16 @@ async def test_overload_gets_429_with_retry_after(gateway, pipeline):
     # the pipeline was never handed more than it could drain: only admitted requests reached it
     assert sum(1 for r in pipeline.requests.values() if r.model == pipeline.model) == len(admitted)
     assert metric(url, "gateway_admission_rejections_total") == len(rejected)
-    assert 'gateway_admission_estimated_wait_seconds{model="' + pipeline.model in \
-        metrics_text(url)
+    assert 'gateway_admission_estimated_wait_seconds{model="' + pipeline.model in metrics_text(url)
     # memory stays flat across waves of overload (first wave warms up)
     assert max(rss[1:]) - rss[1] < 20 * 2**20, rss
 
     # once drained, requests are admitted again
     for _ in range(50):
         try:
-            done = await client.chat.completions.create(model=pipeline.model,
-                                                        messages=[{"role": "user", "content": "later"}])
+            done = await client.chat.completions.create(
+                model=pipeline.model, messages=[{"role": "user", "content": "later"}]
+            )
             assert done.choices[0].message.content == "later"
             break
         except openai.RateLimitError:
@@ -91,8 +96,14 @@ async def test_slow_client_gets_coalesced_chunks_and_partition_pauses(gateway, f
     url, proc = gateway
     block = [f"s{i}" + "x" * 200 for i in range(100)]
     words = block * 400  # 40,000 tokens, 8 MB of text: more than socket buffers absorb
-    payload = json.dumps({"model": fast.model, "stream": True, "max_tokens": 100_000, "messages": [
-        {"role": "user", "content": "[[repeat 400]] " + " ".join(block)}]}).encode()
+    payload = json.dumps(
+        {
+            "model": fast.model,
+            "stream": True,
+            "max_tokens": 100_000,
+            "messages": [{"role": "user", "content": "[[repeat 400]] " + " ".join(block)}],
+        }
+    ).encode()
     host, port = url.removeprefix("http://").split(":")
     import socket
 
@@ -101,25 +112,37 @@ async def test_slow_client_gets_coalesced_chunks_and_partition_pauses(gateway, f
     sock.connect((host, int(port)))
     sock.setblocking(False)
     reader, writer = await asyncio.open_connection(sock=sock, limit=4096)  # reads stall too
-    writer.write(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 f"Authorization: Bearer {default_key()}\r\nContent-Length: {len(payload)}\r\n"
-                 "Connection: close\r\n\r\n".encode() + payload)
+    writer.write(
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {default_key()}\r\nContent-Length: {len(payload)}\r\n"
+        "Connection: close\r\n\r\n".encode()
+        + payload
+    )
     await writer.drain()
     body = await reader.read(2048)  # headers and the first events, then stall
     rss_before = rss_bytes(proc.pid)
     # the worker double writes all its tokens meanwhile, and the gateway pauses the partition
-    await wait_for(lambda: fast.served and all(s.finish_reason for s in fast.served.values()), 60,
-                   "the worker double writing the whole answer")
+    await wait_for(
+        lambda: fast.served and all(s.finish_reason for s in fast.served.values()),
+        60,
+        "the worker double writing the whole answer",
+    )
     await wait_for(lambda: metric(url, "gateway_partition_pauses_total") >= 1, 30, "a partition pause")
     rss_stalled = rss_bytes(proc.pid)
     while chunk := await reader.read(65536):
         body += chunk
     writer.close()
     text = body.decode()
-    frames = [line[6:] for line in text.split("\r\n\r\n", 1)[1].splitlines()
-              if line.startswith("data: ") and line != "data: [DONE]"]
-    got = "".join((json.loads(f)["choices"][0]["delta"].get("content") or "") for f in frames
-                  if json.loads(f)["choices"])
+    frames = [
+        line[6:]
+        for line in text.split("\r\n\r\n", 1)[1].splitlines()
+        if line.startswith("data: ") and line != "data: [DONE]"
+    ]
+    got = "".join(
+        (json.loads(f)["choices"][0]["delta"].get("content") or "")
+        for f in frames
+        if json.loads(f)["choices"]
+    )
     assert got == " ".join(words)
     assert len(frames) < len(words) // 2, "a slow client gets coalesced chunks"
     assert metric(url, "gateway_coalesced_chunks_total") > 0

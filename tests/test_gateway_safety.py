@@ -39,16 +39,30 @@ async def test_output_verdict_cuts_the_answer_with_content_filter(gateway, pipel
     producer = await start_producer()
 
     async def cut_when_started() -> None:
-        [request] = await wait_for(lambda: [r for rid, r in pipeline.requests.items() if rid not in cut], 30,
-                                   "the request reaching the pipeline")
+        [request] = await wait_for(
+            lambda: [r for rid, r in pipeline.requests.items() if rid not in cut],
+            30,
+            "the request reaching the pipeline",
+        )
         # cut once the worker double has written past the verdict's window (seq 0..3) and a few more
-        await tokens.wait_for(lambda e: isinstance(e, TokenChunk) and e.request_id == request.request_id
-                              and e.seq >= 5, timeout=30)
+        await tokens.wait_for(
+            lambda e: isinstance(e, TokenChunk) and e.request_id == request.request_id and e.seq >= 5,
+            timeout=30,
+        )
         cut.add(request.request_id)
-        await publish(producer, TOKENS, SafetyVerdict(request_id=request.request_id, stage="output", blocked=True,
-                                                      categories=["violence"], policy_version="test",
-                                                      window_end_seq=3),
-                      partition=request.reply_partition)
+        await publish(
+            producer,
+            TOKENS,
+            SafetyVerdict(
+                request_id=request.request_id,
+                stage="output",
+                blocked=True,
+                categories=["violence"],
+                policy_version="test",
+                window_end_seq=3,
+            ),
+            partition=request.reply_partition,
+        )
 
     cut: set[str] = set(pipeline.requests)
     async with Tap(TOKENS) as tokens:
@@ -57,8 +71,9 @@ async def test_output_verdict_cuts_the_answer_with_content_filter(gateway, pipel
             messages = [{"role": "user", "content": LONG}]
             if stream:
                 text, reasons = "", []
-                async for chunk in await client.chat.completions.create(model=pipeline.model, messages=messages,
-                                                                       stream=True):
+                async for chunk in await client.chat.completions.create(
+                    model=pipeline.model, messages=messages, stream=True
+                ):
                     text += chunk.choices[0].delta.content or ""
                     if chunk.choices[0].finish_reason:
                         reasons.append(chunk.choices[0].finish_reason)

@@ -49,8 +49,13 @@ def gateways(stack, pipeline, tmp_path_factory):
 
 
 def body(model: str, text: str, **extra) -> dict:
-    return {"model": model, "messages": [{"role": "user", "content": text}], "stream": True,
-            "temperature": 0, **extra}
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": text}],
+        "stream": True,
+        "temperature": 0,
+        **extra,
+    }
 
 
 async def test_each_instance_gets_only_its_partitions(gateways, pipeline):
@@ -60,7 +65,8 @@ async def test_each_instance_gets_only_its_partitions(gateways, pipeline):
     async def one(i: int) -> tuple[int, str, str]:
         text = f"stream {i} " + " ".join(f"t{i}x{j}" for j in range(8))
         stream = await clients[i % 2].chat.completions.create(
-            model=pipeline.model, messages=[{"role": "user", "content": text}], stream=True)
+            model=pipeline.model, messages=[{"role": "user", "content": text}], stream=True
+        )
         got, cid = "", ""
         async for c in stream:
             cid = c.id
@@ -97,8 +103,9 @@ async def test_resume_on_another_instance(gateways, pipeline):
         disconnect_cancels = metric(a, "gateway_cancels_total", 'reason="client_disconnected"')
         await asyncio.sleep(0.3)  # the client comes back after a moment, within the grace period
         rest: list[tuple[str, str]] = []
-        async with http.stream("GET", f"{b}/v1/chat/completions/{cid}/stream",
-                               headers={"Last-Event-ID": last_id}) as r:
+        async with http.stream(
+            "GET", f"{b}/v1/chat/completions/{cid}/stream", headers={"Last-Event-ID": last_id}
+        ) as r:
             assert r.status_code == 200
             async for event_id, data in sse(r):
                 rest.append((event_id, data))
@@ -111,8 +118,9 @@ async def test_resume_on_another_instance(gateways, pipeline):
 
     # the same request, uninterrupted and greedy, through the SDK on instance 1
     client = openai.AsyncOpenAI(base_url=b + "/v1", api_key=default_key(), max_retries=0)
-    stream = await client.chat.completions.create(model=pipeline.model, temperature=0, stream=True,
-                                                  messages=[{"role": "user", "content": LONG}])
+    stream = await client.chat.completions.create(
+        model=pipeline.model, temperature=0, stream=True, messages=[{"role": "user", "content": LONG}]
+    )
     assert joined == "".join([c.choices[0].delta.content or "" async for c in stream])
 
     # resumed within the grace period: never cancelled, it ran to its end. A stream dropped on the same
@@ -142,16 +150,18 @@ async def dropped(url: str, model: str) -> str:
 async def test_resume_from_the_start_and_after_the_end(gateways, pipeline):
     a, b = gateways
     client = openai.AsyncOpenAI(base_url=a + "/v1", api_key=default_key(), max_retries=0)
-    done = await client.chat.completions.create(model=pipeline.model, messages=[
-        {"role": "user", "content": "alpha beta gamma"}])
+    done = await client.chat.completions.create(
+        model=pipeline.model, messages=[{"role": "user", "content": "alpha beta gamma"}]
+    )
     async with httpx.AsyncClient(timeout=30, headers=auth_headers()) as http:
         async with http.stream("GET", f"{b}/v1/chat/completions/{done.id}/stream") as r:
             events = [e async for e in sse(r)]
         assert "".join(content_of(d) for _, d in events) == "alpha beta gamma"
         assert events[-1][1] == "[DONE]"
         last = events[-1][0]
-        async with http.stream("GET", f"{a}/v1/chat/completions/{done.id}/stream",
-                               headers={"Last-Event-ID": last}) as r:
+        async with http.stream(
+            "GET", f"{a}/v1/chat/completions/{done.id}/stream", headers={"Last-Event-ID": last}
+        ) as r:
             assert [e async for e in sse(r)] == []
         bad = await http.get(f"{a}/v1/chat/completions/{done.id}/stream", headers={"Last-Event-ID": "x:1"})
         assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"

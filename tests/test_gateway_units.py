@@ -43,8 +43,15 @@ def test_request_ids_name_partition_and_time():
 
 def frames_after(last: int, include_usage: bool = True) -> list[tuple[str, str]]:
     f = Framer("rid", "m", 0, include_usage, last)
-    events = [chunk(0, "a"), chunk(1, " b"), chunk(1, " b"), chunk(2, " c"),
-              Completion(request_id="r", seq=3, finish_reason="stop", usage=Usage(prompt_tokens=1, completion_tokens=3))]
+    events = [
+        chunk(0, "a"),
+        chunk(1, " b"),
+        chunk(1, " b"),
+        chunk(2, " c"),
+        Completion(
+            request_id="r", seq=3, finish_reason="stop", usage=Usage(prompt_tokens=1, completion_tokens=3)
+        ),
+    ]
     out = f.start() + f.frames(events[:2]) + f.frames(events[2:])
     return [(e.id, e.data) for e in out]
 
@@ -89,10 +96,21 @@ async def test_parallel_screening_holds_the_answer_until_the_input_verdict():
     from schemas import REFUSAL, SafetyVerdict
 
     passed = SafetyVerdict(request_id="r", stage="input", blocked=False)
-    out = await _drain(held_until_screened(_events([chunk(0, "a"), chunk(1, "b")], [passed, chunk(2, "c")],
-                                                   [Completion(request_id="r", seq=3, finish_reason="stop")])))
-    assert [(type(e).__name__, e.seq) for e in out] == [("TokenChunk", 0), ("TokenChunk", 1), ("TokenChunk", 2),
-                                                        ("Completion", 3)]
+    out = await _drain(
+        held_until_screened(
+            _events(
+                [chunk(0, "a"), chunk(1, "b")],
+                [passed, chunk(2, "c")],
+                [Completion(request_id="r", seq=3, finish_reason="stop")],
+            )
+        )
+    )
+    assert [(type(e).__name__, e.seq) for e in out] == [
+        ("TokenChunk", 0),
+        ("TokenChunk", 1),
+        ("TokenChunk", 2),
+        ("Completion", 3),
+    ]
 
     blocked = SafetyVerdict(request_id="r", stage="input", blocked=True, categories=["violence"])
     out = await _drain(held_until_screened(_events([chunk(0, "harm")], [chunk(1, "ful"), blocked, chunk(2)])))

@@ -48,6 +48,7 @@ def clock() -> Clock:
 
 # ---------------------------------------------------------------- the breaker
 
+
 def test_the_breaker_pauses_a_quarter_second_doubling_to_two_and_closes_on_success():
     c = clock()
     b = Breaker(clock=c)
@@ -66,6 +67,7 @@ def test_the_breaker_pauses_a_quarter_second_doubling_to_two_and_closes_on_succe
 
 # ---------------------------------------------------------------- ingestion's retries
 
+
 def retry(c: Clock, reachable: list[bool], attempts: int = 3, outage_s: float = 30.0) -> IndexRetry:
     answers = iter(reachable)
 
@@ -83,6 +85,7 @@ def failing(times: int, result: str = "indexed"):
         if len(calls) <= times:
             raise ConnectionError(f"try {len(calls)}")
         return result
+
     return work, calls
 
 
@@ -119,6 +122,7 @@ async def test_a_failure_of_the_file_itself_is_raised_at_once():
 
     async def work():
         raise ValueError("too large")
+
     with pytest.raises(ValueError):
         await retry(c, []).run(work)
     assert c.slept == []
@@ -136,6 +140,7 @@ async def test_the_outage_state_is_visible_while_the_event_is_held():
 
 # ---------------------------------------------------------------- Weaviate away, for real sockets
 
+
 def closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -150,6 +155,7 @@ class Silent:
 
         async def hold(reader, writer) -> None:
             self.held.append(writer)
+
         self.server = await asyncio.start_server(hold, "127.0.0.1", 0)
         self.port = self.server.sockets[0].getsockname()[1]
         return self
@@ -185,7 +191,9 @@ async def test_a_semantic_lookup_without_weaviate_is_a_miss_within_its_timeout_t
             assert not cache.breaker.up
             hit, again = await timed(cache.lookup("t", "m", "", [0.1] * 384))  # the breaker is open: no try
             assert hit is None and again < 0.05, again
-            entry = Entry(chunks=["a"], finish_reason="stop", prompt_tokens=1, completion_tokens=1, request_id="r")
+            entry = Entry(
+                chunks=["a"], finish_reason="stop", prompt_tokens=1, completion_tokens=1, request_id="r"
+            )
             _, took = await timed(cache.store("t", "m", "", "q", [0.1] * 384, entry=entry))
             assert took < STORE_TIMEOUT_S + 1.0, took  # skipped, refused, or given up on: never a hang
             unavailable = cache.metrics.cache.labels("semantic", "unavailable")._value.get()  # noqa: SLF001
@@ -211,8 +219,9 @@ async def test_file_search_without_weaviate_is_a_clear_tool_error_within_its_tim
         tool_settings.cache_clear()
         try:
             tool = FileSearch()
-            call = ToolCall(request_id="r", call_id="c", tenant="t", conversation_id="", name="file_search",
-                            arguments="")
+            call = ToolCall(
+                request_id="r", call_id="c", tenant="t", conversation_id="", name="file_search", arguments=""
+            )
             args = {"query": "ferry", "vector_store_ids": ["vs_1"]}
             started = time.monotonic()
             with pytest.raises(ToolUnavailable, match=r"Weaviate\) is unavailable") as caught:
@@ -241,18 +250,30 @@ async def test_a_tool_unavailable_result_names_the_dependency():
         async def run(self, call, args) -> Outcome:
             raise ToolUnavailable("the file index (Weaviate) is unavailable", "weaviate")
 
-    call = ToolCall(request_id="r", call_id="c", tenant="t", conversation_id="", name="file_search", arguments="{}")
+    call = ToolCall(
+        request_id="r", call_id="c", tenant="t", conversation_id="", name="file_search", arguments="{}"
+    )
     result = await run_tool(Away(), call, 5)
     assert not result.ok and result.meta == {"unavailable": "weaviate"} and "unavailable" in result.error
 
 
 # ---------------------------------------------------------------- the worker's readiness rules
 
+
 def worker_health(c: Clock, *, has_work: bool = False) -> tuple[WorkerHealth, Standing]:
     h = WorkerHealth(WorkerConfig(broker_stale_s=5.0, stuck_s=30.0), clock=c)
     h.engine = SimpleNamespace(has_work=has_work, running=[1, 2], queued=3)
-    s = Standing("worker.m", "worker-host-1", clock=c, answered_at=c.now, member=True, partitions=4, members=3,
-                 state="Stable", topic_partitions=12)
+    s = Standing(
+        "worker.m",
+        "worker-host-1",
+        clock=c,
+        answered_at=c.now,
+        member=True,
+        partitions=4,
+        members=3,
+        state="Stable",
+        topic_partitions=12,
+    )
     return h, s
 
 
@@ -323,6 +344,7 @@ def test_a_worker_whose_engine_made_no_step_with_work_in_it_is_neither_ready_nor
 
 # ---------------------------------------------------------------- the health server
 
+
 def test_the_health_server_answers_ready_live_and_metrics():
     from prometheus_client import CollectorRegistry, Counter
 
@@ -353,6 +375,8 @@ def test_the_health_server_answers_ready_live_and_metrics():
 def test_system_status_shows_why_and_what_is_degraded():
     from tokenstream.ops.probe import describe
 
-    assert describe({"detail": ["broker: no answer for 7 s"], "degraded": ["weaviate: no answer"]}) == \
-        "broker: no answer for 7 s; degraded: weaviate: no answer"
+    assert (
+        describe({"detail": ["broker: no answer for 7 s"], "degraded": ["weaviate: no answer"]})
+        == "broker: no answer for 7 s; degraded: weaviate: no answer"
+    )
     assert describe({"ready": True}) == ""

@@ -45,7 +45,9 @@ def build(folder: Path) -> list[dict]:
         out.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": gen["name"]}, "data": data})
     for patch in spec.get("patches", []):  # merge patches (RFC 7386) of resources chosen by kind and name
         for doc in (d for d in yaml.safe_load_all((folder / patch["path"]).read_text()) if d):
-            [target] = [r for r in out if _selected(r, {"kind": doc["kind"], "name": doc["metadata"]["name"]})]
+            [target] = [
+                r for r in out if _selected(r, {"kind": doc["kind"], "name": doc["metadata"]["name"]})
+            ]
             _merge(target, doc)
     for rule in spec.get("replacements", []):
         replace(out, rule)
@@ -104,8 +106,11 @@ def test_every_manifest_validates_against_its_schema(folder):
 
 
 def test_a_broken_manifest_is_caught():
-    [deployment] = [r for r in build(K8S / "base") if r["metadata"]["name"] == "worker-smollm2"
-                    and r["kind"] == "Deployment"]
+    [deployment] = [
+        r
+        for r in build(K8S / "base")
+        if r["metadata"]["name"] == "worker-smollm2" and r["kind"] == "Deployment"
+    ]
     deployment["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]["port"] = ["metrics"]
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(deployment, KUBERNETES_VERSION, strict=True)
@@ -119,27 +124,64 @@ def test_the_kafka_topics_are_what_the_registry_generates():
     env_free = os.environ.get("TOKENSTREAM_AUDIT_RETENTION_DAYS") is None
     assert env_free, "the committed resources use the default audit retention"
     assert (K8S / "base" / "kafkatopics.yaml").read_text() == to_yaml(
-        strimzi_topics(all_topics(["smollm2"]), "tokenstream", 3))
+        strimzi_topics(all_topics(["smollm2"]), "tokenstream", 3)
+    )
     assert (K8S / "overlays" / "canary" / "kafkatopic-smollm2-v2.yaml").read_text() == to_yaml(
-        strimzi_topics([inference_topic("smollm2-v2")], "tokenstream", 3))
-    out = subprocess.run([sys.executable, "-m", "tokenstream.cli", "topics", "export", "--format", "strimzi",
-                          "--model", "smollm2"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+        strimzi_topics([inference_topic("smollm2-v2")], "tokenstream", 3)
+    )
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tokenstream.cli",
+            "topics",
+            "export",
+            "--format",
+            "strimzi",
+            "--model",
+            "smollm2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert out.returncode == 0 and out.stdout == (K8S / "base" / "kafkatopics.yaml").read_text()
 
 
 def test_the_kafka_users_are_what_the_registry_generates():
     assert (K8S / "base" / "kafkausers.yaml").read_text() == to_yaml(
-        strimzi_users(all_topics(["smollm2"]), "tokenstream"), "strimzi-users")
-    out = subprocess.run([sys.executable, "-m", "tokenstream.cli", "topics", "export", "--format", "strimzi-users",
-                          "--model", "smollm2"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+        strimzi_users(all_topics(["smollm2"]), "tokenstream"), "strimzi-users"
+    )
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tokenstream.cli",
+            "topics",
+            "export",
+            "--format",
+            "strimzi-users",
+            "--model",
+            "smollm2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert out.returncode == 0 and out.stdout == (K8S / "base" / "kafkausers.yaml").read_text()
     # The canary's users: those of both models whose grants differ from the base's.
     base = {u["metadata"]["name"]: u for u in strimzi_users(all_topics(["smollm2"]), "tokenstream")}
     both = strimzi_users(all_topics(["smollm2", "smollm2-v2"]), "tokenstream")
     assert (K8S / "overlays" / "canary" / "kafkausers-smollm2-v2.yaml").read_text() == to_yaml(
-        [u for u in both if base[u["metadata"]["name"]] != u], "strimzi-users")
-    [canary_worker] = [r for r in build(K8S / "overlays" / "canary")
-                       if r["kind"] == "KafkaUser" and r["metadata"]["name"] == "worker"]
+        [u for u in both if base[u["metadata"]["name"]] != u], "strimzi-users"
+    )
+    [canary_worker] = [
+        r
+        for r in build(K8S / "overlays" / "canary")
+        if r["kind"] == "KafkaUser" and r["metadata"]["name"] == "worker"
+    ]
     names = {acl["resource"]["name"] for acl in canary_worker["spec"]["authorization"]["acls"]}
     assert {"ts.inference.smollm2", "ts.inference.smollm2-v2", "worker.smollm2-v2"} <= names
 
@@ -150,15 +192,22 @@ def test_the_regions_users_are_what_the_registry_generates():
     base = {u["metadata"]["name"]: u for u in strimzi_users(all_topics(["smollm2"]), "tokenstream", peers=())}
     region = strimzi_users(all_topics(["smollm2"]), "tokenstream", peers=("us",))
     assert (folder / "kafkauser-mirror.yaml").read_text() == to_yaml(
-        [u for u in region if u["metadata"]["name"] not in base], "strimzi-users")
+        [u for u in region if u["metadata"]["name"] not in base], "strimzi-users"
+    )
     assert (folder / "kafkausers-region.yaml").read_text() == to_yaml(
-        [u for u in region if u["metadata"]["name"] in base and base[u["metadata"]["name"]] != u], "strimzi-users")
-    [config] = [r for r in build(folder) if r["kind"] == "ConfigMap" and r["metadata"]["name"] == "tokenstream-config"]
-    assert config["data"]["TOKENSTREAM_REGION"] == "eu" and set(json.loads(config["data"]["TOKENSTREAM_REGIONS"])) == {
-        "eu", "us"}
+        [u for u in region if u["metadata"]["name"] in base and base[u["metadata"]["name"]] != u],
+        "strimzi-users",
+    )
+    [config] = [
+        r for r in build(folder) if r["kind"] == "ConfigMap" and r["metadata"]["name"] == "tokenstream-config"
+    ]
+    assert config["data"]["TOKENSTREAM_REGION"] == "eu" and set(
+        json.loads(config["data"]["TOKENSTREAM_REGIONS"])
+    ) == {"eu", "us"}
     [mirror] = [r for r in build(folder) if r["kind"] == "KafkaMirrorMaker2"]
-    assert [(m["sourceCluster"], m["targetCluster"], m["topicsPattern"]) for m in mirror["spec"]["mirrors"]] == [
-        ("us", "eu", "ts\\.key\\.homes")]  # the registry's mirrored topic, nothing else
+    assert [
+        (m["sourceCluster"], m["targetCluster"], m["topicsPattern"]) for m in mirror["spec"]["mirrors"]
+    ] == [("us", "eu", "ts\\.key\\.homes")]  # the registry's mirrored topic, nothing else
     assert {c["authentication"]["username"] for c in mirror["spec"]["clusters"]} == {"mirror"}
 
 
@@ -191,11 +240,18 @@ def test_each_pod_runs_as_its_roles_broker_user(folder):
         env = {e["name"]: e for e in container.get("env", [])}
         user = env["TOKENSTREAM_KAFKA_USER"]["value"]
         assert user in users, res["metadata"]["name"]
-        assert env["TOKENSTREAM_KAFKA_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": user, "key": "password"}
+        assert env["TOKENSTREAM_KAFKA_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
+            "name": user,
+            "key": "password",
+        }
         command = _role_args(container)
-        expected = {"gateway": "gateway", "worker": "worker", "tools": "tools", "route": "operator",
-                    "audit": "audit"}.get(
-            command[0], command[1] if command[0] == "processor" else None)
+        expected = {
+            "gateway": "gateway",
+            "worker": "worker",
+            "tools": "tools",
+            "route": "operator",
+            "audit": "audit",
+        }.get(command[0], command[1] if command[0] == "processor" else None)
         assert user == expected, (res["metadata"]["name"], user)
     for scaled in (r for r in resources if r["kind"] == "ScaledObject"):
         for trigger in scaled["spec"]["triggers"]:
@@ -207,9 +263,13 @@ def test_each_pod_runs_as_its_roles_broker_user(folder):
 def test_each_worker_group_scales_on_its_own_lag_within_its_partitions(folder):
     resources = build(folder)
     deployments = {r["metadata"]["name"]: r for r in resources if r["kind"] == "Deployment"}
-    topics = {r["spec"].get("topicName", r["metadata"]["name"]): r for r in resources if r["kind"] == "KafkaTopic"}
+    topics = {
+        r["spec"].get("topicName", r["metadata"]["name"]): r for r in resources if r["kind"] == "KafkaTopic"
+    }
     scaled = [r for r in resources if r["kind"] == "ScaledObject"]
-    workers = [d for d in deployments.values() if d["metadata"]["labels"]["app.kubernetes.io/component"] == "worker"]
+    workers = [
+        d for d in deployments.values() if d["metadata"]["labels"]["app.kubernetes.io/component"] == "worker"
+    ]
     assert workers and len(scaled) == len(workers)
     for obj in scaled:
         target = deployments[obj["spec"]["scaleTargetRef"]["name"]]
@@ -231,19 +291,29 @@ def test_every_role_has_probes():
 
 
 def test_workers_are_ready_only_by_their_health_and_live_unless_stuck():
-    workers = [r for r in [*build(K8S / "base"), *build(K8S / "overlays" / "canary")]
-               if r["kind"] == "Deployment" and r["metadata"]["name"].startswith("worker-")]
+    workers = [
+        r
+        for r in [*build(K8S / "base"), *build(K8S / "overlays" / "canary")]
+        if r["kind"] == "Deployment" and r["metadata"]["name"].startswith("worker-")
+    ]
     assert {w["metadata"]["name"] for w in workers} >= {"worker-smollm2", "worker-smollm2-v2"}
     for worker in workers:
         [container] = worker["spec"]["template"]["spec"]["containers"]
-        paths = {probe: container[probe]["httpGet"]["path"] for probe in
-                 ("startupProbe", "readinessProbe", "livenessProbe")}
-        assert paths == {"startupProbe": "/health/live", "readinessProbe": "/health/ready",
-                         "livenessProbe": "/health/live"}, worker["metadata"]["name"]
+        paths = {
+            probe: container[probe]["httpGet"]["path"]
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe")
+        }
+        assert paths == {
+            "startupProbe": "/health/live",
+            "readinessProbe": "/health/ready",
+            "livenessProbe": "/health/live",
+        }, worker["metadata"]["name"]
 
 
 def test_the_tool_processor_runs_with_its_group_probe_and_a_sandbox_folder():
-    [tools] = [r for r in build(K8S / "base") if r["kind"] == "Deployment" and r["metadata"]["name"] == "tools"]
+    [tools] = [
+        r for r in build(K8S / "base") if r["kind"] == "Deployment" and r["metadata"]["name"] == "tools"
+    ]
     [container] = tools["spec"]["template"]["spec"]["containers"]
     assert container["args"] == ["guard", "tools"]
     for probe in ("readinessProbe", "livenessProbe"):
@@ -274,11 +344,19 @@ def test_alerts_and_dashboard_name_metrics_that_exist():
         unknown = _used_metrics(expr) - known
         assert not unknown, f"{expr}: unknown metrics {unknown}"
     covered = " ".join(exprs)
-    for concern in ("gateway_ttft_seconds", "inter_token_latency", "consumergroup_lag", '"429"', "ts.deadletter"):
+    for concern in (
+        "gateway_ttft_seconds",
+        "inter_token_latency",
+        "consumergroup_lag",
+        '"429"',
+        "ts.deadletter",
+    ):
         assert concern in covered
 
 
-@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed: the loader above is used alone")
+@pytest.mark.skipif(
+    shutil.which("kubectl") is None, reason="kubectl not installed: the loader above is used alone"
+)
 @pytest.mark.parametrize("folder", FOLDERS, ids=lambda p: p.name)
 def test_kustomize_builds_what_the_loader_reads(folder):
     out = subprocess.run(["kubectl", "kustomize", str(folder)], capture_output=True, text=True, timeout=60)
@@ -303,15 +381,22 @@ def test_the_gateway_instance_count_is_its_replica_count(folder):
     gateway = _gateway(build(folder))
     [container] = gateway["spec"]["template"]["spec"]["containers"]
     assert not any("instance" in a for a in container.get("args", []) + container.get("command", []))
-    assert _downward(container, "TOKENSTREAM_GATEWAY_INSTANCE_INDEX") == "metadata.labels['apps.kubernetes.io/pod-index']"
-    count = re.fullmatch(r"metadata\.annotations\['([^']+)'\]",
-                         _downward(container, "TOKENSTREAM_GATEWAY_INSTANCE_COUNT")).group(1)
+    assert (
+        _downward(container, "TOKENSTREAM_GATEWAY_INSTANCE_INDEX")
+        == "metadata.labels['apps.kubernetes.io/pod-index']"
+    )
+    count = re.fullmatch(
+        r"metadata\.annotations\['([^']+)'\]", _downward(container, "TOKENSTREAM_GATEWAY_INSTANCE_COUNT")
+    ).group(1)
     assert gateway["spec"]["template"]["metadata"]["annotations"][count] == str(gateway["spec"]["replicas"])
     # what the gateway makes of those variables: pod i of n owns the partitions p % n == i
     from gateway.config import GatewaySettings
 
     n = gateway["spec"]["replicas"]
-    owned = [GatewaySettings(_env_file=None, instance_index=i, instance_count=n).owned_partitions(12) for i in range(n)]
+    owned = [
+        GatewaySettings(_env_file=None, instance_index=i, instance_count=n).owned_partitions(12)
+        for i in range(n)
+    ]
     assert sorted(p for share in owned for p in share) == list(range(12))
     with pytest.raises(ValueError, match="must be below the instance count"):  # a pod past the count
         GatewaySettings(_env_file=None, instance_index=n, instance_count=n)
@@ -322,9 +407,15 @@ def test_an_overlay_that_scales_the_gateway_scales_its_instance_count(tmp_path):
     overlay = tmp_path / "overlay"  # outside the repository: the base is referred to by a relative path
     base = yaml.safe_load((K8S / "base" / "kustomization.yaml").read_text())
     overlay.mkdir()
-    (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
-        "resources": [os.path.relpath(K8S / "base", overlay)], "replicas": [{"name": "gateway", "count": 5}],
-        "replacements": base["replacements"]}))
+    (overlay / "kustomization.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "resources": [os.path.relpath(K8S / "base", overlay)],
+                "replicas": [{"name": "gateway", "count": 5}],
+                "replacements": base["replacements"],
+            }
+        )
+    )
     out = subprocess.run(["kubectl", "kustomize", str(overlay)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     gateway = _gateway([d for d in yaml.safe_load_all(out.stdout) if d])

@@ -31,8 +31,14 @@ LAYERS = [
 ]
 ROLES = LAYERS[3]
 # What each shared package of a layer may import from its own layer (a DAG inside the layer).
-WITHIN = {"safety_model": set(), "common": set(), "topics": set(), "producers": {"topics"},
-          "tokenstream": set(), "bench": {"tokenstream"}}
+WITHIN = {
+    "safety_model": set(),
+    "common": set(),
+    "topics": set(),
+    "producers": {"topics"},
+    "tokenstream": set(),
+    "bench": {"tokenstream"},
+}
 LEVEL = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
 
 
@@ -157,8 +163,12 @@ def test_each_top_level_folder_says_its_purpose_in_its_first_docstring_line():
 
 
 def test_the_checks_catch_an_upward_import_a_role_importing_a_role_and_a_circle():
-    graph = {"common.config": {"gateway.app"}, "gateway.app": {"processors.cli"},
-             "tools.a": {"tools.b"}, "tools.b": {"tools.a"}}
+    graph = {
+        "common.config": {"gateway.app"},
+        "gateway.app": {"processors.cli"},
+        "tools.a": {"tools.b"},
+        "tools.b": {"tools.a"},
+    }
     wrong = wrong_arrows(graph)
     assert any("common.config -> gateway.app: upward" in w for w in wrong)
     assert any("gateway.app -> processors.cli: one role imports another" in w for w in wrong)

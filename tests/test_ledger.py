@@ -32,10 +32,19 @@ def _seq(*digests: str) -> list[tuple[int, str]]:
     return list(enumerate(digests))
 
 
-@pytest.mark.parametrize(("actual", "kind"), [
-    ("abcde", None), ("abcdef", None), ("abXde", "changed"), ("abde", "removed"), ("acbde", "reordered"),
-    ("abXcde", "inserted"), ("cde", "removed"), ("abc", "removed"),
-])
+@pytest.mark.parametrize(
+    ("actual", "kind"),
+    [
+        ("abcde", None),
+        ("abcdef", None),
+        ("abXde", "changed"),
+        ("abde", "removed"),
+        ("acbde", "reordered"),
+        ("abXcde", "inserted"),
+        ("cde", "removed"),
+        ("abc", "removed"),
+    ],
+)
 def test_the_first_difference_is_named_by_its_kind(actual, kind):
     found = lm.first_difference(_seq(*"abcde"), _seq(*actual))
     assert (found.split(":")[0] if found else None) == kind, found
@@ -47,9 +56,18 @@ def test_a_checkpoint_edited_or_left_out_breaks_the_chain():
     from schemas import Checkpoint
 
     def cp(first: int, digests: list[str], prev: str) -> dict:
-        c = Checkpoint(request_id="t/0", topic="t", partition=0, first_offset=first, last_offset=first + len(digests) - 1,
-                       offsets=list(range(first, first + len(digests))), record_digests=digests, prev_head=prev,
-                       head=lm.fold(prev, digests), key_id=signer.key_id)
+        c = Checkpoint(
+            request_id="t/0",
+            topic="t",
+            partition=0,
+            first_offset=first,
+            last_offset=first + len(digests) - 1,
+            offsets=list(range(first, first + len(digests))),
+            record_digests=digests,
+            prev_head=prev,
+            head=lm.fold(prev, digests),
+            key_id=signer.key_id,
+        )
         return as_dict(signer.sign(c))
 
     d = [lm.record_digest(i, b"k", str(i).encode()) for i in range(4)]
@@ -67,27 +85,46 @@ async def _write_requests(bootstrap: str, n: int) -> None:
     try:
         for i in range(n):
             tenant = "acme" if i % 2 else "globex"
-            await publish(producer, CHAT_REQUESTS, ChatRequest(
-                request_id=f"ledger-{i}", tenant=tenant, conversation_id="ledger-conv", model=MODEL,
-                messages=[ChatMessage(role="user", content=f"question {i} of {tenant}")]), key="ledger")  # one partition
+            await publish(
+                producer,
+                CHAT_REQUESTS,
+                ChatRequest(
+                    request_id=f"ledger-{i}",
+                    tenant=tenant,
+                    conversation_id="ledger-conv",
+                    model=MODEL,
+                    messages=[ChatMessage(role="user", content=f"question {i} of {tenant}")],
+                ),
+                key="ledger",
+            )  # one partition
     finally:
         await producer.stop()
 
 
 async def _copy(bootstrap: str, partition: int, records: list, name: str, change) -> None:
     """Re-produce `records` (one partition) into partition `partition` of a new topic, after `change`."""
-    await apply([TopicSpec(name, CHAT_REQUESTS.partitions, "copy", CHAT_REQUESTS.events, "a forged copy")], bootstrap)
+    await apply(
+        [TopicSpec(name, CHAT_REQUESTS.partitions, "copy", CHAT_REQUESTS.events, "a forged copy")], bootstrap
+    )
     producer = await start_producer(bootstrap)
     try:
         for r in change(list(records)):
-            await producer.send_and_wait(name, r.value, key=r.key, partition=partition, timestamp_ms=r.timestamp,
-                                         headers=list(r.headers))
+            await producer.send_and_wait(
+                name,
+                r.value,
+                key=r.key,
+                partition=partition,
+                timestamp_ms=r.timestamp,
+                headers=list(r.headers),
+            )
     finally:
         await producer.stop()
 
 
 @pytest.mark.asyncio
-async def test_verify_names_each_forgery_of_a_copy_and_the_bundle_verifies_alone(stack, bootstrap, tmp_path, unique):
+async def test_verify_names_each_forgery_of_a_copy_and_the_bundle_verifies_alone(
+    stack, bootstrap, tmp_path, unique
+):
     await apply(all_topics([MODEL]), bootstrap)
     await _write_requests(bootstrap, 12)
     signer = Signer.load()
@@ -99,7 +136,9 @@ async def test_verify_names_each_forgery_of_a_copy_and_the_bundle_verifies_alone
     ledger = await read_ledger(bootstrap)
     partition = next(p for (t, p), _ in ledger.items() if t == CHAT_REQUESTS.name)
     cps = ledger[(CHAT_REQUESTS.name, partition)]
-    records = await _records(bootstrap, CHAT_REQUESTS.name, partition, cps[0].first_offset, cps[-1].last_offset)
+    records = await _records(
+        bootstrap, CHAT_REQUESTS.name, partition, cps[0].first_offset, cps[-1].last_offset
+    )
     assert len(records) >= 2
 
     def edited(rs):
@@ -115,8 +154,11 @@ async def test_verify_names_each_forgery_of_a_copy_and_the_bundle_verifies_alone
     for kind, change in forgeries.items():
         copy = f"forged.{kind}.{unique}"
         await _copy(bootstrap, partition, records, copy, change)
-        [proof] = [p for p in await prove(bootstrap, signer.public_key, copies={CHAT_REQUESTS.name: copy})
-                   if p.partition == partition]
+        [proof] = [
+            p
+            for p in await prove(bootstrap, signer.public_key, copies={CHAT_REQUESTS.name: copy})
+            if p.partition == partition
+        ]
         assert proof.problem and proof.problem.startswith(kind), (kind, proof.problem)
     # Truncating a copy's head (DeleteRecords, as someone with broker access could): named as removed.
     copy = f"forged.truncated.{unique}"
@@ -131,8 +173,11 @@ async def test_verify_names_each_forgery_of_a_copy_and_the_bundle_verifies_alone
         await admin.delete_records({TopicPartition(copy, partition): RecordsToDelete(before_offset=1)})
     finally:
         await admin.close()
-    [proof] = [p for p in await prove(bootstrap, signer.public_key, copies={CHAT_REQUESTS.name: copy})
-               if p.partition == partition]
+    [proof] = [
+        p
+        for p in await prove(bootstrap, signer.public_key, copies={CHAT_REQUESTS.name: copy})
+        if p.partition == partition
+    ]
     assert proof.problem and proof.problem.startswith("removed"), proof.problem
 
     # The bundle: acme's records in full, globex's as digests, checked by its verify.py alone.
@@ -150,16 +195,32 @@ async def test_verify_names_each_forgery_of_a_copy_and_the_bundle_verifies_alone
     import base64
 
     i = next(i for i, r in enumerate(rows) if "value" in r and b"ledger-" in base64.b64decode(r["value"]))
-    edited = base64.b64decode(rows[i]["value"]).replace(MODEL.encode(), MODEL.upper().encode())  # a clear field
+    edited = base64.b64decode(rows[i]["value"]).replace(
+        MODEL.encode(), MODEL.upper().encode()
+    )  # a clear field
     assert edited != base64.b64decode(rows[i]["value"])
     rows[i]["value"] = base64.b64encode(edited).decode()
     (bundle / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     bad = await asyncio.to_thread(_standalone, bundle)
-    assert bad.returncode == 1 and f"changed: the record at offset {rows[i]['offset']}" in bad.stdout, bad.stdout
+    assert bad.returncode == 1 and f"changed: the record at offset {rows[i]['offset']}" in bad.stdout, (
+        bad.stdout
+    )
 
 
-PROJECT = ("tokenstream", "common", "schemas", "topics", "producers", "audit", "gateway", "processors",
-           "gpu_workers", "tools", "bench", "safety_model")
+PROJECT = (
+    "tokenstream",
+    "common",
+    "schemas",
+    "topics",
+    "producers",
+    "audit",
+    "gateway",
+    "processors",
+    "gpu_workers",
+    "tools",
+    "bench",
+    "safety_model",
+)
 
 
 def _standalone(bundle: Path) -> subprocess.CompletedProcess:
@@ -173,9 +234,15 @@ def _standalone(bundle: Path) -> subprocess.CompletedProcess:
         "    code = e.code\n"
         f"leaked = [m for m in sys.modules if m.split('.')[0] in {PROJECT!r}]\n"
         "print('project modules imported:', leaked) if leaked else None\n"
-        "sys.exit(3 if leaked else code)\n")
+        "sys.exit(3 if leaked else code)\n"
+    )
     started = time.monotonic()
-    out = subprocess.run([sys.executable, "-I", "-c", harness, str(bundle)], cwd=bundle, capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-I", "-c", harness, str(bundle)],
+        cwd=bundle,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert time.monotonic() - started < 60
     return out

@@ -35,8 +35,13 @@ from topics.registry import all_topics, co_partitioned
 
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tokenstream.cli", *args], capture_output=True, text=True,
-                          timeout=180, env={**os.environ, "COLUMNS": "220", **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "tokenstream.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "COLUMNS": "220", **(env or {})},
+    )
 
 
 def folders(root: Path) -> tuple[Path, Path, Path, Path]:
@@ -45,7 +50,10 @@ def folders(root: Path) -> tuple[Path, Path, Path, Path]:
 
 def test_targets_parse_and_the_partition_ceiling_is_refused_clearly():
     assert parse_targets(["worker=2", "safety=3", "worker:other=1"], "smollm2") == {
-        "worker": 2, "safety": 3, "worker:other": 1}
+        "worker": 2,
+        "safety": 3,
+        "worker:other": 1,
+    }
     with pytest.raises(ScaleError, match="ROLE=N"):
         parse_targets(["painter=2"], "smollm2")
     with pytest.raises(ScaleError, match="ts.inference.smollm2 has 12 partitions, so at most 12 worker"):
@@ -56,24 +64,54 @@ def test_targets_parse_and_the_partition_ceiling_is_refused_clearly():
 def test_instances_get_their_own_names_ports_and_gateway_partitions(tmp_path):
     wanted = Wanted(tmp_path / "scale.json", {"worker": 2, "gateway": 2, "router": 0})
     roles = {r.name: r for r in instances(folders(tmp_path), ["smollm2"], 8000, 9400, wanted)}
-    assert set(roles) == {"conversation", "safety", "tools", "notary", "worker", "worker-2", "gateway", "gateway-2"}
+    assert set(roles) == {
+        "conversation",
+        "safety",
+        "tools",
+        "notary",
+        "worker",
+        "worker-2",
+        "gateway",
+        "gateway-2",
+    }
     assert roles["notary"].args == ["audit", "notarize", "--follow"]
     assert roles["tools"].args == ["tools", "--health-port", "9450"]
     assert roles["tools"].probe_url == "http://127.0.0.1:9450/health/ready"
     assert roles["worker"].probe_url == "http://127.0.0.1:9400/health/ready"
     share = str(max(1, (os.cpu_count() or 1) // 2))  # two workers on this host: each half the cores
-    shared = ["--threads", share, "--no-spin-wait"]  # and threads that sleep, not spin, beside the other roles
+    shared = [
+        "--threads",
+        share,
+        "--no-spin-wait",
+    ]  # and threads that sleep, not spin, beside the other roles
     assert roles["worker"].args == ["worker", "--model", "smollm2", "--metrics-port", "9400", *shared]
     assert roles["worker-2"].args == ["worker", "--model", "smollm2", "--metrics-port", "9401", *shared]
-    one = {r.name: r for r in instances(folders(tmp_path), ["smollm2"], 8000, 9400, Wanted(tmp_path / "s.json", {}))}
-    assert "--threads" not in one["worker"].args and "--no-spin-wait" in one["worker"].args  # alone: every core
+    one = {
+        r.name: r
+        for r in instances(folders(tmp_path), ["smollm2"], 8000, 9400, Wanted(tmp_path / "s.json", {}))
+    }
+    assert (
+        "--threads" not in one["worker"].args and "--no-spin-wait" in one["worker"].args
+    )  # alone: every core
     # scaling down does not restart a survivor for its thread share (its streams would be cut); an
     # argument that matters does restart it
     assert not _changed(roles["worker"].args, one["worker"].args) and not _changed(None, one["worker"].args)
     assert _changed(roles["worker"].args, [*roles["worker"].args[:-4], "9499", *shared])
-    regional = instances(folders(tmp_path), ["smollm2"], 8000, 9400, Wanted(tmp_path / "s.json", {}), systems=2)
-    assert regional[[r.name for r in regional].index("worker")].args[-3:] == shared  # two regions share the host
-    assert roles["gateway-2"].args == ["gateway", "--port", "8001", "--instance-index", "1", "--instance-count", "2"]
+    regional = instances(
+        folders(tmp_path), ["smollm2"], 8000, 9400, Wanted(tmp_path / "s.json", {}), systems=2
+    )
+    assert (
+        regional[[r.name for r in regional].index("worker")].args[-3:] == shared
+    )  # two regions share the host
+    assert roles["gateway-2"].args == [
+        "gateway",
+        "--port",
+        "8001",
+        "--instance-index",
+        "1",
+        "--instance-count",
+        "2",
+    ]
 
 
 async def test_ops_lag_shows_a_groups_lag_per_partition(bootstrap):
@@ -87,16 +125,24 @@ async def test_ops_lag_shows_a_groups_lag_per_partition(bootstrap):
     producer = await start_producer(bootstrap)
     try:
         for i in range(7):
-            await publish(producer, spec, InferenceRequest(request_id=f"r{i}", model=model,
-                                                           messages=[ChatMessage(role="user", content="x")]),
-                          partition=2)
+            await publish(
+                producer,
+                spec,
+                InferenceRequest(
+                    request_id=f"r{i}", model=model, messages=[ChatMessage(role="user", content="x")]
+                ),
+                partition=2,
+            )
     finally:
         await producer.stop()
         await consumer.stop()
     out = await asyncio.to_thread(cli, "ops", "lag", "--model", model, "--group", group, "--interval", "0.5")
     assert out.returncode == 0, out.stderr
-    rows = [[cell.strip() for cell in line.split("│")[1:-1]] for line in out.stdout.splitlines()
-            if line.startswith("│") and spec.name in line]
+    rows = [
+        [cell.strip() for cell in line.split("│")[1:-1]]
+        for line in out.stdout.splitlines()
+        if line.startswith("│") and spec.name in line
+    ]
     # the partitions table: group, topic, partition, committed, end, lag, owner, drain/s, est. wait
     assert [group, spec.name, "2", "0", "7", "7", "-", "0.0", "stalled"] in rows, out.stdout
     assert len([r for r in rows if len(r) == 9]) == 1  # only the partition with lag is listed
@@ -106,12 +152,22 @@ def test_supervisor_scales_a_processor_restarts_it_after_a_crash_and_scales_down
     asyncio.run(apply(all_topics(["smollm2"]), stack.kafka.address))
     run_dir = tmp_path / "run"
     wanted = Wanted.load(run_dir)
-    wanted.counts = {"conversation": 0, "safety": 0, "tools": 0, "notary": 0, "worker": 0, "gateway": 0,
-                     "router": 2}
+    wanted.counts = {
+        "conversation": 0,
+        "safety": 0,
+        "tools": 0,
+        "notary": 0,
+        "worker": 0,
+        "gateway": 0,
+        "router": 2,
+    }
     wanted.save()
     said: list[str] = []
-    sup = Supervisor(run_dir, lambda: instances(folders(tmp_path), ["smollm2"], 18000, 19400, Wanted.load(run_dir)),
-                     said.append)
+    sup = Supervisor(
+        run_dir,
+        lambda: instances(folders(tmp_path), ["smollm2"], 18000, 19400, Wanted.load(run_dir)),
+        said.append,
+    )
     try:
         assert sorted(sup.reconcile(wait=True)) == ["started router", "started router-2"]
         roles = {r.name: r for r in sup.make()}
@@ -141,8 +197,11 @@ def test_supervisor_scales_a_processor_restarts_it_after_a_crash_and_scales_down
 
 
 async def test_topics_grow_grows_co_partitioned_topics_together_and_guards_keyed_state(bootstrap):
-    assert co_partitioned("ts.chat.requests") == ("ts.chat.requests", "ts.conversation.turns",
-                                                  "ts-conversation-history-changelog")
+    assert co_partitioned("ts.chat.requests") == (
+        "ts.chat.requests",
+        "ts.conversation.turns",
+        "ts-conversation-history-changelog",
+    )
     assert co_partitioned("ts.tokens") == ("ts.tokens", "ts-safety-windows-changelog")
     await apply(all_topics(["smollm2"]), bootstrap)
     refused = await asyncio.to_thread(cli, "topics", "grow", "ts.chat.requests", "--partitions", "16")
@@ -171,8 +230,16 @@ async def test_ops_probe_says_whether_this_hosts_member_holds_partitions(bootstr
         assert "holds 12 partition(s)" in ready.stdout
         elsewhere = await asyncio.to_thread(cli, "ops", "probe", "--group", group, "--host", "10.9.9.9")
         assert elsewhere.returncode == 1 and "no member" in elsewhere.stdout
-        no_redis = await asyncio.to_thread(cli, "ops", "probe", "--group", group, "--host", "127.0.0.1",
-                                           env={"TOKENSTREAM_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"})
+        no_redis = await asyncio.to_thread(
+            cli,
+            "ops",
+            "probe",
+            "--group",
+            group,
+            "--host",
+            "127.0.0.1",
+            env={"TOKENSTREAM_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"},
+        )
         assert no_redis.returncode == 1 and "Redis does not answer" in no_redis.stdout, no_redis.stdout
     finally:
         await consumer.stop()
@@ -187,8 +254,9 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 @pytest.mark.heavy  # a kill -9 / scale drill: make test-all, beside the chaos drill (test_chaos.py)
-async def test_scaling_the_worker_group_up_and_down_keeps_every_stream_intact(stack, bootstrap, tmp_path, monkeypatch,
-                                                                            tiny_model):
+async def test_scaling_the_worker_group_up_and_down_keeps_every_stream_intact(
+    stack, bootstrap, tmp_path, monkeypatch, tiny_model
+):
     """ops scale worker=2, then worker=1 while both stream: the stopped worker hands its requests over
     and every answer ends gap-free and duplicate-free (the tiny random Llama keeps it fast)."""
     import socket
@@ -201,12 +269,17 @@ async def test_scaling_the_worker_group_up_and_down_keeps_every_stream_intact(st
     monkeypatch.setenv("TOKENSTREAM_WORKER_MODEL_PATH", str(tiny_model))
     monkeypatch.setenv("TOKENSTREAM_WORKER_STEP_DELAY_S", "0.05")
     run_dir = tmp_path / "run"
-    wanted = Wanted(run_dir / "scale.json", {"conversation": 0, "safety": 0, "router": 0, "tools": 0, "notary": 0,
-                                              "gateway": 0, "worker": 2})
+    wanted = Wanted(
+        run_dir / "scale.json",
+        {"conversation": 0, "safety": 0, "router": 0, "tools": 0, "notary": 0, "gateway": 0, "worker": 2},
+    )
     wanted.save()
     port = free_port_pair()
-    sup = Supervisor(run_dir, lambda: instances(folders(tmp_path), [model], 18500, port, Wanted.load(run_dir)),
-                     lambda _m: None)
+    sup = Supervisor(
+        run_dir,
+        lambda: instances(folders(tmp_path), [model], 18500, port, Wanted.load(run_dir)),
+        lambda _m: None,
+    )
     producer = await start_producer(bootstrap)
     try:
         assert sorted(await asyncio.to_thread(sup.reconcile, True)) == ["started worker", "started worker-2"]

@@ -32,8 +32,13 @@ EXIT_AGENT_CRASHED = 70
 
 def chat_request() -> ChatRequest:
     rid = uuid.uuid4().hex[:16]
-    return ChatRequest(request_id=rid, conversation_id=f"conv-{rid}", model="smollm2", reply_partition=2,
-                       messages=[ChatMessage(role="user", content="Is anyone there?")])
+    return ChatRequest(
+        request_id=rid,
+        conversation_id=f"conv-{rid}",
+        model="smollm2",
+        reply_partition=2,
+        messages=[ChatMessage(role="user", content="Is anyone there?")],
+    )
 
 
 async def send(producer, request: ChatRequest) -> ChatRequest:
@@ -46,7 +51,9 @@ def by_id(request: ChatRequest):
 
 
 def start_conversation(roles, **env):
-    return roles.start("processor", "conversation", "--loglevel", "info", env=env, name="processor-conversation")
+    return roles.start(
+        "processor", "conversation", "--loglevel", "info", env=env, name="processor-conversation"
+    )
 
 
 async def alone_in_its_group(bootstrap: str, timeout: float = 60) -> None:
@@ -62,8 +69,9 @@ async def alone_in_its_group(bootstrap: str, timeout: float = 60) -> None:
     await admin.start()
     try:
         deadline = time.monotonic() + timeout
-        while (group := await describe(admin, processor_group("conversation"))).state != "Stable" \
-                or group.members != 1:
+        while (
+            group := await describe(admin, processor_group("conversation"))
+        ).state != "Stable" or group.members != 1:
             assert time.monotonic() < deadline, f"conversation group never settled: {group}"
             await asyncio.sleep(0.2)
     finally:
@@ -101,8 +109,10 @@ async def test_a_short_redis_outage_is_ridden_out(stack, roles):
         held_s = time.monotonic() - back
         await prepared.wait_for(by_id(after), timeout=15)
         took = time.monotonic() - back
-        assert took < 10, (f"requests after the outage were not served within 10 s: the held one "
-                           f"{held_s:.1f} s and the next {took:.1f} s after Redis was back")
+        assert took < 10, (
+            f"requests after the outage were not served within 10 s: the held one "
+            f"{held_s:.1f} s and the next {took:.1f} s after Redis was back"
+        )
     assert proc.poll() is None, roles.log(proc)[-3000:]
     assert "redis unreachable" in roles.log(proc) and "reachable again" in roles.log(proc)
 

@@ -10,8 +10,15 @@ import pytest
 
 from tokenstream.plan import Measured, plan
 
-GIVEN = Measured(tokens_per_s=100.0, output_tokens_per_s=40.0, ttft_p99_s=2.0, itl_p50_s=0.05,
-                 utilisation=0.8, streams_per_gateway=1000, source="given")
+GIVEN = Measured(
+    tokens_per_s=100.0,
+    output_tokens_per_s=40.0,
+    ttft_p99_s=2.0,
+    itl_p50_s=0.05,
+    utilisation=0.8,
+    streams_per_gateway=1000,
+    source="given",
+)
 
 
 def test_workers_follow_demand_over_capacity_with_headroom():
@@ -42,9 +49,28 @@ def test_bad_input_is_refused():
 def test_the_command_uses_the_measured_figures_and_shows_the_arithmetic():
     m = Measured.from_bench()
     assert m.tokens_per_s > m.output_tokens_per_s > 0 and 0 < m.utilisation <= 1
-    out = subprocess.run([sys.executable, "-m", "tokenstream.cli", "plan", "--rps", "10", "--prompt-tokens", "200",
-                          "--output-tokens", "150", "--ttft-slo", "5", "--price", "2.5"], capture_output=True,
-                         text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tokenstream.cli",
+            "plan",
+            "--rps",
+            "10",
+            "--prompt-tokens",
+            "200",
+            "--output-tokens",
+            "150",
+            "--ttft-slo",
+            "5",
+            "--price",
+            "2.5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "200"},
+    )
     assert out.returncode == 0, out.stderr
     expected = plan(10, 200, 150, 5, m, 0.7, 2.5)
     assert f"ceil(3,500.0 / ({m.tokens_per_s:,.1f} x {expected.utilisation:.2f}))" in out.stdout

@@ -26,7 +26,11 @@ from topics.registry import all_topics
 
 pytestmark = pytest.mark.slow
 REPLY = 4
-POISONS = [b"\xff\xfe not even text", b'{"type": "chat_request", "request_id": ', b'{"type": "no_such_event"}']
+POISONS = [
+    b"\xff\xfe not even text",
+    b'{"type": "chat_request", "request_id": ',
+    b'{"type": "no_such_event"}',
+]
 
 
 async def test_poison_on_every_input_topic_is_dead_lettered_and_the_next_event_served(stack, roles, tmp_path):
@@ -40,8 +44,15 @@ async def test_poison_on_every_input_topic_is_dead_lettered_and_the_next_event_s
     roles.start_processors()
     loaded = await asyncio.to_thread(load, "tiny", build(tmp_path / "tiny"))
     stop, ready = asyncio.Event(), asyncio.Event()
-    worker = asyncio.create_task(run_worker(WorkerConfig(model=model, worker_id="poisoned"), stop, loaded=loaded,
-                                            bootstrap=stack.kafka.address, on_ready=lambda w: ready.set()))
+    worker = asyncio.create_task(
+        run_worker(
+            WorkerConfig(model=model, worker_id="poisoned"),
+            stop,
+            loaded=loaded,
+            bootstrap=stack.kafka.address,
+            on_ready=lambda w: ready.set(),
+        )
+    )
     producer = await start_producer()
     try:
         await asyncio.wait_for(ready.wait(), 120)
@@ -57,15 +68,24 @@ async def test_poison_on_every_input_topic_is_dead_lettered_and_the_next_event_s
             key, rkey = valid.conversation_id.encode(), valid.request_id.encode()
             if tokens_topic:
                 return [(TOKENS, rkey, REPLY, "ts-conversation"), (TOKENS, rkey, REPLY, "ts-safety")]
-            return [(CHAT_REQUESTS, key, None, "ts-conversation"), (CONVERSATION_TURNS, key, None, "ts-conversation"),
-                    (PREPARED, rkey, None, "ts-safety"), (SCREENED, rkey, None, "ts-router"),
-                    (inference_topic(model), rkey, None, f"worker.{model}")]
+            return [
+                (CHAT_REQUESTS, key, None, "ts-conversation"),
+                (CONVERSATION_TURNS, key, None, "ts-conversation"),
+                (PREPARED, rkey, None, "ts-safety"),
+                (SCREENED, rkey, None, "ts-router"),
+                (inference_topic(model), rkey, None, f"worker.{model}"),
+            ]
 
         for tokens_topic in (False, True):  # the tokens topic apart: two processors read it
             valid = request(model)
             aimed = targets(valid, tokens_topic)
-            async with Tap(DEAD_LETTER) as letters, Tap(TOKENS) as tokens, Tap(PREPARED) as prepared, \
-                    Tap(SCREENED) as screened, Tap(inference_topic(model)) as routed:
+            async with (
+                Tap(DEAD_LETTER) as letters,
+                Tap(TOKENS) as tokens,
+                Tap(PREPARED) as prepared,
+                Tap(SCREENED) as screened,
+                Tap(inference_topic(model)) as routed,
+            ):
                 for name, k, partition in {(s.name, k, p) for s, k, p, _ in aimed}:
                     for poison in POISONS:
                         await (await producer.send(name, poison, key=k, partition=partition))
@@ -73,14 +93,25 @@ async def test_poison_on_every_input_topic_is_dead_lettered_and_the_next_event_s
                 try:
                     [done] = await tokens.wait_for(completion_of(valid), timeout=120)
                 except AssertionError:
-                    seen = {t.spec.name: bool(t.matching(lambda e: e.request_id == valid.request_id))
-                            for t in (prepared, screened, routed, tokens)}
-                    raise AssertionError(f"the request behind the poison never ended; seen on {seen}") from None
+                    seen = {
+                        t.spec.name: bool(t.matching(lambda e: e.request_id == valid.request_id))
+                        for t in (prepared, screened, routed, tokens)
+                    }
+                    raise AssertionError(
+                        f"the request behind the poison never ended; seen on {seen}"
+                    ) from None
                 assert done.finish_reason in ("stop", "length") and done.worker_id == "poisoned"
                 for spec, _, _, group in aimed:
-                    await letters.wait_for(lambda e, s=spec, g=group: isinstance(e, DeadLetter)
-                                           and e.source_topic == s.name and e.consumer_group == g
-                                           and e.payload in POISONS, count=len(POISONS), timeout=60)
+                    await letters.wait_for(
+                        lambda e, s=spec, g=group: (
+                            isinstance(e, DeadLetter)
+                            and e.source_topic == s.name
+                            and e.consumer_group == g
+                            and e.payload in POISONS
+                        ),
+                        count=len(POISONS),
+                        timeout=60,
+                    )
     finally:
         stop.set()
         await worker
@@ -89,9 +120,14 @@ async def test_poison_on_every_input_topic_is_dead_lettered_and_the_next_event_s
 
 def request(model: str) -> ChatRequest:
     rid = uuid.uuid4().hex[:16]
-    return ChatRequest(request_id=rid, conversation_id=f"conv-{rid}", model=model, reply_partition=REPLY,
-                       messages=[ChatMessage(role="user", content="What is the capital of France?")],
-                       sampling=SamplingParams(max_tokens=8, temperature=0))
+    return ChatRequest(
+        request_id=rid,
+        conversation_id=f"conv-{rid}",
+        model=model,
+        reply_partition=REPLY,
+        messages=[ChatMessage(role="user", content="What is the capital of France?")],
+        sampling=SamplingParams(max_tokens=8, temperature=0),
+    )
 
 
 def completion_of(req: ChatRequest):

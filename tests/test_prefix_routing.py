@@ -12,8 +12,11 @@ from processors.router.prefixes import Placement, PrefixMap, by_cache_key
 from schemas import ChatMessage, Completion, InferenceRequest, PrefixHeld, WorkerLoad, conversation_digest
 from tokenstream.stack.roles import shared_host_worker_args
 
-HISTORY = [ChatMessage(role="system", content="Be brief."), ChatMessage(role="user", content="Hi"),
-           ChatMessage(role="assistant", content="Hello!")]
+HISTORY = [
+    ChatMessage(role="system", content="Be brief."),
+    ChatMessage(role="user", content="Hi"),
+    ChatMessage(role="assistant", content="Hello!"),
+]
 
 
 def turn(messages, rid: str = "r-1", tenant: str = "acme") -> InferenceRequest:
@@ -25,8 +28,15 @@ def held(digest: str, worker: str = "w1") -> PrefixHeld:
 
 
 def load(worker: str = "w1", partitions=(2, 5), waiting: int = 0) -> WorkerLoad:
-    return WorkerLoad(request_id=f"load-{worker}", model="m", worker_id=worker, partitions=list(partitions),
-                      running=1, waiting=waiting, max_running=4)
+    return WorkerLoad(
+        request_id=f"load-{worker}",
+        model="m",
+        worker_id=worker,
+        partitions=list(partitions),
+        running=1,
+        waiting=waiting,
+        max_running=4,
+    )
 
 
 def test_the_next_turn_goes_to_a_partition_of_the_holder_and_stays_there():
@@ -48,7 +58,9 @@ def test_no_prefix_routing_without_a_fresh_unloaded_holder_of_this_tenant_and_mo
     assert prefixes.place(turn(nxt), "m", now=101.0).reason == "holder-overloaded"
     prefixes.apply(load(waiting=0), now=100.0)
     assert prefixes.place(turn(nxt), "m", now=106.0).reason == "holder-silent"  # stale
-    assert prefixes.place(turn(nxt, tenant="other"), "m", now=101.0).reason == "no-prefix"  # never across tenants
+    assert (
+        prefixes.place(turn(nxt, tenant="other"), "m", now=101.0).reason == "no-prefix"
+    )  # never across tenants
     assert prefixes.place(turn(nxt), "m-v2", now=101.0).reason == "no-prefix"  # another served model
     assert prefixes.place(turn(HISTORY[:2]), "m", now=101.0).reason == "first-turn"
     assert prefixes.place(turn(nxt), "m", now=101.0).partition in (2, 5)
@@ -104,8 +116,20 @@ async def test_each_turn_of_a_conversation_is_served_where_its_prefix_is(stack, 
         roles.start_processors()
         # two workers on this host: each its share of the cores, threads that sleep rather than spin (as
         # `system up` gives them, tokenstream.stack.roles.shared_host_worker_args)
-        workers = [roles.start("worker", "--model", model, "--model-path", str(smollm2_dir()), "--worker-id", w,
-                               *shared_host_worker_args(2), name=f"worker-{w}") for w in ("A", "B")]
+        workers = [
+            roles.start(
+                "worker",
+                "--model",
+                model,
+                "--model-path",
+                str(smollm2_dir()),
+                "--worker-id",
+                w,
+                *shared_host_worker_args(2),
+                name=f"worker-{w}",
+            )
+            for w in ("A", "B")
+        ]
         for w in workers:
             await asyncio.to_thread(wait_for_log, roles, w, "worker ready", 300)
             threads = shared_host_worker_args(2)[1]  # the torch thread's team, as torch reports it there
@@ -115,15 +139,23 @@ async def test_each_turn_of_a_conversation_is_served_where_its_prefix_is(stack, 
         conversation = f"conv-{uuid.uuid4().hex[:8]}"
         served: list[tuple[str, int, int]] = []  # (worker, cached tokens, prompt tokens) per turn
         async with Tap(TOKENS) as tap:
-            for i, question in enumerate(["Name a colour.", "Name a fruit.", "Name a city.", "Name a river.",
-                                          "Name a tree."]):
+            for i, question in enumerate(
+                ["Name a colour.", "Name a fruit.", "Name a city.", "Name a river.", "Name a tree."]
+            ):
                 done = await client.chat.completions.create(
-                    model=model, messages=[{"role": "user", "content": question}], max_tokens=12, temperature=0,
-                    extra_body={"conversation_id": conversation})
+                    model=model,
+                    messages=[{"role": "user", "content": question}],
+                    max_tokens=12,
+                    temperature=0,
+                    extra_body={"conversation_id": conversation},
+                )
                 rid = done.id.removeprefix("chatcmpl-")
-                end = (await tap.wait_for(lambda e, r=rid: isinstance(e, Completion) and e.request_id == r))[0]
-                served.append((end.worker_id, done.usage.prompt_tokens_details.cached_tokens,
-                               done.usage.prompt_tokens))
+                end = (await tap.wait_for(lambda e, r=rid: isinstance(e, Completion) and e.request_id == r))[
+                    0
+                ]
+                served.append(
+                    (end.worker_id, done.usage.prompt_tokens_details.cached_tokens, done.usage.prompt_tokens)
+                )
         workers_seen = [w for w, _, _ in served]
         assert len(set(workers_seen)) == 1, served
         assert all(cached >= prompt // 2 for _, cached, prompt in served[1:]), served

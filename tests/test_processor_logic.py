@@ -55,14 +55,24 @@ def test_an_answer_is_appended_or_the_unanswered_turn_dropped():
     assert with_answer([user("a")], done) == [user("a"), bot("hi")]
     empty = Completion(request_id="r", seq=0, finish_reason="error")
     assert with_answer([SYSTEM, user("a")], empty) == [SYSTEM]
-    assert bounded([SYSTEM, *[user(str(i)) for i in range(10)]], 3) == [SYSTEM, user("7"), user("8"), user("9")]
+    assert bounded([SYSTEM, *[user(str(i)) for i in range(10)]], 3) == [
+        SYSTEM,
+        user("7"),
+        user("8"),
+        user("9"),
+    ]
 
 
 def test_presets_set_system_prompt_and_sampling():
     presets = configured_presets()
-    messages, model, sampling = apply_preset(presets["coder"], [SYSTEM, user("sort a list")], "smollm2",
-                                             SamplingParams(temperature=1.0))
-    assert messages[0].role == "system" and "Python" in messages[0].content and messages[1:] == [user("sort a list")]
+    messages, model, sampling = apply_preset(
+        presets["coder"], [SYSTEM, user("sort a list")], "smollm2", SamplingParams(temperature=1.0)
+    )
+    assert (
+        messages[0].role == "system"
+        and "Python" in messages[0].content
+        and messages[1:] == [user("sort a list")]
+    )
     assert model == "smollm2" and sampling.temperature == 0.0 and sampling.max_tokens == 512
 
 
@@ -80,8 +90,8 @@ def test_trim_keeps_system_and_newest_turns_within_budget(count):
     kept, dropped = trim(messages, count, full // 2)
     assert count(kept) <= full // 2 and dropped > 0
     assert kept[0] == SYSTEM and kept[-1] == user("last") and kept[1].role == "user"
-    assert kept[1:] == messages[1 + dropped:]
-    assert count([SYSTEM, *messages[1 + dropped - 2:]]) > full // 2  # the cut is as late as it must be
+    assert kept[1:] == messages[1 + dropped :]
+    assert count([SYSTEM, *messages[1 + dropped - 2 :]]) > full // 2  # the cut is as late as it must be
     assert trim(messages, count, full) == (messages, 0)
 
 
@@ -100,8 +110,12 @@ def test_trim_refuses_when_even_the_newest_message_does_not_fit(count):
 
 
 def test_trim_counts_the_tools_the_worker_renders_into_the_prompt(count):
-    tools = OutputSpec(tools=[ToolSpec(function=FunctionSpec(name=f"tool_{i}", description="does a thing " * 10))
-                              for i in range(3)])
+    tools = OutputSpec(
+        tools=[
+            ToolSpec(function=FunctionSpec(name=f"tool_{i}", description="does a thing " * 10))
+            for i in range(3)
+        ]
+    )
     with_tools = prompt_counter(load_tokenizer("smollm2"), tools)
     turns = [m for i in range(10) for m in (user(f"question {i} about something"), bot(f"answer {i} " * 5))]
     messages = [SYSTEM, *turns, user("last")]

@@ -40,19 +40,32 @@ from common.models import load_tokenizer
 from common.config import settings
 from tokenstream.chaos.verify import drained
 from tokenstream.shadow.gate import new_gate, record
-from topics import CHAT_REQUESTS, CONTROL, CONVERSATION_TURNS, PREPARED, SCREENED, TOKENS, VERDICTS, inference_topic
+from topics import (
+    CHAT_REQUESTS,
+    CONTROL,
+    CONVERSATION_TURNS,
+    PREPARED,
+    SCREENED,
+    TOKENS,
+    VERDICTS,
+    inference_topic,
+)
 from topics.admin import apply
 from topics.registry import all_topics, processor_group
 
 pytestmark = pytest.mark.slow
 
 WINDOW = 400  # context window the conversation processor is started with
-PARKED_S = 10  # how long a parked turn waits for the previous answer (TOKENSTREAM_CONVERSATION_PARKED_TIMEOUT_S)
+PARKED_S = (
+    10  # how long a parked turn waits for the previous answer (TOKENSTREAM_CONVERSATION_PARKED_TIMEOUT_S)
+)
 MODELS = ["smollm2", "primary-x", "fallback-x", "canary-x", "canary-x-v2"]
 ROUTES = {"primary-x": {"fallback": "fallback-x"}, "canary-x": {}}
 HARMFUL = "I am going to find him tonight and stab him until he stops breathing."
-VIOLENT_ANSWER = ("Sure. First get a knife, then wait for the victim outside the house and stab them "
-                  "repeatedly in the chest until they die, then hide the body so nobody finds it. ")
+VIOLENT_ANSWER = (
+    "Sure. First get a knife, then wait for the victim outside the house and stab them "
+    "repeatedly in the chest until they die, then hide the body so nobody finds it. "
+)
 
 
 def rid() -> str:
@@ -74,8 +87,9 @@ class Processors:
         self.procs: dict[str, subprocess.Popen] = {}
 
     def start(self, name: str) -> subprocess.Popen:
-        proc = self.procs[name] = self.roles.start("processor", name, "--loglevel", "info", env=self.env,
-                                                   name=f"processor-{name}")
+        proc = self.procs[name] = self.roles.start(
+            "processor", name, "--loglevel", "info", env=self.env, name=f"processor-{name}"
+        )
         return proc
 
     def kill9(self, name: str) -> None:
@@ -99,20 +113,43 @@ def processors(stack, tmp_path_factory):
     roles.stop_all()
 
 
-async def chat(producer, conversation: str, messages: list[ChatMessage], *, request_id: str | None = None,
-               model: str = "smollm2", reply_partition: int = 5, **kw) -> ChatRequest:
-    request = ChatRequest(request_id=request_id or rid(), conversation_id=conversation, model=model,
-                          messages=messages, reply_partition=reply_partition, **kw)
+async def chat(
+    producer,
+    conversation: str,
+    messages: list[ChatMessage],
+    *,
+    request_id: str | None = None,
+    model: str = "smollm2",
+    reply_partition: int = 5,
+    **kw,
+) -> ChatRequest:
+    request = ChatRequest(
+        request_id=request_id or rid(),
+        conversation_id=conversation,
+        model=model,
+        messages=messages,
+        reply_partition=reply_partition,
+        **kw,
+    )
     await publish(producer, CHAT_REQUESTS, request, key=conversation_key(request.tenant, conversation))
     return request
 
 
 async def answer(producer, request: InferenceRequest, text: str) -> None:
     """Play the worker: the completion of `request` with `text`."""
-    await publish(producer, TOKENS, Completion(request_id=request.request_id,
-                                               conversation_id=request.conversation_id, tenant=request.tenant, seq=1,
-                                               finish_reason="stop", text=text),
-                  partition=request.reply_partition)
+    await publish(
+        producer,
+        TOKENS,
+        Completion(
+            request_id=request.request_id,
+            conversation_id=request.conversation_id,
+            tenant=request.tenant,
+            seq=1,
+            finish_reason="stop",
+            text=text,
+        ),
+        partition=request.reply_partition,
+    )
 
 
 def by_id(request_id: str):
@@ -135,9 +172,13 @@ async def test_third_turn_with_only_the_new_message_gets_the_full_history(proces
             # the third turn arrives before the second answer has landed: it must wait for it
             third = await chat(producer, conv, [ChatMessage(role="user", content="And a third?")])
             # a new conversation on the same partition, sent after it, is prepared once the third is parked
-            marker = await chat(producer, key_on_partition_of(conv, CHAT_REQUESTS.partitions,
-                                                              as_key=lambda c: conversation_key("default", c)),
-                                [ChatMessage(role="user", content="Name a fruit.")])
+            marker = await chat(
+                producer,
+                key_on_partition_of(
+                    conv, CHAT_REQUESTS.partitions, as_key=lambda c: conversation_key("default", c)
+                ),
+                [ChatMessage(role="user", content="Name a fruit.")],
+            )
             await prepared.wait_for(by_id(marker.request_id))
             await prepared.caught_up()
             assert prepared.matching(by_id(third.request_id)) == []
@@ -146,8 +187,13 @@ async def test_third_turn_with_only_the_new_message_gets_the_full_history(proces
         finally:
             await producer.stop()
     assert [(m.role, m.content) for m in p3.messages] == [
-        ("system", "You are terse."), ("user", "Name a colour."), ("assistant", "Blue."),
-        ("user", "Another one?"), ("assistant", "Green."), ("user", "And a third?")]
+        ("system", "You are terse."),
+        ("user", "Name a colour."),
+        ("assistant", "Blue."),
+        ("user", "Another one?"),
+        ("assistant", "Green."),
+        ("user", "And a third?"),
+    ]
     assert p3.dropped_messages == 0 and p3.conversation_id == conv and p3.reply_partition == 5
 
 
@@ -161,8 +207,10 @@ async def test_a_turn_parked_for_an_answer_that_never_comes_is_refused_at_its_de
             first = await chat(producer, conv, [ChatMessage(role="user", content="Name a colour.")])
             [p1] = await prepared.wait_for(by_id(first.request_id), timeout=90)
             second = await chat(producer, conv, [ChatMessage(role="user", content="Another one?")])
-            [done] = await tokens.wait_for(lambda e: isinstance(e, Completion) and e.request_id == second.request_id,
-                                           timeout=PARKED_S + 40)
+            [done] = await tokens.wait_for(
+                lambda e: isinstance(e, Completion) and e.request_id == second.request_id,
+                timeout=PARKED_S + 40,
+            )
             waited = time.time() - second.created_at
             assert done.finish_reason == "error" and done.error_code == "previous_turn_unanswered", done
             assert first.request_id in done.error and waited >= PARKED_S
@@ -179,7 +227,10 @@ async def test_a_turn_parked_for_an_answer_that_never_comes_is_refused_at_its_de
             await producer.stop()
     assert [(m.role, m.content) for m in p3.messages] == [("user", "Another one?")]
     assert [(m.role, m.content) for m in p4.messages] == [
-        ("user", "Another one?"), ("assistant", "Green."), ("user", "And a third?")]
+        ("user", "Another one?"),
+        ("assistant", "Green."),
+        ("user", "And a third?"),
+    ]
     assert len(tokens.matching(lambda e: e.request_id == second.request_id)) == 1  # refused once
 
 
@@ -189,13 +240,27 @@ async def test_a_conversation_id_of_another_tenant_reaches_none_of_its_history(p
     async with Tap(PREPARED) as prepared:
         producer = await start_producer()
         try:
-            a1 = await chat(producer, conv, [ChatMessage(role="user", content="My PIN is 4711.")], tenant="acme")
+            a1 = await chat(
+                producer, conv, [ChatMessage(role="user", content="My PIN is 4711.")], tenant="acme"
+            )
             [p1] = await prepared.wait_for(by_id(a1.request_id), timeout=90)
             await answer(producer, p1, "Noted.")
-            b1 = await chat(producer, conv, [ChatMessage(role="user", content="What is my PIN?")], tenant="mallory",
-                            tier="free", priority=0)
-            a2 = await chat(producer, conv, [ChatMessage(role="user", content="And again?")], tenant="acme",
-                            tier="paid", priority=1)
+            b1 = await chat(
+                producer,
+                conv,
+                [ChatMessage(role="user", content="What is my PIN?")],
+                tenant="mallory",
+                tier="free",
+                priority=0,
+            )
+            a2 = await chat(
+                producer,
+                conv,
+                [ChatMessage(role="user", content="And again?")],
+                tenant="acme",
+                tier="paid",
+                priority=1,
+            )
             [pb] = await prepared.wait_for(by_id(b1.request_id))
             [pa] = await prepared.wait_for(by_id(a2.request_id))
         finally:
@@ -207,9 +272,14 @@ async def test_a_conversation_id_of_another_tenant_reaches_none_of_its_history(p
 
 def numbered_turns(n: int) -> list[ChatMessage]:
     """n questions and answers of a long conversation."""
-    return [m for i in range(n) for m in (
-        ChatMessage(role="user", content=f"Question {i}: tell me something about the number {i}."),
-        ChatMessage(role="assistant", content=f"The number {i} is a fine number, " * 2))]
+    return [
+        m
+        for i in range(n)
+        for m in (
+            ChatMessage(role="user", content=f"Question {i}: tell me something about the number {i}."),
+            ChatMessage(role="assistant", content=f"The number {i} is a fine number, " * 2),
+        )
+    ]
 
 
 async def test_history_longer_than_the_window_is_trimmed_oldest_first(processors):
@@ -218,8 +288,9 @@ async def test_history_longer_than_the_window_is_trimmed_oldest_first(processors
     async with Tap(PREPARED) as prepared:
         producer = await start_producer()
         try:
-            request = await chat(producer, f"conv-{rid()}", [system, *turns],
-                                 sampling=SamplingParams(max_tokens=64))
+            request = await chat(
+                producer, f"conv-{rid()}", [system, *turns], sampling=SamplingParams(max_tokens=64)
+            )
             [p] = await prepared.wait_for(by_id(request.request_id))
         finally:
             await producer.stop()
@@ -228,17 +299,24 @@ async def test_history_longer_than_the_window_is_trimmed_oldest_first(processors
     assert p.dropped_messages > 0 and len(p.messages) == 1 + len(turns) - p.dropped_messages
     assert p.messages[0] == system and p.messages[-1] == turns[-1]
     assert p.messages[1].role == "user"
-    assert p.messages[1:] == turns[p.dropped_messages:]  # what is kept is the newest, unchanged
+    assert p.messages[1:] == turns[p.dropped_messages :]  # what is kept is the newest, unchanged
     # and nothing newer could have been kept: one more turn would not fit
-    assert count([system, *turns[p.dropped_messages - 2:]]) > WINDOW - 64
+    assert count([system, *turns[p.dropped_messages - 2 :]]) > WINDOW - 64
 
 
 async def test_the_tools_rendered_into_the_prompt_count_against_the_window(processors):
     """The worker writes the tools into the system message: the trimmed prompt, tools included, fits."""
-    tool = ToolSpec(function=FunctionSpec(name="look_up_order", description="Find an order by its number and "
-                                          "return its state, items, prices and delivery address. " * 3,
-                                          parameters={"type": "object", "properties": {
-                                              "order": {"type": "string", "description": "the order number"}}}))
+    tool = ToolSpec(
+        function=FunctionSpec(
+            name="look_up_order",
+            description="Find an order by its number and "
+            "return its state, items, prices and delivery address. " * 3,
+            parameters={
+                "type": "object",
+                "properties": {"order": {"type": "string", "description": "the order number"}},
+            },
+        )
+    )
     output = OutputSpec(tools=[tool], tool_choice="auto")
     system = ChatMessage(role="system", content="Answer briefly.")
     turns = [*numbered_turns(12), ChatMessage(role="user", content="Where is order 42?")]
@@ -250,30 +328,44 @@ async def test_the_tools_rendered_into_the_prompt_count_against_the_window(proce
     async with Tap(PREPARED) as prepared:
         producer = await start_producer()
         try:
-            request = await chat(producer, f"conv-{rid()}", [system, *turns], output=output,
-                                 sampling=SamplingParams(max_tokens=64))
+            request = await chat(
+                producer,
+                f"conv-{rid()}",
+                [system, *turns],
+                output=output,
+                sampling=SamplingParams(max_tokens=64),
+            )
             [p] = await prepared.wait_for(by_id(request.request_id))
         finally:
             await producer.stop()
     assert p.output == output and p.messages[-1] == turns[-1]
     assert with_tools(p.messages) <= budget  # exactly what the worker will feed the model
     assert p.dropped_messages > dropped_if_uncounted
-    assert with_tools([system, *turns[p.dropped_messages - 2:]]) > budget  # and not a turn more than needed
+    assert with_tools([system, *turns[p.dropped_messages - 2 :]]) > budget  # and not a turn more than needed
 
 
 async def test_what_cannot_fit_the_window_is_refused_as_the_clients_fault(processors):
     """Refusals name their reason (error_code) so that the gateway answers 4xx, not a retryable 5xx."""
     too_long = ChatMessage(role="user", content=" ".join(f"w{i}" for i in range(WINDOW)))
     cases = {
-        "context_length_exceeded": [dict(messages=[too_long]),
-                                    dict(messages=[ChatMessage(role="user", content="hi")],
-                                         sampling=SamplingParams(max_tokens=WINDOW + 1))],
-        "preset_not_found": [dict(messages=[ChatMessage(role="user", content="hi")], assistant="no-such-preset")],
+        "context_length_exceeded": [
+            dict(messages=[too_long]),
+            dict(
+                messages=[ChatMessage(role="user", content="hi")],
+                sampling=SamplingParams(max_tokens=WINDOW + 1),
+            ),
+        ],
+        "preset_not_found": [
+            dict(messages=[ChatMessage(role="user", content="hi")], assistant="no-such-preset")
+        ],
     }
     async with Tap(TOKENS) as tokens, Tap(PREPARED) as prepared:
         producer = await start_producer()
         try:
-            sent = {code: [await chat(producer, f"conv-{rid()}", **kw) for kw in kws] for code, kws in cases.items()}
+            sent = {
+                code: [await chat(producer, f"conv-{rid()}", **kw) for kw in kws]
+                for code, kws in cases.items()
+            }
             fine = await chat(producer, f"conv-{rid()}", [ChatMessage(role="user", content="hi")])
             for code, requests in sent.items():
                 for request in requests:
@@ -281,7 +373,9 @@ async def test_what_cannot_fit_the_window_is_refused_as_the_clients_fault(proces
                     assert (done.finish_reason, done.error_code) == ("error", code), done
                     assert tokens.matching(by_id(request.request_id)) == [done]
             await prepared.wait_for(by_id(fine.request_id))  # the next request is served
-            await prepared.caught_up()  # (a refused request prepared anyway would have been before its refusal)
+            await (
+                prepared.caught_up()
+            )  # (a refused request prepared anyway would have been before its refusal)
         finally:
             await producer.stop()
     refused = {r.request_id for rs in sent.values() for r in rs}
@@ -290,10 +384,20 @@ async def test_what_cannot_fit_the_window_is_refused_as_the_clients_fault(proces
 
 async def test_blocked_input_never_reaches_the_worker_topic(processors):
     worker_topic = inference_topic("smollm2")
-    bad = InferenceRequest(request_id=rid(), conversation_id="c-bad", model="smollm2", reply_partition=7,
-                           messages=[ChatMessage(role="user", content=HARMFUL)])
-    good = InferenceRequest(request_id=rid(), conversation_id="c-good", model="smollm2", reply_partition=7,
-                            messages=[ChatMessage(role="user", content="What is the capital of France?")])
+    bad = InferenceRequest(
+        request_id=rid(),
+        conversation_id="c-bad",
+        model="smollm2",
+        reply_partition=7,
+        messages=[ChatMessage(role="user", content=HARMFUL)],
+    )
+    good = InferenceRequest(
+        request_id=rid(),
+        conversation_id="c-good",
+        model="smollm2",
+        reply_partition=7,
+        messages=[ChatMessage(role="user", content="What is the capital of France?")],
+    )
     async with Tap(worker_topic) as inference, Tap(VERDICTS) as verdicts, Tap(TOKENS) as tokens:
         producer = await start_producer()
         try:
@@ -301,13 +405,21 @@ async def test_blocked_input_never_reaches_the_worker_topic(processors):
             await publish(producer, PREPARED, good)
             # a harmless request on bad's partition of every topic on the way, sent after it: once it is
             # routed, the safety processor and the router have both handled bad
-            marker = InferenceRequest(request_id=key_on_partition_of(bad.request_id, PREPARED.partitions),
-                                      conversation_id="c-marker", model="smollm2", reply_partition=7,
-                                      messages=[ChatMessage(role="user", content="Name a fruit.")])
+            marker = InferenceRequest(
+                request_id=key_on_partition_of(bad.request_id, PREPARED.partitions),
+                conversation_id="c-marker",
+                model="smollm2",
+                reply_partition=7,
+                messages=[ChatMessage(role="user", content="Name a fruit.")],
+            )
             await publish(producer, PREPARED, marker)
             [routed] = await inference.wait_for(by_id(good.request_id), timeout=90)
-            [done] = await tokens.wait_for(lambda e: e.request_id == bad.request_id and isinstance(e, Completion))
-            [verdict] = await verdicts.wait_for(lambda e: e.request_id == bad.request_id and e.stage == "input")
+            [done] = await tokens.wait_for(
+                lambda e: e.request_id == bad.request_id and isinstance(e, Completion)
+            )
+            [verdict] = await verdicts.wait_for(
+                lambda e: e.request_id == bad.request_id and e.stage == "input"
+            )
             await inference.wait_for(by_id(marker.request_id))
         finally:
             await producer.stop()
@@ -329,20 +441,42 @@ async def test_streamed_output_is_cut_with_a_verdict_in_band_and_a_cancel(proces
         producer = await start_producer()
         try:
             words = VIOLENT_ANSWER.split(" ")
-            calm = ("Paris is the capital of France and is known for its museums, cafes and parks. " * 2).split(" ")
+            calm = (
+                "Paris is the capital of France and is known for its museums, cafes and parks. " * 2
+            ).split(" ")
             for seq in range(40):
-                await publish(producer, TOKENS, TokenChunk(request_id=bad, seq=seq, text=words[seq % len(words)] + " ",
-                                                           token_ids=[1]), partition=4, wait=False)
-                await publish(producer, TOKENS, TokenChunk(request_id=good, seq=seq, text=calm[seq % len(calm)] + " ",
-                                                           token_ids=[1]), partition=4, wait=False)
+                await publish(
+                    producer,
+                    TOKENS,
+                    TokenChunk(request_id=bad, seq=seq, text=words[seq % len(words)] + " ", token_ids=[1]),
+                    partition=4,
+                    wait=False,
+                )
+                await publish(
+                    producer,
+                    TOKENS,
+                    TokenChunk(request_id=good, seq=seq, text=calm[seq % len(calm)] + " ", token_ids=[1]),
+                    partition=4,
+                    wait=False,
+                )
             await producer.flush()
-            [cut] = await tokens.wait_for(lambda e: isinstance(e, SafetyVerdict) and e.request_id == bad, timeout=90)
+            [cut] = await tokens.wait_for(
+                lambda e: isinstance(e, SafetyVerdict) and e.request_id == bad, timeout=90
+            )
             [cancel] = await control.wait_for(by_id(bad))
-            await publish(producer, TOKENS, Completion(request_id=good, seq=40, finish_reason="stop"), partition=4)
+            await publish(
+                producer, TOKENS, Completion(request_id=good, seq=40, finish_reason="stop"), partition=4
+            )
             # a short answer after it on the same partition: once it is judged, good's end was too
-            await publish(producer, TOKENS, TokenChunk(request_id=marker, seq=0, text="Fine.", token_ids=[1]),
-                          partition=4)
-            await publish(producer, TOKENS, Completion(request_id=marker, seq=1, finish_reason="stop"), partition=4)
+            await publish(
+                producer,
+                TOKENS,
+                TokenChunk(request_id=marker, seq=0, text="Fine.", token_ids=[1]),
+                partition=4,
+            )
+            await publish(
+                producer, TOKENS, Completion(request_id=marker, seq=1, finish_reason="stop"), partition=4
+            )
             await verdicts.wait_for(lambda e: e.request_id == marker and e.stage == "output")
             await tokens.caught_up()
         finally:
@@ -362,28 +496,42 @@ async def test_router_overflows_to_the_fallback_while_the_primary_lags(processor
         # a backlog on the primary: 40 requests its (absent) workers have not taken
         ends = {}
         for i in range(40):
-            meta = await publish(producer, primary, InferenceRequest(request_id=rid(), model="primary-x", messages=[]))
+            meta = await publish(
+                producer, primary, InferenceRequest(request_id=rid(), model="primary-x", messages=[])
+            )
             ends.setdefault(meta.partition, meta.offset)
-        await commit_offsets(bootstrap, "worker.primary-x",
-                             {TopicPartition(primary.name, p): o for p, o in ends.items()})
+        await commit_offsets(
+            bootstrap, "worker.primary-x", {TopicPartition(primary.name, p): o for p, o in ends.items()}
+        )
         fallback_topic = inference_topic("fallback-x").name
         async with Tap(inference_topic("fallback-x")) as fallback, Tap(primary) as direct:
             await first_routed(producer, fallback, "primary-x")  # the router has sampled the backlog
             # the fallback's workers take what it was sent (its own wait stays within the budget: 2 s
             # at 1 request/s, so at most two requests the router may not have seen taken yet)
             await commit_offsets(bootstrap, "worker.fallback-x", None, topic=fallback_topic)
-            request = InferenceRequest(request_id=rid(), model="primary-x", reply_partition=1, priority=2,
-                                       messages=[ChatMessage(role="user", content="hello")])
+            request = InferenceRequest(
+                request_id=rid(),
+                model="primary-x",
+                reply_partition=1,
+                priority=2,
+                messages=[ChatMessage(role="user", content="hello")],
+            )
             await publish(producer, SCREENED, request)
             [moved] = await fallback.wait_for(by_id(request.request_id), timeout=30)
             await commit_offsets(bootstrap, "worker.fallback-x", None, topic=fallback_topic)
             # the next request on its partition is routed too: nothing of it went to the primary before
-            marker = InferenceRequest(request_id=key_on_partition_of(request.request_id, SCREENED.partitions),
-                                      model="primary-x", messages=[], priority=2)
+            marker = InferenceRequest(
+                request_id=key_on_partition_of(request.request_id, SCREENED.partitions),
+                model="primary-x",
+                messages=[],
+                priority=2,
+            )
             await publish(producer, SCREENED, marker)
             # wherever it went (a loaded suite has taken over 30 s here once): then it must be the fallback
             deadline = time.monotonic() + 90
-            while not (fallback.matching(by_id(marker.request_id)) or direct.matching(by_id(marker.request_id))):
+            while not (
+                fallback.matching(by_id(marker.request_id)) or direct.matching(by_id(marker.request_id))
+            ):
                 assert time.monotonic() < deadline, "the marker was routed nowhere within 90 s"
                 await asyncio.sleep(0.1)
             assert fallback.matching(by_id(marker.request_id)), "the marker went to the primary"
@@ -409,16 +557,20 @@ async def first_routed(producer, to: Tap, model: str, timeout: float = 30) -> In
             [routed] = await to.wait_for(by_id(probe.request_id), timeout=1.0)
             return routed
         except AssertionError:
-            assert time.monotonic() < deadline, f"no request for {model} routed to {to.spec.name} in {timeout} s"
+            assert time.monotonic() < deadline, (
+                f"no request for {model} routed to {to.spec.name} in {timeout} s"
+            )
 
 
-async def commit_offsets(bootstrap: str, group: str, offsets: dict[TopicPartition, int] | None,
-                         topic: str | None = None) -> None:
+async def commit_offsets(
+    bootstrap: str, group: str, offsets: dict[TopicPartition, int] | None, topic: str | None = None
+) -> None:
     """Commit `offsets` for `group` (None: the end of every partition of `topic`), as its workers would."""
     from aiokafka import AIOKafkaConsumer
 
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, **kafka_auth.client_options(),
-                                group_id=group, enable_auto_commit=False)
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap, **kafka_auth.client_options(), group_id=group, enable_auto_commit=False
+    )
     await consumer.start()
     try:
         if offsets is None:
@@ -432,6 +584,7 @@ async def commit_offsets(bootstrap: str, group: str, offsets: dict[TopicPartitio
 
 async def where_is(request_ids: set[str]) -> dict[str, list[str]]:
     """For a failure message: the pipeline topics each request reached."""
+
     async def read(spec):
         async with Tap(spec, from_beginning=True) as tap:
             await tap.caught_up(timeout=60)
@@ -454,25 +607,38 @@ async def flushed(producer, prepared: Tap, screened: Tap | None = None, routed: 
     record) was written before its markers came out: when this returns, the taps hold it."""
     tag = rid()
     hello = [ChatMessage(role="user", content="Name a fruit.")]
-    convs = one_key_per_partition(CHAT_REQUESTS.partitions, f"conv-flush-{tag}-",
-                                  as_key=lambda c: conversation_key("default", c))
+    convs = one_key_per_partition(
+        CHAT_REQUESTS.partitions, f"conv-flush-{tag}-", as_key=lambda c: conversation_key("default", c)
+    )
     sent = [await chat(producer, conv, hello) for conv in convs]
-    await prepared.wait_for(lambda e: e.request_id in {r.request_id for r in sent}, count=len(sent), timeout=90)
+    await prepared.wait_for(
+        lambda e: e.request_id in {r.request_id for r in sent}, count=len(sent), timeout=90
+    )
     await prepared.caught_up()
     for spec, tap in ((PREPARED, screened), (SCREENED, routed)):
         if tap is None:
             return
         ids = one_key_per_partition(spec.partitions, f"flush-{spec.name}-{tag}-")
         for request_id in ids:
-            await publish(producer, spec, InferenceRequest(request_id=request_id, conversation_id="c-flush",
-                                                           model="smollm2", messages=hello))
+            await publish(
+                producer,
+                spec,
+                InferenceRequest(
+                    request_id=request_id, conversation_id="c-flush", model="smollm2", messages=hello
+                ),
+            )
         await tap.wait_for(lambda e: e.request_id in set(ids), count=len(ids), timeout=90)
         await tap.caught_up()
 
 
 def route_cli(*args: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "tokenstream.cli", "route", *args], capture_output=True,
-                         text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
+    out = subprocess.run(
+        [sys.executable, "-m", "tokenstream.cli", "route", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "200"},
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     return out.stdout
 
@@ -483,15 +649,33 @@ async def test_canary_weights_change_at_run_time_and_roll_back(processors):
 
     def updates() -> int:  # the router logs each route update it applies
         return processors.roles.log(router).count("route canary-x: weights")
+
     canary_route = ("set", "canary-x", "-w", "canary-x=0.9", "-w", "canary-x-v2=0.1")
     # a canary needs a passed shadow gate (`tokenstream shadow`, tests/test_shadow.py): refused without one,
     # then set once the gate an evaluation records is on ts.shadow.gates
-    refused = subprocess.run([sys.executable, "-m", "tokenstream.cli", "route", *canary_route], capture_output=True,
-                             text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
-    assert refused.returncode == 1 and "canary-x-v2 has no shadow evaluation" in refused.stdout, refused.stdout
-    await record(settings().kafka_bootstrap, new_gate(candidate="canary-x-v2", served="canary-x", since=0.0,
-                                                      until=1.0, requests=1, figures={"agreement": 1.0},
-                                                      require=["agreement>=0.9"], passed=True))
+    refused = subprocess.run(
+        [sys.executable, "-m", "tokenstream.cli", "route", *canary_route],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+    assert refused.returncode == 1 and "canary-x-v2 has no shadow evaluation" in refused.stdout, (
+        refused.stdout
+    )
+    await record(
+        settings().kafka_bootstrap,
+        new_gate(
+            candidate="canary-x-v2",
+            served="canary-x",
+            since=0.0,
+            until=1.0,
+            requests=1,
+            figures={"agreement": 1.0},
+            require=["agreement>=0.9"],
+            passed=True,
+        ),
+    )
     applied = updates()
     assert "canary-x-v2 10%" in route_cli(*canary_route)
     await wait_for(lambda: updates() > applied, 30, "the router applying the canary weights")
@@ -501,8 +685,12 @@ async def test_canary_weights_change_at_run_time_and_roll_back(processors):
         async with Tap(stable) as to_stable, Tap(canary) as to_canary:
             ids = {rid() for _ in range(n)}
             for request_id in ids:
-                await publish(producer, SCREENED, InferenceRequest(request_id=request_id, model="canary-x",
-                                                                   messages=[]), wait=False)
+                await publish(
+                    producer,
+                    SCREENED,
+                    InferenceRequest(request_id=request_id, model="canary-x", messages=[]),
+                    wait=False,
+                )
             await producer.flush()
             deadline = time.monotonic() + 60
             while len(to_stable.events) + len(to_canary.events) < n and time.monotonic() < deadline:
@@ -518,8 +706,12 @@ async def test_canary_weights_change_at_run_time_and_roll_back(processors):
         async with Tap(stable) as to_stable, Tap(canary) as to_canary:
             later = {rid() for _ in range(50)}
             for request_id in later:
-                await publish(producer, SCREENED, InferenceRequest(request_id=request_id, model="canary-x",
-                                                                   messages=[]), wait=False)
+                await publish(
+                    producer,
+                    SCREENED,
+                    InferenceRequest(request_id=request_id, model="canary-x", messages=[]),
+                    wait=False,
+                )
             await producer.flush()
             await to_stable.wait_for(lambda e: e.request_id in later, count=50)
             await to_canary.caught_up()
@@ -546,8 +738,12 @@ async def test_a_member_joining_and_one_leaving_under_load_loses_and_repeats_not
         while not stop.is_set():
             request_id = rid()
             ids.append(request_id)
-            await chat(producer, f"conv-scale-{request_id}", [ChatMessage(role="user", content="Hi.")],
-                       request_id=request_id)
+            await chat(
+                producer,
+                f"conv-scale-{request_id}",
+                [ChatMessage(role="user", content="Hi.")],
+                request_id=request_id,
+            )
             for p in prepared.matching(lambda e: e.request_id in set(ids) and e.request_id not in answered):
                 answered.add(p.request_id)
                 await answer(producer, p, "Hello.")
@@ -595,12 +791,20 @@ async def kill_drill(processors, n: int, kills: dict[int, str]) -> None:
     (A stage killed between an output's acknowledgement and its ledger record may write that output
     twice, processors.effects; the next stage's ledger drops it, so only the end is checked.)"""
     ids = [rid() for _ in range(n)]
-    async with Tap(inference_topic("smollm2")) as inference, Tap(PREPARED) as prepared, Tap(SCREENED) as screened:
+    async with (
+        Tap(inference_topic("smollm2")) as inference,
+        Tap(PREPARED) as prepared,
+        Tap(SCREENED) as screened,
+    ):
         producer = await start_producer()
         try:
             for i, request_id in enumerate(ids):
-                await chat(producer, f"conv-kill-{request_id}", [ChatMessage(role="user", content=f"Say {i}.")],
-                           request_id=request_id)
+                await chat(
+                    producer,
+                    f"conv-kill-{request_id}",
+                    [ChatMessage(role="user", content=f"Say {i}.")],
+                    request_id=request_id,
+                )
                 if i in kills:
                     processors.kill9(kills[i])
                     processors.start(kills[i])
@@ -610,7 +814,9 @@ async def kill_drill(processors, n: int, kills: dict[int, str]) -> None:
             except AssertionError:
                 missing = set(ids) - {e.request_id for e, _ in inference.events}
                 raise AssertionError(f"lost {missing}: {await where_is(missing)}") from None
-            await flushed(producer, prepared, screened, inference)  # anything written twice is in the taps now
+            await flushed(
+                producer, prepared, screened, inference
+            )  # anything written twice is in the taps now
         finally:
             await producer.stop()
         seen = [e.request_id for e, _ in inference.events if e.request_id in set(ids)]

@@ -30,10 +30,20 @@ def test_each_local_region_gets_its_own_ports_folder_and_the_others_urls(tmp_pat
     for field in ("gateway_port", "worker_metrics_port", "weaviate_http_port", "cache_redis_url"):
         assert getattr(eu, field) != getattr(us, field), field
     regions.record(names, base)  # each region's roles know how many regions share the host
-    assert regions.recorded(base) == regions.recorded(us) == names and regions.recorded(Settings(data_dir=us.data_dir)) == []
+    assert (
+        regions.recorded(base) == regions.recorded(us) == names
+        and regions.recorded(Settings(data_dir=us.data_dir)) == []
+    )
     env = regions.environment(us)  # what a role started as region us reads back
-    assert Settings(**{k.removeprefix("TOKENSTREAM_").lower(): json.loads(v) if v[:1] in "[{" else v
-                       for k, v in env.items()}).regions == us.regions
+    assert (
+        Settings(
+            **{
+                k.removeprefix("TOKENSTREAM_").lower(): json.loads(v) if v[:1] in "[{" else v
+                for k, v in env.items()
+            }
+        ).regions
+        == us.regions
+    )
 
 
 @pytest.mark.parametrize("bad", ["eu", "eu,eu", "EU,us", "eu,u s", ""])
@@ -44,8 +54,10 @@ def test_regions_are_two_or_more_distinct_short_names(bad):
 
 def test_mirrormaker_copies_the_mirrored_topics_both_ways_and_names_no_password(tmp_path):
     folders = (tmp_path / "data", tmp_path / "run", tmp_path / "logs", tmp_path / "cache")
-    clusters = {r: Kafka(*(f / r for f in folders[:3]), folders[3], port=p, controller_port=p + 1)
-                for r, p in (("eu", 9092), ("us", 9192))}
+    clusters = {
+        r: Kafka(*(f / r for f in folders[:3]), folders[3], port=p, controller_port=p + 1)
+        for r, p in (("eu", 9092), ("us", 9192))
+    }
     mirror = MirrorMaker(*folders, clusters=clusters, topics=tuple(s.name for s in REGISTRY if s.mirrored))
     mirror.data_dir.mkdir(parents=True)
     mirror.prepare()
@@ -62,7 +74,9 @@ def test_mirrormaker_copies_the_mirrored_topics_both_ways_and_names_no_password(
 
 def test_the_gateway_alone_reads_the_other_regions_copies_of_the_key_homes():
     specs = all_topics(["smollm2"])
-    copies = {(g.user, g.operation) for g in grants(specs, peers=("us", "ap")) if g.name.endswith(".ts.key.homes")}
+    copies = {
+        (g.user, g.operation) for g in grants(specs, peers=("us", "ap")) if g.name.endswith(".ts.key.homes")
+    }
     assert copies == {(Role.GATEWAY.value, op) for op in ("read", "describe")}
     names = {g.name for g in grants(specs, peers=("us", "ap")) if g.name.endswith(".ts.key.homes")}
     assert names == {mirror_of(KEY_HOMES, "us"), mirror_of(KEY_HOMES, "ap")}
@@ -75,7 +89,9 @@ def test_mirrormaker_is_a_user_of_its_own_with_what_it_needs_only_where_there_ar
     specs = all_topics(["smollm2"])
     assert MIRROR not in users(peers=()) and MIRROR in users(peers=("us",))
     assert not [g for g in grants(specs, peers=()) if g.user == MIRROR]
-    mine = {(g.resource, g.name, g.operation, g.pattern) for g in grants(specs, peers=("us",)) if g.user == MIRROR}
+    mine = {
+        (g.resource, g.name, g.operation, g.pattern) for g in grants(specs, peers=("us",)) if g.user == MIRROR
+    }
     assert ("topic", KEY_HOMES.name, "read", "literal") in mine  # the source of eu's copies elsewhere
     assert ("topic", KEY_HOMES.name, "write", "literal") not in mine  # the gateways alone write it
     assert ("topic", "us.", "alter_configs", "prefixed") in mine  # us's copies here, their configs in step
@@ -92,6 +108,7 @@ def test_the_key_is_found_by_its_digest_whatever_the_scheme_is_spelt():
 
 
 # ---------------------------------------------------------------- the home-region middleware, in process
+
 
 class _Homes:
     def __init__(self, homes: dict[str, str]) -> None:
@@ -124,10 +141,21 @@ async def _us(scope, receive, send):
         if not message.get("more_body"):
             break
     headers = dict(scope["headers"])
-    await send({"type": "http.response.start", "status": 201, "headers": [(b"content-type", b"text/event-stream")]})
+    await send(
+        {"type": "http.response.start", "status": 201, "headers": [(b"content-type", b"text/event-stream")]}
+    )
     await send({"type": "http.response.body", "body": b"data: " + body + b"\n\n", "more_body": True})
-    await send({"type": "http.response.body", "body": b"via: " + headers.get(b"x-tokenstream-via", b"-")
-                + b" path: " + scope["path"].encode() + b"?" + scope["query_string"]})
+    await send(
+        {
+            "type": "http.response.body",
+            "body": b"via: "
+            + headers.get(b"x-tokenstream-via", b"-")
+            + b" path: "
+            + scope["path"].encode()
+            + b"?"
+            + scope["query_string"],
+        }
+    )
 
 
 async def test_a_key_at_home_elsewhere_is_proxied_there_refused_or_passed_through():
@@ -136,14 +164,22 @@ async def test_a_key_at_home_elsewhere_is_proxied_there_refused_or_passed_throug
     from gateway.home_region import HomeRegion
 
     home_us, home_ap, mine = K.new_secret(), K.new_secret(), K.new_secret()
-    gw = _gateway({K.digest(home_us): "us", K.digest(home_ap): "ap", K.digest(mine): "eu"},
-                  {"eu": "http://eu.test", "us": "http://us.test"})
+    gw = _gateway(
+        {K.digest(home_us): "us", K.digest(home_ap): "ap", K.digest(mine): "eu"},
+        {"eu": "http://eu.test", "us": "http://us.test"},
+    )
     middleware = HomeRegion(_local, gw)
     middleware.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=_us))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=middleware), base_url="http://eu.test") as http:
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=middleware), base_url="http://eu.test"
+    ) as http:
+
         def call(secret, **kw):
-            return http.post("/v1/chat/completions?x=1", content=b'{"q":1}',
-                             headers={"Authorization": f"Bearer {secret}", **kw.pop("headers", {})})
+            return http.post(
+                "/v1/chat/completions?x=1",
+                content=b'{"q":1}',
+                headers={"Authorization": f"Bearer {secret}", **kw.pop("headers", {})},
+            )
 
         proxied = await call(home_us)
         assert proxied.status_code == 201 and proxied.headers["x-tokenstream-region"] == "us"
@@ -157,7 +193,9 @@ async def test_a_key_at_home_elsewhere_is_proxied_there_refused_or_passed_throug
         assert looped.status_code == 421
     gw.regions["us"] = "http://127.0.0.1:9"  # nothing listens there
     middleware = HomeRegion(_local, gw, connect_timeout_s=1)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=middleware), base_url="http://eu.test") as http:
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=middleware), base_url="http://eu.test"
+    ) as http:
         down = await http.get("/v1/models", headers={"Authorization": f"Bearer {home_us}"})
     assert down.status_code == 503 and down.json()["error"]["code"] == "region_unreachable"
     assert down.headers["retry-after"] == "5"

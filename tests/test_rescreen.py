@@ -59,33 +59,57 @@ async def write_run(bootstrap: str, classifier: SafetyClassifier, tenant: str) -
         for text, verdict in zip(TEXTS, live, strict=True):
             rid = new_request_id(2, time.time())
             ids = dict(request_id=rid, conversation_id=rid, tenant=tenant)
-            await publish(producer, PREPARED, InferenceRequest(**ids, model="m", reply_partition=2,
-                                                               messages=[ChatMessage(role="user", content=text)]))
-            await publish(producer, VERDICTS, SafetyVerdict(**ids, stage="input", blocked=verdict.blocked,
-                                                            categories=verdict.categories, scores=verdict.scores,
-                                                            policy_version=verdict.policy_version))
+            await publish(
+                producer,
+                PREPARED,
+                InferenceRequest(
+                    **ids, model="m", reply_partition=2, messages=[ChatMessage(role="user", content=text)]
+                ),
+            )
+            await publish(
+                producer,
+                VERDICTS,
+                SafetyVerdict(
+                    **ids,
+                    stage="input",
+                    blocked=verdict.blocked,
+                    categories=verdict.categories,
+                    scores=verdict.scores,
+                    policy_version=verdict.policy_version,
+                ),
+            )
             if not verdict.blocked:
                 await publish(producer, TOKENS, TokenChunk(**ids, seq=0, text=ANSWER), partition=2)
-                await publish(producer, TOKENS, Completion(**ids, seq=1, finish_reason="stop", text=ANSWER),
-                              partition=2)
+                await publish(
+                    producer, TOKENS, Completion(**ids, seq=1, finish_reason="stop", text=ANSWER), partition=2
+                )
             rids.append(rid)
     finally:
         await producer.stop()
     return rids
 
 
-async def test_rescreen_reports_the_differences_and_leaves_live_verdicts_alone(stack, bootstrap, classifier, tmp_path):
+async def test_rescreen_reports_the_differences_and_leaves_live_verdicts_alone(
+    stack, bootstrap, classifier, tmp_path
+):
     await apply(all_topics(["m"]), bootstrap)
     tenant = "t-" + uuid.uuid4().hex[:6]
     since = int(time.time() * 1000) - 1
     rids = await write_run(bootstrap, classifier, tenant)
     until = int(time.time() * 1000) + 1
-    strict = Policy(version="test-strict-1", thresholds={}, default_threshold=0.05,
-                    categories=classifier.policy.categories)
+    strict = Policy(
+        version="test-strict-1",
+        thresholds={},
+        default_threshold=0.05,
+        categories=classifier.policy.categories,
+    )
     strict_clf = classifier.with_policy(strict)
     live, new = classifier.judge(TEXTS), strict_clf.judge(TEXTS)
-    expected_inputs = {rid: set(n.categories) for rid, lv, n in zip(rids, live, new, strict=True)
-                       if n.blocked and not lv.blocked}
+    expected_inputs = {
+        rid: set(n.categories)
+        for rid, lv, n in zip(rids, live, new, strict=True)
+        if n.blocked and not lv.blocked
+    }
     assert expected_inputs, "the test policy must block something the live one allowed"
     answered = [rid for rid, lv in zip(rids, live, strict=True) if not lv.blocked]
     answer_blocked = strict_clf.judge([ANSWER])[0].blocked
@@ -116,7 +140,9 @@ async def test_rescreen_reports_the_differences_and_leaves_live_verdicts_alone(s
     outputs = report.stages["output"]
     assert outputs.judged == len(answered) and outputs.blocked_now == (len(answered) if answer_blocked else 0)
     assert {e.policy_version for e in mine} == {"test-strict-1"}
-    assert {(e.request_id, e.stage) for e in mine} == {(r, "input") for r in rids} | {(r, "output") for r in answered}
+    assert {(e.request_id, e.stage) for e in mine} == {(r, "input") for r in rids} | {
+        (r, "output") for r in answered
+    }
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, **kafka_auth.client_options())
     await admin.start()
     try:
@@ -134,14 +160,50 @@ async def test_the_rescreen_command_prints_what_would_change(stack, bootstrap, c
     await write_run(bootstrap, classifier, tenant)
     policies = tmp_path / "policies.json"
     policies.write_text(json.dumps({"test-strict": {"version": "test-strict-2", "threshold": 0.05}}))
-    out = await asyncio.to_thread(subprocess.run, [
-        sys.executable, "-m", "tokenstream.cli", "audit", "rescreen", "--policy", "test-strict", "--policies",
-        str(policies), "--since", since, "--tenant", tenant, "--horizon", "20"],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "200"})
+    out = await asyncio.to_thread(
+        subprocess.run,
+        [
+            sys.executable,
+            "-m",
+            "tokenstream.cli",
+            "audit",
+            "rescreen",
+            "--policy",
+            "test-strict",
+            "--policies",
+            str(policies),
+            "--since",
+            since,
+            "--tenant",
+            tenant,
+            "--horizon",
+            "20",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "COLUMNS": "200"},
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert f"rescreen of {len(TEXTS)} request(s) under test-strict (test-strict-2)" in out.stdout
     assert "newly blocked" in out.stdout and "ts-audit-rescreen.test-strict" in out.stdout
-    unknown = await asyncio.to_thread(subprocess.run, [
-        sys.executable, "-m", "tokenstream.cli", "audit", "rescreen", "--policy", "nope", "--policies",
-        str(policies), "--since", since], capture_output=True, text=True, timeout=120)
+    unknown = await asyncio.to_thread(
+        subprocess.run,
+        [
+            sys.executable,
+            "-m",
+            "tokenstream.cli",
+            "audit",
+            "rescreen",
+            "--policy",
+            "nope",
+            "--policies",
+            str(policies),
+            "--since",
+            since,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert unknown.returncode == 2 and "no safety policy 'nope'" in unknown.stdout + unknown.stderr

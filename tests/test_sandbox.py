@@ -14,18 +14,26 @@ from tools.sandbox import folder_name
 REPO = Path(__file__).resolve().parents[1]
 
 
-LIBC = ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
-        "def check(rc):\n    if rc != 0: raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))\n")
+LIBC = (
+    "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+    "def check(rc):\n    if rc != 0: raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))\n"
+)
 
 
-def _cases(kafka_port: int, redis_port: int, victim_folder: Path, processor_pid: int) -> dict[str, tuple[str, str]]:
+def _cases(
+    kafka_port: int, redis_port: int, victim_folder: Path, processor_pid: int
+) -> dict[str, tuple[str, str]]:
     """name -> (code, text the error or output must contain)."""
     return {
         "dns": ("import socket; socket.getaddrinfo('example.com', 80)", "gaierror"),
-        "tcp_loopback": (f"import socket; socket.create_connection(('127.0.0.1', {redis_port}), timeout=2)",
-                         "ConnectionRefusedError"),
-        "tcp_kafka": (f"import socket; socket.create_connection(('127.0.0.1', {kafka_port}), timeout=2)",
-                      "ConnectionRefusedError"),
+        "tcp_loopback": (
+            f"import socket; socket.create_connection(('127.0.0.1', {redis_port}), timeout=2)",
+            "ConnectionRefusedError",
+        ),
+        "tcp_kafka": (
+            f"import socket; socket.create_connection(('127.0.0.1', {kafka_port}), timeout=2)",
+            "ConnectionRefusedError",
+        ),
         "etc_shadow": ("open('/etc/shadow').read()", "FileNotFoundError"),
         "other_conversation": (f"open('{victim_folder}/secret.txt').read()", "FileNotFoundError"),
         "project_files": (f"open('{REPO}/pyproject.toml').read()", "FileNotFoundError"),
@@ -36,28 +44,35 @@ def _cases(kafka_port: int, redis_port: int, victim_folder: Path, processor_pid:
         "infinite_loop": ("while True: pass", "limit"),  # CPU (SIGXCPU), or wall-clock on a loaded machine
         "huge_output": ("while True: print('x' * 1000)", "output limit exceeded"),
         "file_size_bomb": ("open('big', 'wb').write(b'x' * (4 << 20))", "File too large"),
-        "ptrace": ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
-                   f"rc = libc.ptrace(16, {processor_pid}, 0, 0)\n"
-                   "if rc != 0: raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))",
-                   "Operation not permitted"),  # seccomp; without it the pid namespace: "No such process"
+        "ptrace": (
+            "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            f"rc = libc.ptrace(16, {processor_pid}, 0, 0)\n"
+            "if rc != 0: raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))",
+            "Operation not permitted",
+        ),  # seccomp; without it the pid namespace: "No such process"
         "kill_processor": (f"import os; os.kill({processor_pid}, 9)", "ProcessLookupError"),
         "kill_parent": ("import os; os.kill(os.getppid(), 9); os.kill(-1, 9)", ""),
         # stopped by the seccomp filter (tools/seccomp.py); the namespaces alone allow these
         "ptrace_traceme": (LIBC + "check(libc.ptrace(0, 0, 0, 0))", "Operation not permitted"),
         "user_namespace": (LIBC + "check(libc.unshare(0x10000000))", "Operation not permitted"),
-        "io_uring": (LIBC + "p = ctypes.create_string_buffer(120)\ncheck(libc.syscall(425, 4, p))",
-                     "Operation not permitted"),
+        "io_uring": (
+            LIBC + "p = ctypes.create_string_buffer(120)\ncheck(libc.syscall(425, 4, p))",
+            "Operation not permitted",
+        ),
         # stopped by the working folder's quota (2 MiB here): many files, each under the file limit
-        "folder_quota": ("for i in range(64): open(f'part{i}', 'wb').write(b'x' * (512 << 10))",
-                         "working folder quota exceeded"),
+        "folder_quota": (
+            "for i in range(64): open(f'part{i}', 'wb').write(b'x' * (512 << 10))",
+            "working folder quota exceeded",
+        ),
     }
 
 
 @pytest.mark.timeout(600)
 async def test_escapes_are_contained_and_the_processor_keeps_serving(roles, bootstrap, stack):
     root = sandbox_root()
-    async with serving(roles, bootstrap, tools_env(root, TOKENSTREAM_TOOLS_CONCURRENCY="2",
-                                                  TOKENSTREAM_TOOLS_FOLDER_MB="2")) as (proc, bus):
+    async with serving(
+        roles, bootstrap, tools_env(root, TOKENSTREAM_TOOLS_CONCURRENCY="2", TOKENSTREAM_TOOLS_FOLDER_MB="2")
+    ) as (proc, bus):
         victim = code_call("open('secret.txt', 'w').write('s3cret')")
         await bus.send(victim)
         assert (await bus.wait([victim.call_id]))[victim.call_id].ok

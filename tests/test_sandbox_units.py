@@ -65,8 +65,14 @@ async def test_a_full_folder_refuses_the_call_before_starting_a_sandbox(tmp_path
 def test_ids_and_kinds():
     assert FILE_ID.match(new_file_id()) and VECTOR_STORE_ID.match(new_vector_store_id())
     assert new_file_id() != new_file_id()
-    assert [file_kind(n) for n in ("a.MD", "b.htm", "c.text", "d.pdf", "e.zip", "noext")] == \
-        ["md", "html", "txt", "pdf", None, None]
+    assert [file_kind(n) for n in ("a.MD", "b.htm", "c.text", "d.pdf", "e.zip", "noext")] == [
+        "md",
+        "html",
+        "txt",
+        "pdf",
+        None,
+        None,
+    ]
 
 
 def test_list_pages_follow_openai_cursors():
@@ -88,11 +94,19 @@ async def test_a_failing_runs_traceback_is_the_codes_own():
     sandbox = Sandbox(ToolSettings(sandbox_dir=sandbox_root()))
     crash = await sandbox.run("t", "conv", "x = 1\n1 / (x - 1)")
     assert crash.stderr.splitlines() == [
-        "Traceback (most recent call last):", '  File "<code>", line 2, in <module>',
-        "ZeroDivisionError: division by zero"], crash.stderr
+        "Traceback (most recent call last):",
+        '  File "<code>", line 2, in <module>',
+        "ZeroDivisionError: division by zero",
+    ], crash.stderr
     typo = await sandbox.run("t", "conv", "100 + 100 = 200")
     assert typo.stderr.startswith('  File "<code>", line 1\n') and "ast.py" not in typo.stderr, typo.stderr
     assert typo.error.startswith('File "<code>", line 1') and typo.error.endswith("instead of '='?")
-    result = ToolResult(request_id="r", call_id="c", name="code_interpreter", ok=False, error=typo.error,
-                        output=json.dumps({"stdout": typo.stdout, "stderr": typo.stderr, "value": None}))
+    result = ToolResult(
+        request_id="r",
+        call_id="c",
+        name="code_interpreter",
+        ok=False,
+        error=typo.error,
+        output=json.dumps({"stdout": typo.stdout, "stderr": typo.stderr, "value": None}),
+    )
     assert notebook_logs(result) == typo.stderr and notebook_logs(result).count("SyntaxError") == 1

@@ -16,13 +16,64 @@ from schemas.events import ALL_EVENTS
 from schemas.sealing import SealingUnavailable
 
 # Text-bearing fields left in clear on purpose: ids, names, model and routing facts, verdicts, offsets.
-METADATA = {"request_id", "conversation_id", "tenant", "model", "assistant", "gateway_id", "screening", "tier",
-            "cache_key", "cached_from", "finish_reason", "error_code", "worker_id", "call_id", "name", "stage",
-            "categories", "scores", "peak", "policy_version", "reason", "weights", "fallback", "candidate", "served",
-            "figures", "require", "pending_request_id", "seen_request_ids", "error_type", "source_topic",
-            "consumer_group", "payload", "key", "headers", "vector_store_id", "file_id", "action", "generation",
-            "digest", "partitions", "topic", "offsets", "record_digests", "prev_head", "head", "key_id",
-            "signature", "kind", "audio_key", "language", "shadow_of", "sampling", "usage", "timings", "region"}
+METADATA = {
+    "request_id",
+    "conversation_id",
+    "tenant",
+    "model",
+    "assistant",
+    "gateway_id",
+    "screening",
+    "tier",
+    "cache_key",
+    "cached_from",
+    "finish_reason",
+    "error_code",
+    "worker_id",
+    "call_id",
+    "name",
+    "stage",
+    "categories",
+    "scores",
+    "peak",
+    "policy_version",
+    "reason",
+    "weights",
+    "fallback",
+    "candidate",
+    "served",
+    "figures",
+    "require",
+    "pending_request_id",
+    "seen_request_ids",
+    "error_type",
+    "source_topic",
+    "consumer_group",
+    "payload",
+    "key",
+    "headers",
+    "vector_store_id",
+    "file_id",
+    "action",
+    "generation",
+    "digest",
+    "partitions",
+    "topic",
+    "offsets",
+    "record_digests",
+    "prev_head",
+    "head",
+    "key_id",
+    "signature",
+    "kind",
+    "audio_key",
+    "language",
+    "shadow_of",
+    "sampling",
+    "usage",
+    "timings",
+    "region",
+}
 
 
 def _texty(annotation) -> bool:
@@ -35,8 +86,11 @@ def test_every_text_field_of_every_event_is_sealed_or_named_metadata():
     for event in ALL_EVENTS:
         hints = typing.get_type_hints(event)
         assert event.content <= set(event.__struct_fields__), event.__name__
-        unclassified = {f for f in event.__struct_fields__ if f not in base and f not in event.content
-                        and f not in METADATA and _texty(hints[f])}
+        unclassified = {
+            f
+            for f in event.__struct_fields__
+            if f not in base and f not in event.content and f not in METADATA and _texty(hints[f])
+        }
         assert not unclassified, f"{event.__name__}: seal these fields or name them metadata: {unclassified}"
 
 
@@ -50,14 +104,21 @@ def keyring(stack):
 
 
 def _request(tenant: str, conversation: str, words: str) -> ChatRequest:
-    return ChatRequest(request_id=f"r-{conversation}", tenant=tenant, conversation_id=conversation, model="m",
-                       messages=[ChatMessage(role="user", content=words)])
+    return ChatRequest(
+        request_id=f"r-{conversation}",
+        tenant=tenant,
+        conversation_id=conversation,
+        model="m",
+        messages=[ChatMessage(role="user", content=words)],
+    )
 
 
 def test_content_is_sealed_per_conversation_and_erased_by_conversation_then_tenant(keyring, unique):
     tenant = f"t-{unique}"
     one, two = _request(tenant, "c1", "the quick zebra"), _request(tenant, "c2", "a slow tortoise")
-    chunk = TokenChunk(request_id="r-c1", tenant=tenant, conversation_id="c1", seq=0, text="zebra!", token_ids=[7])
+    chunk = TokenChunk(
+        request_id="r-c1", tenant=tenant, conversation_id="c1", seq=0, text="zebra!", token_ids=[7]
+    )
     wire = [encode(e) for e in (one, two, chunk)]
     assert all(b"zebra" not in w and b"tortoise" not in w for w in wire)
     assert msgspec.json.decode(wire[0])["request_id"] == "r-c1"  # ids stay readable without a key
@@ -94,7 +155,9 @@ def test_an_unreachable_keyring_is_an_outage_not_bad_input():
         with pytest.raises(SealingUnavailable) as raised:
             encode(_request("t", "c", "words"))
         assert not isinstance(raised.value, DecodeError)
-        assert keys.feed.live_since() is None  # its feed cannot be live either: keys held fall back to the TTL
+        assert (
+            keys.feed.live_since() is None
+        )  # its feed cannot be live either: keys held fall back to the TTL
     finally:
         use_sealer(before)
         keys.close()
@@ -131,7 +194,9 @@ def test_keys_reach_running_roles_when_made_and_leave_them_when_destroyed(stack,
         key_id = token.split(".")[1]
         wait_for(lambda: key_id in reader._reading, 5)
         assert reader.open(token) == b"the quick zebra" and counted.fetches == 0
-        assert reader.seal(tenant, "c1", b"an answer").split(".")[1] == key_id  # its answer, same key, no fetch
+        assert (
+            reader.seal(tenant, "c1", b"an answer").split(".")[1] == key_id
+        )  # its answer, same key, no fetch
         assert counted.fetches == 0
 
         destroy(writer.redis, tenant, "c1")

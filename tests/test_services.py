@@ -57,8 +57,14 @@ async def test_vectordb_says_not_ready_where_no_weaviate_answers(weaviate_elsewh
 
 def test_a_service_started_twice_runs_once_and_stops_cleanly(tmp_path: Path):
     said: list[str] = []
-    service = Redis(tmp_path / "data", tmp_path / "run", tmp_path / "logs", tmp_path / "cache",
-                    port=free_port(), persistent=False)
+    service = Redis(
+        tmp_path / "data",
+        tmp_path / "run",
+        tmp_path / "logs",
+        tmp_path / "cache",
+        port=free_port(),
+        persistent=False,
+    )
     assert not service.status().running
     try:
         assert service.start(said.append) is True

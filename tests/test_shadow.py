@@ -35,12 +35,15 @@ def cli(roles, *args: str, timeout: float = 180) -> tuple[int, str]:
 
 @pytest.mark.heavy  # about 36 s: make test-all (make test ran 15 min 57 s on a clean clone, 2026-12-06 23:41)
 async def test_a_candidate_is_tried_on_recorded_traffic_and_route_set_asks_for_its_passed_gate(
-        bootstrap, unique, roles, tiny_dir):
+    bootstrap, unique, roles, tiny_dir
+):
     served, same, other = f"tiny-{unique}", f"tiny-same-{unique}", f"tiny-other-{unique}"
     await apply(all_topics([served, same, other]), bootstrap)
     other_dir = await asyncio.to_thread(smollm2_dir)
-    workers = {m: roles.start("worker", "--model", m, "--model-path", str(path), name=f"worker-{m}")
-               for m, path in ((served, tiny_dir), (same, tiny_dir), (other, other_dir))}
+    workers = {
+        m: roles.start("worker", "--model", m, "--model-path", str(path), name=f"worker-{m}")
+        for m, path in ((served, tiny_dir), (same, tiny_dir), (other, other_dir))
+    }
     for proc in workers.values():
         await asyncio.to_thread(wait_for_log, roles, proc, "worker ready")
 
@@ -57,8 +60,22 @@ async def test_a_candidate_is_tried_on_recorded_traffic_and_route_set_asks_for_i
         await producer.stop()
 
     async with Tap(TOKENS) as tokens, Tap(SHADOW_ANSWERS) as answers, Tap(inference_topic(other)) as copies:
-        code, out = cli(roles, "shadow", "--model", other, "--served", served, "--since", since, "--rate", "20",
-                        "--in-flight", "1", "--require", "agreement>=0.9")
+        code, out = cli(
+            roles,
+            "shadow",
+            "--model",
+            other,
+            "--served",
+            served,
+            "--since",
+            since,
+            "--rate",
+            "20",
+            "--in-flight",
+            "1",
+            "--require",
+            "agreement>=0.9",
+        )
         assert code == 1 and "4 requests" in out and "gate: FAIL (agreement>=0.9)" in out, out
         # the candidate answered each copy on ts.shadow.answers, and nothing of it reached ts.tokens
         await answers.caught_up()
@@ -76,12 +93,32 @@ async def test_a_candidate_is_tried_on_recorded_traffic_and_route_set_asks_for_i
     assert code == 1 and "refused" in out and "failed its gate" in out, out
 
     async with Tap(SHADOW_GATES) as gates, Tap(ROUTES) as routes:
-        code, out = cli(roles, "shadow", "--model", same, "--served", served, "--since", since, "--rate", "20",
-                        "--in-flight", "1", "--require", "agreement>=0.5")
+        code, out = cli(
+            roles,
+            "shadow",
+            "--model",
+            same,
+            "--served",
+            served,
+            "--since",
+            since,
+            "--rate",
+            "20",
+            "--in-flight",
+            "1",
+            "--require",
+            "agreement>=0.5",
+        )
         assert code == 0 and "gate: PASS (agreement>=0.5)" in out, out
         gate = (await gates.wait_for(lambda e: e.candidate == same))[0]
         assert gate.passed and gate.requests == 4 and gate.served == served
-        assert set(gate.figures) >= {"agreement", "similarity", "tool_agreement", "safety_changes", "ttft_ratio"}
+        assert set(gate.figures) >= {
+            "agreement",
+            "similarity",
+            "tool_agreement",
+            "safety_changes",
+            "ttft_ratio",
+        }
         code, out = cli(roles, "route", "set", served, "-w", f"{served}=0.9", "-w", f"{same}=0.1")
         assert code == 0, out
         route = (await routes.wait_for(lambda e: e.model == served))[0]

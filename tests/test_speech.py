@@ -50,8 +50,9 @@ def system(stack, tmp_path_factory):
 
 def spoken(text: str, voice: str = "en-us") -> bytes:
     """`text` as a WAV file spoken by eSpeak NG."""
-    return subprocess.run(["espeak-ng", "--stdout", "-v", voice, "--", text], capture_output=True, check=True,
-                          timeout=60).stdout
+    return subprocess.run(
+        ["espeak-ng", "--stdout", "-v", voice, "--", text], capture_output=True, check=True, timeout=60
+    ).stdout
 
 
 def words(text: str) -> list[str]:
@@ -83,17 +84,25 @@ async def test_speech_is_transcribed_through_the_log_within_the_word_error_rate(
     heard = []
     async with Tap(SPEECH_JOBS) as jobs, Tap(TOKENS) as tokens:
         for sentence in SENTENCES:
-            got = await client.audio.transcriptions.create(model="whisper-1", file=("q.wav", spoken(sentence)))
+            got = await client.audio.transcriptions.create(
+                model="whisper-1", file=("q.wav", spoken(sentence))
+            )
             heard.append(got.text)
         assert got.usage.seconds >= 2  # seconds of audio, rounded up
-        sent = await jobs.wait_for(lambda e: isinstance(e, SpeechJob) and e.kind == "transcribe", count=len(SENTENCES),
-                                   timeout=30)
+        sent = await jobs.wait_for(
+            lambda e: isinstance(e, SpeechJob) and e.kind == "transcribe", count=len(SENTENCES), timeout=30
+        )
         job = sent[-1]  # the last recording's job, and its results on ts.tokens
-        results = await tokens.wait_for(lambda e: e.request_id == job.request_id
-                                        and isinstance(e, TranscriptDone), timeout=30)
-    total = sum(wer(s, h) * len(words(s)) for s, h in zip(SENTENCES, heard)) / sum(len(words(s)) for s in SENTENCES)
+        results = await tokens.wait_for(
+            lambda e: e.request_id == job.request_id and isinstance(e, TranscriptDone), timeout=30
+        )
+    total = sum(wer(s, h) * len(words(s)) for s, h in zip(SENTENCES, heard)) / sum(
+        len(words(s)) for s in SENTENCES
+    )
     assert total < MAX_WER, list(zip(SENTENCES, heard))
-    segments = [e for e, _ in tokens.events if e.request_id == job.request_id and isinstance(e, TranscriptSegment)]
+    segments = [
+        e for e, _ in tokens.events if e.request_id == job.request_id and isinstance(e, TranscriptSegment)
+    ]
     assert [s.seq for s in segments] == list(range(len(segments))) and results[0].seq == len(segments)
     assert results[0].text == heard[-1] and job.transcribe.language == "en" and job.filename == "q.wav"
 
@@ -101,16 +110,24 @@ async def test_speech_is_transcribed_through_the_log_within_the_word_error_rate(
 async def test_each_response_format_and_the_stream(system):
     client = api_client(system["url"], timeout=120)
     audio = spoken(SENTENCES[0])
-    text = await client.audio.transcriptions.create(model="whisper-tiny.en", file=("q.wav", audio),
-                                                    response_format="text")
+    text = await client.audio.transcriptions.create(
+        model="whisper-tiny.en", file=("q.wav", audio), response_format="text"
+    )
     assert isinstance(text, str) and wer(SENTENCES[0], text) < 0.3
-    srt = await client.audio.transcriptions.create(model="whisper-1", file=("q.wav", audio), response_format="srt")
+    srt = await client.audio.transcriptions.create(
+        model="whisper-1", file=("q.wav", audio), response_format="srt"
+    )
     assert re.match(r"1\n00:00:00,000 --> 00:00:0\d,\d{3}\n\S", srt), srt
-    vtt = await client.audio.transcriptions.create(model="whisper-1", file=("q.wav", audio), response_format="vtt")
+    vtt = await client.audio.transcriptions.create(
+        model="whisper-1", file=("q.wav", audio), response_format="vtt"
+    )
     assert vtt.startswith("WEBVTT\n\n00:00:00.000 --> "), vtt
-    verbose = await client.audio.transcriptions.create(model="whisper-1", file=("q.wav", audio),
-                                                       response_format="verbose_json",
-                                                       timestamp_granularities=["word", "segment"])
+    verbose = await client.audio.transcriptions.create(
+        model="whisper-1",
+        file=("q.wav", audio),
+        response_format="verbose_json",
+        timestamp_granularities=["word", "segment"],
+    )
     assert verbose.language == "english" and 2 < verbose.duration < 8 and verbose.segments
     assert [w.word.lower().strip(",.?") for w in verbose.words][:3] == words(SENTENCES[0])[:3]
     assert all(a.end <= b.start + 0.01 for a, b in zip(verbose.words, verbose.words[1:]))
@@ -128,38 +145,62 @@ async def test_speech_is_made_through_the_log_and_reads_back_as_its_text(system)
     async with Tap(SPEECH_JOBS) as jobs, Tap(TOKENS) as tokens:
         wav = await client.audio.speech.create(model="tts-1", voice="nova", input=line, response_format="wav")
         [job] = await jobs.wait_for(lambda e: isinstance(e, SpeechJob) and e.kind == "speak", timeout=30)
-        [done] = await tokens.wait_for(lambda e: e.request_id == job.request_id and isinstance(e, SpeechDone),
-                                       timeout=30)
+        [done] = await tokens.wait_for(
+            lambda e: e.request_id == job.request_id and isinstance(e, SpeechDone), timeout=30
+        )
     data = wav.content
-    assert data[:4] == b"RIFF" and data[8:12] == b"WAVE" and job.speak.text == line and job.speak.voice == "nova"
+    assert (
+        data[:4] == b"RIFF" and data[8:12] == b"WAVE" and job.speak.text == line and job.speak.voice == "nova"
+    )
     chunks = [e for e, _ in tokens.events if e.request_id == job.request_id and isinstance(e, SpeechAudio)]
     assert b"".join(c.audio for c in chunks) == data and done.bytes_total == len(data)
-    assert [c.text for c in chunks if c.text] == ["We will meet at the station after lunch.",
-                                                  "Bring a warm coat and an umbrella."]  # sentence by sentence
+    assert [c.text for c in chunks if c.text] == [
+        "We will meet at the station after lunch.",
+        "Bring a warm coat and an umbrella.",
+    ]  # sentence by sentence
     back = await client.audio.transcriptions.create(model="whisper-1", file=("a.wav", data))
     assert wer(line, back.text) < MAX_WER, back.text
     for fmt in ("mp3", "opus", "aac", "flac", "pcm"):
-        made = (await client.audio.speech.create(model="tts-1", voice="onyx", input="Hello there.",
-                                                 response_format=fmt)).content
+        made = (
+            await client.audio.speech.create(
+                model="tts-1", voice="onyx", input="Hello there.", response_format=fmt
+            )
+        ).content
         seconds = len(made) / 48_000 if fmt == "pcm" else decoded_seconds(made)
         assert 0.4 < seconds < 3, (fmt, seconds)
-    slow = (await client.audio.speech.create(model="tts-1", voice="onyx", input="Hello there.",
-                                             response_format="pcm", speed=0.5)).content
+    slow = (
+        await client.audio.speech.create(
+            model="tts-1", voice="onyx", input="Hello there.", response_format="pcm", speed=0.5
+        )
+    ).content
     assert len(slow) > 1.5 * len(made)  # speed is honoured
     async with httpx.AsyncClient(base_url=system["url"], headers=auth_headers(), timeout=60) as http:
-        sse = await http.post("/v1/audio/speech", json={"model": "tts-1", "voice": "alloy", "input": "Hi. Bye.",
-                                                        "response_format": "mp3", "stream_format": "sse"})
+        sse = await http.post(
+            "/v1/audio/speech",
+            json={
+                "model": "tts-1",
+                "voice": "alloy",
+                "input": "Hi. Bye.",
+                "response_format": "mp3",
+                "stream_format": "sse",
+            },
+        )
     events = [json.loads(line[6:]) for line in sse.text.splitlines() if line.startswith("data: ")]
-    assert [e["type"] for e in events][-1] == "speech.audio.done" and events[0]["type"] == "speech.audio.delta"
+    assert [e["type"] for e in events][-1] == "speech.audio.done" and events[0][
+        "type"
+    ] == "speech.audio.delta"
 
 
-@pytest.mark.parametrize("path,body,param", [
-    ("/v1/audio/speech", {"model": "tts-1", "input": "x", "instructions": "sound happy"}, "instructions"),
-    ("/v1/audio/speech", {"model": "tts-1", "input": "x", "voice": "nobody"}, "voice"),
-    ("/v1/audio/speech", {"model": "tts-1", "input": "x", "response_format": "ogg"}, "response_format"),
-    ("/v1/audio/speech", {"model": "tts-1", "input": "x", "colour": "red"}, "colour"),
-    ("/v1/audio/speech", {"model": "tts-1", "input": "x" * 4097}, "input"),
-])
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("/v1/audio/speech", {"model": "tts-1", "input": "x", "instructions": "sound happy"}, "instructions"),
+        ("/v1/audio/speech", {"model": "tts-1", "input": "x", "voice": "nobody"}, "voice"),
+        ("/v1/audio/speech", {"model": "tts-1", "input": "x", "response_format": "ogg"}, "response_format"),
+        ("/v1/audio/speech", {"model": "tts-1", "input": "x", "colour": "red"}, "colour"),
+        ("/v1/audio/speech", {"model": "tts-1", "input": "x" * 4097}, "input"),
+    ],
+)
 async def test_speech_fields_refused_by_name(system, path, body, param):
     async with httpx.AsyncClient(base_url=system["url"], headers=auth_headers(), timeout=60) as http:
         answer = await http.post(path, json=body)
@@ -169,19 +210,33 @@ async def test_speech_fields_refused_by_name(system, path, body, param):
 async def test_transcription_fields_refused_by_name(system):
     wav = spoken("Hello.")
     async with httpx.AsyncClient(base_url=system["url"], headers=auth_headers(), timeout=60) as http:
-        for data, param in (({"model": "whisper-1", "language": "fr"}, "language"),
-                            ({"model": "whisper-1", "include[]": "logprobs"}, "include[]"),
-                            ({"model": "whisper-1", "stream": "true", "response_format": "srt"}, "response_format"),
-                            ({"model": "whisper-1", "timestamp_granularities[]": "word"}, "timestamp_granularities[]"),
-                            ({"model": "whisper-1", "mood": "calm"}, "mood")):
+        for data, param in (
+            ({"model": "whisper-1", "language": "fr"}, "language"),
+            ({"model": "whisper-1", "include[]": "logprobs"}, "include[]"),
+            ({"model": "whisper-1", "stream": "true", "response_format": "srt"}, "response_format"),
+            ({"model": "whisper-1", "timestamp_granularities[]": "word"}, "timestamp_granularities[]"),
+            ({"model": "whisper-1", "mood": "calm"}, "mood"),
+        ):
             answer = await http.post("/v1/audio/transcriptions", data=data, files={"file": ("a.wav", wav)})
             assert answer.status_code == 400 and answer.json()["error"]["param"] == param, answer.text
-        answer = await http.post("/v1/audio/transcriptions", data={"model": "whisper-2"}, files={"file": ("a.wav", wav)})
+        answer = await http.post(
+            "/v1/audio/transcriptions", data={"model": "whisper-2"}, files={"file": ("a.wav", wav)}
+        )
         assert answer.status_code == 404
-        answer = await http.post("/v1/audio/transcriptions", data={"model": "whisper-1"},
-                                 files={"file": ("a.wav", b"not audio at all")})
+        answer = await http.post(
+            "/v1/audio/transcriptions",
+            data={"model": "whisper-1"},
+            files={"file": ("a.wav", b"not audio at all")},
+        )
         assert answer.status_code == 400 and answer.json()["error"]["code"] == "invalid_file"
-        answer = await http.post("/v1/audio/translations", data={"model": "whisper-1"}, files={"file": ("a.wav", wav)})
+        answer = await http.post(
+            "/v1/audio/translations", data={"model": "whisper-1"}, files={"file": ("a.wav", wav)}
+        )
         assert answer.status_code == 400 and "English only" in answer.json()["error"]["message"]
-        assert (await http.post("/v1/audio/speech", json={"model": "tts-1", "input": "x"},
-                                headers={"Authorization": f"Bearer sk-ts-{uuid.uuid4().hex}"})).status_code == 401
+        assert (
+            await http.post(
+                "/v1/audio/speech",
+                json={"model": "tts-1", "input": "x"},
+                headers={"Authorization": f"Bearer sk-ts-{uuid.uuid4().hex}"},
+            )
+        ).status_code == 401

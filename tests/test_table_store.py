@@ -43,8 +43,13 @@ async def test_the_processors_tables_use_it(table):
 async def test_a_standby_read_to_its_end_takes_over_with_nothing_to_read(table):
     app = table.app
     await table.on_rebalance({ACTIVE, STANDBY}, set(), set(), 1)
-    table.apply_changelog_batch([_record(app, ACTIVE, 0, b"a", b"1"), _record(app, STANDBY, 0, b"b", b"2"),
-                                 _record(app, STANDBY, 1, b"c", b"3")])
+    table.apply_changelog_batch(
+        [
+            _record(app, ACTIVE, 0, b"a", b"1"),
+            _record(app, STANDBY, 0, b"b", b"2"),
+            _record(app, STANDBY, 1, b"c", b"3"),
+        ]
+    )
     await table.on_recovery_completed({ACTIVE}, {STANDBY})
     assert table.data.persisted_offset(STANDBY) == 1
     assert table.data[b"c"] == b"3"  # a standby's rows are kept (faust's memory store dropped them)

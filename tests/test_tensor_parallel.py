@@ -24,8 +24,11 @@ from tests.test_backends import hf_greedy
 from tests.test_worker_kafka import wait_for_log
 
 pytestmark = [pytest.mark.slow, pytest.mark.heavy, pytest.mark.timeout(900)]
-QUESTIONS = ["What is the capital of France?", "Name three colours of the rainbow.",
-             "Write one sentence about the sea."]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three colours of the rainbow.",
+    "Write one sentence about the sea.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +45,23 @@ def sharded(stack, tmp_path_factory):
     roles = Roles(stack, tmp_path_factory.mktemp("tensor-parallel"))
     try:
         roles.start_processors()
-        worker = roles.start("worker", "--model", model, "--model-path", str(smollm2_dir()), "--backend", "vllm",
-                             "--enforce-eager", "--dtype", "float32", "--tensor-parallel-size", "3",
-                             "--max-running", "4", name="worker-tp3")
+        worker = roles.start(
+            "worker",
+            "--model",
+            model,
+            "--model-path",
+            str(smollm2_dir()),
+            "--backend",
+            "vllm",
+            "--enforce-eager",
+            "--dtype",
+            "float32",
+            "--tensor-parallel-size",
+            "3",
+            "--max-running",
+            "4",
+            name="worker-tp3",
+        )
         wait_for_log(roles, worker, "worker ready", 600)
         url, _ = start_gateway(roles, [model], timeout=120)
         yield roles, worker, url, model
@@ -65,8 +82,9 @@ async def test_sharded_greedy_answers_equal_one_process_generate(sharded):
     client = api_client(url, timeout=300)
 
     async def ask(question: str) -> str:
-        out = await client.chat.completions.create(model=model, temperature=0, max_tokens=40,
-                                                   messages=[{"role": "user", "content": question}])
+        out = await client.chat.completions.create(
+            model=model, temperature=0, max_tokens=40, messages=[{"role": "user", "content": question}]
+        )
         return out.choices[0].message.content
 
     answers = await asyncio.gather(*(ask(q) for q in QUESTIONS))

@@ -44,8 +44,14 @@ class Echo:
 
 
 def call(name: str, arguments: str) -> ToolCall:
-    return ToolCall(request_id="req-1", call_id="call-1", conversation_id="conv", tenant="t", name=name,
-                    arguments=arguments)
+    return ToolCall(
+        request_id="req-1",
+        call_id="call-1",
+        conversation_id="conv",
+        tenant="t",
+        name=name,
+        arguments=arguments,
+    )
 
 
 async def test_run_tool_turns_every_failure_into_a_result():

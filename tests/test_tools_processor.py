@@ -35,8 +35,14 @@ async def test_code_runs_and_the_folder_persists_within_a_conversation_only(role
         out = json.loads(r1.output)
         assert out["stdout"] == "saved\n" and out["value"] == "42"
         assert out["files"] == [{"path": "state.txt", "bytes": 2, "text": "42"}]  # what the model reads
-        assert json.loads(r1.meta["files"]) == [{"path": "state.txt", "bytes": 2, "kept": True,
-                                                 "file_id": K.container_file_id(first.call_id, "state.txt")}]
+        assert json.loads(r1.meta["files"]) == [
+            {
+                "path": "state.txt",
+                "bytes": 2,
+                "kept": True,
+                "file_id": K.container_file_id(first.call_id, "state.txt"),
+            }
+        ]
         assert r1.meta["container_id"] == K.container_id(first.conversation_id)
         assert float(r1.meta["cpu_s"]) > 0 and int(r1.meta["max_rss_kb"]) > 0 and r1.duration_s > 0
         second = code_call("open('state.txt').read()", conversation=first.conversation_id)
@@ -61,15 +67,20 @@ print(table.sales.sum())
 """
 
 
-async def test_a_chart_and_a_table_the_code_writes_are_listed_and_downloaded_by_their_tenant_alone(roles, bootstrap,
-                                                                                                    tmp_path):
+async def test_a_chart_and_a_table_the_code_writes_are_listed_and_downloaded_by_their_tenant_alone(
+    roles, bootstrap, tmp_path
+):
     """matplotlib and pandas in the sandbox; the files a run writes kept as its container's files, which
     the gateway lists and serves (OpenAI's containers API, through the SDK) to the call's tenant only, and
     the chat page shows (the chart inline, the table as a download; tests/chart_page.py)."""
     from tests.gateway_support import api_client, new_key, start_gateway
 
     # the processor's default limits (pandas and matplotlib map more than the other tests' 256 MiB)
-    limits = {"TOKENSTREAM_TOOLS_MEMORY_MB": "512", "TOKENSTREAM_TOOLS_CPU_S": "10", "TOKENSTREAM_TOOLS_WALL_S": "30"}
+    limits = {
+        "TOKENSTREAM_TOOLS_MEMORY_MB": "512",
+        "TOKENSTREAM_TOOLS_CPU_S": "10",
+        "TOKENSTREAM_TOOLS_WALL_S": "30",
+    }
     async with serving(roles, bootstrap, tools_env(sandbox_root(), **limits)) as (_, bus):
         call = code_call(CHART, tenant="test")  # the tests' default key's tenant
         await bus.send(call)
@@ -78,7 +89,10 @@ async def test_a_chart_and_a_table_the_code_writes_are_listed_and_downloaded_by_
     assert result.ok and out["stdout"] == "16\n", result
     container = result.meta["container_id"]
     assert container == K.container_id(call.conversation_id)
-    assert {f["path"]: f["kept"] for f in json.loads(result.meta["files"])} == {"data.csv": True, "plot.png": True}
+    assert {f["path"]: f["kept"] for f in json.loads(result.meta["files"])} == {
+        "data.csv": True,
+        "plot.png": True,
+    }
     url, _ = start_gateway(roles, ["smollm2"], timeout=120)
     client = api_client(url)
     listed = await client.containers.files.list(container)
@@ -88,7 +102,9 @@ async def test_a_chart_and_a_table_the_code_writes_are_listed_and_downloaded_by_
     assert csv.content == b"month,sales\n1,3\n2,5\n3,8\n"
     png = await client.containers.files.content.retrieve(by_path["plot.png"].id, container_id=container)
     assert png.content[:8] == b"\x89PNG\r\n\x1a\n" and len(png.content) == by_path["plot.png"].bytes
-    assert (await client.containers.files.retrieve(by_path["plot.png"].id, container_id=container)).path == "plot.png"
+    assert (
+        await client.containers.files.retrieve(by_path["plot.png"].id, container_id=container)
+    ).path == "plot.png"
     if os.path.exists(CHROMIUM):  # the chat page shows the chart inline and offers the table
         item, citations = framed(result, call.conversation_id)
         size, text = await chart_on_the_page(url, item, citations, tmp_path)
@@ -100,7 +116,9 @@ async def test_a_chart_and_a_table_the_code_writes_are_listed_and_downloaded_by_
         await stranger.containers.files.content.retrieve(by_path["data.csv"].id, container_id=container)
 
 
-async def test_a_call_read_twice_runs_once_a_completed_one_is_replayed_and_bad_events_dead_lettered(roles, bootstrap, stack):
+async def test_a_call_read_twice_runs_once_a_completed_one_is_replayed_and_bad_events_dead_lettered(
+    roles, bootstrap, stack
+):
     root = sandbox_root()
     async with serving(roles, bootstrap, tools_env(root)) as (_, bus):
         call = code_call("open('runs', 'a').write('x')\nlen(open('runs').read())")
@@ -111,9 +129,15 @@ async def test_a_call_read_twice_runs_once_a_completed_one_is_replayed_and_bad_e
         # a call whose run completed (result stored) but whose processor died before publishing:
         # the stored result is replayed, the code is not run again
         completed = code_call("open('ran', 'w').write('again')")
-        stored = ToolResult(request_id=completed.request_id, call_id=completed.call_id, name=completed.name,
-                            ok=True, output='{"value": "stored"}', conversation_id=completed.conversation_id,
-                            tenant=completed.tenant)
+        stored = ToolResult(
+            request_id=completed.request_id,
+            call_id=completed.call_id,
+            name=completed.name,
+            ok=True,
+            output='{"value": "stored"}',
+            conversation_id=completed.conversation_id,
+            tenant=completed.tenant,
+        )
         r = redis.Redis.from_url(stack.redis.address)
         r.set(tool_result(completed.call_id), encode(stored))
         await bus.send(completed)
@@ -121,8 +145,13 @@ async def test_a_call_read_twice_runs_once_a_completed_one_is_replayed_and_bad_e
         # the result is found in the log and marked, not written again (a call behind it, same key, marks
         # when it was handled: calls of one partition run in order)
         written = code_call("open('ran', 'w').write('again')")
-        kept = msgspec.structs.replace(stored, request_id=written.request_id, call_id=written.call_id,
-                                       conversation_id=written.conversation_id, output='{"value": 1}')
+        kept = msgspec.structs.replace(
+            stored,
+            request_id=written.request_id,
+            call_id=written.call_id,
+            conversation_id=written.conversation_id,
+            output='{"value": 1}',
+        )
         r.set(tool_result(written.call_id), encode(kept))
         await publish(bus.producer, TOOL_RESULTS, kept, key=written.request_id)
         await bus.send(written)
@@ -160,8 +189,10 @@ async def test_kill_9_mid_call_the_next_processor_completes_it_once(roles, boots
     root = sandbox_root()
     env = tools_env(root, TOKENSTREAM_TOOLS_WALL_S="20")
     async with serving(roles, bootstrap, env, name="tools-first") as (first, bus):
-        call = code_call("import time\nopen('starts', 'a').write('s')\ntime.sleep(4)\n"
-                         "open('finished', 'a').write('f')\n'done'")
+        call = code_call(
+            "import time\nopen('starts', 'a').write('s')\ntime.sleep(4)\n"
+            "open('finished', 'a').write('f')\n'done'"
+        )
         folder = root / folder_name("t-test", call.conversation_id)
         await bus.send(call)
         deadline = time.monotonic() + 60
@@ -174,7 +205,7 @@ async def test_kill_9_mid_call_the_next_processor_completes_it_once(roles, boots
         second = roles.start("tools", env=env, name="tools-second")
         result = (await bus.wait([call.call_id], timeout_s=120))[call.call_id]
         assert result.ok and json.loads(result.output)["value"] == "'done'", result
-        assert (folder / "starts").read_text() == "ss"   # interrupted once, then run again
+        assert (folder / "starts").read_text() == "ss"  # interrupted once, then run again
         assert (folder / "finished").read_text() == "f"  # ran to completion once
         # everything the group had to read is read and committed: the result stays single
         sentinel = code_call("1")

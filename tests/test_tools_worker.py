@@ -23,10 +23,26 @@ from topics import TOOL_CALLS, inference_topic
 from topics.admin import apply
 
 pytestmark = pytest.mark.slow
-TOOL = {"type": "function", "function": {"name": "book", "parameters": {
-    "type": "object", "required": ["city", "nights", "rooms"], "properties": {
-        "city": {"type": "string", "maxLength": 12}, "nights": {"type": "integer", "minimum": 1, "maximum": 9},
-        "rooms": {"type": "array", "items": {"enum": ["single", "double"]}, "minItems": 1, "maxItems": 3}}}}}
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "book",
+        "parameters": {
+            "type": "object",
+            "required": ["city", "nights", "rooms"],
+            "properties": {
+                "city": {"type": "string", "maxLength": 12},
+                "nights": {"type": "integer", "minimum": 1, "maximum": 9},
+                "rooms": {
+                    "type": "array",
+                    "items": {"enum": ["single", "double"]},
+                    "minItems": 1,
+                    "maxItems": 3,
+                },
+            },
+        },
+    },
+}
 
 
 def spec() -> OutputSpec:
@@ -36,7 +52,9 @@ def spec() -> OutputSpec:
 
 
 @pytest.mark.heavy  # a kill -9 / scale drill: make test-all, beside the chaos drill (test_chaos.py)
-async def test_kill9_mid_call_second_worker_finishes_the_same_calls(bootstrap, unique, roles, tiny_dir, tiny_loaded):
+async def test_kill9_mid_call_second_worker_finishes_the_same_calls(
+    bootstrap, unique, roles, tiny_dir, tiny_loaded
+):
     tokenizer = tiny_loaded.tokenizer
     model = f"tiny-tools-{unique}"
     await apply(needed_topics(model), bootstrap)
@@ -81,10 +99,14 @@ async def test_kill9_mid_call_second_worker_finishes_the_same_calls(bootstrap, u
                 if d.id:
                     streamed[d.index] = {"id": d.id, "name": d.name, "arguments": ""}
                 streamed[d.index]["arguments"] += d.arguments
-            expected = [{"id": call_id(x, i), "name": c.function.name, "arguments": c.function.arguments}
-                        for i, c in enumerate(whole.calls)]
+            expected = [
+                {"id": call_id(x, i), "name": c.function.name, "arguments": c.function.arguments}
+                for i, c in enumerate(whole.calls)
+            ]
             assert list(streamed.values()) == expected
-            assert [(c.id, c.function.arguments) for c in done.tool_calls] == [(e["id"], e["arguments"]) for e in expected]
+            assert [(c.id, c.function.arguments) for c in done.tool_calls] == [
+                (e["id"], e["arguments"]) for e in expected
+            ]
             if done.finish_reason == "tool_calls":
                 for call in expected:
                     json.loads(call["arguments"])

@@ -43,8 +43,13 @@ def test_the_groups_are_the_ones_the_roles_join():
 def test_the_flow_lists_every_topic_once_in_request_order():
     names = [s.name for s in flow(MODELS)]
     assert sorted(names) == sorted(s.name for s in all_topics(MODELS))
-    assert names.index("ts.chat.requests") < names.index("ts.requests.prepared") < names.index(
-        "ts.requests.screened") < names.index("ts.inference.smollm2") < names.index("ts.tokens")
+    assert (
+        names.index("ts.chat.requests")
+        < names.index("ts.requests.prepared")
+        < names.index("ts.requests.screened")
+        < names.index("ts.inference.smollm2")
+        < names.index("ts.tokens")
+    )
 
 
 def test_contracts_keep_their_wire_formats():
@@ -68,10 +73,13 @@ def test_roles_use_the_contracts_from_schemas():
 
 
 def test_topics_describe_flow_prints_the_map_without_a_broker():
-    out = subprocess.run([sys.executable, "-m", "tokenstream.cli", "topics", "describe", "--flow",
-                          "--model", "smollm2"], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "COLUMNS": "250",
-                              "TOKENSTREAM_KAFKA_BOOTSTRAP": "127.0.0.1:1"})
+    out = subprocess.run(
+        [sys.executable, "-m", "tokenstream.cli", "topics", "describe", "--flow", "--model", "smollm2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "250", "TOKENSTREAM_KAFKA_BOOTSTRAP": "127.0.0.1:1"},
+    )
     assert out.returncode == 0, out.stderr
     for spec in flow(["smollm2"]):
         assert spec.name in out.stdout

@@ -42,7 +42,9 @@ class Receiver:
                 )
 
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                ok = self.path == "/v1/traces" and self.headers.get("Content-Type") == "application/x-protobuf"
+                ok = (
+                    self.path == "/v1/traces" and self.headers.get("Content-Type") == "application/x-protobuf"
+                )
                 if ok:
                     export = ExportTraceServiceRequest()
                     export.ParseFromString(body)
@@ -67,11 +69,17 @@ class Receiver:
             for scope in resource_spans.scope_spans:
                 for span in scope.spans:
                     with self.lock:
-                        self.spans.append({
-                            "name": span.name, "trace_id": span.trace_id.hex(), "span_id": span.span_id.hex(),
-                            "parent": span.parent_span_id.hex(), "kind": span.kind,
-                            "service": resource.get("service.name"),
-                            "attributes": {a.key: _value(a.value) for a in span.attributes}})
+                        self.spans.append(
+                            {
+                                "name": span.name,
+                                "trace_id": span.trace_id.hex(),
+                                "span_id": span.span_id.hex(),
+                                "parent": span.parent_span_id.hex(),
+                                "kind": span.kind,
+                                "service": resource.get("service.name"),
+                                "attributes": {a.key: _value(a.value) for a in span.attributes},
+                            }
+                        )
 
     def of_trace(self, trace_id: str) -> list[dict]:
         with self.lock:
@@ -96,7 +104,9 @@ def test_off_unless_the_environment_asks():
     assert tracing.wanted({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318"}) == "otlp"
     assert tracing.wanted({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://c:4318/v1/traces"}) == "otlp"
     assert tracing.wanted({"TOKENSTREAM_TRACING": "console"}) == "console"
-    assert tracing.wanted({"TOKENSTREAM_TRACING": "off", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}) is None
+    assert (
+        tracing.wanted({"TOKENSTREAM_TRACING": "off", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}) is None
+    )
     assert tracing.wanted({"OTEL_SDK_DISABLED": "true", "TOKENSTREAM_TRACING": "otlp"}) is None
     with pytest.raises(ValueError, match="otlp, console or off"):
         tracing.wanted({"TOKENSTREAM_TRACING": "jaeger"})
@@ -113,20 +123,38 @@ def test_hops_in_process_parent_through_the_headers_with_genai_attributes():
     exporter = InMemorySpanExporter()
     assert tracing.setup("test", exporter=exporter)
     try:
-        request = ChatRequest(request_id="r1", conversation_id="c1", tenant="t", model="m", messages=[],
-                              sampling=SamplingParams(max_tokens=7, temperature=0.5, seed=3))
-        with tracing.hop("chat m", None, role="gateway", kind="server",
-                         attributes=tracing.request_attributes(request)) as gateway:
+        request = ChatRequest(
+            request_id="r1",
+            conversation_id="c1",
+            tenant="t",
+            model="m",
+            messages=[],
+            sampling=SamplingParams(max_tokens=7, temperature=0.5, seed=3),
+        )
+        with tracing.hop(
+            "chat m", None, role="gateway", kind="server", attributes=tracing.request_attributes(request)
+        ) as gateway:
             headers = gateway.trace.headers()  # what the gateway writes on the record
-            with tracing.hop("prepare m", tracing.parent_of(headers), role="conversation",
-                             attributes=tracing.record_attributes("ts.chat.requests", 3, 41, "ts-conversation")):
+            with tracing.hop(
+                "prepare m",
+                tracing.parent_of(headers),
+                role="conversation",
+                attributes=tracing.record_attributes("ts.chat.requests", 3, 41, "ts-conversation"),
+            ):
                 pass
-            done = Completion(request_id="r1", seq=2, finish_reason="stop", usage=Usage(prompt_tokens=5,
-                                                                                       completion_tokens=2))
+            done = Completion(
+                request_id="r1",
+                seq=2,
+                finish_reason="stop",
+                usage=Usage(prompt_tokens=5, completion_tokens=2),
+            )
             gateway.set(tracing.completion_attributes(done, "m"))
-        with tracing.hop("execute_tool web_fetch", tracing.parent_of(dict(headers)), role="tools",
-                         attributes=tracing.tool_attributes(ToolCall(request_id="r1", call_id="call_1",
-                                                                     name="web_fetch"))):
+        with tracing.hop(
+            "execute_tool web_fetch",
+            tracing.parent_of(dict(headers)),
+            role="tools",
+            attributes=tracing.tool_attributes(ToolCall(request_id="r1", call_id="call_1", name="web_fetch")),
+        ):
             pass
         spans = {s.name: s for s in exporter.get_finished_spans()}
         root = spans["chat m"]
@@ -135,10 +163,19 @@ def test_hops_in_process_parent_through_the_headers_with_genai_attributes():
             assert spans[child].context.trace_id == root.context.trace_id
             assert spans[child].parent.span_id == root.context.span_id
         a = root.attributes
-        assert (a["gen_ai.operation.name"], a["gen_ai.request.model"], a["gen_ai.request.max_tokens"],
-                a["gen_ai.request.temperature"], a["gen_ai.request.seed"]) == ("chat", "m", 7, 0.5, 3)
-        assert (a["gen_ai.usage.input_tokens"], a["gen_ai.usage.output_tokens"], a["gen_ai.response.id"],
-                tuple(a["gen_ai.response.finish_reasons"])) == (5, 2, "r1", ("stop",))
+        assert (
+            a["gen_ai.operation.name"],
+            a["gen_ai.request.model"],
+            a["gen_ai.request.max_tokens"],
+            a["gen_ai.request.temperature"],
+            a["gen_ai.request.seed"],
+        ) == ("chat", "m", 7, 0.5, 3)
+        assert (
+            a["gen_ai.usage.input_tokens"],
+            a["gen_ai.usage.output_tokens"],
+            a["gen_ai.response.id"],
+            tuple(a["gen_ai.response.finish_reasons"]),
+        ) == (5, 2, "r1", ("stop",))
         assert spans["prepare m"].attributes["messaging.kafka.offset"] == 41
         assert spans["execute_tool web_fetch"].attributes["gen_ai.tool.name"] == "web_fetch"
         assert spans["execute_tool web_fetch"].attributes["gen_ai.operation.name"] == "execute_tool"
@@ -149,8 +186,17 @@ def test_hops_in_process_parent_through_the_headers_with_genai_attributes():
 
 # ------------------------------------------------------------------ the real chain
 
-WEB_FETCH = {"type": "function", "function": {"name": "web_fetch", "parameters": {
-    "type": "object", "required": ["url"], "properties": {"url": {"enum": ["https://example.invalid/"]}}}}}
+WEB_FETCH = {
+    "type": "function",
+    "function": {
+        "name": "web_fetch",
+        "parameters": {
+            "type": "object",
+            "required": ["url"],
+            "properties": {"url": {"enum": ["https://example.invalid/"]}},
+        },
+    },
+}
 
 
 @pytest.fixture
@@ -176,21 +222,31 @@ async def test_one_request_is_one_trace_across_every_role(stack, bootstrap, role
     await apply(all_topics([model]), bootstrap)
     otel = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "200"}
     tiny = await asyncio.to_thread(build, tmp_path / "tiny")
-    procs = {name: roles.start("processor", name, "--loglevel", "info", env=otel, name=f"processor-{name}")
-             for name in ("conversation", "safety", "router")}
-    procs["worker"] = roles.start("worker", "--model", model, "--model-path", str(tiny), env=otel, name="worker")
+    procs = {
+        name: roles.start("processor", name, "--loglevel", "info", env=otel, name=f"processor-{name}")
+        for name in ("conversation", "safety", "router")
+    }
+    procs["worker"] = roles.start(
+        "worker", "--model", model, "--model-path", str(tiny), env=otel, name="worker"
+    )
     procs["tools"] = roles.start("tools", env={**tools_env(sandbox_root()), **otel}, name="tools")
     url, procs["gateway"] = await asyncio.to_thread(
-        start_gateway, roles, [model], env={**otel, "TOKENSTREAM_GATEWAY_SCREENING": "serial"}, timeout=120)
+        start_gateway, roles, [model], env={**otel, "TOKENSTREAM_GATEWAY_SCREENING": "serial"}, timeout=120
+    )
     await asyncio.to_thread(wait_for_log, roles, procs["worker"], "worker ready", 180)
     await wait_ready(procs["tools"], roles.log, 180)
 
     openai_parent = TraceContext.new()  # the client's own trace: the gateway joins it
     client = openai_client(url, timeout=240)
     done = await client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "Fetch the page, please."}], tools=[WEB_FETCH],
-        tool_choice={"type": "function", "function": {"name": "web_fetch"}}, max_tokens=40, temperature=0,
-        extra_headers={"traceparent": openai_parent.traceparent})
+        model=model,
+        messages=[{"role": "user", "content": "Fetch the page, please."}],
+        tools=[WEB_FETCH],
+        tool_choice={"type": "function", "function": {"name": "web_fetch"}},
+        max_tokens=40,
+        temperature=0,
+        extra_headers={"traceparent": openai_parent.traceparent},
+    )
     rid = done.id.removeprefix("chatcmpl-")
     [call] = done.choices[0].message.tool_calls
     assert json.loads(call.function.arguments) == {"url": "https://example.invalid/"}
@@ -222,7 +278,13 @@ async def test_one_request_is_one_trace_across_every_role(stack, bootstrap, role
     tool = one("execute_tool web_fetch")
     # the chain: client -> gateway -> conversation -> safety -> router -> worker -> tool processor
     assert gateway["parent"] == openai_parent.span_id
-    for child, parent in ((prepare, gateway), (screen, prepare), (route, screen), (worker, route), (tool, worker)):
+    for child, parent in (
+        (prepare, gateway),
+        (screen, prepare),
+        (route, screen),
+        (worker, route),
+        (tool, worker),
+    ):
         assert child["parent"] == parent["span_id"], (child["name"], parent["name"])
     # the answer's way back: the worker's completion re-keyed, then recorded by the conversation processor
     rekey = next(s for s in by_name["rekey answer"] if s["attributes"]["tokenstream.request_id"] == rid)
@@ -248,4 +310,7 @@ async def test_one_request_is_one_trace_across_every_role(stack, bootstrap, role
     assert worker["attributes"]["messaging.destination.name"] == inference_topic(model).name
     t = tool["attributes"]
     assert (t["gen_ai.operation.name"], t["gen_ai.tool.name"], t["gen_ai.tool.call.id"]) == (
-        "execute_tool", "web_fetch", call.id)
+        "execute_tool",
+        "web_fetch",
+        call.id,
+    )

@@ -56,13 +56,23 @@ def site():
 
 
 def fetch_call(url: str) -> ToolCall:
-    return ToolCall(request_id=f"req-{uuid.uuid4().hex[:10]}", call_id=f"call-{uuid.uuid4().hex}",
-                    conversation_id="conv-web", tenant="t-test", name="web_fetch", arguments=json.dumps({"url": url}))
+    return ToolCall(
+        request_id=f"req-{uuid.uuid4().hex[:10]}",
+        call_id=f"call-{uuid.uuid4().hex}",
+        conversation_id="conv-web",
+        tenant="t-test",
+        name="web_fetch",
+        arguments=json.dumps({"url": url}),
+    )
 
 
 async def test_web_fetch_reads_allowlisted_pages_and_refuses_the_rest(roles, bootstrap, site):
-    env = tools_env(sandbox_root(), TOKENSTREAM_TOOLS_WEB_ALLOW_HOSTS='["127.0.0.1", "localhost"]',
-                    TOKENSTREAM_TOOLS_WEB_ALLOW_PRIVATE='["127.0.0.1"]', TOKENSTREAM_TOOLS_WEB_MAX_KB="64")
+    env = tools_env(
+        sandbox_root(),
+        TOKENSTREAM_TOOLS_WEB_ALLOW_HOSTS='["127.0.0.1", "localhost"]',
+        TOKENSTREAM_TOOLS_WEB_ALLOW_PRIVATE='["127.0.0.1"]',
+        TOKENSTREAM_TOOLS_WEB_MAX_KB="64",
+    )
     calls = {
         "article": fetch_call(f"{site}/article"),
         "not_allowlisted": fetch_call("http://example.com/"),

@@ -29,7 +29,9 @@ def engine(loaded, blocks=256, block_size=16, **kw) -> Engine:
 
 
 def chat(tok, text: str) -> list[int]:
-    ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+    )
     return list(ids if isinstance(ids, list) else ids["input_ids"])
 
 
@@ -67,7 +69,11 @@ def test_request_joins_running_batch_at_next_step(tiny):
 
 def test_early_finish_frees_its_pages_and_slot_at_once(tiny):
     eng = engine(tiny, blocks=64, block_size=4, max_running=2)
-    short, long_, third = greedy("short", ids(10), 2), greedy("long", ids(10), 40), greedy("third", ids(10), 5)
+    short, long_, third = (
+        greedy("short", ids(10), 2),
+        greedy("long", ids(10), 40),
+        greedy("third", ids(10), 5),
+    )
     for s in (short, long_, third):
         eng.add(s)
     eng.step()
@@ -183,7 +189,9 @@ def test_greedy_equals_generate_on_smollm2(smol):
     seqs, refs = [], {}
     for i, p in enumerate(prompts):
         prompt = chat(tok, p)
-        ref = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt):].tolist()
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[
+            0, len(prompt) :
+        ].tolist()
         refs[str(i)] = [t for t in ref if t != tok.eos_token_id]
         seqs.append(greedy(str(i), prompt, 24))
     eng.generate(seqs)
@@ -202,7 +210,7 @@ def test_stop_sequences_on_smollm2(smol):
     assert "3." in free.emitted_text
     assert stopped.finish_reason == "stop" and "3." not in stopped.emitted_text
     assert free.emitted_text.startswith(stopped.emitted_text)
-    assert stopped.emitted_text == free.emitted_text[:free.emitted_text.index("3.")]
+    assert stopped.emitted_text == free.emitted_text[: free.emitted_text.index("3.")]
     chunks = [o for o in out["stopped"] if o.chunk_seq is not None]
     assert [o.chunk_seq for o in chunks] == list(range(len(chunks)))
     assert "".join(o.text for o in chunks) == stopped.emitted_text
@@ -228,7 +236,9 @@ def test_packed_linears_serve_the_engine_forward_only(tiny):
     x = torch.tensor([ids(12)])
     with torch.inference_mode():
         before = tiny.model(x).logits
-    eng = engine(tiny, cpu_kernels=False)  # transformers' forward, its layers packed (llama_step packs its own)
+    eng = engine(
+        tiny, cpu_kernels=False
+    )  # transformers' forward, its layers packed (llama_step packs its own)
     if not eng.packed_linears:
         pytest.skip("this torch build has no oneDNN")
     assert eng.packed_linears == sum(type(m) is torch.nn.Linear for m in tiny.model.modules())

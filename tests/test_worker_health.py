@@ -48,25 +48,41 @@ async def until(url: str, want: bool, timeout: float, also=lambda body: True) ->
         status, body = await ready(url)
         if (status == 200) == want and also(body):
             return body, time.monotonic() - started
-        assert time.monotonic() - started < timeout, f"ready stayed {not want} for {timeout} s: {status} {body}"
+        assert time.monotonic() - started < timeout, (
+            f"ready stayed {not want} for {timeout} s: {status} {body}"
+        )
         await asyncio.sleep(0.2)
 
 
 def probe(*args: str) -> tuple[int, str]:
-    done = subprocess.run([sys.executable, "-m", "tokenstream.cli", "ops", "probe", *args], capture_output=True,
-                          text=True, timeout=60, env=dict(os.environ))
+    done = subprocess.run(
+        [sys.executable, "-m", "tokenstream.cli", "ops", "probe", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ),
+    )
     return done.returncode, done.stdout + done.stderr
 
 
 @pytest.mark.heavy  # a broker stopped and started (25 s): `make test-all`
-async def test_a_worker_is_not_ready_while_its_broker_is_away_and_ready_again_after(stack, bootstrap, roles,
-                                                                                  tiny_model):
+async def test_a_worker_is_not_ready_while_its_broker_is_away_and_ready_again_after(
+    stack, bootstrap, roles, tiny_model
+):
     model = f"tiny-health-{uuid.uuid4().hex[:6]}"
     await apply(needed_topics(model), bootstrap)
     port = free_port()
     url = f"http://127.0.0.1:{port}/health/ready"
-    worker = roles.start("worker", "--model", model, "--model-path", str(tiny_model), "--metrics-port", str(port),
-                         name="worker")
+    worker = roles.start(
+        "worker",
+        "--model",
+        model,
+        "--model-path",
+        str(tiny_model),
+        "--metrics-port",
+        str(port),
+        name="worker",
+    )
     # the group check runs every second, so the first ready body may show the group as it was just
     # before the assignment (a rebalance under way: ready, no partitions yet)
     body, _ = await until(url, True, timeout=180, also=holds_partitions)

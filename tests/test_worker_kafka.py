@@ -26,7 +26,16 @@ from gpu_workers.random_model import build
 from gpu_workers.service import Worker
 from gpu_workers.startup import needed_topics, run_worker
 from producers import decode_record, publish, start_producer
-from schemas import Cancel, ChatMessage, Completion, InferenceRequest, SamplingParams, TokenChunk, decode, encode
+from schemas import (
+    Cancel,
+    ChatMessage,
+    Completion,
+    InferenceRequest,
+    SamplingParams,
+    TokenChunk,
+    decode,
+    encode,
+)
 from topics import CONTROL, TOKENS, inference_topic
 from topics.admin import apply
 
@@ -50,9 +59,13 @@ def free_port() -> int:
 
 
 def request(model: str, text: str, max_tokens: int, **sampling) -> InferenceRequest:
-    return InferenceRequest(request_id=f"req-{uuid.uuid4().hex[:10]}", model=model, reply_partition=REPLY,
-                            messages=[ChatMessage(role="user", content=text)],
-                            sampling=SamplingParams(max_tokens=max_tokens, temperature=0, **sampling))
+    return InferenceRequest(
+        request_id=f"req-{uuid.uuid4().hex[:10]}",
+        model=model,
+        reply_partition=REPLY,
+        messages=[ChatMessage(role="user", content=text)],
+        sampling=SamplingParams(max_tokens=max_tokens, temperature=0, **sampling),
+    )
 
 
 class TokenReader:
@@ -63,8 +76,9 @@ class TokenReader:
         self.events: dict[str, list] = defaultdict(list)
 
     async def __aenter__(self):
-        self.consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, **kafka_auth.client_options(),
-                                         enable_auto_commit=False)
+        self.consumer = AIOKafkaConsumer(
+            bootstrap_servers=self.bootstrap, **kafka_auth.client_options(), enable_auto_commit=False
+        )
         await self.consumer.start()
         self.tp = TopicPartition(TOKENS.name, REPLY)
         self.consumer.assign([self.tp])
@@ -78,7 +92,9 @@ class TokenReader:
     async def until(self, done, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
         while not done(self):
-            assert time.monotonic() < deadline, f"timed out; seen {dict((k, len(v)) for k, v in self.events.items())}"
+            assert time.monotonic() < deadline, (
+                f"timed out; seen {dict((k, len(v)) for k, v in self.events.items())}"
+            )
             for records in (await self.consumer.getmany(timeout_ms=200)).values():
                 for rec in records:
                     self.events[rec.key.decode()].append(decode_record(rec, TOKENS))
@@ -107,8 +123,12 @@ def assert_gap_free(reader: TokenReader, rid: str) -> Completion:
 
 async def committed(bootstrap: str, model: str) -> int:
     spec = inference_topic(model)
-    c = AIOKafkaConsumer(bootstrap_servers=bootstrap, **kafka_auth.client_options(),
-                         group_id=f"worker.{model}", enable_auto_commit=False)
+    c = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap,
+        **kafka_auth.client_options(),
+        group_id=f"worker.{model}",
+        enable_auto_commit=False,
+    )
     await c.start()
     try:
         return sum([(await c.committed(TopicPartition(spec.name, p))) or 0 for p in range(spec.partitions)])
@@ -119,8 +139,9 @@ async def committed(bootstrap: str, model: str) -> int:
 async def start_inprocess(cfg: WorkerConfig, loaded, bootstrap: str):
     await apply(needed_topics(cfg.model), bootstrap)  # the operator's step
     stop, ready = asyncio.Event(), asyncio.Event()
-    task = asyncio.create_task(run_worker(cfg, stop, loaded=loaded, bootstrap=bootstrap,
-                                          on_ready=lambda w: ready.set()))
+    task = asyncio.create_task(
+        run_worker(cfg, stop, loaded=loaded, bootstrap=bootstrap, on_ready=lambda w: ready.set())
+    )
     await asyncio.wait_for(ready.wait(), 60)
     return stop, task
 
@@ -154,10 +175,17 @@ async def test_worker_streams_commits_and_exports_metrics(bootstrap, unique, tin
         assert await committed(bootstrap, model) == len(reqs)
         async with httpx.AsyncClient() as client:
             body = (await client.get(f"http://127.0.0.1:{port}/metrics")).text
-        for name in ("vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
-                     "vllm:e2e_request_latency_seconds_count", "vllm:request_queue_time_seconds_count",
-                     "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                     "vllm:prompt_tokens_total", "vllm:generation_tokens_total"):
+        for name in (
+            "vllm:time_to_first_token_seconds_count",
+            "vllm:inter_token_latency_seconds_count",
+            "vllm:e2e_request_latency_seconds_count",
+            "vllm:request_queue_time_seconds_count",
+            "vllm:num_requests_running",
+            "vllm:num_requests_waiting",
+            "vllm:kv_cache_usage_perc",
+            "vllm:prompt_tokens_total",
+            "vllm:generation_tokens_total",
+        ):
             assert name in body
         line = next(x for x in body.splitlines() if x.startswith("vllm:e2e_request_latency_seconds_count"))
         assert float(line.split()[-1]) == 6
@@ -181,8 +209,9 @@ async def test_worker_streams_commits_and_exports_metrics(bootstrap, unique, tin
         await producer.stop()
 
 
-async def test_loading_building_and_every_step_run_on_the_one_torch_thread(bootstrap, unique, tiny_loaded,
-                                                                           monkeypatch):
+async def test_loading_building_and_every_step_run_on_the_one_torch_thread(
+    bootstrap, unique, tiny_loaded, monkeypatch
+):
     """torch's OpenMP gives each thread that opens a parallel region a team of its own, and more OpenMP
     threads than cores throttle every team's barriers (gpu_workers/torch_thread.py): the model's
     loading, the KV pool, the engine's construction and every step run on one thread, and steps do
@@ -280,7 +309,9 @@ async def test_cancel_on_control_topic_ends_request_as_cancelled(bootstrap, uniq
         await producer.stop()
 
 
-async def test_a_cancel_sent_before_the_worker_started_still_stops_its_request(bootstrap, unique, tiny_loaded):
+async def test_a_cancel_sent_before_the_worker_started_still_stops_its_request(
+    bootstrap, unique, tiny_loaded
+):
     """A cancel written while no worker held the request (the gateway's progress deadline during a
     restart or a rebalance) ends it as cancelled on the worker that gets it later, instead of being
     generated in full after its client was told it was cancelled."""
@@ -314,7 +345,9 @@ def wait_for_log(roles, proc, text: str, timeout: float = 90) -> None:
 
 @pytest.mark.slow
 @pytest.mark.heavy  # a kill -9 / scale drill: make test-all, beside the chaos drill (test_chaos.py)
-async def test_kill9_mid_stream_second_worker_finishes_gap_free(bootstrap, unique, roles, tiny_dir, tiny_loaded):
+async def test_kill9_mid_stream_second_worker_finishes_gap_free(
+    bootstrap, unique, roles, tiny_dir, tiny_loaded
+):
     tokenizer = tiny_loaded.tokenizer
     model = f"tiny-{unique}"
     await apply(needed_topics(model), bootstrap)
@@ -361,8 +394,9 @@ async def test_kill9_mid_stream_second_worker_finishes_gap_free(bootstrap, uniqu
 
 @pytest.mark.slow
 @pytest.mark.heavy  # a kill -9 / scale drill: make test-all, beside the chaos drill (test_chaos.py)
-async def test_worker_joining_mid_stream_hands_over_without_gap_or_duplicate(bootstrap, unique, roles, tiny_dir,
-                                                                             tiny_loaded):
+async def test_worker_joining_mid_stream_hands_over_without_gap_or_duplicate(
+    bootstrap, unique, roles, tiny_dir, tiny_loaded
+):
     model = f"tiny-{unique}"
     await apply(needed_topics(model), bootstrap)
     args = ["worker", "--model", model, "--model-path", str(tiny_dir), "--step-delay", "0.05"]
@@ -404,7 +438,9 @@ async def test_records_fetched_across_a_rebalance_that_gives_the_partition_back_
     req = request(model, "hello", 4)
     record = ConsumerRecord(tp.topic, 0, 7, 0, 0, req.request_id.encode(), encode(req), None, 0, 0, [])
     started: list = []
-    engine = SimpleNamespace(queued=0, tokenizer=tiny_loaded.tokenizer, add=started.append, abort=lambda seq: None)
+    engine = SimpleNamespace(
+        queued=0, tokenizer=tiny_loaded.tokenizer, add=started.append, abort=lambda seq: None
+    )
     worker = Worker(WorkerConfig(model=model), engine, WorkerMetrics(model), "127.0.0.1:9")
     stop = asyncio.Event()
 
@@ -492,9 +528,19 @@ async def _revoke_mid_step(worker, tps, seqs, sent) -> None:
     async with worker.step_lock:  # a step is running: the revocation does not wait for it
         await asyncio.wait_for(worker.revoked({tps[0]}), 5)
         await worker._publish([Output(seqs["on-0"], chunk_seq=0, text="A", token_ids=[49])])
-        await worker._publish([Output(seqs["on-0"], chunk_seq=1, text="B", token_ids=[50],
-                                      finish_reason="length", completion_seq=2),
-                               Output(seqs["on-1"], chunk_seq=0, text="C", token_ids=[51])])
+        await worker._publish(
+            [
+                Output(
+                    seqs["on-0"],
+                    chunk_seq=1,
+                    text="B",
+                    token_ids=[50],
+                    finish_reason="length",
+                    completion_seq=2,
+                ),
+                Output(seqs["on-1"], chunk_seq=0, text="C", token_ids=[51]),
+            ]
+        )
     assert [key for key, _ in sent] == ["on-1"]  # the partition still assigned writes; the held one waits
     assert "on-0" in worker.owned  # held, not aborted
 
@@ -513,7 +559,9 @@ async def test_nothing_is_written_for_a_revoked_partition_until_the_next_generat
     written = [decode(value, *TOKENS.events) for key, value in sent if key == "on-0"]
     assert [type(e).__name__ for e in written] == ["TokenChunk", "TokenChunk", "Completion"]
     assert [e.seq for e in written] == [0, 1, 2] and aborted == []
-    assert "on-0" not in worker.owned and tps[0] not in worker.takeover_below  # a kept partition: no takeover read
+    assert (
+        "on-0" not in worker.owned and tps[0] not in worker.takeover_below
+    )  # a kept partition: no takeover read
     await asyncio.gather(*worker.pending_completions)
     assert worker.tracker.committable() == {}  # offset 7 of partition 0 committed past
 
@@ -523,12 +571,22 @@ def _token_log(chunks_of: dict[str, int], worker_id: str = "another"):
     from gpu_workers.recovery import Emitted
 
     async def emitted(wanted):
-        return {rid: Emitted(chunks=[TokenChunk(request_id=rid, seq=i, text="x", worker_id=worker_id)
-                                     for i in range(chunks_of.get(rid, 0))]) for rid, _, _ in wanted}
+        return {
+            rid: Emitted(
+                chunks=[
+                    TokenChunk(request_id=rid, seq=i, text="x", worker_id=worker_id)
+                    for i in range(chunks_of.get(rid, 0))
+                ]
+            )
+            for rid, _, _ in wanted
+        }
+
     return SimpleNamespace(emitted=emitted)
 
 
-async def test_a_held_partition_back_after_a_skipped_generation_is_kept_when_the_log_is_untouched(tiny_loaded):
+async def test_a_held_partition_back_after_a_skipped_generation_is_kept_when_the_log_is_untouched(
+    tiny_loaded,
+):
     """A join whose first sync fails bumps the generation twice: a partition assigned back two generations
     on may still have had no other owner. The tokens topic decides: it holds exactly the chunks this
     worker wrote for the request (none here) and no completion, so the held outputs are written."""
@@ -577,6 +635,7 @@ async def test_a_request_fetched_while_its_partition_is_revoked_and_kept_is_star
         await worker.revoked({tps[0]})
         await worker.assigned(set(tps))  # generation 6, right after 5: kept
         return {rid: Emitted() for rid, _, _ in wanted}
+
     from gpu_workers.recovery import Emitted
 
     worker.tokens = SimpleNamespace(emitted=emitted)
@@ -706,14 +765,27 @@ async def test_a_duplicate_arriving_while_the_original_runs_is_committed(bootstr
 
 @pytest.mark.slow
 @pytest.mark.heavy  # a kill -9 / scale drill: make test-all, beside the chaos drill (test_chaos.py)
-async def test_takeover_of_32_in_flight_requests_resumes_them_together(bootstrap, unique, roles, tiny_dir,
-                                                                      tiny_loaded):
+async def test_takeover_of_32_in_flight_requests_resumes_them_together(
+    bootstrap, unique, roles, tiny_dir, tiny_loaded
+):
     """A worker killed with 32 requests in flight: its successor emits the next token of every one of them
     within 5 s of being assigned their partitions (one read of the tokens topic for all of them)."""
     model = f"tiny-{unique}"
     await apply(needed_topics(model), bootstrap)
-    a = roles.start("worker", "--model", model, "--model-path", str(tiny_dir), "--step-delay", "0.1",
-                    "--max-running", "32", "--worker-id", "A", name="worker-A")
+    a = roles.start(
+        "worker",
+        "--model",
+        model,
+        "--model-path",
+        str(tiny_dir),
+        "--step-delay",
+        "0.1",
+        "--max-running",
+        "32",
+        "--worker-id",
+        "A",
+        name="worker-A",
+    )
     await asyncio.to_thread(wait_for_log, roles, a, "worker ready")
     producer = await start_producer(bootstrap)
     stop = None
@@ -729,9 +801,15 @@ async def test_takeover_of_32_in_flight_requests_resumes_them_together(bootstrap
             assigned_at: list[float] = []
             cfg = WorkerConfig(model=model, max_running=32, max_waiting=32, prefill_chunk=4096, worker_id="B")
             stop, ready = asyncio.Event(), asyncio.Event()
-            task = asyncio.create_task(run_worker(cfg, stop, loaded=tiny_loaded, bootstrap=bootstrap,
-                                                  on_ready=lambda w: (assigned_at.append(time.monotonic()),
-                                                                      ready.set())))
+            task = asyncio.create_task(
+                run_worker(
+                    cfg,
+                    stop,
+                    loaded=tiny_loaded,
+                    bootstrap=bootstrap,
+                    on_ready=lambda w: (assigned_at.append(time.monotonic()), ready.set()),
+                )
+            )
             first_by_b: dict[str, float] = {}
 
             def resumed(rd) -> bool:
@@ -742,7 +820,9 @@ async def test_takeover_of_32_in_flight_requests_resumes_them_together(bootstrap
 
             await reader.until(resumed, timeout=120)
             slowest = max(first_by_b.values()) - assigned_at[0]
-            assert slowest < 5.0, f"the last of 32 taken-over requests resumed {slowest:.1f}s after assignment"
+            assert slowest < 5.0, (
+                f"the last of 32 taken-over requests resumed {slowest:.1f}s after assignment"
+            )
             await reader.until(lambda rd: rd.all_complete(rids), timeout=120)
         for x in rids:  # and each still one gap-free, duplicate-free sequence: A...A then B...B
             assert_gap_free(reader, x)
@@ -761,10 +841,13 @@ async def test_the_worker_benchmark_reads_every_answer_through_its_own_client_pr
     gateway does; every request's tokens and first-token time come back from it."""
     from bench.worker import Work, run_worker_bench
 
-    work = [Work(f"bench-{i}", 0.05 * i, [{"role": "user", "content": f"count to {i + 3}"}], 4 + i)
-            for i in range(6)]
-    res = await asyncio.wait_for(run_worker_bench(tiny_loaded, work, bootstrap, max_running=4, prefill_chunk=64),
-                                 180)
+    work = [
+        Work(f"bench-{i}", 0.05 * i, [{"role": "user", "content": f"count to {i + 3}"}], 4 + i)
+        for i in range(6)
+    ]
+    res = await asyncio.wait_for(
+        run_worker_bench(tiny_loaded, work, bootstrap, max_running=4, prefill_chunk=64), 180
+    )
     assert sorted(res.outputs) == sorted(w.rid for w in work)
     for w in work:
         assert 1 <= len(res.outputs[w.rid]) <= w.max_tokens

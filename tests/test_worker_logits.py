@@ -47,14 +47,19 @@ def test_reported_logprobs_are_the_models_before_shaping():
     expected = torch.log_softmax(torch.tensor([1.0, 2.0, 3.0]), -1).tolist()
     token, logprob, top = reported.of(0, 0)
     assert token == 0 and logprob == pytest.approx(expected[0])
-    assert [t for t, _ in top] == [2, 1] and [lp for _, lp in top] == pytest.approx([expected[2], expected[1]])
+    assert [t for t, _ in top] == [2, 1] and [lp for _, lp in top] == pytest.approx(
+        [expected[2], expected[1]]
+    )
     assert reported.of(1, 0) is None  # a row that asked for nothing
 
 
 def test_engine_reports_each_streamed_token_and_honours_bias_and_penalties(smol):
     tok = smol.tokenizer
-    prompt = tok.apply_chat_template([{"role": "user", "content": "Write a short poem about the sea."}],
-                                     add_generation_prompt=True, tokenize=True)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "Write a short poem about the sea."}],
+        add_generation_prompt=True,
+        tokenize=True,
+    )
     prompt = list(prompt if isinstance(prompt, list) else prompt["input_ids"])
 
     def run(**kw) -> tuple[Sequence, list]:
@@ -66,9 +71,11 @@ def test_engine_reports_each_streamed_token_and_honours_bias_and_penalties(smol)
     plain, _ = run()
     seq, reported = run(logprobs=4)
     assert seq.generated == plain.generated  # asking for a report changes nothing
-    assert [r[0] for r in reported] == seq.generated[:len(reported)] and len(reported) >= len(seq.generated) - 1
+    assert [r[0] for r in reported] == seq.generated[: len(reported)] and len(reported) >= len(
+        seq.generated
+    ) - 1
     with torch.no_grad():  # the reference: the model's own next-token distribution at each position
-        logits = smol.model(torch.tensor([prompt + seq.generated])).logits[0, len(prompt) - 1:-1].float()
+        logits = smol.model(torch.tensor([prompt + seq.generated])).logits[0, len(prompt) - 1 : -1].float()
     for i, (token, logprob, top) in enumerate(reported):
         ref = torch.log_softmax(logits[i], -1)
         assert logprob == pytest.approx(float(ref[token]), abs=1e-3)
@@ -81,8 +88,9 @@ def test_engine_reports_each_streamed_token_and_honours_bias_and_penalties(smol)
     assert biased.generated == [wave] * 12
     penalised, _ = run(presence_penalty=2.0, frequency_penalty=2.0)
     assert penalised.generated != plain.generated
-    assert max(penalised.generated.count(t) for t in penalised.generated) <= \
-        max(plain.generated.count(t) for t in plain.generated)
+    assert max(penalised.generated.count(t) for t in penalised.generated) <= max(
+        plain.generated.count(t) for t in plain.generated
+    )
 
 
 def test_token_texts_give_a_split_characters_own_bytes(smol):

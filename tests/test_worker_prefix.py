@@ -42,14 +42,20 @@ def test_incremental_detokenizer_equals_full_decode_at_every_token():
     streamed = ""
     for i, t in enumerate(ids):
         streamed += d.add(t)
-        full = tok.decode(ids[:i + 1], skip_special_tokens=True)
+        full = tok.decode(ids[: i + 1], skip_special_tokens=True)
         assert full.startswith(streamed), (i, streamed, full)
-        assert streamed == full or full.endswith("\ufffd"), (i, streamed, full)  # only a split character waits
+        assert streamed == full or full.endswith("\ufffd"), (
+            i,
+            streamed,
+            full,
+        )  # only a split character waits
     assert streamed == tok.decode(ids, skip_special_tokens=True)
     # resuming from emitted tokens (takeover) continues with the same text
     r = Detokenizer(tok, ids[:9])
     rest = "".join(r.add(t) for t in ids[9:])
-    assert r.text == streamed and streamed.startswith(tok.decode(ids[:9], skip_special_tokens=True).rstrip("\ufffd"))
+    assert r.text == streamed and streamed.startswith(
+        tok.decode(ids[:9], skip_special_tokens=True).rstrip("\ufffd")
+    )
     assert rest
 
 
@@ -58,7 +64,7 @@ def test_batched_sampling_depends_only_on_seed_and_index():
     logits = torch.randn(5, 1000)
     params = [(0.9, 0.95, 11, 3), (0.0, 1.0, 1, 0), (1.2, 1.0, 11, 3), (0.9, 0.95, 11, 4), (0.9, 0.95, 12, 3)]
     together = sample(logits, params)
-    alone = [sample(logits[i:i + 1], [p])[0] for i, p in enumerate(params)]
+    alone = [sample(logits[i : i + 1], [p])[0] for i, p in enumerate(params)]
     assert together == alone
     assert together[1] == int(logits[1].argmax())
     assert sample(logits[[4, 0]], [params[4], params[0]]) == [together[4], together[0]]
@@ -79,7 +85,9 @@ def test_prefix_pages_chain_by_tenant_and_evict_lru(tiny):
     tokens = list(range(100, 120))
     assert page_hashes(tokens, "a", 4)[:2] == page_hashes(tokens[:9], "a", 4)[:2]
     assert page_hashes(tokens, "a", 4)[0] != page_hashes(tokens, "b", 4)[0]
-    assert page_hashes([1, 2, 3, 4, 5, 6, 7, 8], "a", 4)[1] != page_hashes([9, 2, 3, 4, 5, 6, 7, 8], "a", 4)[1]
+    assert (
+        page_hashes([1, 2, 3, 4, 5, 6, 7, 8], "a", 4)[1] != page_hashes([9, 2, 3, 4, 5, 6, 7, 8], "a", 4)[1]
+    )
     kv = cache.storage(20)
     for layer in kv:
         layer.copy_(torch.randn_like(layer))
@@ -100,7 +108,10 @@ def test_turn_two_prefills_only_new_tokens_with_identical_greedy_output(tiny):
     def conversation(eng, tenant="t"):
         a = Sequence("a", chat(tok, turn1), max_tokens=20, temperature=0, tenant=tenant)
         eng.generate([a])
-        msgs = turn1 + [{"role": "assistant", "content": a.emitted_text}, {"role": "user", "content": "More."}]
+        msgs = turn1 + [
+            {"role": "assistant", "content": a.emitted_text},
+            {"role": "user", "content": "More."},
+        ]
         b = Sequence("b", chat(tok, msgs), max_tokens=20, temperature=0, tenant=tenant)
         eng.generate([b])
         return a, b
@@ -150,12 +161,18 @@ def test_requests_admitted_together_share_the_prefix_one_of_them_prefills(tiny):
         eng.generate(seqs)
         return seqs
 
-    reuse, alone = batch(engine(tiny, prefill_chunk=512)), batch(engine(tiny, prefill_chunk=512, prefix_cache=False))
+    reuse, alone = (
+        batch(engine(tiny, prefill_chunk=512)),
+        batch(engine(tiny, prefill_chunk=512, prefix_cache=False)),
+    )
     assert [s.generated for s in reuse] == [s.generated for s in alone]
     # the first prefills the 200 shared tokens; the other two wait one step and take its 12 full pages
     assert [s.cached_tokens for s in reuse] == [0, 192, 192, 0]
     assert all(s.cached_tokens == 0 for s in alone)
-    assert reuse[1].first_token_at > reuse[0].first_token_at and reuse[3].first_token_at == reuse[0].first_token_at
+    assert (
+        reuse[1].first_token_at > reuse[0].first_token_at
+        and reuse[3].first_token_at == reuse[0].first_token_at
+    )
 
 
 def test_slots_keep_short_and_long_requests_apart_and_release_long_ones(tiny):

@@ -27,10 +27,16 @@ def sandbox_root() -> Path:
 
 
 def tools_env(root: Path, **extra: str) -> dict[str, str]:
-    env = {"TOKENSTREAM_TOOLS_SANDBOX_DIR": str(root), "TOKENSTREAM_TOOLS_CPU_S": "3",
-           "TOKENSTREAM_TOOLS_WALL_S": "8", "TOKENSTREAM_TOOLS_MEMORY_MB": "256",
-           "TOKENSTREAM_TOOLS_OUTPUT_KB": "16", "TOKENSTREAM_TOOLS_FILE_MB": "1",
-           "TOKENSTREAM_TOOLS_PROCESSES": "16", "TOKENSTREAM_TOOLS_CLAIM_LEASE_S": "3"}
+    env = {
+        "TOKENSTREAM_TOOLS_SANDBOX_DIR": str(root),
+        "TOKENSTREAM_TOOLS_CPU_S": "3",
+        "TOKENSTREAM_TOOLS_WALL_S": "8",
+        "TOKENSTREAM_TOOLS_MEMORY_MB": "256",
+        "TOKENSTREAM_TOOLS_OUTPUT_KB": "16",
+        "TOKENSTREAM_TOOLS_FILE_MB": "1",
+        "TOKENSTREAM_TOOLS_PROCESSES": "16",
+        "TOKENSTREAM_TOOLS_CLAIM_LEASE_S": "3",
+    }
     env.update(extra)
     return env
 
@@ -38,9 +44,14 @@ def tools_env(root: Path, **extra: str) -> dict[str, str]:
 def code_call(code: str, conversation: str = "", request_id: str = "", tenant: str = "t-test") -> ToolCall:
     import json
 
-    return ToolCall(request_id=request_id or f"req-{uuid.uuid4().hex[:10]}", call_id=f"call-{uuid.uuid4().hex}",
-                    conversation_id=conversation or f"conv-{uuid.uuid4().hex[:8]}", tenant=tenant,
-                    name="code_interpreter", arguments=json.dumps({"code": code}))
+    return ToolCall(
+        request_id=request_id or f"req-{uuid.uuid4().hex[:10]}",
+        call_id=f"call-{uuid.uuid4().hex}",
+        conversation_id=conversation or f"conv-{uuid.uuid4().hex[:8]}",
+        tenant=tenant,
+        name="code_interpreter",
+        arguments=json.dumps({"code": code}),
+    )
 
 
 class ToolBus:

@@ -44,7 +44,17 @@ from tests.topic_map_resolve import (
 from topics import registry
 from topics.registry import Role, TopicSpec
 
-__all__ = ["ANY", "MODEL", "ROLE_PACKAGES", "SHARED", "Derived", "Flow", "compare", "derive", "registry_flows"]
+__all__ = [
+    "ANY",
+    "MODEL",
+    "ROLE_PACKAGES",
+    "SHARED",
+    "Derived",
+    "Flow",
+    "compare",
+    "derive",
+    "registry_flows",
+]
 
 ROOT = Path(__file__).resolve().parent.parent
 ANY = "*"  # the topic of a registry-driven read
@@ -61,8 +71,14 @@ ROLE_PACKAGES: dict[Role, tuple[str, ...]] = {
 }
 #: Libraries the roles share: what they write on a caller's behalf is attributed to the caller
 #: (typed, dead_letter, events); tests check they write nothing else.
-SHARED = ("producers", "processors/faust_app.py", "processors/delivery.py", "processors/effects.py",
-          "processors/cli.py", "processors/__init__.py")
+SHARED = (
+    "producers",
+    "processors/faust_app.py",
+    "processors/delivery.py",
+    "processors/effects.py",
+    "processors/cli.py",
+    "processors/__init__.py",
+)
 
 
 @dataclass(frozen=True, order=True)
@@ -112,7 +128,7 @@ class Sites(ast.NodeVisitor):
             self._decorator(deco)
         self.frames.append(frame)
         self.functions.append(getattr(node, "name", "<lambda>"))
-        for child in (node.body if not isinstance(node, ast.Lambda) else [node.body]):
+        for child in node.body if not isinstance(node, ast.Lambda) else [node.body]:
             self.visit(child)
         self.functions.pop()
         self.frames.pop()
@@ -130,7 +146,9 @@ class Sites(ast.NodeVisitor):
 
     def _unresolved(self, node: ast.AST) -> None:
         source = ast.unparse(node)
-        self.out.unresolved.append((self.module.rel, node.lineno, source if len(source) <= 60 else source[:57] + "..."))
+        self.out.unresolved.append(
+            (self.module.rel, node.lineno, source if len(source) <= 60 else source[:57] + "...")
+        )
 
     def _flow(self, kind: str, value: object | None, node: ast.AST, group: str | None = None) -> None:
         if not isinstance(value, Topics):
@@ -159,7 +177,8 @@ class Sites(ast.NodeVisitor):
 
     def visit_Compare(self, node: ast.Compare) -> None:
         if any(isinstance(op, ast.In) for op in node.ops) and any(
-                isinstance(c, ast.Attribute) and c.attr == "readers" for c in node.comparators):
+            isinstance(c, ast.Attribute) and c.attr == "readers" for c in node.comparators
+        ):
             self._read(Topics(frozenset({ANY})), node, Str(None))
         self.generic_visit(node)
 
@@ -198,8 +217,9 @@ class Sites(ast.NodeVisitor):
             consumer = scope.resolve(node)
             assert isinstance(consumer, Consumer)
             for arg in args:
-                self._read(scope.resolve(arg.value if isinstance(arg, ast.Starred) else arg), node,
-                           consumer.group)
+                self._read(
+                    scope.resolve(arg.value if isinstance(arg, ast.Starred) else arg), node, consumer.group
+                )
         elif name == "subscribe" and not bare:
             consumer = scope.resolve(node.func.value)
             names = args[0] if args else keywords.get("topics")
@@ -221,13 +241,18 @@ def role_of(rel: str, packages: dict[Role, tuple[str, ...]]) -> Role | None:
     best: tuple[int, Role] | None = None
     for role, prefixes in packages.items():
         for prefix in prefixes:
-            if (rel == prefix or rel.startswith(prefix.rstrip("/") + "/")) and (best is None or len(prefix) > best[0]):
+            if (rel == prefix or rel.startswith(prefix.rstrip("/") + "/")) and (
+                best is None or len(prefix) > best[0]
+            ):
                 best = (len(prefix), role)
     return best[1] if best else None
 
 
-def derive(root: Path = ROOT, packages: dict[Role, tuple[str, ...]] = ROLE_PACKAGES,
-           only: tuple[str, ...] | None = None) -> Derived:
+def derive(
+    root: Path = ROOT,
+    packages: dict[Role, tuple[str, ...]] = ROLE_PACKAGES,
+    only: tuple[str, ...] | None = None,
+) -> Derived:
     """Every write and read the code of each role's package makes (or, with `only`, of those paths,
     attributed to no role: the shared libraries)."""
     project, out = Project(root), Derived()
@@ -253,6 +278,10 @@ def compare(code: set[Flow], mapped: set[Flow]) -> tuple[set[Flow], set[Flow]]:
     registry gives it (ANY) reads, by construction, every topic the map has it read group-less."""
     driven = {f.role for f in code if f.topic == ANY}
     named = {(f.role, f.topic) for f in code if f.kind == "reads"}  # read by name besides (the ledger)
-    mapped = {Flow("reads", ANY, f.role) if f.kind == "reads" and f.role in driven and f.group is None
-              and (f.role, f.topic) not in named else f for f in mapped}
+    mapped = {
+        Flow("reads", ANY, f.role)
+        if f.kind == "reads" and f.role in driven and f.group is None and (f.role, f.topic) not in named
+        else f
+        for f in mapped
+    }
     return code - mapped, mapped - code

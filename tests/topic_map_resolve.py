@@ -90,8 +90,7 @@ def bindings(body: ast.AST, out: dict[str, list[ast.expr]], self_only: bool = Fa
                     pairs += list(zip(target.elts, value.elts))
                 continue
             key = _dotted(target)
-            if key is None or (self_only and not key.startswith("self.")) or (
-                    not self_only and "." in key):
+            if key is None or (self_only and not key.startswith("self.")) or (not self_only and "." in key):
                 continue
             out.setdefault(key, []).append(value)
 
@@ -150,8 +149,9 @@ class Module:
 class Scope:
     """Where an expression is resolved: its functions' bindings (innermost last), its class's."""
 
-    def __init__(self, module: Module, frames: list[dict[str, list[ast.expr]]],
-                 cls: dict[str, list[ast.expr]]) -> None:
+    def __init__(
+        self, module: Module, frames: list[dict[str, list[ast.expr]]], cls: dict[str, list[ast.expr]]
+    ) -> None:
         self.module, self.frames, self.cls = module, frames, cls
 
     def lookup(self, key: str, depth: int) -> object | None:
@@ -181,7 +181,8 @@ class Scope:
             if isinstance(node.value, ast.Name) and node.value.id == "self":
                 return self.lookup(f"self.{node.attr}", depth)
             if isinstance(node.value, ast.Name) and self.module.imports.get(node.value.id) in (
-                    (m, None) for m in REGISTRY_MODULES):
+                (m, None) for m in REGISTRY_MODULES
+            ):
                 return _from_registry(node.attr)  # import topics.registry as r; r.TOKENS
             if node.attr == "name":
                 value = self.resolve(node.value, depth + 1)
@@ -221,4 +222,3 @@ class Scope:
     def _str(self, node: ast.expr | None, depth: int) -> Str | None:
         value = self.resolve(node, depth + 1)
         return value if isinstance(value, Str) else None
-

@@ -42,9 +42,16 @@ async def voice_round_trip(gateway: str, tmp_path: Path, interrupt: bool = True)
     """Ask by voice and hear the answer; with `interrupt`, ask again and press stop while it is spoken."""
     recording = tmp_path / "question.wav"
     seconds = with_silence(spoken(QUESTION), recording, SILENCE_S)
-    browser = Chromium(tmp_path / "profile", CHROMIUM, extra_args=(
-        "--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream",
-        f"--use-file-for-fake-audio-capture={recording}", "--autoplay-policy=no-user-gesture-required"))
+    browser = Chromium(
+        tmp_path / "profile",
+        CHROMIUM,
+        extra_args=(
+            "--use-fake-ui-for-media-stream",
+            "--use-fake-device-for-media-stream",
+            f"--use-file-for-fake-audio-capture={recording}",
+            "--autoplay-policy=no-user-gesture-required",
+        ),
+    )
     try:
         await asyncio.to_thread(browser.connect)
 
@@ -55,8 +62,10 @@ async def voice_round_trip(gateway: str, tmp_path: Path, interrupt: bool = True)
             try:
                 return await asyncio.to_thread(browser.wait_for, expr, timeout)
             except TimeoutError:
-                raise AssertionError(f"{expr}: not within {timeout:.0f} s; the voice log: "
-                                     f"{await js(LOG)}; status: {await js(STATUS)}") from None
+                raise AssertionError(
+                    f"{expr}: not within {timeout:.0f} s; the voice log: "
+                    f"{await js(LOG)}; status: {await js(STATUS)}"
+                ) from None
 
         async def hold_to_talk() -> None:
             """Press the button, hold it while the question plays into the microphone, release it."""
@@ -75,8 +84,10 @@ async def voice_round_trip(gateway: str, tmp_path: Path, interrupt: bool = True)
         speaking = tmp_path / "voice-mode.png"  # the transcribed question, the answer being spoken
         await asyncio.to_thread(browser.screenshot, speaking)
         await wait_for(f"{LOG}.some(e => e.what === 'answer-done')", 180)
-        await wait_for(f"{LOG}.filter(e => e.what === 'played').length === "
-                       f"{LOG}.filter(e => e.what === 'speak').length", 120)
+        await wait_for(
+            f"{LOG}.filter(e => e.what === 'played').length === {LOG}.filter(e => e.what === 'speak').length",
+            120,
+        )
         log = await js(LOG)
         [transcript] = kinds(log, "transcript")
         assert wer(QUESTION, transcript["text"]) < 0.2, transcript
@@ -100,10 +111,14 @@ async def voice_round_trip(gateway: str, tmp_path: Path, interrupt: bool = True)
         await wait_for("document.body.dataset.state === 'idle'")
         assert await js("window.tokenstreamVoice.audio === null && !window.tokenstreamVoice.speaking")
         # a typed question (never spoken) answered to its end is the marker after which to look
-        await js(f"document.getElementById('input').value = {json.dumps('Say hi.')};"
-                 "document.getElementById('send').click()")
-        await wait_for("document.querySelectorAll('.assistant').length === 3 && "
-                       "document.body.dataset.state === 'idle'", 120)
+        await js(
+            f"document.getElementById('input').value = {json.dumps('Say hi.')};"
+            "document.getElementById('send').click()"
+        )
+        await wait_for(
+            "document.querySelectorAll('.assistant').length === 3 && document.body.dataset.state === 'idle'",
+            120,
+        )
         log = await js(LOG)
         stopped = kinds(log, "interrupted")[-1]["t"]
         assert not [e for e in log if e["t"] > stopped and e["what"] in ("speak", "play", "played")], log

@@ -25,9 +25,14 @@ from tokenstream.stack_cli import (
 )
 from tokenstream.stack_cli import app as stack_app
 
-app = typer.Typer(help="tokenstream: LLM serving as an event-driven pipeline over Apache Kafka.",
-                  no_args_is_help=True, add_completion=False)
-topics_app = typer.Typer(help="The topic registry, applied to and read from the cluster.", no_args_is_help=True)
+app = typer.Typer(
+    help="tokenstream: LLM serving as an event-driven pipeline over Apache Kafka.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+topics_app = typer.Typer(
+    help="The topic registry, applied to and read from the cluster.", no_args_is_help=True
+)
 app.add_typer(stack_app, name="stack")
 app.add_typer(topics_app, name="topics")
 app.add_typer(keys_app, name="keys")
@@ -40,8 +45,13 @@ def _say(message: str) -> None:
 
 
 @app.callback()
-def _everywhere(region: str = typer.Option(None, "--region", help="run the command as this local region's "
-                                           "(`stack up --regions`): its stack, its keys, its roles")) -> None:
+def _everywhere(
+    region: str = typer.Option(
+        None,
+        "--region",
+        help="run the command as this local region's (`stack up --regions`): its stack, its keys, its roles",
+    ),
+) -> None:
     """The option is applied by main() before anything reads the settings (see _apply_region)."""
 
 
@@ -57,13 +67,16 @@ def _apply_region(argv: list[str]) -> None:
         return
     names = regions.recorded()
     if value not in names:
-        raise SystemExit(f"--region {value}: no such local region (run `tokenstream stack up --regions "
-                         f"{value},...`; recorded: {', '.join(names) or 'none'})")
+        raise SystemExit(
+            f"--region {value}: no such local region (run `tokenstream stack up --regions "
+            f"{value},...`; recorded: {', '.join(names) or 'none'})"
+        )
     use(regions.environment(regions.region_settings(value, names)))
 
 
-system_app = typer.Typer(help="The whole system locally: the stack, the topics and every role.",
-                         no_args_is_help=True)
+system_app = typer.Typer(
+    help="The whole system locally: the stack, the topics and every role.", no_args_is_help=True
+)
 app.add_typer(system_app, name="system")
 
 
@@ -95,7 +108,9 @@ def _system_up() -> None:
     port = settings().gateway_port
     key_file = settings().data_dir / "local-api-key"
     key = local_key(key_file)
-    _say(f"\n[bold]chat page:[/] http://127.0.0.1:{port}   [bold]OpenAI base URL:[/] http://127.0.0.1:{port}/v1")
+    _say(
+        f"\n[bold]chat page:[/] http://127.0.0.1:{port}   [bold]OpenAI base URL:[/] http://127.0.0.1:{port}/v1"
+    )
     _say(f"[bold]API key[/] (tenant local, paid, admin; kept in {key_file}): {key}")
     _say(f"[bold]chat page, signed in:[/] http://127.0.0.1:{port}/#key={key}")
     _say("logs: " + str(Stack.default().kafka.log_dir) + "   stop: make stop (or tokenstream system down)")
@@ -128,7 +143,9 @@ def _specs(models: list[str] | None):
 
 
 @topics_app.command("apply")
-def topics_apply(model: list[str] = typer.Option(None, help="models to serve (default: TOKENSTREAM_MODELS)")) -> None:
+def topics_apply(
+    model: list[str] = typer.Option(None, help="models to serve (default: TOKENSTREAM_MODELS)"),
+) -> None:
     """Create or update every topic of the registry (idempotent)."""
     from topics.admin import apply
 
@@ -142,11 +159,19 @@ def topics_apply(model: list[str] = typer.Option(None, help="models to serve (de
 
 
 @topics_app.command("describe")
-def topics_describe(model: list[str] = typer.Option(None, help="models served"),
-                    flow: bool = typer.Option(False, "--flow", help="the way of a request: who writes and "
-                                              "reads each topic (from the registry; no broker needed)"),
-                    access: bool = typer.Option(False, "--access", help="each broker user's grants, from the "
-                                                "registry, and whether the broker holds them")) -> None:
+def topics_describe(
+    model: list[str] = typer.Option(None, help="models served"),
+    flow: bool = typer.Option(
+        False,
+        "--flow",
+        help="the way of a request: who writes and reads each topic (from the registry; no broker needed)",
+    ),
+    access: bool = typer.Option(
+        False,
+        "--access",
+        help="each broker user's grants, from the registry, and whether the broker holds them",
+    ),
+) -> None:
     """Partitions, configs and end offsets of every registered topic."""
     if access:
         _access_table(model)
@@ -166,8 +191,14 @@ def topics_describe(model: list[str] = typer.Option(None, help="models served"),
     for info in infos:
         spec = specs[info.name]
         configs = "\n".join(f"{k}={v}" for k, v in sorted(info.configs.items())) or "(defaults)"
-        table.add_row(info.name, str(info.partitions), spec.key,
-                      ", ".join(e.__name__ for e in spec.events), configs, f"{info.end_offsets:,}")
+        table.add_row(
+            info.name,
+            str(info.partitions),
+            spec.key,
+            ", ".join(e.__name__ for e in spec.events),
+            configs,
+            f"{info.end_offsets:,}",
+        )
     for name in specs.keys() - found:
         table.add_row(name, "[red]missing[/]", specs[name].key, "", "run `tokenstream topics apply`", "")
     console.print(table)
@@ -185,18 +216,27 @@ def _access_table(model: list[str] | None) -> None:
             rows.setdefault((g.resource, g.name + ("*" if g.pattern == "prefixed" else "")), []).append(g)
         for (resource, name), grants in rows.items():
             missing = [g.operation for g in grants if g not in held]
-            table.add_row(user, resource, name, ", ".join(g.operation for g in grants),
-                          f"[red]missing {', '.join(missing)}[/]" if missing else "yes")
+            table.add_row(
+                user,
+                resource,
+                name,
+                ", ".join(g.operation for g in grants),
+                f"[red]missing {', '.join(missing)}[/]" if missing else "yes",
+            )
     console.print(table)
 
 
 @topics_app.command("export")
-def topics_export(fmt: str = typer.Option("strimzi", "--format",
-                                          help="strimzi: KafkaTopic resources; strimzi-users: KafkaUser "
-                                               "resources, one per role, with its ACLs"),
-                  model: list[str] = typer.Option(None, help="models served (default: TOKENSTREAM_MODELS)"),
-                  cluster: str = typer.Option("tokenstream", help="the Strimzi Kafka cluster's name"),
-                  replicas: int = typer.Option(3, help="replication factor in the cluster")) -> None:
+def topics_export(
+    fmt: str = typer.Option(
+        "strimzi",
+        "--format",
+        help="strimzi: KafkaTopic resources; strimzi-users: KafkaUser resources, one per role, with its ACLs",
+    ),
+    model: list[str] = typer.Option(None, help="models served (default: TOKENSTREAM_MODELS)"),
+    cluster: str = typer.Option("tokenstream", help="the Strimzi Kafka cluster's name"),
+    replicas: int = typer.Option(3, help="replication factor in the cluster"),
+) -> None:
     """Print the registry as Kubernetes resources (YAML), for Strimzi's Topic and User Operators."""
     from topics.export import strimzi_topics, strimzi_users, to_yaml
 
@@ -210,8 +250,11 @@ def topics_export(fmt: str = typer.Option("strimzi", "--format",
 
 
 @topics_app.command("grow")
-def topics_grow(topic: str, partitions: int = typer.Option(..., help="the new partition count"),
-                yes: bool = typer.Option(False, "--yes", help="also grow topics holding table state by key")) -> None:
+def topics_grow(
+    topic: str,
+    partitions: int = typer.Option(..., help="the new partition count"),
+    yes: bool = typer.Option(False, "--yes", help="also grow topics holding table state by key"),
+) -> None:
     """Grow a topic's partitions, and those of every topic co-partitioned with it, together."""
     from topics.admin import grow
     from topics.registry import KEYED_STATE, co_partitioned
@@ -219,10 +262,13 @@ def topics_grow(topic: str, partitions: int = typer.Option(..., help="the new pa
     names = co_partitioned(topic)
     keyed = sorted(KEYED_STATE & set(names))
     if keyed and not yes:
-        console.print(f"[red]refused:[/] growing {', '.join(names)} moves existing keys of {', '.join(keyed)} to "
-                      "other partitions, so processors no longer find rows (conversation histories) where their "
-                      "next events arrive. Stop the processors, grow with --yes, and accept that history rows "
-                      "start afresh; see docs/operators.md.", highlight=False)
+        console.print(
+            f"[red]refused:[/] growing {', '.join(names)} moves existing keys of {', '.join(keyed)} to "
+            "other partitions, so processors no longer find rows (conversation histories) where their "
+            "next events arrive. Stop the processors, grow with --yes, and accept that history rows "
+            "start afresh; see docs/operators.md.",
+            highlight=False,
+        )
         raise typer.Exit(2)
     try:
         changes = asyncio.run(grow(names, partitions, settings().kafka_bootstrap))
@@ -235,10 +281,14 @@ def topics_grow(topic: str, partitions: int = typer.Option(..., help="the new pa
     console.print(table)
 
 
-bench_app = typer.Typer(help="Benchmarks: each prints its figures beside its baseline, measured in the same run.",
-                        no_args_is_help=True)
+bench_app = typer.Typer(
+    help="Benchmarks: each prints its figures beside its baseline, measured in the same run.",
+    no_args_is_help=True,
+)
 app.add_typer(bench_app, name="bench")
-processor_app = typer.Typer(help="The stateless stream processors (faust-streaming agents).", no_args_is_help=True)
+processor_app = typer.Typer(
+    help="The stateless stream processors (faust-streaming agents).", no_args_is_help=True
+)
 app.add_typer(processor_app, name="processor")
 
 # Each role brings its own commands from a light `cli` module (heavy imports such as torch
@@ -290,7 +340,8 @@ def _register() -> None:
     for (parent, name), target in PASS_THROUGH.items():
         module, func = target.split(":")
         parent.command(name, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(
-            getattr(importlib.import_module(module), func))
+            getattr(importlib.import_module(module), func)
+        )
     for name, target in TOOL_APPS.items():
         module, attr = target.split(":")
         app.add_typer(getattr(importlib.import_module(module), attr), name=name)
@@ -299,9 +350,15 @@ def _register() -> None:
 # The broker user each role's command runs as (its ACLs: topics/access.py); every other command is the
 # operator's and runs as admin. TOKENSTREAM_KAFKA_USER, when set, wins (common/kafka_auth.py).
 BROKER_USERS = {
-    ("worker",): "worker", ("gateway",): "gateway", ("tools",): "tools",
-    ("processor", "conversation"): "conversation", ("processor", "safety"): "safety",
-    ("processor", "router"): "router", ("audit",): "audit", ("route",): "operator", ("shadow",): "operator",
+    ("worker",): "worker",
+    ("gateway",): "gateway",
+    ("tools",): "tools",
+    ("processor", "conversation"): "conversation",
+    ("processor", "safety"): "safety",
+    ("processor", "router"): "router",
+    ("audit",): "audit",
+    ("route",): "operator",
+    ("shadow",): "operator",
 }
 
 
@@ -323,7 +380,13 @@ def main() -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     argv = sys.argv[1:]
-    words = argv[1:] if argv[:1] and argv[0].startswith("--region=") else argv[2:] if argv[:1] == ["--region"] else argv
+    words = (
+        argv[1:]
+        if argv[:1] and argv[0].startswith("--region=")
+        else argv[2:]
+        if argv[:1] == ["--region"]
+        else argv
+    )
     kafka_auth.act_as(_broker_user(words))
     _apply_region(argv)
     use_brokers(None)  # the local stack's cluster, when `stack up --brokers` made one

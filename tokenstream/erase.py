@@ -53,21 +53,39 @@ def _owned(client: redis.Redis, keys: list[str], tenant: str) -> list[str]:
 
 def _hashes(client: redis.Redis, prefix: str) -> list[str]:
     """The hashes named `<prefix><id>` (not those under a longer prefix such as `<prefix>items:`)."""
-    return [k for k in map(_text, client.scan_iter(match=f"{prefix}*", count=1000, _type="HASH"))
-            if ":" not in k.removeprefix(prefix)]
+    return [
+        k
+        for k in map(_text, client.scan_iter(match=f"{prefix}*", count=1000, _type="HASH"))
+        if ":" not in k.removeprefix(prefix)
+    ]
 
 
 def _durable_records(client: redis.Redis, tenant: str, conversation: str | None, done: Erasure) -> None:
-    convs = _owned(client, [K.conversation(conversation)] if conversation is not None
-                   else _hashes(client, K.conversation("")), tenant)
+    convs = _owned(
+        client,
+        [K.conversation(conversation)] if conversation is not None else _hashes(client, K.conversation("")),
+        tenant,
+    )
     for key in convs:
         conv = key.removeprefix(K.conversation(""))
-        done.count("conversations", client.delete(key, K.conversation_items(conv), K.conversation_order(conv),
-                                                  K.conversation_busy(conv)) and 1)
-    containers = _owned(client, [K.container(K.container_id(conversation))] if conversation is not None
-                        else _hashes(client, K.container("")), tenant)
+        done.count(
+            "conversations",
+            client.delete(
+                key, K.conversation_items(conv), K.conversation_order(conv), K.conversation_busy(conv)
+            )
+            and 1,
+        )
+    containers = _owned(
+        client,
+        [K.container(K.container_id(conversation))]
+        if conversation is not None
+        else _hashes(client, K.container("")),
+        tenant,
+    )
     for container in containers:
-        files = [f.removeprefix("file:") for f in map(_text, client.hkeys(container)) if f.startswith("file:")]
+        files = [
+            f.removeprefix("file:") for f in map(_text, client.hkeys(container)) if f.startswith("file:")
+        ]
         done.count("container files", client.delete(*(K.container_file(f) for f in files)) if files else 0)
         client.delete(container)
     if conversation is not None:
@@ -76,7 +94,9 @@ def _durable_records(client: redis.Redis, tenant: str, conversation: str | None,
     done.count("stored chat completions", client.delete(*(K.stored_chat(r) for r in chats)) if chats else 0)
     client.delete(K.tenant_chats(tenant))
     for file_id in map(_text, client.zrange(K.tenant_files(tenant), 0, -1)):
-        done.count("files", client.delete(K.file_record(file_id), K.file_data(file_id), K.file_stores(file_id)) and 1)
+        done.count(
+            "files", client.delete(K.file_record(file_id), K.file_data(file_id), K.file_stores(file_id)) and 1
+        )
     client.delete(K.tenant_files(tenant), K.tenant_file_bytes(tenant))
     for vs in map(_text, client.zrange(K.tenant_vector_stores(tenant), 0, -1)):
         entries = [_text(f) for f in client.zrange(K.store_files(vs), 0, -1)]
@@ -95,7 +115,11 @@ def _rewrite(client: redis.Redis, timeout_s: float = 60.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         p = client.info("persistence")
-        if not (p.get("aof_rewrite_in_progress") or p.get("aof_rewrite_scheduled") or p.get("rdb_bgsave_in_progress")):
+        if not (
+            p.get("aof_rewrite_in_progress")
+            or p.get("aof_rewrite_scheduled")
+            or p.get("rdb_bgsave_in_progress")
+        ):
             break
         time.sleep(0.1)
     try:
@@ -117,9 +141,13 @@ def _weaviate(tenant: str, conversation: str | None, done: Erasure) -> None:
     from tools.search.index import COLLECTION, weaviate_tenant
 
     cfg = settings()
-    client = weaviate.connect_to_local(host=cfg.weaviate_host, port=cfg.weaviate_http_port,
-                                       grpc_port=cfg.weaviate_grpc_port, skip_init_checks=True,
-                                       additional_config=client_config(10.0))
+    client = weaviate.connect_to_local(
+        host=cfg.weaviate_host,
+        port=cfg.weaviate_http_port,
+        grpc_port=cfg.weaviate_grpc_port,
+        skip_init_checks=True,
+        additional_config=client_config(10.0),
+    )
     try:
         if conversation is None and client.collections.exists(COLLECTION):
             chunks = client.collections.get(COLLECTION)
@@ -130,7 +158,9 @@ def _weaviate(tenant: str, conversation: str | None, done: Erasure) -> None:
         if client.collections.exists(K.SEMANTIC_CACHE_COLLECTION):
             cache = client.collections.get(K.SEMANTIC_CACHE_COLLECTION)
             where = Filter.by_property("tenant").equal(tenant)
-            if conversation is not None:  # only a lone chat completion is cached: its request id is its conversation's
+            if (
+                conversation is not None
+            ):  # only a lone chat completion is cached: its request id is its conversation's
                 where = where & Filter.by_property("request_id").equal(conversation)
             done.weaviate["semantic cache entries"] = int(cache.data.delete_many(where=where).successful)
     finally:

@@ -9,14 +9,20 @@ from rich.table import Table
 console = Console()
 
 
-def erase_command(tenant: str = typer.Option(..., help="the tenant whose content is erased"),
-                  conversation: str = typer.Option(None, help="only this conversation of the tenant"),
-                  yes: bool = typer.Option(False, "--yes", help="do not ask for confirmation")) -> None:
+def erase_command(
+    tenant: str = typer.Option(..., help="the tenant whose content is erased"),
+    conversation: str = typer.Option(None, help="only this conversation of the tenant"),
+    yes: bool = typer.Option(False, "--yes", help="do not ask for confirmation"),
+) -> None:
     """Destroy the keys a tenant's (or one conversation's) content was sealed with, and delete its records
     from the durable store, the caches and the vector index: from then on nothing of it can be read."""
     from tokenstream.erase import erase
 
-    what = f"conversation {conversation} of tenant {tenant}" if conversation else f"everything of tenant {tenant}"
+    what = (
+        f"conversation {conversation} of tenant {tenant}"
+        if conversation
+        else f"everything of tenant {tenant}"
+    )
     if not yes and not typer.confirm(f"Erase {what}? This cannot be undone"):
         raise typer.Exit(1)
     done = erase(tenant, conversation)

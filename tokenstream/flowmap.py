@@ -13,7 +13,9 @@ def _writers(writers: tuple[Writer, ...]) -> str:
     by_when: dict[str, list[str]] = {}
     for w in writers:
         by_when.setdefault(w.when, []).append(w.role.title)
-    return "\n".join(f"[bold]{escape(', '.join(roles))}[/]: {escape(when)}" for when, roles in by_when.items())
+    return "\n".join(
+        f"[bold]{escape(', '.join(roles))}[/]: {escape(when)}" for when, roles in by_when.items()
+    )
 
 
 def _reader(r: Reader) -> str:
@@ -23,11 +25,21 @@ def _reader(r: Reader) -> str:
 
 def flow_table(specs: list[TopicSpec]) -> Table:
     """One row per topic in the order a request meets them: who writes, who reads and how."""
-    table = Table("#", "topic", "key / placement", "events", "written by", "read by (group: commit rule)",
-                  title="The way of a request", show_lines=True)
+    table = Table(
+        "#",
+        "topic",
+        "key / placement",
+        "events",
+        "written by",
+        "read by (group: commit rule)",
+        title="The way of a request",
+        show_lines=True,
+    )
     for n, spec in enumerate(specs, 1):
         writers = _writers(spec.writers) or "-"
         readers = "\n".join(_reader(r) for r in spec.readers) or "-"
         placement = spec.key if spec.placement == "key" else f"{spec.key}\n(partition: {spec.placement})"
-        table.add_row(str(n), spec.name, placement, ", ".join(e.__name__ for e in spec.events), writers, readers)
+        table.add_row(
+            str(n), spec.name, placement, ", ".join(e.__name__ for e in spec.events), writers, readers
+        )
     return table

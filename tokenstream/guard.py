@@ -34,6 +34,12 @@ def guard(ctx: typer.Context) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda received, _frame: child.send_signal(received))
     status = child.wait()
-    asyncio.run(evict_and_say(settings().kafka_bootstrap, child.pid, f"guard: pid {child.pid} (exit {status})",
-                              lambda said: print(said, flush=True)))
+    asyncio.run(
+        evict_and_say(
+            settings().kafka_bootstrap,
+            child.pid,
+            f"guard: pid {child.pid} (exit {status})",
+            lambda said: print(said, flush=True),
+        )
+    )
     raise typer.Exit(status if status >= 0 else 128 - status)

@@ -39,9 +39,22 @@ class KeyStore:
     def __init__(self, redis_url: str) -> None:
         self.r = redis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=5)
 
-    def create(self, tenant: str, *, tier: str = "free", name: str = "", rpm: int = 0, tpm: int = 0,
-               tenant_rpm: int = 0, tenant_tpm: int = 0, max_streams: int = 0, expires: str | None = None,
-               admin: bool = False, exact_cache: bool = True, semantic_cache: bool = False) -> tuple[str, K.ApiKey]:
+    def create(
+        self,
+        tenant: str,
+        *,
+        tier: str = "free",
+        name: str = "",
+        rpm: int = 0,
+        tpm: int = 0,
+        tenant_rpm: int = 0,
+        tenant_tpm: int = 0,
+        max_streams: int = 0,
+        expires: str | None = None,
+        admin: bool = False,
+        exact_cache: bool = True,
+        semantic_cache: bool = False,
+    ) -> tuple[str, K.ApiKey]:
         """A new key: (the secret, shown once; its record), at home in this deployment's region (the
         store is the region's: TOKENSTREAM_REDIS_URL)."""
         if not K.TENANT_PATTERN.match(tenant):
@@ -51,14 +64,28 @@ class KeyStore:
         if min(rpm, tpm, tenant_rpm, tenant_tpm) < 0:
             raise ValueError("limits must be >= 0 (0: unlimited)")
         if max_streams < -1:
-            raise ValueError("max_streams: a number of open requests, 0 for the tier's default, -1 for no limit")
+            raise ValueError(
+                "max_streams: a number of open requests, 0 for the tier's default, -1 for no limit"
+            )
         secret = K.new_secret()
         h = K.digest(secret)
-        record = K.ApiKey(key_id=h[:16], tenant=tenant, tier=tier, name=name, rpm=rpm, tpm=tpm,
-                          tenant_rpm=tenant_rpm, tenant_tpm=tenant_tpm, max_streams=max_streams,
-                          expires_at=parse_expiry(expires),
-                          created_at=time.time(), admin=admin, exact_cache=exact_cache,
-                          semantic_cache=semantic_cache, region=settings().region)
+        record = K.ApiKey(
+            key_id=h[:16],
+            tenant=tenant,
+            tier=tier,
+            name=name,
+            rpm=rpm,
+            tpm=tpm,
+            tenant_rpm=tenant_rpm,
+            tenant_tpm=tenant_tpm,
+            max_streams=max_streams,
+            expires_at=parse_expiry(expires),
+            created_at=time.time(),
+            admin=admin,
+            exact_cache=exact_cache,
+            semantic_cache=semantic_cache,
+            region=settings().region,
+        )
         pipe = self.r.pipeline()
         pipe.hset(K.api_key(h), mapping=record.to_redis())
         pipe.sadd(K.API_KEYS, h)

@@ -52,8 +52,15 @@ class Measured:
         streams = 1000
         if gateway.exists():
             streams = json.loads(gateway.read_text())["fanout"]["streams_open"]
-        return cls(total, result["throughput_tok_s"], result["ttft_p99_s"], result["itl_p50_s"],
-                   min(1.0, offered / total), streams, f"{worker.name} ({WORKER_COLUMN}), {gateway.name}")
+        return cls(
+            total,
+            result["throughput_tok_s"],
+            result["ttft_p99_s"],
+            result["itl_p50_s"],
+            min(1.0, offered / total),
+            streams,
+            f"{worker.name} ({WORKER_COLUMN}), {gateway.name}",
+        )
 
 
 @dataclass
@@ -67,18 +74,33 @@ class Plan:
     lines: list[tuple[str, str, str]] = field(default_factory=list)  # (quantity, arithmetic, value)
 
 
-def plan(rps: float, prompt_tokens: int, output_tokens: int, ttft_slo_s: float, m: Measured,
-         target_utilisation: float = 0.7, price_per_worker_hour: float | None = None) -> Plan:
+def plan(
+    rps: float,
+    prompt_tokens: int,
+    output_tokens: int,
+    ttft_slo_s: float,
+    m: Measured,
+    target_utilisation: float = 0.7,
+    price_per_worker_hour: float | None = None,
+) -> Plan:
     if rps <= 0 or prompt_tokens < 0 or output_tokens < 1 or ttft_slo_s <= 0:
         raise ValueError("need rps > 0, prompt tokens >= 0, output tokens >= 1 and a TTFT SLO > 0")
     lines = []
     demand = rps * (prompt_tokens + output_tokens)
-    lines.append(("demand D", f"{rps:g} rps x ({prompt_tokens} + {output_tokens}) tokens", f"{demand:,.1f} tokens/s"))
+    lines.append(
+        ("demand D", f"{rps:g} rps x ({prompt_tokens} + {output_tokens}) tokens", f"{demand:,.1f} tokens/s")
+    )
     lines.append(("worker capacity C", f"measured ({m.source})", f"{m.tokens_per_s:,.1f} tokens/s"))
     allowed = m.utilisation * ttft_slo_s / m.ttft_p99_s
     u = min(target_utilisation, allowed)
-    lines.append(("utilisation allowed", f"min(target {target_utilisation:g}, measured u_b {m.utilisation:.2f} x SLO "
-                  f"{ttft_slo_s:g} s / TTFT p99 {m.ttft_p99_s:.2f} s = {allowed:.2f})", f"{u:.2f}"))
+    lines.append(
+        (
+            "utilisation allowed",
+            f"min(target {target_utilisation:g}, measured u_b {m.utilisation:.2f} x SLO "
+            f"{ttft_slo_s:g} s / TTFT p99 {m.ttft_p99_s:.2f} s = {allowed:.2f})",
+            f"{u:.2f}",
+        )
+    )
     workers = max(1, math.ceil(demand / (m.tokens_per_s * u)))
     lines.append(("workers N", f"ceil({demand:,.1f} / ({m.tokens_per_s:,.1f} x {u:.2f}))", str(workers)))
     partitions = max(12, 2 * workers)
@@ -86,17 +108,34 @@ def plan(rps: float, prompt_tokens: int, output_tokens: int, ttft_slo_s: float, 
     duration = m.ttft_p99_s + output_tokens * m.itl_p50_s
     concurrent = rps * duration
     gateways = max(1, math.ceil(concurrent / m.streams_per_gateway))
-    lines.append(("concurrent streams", f"{rps:g} rps x ({m.ttft_p99_s:.2f} + {output_tokens} x "
-                  f"{m.itl_p50_s:.3f}) s", f"{concurrent:,.0f}"))
-    lines.append(("gateways", f"ceil({concurrent:,.0f} / {m.streams_per_gateway:,} streams measured per gateway)",
-                  str(gateways)))
+    lines.append(
+        (
+            "concurrent streams",
+            f"{rps:g} rps x ({m.ttft_p99_s:.2f} + {output_tokens} x {m.itl_p50_s:.3f}) s",
+            f"{concurrent:,.0f}",
+        )
+    )
+    lines.append(
+        (
+            "gateways",
+            f"ceil({concurrent:,.0f} / {m.streams_per_gateway:,} streams measured per gateway)",
+            str(gateways),
+        )
+    )
     hourly = per_million = None
     if price_per_worker_hour is not None:
         hourly = workers * price_per_worker_hour
         per_million = hourly / (rps * 3600) * 1e6
         lines.append(("cost per hour", f"{workers} x {price_per_worker_hour:g}", f"{hourly:,.2f}"))
-        lines.append(("cost per million requests", f"{hourly:,.2f} / ({rps:g} x 3600) x 1e6", f"{per_million:,.2f}"))
+        lines.append(
+            ("cost per million requests", f"{hourly:,.2f} / ({rps:g} x 3600) x 1e6", f"{per_million:,.2f}")
+        )
     if allowed < 0.05:
-        lines.append(("warning", f"TTFT SLO {ttft_slo_s:g} s is far below the measured p99 {m.ttft_p99_s:.2f} s",
-                      "faster workers needed"))
+        lines.append(
+            (
+                "warning",
+                f"TTFT SLO {ttft_slo_s:g} s is far below the measured p99 {m.ttft_p99_s:.2f} s",
+                "faster workers needed",
+            )
+        )
     return Plan(workers, partitions, gateways, hourly, per_million, u, lines)

@@ -9,16 +9,17 @@ from rich.table import Table
 console = Console()
 
 
-def plan_command(rps: float = typer.Option(..., help="peak requests per second"),
-                 prompt_tokens: int = typer.Option(..., help="mean prompt tokens per request"),
-                 output_tokens: int = typer.Option(..., help="mean output tokens per request"),
-                 ttft_slo: float = typer.Option(..., help="time-to-first-token target (p99), seconds"),
-                 utilisation: float = typer.Option(0.7, help="highest worker utilisation wanted (headroom)"),
-                 price: float = typer.Option(None, help="price of one worker per hour (any currency)"),
-                 worker_tokens_per_s: float = typer.Option(None, help="override the measured worker capacity"),
-                 ttft_p99: float = typer.Option(None, help="override the measured TTFT p99 (s)"),
-                 measured_utilisation: float = typer.Option(None, help="the utilisation that p99 was measured at")
-                 ) -> None:
+def plan_command(
+    rps: float = typer.Option(..., help="peak requests per second"),
+    prompt_tokens: int = typer.Option(..., help="mean prompt tokens per request"),
+    output_tokens: int = typer.Option(..., help="mean output tokens per request"),
+    ttft_slo: float = typer.Option(..., help="time-to-first-token target (p99), seconds"),
+    utilisation: float = typer.Option(0.7, help="highest worker utilisation wanted (headroom)"),
+    price: float = typer.Option(None, help="price of one worker per hour (any currency)"),
+    worker_tokens_per_s: float = typer.Option(None, help="override the measured worker capacity"),
+    ttft_p99: float = typer.Option(None, help="override the measured TTFT p99 (s)"),
+    measured_utilisation: float = typer.Option(None, help="the utilisation that p99 was measured at"),
+) -> None:
     """Workers, partitions, gateways and cost for a load, from the figures `bench worker` measured."""
     from tokenstream.plan import Measured, plan
 

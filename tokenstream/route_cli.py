@@ -33,16 +33,20 @@ async def publish_route(model: str, weights: dict[str, float], fallback: str | N
 
     producer = await start_producer()
     try:
-        update = RouteUpdate(request_id=f"route-{uuid.uuid4().hex[:12]}", model=model, weights=weights,
-                             fallback=fallback)
+        update = RouteUpdate(
+            request_id=f"route-{uuid.uuid4().hex[:12]}", model=model, weights=weights, fallback=fallback
+        )
         await publish(producer, ROUTES, update, key=model)
     finally:
         await producer.stop()
 
 
 @app.command("set")
-def set_route(model: str, weight: list[str] = typer.Option(..., "--weight", "-w", help="TARGET=SHARE"),
-              fallback: str | None = typer.Option(None, help="target when the chosen one is overloaded")) -> None:
+def set_route(
+    model: str,
+    weight: list[str] = typer.Option(..., "--weight", "-w", help="TARGET=SHARE"),
+    fallback: str | None = typer.Option(None, help="target when the chosen one is overloaded"),
+) -> None:
     """Route requests for MODEL by weight, e.g. -w smollm2=0.9 -w smollm2-v2=0.1 (a canary). A target other
     than MODEL gets traffic only with a passed shadow gate against MODEL (`tokenstream shadow`)."""
     from tokenstream.shadow.gate import latest, refusal
@@ -53,7 +57,9 @@ def set_route(model: str, weight: list[str] = typer.Option(..., "--weight", "-w"
         console.print(f"route {model}: refused: {why}", highlight=False)
         raise typer.Exit(1)
     asyncio.run(publish_route(model, weights, fallback))
-    console.print(f"route {model}: " + ", ".join(f"{t} {w / sum(weights.values()):.0%}" for t, w in weights.items()))
+    console.print(
+        f"route {model}: " + ", ".join(f"{t} {w / sum(weights.values()):.0%}" for t, w in weights.items())
+    )
 
 
 @app.command("rollback")
@@ -92,6 +98,10 @@ def show() -> None:
     table = Table("model", "weights", "fallback", "changed by")
     for model, update in sorted(asyncio.run(read()).items()):
         total = sum(update.weights.values())
-        table.add_row(model, ", ".join(f"{t} {w / total:.0%}" for t, w in update.weights.items()),
-                      update.fallback or "-", update.request_id)
+        table.add_row(
+            model,
+            ", ".join(f"{t} {w / total:.0%}" for t, w in update.weights.items()),
+            update.fallback or "-",
+            update.request_id,
+        )
     console.print(table)

@@ -33,9 +33,15 @@ def stack_install() -> None:
     _say("stack: installed (" + ", ".join(s.name for s in stack.services) + ", mirrormaker)")
 
 
-BROKERS = typer.Option(None, "--brokers", min=1, max=9, help="Kafka nodes: 3 makes a cluster (replication 3, "
-                       "min.insync.replicas 2) on the bootstrap port and the five after it (default: "
-                       "TOKENSTREAM_KAFKA_BROKERS, 1)")
+BROKERS = typer.Option(
+    None,
+    "--brokers",
+    min=1,
+    max=9,
+    help="Kafka nodes: 3 makes a cluster (replication 3, "
+    "min.insync.replicas 2) on the bootstrap port and the five after it (default: "
+    "TOKENSTREAM_KAFKA_BROKERS, 1)",
+)
 
 
 def use_brokers(brokers: int | None) -> None:
@@ -59,9 +65,13 @@ def use_brokers(brokers: int | None) -> None:
         use(Stack.default().kafka.environment())
 
 
-REGIONS = typer.Option(None, "--regions", help="comma-separated regions, e.g. eu,us: one stack per region "
-                       "(ports +100 per region, data under <data dir>/regions/<name>) and MirrorMaker 2 "
-                       "between their clusters; recorded, so `--region NAME` then names one of them")
+REGIONS = typer.Option(
+    None,
+    "--regions",
+    help="comma-separated regions, e.g. eu,us: one stack per region "
+    "(ports +100 per region, data under <data dir>/regions/<name>) and MirrorMaker 2 "
+    "between their clusters; recorded, so `--region NAME` then names one of them",
+)
 
 
 @app.command("up")
@@ -103,8 +113,10 @@ def _forget_regions() -> None:
         return
     running = [name for name in each_region() if any(s.running for s in Stack.default().status())]
     if running:
-        _say(f"[red]regions {', '.join(running)} are running:[/] `tokenstream stack down` first, or name one "
-             "with `tokenstream --region NAME ...`")
+        _say(
+            f"[red]regions {', '.join(running)} are running:[/] `tokenstream stack down` first, or name one "
+            "with `tokenstream --region NAME ...`"
+        )
         raise typer.Exit(1)
     regions.record([])
 

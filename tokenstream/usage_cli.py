@@ -20,12 +20,19 @@ from common.config import settings
 from schemas import keys as K
 
 console = Console()
-FIELDS = (("requests", "requests"), ("prompt", "prompt"), ("completion", "completion"), ("cache_hit_tokens", "cached"))
+FIELDS = (
+    ("requests", "requests"),
+    ("prompt", "prompt"),
+    ("completion", "completion"),
+    ("cache_hit_tokens", "cached"),
+)
 
 
-def usage(tenant: str = typer.Option(..., help="the tenant"),
-          since: str = typer.Option(..., help="ISO 8601 (a day: 2026-12-01) or a duration back (7d)"),
-          until: str = typer.Option(None, help="the end (default: now)")) -> None:
+def usage(
+    tenant: str = typer.Option(..., help="the tenant"),
+    since: str = typer.Option(..., help="ISO 8601 (a day: 2026-12-01) or a duration back (7d)"),
+    until: str = typer.Option(None, help="the end (default: now)"),
+) -> None:
     """Tokens in, prefix-cached, out and cache hits per day, model and tier, from the log; then each day
     against the live counters, with what explains the differences."""
     from audit.cli import parse_time
@@ -35,11 +42,35 @@ def usage(tenant: str = typer.Option(..., help="the tenant"),
     since_ms = parse_time(since)
     until_ms = parse_time(until) if until else int(time.time() * 1000)
     tallies = asyncio.run(from_log(settings().kafka_bootstrap, tenant, since_ms, until_ms))
-    table = Table("day", "model", "tier", "requests", "prompt", "prefix-cached", "completion", "cache hits",
-                  "cache-hit tokens", title=f"{tenant}: usage on the log")
+    table = Table(
+        "day",
+        "model",
+        "tier",
+        "requests",
+        "prompt",
+        "prefix-cached",
+        "completion",
+        "cache hits",
+        "cache-hit tokens",
+        title=f"{tenant}: usage on the log",
+    )
     for (day, model, tier), t in sorted(tallies.items()):
-        table.add_row(day, model, tier, *(f"{v:,}" for v in (t.requests, t.prompt, t.prefix_cached, t.completion,
-                                                              t.cache_hits, t.cache_hit_tokens)))
+        table.add_row(
+            day,
+            model,
+            tier,
+            *(
+                f"{v:,}"
+                for v in (
+                    t.requests,
+                    t.prompt,
+                    t.prefix_cached,
+                    t.completion,
+                    t.cache_hits,
+                    t.cache_hit_tokens,
+                )
+            ),
+        )
     console.print(table)
 
     store = KeyStore(settings().redis_url)
@@ -52,14 +83,20 @@ def usage(tenant: str = typer.Option(..., help="the tenant"),
                 row[name] = row.get(name, 0) + value
     logged = by_day(tallies)
     first, last = _day(since_ms / 1000), _day(until_ms / 1000)
-    check = Table("day", "field", "log", "live", "difference", "explained by", title="reconciled with the live counters")
+    check = Table(
+        "day", "field", "log", "live", "difference", "explained by", title="reconciled with the live counters"
+    )
     for day in sorted(set(logged) | {d for d in live if first <= d <= last}):
         t, counted = logged.get(day), live.get(day, {})
         unsettled = [] if t is None else _unsettled(store, sorted(t.request_ids))
         for attr, name in FIELDS:
             mine, theirs = (getattr(t, attr) if t else 0), counted.get(name, 0)
             missed = sum(t.shares[r][attr] for r in unsettled) if t else 0
-            why = "equal" if mine == theirs else "; ".join(_reasons(day, first, last, mine, theirs, unsettled, missed))
+            why = (
+                "equal"
+                if mine == theirs
+                else "; ".join(_reasons(day, first, last, mine, theirs, unsettled, missed))
+            )
             check.add_row(day, name, f"{mine:,}", f"{theirs:,}", f"{mine - theirs:+,}", why)
     console.print(check)
 
@@ -76,17 +113,23 @@ def _day(seconds: float) -> str:
     return time.strftime("%Y-%m-%d", time.gmtime(seconds))
 
 
-def _reasons(day: str, first: str, last: str, mine: int, theirs: int, unsettled: list[str], missed: int) -> list[str]:
+def _reasons(
+    day: str, first: str, last: str, mine: int, theirs: int, unsettled: list[str], missed: int
+) -> list[str]:
     out = []
     if mine > theirs and unsettled:
         whole = " (all of the difference)" if missed == mine - theirs else ""
-        out.append(f"{len(unsettled)} request(s) on the log never counted live (Redis away at their completion, "
-                   f"or counted by no gateway), {missed:+,}{whole}: {', '.join(sorted(unsettled)[:3])}")
+        out.append(
+            f"{len(unsettled)} request(s) on the log never counted live (Redis away at their completion, "
+            f"or counted by no gateway), {missed:+,}{whole}: {', '.join(sorted(unsettled)[:3])}"
+        )
     if day in (first, last) and (mine < theirs or missed != mine - theirs):
         out.append("the range cuts this day, the live counters hold all of it")
     if mine > theirs and not unsettled and day not in (first, last):
         out.append("the settled marks of this day's requests have expired (kept a day): not countable here")
     if theirs > mine:
-        out.append("counted live, not on the log: answers whose transcript is not written yet (the conversation "
-                   "processor's lag), or cache hits older than ts.tokens' one day")
+        out.append(
+            "counted live, not on the log: answers whose transcript is not written yet (the conversation "
+            "processor's lag), or cache hits older than ts.tokens' one day"
+        )
     return out or ["unexplained"]

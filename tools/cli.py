@@ -7,8 +7,13 @@ import typer
 EXIT_INDEX_UNAVAILABLE = 70  # as a processor whose agent cannot go on: the supervisor restarts it
 
 
-def tools(health_port: int = typer.Option(None, help="serve /health/live and /health/ready on this port "
-                                                      "(default: TOKENSTREAM_TOOLS_HEALTH_PORT, else none)")) -> None:
+def tools(
+    health_port: int = typer.Option(
+        None,
+        help="serve /health/live and /health/ready on this port "
+        "(default: TOKENSTREAM_TOOLS_HEALTH_PORT, else none)",
+    ),
+) -> None:
     """Server tools (code interpreter, web fetch, file search): ts.tool.calls -> ts.tool.results,
     file ingestion: ts.files.ingest -> Weaviate (group ts-ingest), and speech jobs:
     ts.speech.jobs -> ts.tokens (group ts-speech)."""
@@ -34,8 +39,11 @@ def tools(health_port: int = typer.Option(None, help="serve /health/live and /he
     try:
         asyncio.run(main())
     except IndexUnavailable as exc:
-        logging.getLogger("tools").critical("%s: exiting with %d for the supervisor to restart this process "
-                                            "(the held event is read again)", exc, EXIT_INDEX_UNAVAILABLE)
+        logging.getLogger("tools").critical(
+            "%s: exiting with %d for the supervisor to restart this process (the held event is read again)",
+            exc,
+            EXIT_INDEX_UNAVAILABLE,
+        )
         raise typer.Exit(EXIT_INDEX_UNAVAILABLE) from None
     finally:
         if server is not None:

@@ -20,10 +20,18 @@ class ToolSettings(BaseSettings):
 
     # The processor
     concurrency: int = Field(4, ge=1, description="calls run at once by one process")
-    call_timeout_s: float = Field(90.0, gt=0, description="any call still running after this is stopped and "
-                                  "answered with an error (each tool has its own, tighter limits)")
-    claim_lease_s: float = Field(15.0, gt=0, description="a running call's claim lapses this long after "
-                                 "its processor stops renewing it (dies); the next processor then runs it")
+    call_timeout_s: float = Field(
+        90.0,
+        gt=0,
+        description="any call still running after this is stopped and "
+        "answered with an error (each tool has its own, tighter limits)",
+    )
+    claim_lease_s: float = Field(
+        15.0,
+        gt=0,
+        description="a running call's claim lapses this long after "
+        "its processor stops renewing it (dies); the next processor then runs it",
+    )
 
     # The code interpreter's sandbox
     sandbox_dir: Path | None = Field(None, description="working folders (default: <data_dir>/tools/sandbox)")
@@ -36,37 +44,70 @@ class ToolSettings(BaseSettings):
     open_files: int = Field(64, ge=16, description="open file descriptors (RLIMIT_NOFILE)")
     file_mb: int = Field(16, ge=1, description="largest file the code may write (RLIMIT_FSIZE)")
     output_kb: int = Field(64, ge=1, description="stdout and stderr kept, each; more stops the run")
-    folder_mb: int = Field(64, ge=1, description="a conversation's quota: its working folder (all its files) and, "
-                           "during a run, that run's /tmp and /dev/shm (tmp_mb, shm_mb); a call finding the folder "
-                           "full is refused, a run filling it is stopped and its writes undone")
-    folder_files: int = Field(10_000, ge=1, description="files and folders in a conversation's working folder")
-    tmp_mb: int = Field(8, ge=1, description="size of a run's /tmp (a tmpfs, emptied after each run); taken "
-                        "out of folder_mb for the run, at most a quarter of what the folder leaves free")
-    shm_mb: int = Field(4, ge=1, description="size of a run's /dev/shm (a tmpfs); taken out of folder_mb for the "
-                        "run like tmp_mb, at most an eighth of what the folder leaves free")
-    seccomp: bool = Field(True, description="a seccomp filter (tools/seccomp.py) on the sandboxed code; the "
-                          "processor refuses to start when it cannot be built")
+    folder_mb: int = Field(
+        64,
+        ge=1,
+        description="a conversation's quota: its working folder (all its files) and, "
+        "during a run, that run's /tmp and /dev/shm (tmp_mb, shm_mb); a call finding the folder "
+        "full is refused, a run filling it is stopped and its writes undone",
+    )
+    folder_files: int = Field(
+        10_000, ge=1, description="files and folders in a conversation's working folder"
+    )
+    tmp_mb: int = Field(
+        8,
+        ge=1,
+        description="size of a run's /tmp (a tmpfs, emptied after each run); taken "
+        "out of folder_mb for the run, at most a quarter of what the folder leaves free",
+    )
+    shm_mb: int = Field(
+        4,
+        ge=1,
+        description="size of a run's /dev/shm (a tmpfs); taken out of folder_mb for the "
+        "run like tmp_mb, at most an eighth of what the folder leaves free",
+    )
+    seccomp: bool = Field(
+        True,
+        description="a seccomp filter (tools/seccomp.py) on the sandboxed code; the "
+        "processor refuses to start when it cannot be built",
+    )
     files_listed: int = Field(50, ge=0, description="written files reported per call")
     file_preview_kb: int = Field(4, ge=0, description="text of each written file returned")
 
     # Weaviate (file search and ingestion)
-    index_timeout_s: float = Field(5.0, gt=0, description="connecting to Weaviate and each search; a file_search "
-                                   "call fails after this (and at once for a while after a failure)")
+    index_timeout_s: float = Field(
+        5.0,
+        gt=0,
+        description="connecting to Weaviate and each search; a file_search "
+        "call fails after this (and at once for a while after a failure)",
+    )
     health_port: int | None = Field(None, description="port of /health/live and /health/ready (None: none)")
-    broker_stale_s: float = Field(5.0, gt=0, description="not ready once the broker has not answered the "
-                                  "group check for this long")
+    broker_stale_s: float = Field(
+        5.0, gt=0, description="not ready once the broker has not answered the group check for this long"
+    )
 
     # File ingestion (ts.files.ingest)
-    ingest_attempts: int = Field(5, ge=1, description="tries of a file that fails while Weaviate answers "
-                                 "(1, 2, 4 ... s apart) before it is recorded as failed")
-    ingest_outage_s: float = Field(600.0, gt=0, description="how long an event is held while Weaviate does not "
-                                   "answer (tried again 0.25 s doubling to 2 s apart) before the process exits "
-                                   "for its supervisor to restart it (the event is read again)")
+    ingest_attempts: int = Field(
+        5,
+        ge=1,
+        description="tries of a file that fails while Weaviate answers "
+        "(1, 2, 4 ... s apart) before it is recorded as failed",
+    )
+    ingest_outage_s: float = Field(
+        600.0,
+        gt=0,
+        description="how long an event is held while Weaviate does not "
+        "answer (tried again 0.25 s doubling to 2 s apart) before the process exits "
+        "for its supervisor to restart it (the event is read again)",
+    )
 
     # Web fetch
     web_allow_hosts: list[str] = Field(default_factory=list, description="hosts the web tool may fetch")
-    web_allow_private: list[str] = Field(default_factory=list, description="hosts that may resolve to "
-                                         "private or loopback addresses (each must also be in web_allow_hosts)")
+    web_allow_private: list[str] = Field(
+        default_factory=list,
+        description="hosts that may resolve to "
+        "private or loopback addresses (each must also be in web_allow_hosts)",
+    )
     web_max_kb: int = Field(2048, ge=1, description="largest body read")
     web_timeout_s: float = Field(10.0, gt=0)
     web_max_redirects: int = Field(5, ge=0)

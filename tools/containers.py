@@ -42,8 +42,9 @@ class ContainerFiles:
         self.limit = limit_bytes
         self.redis = aioredis.Redis.from_url(redis_url or settings().redis_url, socket_timeout=10)
 
-    async def keep(self, tenant: str, conversation_id: str, call_id: str, workdir: Path,
-                   files: list[dict]) -> list[dict]:
+    async def keep(
+        self, tenant: str, conversation_id: str, call_id: str, workdir: Path, files: list[dict]
+    ) -> list[dict]:
         """Store the run's `files` in the conversation's container; returns them with their ids
         (a file over the limit is listed with `kept: false`)."""
         container = K.container_id(conversation_id)
@@ -57,13 +58,19 @@ class ContainerFiles:
         out = []
         for entry in files:
             file_id = K.container_file_id(call_id, entry["path"])
-            data = await asyncio.to_thread(read_regular, workdir / entry["path"], self.limit) if mine else None
+            data = (
+                await asyncio.to_thread(read_regular, workdir / entry["path"], self.limit) if mine else None
+            )
             kept = data is not None and len(data) <= self.limit
             out.append({**entry, "file_id": file_id, "container_id": container, "kept": kept})
             if not kept:
                 continue
             record = {"id": file_id, "path": entry["path"], "bytes": len(data), "created_at": now}
-            pipe.set(K.container_file(file_id), sealing.seal_stored(tenant, conversation_id, data), ex=K.CONTAINER_TTL_S)
+            pipe.set(
+                K.container_file(file_id),
+                sealing.seal_stored(tenant, conversation_id, data),
+                ex=K.CONTAINER_TTL_S,
+            )
             pipe.hset(K.container(container), f"file:{file_id}", json.dumps(record))
         pipe.expire(K.container(container), K.CONTAINER_TTL_S)
         await pipe.execute()

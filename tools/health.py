@@ -17,16 +17,32 @@ from tools.config import tool_settings
 def report(processor, ingestor) -> Report:
     """Called in the health server's thread: reads what the loops recorded, and asks Weaviate."""
     weaviate = vectordb.ready(timeout_s=0.5)
-    degraded = [] if weaviate else ["weaviate: no answer (file_search calls answer an error at once; "
-                                    "ingestion holds its event)"]
+    degraded = (
+        []
+        if weaviate
+        else ["weaviate: no answer (file_search calls answer an error at once; ingestion holds its event)"]
+    )
     held = ingestor.holding()
     if held:
         degraded.append(held)
     watch = processor.watch
     if watch is None:
-        return Report(ready=False, detail=["starting: trying the sandbox and loading the embedder"],
-                      degraded=degraded, checks={"weaviate": weaviate})
+        return Report(
+            ready=False,
+            detail=["starting: trying the sandbox and loading the embedder"],
+            degraded=degraded,
+            checks={"weaviate": weaviate},
+        )
     s, stale = watch.standing, tool_settings().broker_stale_s
-    return Report(ready=not (detail := s.problems(stale)), detail=detail, degraded=degraded, checks={
-        "broker": s.broker_ok(stale), "group": s.group, "member": s.member,
-        "partitions": s.partitions, "weaviate": weaviate})
+    return Report(
+        ready=not (detail := s.problems(stale)),
+        detail=detail,
+        degraded=degraded,
+        checks={
+            "broker": s.broker_ok(stale),
+            "group": s.group,
+            "member": s.member,
+            "partitions": s.partitions,
+            "weaviate": weaviate,
+        },
+    )

@@ -76,8 +76,9 @@ class Ingestor(SerialConsumer):
     async def handle(self, event: FileIngest) -> str:
         """Bring one event to its recorded outcome; returns what happened (for the log)."""
         if event.action == "remove":
-            removed = await self._with_index(lambda index: index.remove(event.tenant, event.vector_store_id,
-                                                                        event.file_id))
+            removed = await self._with_index(
+                lambda index: index.remove(event.tenant, event.vector_store_id, event.file_id)
+            )
             return f"removed {removed} chunks"
         state = await self.redis.hgetall(K.store_file(event.vector_store_id, event.file_id))
         state = {k.decode(): v.decode() for k, v in state.items()}
@@ -92,11 +93,19 @@ class Ingestor(SerialConsumer):
         from tools.search.extract import UnsupportedFile
         from tools.search.ingest import ingest
 
-        log.info("indexing %s (%s, %d bytes) into %s", event.file_id, event.filename, len(data),
-                 event.vector_store_id)
+        log.info(
+            "indexing %s (%s, %d bytes) into %s",
+            event.file_id,
+            event.filename,
+            len(data),
+            event.vector_store_id,
+        )
         try:
-            done = await self._with_index(lambda index: ingest(index, event.tenant, event.vector_store_id,
-                                                               event.file_id, event.filename, data))
+            done = await self._with_index(
+                lambda index: ingest(
+                    index, event.tenant, event.vector_store_id, event.file_id, event.filename, data
+                )
+            )
         except UnsupportedFile as exc:
             await self.record(event, status=FAILED, error_code="unsupported_file", error=str(exc))
             return f"failed: {exc}"
@@ -106,12 +115,17 @@ class Ingestor(SerialConsumer):
         except IndexUnavailable:
             raise  # held: the process exits without committing, and the event is read again
         except Exception as exc:  # noqa: BLE001 - the index failed this file through every attempt
-            await self.record(event, status=FAILED, error_code="server_error",
-                              error=f"the file could not be indexed ({type(exc).__name__}); add it again")
+            await self.record(
+                event,
+                status=FAILED,
+                error_code="server_error",
+                error=f"the file could not be indexed ({type(exc).__name__}); add it again",
+            )
             return f"failed: {exc!r}"
         written = await self.record(event, status=COMPLETED, chunks=done.chunks, error_code="", error="")
-        return (f"indexed {done.chunks} chunks of {done.pages} page(s) in {done.seconds:.2f} s"
-                + ("" if written else " (the file was removed meanwhile; its remove event takes them out)"))
+        return f"indexed {done.chunks} chunks of {done.pages} page(s) in {done.seconds:.2f} s" + (
+            "" if written else " (the file was removed meanwhile; its remove event takes them out)"
+        )
 
     async def _with_index(self, work):
         """Run `work(index)` in a thread; a failure drops the client and tries again as
@@ -128,8 +142,12 @@ class Ingestor(SerialConsumer):
                 await asyncio.to_thread(self._forget_index)
                 raise
 
-        retry = IndexRetry(self.cfg.ingest_attempts, self.cfg.ingest_outage_s, vectordb.aready,
-                           permanent=(UnsupportedFile, ValueError))
+        retry = IndexRetry(
+            self.cfg.ingest_attempts,
+            self.cfg.ingest_outage_s,
+            vectordb.aready,
+            permanent=(UnsupportedFile, ValueError),
+        )
         self.retrying = retry
         try:
             return await retry.run(once)

@@ -35,8 +35,10 @@ log = logging.getLogger("tools.ledger")
 RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
 RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
 # KEYS[1] the published mark, KEYS[2] the claim; ARGV[1] the token, ARGV[2] the mark's lifetime (s)
-PUBLISHED = ("redis.call('set', KEYS[1], 1, 'EX', ARGV[2]) "
-             "if redis.call('get', KEYS[2]) == ARGV[1] then redis.call('del', KEYS[2]) end return 1")
+PUBLISHED = (
+    "redis.call('set', KEYS[1], 1, 'EX', ARGV[2]) "
+    "if redis.call('get', KEYS[2]) == ARGV[1] then redis.call('del', KEYS[2]) end return 1"
+)
 
 
 class CallLedger:
@@ -71,12 +73,16 @@ class CallLedger:
     @contextlib.asynccontextmanager
     async def holding(self, call_id: str):
         """Renew the claim every third of the lease while the body runs; stop once it is another's."""
+
         async def renew() -> None:
             while True:
                 await asyncio.sleep(self.lease_ms / 3000)
                 if not await self.renew(call_id):
-                    log.warning("the claim of call %s lapsed and is held by another processor (or none): "
-                                "this run goes on; only the first result stored is published", call_id)
+                    log.warning(
+                        "the claim of call %s lapsed and is held by another processor (or none): "
+                        "this run goes on; only the first result stored is published",
+                        call_id,
+                    )
                     return
 
         task = asyncio.create_task(renew())
@@ -95,4 +101,6 @@ class CallLedger:
 
     async def mark_published(self, call_id: str) -> None:
         """Mark the call published and drop the claim if it is still this process's (one step)."""
-        await self._published(keys=[tool_published(call_id), tool_claim(call_id)], args=[self.owner, EFFECT_TTL_S])
+        await self._published(
+            keys=[tool_published(call_id), tool_claim(call_id)], args=[self.owner, EFFECT_TTL_S]
+        )

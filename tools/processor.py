@@ -19,7 +19,15 @@ import uuid
 
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
-from producers import commit_past, dead_letter, decode_record, publish, start_consumer, start_producer, stop_clients
+from producers import (
+    commit_past,
+    dead_letter,
+    decode_record,
+    publish,
+    start_consumer,
+    start_producer,
+    stop_clients,
+)
 from producers.membership import GroupWatch, member_client_id
 from schemas import DecodeError, ToolCall, ToolResult, TraceContext
 from common import tracing
@@ -55,9 +63,18 @@ async def run_tool(tool: Tool, call: ToolCall, timeout_s: float) -> ToolResult:
     except Exception as exc:  # noqa: BLE001 - a bug in one tool must not stop the processor
         log.exception("tool %s failed on call %s", call.name, call.call_id)
         outcome = Outcome("", ok=False, error=f"internal error in tool {call.name}: {type(exc).__name__}")
-    return ToolResult(request_id=call.request_id, conversation_id=call.conversation_id, tenant=call.tenant,
-                      call_id=call.call_id, name=call.name, ok=outcome.ok, output=outcome.output,
-                      error=outcome.error, duration_s=time.monotonic() - started, meta=outcome.meta)
+    return ToolResult(
+        request_id=call.request_id,
+        conversation_id=call.conversation_id,
+        tenant=call.tenant,
+        call_id=call.call_id,
+        name=call.name,
+        ok=outcome.ok,
+        output=outcome.output,
+        error=outcome.error,
+        duration_s=time.monotonic() - started,
+        meta=outcome.meta,
+    )
 
 
 class ToolProcessor:
@@ -70,7 +87,9 @@ class ToolProcessor:
         self.producer = self.consumer = None
         self.watch: GroupWatch | None = None  # the consumer's standing in its group, for /health/ready
 
-    async def handle(self, call: ToolCall, key: str, trace: TraceContext | None = None, since_ms: int = 0) -> str:
+    async def handle(
+        self, call: ToolCall, key: str, trace: TraceContext | None = None, since_ms: int = 0
+    ) -> str:
         """Bring `call` (written at `since_ms`) to a published result; returns what happened (for the log).
 
         Running a call and replaying its stored result both need the claim, so while another live
@@ -111,10 +130,15 @@ class ToolProcessor:
                 call = None
             if call is not None and call.name in self.tools:
                 key = record.key.decode() if record.key else call.request_id
-                with tracing.hop(f"execute_tool {call.name}", tracing.parent_of(record.headers), role="tools",
-                                 attributes={**tracing.tool_attributes(call),
-                                             **tracing.record_attributes(tp.topic, tp.partition, record.offset,
-                                                                         GROUP)}) as span:
+                with tracing.hop(
+                    f"execute_tool {call.name}",
+                    tracing.parent_of(record.headers),
+                    role="tools",
+                    attributes={
+                        **tracing.tool_attributes(call),
+                        **tracing.record_attributes(tp.topic, tp.partition, record.offset, GROUP),
+                    },
+                ) as span:
                     what = await self.handle(call, key, span.trace, since_ms=record.timestamp)
                     span.set({"tokenstream.tool.outcome": what})
                 log.info("call %s (%s) of %s: %s", call.call_id, call.name, call.request_id, what)
@@ -133,11 +157,19 @@ class ToolProcessor:
         slowest_s = self.cfg.call_timeout_s + 5
         client_id = member_client_id("tools")
         self.consumer = await start_consumer(
-            TOOL_CALLS, group=GROUP, from_beginning=True, max_poll_records=batch,
-            max_poll_interval_ms=int(max(300.0, batch * slowest_s + 60) * 1000), client_id=client_id)
-        self.watch = GroupWatch(settings().kafka_bootstrap, GROUP, client_id,
-                                topic_partitions=lambda: len(self.consumer.partitions_for_topic(TOOL_CALLS.name)
-                                                             or ()))
+            TOOL_CALLS,
+            group=GROUP,
+            from_beginning=True,
+            max_poll_records=batch,
+            max_poll_interval_ms=int(max(300.0, batch * slowest_s + 60) * 1000),
+            client_id=client_id,
+        )
+        self.watch = GroupWatch(
+            settings().kafka_bootstrap,
+            GROUP,
+            client_id,
+            topic_partitions=lambda: len(self.consumer.partitions_for_topic(TOOL_CALLS.name) or ()),
+        )
         watching = asyncio.create_task(self.watch.run())
         log.info("tool processor %s serving %s (group %s)", self.owner, ", ".join(sorted(self.tools)), GROUP)
         if ready is not None:

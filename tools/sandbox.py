@@ -46,6 +46,7 @@ ENV = {"PATH": "/usr/bin:/bin"}  # all setpriv and bwrap are started with (bwrap
 class Budget:
     """How a run shares the conversation's quota: its folder may grow to `folder` bytes, and its /tmp
     and /dev/shm are tmpfs of `tmp` and `shm` bytes (memory, gone when the run ends)."""
+
     folder: int
     tmp: int
     shm: int
@@ -98,37 +99,119 @@ class Sandbox:
     def budget(self, used: int) -> Budget | None:
         return budget(self.cfg.folder_mb << 20, used, self.cfg.tmp_mb << 20, self.cfg.shm_mb << 20)
 
-    def command(self, workdir: Path, report_fd: int, seccomp_fd: int | None = None,
-                file_bytes: int | None = None, share: Budget | None = None) -> list[str]:
+    def command(
+        self,
+        workdir: Path,
+        report_fd: int,
+        seccomp_fd: int | None = None,
+        file_bytes: int | None = None,
+        share: Budget | None = None,
+    ) -> list[str]:
         cfg = self.cfg
         share = share or self.budget(0)
-        limits = {"cpu_s": cfg.cpu_s, "memory_mb": cfg.memory_mb, "processes": cfg.processes,
-                  "open_files": cfg.open_files, "file_bytes": file_bytes or cfg.file_mb << 20,
-                  "value_chars": cfg.output_kb * 1024}
+        limits = {
+            "cpu_s": cfg.cpu_s,
+            "memory_mb": cfg.memory_mb,
+            "processes": cfg.processes,
+            "open_files": cfg.open_files,
+            "file_bytes": file_bytes or cfg.file_mb << 20,
+            "value_chars": cfg.output_kb * 1024,
+        }
         bwrap = _program("bwrap", "bubblewrap")
-        drop = ([_program("setpriv", "util-linux"), f"--reuid={cfg.sandbox_uid}", f"--regid={cfg.sandbox_gid}",
-                 "--clear-groups", "--"] if os.geteuid() == 0 else [])
+        drop = (
+            [
+                _program("setpriv", "util-linux"),
+                f"--reuid={cfg.sandbox_uid}",
+                f"--regid={cfg.sandbox_gid}",
+                "--clear-groups",
+                "--",
+            ]
+            if os.geteuid() == 0
+            else []
+        )
         return [
-            *drop, bwrap,
-            "--unshare-all", "--die-with-parent", "--new-session", "--clearenv",
-            "--ro-bind", "/usr", "/usr",
-            "--ro-bind-try", "/etc/alternatives", "/etc/alternatives",  # links into /usr (Debian's BLAS)
-            "--ro-bind-try", "/etc/matplotlibrc", "/etc/matplotlibrc",  # where Debian's matplotlib reads it
-            "--ro-bind-try", "/etc/fonts", "/etc/fonts",  # fontconfig's configuration (charts' text)
-            "--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64", "--symlink", "usr/bin", "/bin",
-            "--proc", "/proc",
+            *drop,
+            bwrap,
+            "--unshare-all",
+            "--die-with-parent",
+            "--new-session",
+            "--clearenv",
+            "--ro-bind",
+            "/usr",
+            "/usr",
+            "--ro-bind-try",
+            "/etc/alternatives",
+            "/etc/alternatives",  # links into /usr (Debian's BLAS)
+            "--ro-bind-try",
+            "/etc/matplotlibrc",
+            "/etc/matplotlibrc",  # where Debian's matplotlib reads it
+            "--ro-bind-try",
+            "/etc/fonts",
+            "/etc/fonts",  # fontconfig's configuration (charts' text)
+            "--symlink",
+            "usr/lib",
+            "/lib",
+            "--symlink",
+            "usr/lib64",
+            "/lib64",
+            "--symlink",
+            "usr/bin",
+            "/bin",
+            "--proc",
+            "/proc",
             # /dev: null, zero, full, random, urandom, tty (and pts); read-only but for its shm
-            "--dev", "/dev", "--size", str(share.shm), "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
-            "--size", str(share.tmp), "--tmpfs", "/tmp",
-            "--bind", str(workdir), "/work", "--chdir", "/work",
-            "--setenv", "HOME", "/work", "--setenv", "PATH", "/usr/bin", "--setenv", "LANG", "C.UTF-8",
-            "--remount-ro", "/",  # bwrap's own root tmpfs: only /work, /tmp and /dev/shm are writable
-            "--setenv", "PYTHONDONTWRITEBYTECODE", "1", "--setenv", "OPENBLAS_NUM_THREADS", "1",
+            "--dev",
+            "/dev",
+            "--size",
+            str(share.shm),
+            "--tmpfs",
+            "/dev/shm",
+            "--remount-ro",
+            "/dev",
+            "--size",
+            str(share.tmp),
+            "--tmpfs",
+            "/tmp",
+            "--bind",
+            str(workdir),
+            "/work",
+            "--chdir",
+            "/work",
+            "--setenv",
+            "HOME",
+            "/work",
+            "--setenv",
+            "PATH",
+            "/usr/bin",
+            "--setenv",
+            "LANG",
+            "C.UTF-8",
+            "--remount-ro",
+            "/",  # bwrap's own root tmpfs: only /work, /tmp and /dev/shm are writable
+            "--setenv",
+            "PYTHONDONTWRITEBYTECODE",
+            "1",
+            "--setenv",
+            "OPENBLAS_NUM_THREADS",
+            "1",
             # matplotlib's font cache in the run's /tmp, not among the conversation's files; no display
-            "--setenv", "MPLCONFIGDIR", "/tmp/matplotlib", "--setenv", "MPLBACKEND", "Agg",
-            "--setenv", "XDG_CACHE_HOME", "/tmp/cache",
+            "--setenv",
+            "MPLCONFIGDIR",
+            "/tmp/matplotlib",
+            "--setenv",
+            "MPLBACKEND",
+            "Agg",
+            "--setenv",
+            "XDG_CACHE_HOME",
+            "/tmp/cache",
             *(["--seccomp", str(seccomp_fd)] if seccomp_fd is not None else []),
-            "--", PYTHON, "-I", "-c", RUNNER_SOURCE, json.dumps(limits), str(report_fd),
+            "--",
+            PYTHON,
+            "-I",
+            "-c",
+            RUNNER_SOURCE,
+            json.dumps(limits),
+            str(report_fd),
         ]
 
     async def run(self, tenant: str, conversation_id: str, code: str) -> Run:
@@ -136,20 +219,28 @@ class Sandbox:
         used, entries = await asyncio.to_thread(folder_usage, workdir)
         share = self.budget(used)
         if share is None or entries >= self.cfg.folder_files:
-            return Run(error=f"the working folder is full ({used >> 10:,} KiB in {entries:,} entries; the quota is "
-                             f"{self.cfg.folder_mb} MiB and {self.cfg.folder_files:,} entries): delete files first")
+            return Run(
+                error=f"the working folder is full ({used >> 10:,} KiB in {entries:,} entries; the quota is "
+                f"{self.cfg.folder_mb} MiB and {self.cfg.folder_files:,} entries): delete files first"
+            )
         report_r, report_w = os.pipe()
         seccomp_fd = seccomp.program_fd() if self.cfg.seccomp else None
         started = time.monotonic()
         since = time.time() - 0.05  # file times are a few ms coarse
         try:
             # no single file may be larger than what is left of the folder's share of the quota
-            command = self.command(workdir, report_w, seccomp_fd, min(self.cfg.file_mb << 20, share.folder - used),
-                                   share)
+            command = self.command(
+                workdir, report_w, seccomp_fd, min(self.cfg.file_mb << 20, share.folder - used), share
+            )
             proc = await asyncio.create_subprocess_exec(
-                *command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE, pass_fds=(report_w,) + ((seccomp_fd,) if seccomp_fd else ()),
-                start_new_session=True, env=ENV)
+                *command,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                pass_fds=(report_w,) + ((seccomp_fd,) if seccomp_fd else ()),
+                start_new_session=True,
+                env=ENV,
+            )
         except OSError as exc:
             os.close(report_r)
             raise RuntimeError(f"the sandbox cannot start (is bubblewrap installed?): {exc}") from exc
@@ -190,12 +281,15 @@ class Sandbox:
         waiter = asyncio.ensure_future(proc.wait())
         over_wait = asyncio.ensure_future(over.wait())
         try:
-            done, _ = await asyncio.wait({waiter, over_wait}, timeout=self.cfg.wall_s,
-                                         return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(
+                {waiter, over_wait}, timeout=self.cfg.wall_s, return_when=asyncio.FIRST_COMPLETED
+            )
             if waiter not in done:
-                run.error = (f"output limit exceeded ({self.cfg.output_kb} KiB); the run was stopped"
-                             if over.is_set() else f"wall-clock limit exceeded ({self.cfg.wall_s:g} s); "
-                             "the run was stopped")
+                run.error = (
+                    f"output limit exceeded ({self.cfg.output_kb} KiB); the run was stopped"
+                    if over.is_set()
+                    else f"wall-clock limit exceeded ({self.cfg.wall_s:g} s); the run was stopped"
+                )
                 run.truncated = over.is_set()
                 _kill(proc.pid)
             await waiter
@@ -214,15 +308,21 @@ class Sandbox:
         run.stdout, run.stderr = out.decode(errors="replace"), err.decode(errors="replace")
         run.exit_code = proc.returncode
         if isinstance(trailer, dict):
-            run.value, run.cpu_s, run.max_rss_kb = trailer.get("value"), trailer.get("cpu_s"), trailer.get("max_rss_kb")
+            run.value, run.cpu_s, run.max_rss_kb = (
+                trailer.get("value"),
+                trailer.get("cpu_s"),
+                trailer.get("max_rss_kb"),
+            )
             run.error = run.error or trailer.get("error")
         elif run.error is None:
             run.error = _death(proc.returncode, self.cfg)
         used, entries = await asyncio.to_thread(folder_usage, workdir)
         if full.is_set() or used > share.folder or entries > self.cfg.folder_files:
             await asyncio.to_thread(undo_writes, workdir, since)
-            run.error = (f"working folder quota exceeded ({self.cfg.folder_mb} MiB, {self.cfg.folder_files:,} "
-                         "entries): the run was stopped and the files it wrote were removed")
+            run.error = (
+                f"working folder quota exceeded ({self.cfg.folder_mb} MiB, {self.cfg.folder_files:,} "
+                "entries): the run was stopped and the files it wrote were removed"
+            )
         run.files = self.written(workdir, since)
         return run
 
@@ -326,5 +426,7 @@ def _death(code: int | None, cfg: ToolSettings) -> str:
         if -code == signal.SIGXCPU or -code == signal.SIGKILL:
             return f"stopped by {sig} (CPU limit {cfg.cpu_s} s exceeded, or killed)"
         return f"stopped by {sig}"
-    return f"the sandbox exited ({code}) before the code finished (a limit was hit: memory " \
-           f"{cfg.memory_mb} MiB, CPU {cfg.cpu_s} s, processes {cfg.processes}, or its parent was killed)"
+    return (
+        f"the sandbox exited ({code}) before the code finished (a limit was hit: memory "
+        f"{cfg.memory_mb} MiB, CPU {cfg.cpu_s} s, processes {cfg.processes}, or its parent was killed)"
+    )

@@ -36,7 +36,7 @@ def main():
         tree = ast.parse(code, "<code>")
         last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
         main_module = types.ModuleType("__main__")  # the code's module: functions it defines pickle
-        sys.modules["__main__"] = main_module       # by name, so multiprocessing's workers find them
+        sys.modules["__main__"] = main_module  # by name, so multiprocessing's workers find them
         scope = main_module.__dict__
         exec(compile(tree, "<code>", "exec"), scope)
         if last is not None:
@@ -54,9 +54,15 @@ def main():
         os._exit(1)
     usage = resource.getrusage(resource.RUSAGE_SELF)
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    json.dump({"value": value, "error": error,
-               "cpu_s": usage.ru_utime + usage.ru_stime + children.ru_utime + children.ru_stime,
-               "max_rss_kb": max(usage.ru_maxrss, children.ru_maxrss)}, report)
+    json.dump(
+        {
+            "value": value,
+            "error": error,
+            "cpu_s": usage.ru_utime + usage.ru_stime + children.ru_utime + children.ru_stime,
+            "max_rss_kb": max(usage.ru_maxrss, children.ru_maxrss),
+        },
+        report,
+    )
     report.close()
     os._exit(1 if error else 0)
 

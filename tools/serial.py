@@ -68,7 +68,9 @@ class SerialConsumer:
             await after.wait()
         self.producer = await start_producer()
         self.consumer = await self.subscribe()
-        self.log.info("%s serving %s (group %s)", self.log.name.rsplit(".", 1)[-1], self.spec.name, self.group)
+        self.log.info(
+            "%s serving %s (group %s)", self.log.name.rsplit(".", 1)[-1], self.spec.name, self.group
+        )
         try:
             while True:
                 batches = await self.consumer.getmany(timeout_ms=500)

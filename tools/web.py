@@ -56,7 +56,9 @@ async def resolve(host: str, port: int, cfg: ToolSettings) -> str:
     addresses = list(dict.fromkeys(info[4][0] for info in infos))
     private = [a for a in addresses if not ipaddress.ip_address(a.split("%")[0]).is_global]
     if private and not allowed(host, cfg.web_allow_private):
-        raise ToolError(f"host {host!r} resolves to a private or loopback address ({', '.join(private)}); refused")
+        raise ToolError(
+            f"host {host!r} resolves to a private or loopback address ({', '.join(private)}); refused"
+        )
     return addresses[0]
 
 
@@ -84,17 +86,23 @@ async def fetch(url: str, cfg: ToolSettings) -> Page:
 
 async def _fetch(url: str, cfg: ToolSettings) -> Page:
     limit = cfg.web_max_kb * 1024
-    async with httpx.AsyncClient(follow_redirects=False, trust_env=False, timeout=cfg.web_timeout_s) as client:
+    async with httpx.AsyncClient(
+        follow_redirects=False, trust_env=False, timeout=cfg.web_timeout_s
+    ) as client:
         for _hop in range(cfg.web_max_redirects + 1):
             scheme, host, port, netloc = _target(url)
             address = await resolve(host, port, cfg)
             shown = f"[{address}]" if ":" in address else address
             parts = urlsplit(url)
             pinned = parts._replace(netloc=f"{shown}:{port}").geturl()
-            headers = {"Host": netloc.rsplit("@", 1)[-1], "User-Agent": "tokenstream-web-fetch",
-                       "Accept": ", ".join(TEXT_TYPES)}
-            request = client.build_request("GET", pinned, headers=headers,
-                                           extensions={"sni_hostname": host} if scheme == "https" else {})
+            headers = {
+                "Host": netloc.rsplit("@", 1)[-1],
+                "User-Agent": "tokenstream-web-fetch",
+                "Accept": ", ".join(TEXT_TYPES),
+            }
+            request = client.build_request(
+                "GET", pinned, headers=headers, extensions={"sni_hostname": host} if scheme == "https" else {}
+            )
             response = await client.send(request, stream=True)
             try:
                 if response.is_redirect:

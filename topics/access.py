@@ -68,8 +68,12 @@ def grants(specs: list[TopicSpec], peers: tuple[str, ...] | None = None) -> list
     peers = other_regions() if peers is None else peers
     for spec in specs:
         if spec.mirrored:
-            out |= {Grant(reader.role.value, "topic", mirror_of(spec, region), op)
-                    for reader in spec.readers for region in peers for op in ("read", "describe")}
+            out |= {
+                Grant(reader.role.value, "topic", mirror_of(spec, region), op)
+                for reader in spec.readers
+                for region in peers
+                for op in ("read", "describe")
+            }
         for writer in spec.writers:
             out |= {Grant(writer.role.value, "topic", spec.name, op) for op in ("write", "describe")}
         for reader in spec.readers:
@@ -95,13 +99,21 @@ def _mirroring(specs: list[TopicSpec], peers: tuple[str, ...]) -> list[Grant]:
     group of the Connect worker that copies each peer's topics here (`<peer>-mm2`)."""
     if not peers:
         return []
-    out = [Grant(MIRROR, "topic", spec.name, op) for spec in specs if spec.mirrored
-           for op in ("read", "describe", "describe_configs")]
-    out += [Grant(MIRROR, "topic", "mm2-", op, "prefixed")
-            for op in ("create", "read", "write", "describe", "describe_configs")]
+    out = [
+        Grant(MIRROR, "topic", spec.name, op)
+        for spec in specs
+        if spec.mirrored
+        for op in ("read", "describe", "describe_configs")
+    ]
+    out += [
+        Grant(MIRROR, "topic", "mm2-", op, "prefixed")
+        for op in ("create", "read", "write", "describe", "describe_configs")
+    ]
     for peer in peers:
-        out += [Grant(MIRROR, "topic", f"{peer}.", op, "prefixed")
-                for op in ("create", "read", "write", "describe", "describe_configs", "alter_configs")]
+        out += [
+            Grant(MIRROR, "topic", f"{peer}.", op, "prefixed")
+            for op in ("create", "read", "write", "describe", "describe_configs", "alter_configs")
+        ]
         out += [Grant(MIRROR, "group", f"{peer}-mm2", op, "prefixed") for op in ("read", "describe")]
     return out
 
@@ -122,8 +134,10 @@ def _extra(faust_roles: set[Role]) -> list[Grant]:
         # A faust app declares (creates if missing) and uses topics named for its app id: its tables'
         # changelogs (in the registry) and its assignor's leader topic (faust's own, not in it).
         prefix = processor_group(role.value) + "-"
-        extra += [Grant(role.value, "topic", prefix, op, "prefixed")
-                  for op in ("create", "read", "write", "describe")]
+        extra += [
+            Grant(role.value, "topic", prefix, op, "prefixed")
+            for op in ("create", "read", "write", "describe")
+        ]
     return extra
 
 

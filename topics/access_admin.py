@@ -26,19 +26,40 @@ def _admin(bootstrap: str):
 
 
 def _binding(grant: Grant):
-    from confluent_kafka.admin import (AclBinding, AclOperation, AclPermissionType, ResourcePatternType,
-                                       ResourceType)
+    from confluent_kafka.admin import (
+        AclBinding,
+        AclOperation,
+        AclPermissionType,
+        ResourcePatternType,
+        ResourceType,
+    )
 
-    return AclBinding(ResourceType[grant.resource.upper()], grant.name, ResourcePatternType[grant.pattern.upper()],
-                      f"User:{grant.user}", "*", AclOperation[grant.operation.upper()], AclPermissionType.ALLOW)
+    return AclBinding(
+        ResourceType[grant.resource.upper()],
+        grant.name,
+        ResourcePatternType[grant.pattern.upper()],
+        f"User:{grant.user}",
+        "*",
+        AclOperation[grant.operation.upper()],
+        AclPermissionType.ALLOW,
+    )
 
 
 def _grant(binding) -> Grant | None:
     """The Grant an ACL on the broker stands for (None: one this module does not write)."""
-    if binding.permission_type.name != "ALLOW" or binding.host != "*" or not binding.principal.startswith("User:"):
+    if (
+        binding.permission_type.name != "ALLOW"
+        or binding.host != "*"
+        or not binding.principal.startswith("User:")
+    ):
         return None
-    return Grant(binding.principal.removeprefix("User:"), binding.restype.name.lower(), binding.name,
-                 binding.operation.name.lower(), binding.resource_pattern_type.name.lower())
+    return Grant(
+        binding.principal.removeprefix("User:"),
+        binding.restype.name.lower(),
+        binding.name,
+        binding.operation.name.lower(),
+        binding.resource_pattern_type.name.lower(),
+    )
 
 
 def passwords(folder: Path | None) -> dict[str, str]:
@@ -57,7 +78,8 @@ def _apply(specs: list[TopicSpec], bootstrap: str, folder: Path | None) -> tuple
     if wanted:
         info = ScramCredentialInfo(ScramMechanism.SCRAM_SHA_512, SCRAM_ITERATIONS)
         futures = admin.alter_user_scram_credentials(
-            [UserScramCredentialUpsertion(u, info, p.encode()) for u, p in wanted.items()])
+            [UserScramCredentialUpsertion(u, info, p.encode()) for u, p in wanted.items()]
+        )
         for future in futures.values():
             future.result(timeout=30)
     # ACLs: each grant `specs` need that the broker lacks (creating one twice is harmless, but the
@@ -87,11 +109,17 @@ def _held(admin) -> set[Grant]:
 
 
 def _describe(admin) -> list:
-    from confluent_kafka.admin import (AclBindingFilter, AclOperation, AclPermissionType, ResourcePatternType,
-                                       ResourceType)
+    from confluent_kafka.admin import (
+        AclBindingFilter,
+        AclOperation,
+        AclPermissionType,
+        ResourcePatternType,
+        ResourceType,
+    )
 
-    match_all = AclBindingFilter(ResourceType.ANY, None, ResourcePatternType.ANY, None, None, AclOperation.ANY,
-                                 AclPermissionType.ANY)
+    match_all = AclBindingFilter(
+        ResourceType.ANY, None, ResourcePatternType.ANY, None, None, AclOperation.ANY, AclPermissionType.ANY
+    )
     return admin.describe_acls(match_all).result(timeout=30)
 
 

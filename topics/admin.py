@@ -37,8 +37,9 @@ class TopicInfo:
 
 
 def _admin(bootstrap: str) -> AIOKafkaAdminClient:
-    return AIOKafkaAdminClient(bootstrap_servers=bootstrap, **kafka_auth.client_options(),
-                               request_timeout_ms=30_000)
+    return AIOKafkaAdminClient(
+        bootstrap_servers=bootstrap, **kafka_auth.client_options(), request_timeout_ms=30_000
+    )
 
 
 async def apply(specs: list[TopicSpec], bootstrap: str, replication: int | None = None) -> list[Change]:
@@ -60,8 +61,7 @@ async def apply(specs: list[TopicSpec], bootstrap: str, replication: int | None 
             if replication is None:
                 replication = min(MAX_COPIES, len((await admin.describe_cluster())["brokers"]))
             response = await admin.create_topics(
-                [NewTopic(s.name, s.partitions, replication, topic_configs=dict(s.configs))
-                 for s in missing]
+                [NewTopic(s.name, s.partitions, replication, topic_configs=dict(s.configs)) for s in missing]
             )
             _raise_errors(response.to_object()["topic_errors"], ignore={TOPIC_ALREADY_EXISTS})
             await _wait_for_leaders(admin, [s.name for s in missing])
@@ -91,9 +91,12 @@ async def require(specs: list[TopicSpec], bootstrap: str, timeout_s: float = 30.
     Roles call this instead of `apply`: topic settings are the operator's, and a role of an older
     release must never revert them. Raises MissingTopics naming what to run.
     """
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, **kafka_auth.client_options(),
-                                enable_auto_commit=False,
-                                request_timeout_ms=int(timeout_s * 1000))
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap,
+        **kafka_auth.client_options(),
+        enable_auto_commit=False,
+        request_timeout_ms=int(timeout_s * 1000),
+    )
     await consumer.start()
     try:
         await consumer._client.force_metadata_update()  # noqa: SLF001 - the cluster's topics now
@@ -103,15 +106,18 @@ async def require(specs: list[TopicSpec], bootstrap: str, timeout_s: float = 30.
             if not partitions:
                 problems.append(f"{spec.name} is missing")
             elif len(partitions) < spec.partitions:
-                problems.append(f"{spec.name} has {len(partitions)} partitions, the registry {spec.partitions}")
+                problems.append(
+                    f"{spec.name} has {len(partitions)} partitions, the registry {spec.partitions}"
+                )
         if problems:
             raise MissingTopics("; ".join(problems) + " (run `tokenstream topics apply`)")
     finally:
         await consumer.stop()
 
 
-async def _reconcile(admin: AIOKafkaAdminClient, spec: TopicSpec, configs: dict[str, str],
-                     partitions: int) -> Change:
+async def _reconcile(
+    admin: AIOKafkaAdminClient, spec: TopicSpec, configs: dict[str, str], partitions: int
+) -> Change:
     details = []
     drift = {k: v for k, v in spec.configs.items() if configs.get(k) != v}
     if drift:
@@ -130,8 +136,10 @@ async def _wait_for_leaders(admin: AIOKafkaAdminClient, names: list[str], timeou
     deadline = time.monotonic() + timeout_s
     while True:
         described = await admin.describe_topics(names)
-        ready = all(t["error_code"] == 0 and t["partitions"] and all(p["leader"] >= 0 for p in t["partitions"])
-                    for t in described)
+        ready = all(
+            t["error_code"] == 0 and t["partitions"] and all(p["leader"] >= 0 for p in t["partitions"])
+            for t in described
+        )
         if ready and len(described) == len(names):
             return
         if time.monotonic() > deadline:
@@ -156,9 +164,12 @@ async def _configs(admin: AIOKafkaAdminClient, names: list[str]) -> dict[str, di
 def _raise_errors(results: list[dict], ignore: frozenset[int] | set[int] = frozenset()) -> None:
     failed = [r for r in results if r["error_code"] not in (0, *ignore)]
     if failed:
-        raise RuntimeError("; ".join(
-            f"{r.get('topic') or r.get('resource_name')}: error {r['error_code']} {r['error_message'] or ''}"
-            for r in failed))
+        raise RuntimeError(
+            "; ".join(
+                f"{r.get('topic') or r.get('resource_name')}: error {r['error_code']} {r['error_message'] or ''}"
+                for r in failed
+            )
+        )
 
 
 async def _partition_counts(admin: AIOKafkaAdminClient, names: list[str]) -> dict[str, int]:
@@ -178,8 +189,9 @@ async def partition_counts(bootstrap: str) -> dict[str, int]:
 async def describe(names: list[str], bootstrap: str) -> list[TopicInfo]:
     admin = _admin(bootstrap)
     await admin.start()
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, **kafka_auth.client_options(),
-                                enable_auto_commit=False)
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap, **kafka_auth.client_options(), enable_auto_commit=False
+    )
     await consumer.start()
     try:
         names = [n for n in names if n in set(await admin.list_topics())]
@@ -208,14 +220,21 @@ async def grow(names: tuple[str, ...], partitions: int, bootstrap: str) -> list[
             raise RuntimeError(f"no such topic: {', '.join(missing)} (run `tokenstream topics apply`)")
         smaller = [n for n in names if counts[n] > partitions]
         if smaller:
-            raise ValueError(f"{', '.join(smaller)} already have more than {partitions} partitions "
-                             "(Kafka cannot shrink a topic)")
+            raise ValueError(
+                f"{', '.join(smaller)} already have more than {partitions} partitions "
+                "(Kafka cannot shrink a topic)"
+            )
         grown = {n: NewPartitions(partitions) for n in names if counts[n] < partitions}
         if grown:
             await admin.create_partitions(grown)
             await _wait_for_leaders(admin, list(grown))
-        return [Change(n, "updated" if n in grown else "unchanged",
-                       f"partitions {counts[n]}->{partitions}" if n in grown else f"{counts[n]} partitions")
-                for n in names]
+        return [
+            Change(
+                n,
+                "updated" if n in grown else "unchanged",
+                f"partitions {counts[n]}->{partitions}" if n in grown else f"{counts[n]} partitions",
+            )
+            for n in names
+        ]
     finally:
         await admin.close()

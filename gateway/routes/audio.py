@@ -29,7 +29,15 @@ from gateway.pipeline import Gateway
 from gateway.resume import new_request_id
 from gateway.transcripts import as_format, usage_of
 from producers import publish
-from schemas import SpeakParams, SpeechAudio, SpeechDone, SpeechJob, TranscribeParams, TranscriptDone, TranscriptSegment
+from schemas import (
+    SpeakParams,
+    SpeechAudio,
+    SpeechDone,
+    SpeechJob,
+    TranscribeParams,
+    TranscriptDone,
+    TranscriptSegment,
+)
 from schemas import keys as K
 from schemas.keys import ApiKey
 from schemas.speech import (
@@ -44,8 +52,14 @@ from topics import SPEECH_JOBS
 
 router = APIRouter(prefix="/v1/audio", dependencies=[Depends(principal)])
 TEXT_FORMATS = ("json", "text", "srt", "verbose_json", "vtt")
-MEDIA = {"mp3": "audio/mpeg", "opus": "audio/ogg", "aac": "audio/aac", "flac": "audio/flac", "wav": "audio/wav",
-         "pcm": "audio/pcm"}
+MEDIA = {
+    "mp3": "audio/mpeg",
+    "opus": "audio/ogg",
+    "aac": "audio/aac",
+    "flac": "audio/flac",
+    "wav": "audio/wav",
+    "pcm": "audio/pcm",
+}
 RECORDING_TTL_S = 3600
 
 
@@ -64,7 +78,9 @@ async def _job(gw: Gateway, job: SpeechJob) -> AsyncIterator:
         await asyncio.wait_for(publish(gw.producer, SPEECH_JOBS, job), timeout=10)
     except Exception as exc:  # noqa: BLE001
         gw.fanout.unsubscribe(job.request_id)
-        raise api.unavailable(f"Could not hand the job to the pipeline: {exc or type(exc).__name__}") from None
+        raise api.unavailable(
+            f"Could not hand the job to the pipeline: {exc or type(exc).__name__}"
+        ) from None
 
     async def results():
         next_seq = 0
@@ -88,15 +104,32 @@ async def _job(gw: Gateway, job: SpeechJob) -> AsyncIterator:
 
 
 def _timeout(gw: Gateway) -> api.APIError:
-    return api.APIError(504, f"The speech job made no progress for {gw.cfg.progress_timeout_s:.0f}s. Please retry.",
-                        "server_error", code="timeout")
+    return api.APIError(
+        504,
+        f"The speech job made no progress for {gw.cfg.progress_timeout_s:.0f}s. Please retry.",
+        "server_error",
+        code="timeout",
+    )
 
 
 # ------------------------------------------------------------------------------ transcriptions
 
-TRANSCRIBE_FIELDS = {"file", "model", "language", "prompt", "response_format", "temperature", "stream",
-                     "timestamp_granularities[]", "timestamp_granularities", "include[]", "include",
-                     "chunking_strategy", "known_speaker_names[]", "known_speaker_references[]"}
+TRANSCRIBE_FIELDS = {
+    "file",
+    "model",
+    "language",
+    "prompt",
+    "response_format",
+    "temperature",
+    "stream",
+    "timestamp_granularities[]",
+    "timestamp_granularities",
+    "include[]",
+    "include",
+    "chunking_strategy",
+    "known_speaker_names[]",
+    "known_speaker_references[]",
+}
 
 
 async def _form(request: Request, max_bytes: int) -> tuple[dict[str, list], bytes, str]:
@@ -107,17 +140,25 @@ async def _form(request: Request, max_bytes: int) -> tuple[dict[str, list], byte
             fields.setdefault(name, []).append(value)
         upload = (fields.get("file") or [None])[0]
         if not isinstance(upload, UploadFile):
-            raise api.invalid_request("`file` is required: the recording, a file part of the multipart body.",
-                                      param="file")
+            raise api.invalid_request(
+                "`file` is required: the recording, a file part of the multipart body.", param="file"
+            )
         data = await upload.read(max_bytes + 1)
         filename = upload.filename or "audio"
     finally:
         await form.close()
     if not data:
-        raise api.APIError(400, "The file is empty.", "invalid_request_error", param="file", code="empty_file")
+        raise api.APIError(
+            400, "The file is empty.", "invalid_request_error", param="file", code="empty_file"
+        )
     if len(data) > max_bytes:
-        raise api.APIError(413, f"The file has {len(data):,} bytes; the limit is {max_bytes:,}.",
-                           "invalid_request_error", param="file", code="file_too_large")
+        raise api.APIError(
+            413,
+            f"The file has {len(data):,} bytes; the limit is {max_bytes:,}.",
+            "invalid_request_error",
+            param="file",
+            code="file_too_large",
+        )
     return fields, data, filename
 
 
@@ -134,11 +175,13 @@ def _transcribe_params(fields: dict[str, list]) -> tuple[TranscribeParams, str, 
     unknown = sorted(set(fields) - TRANSCRIBE_FIELDS)
     if unknown:
         raise api.invalid_request(f"Unrecognized request argument supplied: {unknown[0]}", param=unknown[0])
-    for name, why in (("include[]", "log probabilities of a transcript are not offered"),
-                      ("include", "log probabilities of a transcript are not offered"),
-                      ("chunking_strategy", "the recording is read in Whisper's own 30 s windows"),
-                      ("known_speaker_names[]", "speaker diarization is not offered"),
-                      ("known_speaker_references[]", "speaker diarization is not offered")):
+    for name, why in (
+        ("include[]", "log probabilities of a transcript are not offered"),
+        ("include", "log probabilities of a transcript are not offered"),
+        ("chunking_strategy", "the recording is read in Whisper's own 30 s windows"),
+        ("known_speaker_names[]", "speaker diarization is not offered"),
+        ("known_speaker_references[]", "speaker diarization is not offered"),
+    ):
         if fields.get(name):
             raise api.invalid_request(f"`{name}` is not supported: {why}.", param=name)
     model = _one(fields, "model")
@@ -147,11 +190,14 @@ def _transcribe_params(fields: dict[str, list]) -> tuple[TranscribeParams, str, 
     _model(model, TRANSCRIBE_MODEL)
     fmt = _one(fields, "response_format", "json")
     if fmt not in TEXT_FORMATS:
-        raise api.invalid_request(f"response_format must be one of {', '.join(TEXT_FORMATS)}.", param="response_format")
+        raise api.invalid_request(
+            f"response_format must be one of {', '.join(TEXT_FORMATS)}.", param="response_format"
+        )
     language = _one(fields, "language")
     if language not in (None, "", "en"):
-        raise api.invalid_request(f"language {language!r} is not served: the model transcribes English (en) only.",
-                                  param="language")
+        raise api.invalid_request(
+            f"language {language!r} is not served: the model transcribes English (en) only.", param="language"
+        )
     try:
         temperature = float(_one(fields, "temperature", "0"))
     except ValueError:
@@ -163,19 +209,24 @@ def _transcribe_params(fields: dict[str, list]) -> tuple[TranscribeParams, str, 
         raise api.invalid_request("prompt holds at most 2000 characters.", param="prompt")
     granularities = [*fields.get("timestamp_granularities[]", []), *fields.get("timestamp_granularities", [])]
     if any(g not in ("segment", "word") for g in granularities):
-        raise api.invalid_request("timestamp_granularities may hold `segment` and `word`.",
-                                  param="timestamp_granularities[]")
+        raise api.invalid_request(
+            "timestamp_granularities may hold `segment` and `word`.", param="timestamp_granularities[]"
+        )
     if granularities and fmt != "verbose_json":
-        raise api.invalid_request("timestamp_granularities needs response_format verbose_json.",
-                                  param="timestamp_granularities[]")
+        raise api.invalid_request(
+            "timestamp_granularities needs response_format verbose_json.", param="timestamp_granularities[]"
+        )
     stream = (_one(fields, "stream", "false") or "false").lower()
     if stream not in ("true", "false"):
         raise api.invalid_request("stream must be true or false.", param="stream")
     if stream == "true" and fmt not in ("json", "text"):
-        raise api.invalid_request("A streamed transcript comes as transcript.text events: response_format must be "
-                                  "json or text.", param="response_format")
-    params = TranscribeParams(language="en", prompt=prompt, temperature=temperature,
-                              word_timestamps="word" in granularities)
+        raise api.invalid_request(
+            "A streamed transcript comes as transcript.text events: response_format must be json or text.",
+            param="response_format",
+        )
+    params = TranscribeParams(
+        language="en", prompt=prompt, temperature=temperature, word_timestamps="word" in granularities
+    )
     return params, fmt, stream == "true"
 
 
@@ -188,14 +239,28 @@ async def transcriptions(request: Request, gw: Gateway = Depends(pipeline), key:
     partition, created_at = gw.reply_partition(), time.time()
     rid = new_request_id(partition, created_at)
     await gw.limiter.take(key, 0, rid)
-    await gw.files_redis.set(K.speech_audio(rid), sealing.seal_stored(key.tenant, rid, data), ex=RECORDING_TTL_S)
-    job = SpeechJob(request_id=rid, conversation_id=rid, tenant=key.tenant, created_at=created_at, kind="transcribe",
-                    model=TRANSCRIBE_MODEL, reply_partition=partition, audio_key=K.speech_audio(rid),
-                    filename=filename[:255], transcribe=params)
+    await gw.files_redis.set(
+        K.speech_audio(rid), sealing.seal_stored(key.tenant, rid, data), ex=RECORDING_TTL_S
+    )
+    job = SpeechJob(
+        request_id=rid,
+        conversation_id=rid,
+        tenant=key.tenant,
+        created_at=created_at,
+        kind="transcribe",
+        model=TRANSCRIBE_MODEL,
+        reply_partition=partition,
+        audio_key=K.speech_audio(rid),
+        filename=filename[:255],
+        transcribe=params,
+    )
     results = await _job(gw, job)
     if stream:
-        return StreamingResponse(_transcript_events(gw, results), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            _transcript_events(gw, results),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
     segments: list[TranscriptSegment] = []
     async for event in results:
         if event is None:
@@ -204,8 +269,13 @@ async def transcriptions(request: Request, gw: Gateway = Depends(pipeline), key:
             segments.append(event)
         elif isinstance(event, TranscriptDone):
             if event.error:
-                raise api.APIError(400, f"The recording could not be transcribed: {event.error}",
-                                   "invalid_request_error", param="file", code="invalid_file")
+                raise api.APIError(
+                    400,
+                    f"The recording could not be transcribed: {event.error}",
+                    "invalid_request_error",
+                    param="file",
+                    code="invalid_file",
+                )
             body = as_format(fmt, event, segments, words=params.word_timestamps)
             return PlainTextResponse(body) if isinstance(body, str) else body
     raise _timeout(gw)
@@ -221,18 +291,29 @@ async def _transcript_events(gw: Gateway, results) -> AsyncIterator[bytes]:
         elif event.error:
             body = {"type": "error", "error": f"The recording could not be transcribed: {event.error}"}
         else:
-            body = {"type": "transcript.text.done", "text": event.text, "logprobs": None, "usage": usage_of(event)}
+            body = {
+                "type": "transcript.text.done",
+                "text": event.text,
+                "logprobs": None,
+                "usage": usage_of(event),
+            }
         yield f"data: {json.dumps(body)}\n\n".encode()
 
 
 @router.post("/translations")
 async def translations() -> None:
-    raise api.APIError(400, f"Translations are not offered: {TRANSCRIBE_MODEL} transcribes English only; use "
-                            "/v1/audio/transcriptions.", "invalid_request_error", param="model",
-                       code="unsupported_endpoint")
+    raise api.APIError(
+        400,
+        f"Translations are not offered: {TRANSCRIBE_MODEL} transcribes English only; use "
+        "/v1/audio/transcriptions.",
+        "invalid_request_error",
+        param="model",
+        code="unsupported_endpoint",
+    )
 
 
 # ------------------------------------------------------------------------------------ speech
+
 
 class SpeechRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -250,21 +331,31 @@ class SpeechRequest(BaseModel):
 async def speech(body: SpeechRequest, gw: Gateway = Depends(pipeline), key: ApiKey = Depends(principal)):
     _model(body.model, SPEAK_MODEL)
     if body.instructions:
-        raise api.invalid_request("instructions are not supported: eSpeak NG speaks as its voice does; choose "
-                                  "voice and speed.", param="instructions")
+        raise api.invalid_request(
+            "instructions are not supported: eSpeak NG speaks as its voice does; choose voice and speed.",
+            param="instructions",
+        )
     if not isinstance(body.voice, str) or body.voice not in VOICES:
         raise api.invalid_request(f"voice must be one of {', '.join(VOICES)}.", param="voice")
     if body.response_format not in AUDIO_FORMATS:
-        raise api.invalid_request(f"response_format must be one of {', '.join(AUDIO_FORMATS)}.",
-                                  param="response_format")
+        raise api.invalid_request(
+            f"response_format must be one of {', '.join(AUDIO_FORMATS)}.", param="response_format"
+        )
     if body.stream_format not in ("audio", "sse"):
         raise api.invalid_request("stream_format must be audio or sse.", param="stream_format")
     partition, created_at = gw.reply_partition(), time.time()
     rid = new_request_id(partition, created_at)
     await gw.limiter.take(key, 0, rid)
-    job = SpeechJob(request_id=rid, conversation_id=rid, tenant=key.tenant, created_at=created_at, kind="speak",
-                    model=SPEAK_MODEL, reply_partition=partition,
-                    speak=SpeakParams(text=body.input, voice=body.voice, speed=body.speed, format=body.response_format))
+    job = SpeechJob(
+        request_id=rid,
+        conversation_id=rid,
+        tenant=key.tenant,
+        created_at=created_at,
+        kind="speak",
+        model=SPEAK_MODEL,
+        reply_partition=partition,
+        speak=SpeakParams(text=body.input, voice=body.voice, speed=body.speed, format=body.response_format),
+    )
     results = await _job(gw, job)
     first = await anext(results)  # the first result, so a failure before any audio is an HTTP error
     if first is None:
@@ -272,12 +363,16 @@ async def speech(body: SpeechRequest, gw: Gateway = Depends(pipeline), key: ApiK
     if isinstance(first, SpeechDone) and first.error:
         raise api.APIError(500, f"Speech failed: {first.error}", "server_error", code="speech_error")
     media = "text/event-stream" if body.stream_format == "sse" else MEDIA[body.response_format]
-    return StreamingResponse(_audio(first, results, body.stream_format == "sse"), media_type=media,
-                             headers={"x-tokenstream-request-id": rid, "Cache-Control": "no-cache"})
+    return StreamingResponse(
+        _audio(first, results, body.stream_format == "sse"),
+        media_type=media,
+        headers={"x-tokenstream-request-id": rid, "Cache-Control": "no-cache"},
+    )
 
 
 async def _audio(first, results, sse: bool) -> AsyncIterator[bytes]:
     """The audio bytes as they are made, or OpenAI's speech.audio.delta / speech.audio.done events."""
+
     async def events():
         yield first
         async for event in results:
@@ -295,4 +390,3 @@ async def _audio(first, results, sse: bool) -> AsyncIterator[bytes]:
         elif sse:
             body = {"type": "error", "error": event.error} if event.error else {"type": "speech.audio.done"}
             yield f"data: {json.dumps(body)}\n\n".encode()
-

@@ -24,8 +24,15 @@ class Relabel(api.UnicodeBody):
 
 
 @router.get("")
-async def list_completions(request: Request, model: str | None = None, after: str | None = None, limit: int = 20,
-                           order: str = "asc", gw: Gateway = Depends(pipeline), key: ApiKey = Depends(principal)):
+async def list_completions(
+    request: Request,
+    model: str | None = None,
+    after: str | None = None,
+    limit: int = 20,
+    order: str = "asc",
+    gw: Gateway = Depends(pipeline),
+    key: ApiKey = Depends(principal),
+):
     check_paging(order, limit)
     wanted = {}
     for name, value in request.query_params.multi_items():
@@ -33,9 +40,12 @@ async def list_completions(request: Request, model: str | None = None, after: st
             wanted[name[9:-1]] = value
         elif name not in ("model", "after", "limit", "order"):
             raise api.invalid_request(f"Unknown query parameter {name!r}.", name)
-    shown = [r["completion"] for r in await gw.stored_chats.all(key.tenant)
-             if (model is None or r["completion"]["model"] == model)
-             and all(r["completion"]["metadata"].get(k) == v for k, v in wanted.items())]
+    shown = [
+        r["completion"]
+        for r in await gw.stored_chats.all(key.tenant)
+        if (model is None or r["completion"]["model"] == model)
+        and all(r["completion"]["metadata"].get(k) == v for k, v in wanted.items())
+    ]
     return page(shown, limit=limit, order=order, after=after, before=None)
 
 
@@ -45,8 +55,9 @@ async def retrieve(completion_id: str, gw: Gateway = Depends(pipeline), key: Api
 
 
 @router.post("/{completion_id}")
-async def update(completion_id: str, body: Relabel, gw: Gateway = Depends(pipeline),
-                 key: ApiKey = Depends(principal)):
+async def update(
+    completion_id: str, body: Relabel, gw: Gateway = Depends(pipeline), key: ApiKey = Depends(principal)
+):
     rid, record = await gw.stored_chats.owned(key.tenant, completion_id)
     return await gw.stored_chats.relabel(rid, record, body.metadata or {})
 
@@ -59,8 +70,14 @@ async def delete(completion_id: str, gw: Gateway = Depends(pipeline), key: ApiKe
 
 
 @router.get("/{completion_id}/messages")
-async def messages(completion_id: str, after: str | None = None, limit: int = 20, order: str = "asc",
-                   gw: Gateway = Depends(pipeline), key: ApiKey = Depends(principal)):
+async def messages(
+    completion_id: str,
+    after: str | None = None,
+    limit: int = 20,
+    order: str = "asc",
+    gw: Gateway = Depends(pipeline),
+    key: ApiKey = Depends(principal),
+):
     check_paging(order, limit)
     _, record = await gw.stored_chats.owned(key.tenant, completion_id)
     return page(record["messages"], limit=limit, order=order, after=after, before=None)

@@ -40,18 +40,30 @@ class CompactRequest(api.UnicodeBody):
 @router.post("/responses/compact")
 async def compact(body: CompactRequest, gw: Gateway = Depends(pipeline), key: K.ApiKey = Depends(principal)):
     if body.previous_response_id is not None:
-        raise api.invalid_request("previous_response_id is not supported here: the history of a response lives in "
-                                  "the conversation processor; send its items as input (or list a conversation's "
-                                  "items and send those).", "previous_response_id")
+        raise api.invalid_request(
+            "previous_response_id is not supported here: the history of a response lives in "
+            "the conversation processor; send its items as input (or list a conversation's "
+            "items and send those).",
+            "previous_response_id",
+        )
     try:
         given = ResponseCreate(model=body.model, input=body.input, instructions=body.instructions)
     except ValidationError as exc:
         raise RequestValidationError(exc.errors()) from None
     await read_files(gw, key.tenant, given)
-    summary, usage = await compaction.summarise(summary_run(gw, key, body.model), messages_of(given, key.tenant),
-                                                context.window(body.model))
+    summary, usage = await compaction.summarise(
+        summary_run(gw, key, body.model), messages_of(given, key.tenant), context.window(body.model)
+    )
     items = [MessageItem(role="user", content=body.input)] if isinstance(body.input, str) else body.input
-    kept = [item_dict(item, new_item_id("msg")) for item in items
-            if isinstance(item, MessageItem) and item.role == "user"]
-    return {"id": new_item_id("resp"), "object": "response.compaction", "created_at": int(time.time()),
-            "output": [*kept, compaction.item(key.tenant, summary)], "usage": usage}
+    kept = [
+        item_dict(item, new_item_id("msg"))
+        for item in items
+        if isinstance(item, MessageItem) and item.role == "user"
+    ]
+    return {
+        "id": new_item_id("resp"),
+        "object": "response.compaction",
+        "created_at": int(time.time()),
+        "output": [*kept, compaction.item(key.tenant, summary)],
+        "usage": usage,
+    }

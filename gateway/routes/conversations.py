@@ -50,8 +50,9 @@ def _included(include: list[str] | None) -> None:
     """`include` names outputs every item carries anyway; anything else is a 400."""
     for value in include or []:
         if value not in INCLUDED:
-            raise api.invalid_request(f"include: {value!r} is not supported here (supported: "
-                                      f"{', '.join(INCLUDED)}).", "include")
+            raise api.invalid_request(
+                f"include: {value!r} is not supported here (supported: {', '.join(INCLUDED)}).", "include"
+            )
 
 
 def _stored(items: list[InputItem]) -> list[dict[str, Any]]:
@@ -82,8 +83,9 @@ async def retrieve(conv_id: str, gw: Gateway = Depends(pipeline), key: ApiKey = 
 
 
 @router.post("/{conv_id}")
-async def update(conv_id: str, body: UpdateConversation, gw: Gateway = Depends(pipeline),
-                 key: ApiKey = Depends(principal)):
+async def update(
+    conv_id: str, body: UpdateConversation, gw: Gateway = Depends(pipeline), key: ApiKey = Depends(principal)
+):
     record = await gw.conversations.owned(conv_id, key.tenant)
     await gw.conversations.set_metadata(conv_id, body.metadata)
     return conversation_object(conv_id, {**record, "metadata": json.dumps(body.metadata)})
@@ -99,19 +101,35 @@ async def delete(conv_id: str, gw: Gateway = Depends(pipeline), key: ApiKey = De
 
 
 @router.post("/{conv_id}/items")
-async def add_items(conv_id: str, body: AddItems, include: list[str] | None = Query(None),
-                    gw: Gateway = Depends(pipeline), key: ApiKey = Depends(principal)):
+async def add_items(
+    conv_id: str,
+    body: AddItems,
+    include: list[str] | None = Query(None),
+    gw: Gateway = Depends(pipeline),
+    key: ApiKey = Depends(principal),
+):
     _included(include)
     await gw.conversations.owned(conv_id, key.tenant)
     stored = await _add(gw, conv_id, key.tenant, body.items)
-    return {"object": "list", "data": stored, "first_id": stored[0]["id"], "last_id": stored[-1]["id"],
-            "has_more": False}
+    return {
+        "object": "list",
+        "data": stored,
+        "first_id": stored[0]["id"],
+        "last_id": stored[-1]["id"],
+        "has_more": False,
+    }
 
 
 @router.get("/{conv_id}/items")
-async def list_items(conv_id: str, limit: int = 20, order: str = "desc", after: str | None = None,
-                     include: list[str] | None = Query(None), gw: Gateway = Depends(pipeline),
-                     key: ApiKey = Depends(principal)):
+async def list_items(
+    conv_id: str,
+    limit: int = 20,
+    order: str = "desc",
+    after: str | None = None,
+    include: list[str] | None = Query(None),
+    gw: Gateway = Depends(pipeline),
+    key: ApiKey = Depends(principal),
+):
     _included(include)
     check_paging(order, limit)
     await gw.conversations.owned(conv_id, key.tenant)
@@ -119,8 +137,13 @@ async def list_items(conv_id: str, limit: int = 20, order: str = "desc", after: 
 
 
 @router.get("/{conv_id}/items/{item_id}")
-async def retrieve_item(conv_id: str, item_id: str, include: list[str] | None = Query(None),
-                        gw: Gateway = Depends(pipeline), key: ApiKey = Depends(principal)):
+async def retrieve_item(
+    conv_id: str,
+    item_id: str,
+    include: list[str] | None = Query(None),
+    gw: Gateway = Depends(pipeline),
+    key: ApiKey = Depends(principal),
+):
     _included(include)
     await gw.conversations.owned(conv_id, key.tenant)
     item = await gw.conversations.item(conv_id, item_id)
@@ -130,8 +153,9 @@ async def retrieve_item(conv_id: str, item_id: str, include: list[str] | None = 
 
 
 @router.delete("/{conv_id}/items/{item_id}")
-async def delete_item(conv_id: str, item_id: str, gw: Gateway = Depends(pipeline),
-                      key: ApiKey = Depends(principal)):
+async def delete_item(
+    conv_id: str, item_id: str, gw: Gateway = Depends(pipeline), key: ApiKey = Depends(principal)
+):
     """Take an item out: later responses in the conversation no longer read it. Answers the conversation."""
     record = await gw.conversations.owned(conv_id, key.tenant)
     if not await gw.conversations.remove(conv_id, item_id):

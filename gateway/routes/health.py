@@ -40,20 +40,43 @@ async def ready(gw: Gateway = Depends(pipeline)) -> JSONResponse:
     were read; otherwise 503 with what is missing. Weaviate (the semantic cache)
     and the cache Redis (the exact cache) are optional: while one is away the answer stays 200 and
     `degraded` says so (lookups are misses)."""
-    redis, cache, weaviate = await asyncio.gather(gw.redis_reachable(), gw.cache_reachable(),
-                                                  vectordb.aready(timeout_s=0.5))
+    redis, cache, weaviate = await asyncio.gather(
+        gw.redis_reachable(), gw.cache_reachable(), vectordb.aready(timeout_s=0.5)
+    )
     broker, fanout = gw.admission.healthy(), gw.fanout is not None
     homes = gw.key_homes is None or gw.key_homes.caught_up
     ready = broker and fanout and redis and homes  # gw.ready, with Redis
-    missing = [what for what, ok in (("broker: no answer", broker), ("tokens fan-out: not connected", fanout),
-                                     ("redis: no answer (API keys, rate limits)", redis),
-                                     ("key homes: the regions' keys not read yet", homes)) if not ok]
-    degraded = [what for what, ok in (("weaviate: no answer (semantic cache lookups are misses)", weaviate),
-                                      ("cache redis: no answer (exact cache lookups are misses)", cache))
-                if not ok]
-    body = {"ready": ready, "instance": gw.cfg.instance_id, "partitions": gw.partitions,
-            "region": gw.region or None, "broker": broker, "fanout": fanout, "redis": redis, "cache": cache, "weaviate": weaviate,
-            "detail": missing, "degraded": degraded}
+    missing = [
+        what
+        for what, ok in (
+            ("broker: no answer", broker),
+            ("tokens fan-out: not connected", fanout),
+            ("redis: no answer (API keys, rate limits)", redis),
+            ("key homes: the regions' keys not read yet", homes),
+        )
+        if not ok
+    ]
+    degraded = [
+        what
+        for what, ok in (
+            ("weaviate: no answer (semantic cache lookups are misses)", weaviate),
+            ("cache redis: no answer (exact cache lookups are misses)", cache),
+        )
+        if not ok
+    ]
+    body = {
+        "ready": ready,
+        "instance": gw.cfg.instance_id,
+        "partitions": gw.partitions,
+        "region": gw.region or None,
+        "broker": broker,
+        "fanout": fanout,
+        "redis": redis,
+        "cache": cache,
+        "weaviate": weaviate,
+        "detail": missing,
+        "degraded": degraded,
+    }
     return JSONResponse(body, status_code=200 if ready else 503)
 
 

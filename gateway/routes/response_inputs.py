@@ -46,7 +46,9 @@ class InputTokensRequest(api.UnicodeBody):
 
 
 @router.post("/responses/input_tokens")
-async def input_tokens(body: InputTokensRequest, gw: Gateway = Depends(pipeline), key: K.ApiKey = Depends(principal)):
+async def input_tokens(
+    body: InputTokensRequest, gw: Gateway = Depends(pipeline), key: K.ApiKey = Depends(principal)
+):
     """How many tokens the model would read for this input: instructions, the conversation's items if
     named, input items, and the tools and format as the worker writes them into the prompt
     (schemas/prompt.py)."""
@@ -54,8 +56,11 @@ async def input_tokens(body: InputTokensRequest, gw: Gateway = Depends(pipeline)
         raise api.model_not_found(body.model)
     for name in ("previous_response_id", "reasoning"):
         if getattr(body, name) is not None:
-            raise api.invalid_request(f"`{name}` is not supported when counting input tokens: only the input "
-                                      "sent (and a conversation's items) is counted here.", name)
+            raise api.invalid_request(
+                f"`{name}` is not supported when counting input tokens: only the input "
+                "sent (and a conversation's items) is counted here.",
+                name,
+            )
     try:
         request = ResponseCreate.model_validate(body.model_dump(exclude_none=True))
     except ValidationError as exc:
@@ -67,21 +72,34 @@ async def input_tokens(body: InputTokensRequest, gw: Gateway = Depends(pipeline)
     try:
         count = await asyncio.to_thread(lambda: len(prompt_ids(load_tokenizer(body.model), messages, output)))
     except (OSError, ValueError):
-        raise api.APIError(400, f"This gateway has no tokenizer for `{body.model}` to count with.",
-                           "invalid_request_error", param="model", code="tokenizer_unavailable") from None
+        raise api.APIError(
+            400,
+            f"This gateway has no tokenizer for `{body.model}` to count with.",
+            "invalid_request_error",
+            param="model",
+            code="tokenizer_unavailable",
+        ) from None
     return {"object": "response.input_tokens", "input_tokens": count}
 
 
 @router.get("/responses/{response}/input_items")
-async def list_input_items(response: str, limit: int = 20, order: str = "desc", after: str | None = None,
-                           before: str | None = None, gw: Gateway = Depends(pipeline),
-                           key: K.ApiKey = Depends(principal)):
+async def list_input_items(
+    response: str,
+    limit: int = 20,
+    order: str = "desc",
+    after: str | None = None,
+    before: str | None = None,
+    gw: Gateway = Depends(pipeline),
+    key: K.ApiKey = Depends(principal),
+):
     """The input items of a stored response, in OpenAI's list shape."""
     rid = response_run_id(response)
     meta = await owned_response(gw, rid, response, key.tenant)
     raw = await gw.redis.get(K.response_input(rid)) if meta.get("store") and gw.redis is not None else None
     given = sealing.open_json(raw)  # None: erased (`tokenstream erase`)
     if given is None:
-        raise api.not_found(f"Response {response!r} has no stored input (created with store false, or expired).")
+        raise api.not_found(
+            f"Response {response!r} has no stored input (created with store false, or expired)."
+        )
     check_paging(order, limit)
     return page(given, limit=limit, order=order, after=after, before=before)

@@ -75,22 +75,34 @@ def _preset_tools(name: str | None) -> list:
         return []
     preset = presets().get(name)
     if preset is None:
-        raise api.APIError(404, f"The assistant preset `{name}` does not exist.", "invalid_request_error",
-                           param="assistant", code="preset_not_found")
+        raise api.APIError(
+            404,
+            f"The assistant preset `{name}` does not exist.",
+            "invalid_request_error",
+            param="assistant",
+            code="preset_not_found",
+        )
     try:
         return _tools.validate_python(preset.tools)
     except ValidationError as exc:
-        raise api.APIError(500, f"The assistant preset `{name}` names invalid tools: {exc.errors()[0]['msg']}",
-                           "server_error", code="preset_invalid") from None
+        raise api.APIError(
+            500,
+            f"The assistant preset `{name}` names invalid tools: {exc.errors()[0]['msg']}",
+            "server_error",
+            code="preset_invalid",
+        ) from None
 
 
 def _sampling(body: ResponseCreate) -> SamplingParams:
     try:
-        return SamplingParams(max_tokens=body.max_output_tokens or DEFAULT_MAX_TOKENS,
-                              temperature=1.0 if body.temperature is None else body.temperature,
-                              top_p=1.0 if body.top_p is None else body.top_p,
-                              presence_penalty=body.presence_penalty or 0.0,
-                              frequency_penalty=body.frequency_penalty or 0.0, logprobs=body.logprobs_asked())
+        return SamplingParams(
+            max_tokens=body.max_output_tokens or DEFAULT_MAX_TOKENS,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            logprobs=body.logprobs_asked(),
+        )
     except ValueError as exc:
         raise api.invalid_request(str(exc)) from None
 
@@ -98,20 +110,35 @@ def _sampling(body: ResponseCreate) -> SamplingParams:
 def _echo(body: ResponseCreate, tools: list, sampling: SamplingParams) -> dict[str, Any]:
     """The request fields a response object repeats."""
     choice = body.tool_choice if body.tool_choice is not None else ("auto" if tools else "none")
-    return {"instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
-            "parallel_tool_calls": body.parallel_tool_calls is not False and body.max_tool_calls is None,
-            "previous_response_id": body.previous_response_id, "store": body.store, "background": body.background,
-            "temperature": sampling.temperature, "top_p": sampling.top_p,
-            "presence_penalty": sampling.presence_penalty, "frequency_penalty": sampling.frequency_penalty,
-            "safety_identifier": body.safety_identifier, "prompt_cache_key": body.prompt_cache_key,
-            "text": {"format": body.text.format.model_dump(by_alias=True, exclude_none=True)
-                     if body.text and body.text.format else {"type": "text"}},
-            "tool_choice": choice if isinstance(choice, str) else choice.model_dump(exclude_none=True),
-            "tools": [_tool_echo(t) for t in tools], "user": body.user,
-            "metadata": body.metadata or {}, "assistant": body.assistant,
-            "conversation": {"id": body.conversation_id} if body.conversation is not None else None,
-            "truncation": body.truncation or "disabled", "max_tool_calls": body.max_tool_calls,
-            "top_logprobs": body.top_logprobs or 0, "service_tier": "flex" if flex(body) else "default"}
+    return {
+        "instructions": body.instructions,
+        "max_output_tokens": body.max_output_tokens,
+        "parallel_tool_calls": body.parallel_tool_calls is not False and body.max_tool_calls is None,
+        "previous_response_id": body.previous_response_id,
+        "store": body.store,
+        "background": body.background,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "presence_penalty": sampling.presence_penalty,
+        "frequency_penalty": sampling.frequency_penalty,
+        "safety_identifier": body.safety_identifier,
+        "prompt_cache_key": body.prompt_cache_key,
+        "text": {
+            "format": body.text.format.model_dump(by_alias=True, exclude_none=True)
+            if body.text and body.text.format
+            else {"type": "text"}
+        },
+        "tool_choice": choice if isinstance(choice, str) else choice.model_dump(exclude_none=True),
+        "tools": [_tool_echo(t) for t in tools],
+        "user": body.user,
+        "metadata": body.metadata or {},
+        "assistant": body.assistant,
+        "conversation": {"id": body.conversation_id} if body.conversation is not None else None,
+        "truncation": body.truncation or "disabled",
+        "max_tool_calls": body.max_tool_calls,
+        "top_logprobs": body.top_logprobs or 0,
+        "service_tier": "flex" if flex(body) else "default",
+    }
 
 
 def _tool_echo(tool) -> dict[str, Any]:
@@ -130,7 +157,9 @@ async def create(body: ResponseCreate, gw: Gateway = Depends(pipeline), key: K.A
     if field is not None:
         raise api.invalid_request(f"`{field}` is not supported by this server.", field)
     if body.background and not body.store:
-        raise api.invalid_request("A background response must be stored: background needs store true.", "store")
+        raise api.invalid_request(
+            "A background response must be stored: background needs store true.", "store"
+        )
     if body.model not in gw.cfg.models:
         raise api.model_not_found(body.model)
     if body.moderation is not None and (refused := body.moderation.refused()) is not None:
@@ -144,16 +173,25 @@ async def create(body: ResponseCreate, gw: Gateway = Depends(pipeline), key: K.A
     await read_files(gw, key.tenant, body)
     messages = messages_of(body, key.tenant, earlier)
     if body.previous_response_id is not None:
-        before = await owned_response(gw, response_run_id(body.previous_response_id), body.previous_response_id, key.tenant)
+        before = await owned_response(
+            gw, response_run_id(body.previous_response_id), body.previous_response_id, key.tenant
+        )
         if not before.get("store"):
-            raise api.APIError(404, f"Previous response {body.previous_response_id!r} was created with store "
-                                    "false and cannot be continued.", "invalid_request_error",
-                               param="previous_response_id", code="not_found")
+            raise api.APIError(
+                404,
+                f"Previous response {body.previous_response_id!r} was created with store "
+                "false and cannot be continued.",
+                "invalid_request_error",
+                param="previous_response_id",
+                code="not_found",
+            )
         conversation = before["conversation_id"]
     if body.context_management and body.previous_response_id is not None:
-        raise api.invalid_request("context_management compacts the history the request brings (its input, or its "
-                                  "conversation); a previous response's history is the conversation processor's.",
-                                  "context_management")
+        raise api.invalid_request(
+            "context_management compacts the history the request brings (its input, or its "
+            "conversation); a previous response's history is the conversation processor's.",
+            "context_management",
+        )
     await context.check(body.model, messages, sampling.max_tokens, "max_output_tokens", output)
     admit(gw, body.model, FLEX_SHARE if flex(body) else 1.0)
     partition, created_at = gw.reply_partition(), time.time()
@@ -164,35 +202,81 @@ async def create(body: ResponseCreate, gw: Gateway = Depends(pipeline), key: K.A
         messages, compacted = await _compacted(gw, key, body, messages, output)
         if run.truncation == "disabled":
             await context.check_whole(body.model, messages, sampling.max_tokens, output)
-        ticket = await gw.limiter.take(key, estimate_prompt_tokens([m.content for m in messages]) + sampling.max_tokens,
-                                       rid, gw.cfg.max_streams(key.max_streams, key.tier), gw.cfg.stream_lease_s)
+        ticket = await gw.limiter.take(
+            key,
+            estimate_prompt_tokens([m.content for m in messages]) + sampling.max_tokens,
+            rid,
+            gw.cfg.max_streams(key.max_streams, key.tier),
+            gw.cfg.stream_lease_s,
+        )
     except BaseException:
         if body.conversation is not None:
             await gw.conversations.release(conversation, rid)
         raise
     conversation = conversation or rid
-    event = ChatRequest(request_id=rid, conversation_id=conversation, created_at=created_at, tenant=key.tenant,
-                        tier=key.tier, priority=FLEX_PRIORITY if flex(body) else key.priority, model=body.model,
-                        messages=messages, sampling=sampling,
-                        output=output, stream=body.stream, user=body.user or body.safety_identifier, assistant=body.assistant,
-                        reply_partition=partition, gateway_id=gw.cfg.instance_id, screening=gw.cfg.screening, run=run,
-                        full_history=body.conversation is not None, cache_key=body.prompt_cache_key or "")
+    event = ChatRequest(
+        request_id=rid,
+        conversation_id=conversation,
+        created_at=created_at,
+        tenant=key.tenant,
+        tier=key.tier,
+        priority=FLEX_PRIORITY if flex(body) else key.priority,
+        model=body.model,
+        messages=messages,
+        sampling=sampling,
+        output=output,
+        stream=body.stream,
+        user=body.user or body.safety_identifier,
+        assistant=body.assistant,
+        reply_partition=partition,
+        gateway_id=gw.cfg.instance_id,
+        screening=gw.cfg.screening,
+        run=run,
+        full_history=body.conversation is not None,
+        cache_key=body.prompt_cache_key or "",
+    )
     created = int(created_at)
-    note = {"tenant": key.tenant, "model": body.model, "created": created, "conversation_id": conversation,
-            "store": body.store, "background": body.background, "screening": gw.cfg.screening,
-            "in_conversation": body.conversation is not None, "compacted": compacted,
-            "echo": _echo(body, tools, sampling), "moderated": body.moderation is not None,
-            "run": {"server_tools": run.server_tools, "max_steps": run.max_steps,
-                    "max_output_tokens": run.max_output_tokens}, **ticket.note()}
+    note = {
+        "tenant": key.tenant,
+        "model": body.model,
+        "created": created,
+        "conversation_id": conversation,
+        "store": body.store,
+        "background": body.background,
+        "screening": gw.cfg.screening,
+        "in_conversation": body.conversation is not None,
+        "compacted": compacted,
+        "echo": _echo(body, tools, sampling),
+        "moderated": body.moderation is not None,
+        "run": {
+            "server_tools": run.server_tools,
+            "max_steps": run.max_steps,
+            "max_output_tokens": run.max_output_tokens,
+        },
+        **ticket.note(),
+    }
     gw.inflight.track(rid, note)  # its slot held while it runs; released, and usage counted, by _finish
     steps = tuple(step_request_id(rid, k) for k in range(1, run.max_steps))
     stream = gw.fanout.subscribe(rid, steps)
     written, _, generation, kept_input = await asyncio.gather(
-        asyncio.wait_for(publish(gw.producer, CHAT_REQUESTS, event,
-                                 key=K.conversation_key(key.tenant, conversation)), timeout=10),
-        gw.remember(rid, note), gw.canceller.attach(rid), _keep_input(gw, body, rid, note), return_exceptions=True)
-    kept = written if isinstance(written, BaseException) else generation if isinstance(
-        generation, BaseException) else kept_input if isinstance(kept_input, BaseException) and body.conversation else None
+        asyncio.wait_for(
+            publish(gw.producer, CHAT_REQUESTS, event, key=K.conversation_key(key.tenant, conversation)),
+            timeout=10,
+        ),
+        gw.remember(rid, note),
+        gw.canceller.attach(rid),
+        _keep_input(gw, body, rid, note),
+        return_exceptions=True,
+    )
+    kept = (
+        written
+        if isinstance(written, BaseException)
+        else generation
+        if isinstance(generation, BaseException)
+        else kept_input
+        if isinstance(kept_input, BaseException) and body.conversation
+        else None
+    )
     if kept is not None:
         gw.fanout.unsubscribe(rid)
         await gw.inflight.finish(rid, None)
@@ -214,8 +298,13 @@ async def create(body: ResponseCreate, gw: Gateway = Depends(pipeline), key: K.A
     if not await background.fold(framer, source, cleanup):
         gw.canceller.no_progress(rid, generation)
         gw.background(_finish_when_ended(gw, rid, note))
-        raise api.APIError(504, f"The model made no progress for {gw.cfg.progress_timeout_s:.0f}s; the response "
-                                "was cancelled. Please retry.", "server_error", code="timeout")
+        raise api.APIError(
+            504,
+            f"The model made no progress for {gw.cfg.progress_timeout_s:.0f}s; the response "
+            "was cancelled. Please retry.",
+            "server_error",
+            code="timeout",
+        )
     gw.canceller.release(rid)
     if body.conversation is not None:  # in the conversation before the client can send its next turn
         await _finish(gw, rid, note, framer)
@@ -232,14 +321,24 @@ def flex(body: ResponseCreate) -> bool:
 
 def summary_run(gw: Gateway, key: K.ApiKey, model: str):
     """compaction.summarise's runner: a stored-false, greedy response run of this key through the pipeline."""
+
     async def run(instructions: str, text: str, max_tokens: int) -> dict:
-        body = ResponseCreate(model=model, instructions=instructions, input=text, store=False, temperature=0,
-                              max_output_tokens=max_tokens)
+        body = ResponseCreate(
+            model=model,
+            instructions=instructions,
+            input=text,
+            store=False,
+            temperature=0,
+            max_output_tokens=max_tokens,
+        )
         return json.loads((await create(body, gw, key)).body)
+
     return run
 
 
-async def _compacted(gw: Gateway, key: K.ApiKey, body: ResponseCreate, messages: list, output) -> tuple[list, dict | None]:
+async def _compacted(
+    gw: Gateway, key: K.ApiKey, body: ResponseCreate, messages: list, output
+) -> tuple[list, dict | None]:
     """With context_management: the history before the newest message condensed (the user's messages
     kept, the model's summary for the rest) when the prompt would pass the threshold."""
     if not body.context_management or len(messages) < 3 or messages[-1].role != "user":
@@ -265,7 +364,9 @@ async def in_conversation(gw: Gateway, body: ResponseCreate, tenant: str) -> tup
     if conv is None:
         return None, []
     if body.previous_response_id is not None:
-        raise api.invalid_request("Send conversation or previous_response_id, not both.", "previous_response_id")
+        raise api.invalid_request(
+            "Send conversation or previous_response_id, not both.", "previous_response_id"
+        )
     if not body.store:
         raise api.invalid_request("A response in a conversation is kept in it: store must be true.", "store")
     return conv, await gw.conversations.history(conv, tenant)
@@ -273,16 +374,24 @@ async def in_conversation(gw: Gateway, body: ResponseCreate, tenant: str) -> tup
 
 def _framer(rid: str, note: dict) -> ResponseFramer:
     spec = RunSpec(**note["run"])
-    return ResponseFramer(rid, spec, base_response(rid, note["created"], note["model"], note["echo"]),
-                          note["conversation_id"], preface=[note["compacted"]] if note.get("compacted") else [],
-                          moderated=bool(note.get("moderated")))
+    return ResponseFramer(
+        rid,
+        spec,
+        base_response(rid, note["created"], note["model"], note["echo"]),
+        note["conversation_id"],
+        preface=[note["compacted"]] if note.get("compacted") else [],
+        moderated=bool(note.get("moderated")),
+    )
 
 
 async def _keep_input(gw: Gateway, body: ResponseCreate, rid: str, note: dict) -> None:
     """A stored response's input items, for GET .../input_items (best effort: the answer does not wait on it)."""
     if body.store and gw.redis is not None:
-        await gw.redis.set(K.response_input(rid), sealing.seal_json(note["tenant"], note["conversation_id"],
-                                                                   input_items(body, rid)), ex=K.RESPONSE_TTL_S)
+        await gw.redis.set(
+            K.response_input(rid),
+            sealing.seal_json(note["tenant"], note["conversation_id"], input_items(body, rid)),
+            ex=K.RESPONSE_TTL_S,
+        )
 
 
 def _finisher(gw: Gateway, note: dict) -> background.Finish:
@@ -292,9 +401,17 @@ def _finisher(gw: Gateway, note: dict) -> background.Finish:
 async def _finish(gw: Gateway, rid: str, note: dict, framer: ResponseFramer) -> None:
     """A run's end: its usage counted once (all steps), the response stored for GET when asked."""
     prompt, completion, cached, written = framer.tokens
-    done = Completion(request_id=rid, seq=0, finish_reason="stop",
-                      usage=Usage(prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached,
-                                  cache_write_tokens=written))
+    done = Completion(
+        request_id=rid,
+        seq=0,
+        finish_reason="stop",
+        usage=Usage(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            cached_tokens=cached,
+            cache_write_tokens=written,
+        ),
+    )
     if rid in gw.inflight:
         await gw.inflight.finish(rid, done)  # frees its open-request slot too
     else:  # read to its end through a resume on this instance: usage counted once, whichever instance
@@ -303,8 +420,11 @@ async def _finish(gw: Gateway, rid: str, note: dict, framer: ResponseFramer) -> 
         await _into_conversation(gw, rid, note, framer.response)
     if note.get("store") and gw.redis is not None:
         try:
-            await gw.redis.set(K.stored_response(rid), sealing.seal_json(
-                note["tenant"], note["conversation_id"], framer.response), ex=K.RESPONSE_TTL_S)
+            await gw.redis.set(
+                K.stored_response(rid),
+                sealing.seal_json(note["tenant"], note["conversation_id"], framer.response),
+                ex=K.RESPONSE_TTL_S,
+            )
         except Exception as exc:  # noqa: BLE001 - the answer went out; only GET misses it
             log.warning("response %s not stored: %s", rid, exc)
 
@@ -342,13 +462,28 @@ async def _into_conversation(gw: Gateway, rid: str, note: dict, response: dict) 
     await gw.conversations.release(conv, rid)
 
 
-def _sse(gw: Gateway, framer: ResponseFramer, source: AsyncIterator[list[Event]], last: int, generation: int,
-         note: dict, cleanup, headers: dict[str, str] | None = None) -> EventSourceResponse:
+def _sse(
+    gw: Gateway,
+    framer: ResponseFramer,
+    source: AsyncIterator[list[Event]],
+    last: int,
+    generation: int,
+    note: dict,
+    cleanup,
+    headers: dict[str, str] | None = None,
+) -> EventSourceResponse:
     """Stream the run's events after position `last` (NOTHING_SEEN: all of them)."""
+
     def frames(events: list[dict]) -> list[ServerSentEvent]:
-        return [ServerSentEvent(json.dumps(e, separators=(",", ":")), event=e["type"],
-                                id=event_id(framer.run_id, e["sequence_number"]))
-                for e in events if e["sequence_number"] > last]
+        return [
+            ServerSentEvent(
+                json.dumps(e, separators=(",", ":")),
+                event=e["type"],
+                id=event_id(framer.run_id, e["sequence_number"]),
+            )
+            for e in events
+            if e["sequence_number"] > last
+        ]
 
     async def run():
         try:
@@ -362,10 +497,19 @@ def _sse(gw: Gateway, framer: ResponseFramer, source: AsyncIterator[list[Event]]
                     yield frame
                 if framer.done:
                     return
-            yield ServerSentEvent(json.dumps({"type": "error", "code": "timeout", "message":
-                                              f"The model made no progress for {gw.cfg.progress_timeout_s:.0f}s; "
-                                              "the response was cancelled.", "param": None,
-                                              "sequence_number": framer.seq}), event="error")
+            yield ServerSentEvent(
+                json.dumps(
+                    {
+                        "type": "error",
+                        "code": "timeout",
+                        "message": f"The model made no progress for {gw.cfg.progress_timeout_s:.0f}s; "
+                        "the response was cancelled.",
+                        "param": None,
+                        "sequence_number": framer.seq,
+                    }
+                ),
+                event="error",
+            )
         finally:
             cleanup()
             await source.aclose()
@@ -377,32 +521,47 @@ def _sse(gw: Gateway, framer: ResponseFramer, source: AsyncIterator[list[Event]]
                 if note.get("in_conversation"):  # the conversation waits for the run's end: see it here
                     gw.background(_finish_when_ended(gw, framer.run_id, note))
 
-    return EventSourceResponse(run(), ping=gw.cfg.ping_s, ping_message_factory=KeepAlive, headers={
-        "Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
+    return EventSourceResponse(
+        run(),
+        ping=gw.cfg.ping_s,
+        ping_message_factory=KeepAlive,
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})},
+    )
 
 
 @router.get("/responses/{response}")
-async def retrieve(response: str, stream: bool = False, starting_after: int | None = None,
-                   last_event_id: str | None = Header(None), gw: Gateway = Depends(pipeline),
-                   key: K.ApiKey = Depends(principal)):
+async def retrieve(
+    response: str,
+    stream: bool = False,
+    starting_after: int | None = None,
+    last_event_id: str | None = Header(None),
+    gw: Gateway = Depends(pipeline),
+    key: K.ApiKey = Depends(principal),
+):
     """The stored response (store=true), or, with stream=true, its events replayed from the log."""
     rid = response_run_id(response)
     meta = await owned_response(gw, rid, response, key.tenant)
     if stream:
         try:
-            last = parse_last_event_id(last_event_id, rid) if last_event_id else (
-                NOTHING_SEEN if starting_after is None else starting_after)
+            last = (
+                parse_last_event_id(last_event_id, rid)
+                if last_event_id
+                else (NOTHING_SEEN if starting_after is None else starting_after)
+            )
         except ValueError as exc:
             raise api.invalid_request(str(exc), param="Last-Event-ID") from None
         framer = _framer(rid, meta)
         steps = [step_request_id(rid, k) for k in range(1, framer.spec.max_steps)]
-        source = replay(gw.bootstrap, rid, idle_timeout_s=gw.cfg.progress_timeout_s, also=steps,
-                        ends=lambda _: False)
+        source = replay(
+            gw.bootstrap, rid, idle_timeout_s=gw.cfg.progress_timeout_s, also=steps, ends=lambda _: False
+        )
         if meta.get("screening") == "parallel":
             source = held_until_screened(source)
         generation = await gw.canceller.attach(rid)
         gw.metrics.resumes.inc()
-        return _sse(gw, framer, source, last, generation, meta, cleanup=lambda: None)  # settles once, anywhere
+        return _sse(
+            gw, framer, source, last, generation, meta, cleanup=lambda: None
+        )  # settles once, anywhere
     if not meta.get("store"):
         raise api.not_found(f"Response {response!r} was created with store false.")
     kept = await background.stored(gw, rid)
@@ -419,7 +578,9 @@ async def cancel(response: str, gw: Gateway = Depends(pipeline), key: K.ApiKey =
     rid = response_run_id(response)
     meta = await owned_response(gw, rid, response, key.tenant)
     if not meta.get("background"):
-        raise api.invalid_request("Only a response created with background true can be cancelled.", "response")
+        raise api.invalid_request(
+            "Only a response created with background true can be cancelled.", "response"
+        )
     kept = await background.stored(gw, rid)
     if kept is not None:  # it ended already
         return JSONResponse(kept)

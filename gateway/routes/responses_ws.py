@@ -38,10 +38,19 @@ MAX_QUEUED = 16
 POLICY_VIOLATION, TOO_BIG = 1008, 1009  # RFC 6455 close codes
 
 
-def _error(status: int, message: str, type_: str, param: str | None = None, code: str | None = None,
-           lane: str | None = None) -> dict[str, Any]:
-    event: dict[str, Any] = {"type": "error", "status": status,
-                             "error": {"type": type_, "code": code, "message": message, "param": param}}
+def _error(
+    status: int,
+    message: str,
+    type_: str,
+    param: str | None = None,
+    code: str | None = None,
+    lane: str | None = None,
+) -> dict[str, Any]:
+    event: dict[str, Any] = {
+        "type": "error",
+        "status": status,
+        "error": {"type": type_, "code": code, "message": message, "param": param},
+    }
     if lane is not None:
         event["stream_id"] = lane
     return event
@@ -70,8 +79,14 @@ class Socket:
         while True:
             text = await self.ws.receive_text()
             if len(text.encode()) > most:
-                await self.send(_error(413, f"A message may hold at most {most} bytes.", "invalid_request_error",
-                                       code="message_too_large"))
+                await self.send(
+                    _error(
+                        413,
+                        f"A message may hold at most {most} bytes.",
+                        "invalid_request_error",
+                        code="message_too_large",
+                    )
+                )
                 await self.ws.close(TOO_BIG)
                 return
             await self.take(text)
@@ -84,7 +99,9 @@ class Socket:
             return
         if not isinstance(event, dict) or event.get("type") != "response.create":
             kind = event.get("type") if isinstance(event, dict) else None
-            await self.send(_invalid(f"Unsupported client event type {kind!r}: send `response.create`.", "type", None))
+            await self.send(
+                _invalid(f"Unsupported client event type {kind!r}: send `response.create`.", "type", None)
+            )
             return
         lane = event.pop("stream_id", None)
         if lane is not None and (not isinstance(lane, str) or not 0 < len(lane) <= 64):
@@ -93,15 +110,26 @@ class Socket:
         queue = self.lanes.get(lane)
         if queue is None:
             if len(self.lanes) >= MAX_LANES:
-                await self.send(_invalid(f"A connection may use at most {MAX_LANES} lanes (stream_id).", "stream_id",
-                                         lane))
+                await self.send(
+                    _invalid(
+                        f"A connection may use at most {MAX_LANES} lanes (stream_id).", "stream_id", lane
+                    )
+                )
                 return
             queue = self.lanes[lane] = asyncio.Queue(MAX_QUEUED)
             runner = asyncio.create_task(self.run_lane(lane, queue))
             self.runners.add(runner)
         if queue.full():
-            await self.send(_error(429, f"At most {MAX_QUEUED} responses may wait in one lane.",
-                                   "rate_limit_error", "stream_id", "lane_full", lane))
+            await self.send(
+                _error(
+                    429,
+                    f"At most {MAX_QUEUED} responses may wait in one lane.",
+                    "rate_limit_error",
+                    "stream_id",
+                    "lane_full",
+                    lane,
+                )
+            )
             return
         queue.put_nowait(event)
 
@@ -114,14 +142,18 @@ class Socket:
                 return  # the connection is gone: serve() ends it
             except Exception as exc:  # noqa: BLE001 - one response's failure, the connection goes on
                 log.exception("websocket response failed")
-                await self.send(_error(500, f"internal error: {type(exc).__name__}", "server_error", lane=lane))
+                await self.send(
+                    _error(500, f"internal error: {type(exc).__name__}", "server_error", lane=lane)
+                )
 
     async def respond(self, lane: str | None, event: dict[str, Any]) -> None:
         """One response.create: its events as they are made, each tagged with the lane."""
         event.pop("type")
         for name, allowed in (("stream", (True,)), ("background", (False,))):
             if name in event and event[name] not in allowed:
-                why = "stream is implicit" if name == "stream" else "background is not supported over WebSocket"
+                why = (
+                    "stream is implicit" if name == "stream" else "background is not supported over WebSocket"
+                )
                 await self.send(_invalid(f"{name}: {why}; use POST /v1/responses for it.", name, lane))
                 return
         try:

@@ -47,9 +47,14 @@ async def owned(gw: Gateway, rid: str, completion: str, key: ApiKey) -> dict:
 
 
 @router.get("/{completion}/stream")
-async def resume(completion: str, last_event_id: str | None = Header(None),
-                 last_event_id_query: str | None = None, include_usage: bool | None = None,
-                 gw: Gateway = Depends(pipeline), key: ApiKey = Depends(principal)):
+async def resume(
+    completion: str,
+    last_event_id: str | None = Header(None),
+    last_event_id_query: str | None = None,
+    include_usage: bool | None = None,
+    gw: Gateway = Depends(pipeline),
+    key: ApiKey = Depends(principal),
+):
     """Resume a stream on any instance: the frames after `Last-Event-ID`, replayed from the log."""
     rid = request_id(completion)
     try:
@@ -58,8 +63,9 @@ async def resume(completion: str, last_event_id: str | None = Header(None),
         raise api.invalid_request(str(exc), param="Last-Event-ID") from None
     meta = await owned(gw, rid, completion, key)
     usage = meta.get("include_usage", False) if include_usage is None else include_usage
-    framer = Framer(rid, meta.get("model", "unknown"), meta.get("created", parse_request_id(rid)[1] // 1000),
-                    usage, last)
+    framer = Framer(
+        rid, meta.get("model", "unknown"), meta.get("created", parse_request_id(rid)[1] // 1000), usage, last
+    )
     generation = await gw.canceller.attach(rid)
     gw.metrics.resumes.inc()
     source = replay(gw.bootstrap, rid, idle_timeout_s=gw.cfg.progress_timeout_s)

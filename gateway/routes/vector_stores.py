@@ -42,7 +42,7 @@ class Body(api.UnicodeBody):
 
 class Chunking(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    type: Literal["auto"] = Field(description="only the built-in chunking (\"auto\") is supported")
+    type: Literal["auto"] = Field(description='only the built-in chunking ("auto") is supported')
 
 
 def _unsupported(v: Any, info: ValidationInfo) -> Any:
@@ -88,7 +88,9 @@ class Search(Body):
     max_num_results: int = Field(10, ge=1, le=MAX_RESULTS)
     rewrite_query: bool = False
     filters: Any = Field(None, description="attribute filters are not supported")
-    ranking_options: Any = Field(None, description="ranking options are not supported (hybrid BM25 + vectors)")
+    ranking_options: Any = Field(
+        None, description="ranking options are not supported (hybrid BM25 + vectors)"
+    )
     check_unsupported = field_validator("filters", "ranking_options")(_unsupported)
 
     @field_validator("query")
@@ -128,8 +130,13 @@ async def shown(gw: Gateway, record: dict[str, str]) -> dict:
 async def _add(gw: Gateway, key: ApiKey, vs_id: str, file_id: str) -> dict[str, str]:
     uploads = uploads_of(gw)
     file = await owned_file(gw, key, file_id)
-    if await uploads.store_file(vs_id, file_id) is None and await uploads.store_size(vs_id) >= gw.cfg.store_max_files:
-        raise api.invalid_request(f"A vector store holds at most {gw.cfg.store_max_files} files.", param="file_id")
+    if (
+        await uploads.store_file(vs_id, file_id) is None
+        and await uploads.store_size(vs_id) >= gw.cfg.store_max_files
+    ):
+        raise api.invalid_request(
+            f"A vector store holds at most {gw.cfg.store_max_files} files.", param="file_id"
+        )
     entry = await uploads.add_to_store(vs_id, file)
     try:
         await announce(gw, key.tenant, vs_id, file_id, "add", file["filename"], entry["generation"])
@@ -140,21 +147,32 @@ async def _add(gw: Gateway, key: ApiKey, vs_id: str, file_id: str) -> dict[str, 
 
 
 @router.post("")
-async def create_store(body: CreateStore, gw: Gateway = Depends(pipeline), key: ApiKey = Depends(principal)) -> dict:
+async def create_store(
+    body: CreateStore, gw: Gateway = Depends(pipeline), key: ApiKey = Depends(principal)
+) -> dict:
     for file_id in body.file_ids:
         await owned_file(gw, key, file_id)  # every file exists and is the caller's, before anything is made
     if len(set(body.file_ids)) > gw.cfg.store_max_files:
-        raise api.invalid_request(f"A vector store holds at most {gw.cfg.store_max_files} files.", param="file_ids")
-    record = await uploads_of(gw).create_store(key.tenant, body.name or "", body.description or "",
-                                              body.metadata or {})
+        raise api.invalid_request(
+            f"A vector store holds at most {gw.cfg.store_max_files} files.", param="file_ids"
+        )
+    record = await uploads_of(gw).create_store(
+        key.tenant, body.name or "", body.description or "", body.metadata or {}
+    )
     for file_id in dict.fromkeys(body.file_ids):
         await _add(gw, key, record["id"], file_id)
     return await shown(gw, record)
 
 
 @router.get("")
-async def list_stores(limit: int = 20, order: str = "desc", after: str | None = None, before: str | None = None,
-                      gw: Gateway = Depends(pipeline), key: ApiKey = Depends(principal)) -> dict:
+async def list_stores(
+    limit: int = 20,
+    order: str = "desc",
+    after: str | None = None,
+    before: str | None = None,
+    gw: Gateway = Depends(pipeline),
+    key: ApiKey = Depends(principal),
+) -> dict:
     check_paging(order, limit)
     stores = [await shown(gw, r) for r in await uploads_of(gw).stores(key.tenant)]
     return page(stores, limit=limit, order=order, after=after, before=before)
@@ -166,8 +184,9 @@ async def get_store(vs_id: str, gw: Gateway = Depends(pipeline), key: ApiKey = D
 
 
 @router.post("/{vs_id}")
-async def update_store(vs_id: str, body: UpdateStore, gw: Gateway = Depends(pipeline),
-                       key: ApiKey = Depends(principal)) -> dict:
+async def update_store(
+    vs_id: str, body: UpdateStore, gw: Gateway = Depends(pipeline), key: ApiKey = Depends(principal)
+) -> dict:
     record = await owned(gw, key, vs_id)
     fields = {}
     if body.name is not None:
@@ -191,27 +210,40 @@ async def delete_store(vs_id: str, gw: Gateway = Depends(pipeline), key: ApiKey 
 
 
 @router.post("/{vs_id}/files")
-async def add_file(vs_id: str, body: AddFile, gw: Gateway = Depends(pipeline), key: ApiKey = Depends(principal)) -> dict:
+async def add_file(
+    vs_id: str, body: AddFile, gw: Gateway = Depends(pipeline), key: ApiKey = Depends(principal)
+) -> dict:
     await owned(gw, key, vs_id)
     return store_file_object(vs_id, await _add(gw, key, vs_id, body.file_id))
 
 
 @router.get("/{vs_id}/files")
-async def list_store_files(vs_id: str, limit: int = 20, order: str = "desc", after: str | None = None,
-                           before: str | None = None, filter: str | None = None,  # noqa: A002 - OpenAI's name
-                           gw: Gateway = Depends(pipeline), key: ApiKey = Depends(principal)) -> dict:
+async def list_store_files(
+    vs_id: str,
+    limit: int = 20,
+    order: str = "desc",
+    after: str | None = None,
+    before: str | None = None,
+    filter: str | None = None,  # noqa: A002 - OpenAI's name
+    gw: Gateway = Depends(pipeline),
+    key: ApiKey = Depends(principal),
+) -> dict:
     check_paging(order, limit)
     if filter is not None and filter not in STORE_FILE_STATES:
         raise api.invalid_request(f"filter must be one of {', '.join(STORE_FILE_STATES)}.", param="filter")
     await owned(gw, key, vs_id)
-    entries = [store_file_object(vs_id, e) for e in await uploads_of(gw).store_files(vs_id)
-               if filter is None or e.get("status") == filter]
+    entries = [
+        store_file_object(vs_id, e)
+        for e in await uploads_of(gw).store_files(vs_id)
+        if filter is None or e.get("status") == filter
+    ]
     return page(entries, limit=limit, order=order, after=after, before=before)
 
 
 @router.get("/{vs_id}/files/{file_id}")
-async def get_store_file(vs_id: str, file_id: str, gw: Gateway = Depends(pipeline),
-                         key: ApiKey = Depends(principal)) -> dict:
+async def get_store_file(
+    vs_id: str, file_id: str, gw: Gateway = Depends(pipeline), key: ApiKey = Depends(principal)
+) -> dict:
     await owned(gw, key, vs_id)
     entry = await uploads_of(gw).store_file(vs_id, file_id)
     if entry is None:
@@ -220,8 +252,9 @@ async def get_store_file(vs_id: str, file_id: str, gw: Gateway = Depends(pipelin
 
 
 @router.delete("/{vs_id}/files/{file_id}")
-async def remove_store_file(vs_id: str, file_id: str, gw: Gateway = Depends(pipeline),
-                            key: ApiKey = Depends(principal)) -> dict:
+async def remove_store_file(
+    vs_id: str, file_id: str, gw: Gateway = Depends(pipeline), key: ApiKey = Depends(principal)
+) -> dict:
     await owned(gw, key, vs_id)
     uploads = uploads_of(gw)
     if await uploads.store_file(vs_id, file_id) is None:
@@ -232,27 +265,47 @@ async def remove_store_file(vs_id: str, file_id: str, gw: Gateway = Depends(pipe
 
 
 @router.post("/{vs_id}/search")
-async def search(vs_id: str, body: Search, gw: Gateway = Depends(pipeline), key: ApiKey = Depends(principal)) -> dict:
+async def search(
+    vs_id: str, body: Search, gw: Gateway = Depends(pipeline), key: ApiKey = Depends(principal)
+) -> dict:
     await owned(gw, key, vs_id)
     if gw.producer is None:
         raise api.unavailable("The gateway is not connected to the pipeline yet; try again.")
     try:
-        result = await gw.searches.search(gw.producer, key.tenant, [vs_id], body.query, body.max_num_results,
-                                          gw.cfg.search_timeout_s)
+        result = await gw.searches.search(
+            gw.producer, key.tenant, [vs_id], body.query, body.max_num_results, gw.cfg.search_timeout_s
+        )
     except SearchTimeout as exc:
         raise api.APIError(504, str(exc), "server_error", code="search_timeout") from None
     except Exception:  # noqa: BLE001 - the broker did not take the call
         raise api.unavailable("The search could not be sent (broker unavailable); try again.") from None
     if not result.ok and result.meta.get("unavailable"):
-        raise api.APIError(503, f"The search is unavailable: {result.error}", "service_unavailable",
-                           code="index_unavailable", headers={"Retry-After": "2"})
+        raise api.APIError(
+            503,
+            f"The search is unavailable: {result.error}",
+            "service_unavailable",
+            code="index_unavailable",
+            headers={"Retry-After": "2"},
+        )
     if not result.ok:
         raise api.APIError(502, f"The search failed: {result.error}", "server_error", code="search_failed")
     # a removed file's chunks leave the index when the tool processor handles its "remove" (soon after);
     # the store's file list changes at once, so a search never shows a file the store no longer has
     present = {e["file_id"] for e in await uploads_of(gw).store_files(vs_id)}
     hits = [h for h in json.loads(result.output)["results"] if h["file_id"] in present]
-    return {"object": "vector_store.search_results.page", "search_query": [body.query],
-            "data": [{"file_id": h["file_id"], "filename": h["filename"], "score": h["score"], "attributes": {},
-                      "content": [{"type": "text", "text": h["text"]}]} for h in hits],
-            "has_more": False, "next_page": None}
+    return {
+        "object": "vector_store.search_results.page",
+        "search_query": [body.query],
+        "data": [
+            {
+                "file_id": h["file_id"],
+                "filename": h["filename"],
+                "score": h["score"],
+                "attributes": {},
+                "content": [{"type": "text", "text": h["text"]}],
+            }
+            for h in hits
+        ],
+        "has_more": False,
+        "next_page": None,
+    }

@@ -71,8 +71,14 @@ cfg = ConversationSettings()
 app = make_app("conversation")
 ledger = Ledger("conversation")
 history_table = table(app, CONVERSATIONS, "history")
-inbox = app.topic(CHAT_REQUESTS.name, CONVERSATION_TURNS.name, key_type=bytes, value_type=bytes,
-                  key_serializer="raw", value_serializer="raw")
+inbox = app.topic(
+    CHAT_REQUESTS.name,
+    CONVERSATION_TURNS.name,
+    key_type=bytes,
+    value_type=bytes,
+    key_serializer="raw",
+    value_serializer="raw",
+)
 tokens_in = topic(app, TOKENS)
 results_in = topic(app, TOOL_RESULTS)
 prepared_out = topic(app, PREPARED)
@@ -100,10 +106,22 @@ def warm_up() -> None:
 
 async def _refuse(request: ChatRequest, reason: str, trace, code: str) -> None:
     """End a request that cannot be prepared, on the tokens partition its client listens to."""
-    await send(tokens_out, TOKENS, Completion(
-        request_id=request.request_id, conversation_id=request.conversation_id, tenant=request.tenant,
-        seq=0, finish_reason="error", error=reason, error_code=code), key=request.request_id,
-        partition=request.reply_partition, trace=trace)
+    await send(
+        tokens_out,
+        TOKENS,
+        Completion(
+            request_id=request.request_id,
+            conversation_id=request.conversation_id,
+            tenant=request.tenant,
+            seq=0,
+            finish_reason="error",
+            error=reason,
+            error_code=code,
+        ),
+        key=request.request_id,
+        partition=request.reply_partition,
+        trace=trace,
+    )
 
 
 async def _prepare(request: ChatRequest, state: ConversationHistory, trace) -> bool:
@@ -113,42 +131,75 @@ async def _prepare(request: ChatRequest, state: ConversationHistory, trace) -> b
     if request.assistant:
         preset = presets().get(request.assistant)
         if preset is None:
-            await _refuse(request, f"unknown assistant preset {request.assistant!r}", trace, "preset_not_found")
+            await _refuse(
+                request, f"unknown assistant preset {request.assistant!r}", trace, "preset_not_found"
+            )
             return False
         messages, model, sampling = apply_preset(preset, messages, model, sampling)
     unmatched = unmatched_tool_message(messages)
     if unmatched is not None:
-        await _refuse(request, f"tool message answers {unmatched!r}, a call no earlier assistant message made",
-                      trace, "invalid_tool_message")
+        await _refuse(
+            request,
+            f"tool message answers {unmatched!r}, a call no earlier assistant message made",
+            trace,
+            "invalid_tool_message",
+        )
         return False
     window = cfg.window_for(model)
     if sampling.max_tokens > window:
-        await _refuse(request, f"max_tokens {sampling.max_tokens} exceeds the model's context of {window} tokens",
-                      trace, "context_length_exceeded")
+        await _refuse(
+            request,
+            f"max_tokens {sampling.max_tokens} exceeds the model's context of {window} tokens",
+            trace,
+            "context_length_exceeded",
+        )
         return False
     try:
-        prompt, dropped = trim(messages, _counter(model, request.output), prompt_budget(window, sampling.max_tokens),
-                               request.output)
+        prompt, dropped = trim(
+            messages,
+            _counter(model, request.output),
+            prompt_budget(window, sampling.max_tokens),
+            request.output,
+        )
     except PromptTooLong as exc:
         await _refuse(request, f"{exc} (context window {window} tokens)", trace, "context_length_exceeded")
         return False
     spec = request.run or (state.run.spec if state.run is not None else None)
     if dropped and spec is not None and spec.truncation == "disabled":
-        await _refuse(request, f"the conversation takes more than the context window ({window} tokens, the answer's "
-                               f"room included) and truncation is disabled", trace, "context_length_exceeded")
+        await _refuse(
+            request,
+            f"the conversation takes more than the context window ({window} tokens, the answer's "
+            f"room included) and truncation is disabled",
+            trace,
+            "context_length_exceeded",
+        )
         return False
     state.messages = bounded(messages, cfg.max_history_messages)
     state.pending_request_id, state.pending_since = request.request_id, time.time()
     if request.run is not None:
         state.run = runs.start(request)
     prepared = InferenceRequest(
-        request_id=request.request_id, conversation_id=request.conversation_id, tenant=request.tenant,
-        model=model, messages=prompt, sampling=sampling, output=request.output,
-        reply_partition=request.reply_partition, dropped_messages=dropped, admitted_at=request.created_at,
-        screening=request.screening, tier=request.tier, priority=request.priority, cache_key=request.cache_key)
+        request_id=request.request_id,
+        conversation_id=request.conversation_id,
+        tenant=request.tenant,
+        model=model,
+        messages=prompt,
+        sampling=sampling,
+        output=request.output,
+        reply_partition=request.reply_partition,
+        dropped_messages=dropped,
+        admitted_at=request.created_at,
+        screening=request.screening,
+        tier=request.tier,
+        priority=request.priority,
+        cache_key=request.cache_key,
+    )
     # after a restart the request may have been emitted already: then only the table row is rebuilt
-    await ledger.once("prepared", request.request_id,
-                      lambda: send(prepared_out, PREPARED, prepared, key=request.request_id, trace=trace))
+    await ledger.once(
+        "prepared",
+        request.request_id,
+        lambda: send(prepared_out, PREPARED, prepared, key=request.request_id, trace=trace),
+    )
     return True
 
 
@@ -157,7 +208,7 @@ async def _on_request(request: ChatRequest, state: ConversationHistory, trace) -
         return  # answered from the gateway's cache; on the log for the audit only
     if request.request_id in state.seen_request_ids:
         return  # delivered twice upstream: already prepared
-    state.seen_request_ids = [*state.seen_request_ids[-(SEEN_KEPT - 1):], request.request_id]
+    state.seen_request_ids = [*state.seen_request_ids[-(SEEN_KEPT - 1) :], request.request_id]
     if state.parked and not _busy(state):  # given up on that answer: the turns waiting for it end first
         await _give_up(state, trace)
     if _busy(state) and not (request.full_history or carries_full_history(request.messages)):
@@ -199,14 +250,23 @@ async def _give_up(state: ConversationHistory, trace) -> None:
         state.messages = without_unanswered(state.messages)
         state.pending_request_id = None
     for request in state.parked:
-        why = (f"The previous turn of this conversation (request {lost}) got no answer within "
-               f"{cfg.parked_timeout_s:.0f}s, so this turn, which needs that answer, was not started "
-               f"(it waited {now - request.created_at:.0f}s). The unanswered turn was dropped from the "
-               "conversation: send this message again, or the whole conversation in `messages`.")
-        await ledger.once("refused", request.request_id,
-                          lambda r=request, why=why: _refuse(r, why, trace, "previous_turn_unanswered"))
-    log.warning("conversation %s: gave up waiting for the answer to %s; refused %d parked turn(s)",
-                state.conversation_id, lost, len(state.parked))
+        why = (
+            f"The previous turn of this conversation (request {lost}) got no answer within "
+            f"{cfg.parked_timeout_s:.0f}s, so this turn, which needs that answer, was not started "
+            f"(it waited {now - request.created_at:.0f}s). The unanswered turn was dropped from the "
+            "conversation: send this message again, or the whole conversation in `messages`."
+        )
+        await ledger.once(
+            "refused",
+            request.request_id,
+            lambda r=request, why=why: _refuse(r, why, trace, "previous_turn_unanswered"),
+        )
+    log.warning(
+        "conversation %s: gave up waiting for the answer to %s; refused %d parked turn(s)",
+        state.conversation_id,
+        lost,
+        len(state.parked),
+    )
     state.parked = []
 
 
@@ -237,8 +297,13 @@ async def _advance(state: ConversationHistory, trace) -> None:
     if results is None:
         return
     for result in results:
-        await ledger.once("run-result", result.call_id, lambda r=result: send(
-            tokens_out, TOKENS, r, key=r.request_id, partition=run.reply_partition, trace=trace))
+        await ledger.once(
+            "run-result",
+            result.call_id,
+            lambda r=result: send(
+                tokens_out, TOKENS, r, key=r.request_id, partition=run.reply_partition, trace=trace
+            ),
+        )
     state.messages = [*state.messages, *(runs.tool_message(r) for r in results)]
     step = runs.next_step(run, results)
     if not await _prepare(step, state, trace):
@@ -254,10 +319,18 @@ async def _record(done: Completion, state: ConversationHistory, trace) -> None:
                 break
             if message.role != "system":
                 question.insert(0, message)
-    record = Transcript(request_id=done.request_id, conversation_id=done.conversation_id, tenant=done.tenant,
-                        question=question, answer=done)
-    await ledger.once("transcript", done.request_id,
-                      lambda: send(transcripts_out, TRANSCRIPTS, record, key=done.conversation_id, trace=trace))
+    record = Transcript(
+        request_id=done.request_id,
+        conversation_id=done.conversation_id,
+        tenant=done.tenant,
+        question=question,
+        answer=done,
+    )
+    await ledger.once(
+        "transcript",
+        done.request_id,
+        lambda: send(transcripts_out, TRANSCRIPTS, record, key=done.conversation_id, trace=trace),
+    )
 
 
 @app.agent(inbox)
@@ -274,8 +347,11 @@ async def conversations(stream):
             with traced(raw, f"prepare {event.model}", tracing.request_attributes(event)) as span:
                 await _on_request(event, state, span.trace)
         elif isinstance(event, ToolResult):
-            with traced(raw, f"record tool result {event.name}", {"tokenstream.request_id": event.request_id,
-                                                                 "gen_ai.tool.call.id": event.call_id}) as span:
+            with traced(
+                raw,
+                f"record tool result {event.name}",
+                {"tokenstream.request_id": event.request_id, "gen_ai.tool.call.id": event.call_id},
+            ) as span:
                 await _on_result(event, state, span.trace)
         elif isinstance(event, TurnDeadline):
             with traced(raw, "turn deadline", {"tokenstream.request_id": event.request_id}) as span:
@@ -313,9 +389,14 @@ async def wake_overdue_turns() -> None:
     for row, (due, turn) in list(parked_due.items()):
         if due <= now and parked_due.get(row, (None,))[0] == due:
             del parked_due[row]  # the agent indexes the row again when a turn still waits
-            await send(turns_out, CONVERSATION_TURNS, TurnDeadline(
-                request_id=turn.request_id, conversation_id=turn.conversation_id, tenant=turn.tenant),
-                key=row.decode())
+            await send(
+                turns_out,
+                CONVERSATION_TURNS,
+                TurnDeadline(
+                    request_id=turn.request_id, conversation_id=turn.conversation_id, tenant=turn.tenant
+                ),
+                key=row.decode(),
+            )
 
 
 @app.agent(tokens_in)
@@ -324,8 +405,13 @@ async def answers(stream):
     async for event, raw in typed(stream, {TOKENS.name: TOKENS}, dead_letters):
         if isinstance(event, Completion) and event.conversation_id:
             with traced(raw, "rekey answer", {"tokenstream.request_id": event.request_id}) as span:
-                await send(turns_out, CONVERSATION_TURNS, event,
-                           key=conversation_key(event.tenant, event.conversation_id), trace=span.trace)
+                await send(
+                    turns_out,
+                    CONVERSATION_TURNS,
+                    event,
+                    key=conversation_key(event.tenant, event.conversation_id),
+                    trace=span.trace,
+                )
 
 
 @app.agent(results_in)
@@ -334,5 +420,10 @@ async def results(stream):
     async for event, raw in typed(stream, {TOOL_RESULTS.name: TOOL_RESULTS}, dead_letters):
         if event.conversation_id:
             with traced(raw, "rekey tool result", {"tokenstream.request_id": event.request_id}) as span:
-                await send(turns_out, CONVERSATION_TURNS, event,
-                           key=conversation_key(event.tenant, event.conversation_id), trace=span.trace)
+                await send(
+                    turns_out,
+                    CONVERSATION_TURNS,
+                    event,
+                    key=conversation_key(event.tenant, event.conversation_id),
+                    trace=span.trace,
+                )

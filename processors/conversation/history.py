@@ -26,8 +26,10 @@ def merge(history: list[ChatMessage], messages: list[ChatMessage]) -> list[ChatM
 def with_answer(messages: list[ChatMessage], completion: Completion) -> list[ChatMessage]:
     """The history after an answer: its text and calls appended, or the unanswered user turn removed."""
     if completion.text or completion.tool_calls:
-        return [*messages, ChatMessage(role="assistant", content=completion.text,
-                                       tool_calls=list(completion.tool_calls))]
+        return [
+            *messages,
+            ChatMessage(role="assistant", content=completion.text, tool_calls=list(completion.tool_calls)),
+        ]
     return without_unanswered(messages)
 
 

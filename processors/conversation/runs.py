@@ -14,7 +14,15 @@ import time
 
 import msgspec
 
-from schemas import ChatMessage, ChatRequest, Completion, ConversationHistory, RunState, SamplingParams, ToolResult
+from schemas import (
+    ChatMessage,
+    ChatRequest,
+    Completion,
+    ConversationHistory,
+    RunState,
+    SamplingParams,
+    ToolResult,
+)
 from schemas.ids import step_request_id
 from schemas.runs import TOOL_MESSAGE_CHARS
 from schemas.tools import notebook_logs
@@ -23,11 +31,21 @@ from schemas.tools import notebook_logs
 def start(request: ChatRequest) -> RunState:
     """The run a ChatRequest with `run` starts (at step 0, its own request id)."""
     assert request.run is not None
-    return RunState(run_id=request.request_id, spec=request.run, model=request.model, sampling=request.sampling,
-                    output=request.output, assistant=request.assistant, reply_partition=request.reply_partition,
-                    screening=request.screening, tier=request.tier, priority=request.priority,
-                    cache_key=request.cache_key,
-                    admitted_at=request.created_at, since=time.time())
+    return RunState(
+        run_id=request.request_id,
+        spec=request.run,
+        model=request.model,
+        sampling=request.sampling,
+        output=request.output,
+        assistant=request.assistant,
+        reply_partition=request.reply_partition,
+        screening=request.screening,
+        tier=request.tier,
+        priority=request.priority,
+        cache_key=request.cache_key,
+        admitted_at=request.created_at,
+        since=time.time(),
+    )
 
 
 def busy(state: ConversationHistory, timeout_s: float) -> bool:
@@ -87,7 +105,9 @@ def next_step(run: RunState, results: list[ToolResult]) -> ChatRequest:
     history is in the row). A step that repeated a call of the run and got the same outcome again
     (the same code failing the same way, or printing the same number) learnt nothing new: a model
     that does so is going in circles, so the next step must answer in text instead of calling again."""
-    outcomes = [_digest(run.asked.get(r.call_id, r.call_id), str(r.ok), r.output, r.error or "") for r in results]
+    outcomes = [
+        _digest(run.asked.get(r.call_id, r.call_id), str(r.ok), r.output, r.error or "") for r in results
+    ]
     circling = any(o in run.made for o in outcomes)
     run.made = [*run.made, *outcomes]
     output = run.spec.output_for(run.step + 1, run.output)
@@ -95,11 +115,21 @@ def next_step(run: RunState, results: list[ToolResult]) -> ChatRequest:
         output = msgspec.structs.replace(output, tool_choice="none", tool_name=None, allowed=[])
     run.step += 1
     run.calls, run.results, run.asked, run.since = None, {}, {}, time.time()
-    return ChatRequest(request_id=current_step(run), conversation_id=results[0].conversation_id,
-                       tenant=results[0].tenant, model=run.model, messages=[], sampling=_within_budget(run),
-                       output=output, assistant=run.assistant,
-                       reply_partition=run.reply_partition, screening=run.screening, tier=run.tier,
-                       priority=run.priority, cache_key=run.cache_key)
+    return ChatRequest(
+        request_id=current_step(run),
+        conversation_id=results[0].conversation_id,
+        tenant=results[0].tenant,
+        model=run.model,
+        messages=[],
+        sampling=_within_budget(run),
+        output=output,
+        assistant=run.assistant,
+        reply_partition=run.reply_partition,
+        screening=run.screening,
+        tier=run.tier,
+        priority=run.priority,
+        cache_key=run.cache_key,
+    )
 
 
 def _written(output: str) -> list[str]:

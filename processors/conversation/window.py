@@ -24,8 +24,12 @@ def prompt_counter(tokenizer, output: OutputSpec) -> Callable[[list[ChatMessage]
     return count
 
 
-def trim(messages: list[ChatMessage], count: Callable[[list[ChatMessage]], int],
-         budget: int, output: OutputSpec | None = None) -> tuple[list[ChatMessage], int]:
+def trim(
+    messages: list[ChatMessage],
+    count: Callable[[list[ChatMessage]], int],
+    budget: int,
+    output: OutputSpec | None = None,
+) -> tuple[list[ChatMessage], int]:
     """Drop the oldest turns until the prompt takes at most `budget` tokens.
 
     System messages and the newest message always stay; the kept part starts with a user
@@ -35,7 +39,10 @@ def trim(messages: list[ChatMessage], count: Callable[[list[ChatMessage]], int],
     and the tools' and format's instructions (`output`), as long as no earlier call is rendered.
     """
     rendered = instructions(output) if output is not None else ""
-    if not any(m.tool_calls for m in messages) and tokens_at_most([m.content for m in messages] + [rendered]) <= budget:
+    if (
+        not any(m.tool_calls for m in messages)
+        and tokens_at_most([m.content for m in messages] + [rendered]) <= budget
+    ):
         return list(messages), 0
     system = [m for m in messages if m.role == "system"]
     rest = [m for m in messages if m.role != "system"]
@@ -43,8 +50,10 @@ def trim(messages: list[ChatMessage], count: Callable[[list[ChatMessage]], int],
         return list(messages), 0
     low, high = 1, len(rest) - 1  # drop rest[:cut]; cut=len(rest)-1 keeps only the newest message
     if high < low or count([*system, rest[-1]]) > budget:
-        raise PromptTooLong(f"the newest message alone, with the system messages and the tools rendered into "
-                            f"the prompt, exceeds the {budget}-token budget")
+        raise PromptTooLong(
+            f"the newest message alone, with the system messages and the tools rendered into "
+            f"the prompt, exceeds the {budget}-token budget"
+        )
     while low < high:
         mid = (low + high) // 2
         if count([*system, *rest[mid:]]) <= budget:

@@ -34,8 +34,14 @@ app = make_app("router")
 ledger = Ledger("router")
 # Requests screened in series arrive on ts.requests.screened once safety passed them; requests
 # screened in parallel are taken from ts.requests.prepared at once (safety judges them meanwhile).
-inbox = app.topic(SCREENED.name, PREPARED.name, key_type=bytes, value_type=bytes, key_serializer="raw",
-                  value_serializer="raw")
+inbox = app.topic(
+    SCREENED.name,
+    PREPARED.name,
+    key_type=bytes,
+    value_type=bytes,
+    key_serializer="raw",
+    value_serializer="raw",
+)
 tokens_out, dead_letters = topic(app, TOKENS), topic(app, DEAD_LETTER)
 routes: dict[str, Route] = dict(cfg.routes)  # a cache of config + ts.routes, rebuilt at every start
 routes_ready = asyncio.Event()
@@ -47,8 +53,9 @@ _outputs: dict[str, object] = {}
 
 def apply_update(update: RouteUpdate) -> None:
     base = routes.get(update.model) or cfg.routes.get(update.model) or Route()
-    routes[update.model] = base.model_copy(update={"weights": dict(update.weights),
-                                                   "fallback": update.fallback or base.fallback})
+    routes[update.model] = base.model_copy(
+        update={"weights": dict(update.weights), "fallback": update.fallback or base.fallback}
+    )
     log.info("route %s: weights %s, fallback %s", update.model, update.weights, routes[update.model].fallback)
 
 
@@ -92,8 +99,12 @@ async def follow_prefixes() -> None:
                     try:
                         prefixes.apply(decode(record.value or b"", PrefixHeld, WorkerLoad))
                     except DecodeError as exc:
-                        log.warning("ignoring a bad %s record at offset %d: %s", KV_PREFIXES.name, record.offset,
-                                    exc.reason)
+                        log.warning(
+                            "ignoring a bad %s record at offset %d: %s",
+                            KV_PREFIXES.name,
+                            record.offset,
+                            exc.reason,
+                        )
     finally:
         _prefix_reader.pop("consumer", None)
         await consumer.stop()
@@ -163,16 +174,39 @@ async def route(stream):
 async def forward(request: InferenceRequest, span: tracing.Hop) -> None:
     """Send the request to its target's worker topic, or end it with an error if none serves it."""
     tier = request.tier or cfg.tenant_tiers.get(request.tenant, cfg.default_tier)
-    decision = decide(request.request_id, request.model, routes.get(request.model), tier, waits(),
-                      cfg.wait_budget_s, request.priority)
+    decision = decide(
+        request.request_id,
+        request.model,
+        routes.get(request.model),
+        tier,
+        waits(),
+        cfg.wait_budget_s,
+        request.priority,
+    )
     trace = span.trace
-    span.set({"gen_ai.response.model": decision.target, "tokenstream.route.reason": decision.reason,
-              "tokenstream.tier": tier})
+    span.set(
+        {
+            "gen_ai.response.model": decision.target,
+            "tokenstream.route.reason": decision.reason,
+            "tokenstream.tier": tier,
+        }
+    )
     if not await exists(decision.target):
-        await send(tokens_out, TOKENS, Completion(
-            request_id=request.request_id, conversation_id=request.conversation_id, tenant=request.tenant,
-            seq=0, finish_reason="error", error=f"no worker group serves model {decision.target!r}",
-        ), key=request.request_id, partition=request.reply_partition, trace=trace)
+        await send(
+            tokens_out,
+            TOKENS,
+            Completion(
+                request_id=request.request_id,
+                conversation_id=request.conversation_id,
+                tenant=request.tenant,
+                seq=0,
+                finish_reason="error",
+                error=f"no worker group serves model {decision.target!r}",
+            ),
+            key=request.request_id,
+            partition=request.reply_partition,
+            trace=trace,
+        )
         return
     spec = inference_topic(decision.target)
     out = _outputs.get(spec.name) or _outputs.setdefault(spec.name, topic(app, spec))
@@ -180,7 +214,19 @@ async def forward(request: InferenceRequest, span: tracing.Hop) -> None:
     place = await placement(request, decision.target) if cfg.prefix_routing else Placement(None, "off")
     place = by_cache_key(place, request, decision.target, spec.partitions)
     span.set({"tokenstream.route.prefix": place.reason, "tokenstream.route.prefix_worker": place.worker_id})
-    await send(out, spec, msgspec.structs.replace(request, model=decision.target), key=request.request_id,
-               partition=place.partition, trace=trace)
-    log.debug("routed %s: %s -> %s (%s; prefix: %s)", request.request_id, request.model, decision.target,
-              decision.reason, place.reason)
+    await send(
+        out,
+        spec,
+        msgspec.structs.replace(request, model=decision.target),
+        key=request.request_id,
+        partition=place.partition,
+        trace=trace,
+    )
+    log.debug(
+        "routed %s: %s -> %s (%s; prefix: %s)",
+        request.request_id,
+        request.model,
+        decision.target,
+        decision.reason,
+        place.reason,
+    )

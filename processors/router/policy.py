@@ -38,8 +38,15 @@ def weighted_pick(request_id: str, weights: dict[str, float]) -> str:
 LOW_PRIORITY_FALLBACK_SHARE = 0.5
 
 
-def decide(request_id: str, model: str, route: Route | None, tier: str,
-           waits: dict[str, float], budget_s: float, priority: int = 0) -> Decision:
+def decide(
+    request_id: str,
+    model: str,
+    route: Route | None,
+    tier: str,
+    waits: dict[str, float],
+    budget_s: float,
+    priority: int = 0,
+) -> Decision:
     route = route or Route()
     fallback_budget = budget_s if priority > 0 else budget_s * LOW_PRIORITY_FALLBACK_SHARE
     if tier in route.tiers:
@@ -47,7 +54,11 @@ def decide(request_id: str, model: str, route: Route | None, tier: str,
     else:
         target, reason = weighted_pick(request_id, route.weights or {model: 1.0}), "weights"
     fallback = route.fallback
-    if fallback and fallback != target and waits.get(target, 0.0) > budget_s \
-            and waits.get(fallback, 0.0) <= fallback_budget:
+    if (
+        fallback
+        and fallback != target
+        and waits.get(target, 0.0) > budget_s
+        and waits.get(fallback, 0.0) <= fallback_budget
+    ):
         return Decision(fallback, "overflow")
     return Decision(target, reason)

@@ -33,7 +33,9 @@ class Placement:
 class PrefixMap:
     def __init__(self, max_prefixes: int = 200_000, stale_s: float = 5.0) -> None:
         self.holders: OrderedDict[str, tuple[str, str]] = OrderedDict()  # digest -> (model, worker_id)
-        self.loads: dict[tuple[str, str], tuple[WorkerLoad, float]] = {}  # (model, worker) -> (load, heard at)
+        self.loads: dict[
+            tuple[str, str], tuple[WorkerLoad, float]
+        ] = {}  # (model, worker) -> (load, heard at)
         self.max_prefixes, self.stale_s = max_prefixes, stale_s
 
     def apply(self, event: PrefixHeld | WorkerLoad, now: float | None = None) -> None:

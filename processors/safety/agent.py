@@ -53,10 +53,17 @@ async def judge(text: str) -> Judgement:
 
 
 def verdict(of, judgement: Judgement, stage: str, window_end_seq: int = -1) -> SafetyVerdict:
-    return SafetyVerdict(request_id=of.request_id, conversation_id=of.conversation_id, tenant=of.tenant,
-                         stage=stage, blocked=judgement.blocked, categories=judgement.categories,
-                         scores=judgement.scores, policy_version=judgement.policy_version,
-                         window_end_seq=window_end_seq)
+    return SafetyVerdict(
+        request_id=of.request_id,
+        conversation_id=of.conversation_id,
+        tenant=of.tenant,
+        stage=stage,
+        blocked=judgement.blocked,
+        categories=judgement.categories,
+        scores=judgement.scores,
+        policy_version=judgement.policy_version,
+        window_end_seq=window_end_seq,
+    )
 
 
 @app.agent(prepared_in)
@@ -80,15 +87,31 @@ async def screen(request: InferenceRequest, span: tracing.Hop) -> None:
     judged_input = verdict(request, result, "input")
     await send(verdicts_out, VERDICTS, judged_input, key=request.request_id, trace=trace)
     if request.screening == "parallel" or request.output.moderated:  # the gateway waits for it, or reports it
-        await send(tokens_out, TOKENS, judged_input, key=request.request_id, partition=request.reply_partition,
-                   trace=trace)
+        await send(
+            tokens_out,
+            TOKENS,
+            judged_input,
+            key=request.request_id,
+            partition=request.reply_partition,
+            trace=trace,
+        )
     if request.screening == "parallel":
         if result.blocked:
-            log.info("input of %s blocked while generating: %s", request.request_id, ", ".join(result.categories))
-            await send(control_out, CONTROL, Cancel(request_id=request.request_id,
-                                                    conversation_id=request.conversation_id,
-                                                    tenant=request.tenant, reason="content_filter"),
-                       key=request.request_id, trace=trace)
+            log.info(
+                "input of %s blocked while generating: %s", request.request_id, ", ".join(result.categories)
+            )
+            await send(
+                control_out,
+                CONTROL,
+                Cancel(
+                    request_id=request.request_id,
+                    conversation_id=request.conversation_id,
+                    tenant=request.tenant,
+                    reason="content_filter",
+                ),
+                key=request.request_id,
+                trace=trace,
+            )
     elif result.blocked:
         log.info("input of %s blocked: %s", request.request_id, ", ".join(result.categories))
         await refuse(request, result, trace)
@@ -101,9 +124,19 @@ async def refuse(request: InferenceRequest, result: Judgement, trace) -> None:
     ids = dict(request_id=request.request_id, conversation_id=request.conversation_id, tenant=request.tenant)
     where = dict(key=request.request_id, partition=request.reply_partition, trace=trace)
     await send(tokens_out, TOKENS, TokenChunk(**ids, seq=0, text=REFUSAL), **where)
-    await send(tokens_out, TOKENS, Completion(**ids, seq=1, finish_reason="content_filter", text=REFUSAL,
-                                              error="input flagged: " + ", ".join(result.categories),
-                                              moderated=request.output.moderated), **where)
+    await send(
+        tokens_out,
+        TOKENS,
+        Completion(
+            **ids,
+            seq=1,
+            finish_reason="content_filter",
+            text=REFUSAL,
+            error="input flagged: " + ", ".join(result.categories),
+            moderated=request.output.moderated,
+        ),
+        **where,
+    )
 
 
 @app.agent(tokens_in)
@@ -112,27 +145,43 @@ async def watch_outputs(stream):
         if not isinstance(event, TokenChunk | Completion):
             continue  # our own in-band verdicts, a response run's tool results
         window = get(windows_table, event.request_id, OutputWindow) or OutputWindow(
-            request_id=event.request_id, conversation_id=event.conversation_id, tenant=event.tenant)
+            request_id=event.request_id, conversation_id=event.conversation_id, tenant=event.tenant
+        )
         final = isinstance(event, Completion)
         if isinstance(event, TokenChunk):
             window = fold(window, event, windows_cfg)
             if window is None:
                 continue  # replayed chunk
         if due(window, windows_cfg, final=final):
-            with traced(raw, "screen_output", {"tokenstream.request_id": event.request_id,
-                                               "tokenstream.safety.window_end_seq": window.last_seq}) as span:
+            with traced(
+                raw,
+                "screen_output",
+                {
+                    "tokenstream.request_id": event.request_id,
+                    "tokenstream.safety.window_end_seq": window.last_seq,
+                },
+            ) as span:
                 result = await judge(window.text)
                 span.set(verdict_attributes(result))
                 trace = span.trace
-                await send(verdicts_out, VERDICTS, verdict(event, result, "output", window.last_seq),
-                           key=event.request_id, trace=trace)
+                await send(
+                    verdicts_out,
+                    VERDICTS,
+                    verdict(event, result, "output", window.last_seq),
+                    key=event.request_id,
+                    trace=trace,
+                )
                 if result.blocked:
-                    await ledger.once("block", event.request_id,
-                                      lambda: block_output(event, result, window, raw.message.partition, trace))
+                    await ledger.once(
+                        "block",
+                        event.request_id,
+                        lambda: block_output(event, result, window, raw.message.partition, trace),
+                    )
             window = judged(window, windows_cfg, result.blocked, result.scores)
         if final and event.moderated:
-            await ledger.once("moderation", event.request_id,
-                              lambda: moderation(event, window, raw.message.partition))
+            await ledger.once(
+                "moderation", event.request_id, lambda: moderation(event, window, raw.message.partition)
+            )
         put(windows_table, event.request_id, None if final else window)
 
 
@@ -143,18 +192,40 @@ async def moderation(done: Completion, window: OutputWindow, partition: int) -> 
     policy = classifier().policy
     flagged = sorted((c for c, s in peak.items() if s >= policy.threshold(c)), key=lambda c: -peak[c])
     whole = Judgement(window.blocked or bool(flagged), flagged, peak, policy.version)
-    await send(tokens_out, TOKENS, verdict(done, whole, "output", done.seq), key=done.request_id, partition=partition)
+    await send(
+        tokens_out, TOKENS, verdict(done, whole, "output", done.seq), key=done.request_id, partition=partition
+    )
 
 
 def verdict_attributes(result: Judgement) -> dict:
-    return {"tokenstream.safety.blocked": result.blocked, "tokenstream.safety.policy": result.policy_version,
-            "tokenstream.safety.categories": list(result.categories)}
+    return {
+        "tokenstream.safety.blocked": result.blocked,
+        "tokenstream.safety.policy": result.policy_version,
+        "tokenstream.safety.categories": list(result.categories),
+    }
 
 
 async def block_output(event, result: Judgement, window: OutputWindow, partition: int, trace) -> None:
-    log.info("output of %s blocked at seq %d: %s", event.request_id, window.last_seq, ", ".join(result.categories))
-    await send(tokens_out, TOKENS, verdict(event, result, "output", window.last_seq), key=event.request_id,
-               partition=partition, trace=trace)
-    await send(control_out, CONTROL, Cancel(request_id=event.request_id, conversation_id=event.conversation_id,
-                                            tenant=event.tenant, reason="content_filter"),
-               key=event.request_id, trace=trace)
+    log.info(
+        "output of %s blocked at seq %d: %s", event.request_id, window.last_seq, ", ".join(result.categories)
+    )
+    await send(
+        tokens_out,
+        TOKENS,
+        verdict(event, result, "output", window.last_seq),
+        key=event.request_id,
+        partition=partition,
+        trace=trace,
+    )
+    await send(
+        control_out,
+        CONTROL,
+        Cancel(
+            request_id=event.request_id,
+            conversation_id=event.conversation_id,
+            tenant=event.tenant,
+            reason="content_filter",
+        ),
+        key=event.request_id,
+        trace=trace,
+    )

@@ -12,10 +12,16 @@ from schemas import OutputWindow, TokenChunk
 class WindowSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TOKENSTREAM_SAFETY_WINDOW_", extra="ignore")
 
-    every_tokens: int = Field(32, ge=1, description="judge the window after this many new tokens "
-                                                    "(one judgement costs ~30-120 ms of CPU)")
-    overlap_chars: int = Field(200, ge=0, description="text kept from the last window, so a phrase cut "
-                                                      "at a boundary is still seen whole")
+    every_tokens: int = Field(
+        32,
+        ge=1,
+        description="judge the window after this many new tokens (one judgement costs ~30-120 ms of CPU)",
+    )
+    overlap_chars: int = Field(
+        200,
+        ge=0,
+        description="text kept from the last window, so a phrase cut at a boundary is still seen whole",
+    )
     max_chars: int = Field(2000, ge=64, description="longest text held per answer")
 
 
@@ -23,18 +29,27 @@ def fold(window: OutputWindow, chunk: TokenChunk, cfg: WindowSettings) -> Output
     """The window with `chunk` added; None when the chunk was folded in before (a replay)."""
     if chunk.seq <= window.last_seq:
         return None
-    text = (window.text + chunk.text)[-cfg.max_chars:]
-    return msgspec.structs.replace(window, text=text, last_seq=chunk.seq,
-                                   pending_tokens=window.pending_tokens + max(1, len(chunk.token_ids)))
+    text = (window.text + chunk.text)[-cfg.max_chars :]
+    return msgspec.structs.replace(
+        window,
+        text=text,
+        last_seq=chunk.seq,
+        pending_tokens=window.pending_tokens + max(1, len(chunk.token_ids)),
+    )
 
 
 def due(window: OutputWindow, cfg: WindowSettings, *, final: bool = False) -> bool:
-    return not window.blocked and window.pending_tokens > 0 and (final or window.pending_tokens >= cfg.every_tokens)
+    return (
+        not window.blocked
+        and window.pending_tokens > 0
+        and (final or window.pending_tokens >= cfg.every_tokens)
+    )
 
 
-def judged(window: OutputWindow, cfg: WindowSettings, blocked: bool,
-           scores: dict[str, float] | None = None) -> OutputWindow:
+def judged(
+    window: OutputWindow, cfg: WindowSettings, blocked: bool, scores: dict[str, float] | None = None
+) -> OutputWindow:
     """After a judgement: keep only the overlap, remember a block and each category's highest score."""
-    tail = window.text[-cfg.overlap_chars:] if cfg.overlap_chars else ""
+    tail = window.text[-cfg.overlap_chars :] if cfg.overlap_chars else ""
     peak = {**window.peak, **{c: max(s, window.peak.get(c, 0.0)) for c, s in (scores or {}).items()}}
     return msgspec.structs.replace(window, text=tail, pending_tokens=0, blocked=blocked, peak=peak)

@@ -79,14 +79,20 @@ class Client:
         self.stall_next_s = 0.0
 
     async def request(self, http: httpx.AsyncClient, prompt: str) -> Outcome | None:
-        body = {"model": self.model, "stream": True, "temperature": 0, "max_tokens": self.max_tokens,
-                "messages": [{"role": "user", "content": prompt}]}
+        body = {
+            "model": self.model,
+            "stream": True,
+            "temperature": 0,
+            "max_tokens": self.max_tokens,
+            "messages": [{"role": "user", "content": prompt}],
+        }
         stall, self.stall_next_s = self.stall_next_s, 0.0
         sent = time.time()
         outcome: Outcome | None = None
         try:
-            async with http.stream("POST", random.choice(self.gateways) + "/v1/chat/completions",
-                                   json=body) as r:
+            async with http.stream(
+                "POST", random.choice(self.gateways) + "/v1/chat/completions", json=body
+            ) as r:
                 if r.status_code != 200:
                     await r.aread()
                     self.refused += 1
@@ -136,8 +142,9 @@ class Client:
             headers = {"Last-Event-ID": outcome.last_id} if outcome.last_id else {}
             outcome.resumes += 1
             try:
-                async with http.stream("GET", f"{gateway}/v1/chat/completions/chatcmpl-{outcome.rid}/stream",
-                                       headers=headers) as r:
+                async with http.stream(
+                    "GET", f"{gateway}/v1/chat/completions/chatcmpl-{outcome.rid}/stream", headers=headers
+                ) as r:
                     if r.status_code != 200:
                         await r.aread()
                         await asyncio.sleep(0.5)

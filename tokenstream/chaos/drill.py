@@ -77,18 +77,26 @@ class Report:
     @property
     def ok(self) -> bool:
         v = self.verdict
-        return (v.admitted > 0 and not v.broken and not any(self.lag_left.values())
-                and self.running_left == 0 and all(f.recovered_at is not None for f in self.faults))
+        return (
+            v.admitted > 0
+            and not v.broken
+            and not any(self.lag_left.values())
+            and self.running_left == 0
+            and all(f.recovered_at is not None for f in self.faults)
+        )
 
 
-def plan(kills_per_role: int, broker_restarts: int, stalls: int, roles: tuple[str, ...] = ROLES,
-         freezes: int = 0) -> tuple[str, ...]:
+def plan(
+    kills_per_role: int, broker_restarts: int, stalls: int, roles: tuple[str, ...] = ROLES, freezes: int = 0
+) -> tuple[str, ...]:
     """A schedule of exactly these faults: the kills (`roles` in turn), with the broker restarts, the
     client stalls and the freezes each at an even fraction of the run."""
     kills = ["kill"] * (kills_per_role * len(roles))
-    marks = sorted([((j + 0.5) / broker_restarts, "broker") for j in range(broker_restarts)]
-                   + [((j + 0.5) / stalls, "stall") for j in range(stalls)]
-                   + [((j + 0.5) / freezes, "freeze") for j in range(freezes)])
+    marks = sorted(
+        [((j + 0.5) / broker_restarts, "broker") for j in range(broker_restarts)]
+        + [((j + 0.5) / stalls, "stall") for j in range(stalls)]
+        + [((j + 0.5) / freezes, "freeze") for j in range(freezes)]
+    )
     total, schedule = len(kills) + len(marks), []
     for fraction, kind in marks:
         while kills and len(schedule) < round(fraction * total):
@@ -97,44 +105,65 @@ def plan(kills_per_role: int, broker_restarts: int, stalls: int, roles: tuple[st
     return tuple(schedule + kills)
 
 
-async def run(minutes: float, *, clients: int = 3, every_s: float = 20.0, stall_s: float = 8.0, freeze_s: float = 6.0,
-              max_tokens: int = 24, deadline_s: float = 120.0,
-              kinds: tuple[str, ...] = ("kill", "kill", "kill", "kill", "kill", "broker", "stall"),
-              schedule: tuple[str, ...] | None = None, root: Path | None = None, brokers: int = 1,
-              roles: tuple[str, ...] = ROLES, say=print) -> Report:
+async def run(
+    minutes: float,
+    *,
+    clients: int = 3,
+    every_s: float = 20.0,
+    stall_s: float = 8.0,
+    freeze_s: float = 6.0,
+    max_tokens: int = 24,
+    deadline_s: float = 120.0,
+    kinds: tuple[str, ...] = ("kill", "kill", "kill", "kill", "kill", "broker", "stall"),
+    schedule: tuple[str, ...] | None = None,
+    root: Path | None = None,
+    brokers: int = 1,
+    roles: tuple[str, ...] = ROLES,
+    say=print,
+) -> Report:
     """`kinds` cycle, one fault every `every_s`, for `minutes`; or, with `schedule`, exactly those faults
     spread evenly over `minutes`. Kills strike `roles` in turn."""
     from tokenstream.stack.local import LocalSystem
 
     root = root or Path(tempfile.mkdtemp(prefix="chaos-"))
-    gateways = {"a": {"TOKENSTREAM_GATEWAY_CANCEL_GRACE_S": "30"},
-                "b": {"TOKENSTREAM_GATEWAY_CANCEL_GRACE_S": "30"}}
+    gateways = {
+        "a": {"TOKENSTREAM_GATEWAY_CANCEL_GRACE_S": "30"},
+        "b": {"TOKENSTREAM_GATEWAY_CANCEL_GRACE_S": "30"},
+    }
     async with LocalSystem(root, "smollm2", gateways, instances=2, brokers=brokers) as system:
         from common import sealing
 
         sealing.install(system.stack.redis.address)  # the drill reads the roles' sealed answers back
         started = time.time()
-        users = [Client([system.url(g) for g in gateways], "smollm2", max_tokens=max_tokens,
-                        deadline_s=deadline_s) for _ in range(clients)]
+        users = [
+            Client([system.url(g) for g in gateways], "smollm2", max_tokens=max_tokens, deadline_s=deadline_s)
+            for _ in range(clients)
+        ]
         outcomes: list[Outcome] = []
         stop = asyncio.Event()
         if schedule is None:
             schedule = tuple(itertools.islice(itertools.cycle(kinds), int(minutes * 60 // every_s)))
         else:
             every_s = minutes * 60 / (len(schedule) + 1)
-        say(f"chaos: {clients} clients, {len(schedule)} faults, one every {every_s:.1f} s for {minutes:g} min "
-            f"(logs in {root})")
+        say(
+            f"chaos: {clients} clients, {len(schedule)} faults, one every {every_s:.1f} s for {minutes:g} min "
+            f"(logs in {root})"
+        )
         supervisor_stop = asyncio.Event()
         supervisor = asyncio.create_task(system.supervise(supervisor_stop))
         loads = [asyncio.create_task(_user(u, i, outcomes, stop, system.key)) for i, u in enumerate(users)]
         warm_at = await _first_answer(outcomes, deadline_s)
-        probe = Client([system.url(g) for g in gateways], "smollm2", max_tokens=max_tokens, deadline_s=deadline_s)
+        probe = Client(
+            [system.url(g) for g in gateways], "smollm2", max_tokens=max_tokens, deadline_s=deadline_s
+        )
         probes: list[asyncio.Task] = []
 
         def send_probe() -> None:  # the next request after a fault, sent the moment it ends
             probes.append(asyncio.create_task(_probe(probe, len(probes), outcomes, system.key)))
 
-        faults = await _inject(system, users, schedule, every_s, stall_s, roles, say, send_probe, freeze_s=freeze_s)
+        faults = await _inject(
+            system, users, schedule, every_s, stall_s, roles, say, send_probe, freeze_s=freeze_s
+        )
         await _until_recovered(faults, outcomes, deadline_s)
         stop.set()
         say("chaos: faults done; waiting for the requests in flight to end")
@@ -151,11 +180,18 @@ async def run(minutes: float, *, clients: int = 3, every_s: float = 20.0, stall_
         _timeline(root / "timeline.jsonl", started, faults, outcomes)
         answers = await read_answers(system.stack.kafka.address, {o.rid for o in outcomes}, started - 5)
         senders = [*users, probe]
-        report = Report(time.time() - started, faults, judge(outcomes, answers), every_s=every_s,
-                        refused=sum(c.refused for c in senders),
-                        unacknowledged=sum(c.unacknowledged for c in senders),
-                        resumes=sum(o.resumes for o in outcomes), logs=str(root), baseline_stall_s=baseline,
-                        baseline_answer_s=answer)
+        report = Report(
+            time.time() - started,
+            faults,
+            judge(outcomes, answers),
+            every_s=every_s,
+            refused=sum(c.refused for c in senders),
+            unacknowledged=sum(c.unacknowledged for c in senders),
+            resumes=sum(o.resumes for o in outcomes),
+            logs=str(root),
+            baseline_stall_s=baseline,
+            baseline_answer_s=answer,
+        )
         behind: list[str] = []
         report.lag_left = await drained(system.stack.kafka.address, _groups(), timeout=90, behind=behind)
         if behind:  # which partitions, for the logs' reader
@@ -170,18 +206,34 @@ async def run(minutes: float, *, clients: int = 3, every_s: float = 20.0, stall_
 def _timeline(path: Path, started: float, faults: list[Fault], outcomes: list[Outcome]) -> None:
     """Every fault and every request on the drill's clock (seconds since its start), one JSON line each,
     beside the roles' logs: where a slow recovery's time went (sent, first frame, longest gap, end)."""
+
     def at(t: float | None) -> float | None:
         return None if t is None else round(t - started, 3)
 
     with path.open("w") as out:
         for f in faults:
-            out.write(json.dumps({"fault": f.kind, "target": f.target, "at": at(f.at), "ended": at(f.ended_at)}) + "\n")
+            out.write(
+                json.dumps({"fault": f.kind, "target": f.target, "at": at(f.at), "ended": at(f.ended_at)})
+                + "\n"
+            )
         for o in sorted(outcomes, key=lambda o: o.sent):
             gaps = [(b - a, a) for a, b in zip([o.sent, *o.arrivals], o.arrivals)]
             gap, gap_at = max(gaps) if gaps else (None, None)
-            out.write(json.dumps({"request": o.rid, "sent": at(o.sent), "first": at(o.arrivals[0] if o.arrivals else None),
-                                  "finished": at(o.finished_at), "frames": len(o.arrivals), "resumes": o.resumes,
-                                  "longest_wait": gap and round(gap, 3), "waited_from": at(gap_at)}) + "\n")
+            out.write(
+                json.dumps(
+                    {
+                        "request": o.rid,
+                        "sent": at(o.sent),
+                        "first": at(o.arrivals[0] if o.arrivals else None),
+                        "finished": at(o.finished_at),
+                        "frames": len(o.arrivals),
+                        "resumes": o.resumes,
+                        "longest_wait": gap and round(gap, 3),
+                        "waited_from": at(gap_at),
+                    }
+                )
+                + "\n"
+            )
 
 
 def _http(key: str) -> httpx.AsyncClient:
@@ -219,8 +271,18 @@ async def _first_answer(outcomes: list[Outcome], timeout: float) -> float:
     return time.time()
 
 
-async def _inject(system, users: list[Client], schedule: tuple[str, ...], every_s: float, stall_s: float,
-                  roles: tuple[str, ...], say, send_probe, *, freeze_s: float) -> list[Fault]:
+async def _inject(
+    system,
+    users: list[Client],
+    schedule: tuple[str, ...],
+    every_s: float,
+    stall_s: float,
+    roles: tuple[str, ...],
+    say,
+    send_probe,
+    *,
+    freeze_s: float,
+) -> list[Fault]:
     """Each fault of `schedule` in turn, one every `every_s` from the end of the one before: a broker
     restart that lasts (tens of seconds on a loaded host) moves the rest later rather than firing the
     faults it held up at once (three kills within a second right after the broker came back left
@@ -304,8 +366,11 @@ def _stalls(faults: list[Fault], outcomes: list[Outcome]) -> None:
 def worst_answer(outcomes: list[Outcome], start: float, end: float) -> float | None:
     """The longest time from sending to the whole answer of a request sent at `start` or later and
     answered before `end`: what a recovery, counted to a whole answer, holds beside the fault's own."""
-    times = [o.finished_at - o.sent for o in outcomes if o.done and o.finished_at and start <= o.sent
-             and o.finished_at < end]
+    times = [
+        o.finished_at - o.sent
+        for o in outcomes
+        if o.done and o.finished_at and start <= o.sent and o.finished_at < end
+    ]
     return max(times) if times else None
 
 

@@ -48,8 +48,11 @@ class LogAnswer:
         """The answer's text, or None when it has not ended or is not consistent (see the class)."""
         if not self.ended or self.end_seq is None or self.conflicts:
             return None
-        held = sorted(self.chunks) if self.completion_text is not None else sorted(
-            s for s in self.chunks if s < self.end_seq)
+        held = (
+            sorted(self.chunks)
+            if self.completion_text is not None
+            else sorted(s for s in self.chunks if s < self.end_seq)
+        )
         if held != list(range(self.end_seq)):
             return None
         text = "".join(self.chunks[s] for s in range(self.end_seq))
@@ -66,9 +69,13 @@ async def read_answers(bootstrap: str, rids: set[str], since: float) -> dict[str
     from schemas import DecodeError, decode
     from topics import TOKENS
 
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, **kafka_auth.client_options(),
-                                group_id=None, enable_auto_commit=False,
-                                auto_offset_reset="earliest")
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap,
+        **kafka_auth.client_options(),
+        group_id=None,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+    )
     await consumer.start()
     answers = {rid: LogAnswer() for rid in rids}
     try:
@@ -104,11 +111,11 @@ class Verdict:
 
     admitted: int = 0
     completed: int = 0
-    lost: list[str] = field(default_factory=list)          # the client's text is short of the log's
-    differs: list[str] = field(default_factory=list)       # the client's text is not the log's, nor a prefix of it
+    lost: list[str] = field(default_factory=list)  # the client's text is short of the log's
+    differs: list[str] = field(default_factory=list)  # the client's text is not the log's, nor a prefix of it
     inconsistent: list[str] = field(default_factory=list)  # the log does not hold one consistent answer
-    unfinished: list[str] = field(default_factory=list)    # no [DONE] within the deadline
-    duplicates: list[str] = field(default_factory=list)    # a position delivered twice, or seq conflicts
+    unfinished: list[str] = field(default_factory=list)  # no [DONE] within the deadline
+    duplicates: list[str] = field(default_factory=list)  # a position delivered twice, or seq conflicts
     interrupted: int = 0  # requests whose client got an error event or lost its connection, and resumed
 
     @property
@@ -139,13 +146,18 @@ def judge(outcomes: list[Outcome], answers: dict[str, LogAnswer]) -> Verdict:
             v.differs.append(o.rid)
     for o in outcomes:  # at an error event the client held part of the answer, never something else
         logged = answers.get(o.rid, LogAnswer()).text()
-        if logged is not None and o.rid not in v.differs and any(not logged.startswith(t) for t in o.error_texts):
+        if (
+            logged is not None
+            and o.rid not in v.differs
+            and any(not logged.startswith(t) for t in o.error_texts)
+        ):
             v.differs.append(o.rid)
     return v
 
 
-async def drained(bootstrap: str, groups: list[tuple[str, str]], timeout: float,
-                  behind: list[str] | None = None) -> dict[str, int]:
+async def drained(
+    bootstrap: str, groups: list[tuple[str, str]], timeout: float, behind: list[str] | None = None
+) -> dict[str, int]:
     """Wait until every (group, topic) has no lag; returns the lag left per "group topic" at the end, and
     adds each partition still behind to `behind` ("group topic[p] committed/end"), when given."""
     from producers.lag import LagSampler
@@ -167,7 +179,9 @@ async def drained(bootstrap: str, groups: list[tuple[str, str]], timeout: float,
     finally:
         await sampler.close()
     if behind is not None:
-        behind += [f"{load.group} {load.topic}[{p}] {at}/{end}" for load in sampler.loads.values()
-                   for p, (at, end) in sorted(load.behind.items())]
+        behind += [
+            f"{load.group} {load.topic}[{p}] {at}/{end}"
+            for load in sampler.loads.values()
+            for p, (at, end) in sorted(load.behind.items())
+        ]
     return left
-

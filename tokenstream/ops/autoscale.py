@@ -61,8 +61,9 @@ class Decision:
     reason: str
 
 
-def decide(policy: ScalePolicy, lag: int, partitions: int, current: int, now: float,
-           memory: ScaleMemory) -> Decision:
+def decide(
+    policy: ScalePolicy, lag: int, partitions: int, current: int, now: float, memory: ScaleMemory
+) -> Decision:
     metric = lag
     if not policy.allow_idle_consumers and partitions > 0:
         metric = min(metric, partitions * policy.lag_threshold)
@@ -75,11 +76,16 @@ def decide(policy: ScalePolicy, lag: int, partitions: int, current: int, now: fl
         idle_for = now - memory.last_active if memory.last_active is not None else math.inf
         if idle_for >= policy.cooldown_s:
             memory.recommendations.clear()
-            return Decision(0, f"inactive for {min(idle_for, 1e9):.0f}s >= cooldown {policy.cooldown_s:.0f}s: "
-                               "scale to zero")
+            return Decision(
+                0,
+                f"inactive for {min(idle_for, 1e9):.0f}s >= cooldown {policy.cooldown_s:.0f}s: scale to zero",
+            )
     floor = max(policy.min_replicas, 1)
-    ceiling = policy.max_replicas if policy.allow_idle_consumers or partitions <= 0 else min(
-        policy.max_replicas, partitions)
+    ceiling = (
+        policy.max_replicas
+        if policy.allow_idle_consumers or partitions <= 0
+        else min(policy.max_replicas, partitions)
+    )
     if current == 0:  # activation: KEDA brings a scaled-to-zero target to at least one replica at once
         raw = math.ceil(metric / policy.lag_threshold)
     elif current > 0 and abs(metric / (current * policy.lag_threshold) - 1) <= policy.tolerance:
@@ -95,17 +101,31 @@ def decide(policy: ScalePolicy, lag: int, partitions: int, current: int, now: fl
         return Decision(wanted, why if wanted > current else f"steady: {why}")
     held = max(n for _, n in memory.recommendations)
     if held > wanted:
-        return Decision(min(current, held), f"scale-down to {wanted} held by the {policy.stabilization_s:.0f}s "
-                                            f"stabilization window (highest recent: {held})")
-    return Decision(wanted, f"lag {lag} / threshold {policy.lag_threshold} -> {raw}, "
-                            f"stable for {policy.stabilization_s:.0f}s: scale down")
+        return Decision(
+            min(current, held),
+            f"scale-down to {wanted} held by the {policy.stabilization_s:.0f}s "
+            f"stabilization window (highest recent: {held})",
+        )
+    return Decision(
+        wanted,
+        f"lag {lag} / threshold {policy.lag_threshold} -> {raw}, "
+        f"stable for {policy.stabilization_s:.0f}s: scale down",
+    )
 
 
 class Autoscaler:
     """Samples a group's lag every `interval_s` and applies `decide` through `apply(replicas)`."""
 
-    def __init__(self, bootstrap: str, group: str, topic: str, policy: ScalePolicy, current: int,
-                 apply: Callable[[int, Decision], None], clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        bootstrap: str,
+        group: str,
+        topic: str,
+        policy: ScalePolicy,
+        current: int,
+        apply: Callable[[int, Decision], None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.group, self.topic, self.policy, self.current = group, topic, policy, current
         self.apply, self.clock = apply, clock
         self.sampler = LagSampler(bootstrap)

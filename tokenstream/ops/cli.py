@@ -11,7 +11,9 @@ from rich.table import Table
 
 from common.config import settings
 
-app = typer.Typer(help="Operators: consumer-group lag, scaling roles by hand or on lag.", no_args_is_help=True)
+app = typer.Typer(
+    help="Operators: consumer-group lag, scaling roles by hand or on lag.", no_args_is_help=True
+)
 console = Console()
 
 
@@ -26,46 +28,92 @@ def _wait(seconds: float | None) -> str:
 
 
 @app.command("lag")
-def lag(model: list[str] = typer.Option(None, help="models served (default: TOKENSTREAM_MODELS)"),
-        group: str = typer.Option(None, help="only this consumer group"),
-        interval: float = typer.Option(2.0, help="seconds between the two readings of the drain rate"),
-        all_partitions: bool = typer.Option(False, "--all", help="also list partitions without lag")) -> None:
+def lag(
+    model: list[str] = typer.Option(None, help="models served (default: TOKENSTREAM_MODELS)"),
+    group: str = typer.Option(None, help="only this consumer group"),
+    interval: float = typer.Option(2.0, help="seconds between the two readings of the drain rate"),
+    all_partitions: bool = typer.Option(False, "--all", help="also list partitions without lag"),
+) -> None:
     """Committed and end offsets, lag, owner, drain rate and estimated wait per group and partition."""
     from tokenstream.ops.lag import sample
     from topics.registry import all_topics
 
-    rows, states = asyncio.run(sample(settings().kafka_bootstrap, all_topics(model or settings().models), interval))
+    rows, states = asyncio.run(
+        sample(settings().kafka_bootstrap, all_topics(model or settings().models), interval)
+    )
     if group:
         rows = [r for r in rows if r.group == group]
-    groups = Table("group", "state", "members", "topics", "lag", "drain/s", "est. wait",
-                   title="consumer groups (from the topic registry)")
+    groups = Table(
+        "group",
+        "state",
+        "members",
+        "topics",
+        "lag",
+        "drain/s",
+        "est. wait",
+        title="consumer groups (from the topic registry)",
+    )
     by_group: dict[str, list] = {}
     for r in rows:
         by_group.setdefault(r.group, []).append(r)
     for name, rs in sorted(by_group.items()):
         state = states.get(name)
         total, rate = sum(r.lag for r in rs), sum(r.rate for r in rs)
-        groups.add_row(name, state.state if state else "-", str(state.members if state else 0),
-                       ", ".join(sorted({r.topic for r in rs})), f"{total:,}", f"{rate:.1f}",
-                       _wait(total / rate if rate else (0.0 if total == 0 else None)))
+        groups.add_row(
+            name,
+            state.state if state else "-",
+            str(state.members if state else 0),
+            ", ".join(sorted({r.topic for r in rs})),
+            f"{total:,}",
+            f"{rate:.1f}",
+            _wait(total / rate if rate else (0.0 if total == 0 else None)),
+        )
     console.print(groups)
-    table = Table("group", "topic", "partition", "committed", "end", "lag", "owner", "drain/s", "est. wait",
-                  title="partitions" + ("" if all_partitions else " with lag (--all for every one)"))
+    table = Table(
+        "group",
+        "topic",
+        "partition",
+        "committed",
+        "end",
+        "lag",
+        "owner",
+        "drain/s",
+        "est. wait",
+        title="partitions" + ("" if all_partitions else " with lag (--all for every one)"),
+    )
     for r in rows:
         if r.lag or all_partitions:
-            table.add_row(r.group, r.topic, str(r.partition), "-" if r.committed is None else f"{r.committed:,}",
-                          f"{r.end:,}", f"{r.lag:,}", r.owner or "-", f"{r.rate:.1f}", _wait(r.wait_s))
+            table.add_row(
+                r.group,
+                r.topic,
+                str(r.partition),
+                "-" if r.committed is None else f"{r.committed:,}",
+                f"{r.end:,}",
+                f"{r.lag:,}",
+                r.owner or "-",
+                f"{r.rate:.1f}",
+                _wait(r.wait_s),
+            )
     console.print(table)
 
 
 @app.command("probe")
-def probe(group: str = typer.Option(None, help="the consumer group this process joins"),
-          host: str = typer.Option(None, help="this process's address as the broker sees it (default: "
-                                   "this host's address)"),
-          redis: bool = typer.Option(True, help="also require Redis to answer (every processor keeps its "
-                                                "ledger of done effects there and holds its input without it)"),
-          url: str = typer.Option(None, help="instead: a role's /health/ready (worker, tool processor, "
-                                             "gateway), e.g. http://127.0.0.1:9400/health/ready")) -> None:
+def probe(
+    group: str = typer.Option(None, help="the consumer group this process joins"),
+    host: str = typer.Option(
+        None, help="this process's address as the broker sees it (default: this host's address)"
+    ),
+    redis: bool = typer.Option(
+        True,
+        help="also require Redis to answer (every processor keeps its "
+        "ledger of done effects there and holds its input without it)",
+    ),
+    url: str = typer.Option(
+        None,
+        help="instead: a role's /health/ready (worker, tool processor, "
+        "gateway), e.g. http://127.0.0.1:9400/health/ready",
+    ),
+) -> None:
     """Exit 0 when a member of GROUP on this host holds a partition (and Redis answers): a processor pod's
     readiness. With --url, exit 0 when that readiness endpoint answers 200; either way print why."""
     from tokenstream.ops.probe import group_ready, url_ready
@@ -92,9 +140,12 @@ def _local():
 
 
 @app.command("scale")
-def scale(targets: list[str] = typer.Argument(..., help="ROLE=N ... (conversation, safety, router, worker, "
-                                              "worker:MODEL, gateway)"),
-          wait: bool = typer.Option(True, help="wait until started processes are ready")) -> None:
+def scale(
+    targets: list[str] = typer.Argument(
+        ..., help="ROLE=N ... (conversation, safety, router, worker, worker:MODEL, gateway)"
+    ),
+    wait: bool = typer.Option(True, help="wait until started processes are ready"),
+) -> None:
     """Start or stop local processes of roles; refuses more members than the group's partitions."""
     from tokenstream.stack.scale import ScaleError, check_ceiling, parse_targets
     from topics.admin import partition_counts
@@ -128,15 +179,17 @@ def supervise(interval: float = typer.Option(1.0, help="seconds between checks")
 
 
 @app.command("autoscale")
-def autoscale(model: str = typer.Option(None, help="the worker group's model (default: the first served)"),
-              lag_threshold: int = typer.Option(10, help="waiting requests per replica (KEDA lagThreshold)"),
-              activation_lag_threshold: int = typer.Option(0, help="lag above which the group is active"),
-              min_replicas: int = typer.Option(1, "--min", help="0 opts in to scaling to zero"),
-              max_replicas: int = typer.Option(4, "--max"),
-              cooldown: float = typer.Option(300.0, help="seconds inactive before scaling to zero"),
-              stabilization: float = typer.Option(300.0, help="scale-down stabilization window, seconds"),
-              allow_idle_consumers: bool = typer.Option(False, help="allow more replicas than partitions"),
-              interval: float = typer.Option(5.0, help="seconds between lag samples")) -> None:
+def autoscale(
+    model: str = typer.Option(None, help="the worker group's model (default: the first served)"),
+    lag_threshold: int = typer.Option(10, help="waiting requests per replica (KEDA lagThreshold)"),
+    activation_lag_threshold: int = typer.Option(0, help="lag above which the group is active"),
+    min_replicas: int = typer.Option(1, "--min", help="0 opts in to scaling to zero"),
+    max_replicas: int = typer.Option(4, "--max"),
+    cooldown: float = typer.Option(300.0, help="seconds inactive before scaling to zero"),
+    stabilization: float = typer.Option(300.0, help="scale-down stabilization window, seconds"),
+    allow_idle_consumers: bool = typer.Option(False, help="allow more replicas than partitions"),
+    interval: float = typer.Option(5.0, help="seconds between lag samples"),
+) -> None:
     """Scale a worker group on its lag with the semantics of KEDA's Kafka scaler, until stopped."""
     from tokenstream.ops.autoscale import Autoscaler, ScalePolicy
     from topics import inference_topic, worker_group
@@ -145,16 +198,29 @@ def autoscale(model: str = typer.Option(None, help="the worker group's model (de
     model = model or cfg.models[0]
     key = "worker" if model == cfg.models[0] else f"worker:{model}"
     wanted, supervisor = _local()
-    policy = ScalePolicy(lag_threshold, activation_lag_threshold, min_replicas, max_replicas, cooldown,
-                         stabilization, allow_idle_consumers=allow_idle_consumers)
+    policy = ScalePolicy(
+        lag_threshold,
+        activation_lag_threshold,
+        min_replicas,
+        max_replicas,
+        cooldown,
+        stabilization,
+        allow_idle_consumers=allow_idle_consumers,
+    )
 
     def apply(replicas: int, decision) -> None:
         wanted.counts[key] = replicas
         wanted.save()
         supervisor.reconcile(wait=False)
 
-    scaler = Autoscaler(cfg.kafka_bootstrap, worker_group(model), inference_topic(model).name, policy,
-                        wanted.count(key), apply)
+    scaler = Autoscaler(
+        cfg.kafka_bootstrap,
+        worker_group(model),
+        inference_topic(model).name,
+        policy,
+        wanted.count(key),
+        apply,
+    )
 
     async def main() -> None:
         stop = asyncio.Event()

@@ -59,13 +59,16 @@ async def _group_states(admin: AIOKafkaAdminClient, groups: list[str]) -> dict[s
     return out
 
 
-async def sample(bootstrap: str, specs: list[TopicSpec], interval_s: float = 2.0) -> tuple[
-        list[PartitionLag], dict[str, GroupState]]:
+async def sample(
+    bootstrap: str, specs: list[TopicSpec], interval_s: float = 2.0
+) -> tuple[list[PartitionLag], dict[str, GroupState]]:
     """Two readings `interval_s` apart; the rows carry the second reading and the rate between."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, **kafka_auth.client_options(),
-                                request_timeout_ms=10_000)
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, **kafka_auth.client_options(),
-                                group_id=None, enable_auto_commit=False)
+    admin = AIOKafkaAdminClient(
+        bootstrap_servers=bootstrap, **kafka_auth.client_options(), request_timeout_ms=10_000
+    )
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap, **kafka_auth.client_options(), group_id=None, enable_auto_commit=False
+    )
     await admin.start()
     await consumer.start()
     try:
@@ -101,8 +104,9 @@ async def sample(bootstrap: str, specs: list[TopicSpec], interval_s: float = 2.0
 
 async def member_of(bootstrap: str, group: str, host: str) -> tuple[bool, str]:
     """Whether a member of `group` on `host` holds at least one partition (a pod's readiness)."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, **kafka_auth.client_options(),
-                                request_timeout_ms=5_000)
+    admin = AIOKafkaAdminClient(
+        bootstrap_servers=bootstrap, **kafka_auth.client_options(), request_timeout_ms=5_000
+    )
     await admin.start()
     try:
         state = (await _group_states(admin, [group])).get(group)

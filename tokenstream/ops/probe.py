@@ -1,7 +1,7 @@
 """Readiness as an operator (or Kubernetes) asks it: a processor by its group, any role by its URL.
 
-    ok, why = group_ready("ts-router", "10.0.0.7")       # a member there holds a partition, Redis answers
-    ok, why = url_ready("http://127.0.0.1:9400/health/ready")
+ok, why = group_ready("ts-router", "10.0.0.7")       # a member there holds a partition, Redis answers
+ok, why = url_ready("http://127.0.0.1:9400/health/ready")
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ def group_ready(group: str, host: str, redis: bool = True) -> tuple[bool, str]:
         import redis as redis_client
 
         try:
-            redis_client.Redis.from_url(settings().redis_url, socket_timeout=2, socket_connect_timeout=2).ping()
+            redis_client.Redis.from_url(
+                settings().redis_url, socket_timeout=2, socket_connect_timeout=2
+            ).ping()
         except redis_client.RedisError as exc:
             ok, why = False, f"{why}, but Redis does not answer ({exc}): its input is held"
     return ok, why

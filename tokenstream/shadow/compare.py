@@ -59,10 +59,14 @@ def figures(pairs: list[Pair], blocked=None) -> dict[str, float]:
     shadow_blocked = blocked([p.shadow.text for p in answered])
     out = {
         "agreement": sum(same) / len(answered),
-        "similarity": statistics.fmean(SequenceMatcher(None, p.served.text, p.shadow.text).ratio()
-                                       for p in answered),
-        "tool_agreement": (sum(calls(p.served) == calls(p.shadow) for p in with_tools) / len(with_tools)
-                           if with_tools else 1.0),
+        "similarity": statistics.fmean(
+            SequenceMatcher(None, p.served.text, p.shadow.text).ratio() for p in answered
+        ),
+        "tool_agreement": (
+            sum(calls(p.served) == calls(p.shadow) for p in with_tools) / len(with_tools)
+            if with_tools
+            else 1.0
+        ),
         "safety_changes": float(sum(a != b for a, b in zip(served_blocked, shadow_blocked, strict=True))),
     }
     served_ttft = statistics.median(ttft(p.served) for p in answered)
@@ -71,7 +75,9 @@ def figures(pairs: list[Pair], blocked=None) -> dict[str, float]:
     rates = [(decode_rate(p.served), decode_rate(p.shadow)) for p in answered]
     rates = [(a, b) for a, b in rates if a and b]
     if rates:
-        out["tokens_per_s_ratio"] = statistics.median(b for _, b in rates) / statistics.median(a for a, _ in rates)
+        out["tokens_per_s_ratio"] = statistics.median(b for _, b in rates) / statistics.median(
+            a for a, _ in rates
+        )
     return out
 
 

@@ -85,11 +85,15 @@ def refusal(model: str, targets: list[str], gates: dict[str, ShadowGate]) -> str
             continue
         gate = gates.get(target)
         if gate is None:
-            return (f"{target} has no shadow evaluation: run `tokenstream shadow --model {target} --served {model} "
-                    f"--since ... --require agreement>=0.9` first")
+            return (
+                f"{target} has no shadow evaluation: run `tokenstream shadow --model {target} --served {model} "
+                f"--since ... --require agreement>=0.9` first"
+            )
         if gate.served != model:
             return f"{target}'s latest shadow evaluation was against {gate.served}, not {model}"
         if not gate.passed:
-            return (f"{target}'s latest shadow evaluation ({gate.request_id}) failed its gate "
-                    f"({', '.join(gate.require)}): " + ", ".join(f"{k} {v:.3g}" for k, v in gate.figures.items()))
+            return (
+                f"{target}'s latest shadow evaluation ({gate.request_id}) failed its gate "
+                f"({', '.join(gate.require)}): " + ", ".join(f"{k} {v:.3g}" for k, v in gate.figures.items())
+            )
     return None

@@ -38,8 +38,14 @@ class Pair:
     shadow: Completion | None = None
 
 
-async def recorded(bootstrap: str, model: str, since_ms: int, until_ms: int, tenant: str | None = None,
-                   limit: int | None = None) -> list[Pair]:
+async def recorded(
+    bootstrap: str,
+    model: str,
+    since_ms: int,
+    until_ms: int,
+    tenant: str | None = None,
+    limit: int | None = None,
+) -> list[Pair]:
     """The requests `model` served between the two times (of `tenant`, or every tenant) that ended
     with an answer, each with its Completion, in the order they were written (at most `limit`)."""
     consumer = await start_consumer(group=None, bootstrap=bootstrap, from_beginning=True)
@@ -71,8 +77,11 @@ async def recorded(bootstrap: str, model: str, since_ms: int, until_ms: int, ten
                     continue
                 if isinstance(event, Completion):
                     answers.setdefault(event.request_id, event)
-        return [Pair(r, answers[rid]) for rid, r in requests.items()
-                if rid in answers and answers[rid].finish_reason in ANSWERED]
+        return [
+            Pair(r, answers[rid])
+            for rid, r in requests.items()
+            if rid in answers and answers[rid].finish_reason in ANSWERED
+        ]
     finally:
         await consumer.stop()
 
@@ -82,12 +91,26 @@ def shadow_copy(request: InferenceRequest, candidate: str, partitions: int) -> I
     served request's state anywhere), the candidate as its model, `shadow_of` the served id."""
     now = time.time()
     return msgspec.structs.replace(
-        request, request_id=new_request_id(request.reply_partition % partitions, now), model=candidate,
-        shadow_of=request.request_id, priority=SHADOW_PRIORITY, created_at=now, admitted_at=now)
+        request,
+        request_id=new_request_id(request.reply_partition % partitions, now),
+        model=candidate,
+        shadow_of=request.request_id,
+        priority=SHADOW_PRIORITY,
+        created_at=now,
+        admitted_at=now,
+    )
 
 
-async def replay(bootstrap: str, candidate: str, pairs: list[Pair], *, rate: float = 2.0, in_flight: int = 4,
-                 timeout_s: float = 600.0, progress: Callable[[int, int], None] = lambda done, total: None) -> None:
+async def replay(
+    bootstrap: str,
+    candidate: str,
+    pairs: list[Pair],
+    *,
+    rate: float = 2.0,
+    in_flight: int = 4,
+    timeout_s: float = 600.0,
+    progress: Callable[[int, int], None] = lambda done, total: None,
+) -> None:
     """Send each pair's copy to `candidate` and wait for its answers (fills `shadow_id`, `shadow`)."""
     spec = inference_topic(candidate)
     producer = await start_producer(bootstrap)
@@ -127,8 +150,10 @@ def _check(collecting: asyncio.Task, deadline: float, by_id: dict) -> None:
         collecting.result()  # raises what ended it
     if time.monotonic() > deadline:
         missing = sum(1 for p in by_id.values() if p.shadow is None)
-        raise TimeoutError(f"{missing} replayed requests unanswered: is a worker serving the candidate "
-                           f"(tokenstream worker --model CANDIDATE)?")
+        raise TimeoutError(
+            f"{missing} replayed requests unanswered: is a worker serving the candidate "
+            f"(tokenstream worker --model CANDIDATE)?"
+        )
 
 
 async def _collect(consumer, by_id: dict[str, Pair], pairs: list[Pair]) -> None:

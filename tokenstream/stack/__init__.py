@@ -1,7 +1,7 @@
 """The local stack (Kafka, Redis, Weaviate) on loopback, without Docker.
 
-    stack = Stack.default()        # persistent data, standard ports: `tokenstream stack up`
-    stack = Stack.ephemeral(tmp)   # throwaway data, free ports: the test suite
+stack = Stack.default()        # persistent data, standard ports: `tokenstream stack up`
+stack = Stack.ephemeral(tmp)   # throwaway data, free ports: the test suite
 """
 
 from tokenstream.stack.stack import Stack

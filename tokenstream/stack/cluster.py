@@ -24,18 +24,46 @@ class KafkaCluster:
     name = "kafka"
     ready_timeout_s = 180.0
 
-    def __init__(self, data_dir: Path, run_dir: Path, log_dir: Path, cache_dir: Path, *,
-                 ports: list[tuple[int, int]], heap: str = "384m", test_mode: bool = False,
-                 secure: bool = True) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        run_dir: Path,
+        log_dir: Path,
+        cache_dir: Path,
+        *,
+        ports: list[tuple[int, int]],
+        heap: str = "384m",
+        test_mode: bool = False,
+        secure: bool = True,
+    ) -> None:
         """`ports`: (client port, controller port) of each node, node ids 1, 2, ... in that order."""
         if len(ports) < 3:
             raise ValueError("a cluster has three nodes or more (one node: tokenstream/stack/kafka.py)")
-        self.data_dir, self.run_dir, self.log_dir, self.cache_dir = data_dir / self.name, run_dir, log_dir, cache_dir
+        self.data_dir, self.run_dir, self.log_dir, self.cache_dir = (
+            data_dir / self.name,
+            run_dir,
+            log_dir,
+            cache_dir,
+        )
         voters = {n: controller for n, (_, controller) in enumerate(ports, start=1)}
-        self.nodes = [Kafka(data_dir, run_dir, log_dir, cache_dir, port=port, controller_port=controller,
-                            heap=heap, test_mode=test_mode, secure=secure, node_id=n, voters=voters,
-                            cluster_id=self._cluster_id(), credentials_dir=self.credentials_dir)
-                      for n, (port, controller) in enumerate(ports, start=1)]
+        self.nodes = [
+            Kafka(
+                data_dir,
+                run_dir,
+                log_dir,
+                cache_dir,
+                port=port,
+                controller_port=controller,
+                heap=heap,
+                test_mode=test_mode,
+                secure=secure,
+                node_id=n,
+                voters=voters,
+                cluster_id=self._cluster_id(),
+                credentials_dir=self.credentials_dir,
+            )
+            for n, (port, controller) in enumerate(ports, start=1)
+        ]
         self.secure = secure
 
     def _cluster_id(self) -> str:
@@ -68,8 +96,11 @@ class KafkaCluster:
 
     def environment(self) -> dict[str, str]:
         """The clients' variables (as one node's), with every node's address and the cluster's replication."""
-        return {**self.nodes[0].environment(), "TOKENSTREAM_KAFKA_BOOTSTRAP": self.address,
-                "TOKENSTREAM_KAFKA_REPLICATION": str(self.replication)}
+        return {
+            **self.nodes[0].environment(),
+            "TOKENSTREAM_KAFKA_BOOTSTRAP": self.address,
+            "TOKENSTREAM_KAFKA_REPLICATION": str(self.replication),
+        }
 
     def install(self, say) -> None:
         self.nodes[0].install(say)
@@ -93,13 +124,17 @@ class KafkaCluster:
         while time.monotonic() < deadline:
             down = [node.name for node in self.nodes if node.pid() is None]
             if down:
-                raise ServiceError(f"{', '.join(down)} exited; see {self.nodes[0].log_file.parent}:\n"
-                                   + "\n".join(n.log_tail(8) for n in self.nodes if n.name in down))
+                raise ServiceError(
+                    f"{', '.join(down)} exited; see {self.nodes[0].log_file.parent}:\n"
+                    + "\n".join(n.log_tail(8) for n in self.nodes if n.name in down)
+                )
             if self.brokers() == {node.node_id for node in self.nodes}:
                 return
             time.sleep(0.5)
-        raise ServiceError(f"{self.name}: not every node registered after {self.ready_timeout_s:.0f}s; see "
-                           f"{self.nodes[0].log_file.parent}")
+        raise ServiceError(
+            f"{self.name}: not every node registered after {self.ready_timeout_s:.0f}s; see "
+            f"{self.nodes[0].log_file.parent}"
+        )
 
     def brokers(self) -> set[int]:
         """The node ids the cluster lists as brokers now (asked of any node that answers)."""
@@ -117,8 +152,11 @@ class KafkaCluster:
             if node.pid() is None:
                 continue
             try:
-                leaders.add(json.loads((node.data_dir / "log" / "__cluster_metadata-0" / "quorum-state")
-                                       .read_text())["leaderId"])
+                leaders.add(
+                    json.loads((node.data_dir / "log" / "__cluster_metadata-0" / "quorum-state").read_text())[
+                        "leaderId"
+                    ]
+                )
             except (OSError, ValueError, KeyError):
                 return None
         return leaders.pop() if len(leaders) == 1 and -1 not in leaders else None
@@ -127,8 +165,9 @@ class KafkaCluster:
         """Every partition (topic-partition) with a copy out of sync, or with the cluster unable to answer."""
         from aiokafka.admin import AIOKafkaAdminClient
 
-        admin = AIOKafkaAdminClient(bootstrap_servers=self.address, request_timeout_ms=5000,
-                                    **self.client_options())
+        admin = AIOKafkaAdminClient(
+            bootstrap_servers=self.address, request_timeout_ms=5000, **self.client_options()
+        )
         try:
             await admin.start()
             topics = await admin.describe_topics()
@@ -136,8 +175,12 @@ class KafkaCluster:
             return [f"(no answer: {type(exc).__name__})"]
         finally:
             await admin.close()
-        return [f"{t['topic']}-{p['partition']}" for t in topics for p in t["partitions"]
-                if len(p["isr"]) < len(p["replicas"]) or p["leader"] < 0]
+        return [
+            f"{t['topic']}-{p['partition']}"
+            for t in topics
+            for p in t["partitions"]
+            if len(p["isr"]) < len(p["replicas"]) or p["leader"] < 0
+        ]
 
     async def wait_in_sync(self, timeout_s: float = 180.0) -> None:
         """Wait until every node is a broker and every partition has all its copies in sync: the moment a
@@ -148,12 +191,16 @@ class KafkaCluster:
         deadline = time.monotonic() + timeout_s
         while True:
             registered = await asyncio.to_thread(self.brokers)
-            lagging = await self.under_replicated() if len(registered) == len(self.nodes) else ["(a node is down)"]
+            lagging = (
+                await self.under_replicated() if len(registered) == len(self.nodes) else ["(a node is down)"]
+            )
             if not lagging:
                 return
             if time.monotonic() > deadline:
-                raise ServiceError(f"{self.name}: not in sync after {timeout_s:.0f} s: brokers {sorted(registered)}, "
-                                   f"behind: {', '.join(lagging[:5])}")
+                raise ServiceError(
+                    f"{self.name}: not in sync after {timeout_s:.0f} s: brokers {sorted(registered)}, "
+                    f"behind: {', '.join(lagging[:5])}"
+                )
             await asyncio.sleep(0.5)
 
     def node(self, node_id: int) -> Kafka:
@@ -167,7 +214,16 @@ class KafkaCluster:
     def status(self) -> Status:
         up = [node for node in self.nodes if node.pid() is not None]
         listed = self.brokers() if up else set()
-        detail = ", ".join(f"{node.name} {'broker' if node.node_id in listed else 'down' if node not in up else 'starting'}"
-                           for node in self.nodes)
-        return Status(self.name, bool(up), len(listed) == len(self.nodes), self.pid(), self.address,
-                      self.nodes[0].log_file, detail=detail)
+        detail = ", ".join(
+            f"{node.name} {'broker' if node.node_id in listed else 'down' if node not in up else 'starting'}"
+            for node in self.nodes
+        )
+        return Status(
+            self.name,
+            bool(up),
+            len(listed) == len(self.nodes),
+            self.pid(),
+            self.address,
+            self.nodes[0].log_file,
+            detail=detail,
+        )

@@ -54,10 +54,19 @@ class Kafka(Service):
     name = "kafka"
     ready_timeout_s = 120.0
 
-    def __init__(self, *args, port: int = 9092, controller_port: int = 9093,
-                 heap: str = "512m", test_mode: bool = False, secure: bool = True,
-                 node_id: int = 1, voters: dict[int, int] | None = None, cluster_id: str | None = None,
-                 credentials_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        *args,
+        port: int = 9092,
+        controller_port: int = 9093,
+        heap: str = "512m",
+        test_mode: bool = False,
+        secure: bool = True,
+        node_id: int = 1,
+        voters: dict[int, int] | None = None,
+        cluster_id: str | None = None,
+        credentials_dir: Path | None = None,
+    ) -> None:
         """One node; `voters` (node id -> controller port) makes it one of a cluster's nodes
         (tokenstream/stack/cluster.py), which share `cluster_id` and `credentials_dir`."""
         if voters:
@@ -87,9 +96,11 @@ class Kafka(Service):
 
     def environment(self) -> dict[str, str]:
         """TOKENSTREAM_* variables that point a client at this broker, as the user it names."""
-        return {"TOKENSTREAM_KAFKA_BOOTSTRAP": self.address,
-                "TOKENSTREAM_KAFKA_SECURITY": "sasl_plaintext" if self.secure else "plaintext",
-                "TOKENSTREAM_KAFKA_CREDENTIALS_DIR": str(self.credentials_dir)}
+        return {
+            "TOKENSTREAM_KAFKA_BOOTSTRAP": self.address,
+            "TOKENSTREAM_KAFKA_SECURITY": "sasl_plaintext" if self.secure else "plaintext",
+            "TOKENSTREAM_KAFKA_CREDENTIALS_DIR": str(self.credentials_dir),
+        }
 
     def client_options(self) -> dict:
         """aiokafka keyword arguments for this broker's super user (the stack's own checks)."""
@@ -109,13 +120,23 @@ class Kafka(Service):
         stamp = self.libs / ".complete"
         if stamp.exists():
             return
-        say(f"kafka: resolving kafka_2.13:{KAFKA_VERSION} and its runtime jars from Maven Central into {self.libs}")
+        say(
+            f"kafka: resolving kafka_2.13:{KAFKA_VERSION} and its runtime jars from Maven Central into {self.libs}"
+        )
         maven_copy(POM, self.libs, "kafka")
         stamp.write_text(KAFKA_VERSION)
 
     def _java(self, main: str, *args: str, heap: str = "256m", jvm: tuple[str, ...] = ()) -> list[str]:
-        return ["java", f"-Xmx{heap}", *jvm, f"-Dlog4j2.configurationFile={self.data_dir / 'log4j2.properties'}",
-                "-cp", f"{self.libs}/*", main, *args]
+        return [
+            "java",
+            f"-Xmx{heap}",
+            *jvm,
+            f"-Dlog4j2.configurationFile={self.data_dir / 'log4j2.properties'}",
+            "-cp",
+            f"{self.libs}/*",
+            main,
+            *args,
+        ]
 
     @property
     def properties_file(self) -> Path:
@@ -124,8 +145,15 @@ class Kafka(Service):
     def properties(self) -> dict[str, str]:
         copies = str(self.replication)
         in_sync = str(min(2, self.replication))  # an acknowledged write is on two nodes: one may die
-        quorum = ({"controller.quorum.voters": ",".join(f"{n}@127.0.0.1:{p}" for n, p in sorted(self.voters.items()))}
-                  if self.voters else {"controller.quorum.bootstrap.servers": f"127.0.0.1:{self.controller_port}"})
+        quorum = (
+            {
+                "controller.quorum.voters": ",".join(
+                    f"{n}@127.0.0.1:{p}" for n, p in sorted(self.voters.items())
+                )
+            }
+            if self.voters
+            else {"controller.quorum.bootstrap.servers": f"127.0.0.1:{self.controller_port}"}
+        )
         props = {
             "process.roles": "broker,controller",
             "node.id": str(self.node_id),
@@ -178,13 +206,11 @@ class Kafka(Service):
             "sasl.mechanism.inter.broker.protocol": SCRAM,
             "sasl.mechanism.controller.protocol": "PLAIN",
             "listener.name.client.sasl.enabled.mechanisms": SCRAM,
-            f"listener.name.client.{SCRAM.lower()}.sasl.jaas.config":
-                f'org.apache.kafka.common.security.scram.ScramLoginModule required username="{ADMIN}" '
-                f'password="{admin}";',
+            f"listener.name.client.{SCRAM.lower()}.sasl.jaas.config": f'org.apache.kafka.common.security.scram.ScramLoginModule required username="{ADMIN}" '
+            f'password="{admin}";',
             "listener.name.controller.sasl.enabled.mechanisms": "PLAIN",
-            "listener.name.controller.plain.sasl.jaas.config":
-                f'org.apache.kafka.common.security.plain.PlainLoginModule required username="{CONTROLLER_USER}" '
-                f'password="{controller}" user_{CONTROLLER_USER}="{controller}";',
+            "listener.name.controller.plain.sasl.jaas.config": f'org.apache.kafka.common.security.plain.PlainLoginModule required username="{CONTROLLER_USER}" '
+            f'password="{controller}" user_{CONTROLLER_USER}="{controller}";',
             "authorizer.class.name": "org.apache.kafka.metadata.authorizer.StandardAuthorizer",
             "super.users": f"User:{ADMIN};User:{CONTROLLER_USER}",
             "allow.everyone.if.no.acl.found": "false",
@@ -202,16 +228,27 @@ class Kafka(Service):
                 raise ServiceError(
                     f"kafka: {self.data_dir / 'log'} was formatted without SASL users (an older stack); "
                     f"keep it with TOKENSTREAM_KAFKA_SECURITY=plaintext, or start afresh: "
-                    f"tokenstream stack down && rm -r {self.data_dir}")
+                    f"tokenstream stack down && rm -r {self.data_dir}"
+                )
             return  # formatted before: keep the data
         cluster_id = self.cluster_id or new_cluster_id()
-        scram = (["--add-scram", f"{SCRAM}=[name={ADMIN},password={self.secret(ADMIN)}]"] if self.secure else [])
+        scram = (
+            ["--add-scram", f"{SCRAM}=[name={ADMIN},password={self.secret(ADMIN)}]"] if self.secure else []
+        )
         # one node: a quorum of itself; a cluster's node: the static quorum of controller.quorum.voters
         alone = [] if self.voters else ["--standalone"]
         subprocess.run(
-            self._java("kafka.tools.StorageTool", "format", *alone, f"--cluster-id={cluster_id}",
-                       "-c", str(self.properties_file), *scram),
-            check=True, stdout=subprocess.DEVNULL,
+            self._java(
+                "kafka.tools.StorageTool",
+                "format",
+                *alone,
+                f"--cluster-id={cluster_id}",
+                "-c",
+                str(self.properties_file),
+                *scram,
+            ),
+            check=True,
+            stdout=subprocess.DEVNULL,
         )
         if self.secure:
             marker.write_text(ADMIN)
@@ -222,9 +259,17 @@ class Kafka(Service):
         # 1.3-1.6 CPU-s in a 13-s run, half of it in C2's compiler threads, and every step of the
         # engine next to it waited for the core it took. C1 only: 0.9-1.1 CPU-s in the same run,
         # 2.0 against 3.3 CPU-s to start, and the pipeline benchmark's hops within its run-to-run spread.
-        return self._java(MAIN, str(self.properties_file), heap=self.heap,
-                          jvm=("-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20", "-XX:TieredStopAtLevel=1",
-                               "-Djava.awt.headless=true"))
+        return self._java(
+            MAIN,
+            str(self.properties_file),
+            heap=self.heap,
+            jvm=(
+                "-XX:+UseG1GC",
+                "-XX:MaxGCPauseMillis=20",
+                "-XX:TieredStopAtLevel=1",
+                "-Djava.awt.headless=true",
+            ),
+        )
 
     def is_ready(self) -> bool:
         return port_open(self.port) and bool(self.registered())

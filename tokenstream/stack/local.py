@@ -46,9 +46,18 @@ class Process:
 
 
 class LocalSystem:
-    def __init__(self, root: Path, model: str, gateways: dict[str, dict[str, str]], *, instances: int = 1,
-                 processor_env: dict[str, str] | None = None, worker_args: tuple[str, ...] = (),
-                 workers: int | None = None, brokers: int = 1) -> None:
+    def __init__(
+        self,
+        root: Path,
+        model: str,
+        gateways: dict[str, dict[str, str]],
+        *,
+        instances: int = 1,
+        processor_env: dict[str, str] | None = None,
+        worker_args: tuple[str, ...] = (),
+        workers: int | None = None,
+        brokers: int = 1,
+    ) -> None:
         from tokenstream.stack import Stack
 
         self.root, self.model, self.gateway_envs, self.instances = root, model, gateways, instances
@@ -64,8 +73,9 @@ class LocalSystem:
         print(message, flush=True)
 
     # ---------------------------------------------------------------- processes
-    def add(self, name: str, role: str, *args: str, env: dict[str, str] | None = None,
-            probe: str | None = None) -> Process:
+    def add(
+        self, name: str, role: str, *args: str, env: dict[str, str] | None = None, probe: str | None = None
+    ) -> Process:
         proc = self.procs[name] = Process(name, role, list(args), env or {}, probe)
         self.launch(proc)
         return proc
@@ -79,7 +89,10 @@ class LocalSystem:
             proc.popen = subprocess.Popen(
                 [sys.executable, "-m", "tokenstream.cli", *proc.args],
                 env={**os.environ, **self.stack.environment(), "PYTHONUNBUFFERED": "1", **proc.env},
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
 
     def kill9(self, name: str) -> None:
         proc = self.procs[name]
@@ -99,7 +112,9 @@ class LocalSystem:
             finally:
                 os.killpg(proc.popen.pid, signal.SIGCONT)
 
-    async def supervise(self, stop: asyncio.Event, first_backoff_s: float = 1.0, most_s: float = 30.0) -> None:
+    async def supervise(
+        self, stop: asyncio.Event, first_backoff_s: float = 1.0, most_s: float = 30.0
+    ) -> None:
         """Start again every process that exited, after a back-off that doubles while it keeps
         exiting by itself within a minute of its start (and resets once it stays up). A process
         killed by `kill9` is started again after the first back-off: an injected fault is no crash
@@ -119,8 +134,9 @@ class LocalSystem:
                 if proc.killed:
                     proc.killed, proc.backoff_s = False, first_backoff_s
                 if proc.name not in died:  # seen dead just now: its groups need not wait out its session
-                    task = asyncio.create_task(evict_and_say(self.stack.kafka.address, proc.popen.pid,
-                                                             proc.name, self.say))
+                    task = asyncio.create_task(
+                        evict_and_say(self.stack.kafka.address, proc.popen.pid, proc.name, self.say)
+                    )
                     evicting.add(task)
                     task.add_done_callback(evicting.discard)
                 since = died.setdefault(proc.name, now)
@@ -148,27 +164,54 @@ class LocalSystem:
         use(self.stack.kafka.environment())  # this process's own clients (apply, the drill's checks)
         from tokenstream.keys import KeyStore
 
-        self.key, _ = KeyStore(self.stack.redis.address).create("local", tier="paid", name="local system",
-                                                                exact_cache=False)
+        self.key, _ = KeyStore(self.stack.redis.address).create(
+            "local", tier="paid", name="local system", exact_cache=False
+        )
         await apply(all_topics([self.model]), self.stack.kafka.address)
         for i in range(self.instances):
             for name in PROCESSORS:
                 self.add(f"{name}-{i}", name, "processor", name, env=self.processor_env)
         # (a caller that gives its own --threads chose the share)
-        share = ["--no-spin-wait"] if "--threads" in self.worker_args else shared_host_worker_args(self.workers)
+        share = (
+            ["--no-spin-wait"] if "--threads" in self.worker_args else shared_host_worker_args(self.workers)
+        )
         for i in range(self.workers):
             port = free_port()
-            self.add(f"worker-{i}", "worker", "worker", "--model", self.model, "--metrics-port", str(port),
-                     "--worker-id", f"worker-{i}", *share, *self.worker_args,
-                     probe=f"http://127.0.0.1:{port}/metrics")
+            self.add(
+                f"worker-{i}",
+                "worker",
+                "worker",
+                "--model",
+                self.model,
+                "--metrics-port",
+                str(port),
+                "--worker-id",
+                f"worker-{i}",
+                *share,
+                *self.worker_args,
+                probe=f"http://127.0.0.1:{port}/metrics",
+            )
         count = len(self.gateway_envs)
         for index, (name, env) in enumerate(self.gateway_envs.items()):
             port = self.ports[name] = free_port()
-            self.add(f"gateway-{name}", "gateway", "gateway", "--port", str(port), "--instance-index", str(index),
-                     "--instance-count", str(count), probe=f"http://127.0.0.1:{port}/health/ready",
-                     env={"TOKENSTREAM_GATEWAY_MODELS": json.dumps([self.model]),
-                          "TOKENSTREAM_GATEWAY_INSTANCE_ID": f"gateway-{name}",
-                          "TOKENSTREAM_GATEWAY_ADMISSION_BUDGET_S": "100000", **env})
+            self.add(
+                f"gateway-{name}",
+                "gateway",
+                "gateway",
+                "--port",
+                str(port),
+                "--instance-index",
+                str(index),
+                "--instance-count",
+                str(count),
+                probe=f"http://127.0.0.1:{port}/health/ready",
+                env={
+                    "TOKENSTREAM_GATEWAY_MODELS": json.dumps([self.model]),
+                    "TOKENSTREAM_GATEWAY_INSTANCE_ID": f"gateway-{name}",
+                    "TOKENSTREAM_GATEWAY_ADMISSION_BUDGET_S": "100000",
+                    **env,
+                },
+            )
         self.say("waiting for the workers and the gateways")
         await self.ready([p for p in self.procs.values() if p.probe])
         return self

@@ -88,34 +88,58 @@ class MirrorMaker(Service):
             "plugin.discovery": "service_load",
             "config.providers": "file",
             "config.providers.file.class": "org.apache.kafka.common.config.provider.FileConfigProvider",
-            **{f"{name}.replication.factor": copies for name in (
-                "", "offset-syncs.topic", "checkpoints.topic", "heartbeats.topic", "config.storage",
-                "offset.storage", "status.storage")},
+            **{
+                f"{name}.replication.factor": copies
+                for name in (
+                    "",
+                    "offset-syncs.topic",
+                    "checkpoints.topic",
+                    "heartbeats.topic",
+                    "config.storage",
+                    "offset.storage",
+                    "status.storage",
+                )
+            },
         }
         props["replication.factor"] = props.pop(".replication.factor")
         for region, kafka in self.clusters.items():
             props[f"{region}.bootstrap.servers"] = kafka.address
             if kafka.secure:
-                props |= {f"{region}.security.protocol": "SASL_PLAINTEXT", f"{region}.sasl.mechanism": SCRAM,
-                          f"{region}.sasl.jaas.config":
-                              "org.apache.kafka.common.security.scram.ScramLoginModule required "
-                              f'username="{MIRROR}" password="${{file:{self.secrets_file}:{region}}}";'}
+                props |= {
+                    f"{region}.security.protocol": "SASL_PLAINTEXT",
+                    f"{region}.sasl.mechanism": SCRAM,
+                    f"{region}.sasl.jaas.config": "org.apache.kafka.common.security.scram.ScramLoginModule required "
+                    f'username="{MIRROR}" password="${{file:{self.secrets_file}:{region}}}";',
+                }
             for other in regions:
                 if other != region:
                     props[f"{region}->{other}.enabled"] = "true"
         return props
 
     def prepare(self) -> None:
-        secret_files.write(self.secrets_file, "".join(
-            f"{region}={kafka.secret(MIRROR)}\n" for region, kafka in self.clusters.items() if kafka.secure))
+        secret_files.write(
+            self.secrets_file,
+            "".join(
+                f"{region}={kafka.secret(MIRROR)}\n"
+                for region, kafka in self.clusters.items()
+                if kafka.secure
+            ),
+        )
         self.properties_file.write_text("".join(f"{k} = {v}\n" for k, v in self.properties().items()))
         log4j = next(iter(self.clusters.values()))
         log4j = getattr(log4j, "nodes", [log4j])[0].data_dir / "log4j2.properties"
         (self.data_dir / "log4j2.properties").write_text(log4j.read_text() if log4j.exists() else "")
 
     def command(self) -> list[str]:
-        return ["java", "-Xmx256m", f"-Dlog4j2.configurationFile={self.data_dir / 'log4j2.properties'}",
-                "-cp", f"{self.libs}/*", MAIN, str(self.properties_file)]
+        return [
+            "java",
+            "-Xmx256m",
+            f"-Dlog4j2.configurationFile={self.data_dir / 'log4j2.properties'}",
+            "-cp",
+            f"{self.libs}/*",
+            MAIN,
+            str(self.properties_file),
+        ]
 
     def is_ready(self) -> bool:
         """Every region's cluster holds the copy of each other region's mirrored topics (MirrorMaker
@@ -125,16 +149,21 @@ class MirrorMaker(Service):
 
     def copies(self) -> dict[str, list[str]]:
         """region -> the copies its cluster should hold."""
-        return {region: [f"{other}.{topic}" for other in self.clusters if other != region for topic in self.topics]
-                for region in self.clusters}
+        return {
+            region: [
+                f"{other}.{topic}" for other in self.clusters if other != region for topic in self.topics
+            ]
+            for region in self.clusters
+        }
 
     async def _copies_present(self) -> bool:
         from aiokafka import AIOKafkaConsumer
 
         for region, wanted in self.copies().items():
             kafka = self.clusters[region]
-            consumer = AIOKafkaConsumer(bootstrap_servers=kafka.address, request_timeout_ms=3000,
-                                        **kafka.client_options())
+            consumer = AIOKafkaConsumer(
+                bootstrap_servers=kafka.address, request_timeout_ms=3000, **kafka.client_options()
+            )
             try:
                 await consumer.start()
                 if not set(wanted) <= await consumer.topics():

@@ -32,8 +32,19 @@ class Redis(Service):
             raise ServiceError("redis-server not found: apt-get install redis-server")
 
     def base_command(self) -> list[str]:
-        return ["redis-server", "--bind", "127.0.0.1", "--port", str(self.port), "--dir", str(self.data_dir),
-                "--daemonize", "no", "--protected-mode", "yes"]
+        return [
+            "redis-server",
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dir",
+            str(self.data_dir),
+            "--daemonize",
+            "no",
+            "--protected-mode",
+            "yes",
+        ]
 
     def command(self) -> list[str]:
         cmd = [*self.base_command(), "--maxmemory-policy", "noeviction"]
@@ -60,5 +71,14 @@ class RedisCache(Redis):
         self.maxmemory = maxmemory
 
     def command(self) -> list[str]:
-        return [*self.base_command(), "--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru",
-                "--save", "", "--appendonly", "no"]
+        return [
+            *self.base_command(),
+            "--maxmemory",
+            self.maxmemory,
+            "--maxmemory-policy",
+            "allkeys-lru",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ]

@@ -31,7 +31,9 @@ def parse(names: str) -> list[str]:
 def _record(cfg: Settings) -> Path:
     """Where the local regions are recorded: in the machine's data folder, which a local region's own
     settings (region_settings) name as the grandparent of theirs."""
-    base = cfg.data_dir.parent.parent if cfg.region and cfg.data_dir.parent.name == "regions" else cfg.data_dir
+    base = (
+        cfg.data_dir.parent.parent if cfg.region and cfg.data_dir.parent.name == "regions" else cfg.data_dir
+    )
     return base / "regions.json"
 
 
@@ -59,26 +61,42 @@ def region_settings(name: str, names: list[str], base: Settings | None = None) -
         raise ValueError(f"no region {name!r} here (the local regions: {', '.join(names) or 'none'})")
     step = PORT_STEP * names.index(name)
     host, port = base.kafka_bootstrap.rsplit(":", 1)
-    return base.model_copy(update={
-        "region": name,
-        "regions": {r: f"http://127.0.0.1:{base.gateway_port + PORT_STEP * i}" for i, r in enumerate(names)},
-        "kafka_bootstrap": f"{host}:{int(port) + step}",
-        "kafka_controller_port": (base.kafka_controller_port or int(port) + 1) + step,
-        "redis_url": _shift_url(base.redis_url, step),
-        "cache_redis_url": _shift_url(base.cache_redis_url, step),
-        "weaviate_http_port": base.weaviate_http_port + step,
-        "weaviate_grpc_port": base.weaviate_grpc_port + step,
-        "weaviate_cluster_ports": tuple(p + step for p in base.weaviate_cluster_ports),
-        "gateway_port": base.gateway_port + step,
-        "worker_metrics_port": base.worker_metrics_port + step,
-        "tools_health_port": base.tools_health_port + step,
-        "data_dir": base.data_dir / "regions" / name,
-    })
+    return base.model_copy(
+        update={
+            "region": name,
+            "regions": {
+                r: f"http://127.0.0.1:{base.gateway_port + PORT_STEP * i}" for i, r in enumerate(names)
+            },
+            "kafka_bootstrap": f"{host}:{int(port) + step}",
+            "kafka_controller_port": (base.kafka_controller_port or int(port) + 1) + step,
+            "redis_url": _shift_url(base.redis_url, step),
+            "cache_redis_url": _shift_url(base.cache_redis_url, step),
+            "weaviate_http_port": base.weaviate_http_port + step,
+            "weaviate_grpc_port": base.weaviate_grpc_port + step,
+            "weaviate_cluster_ports": tuple(p + step for p in base.weaviate_cluster_ports),
+            "gateway_port": base.gateway_port + step,
+            "worker_metrics_port": base.worker_metrics_port + step,
+            "tools_health_port": base.tools_health_port + step,
+            "data_dir": base.data_dir / "regions" / name,
+        }
+    )
 
 
-REGIONAL = ("region", "regions", "kafka_bootstrap", "kafka_controller_port", "redis_url", "cache_redis_url",
-            "weaviate_http_port", "weaviate_grpc_port", "weaviate_cluster_ports", "gateway_port",
-            "worker_metrics_port", "tools_health_port", "data_dir")
+REGIONAL = (
+    "region",
+    "regions",
+    "kafka_bootstrap",
+    "kafka_controller_port",
+    "redis_url",
+    "cache_redis_url",
+    "weaviate_http_port",
+    "weaviate_grpc_port",
+    "weaviate_cluster_ports",
+    "gateway_port",
+    "worker_metrics_port",
+    "tools_health_port",
+    "data_dir",
+)
 
 
 def environment(cfg: Settings) -> dict[str, str]:
@@ -86,8 +104,11 @@ def environment(cfg: Settings) -> dict[str, str]:
     out = {}
     for field in REGIONAL:
         value = getattr(cfg, field)
-        out[f"TOKENSTREAM_{field.upper()}"] = (json.dumps(list(value) if isinstance(value, tuple) else value)
-                                               if isinstance(value, (dict, tuple)) else str(value))
+        out[f"TOKENSTREAM_{field.upper()}"] = (
+            json.dumps(list(value) if isinstance(value, tuple) else value)
+            if isinstance(value, (dict, tuple))
+            else str(value)
+        )
     return out
 
 
@@ -99,5 +120,8 @@ def mirror(names: list[str], base: Settings | None = None):
 
     base = base or settings()
     clusters = {name: Stack.default(region_settings(name, names, base)).kafka for name in names}
-    return MirrorMaker(*_folders(base.data_dir / "regions" / "mirror", base.cache_dir), clusters=clusters,
-                       topics=tuple(spec.name for spec in REGISTRY if spec.mirrored))
+    return MirrorMaker(
+        *_folders(base.data_dir / "regions" / "mirror", base.cache_dir),
+        clusters=clusters,
+        topics=tuple(spec.name for spec in REGISTRY if spec.mirrored),
+    )

@@ -26,8 +26,16 @@ class Role(Service):
     ready_timeout_s = 300.0  # a first worker start converts SmolLM2 to safetensors
     stop_timeout_s = 20.0
 
-    def __init__(self, name: str, args: list[str], folders: tuple[Path, Path, Path, Path], *,
-                 probe_url: str | None = None, settle_s: float = 3.0, group: str | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        args: list[str],
+        folders: tuple[Path, Path, Path, Path],
+        *,
+        probe_url: str | None = None,
+        settle_s: float = 3.0,
+        group: str | None = None,
+    ) -> None:
         self.name = name
         super().__init__(*folders)
         self.args, self.probe_url, self.settle_s, self.group = args, probe_url, settle_s, group

@@ -25,7 +25,15 @@ from pathlib import Path
 from common.config import settings
 from producers.membership import evict_and_say
 from tokenstream.stack.roles import Role, shared_host_worker_args
-from topics.registry import CHAT_REQUESTS, PREPARED, SCREENED, TOKENS, TOOL_CALLS, inference_topic, processor_group
+from topics.registry import (
+    CHAT_REQUESTS,
+    PREPARED,
+    SCREENED,
+    TOKENS,
+    TOOL_CALLS,
+    inference_topic,
+    processor_group,
+)
 
 SCALABLE = ("conversation", "safety", "router", "tools", "worker", "gateway")
 BACKOFF_FIRST_S, BACKOFF_MAX_S, STABLE_S = 1.0, 60.0, 60.0
@@ -37,8 +45,13 @@ class ScaleError(ValueError):
 
 def input_topic(kind: str, model: str) -> str:
     """The topic whose partition count caps a role's members (its group's main input)."""
-    return {"conversation": CHAT_REQUESTS.name, "safety": PREPARED.name, "router": SCREENED.name,
-            "tools": TOOL_CALLS.name, "gateway": TOKENS.name}.get(kind) or inference_topic(model).name
+    return {
+        "conversation": CHAT_REQUESTS.name,
+        "safety": PREPARED.name,
+        "router": SCREENED.name,
+        "tools": TOOL_CALLS.name,
+        "gateway": TOKENS.name,
+    }.get(kind) or inference_topic(model).name
 
 
 def parse_targets(items: list[str], default_model: str) -> dict[str, int]:
@@ -48,24 +61,30 @@ def parse_targets(items: list[str], default_model: str) -> dict[str, int]:
         name, sep, count = item.partition("=")
         kind = name.split(":", 1)[0]
         if not sep or kind not in SCALABLE or not count.isdigit():
-            raise ScaleError(f"{item!r}: write ROLE=N with ROLE one of {', '.join(SCALABLE)} "
-                             "(worker:MODEL for a model other than the first)")
+            raise ScaleError(
+                f"{item!r}: write ROLE=N with ROLE one of {', '.join(SCALABLE)} "
+                "(worker:MODEL for a model other than the first)"
+            )
         if name == f"worker:{default_model}":
             name = "worker"
         out[name] = int(count)
     return out
 
 
-def check_ceiling(targets: dict[str, int], partitions: Callable[[str], int | None], default_model: str) -> None:
+def check_ceiling(
+    targets: dict[str, int], partitions: Callable[[str], int | None], default_model: str
+) -> None:
     """Refuse more members than partitions: the extra ones would sit idle and take no load."""
     for name, count in targets.items():
         kind, _, model = name.partition(":")
         topic = input_topic(kind, model or default_model)
         have = partitions(topic)
         if have is not None and count > have:
-            raise ScaleError(f"{name}={count} refused: {topic} has {have} partitions, so at most {have} "
-                             f"{kind} processes can take work (grow it: tokenstream topics grow {topic} "
-                             f"--partitions {count})")
+            raise ScaleError(
+                f"{name}={count} refused: {topic} has {have} partitions, so at most {have} "
+                f"{kind} processes can take work (grow it: tokenstream topics grow {topic} "
+                f"--partitions {count})"
+            )
 
 
 @dataclass
@@ -98,9 +117,15 @@ def local_instances() -> list[Role]:
     from tokenstream.stack import Stack, regions
 
     cfg, stack = settings(), Stack.default()
-    return instances(stack.folders, cfg.models, cfg.gateway_port, cfg.worker_metrics_port,
-                     Wanted.load(stack.kafka.run_dir), cfg.tools_health_port,
-                     systems=max(1, len(regions.recorded())))
+    return instances(
+        stack.folders,
+        cfg.models,
+        cfg.gateway_port,
+        cfg.worker_metrics_port,
+        Wanted.load(stack.kafka.run_dir),
+        cfg.tools_health_port,
+        systems=max(1, len(regions.recorded())),
+    )
 
 
 def _changed(recorded: list[str] | None, wanted: list[str]) -> bool:
@@ -116,11 +141,18 @@ def _without_threads(args: list[str]) -> list[str]:
     if "--threads" not in args:
         return args
     at = args.index("--threads")
-    return args[:at] + args[at + 2:]
+    return args[:at] + args[at + 2 :]
 
 
-def instances(folders: tuple[Path, Path, Path, Path], models: list[str], gateway_port: int,
-              worker_metrics_port: int, wanted: Wanted, tools_health_port: int = 9450, systems: int = 1) -> list[Role]:
+def instances(
+    folders: tuple[Path, Path, Path, Path],
+    models: list[str],
+    gateway_port: int,
+    worker_metrics_port: int,
+    wanted: Wanted,
+    tools_health_port: int = 9450,
+    systems: int = 1,
+) -> list[Role]:
     """Every process `wanted` asks for, in start order (processors, the tool processor, the notary, workers,
     gateways). `systems` is how many such systems share this host (one per local region of `stack up
     --regions`): their workers share its cores."""
@@ -130,32 +162,58 @@ def instances(folders: tuple[Path, Path, Path, Path], models: list[str], gateway
         return base if i == 0 else f"{base}-{i + 1}"
 
     for kind, settle in (("conversation", 3.0), ("safety", 5.0), ("router", 3.0)):
-        roles += [Role(named(kind, i), ["processor", kind], folders, settle_s=settle, group=processor_group(kind))
-                  for i in range(wanted.count(kind))]
+        roles += [
+            Role(named(kind, i), ["processor", kind], folders, settle_s=settle, group=processor_group(kind))
+            for i in range(wanted.count(kind))
+        ]
     # the tool processor loads MiniLM and tries its sandbox before it serves (it exits if that fails)
-    roles += [Role(named("tools", i), ["tools", "--health-port", str(tools_health_port + i)], folders,
-                   probe_url=f"http://127.0.0.1:{tools_health_port + i}/health/ready")
-              for i in range(wanted.count("tools"))]
+    roles += [
+        Role(
+            named("tools", i),
+            ["tools", "--health-port", str(tools_health_port + i)],
+            folders,
+            probe_url=f"http://127.0.0.1:{tools_health_port + i}/health/ready",
+        )
+        for i in range(wanted.count("tools"))
+    ]
     # the audit ledger's notary: one per cluster, never more (a second would write a second chain)
-    roles += [Role("notary", ["audit", "notarize", "--follow"], folders, settle_s=3.0)
-              for _ in range(min(1, wanted.count("notary")))]
+    roles += [
+        Role("notary", ["audit", "notarize", "--follow"], folders, settle_s=3.0)
+        for _ in range(min(1, wanted.count("notary")))
+    ]
     port = worker_metrics_port
-    workers = {model: wanted.count("worker") if m == 0 else wanted.counts.get(f"worker:{model}", 0)
-               for m, model in enumerate(models)}
-    share = shared_host_worker_args(sum(workers.values()) * systems)  # every model's (and region's) worker is here
+    workers = {
+        model: wanted.count("worker") if m == 0 else wanted.counts.get(f"worker:{model}", 0)
+        for m, model in enumerate(models)
+    }
+    share = shared_host_worker_args(
+        sum(workers.values()) * systems
+    )  # every model's (and region's) worker is here
     for m, model in enumerate(models):
         base = "worker" if m == 0 else f"worker.{model}"
         for i in range(workers[model]):
-            roles.append(Role(named(base, i), ["worker", "--model", model, "--metrics-port", str(port), *share],
-                              folders, probe_url=f"http://127.0.0.1:{port}/health/ready"))
+            roles.append(
+                Role(
+                    named(base, i),
+                    ["worker", "--model", model, "--metrics-port", str(port), *share],
+                    folders,
+                    probe_url=f"http://127.0.0.1:{port}/health/ready",
+                )
+            )
             port += 1
     n = wanted.count("gateway")
     for i in range(n):
         args = ["gateway", "--port", str(gateway_port + i)]
         if n > 1:
             args += ["--instance-index", str(i), "--instance-count", str(n)]
-        roles.append(Role(named("gateway", i), args, folders,
-                          probe_url=f"http://127.0.0.1:{gateway_port + i}/health/ready"))
+        roles.append(
+            Role(
+                named("gateway", i),
+                args,
+                folders,
+                probe_url=f"http://127.0.0.1:{gateway_port + i}/health/ready",
+            )
+        )
     return roles
 
 
@@ -186,7 +244,7 @@ class Backoff:
     def died(self, now: float) -> None:
         if self.started_at and now - self.started_at >= STABLE_S:
             self.failures = 0
-        delay = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** self.failures)
+        delay = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2**self.failures)
         self.failures += 1
         self.restarts += 1
         self.next_at = now + delay
@@ -227,8 +285,9 @@ class Supervisor:
             if role.name in self.seen_alive:  # it was running under us and died
                 self._evict(role.name, self.seen_alive.pop(role.name))
                 pace.died(now)
-                self.say(f"{role.name}: exited; restart in {pace.next_at - now:.0f}s "
-                         f"(restart {pace.restarts})")
+                self.say(
+                    f"{role.name}: exited; restart in {pace.next_at - now:.0f}s (restart {pace.restarts})"
+                )
             if not pace.due(now):
                 continue
             role.start(self.say, wait=wait)

@@ -79,12 +79,24 @@ def maven_copy(pom: Path, folder: Path, what: str) -> None:
     kept back (Maven 3.8 writes terminal escape codes even with -q -B) and shown, as plain text, only
     when it fails."""
     if shutil.which("mvn") is None or shutil.which("java") is None:
-        raise ServiceError(f"{what} needs java (17+) and maven on PATH: apt-get install default-jdk-headless maven")
+        raise ServiceError(
+            f"{what} needs java (17+) and maven on PATH: apt-get install default-jdk-headless maven"
+        )
     folder.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(["mvn", "-q", "-B", "-f", str(pom),
-                           "org.apache.maven.plugins:maven-dependency-plugin:3.8.1:copy-dependencies",
-                           "-DincludeScope=runtime", f"-DoutputDirectory={folder}"],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [
+            "mvn",
+            "-q",
+            "-B",
+            "-f",
+            str(pom),
+            "org.apache.maven.plugins:maven-dependency-plugin:3.8.1:copy-dependencies",
+            "-DincludeScope=runtime",
+            f"-DoutputDirectory={folder}",
+        ],
+        capture_output=True,
+        text=True,
+    )
     if done.returncode != 0:
         tail = ESCAPE.sub("", done.stdout + done.stderr).strip()[-2000:]
         raise ServiceError(f"{what}: maven could not resolve its jars (exit {done.returncode}):\n{tail}")
@@ -142,8 +154,9 @@ class Service(ABC):
 
     def status(self) -> Status:
         pid = self.pid()
-        return Status(self.name, pid is not None, pid is not None and self.is_ready(), pid,
-                      self.address, self.log_file)
+        return Status(
+            self.name, pid is not None, pid is not None and self.is_ready(), pid, self.address, self.log_file
+        )
 
     def start(self, say=print, wait: bool = True) -> bool:
         """Start unless already running. Returns True when this call started it.
@@ -161,8 +174,13 @@ class Service(ABC):
         self.prepare()
         with open(self.log_file, "ab") as log:
             proc = subprocess.Popen(
-                self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=self.env(), cwd=self.data_dir, start_new_session=True,
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env(),
+                cwd=self.data_dir,
+                start_new_session=True,
             )
         self.pid_file.write_text(str(proc.pid))
         say(f"{self.name}: starting (pid {proc.pid}, log {self.log_file})")
@@ -180,13 +198,16 @@ class Service(ABC):
         deadline = time.monotonic() + self.ready_timeout_s
         while time.monotonic() < deadline:
             if proc is not None and proc.poll() is not None:
-                raise ServiceError(f"{self.name} exited with {proc.returncode}; see {self.log_file}:\n"
-                                   + self.log_tail())
+                raise ServiceError(
+                    f"{self.name} exited with {proc.returncode}; see {self.log_file}:\n" + self.log_tail()
+                )
             if self.is_ready():
                 return
             time.sleep(0.25)
-        raise ServiceError(f"{self.name} not ready after {self.ready_timeout_s:.0f}s; see {self.log_file}:\n"
-                           + self.log_tail())
+        raise ServiceError(
+            f"{self.name} not ready after {self.ready_timeout_s:.0f}s; see {self.log_file}:\n"
+            + self.log_tail()
+        )
 
     def stop(self, say=print) -> bool:
         """SIGTERM the process group, SIGKILL after stop_timeout_s. True when something stopped."""

@@ -31,22 +31,39 @@ class Stack:
         """The stack `tokenstream stack up` manages: data under cfg.data_dir, kept across restarts."""
         cfg = cfg or settings()
         kafka_port = int(cfg.kafka_bootstrap.rsplit(":", 1)[1])
-        redis_port, cache_port = (int(url.rsplit(":", 1)[1].split("/")[0])
-                                  for url in (cfg.redis_url, cfg.cache_redis_url))
+        redis_port, cache_port = (
+            int(url.rsplit(":", 1)[1].split("/")[0]) for url in (cfg.redis_url, cfg.cache_redis_url)
+        )
         folders = _folders(cfg.data_dir, cfg.cache_dir)
         secure = cfg.kafka_security != "plaintext"
         if cfg.kafka_brokers > 1:  # node n: client port base + 2(n-1), its controller the port after
-            kafka = KafkaCluster(*folders, secure=secure, ports=[(kafka_port + 2 * n, kafka_port + 2 * n + 1)
-                                                                 for n in range(cfg.kafka_brokers)])
+            kafka = KafkaCluster(
+                *folders,
+                secure=secure,
+                ports=[(kafka_port + 2 * n, kafka_port + 2 * n + 1) for n in range(cfg.kafka_brokers)],
+            )
         else:
-            kafka = Kafka(*folders, port=kafka_port, controller_port=cfg.kafka_controller_port or kafka_port + 1,
-                          secure=secure)
+            kafka = Kafka(
+                *folders,
+                port=kafka_port,
+                controller_port=cfg.kafka_controller_port or kafka_port + 1,
+                secure=secure,
+            )
         return cls(
             kafka,
             Redis(*folders, port=redis_port, persistent=True),
-            Weaviate(*folders, port=cfg.weaviate_http_port, grpc_port=cfg.weaviate_grpc_port,
-                     **dict(zip(("gossip_port", "data_port", "raft_port", "raft_rpc_port"),
-                                cfg.weaviate_cluster_ports, strict=True))),
+            Weaviate(
+                *folders,
+                port=cfg.weaviate_http_port,
+                grpc_port=cfg.weaviate_grpc_port,
+                **dict(
+                    zip(
+                        ("gossip_port", "data_port", "raft_port", "raft_rpc_port"),
+                        cfg.weaviate_cluster_ports,
+                        strict=True,
+                    )
+                ),
+            ),
             RedisCache(*folders, port=cache_port, maxmemory=cfg.cache_redis_maxmemory),
         )
 
@@ -56,17 +73,30 @@ class Stack:
         folders = _folders(root, cache_dir or settings().cache_dir)
         secure = settings().kafka_security != "plaintext"
         if brokers > 1:
-            kafka = KafkaCluster(*folders, ports=[(free_port(), free_port()) for _ in range(brokers)],
-                                 test_mode=True, secure=secure)
+            kafka = KafkaCluster(
+                *folders,
+                ports=[(free_port(), free_port()) for _ in range(brokers)],
+                test_mode=True,
+                secure=secure,
+            )
         else:
-            kafka = Kafka(*folders, port=free_port(), controller_port=free_port(), test_mode=True, secure=secure)
+            kafka = Kafka(
+                *folders, port=free_port(), controller_port=free_port(), test_mode=True, secure=secure
+            )
         return cls(
             kafka,
             # the durable store keeps its files, as `stack up`'s does: the keys that seal tenants' content
             # (common/sealing.py) must outlive a restart of it, or everything written before is erased
             Redis(*folders, port=free_port(), persistent=True),
-            Weaviate(*folders, port=free_port(), grpc_port=free_port(), gossip_port=free_port(),
-                     data_port=free_port(), raft_port=free_port(), raft_rpc_port=free_port()),
+            Weaviate(
+                *folders,
+                port=free_port(),
+                grpc_port=free_port(),
+                gossip_port=free_port(),
+                data_port=free_port(),
+                raft_port=free_port(),
+                raft_rpc_port=free_port(),
+            ),
             RedisCache(*folders, port=free_port(), maxmemory="32mb"),
         )
 

@@ -19,8 +19,16 @@ class Weaviate(Service):
     name = "weaviate"
     ready_timeout_s = 90.0
 
-    def __init__(self, *args, port: int = 8080, grpc_port: int = 50051, gossip_port: int = 7946,
-                 data_port: int = 7947, raft_port: int = 8300, raft_rpc_port: int = 8301) -> None:
+    def __init__(
+        self,
+        *args,
+        port: int = 8080,
+        grpc_port: int = 50051,
+        gossip_port: int = 7946,
+        data_port: int = 7947,
+        raft_port: int = 8300,
+        raft_rpc_port: int = 8301,
+    ) -> None:
         super().__init__(*args)
         self.port, self.grpc_port = port, grpc_port
         self.gossip_port, self.data_port = gossip_port, data_port
@@ -41,13 +49,19 @@ class Weaviate(Service):
             raise ServiceError("weaviate is built from source and needs the Go toolchain on PATH")
         self.log_dir.mkdir(parents=True, exist_ok=True)
         build_log = self.log_dir / "weaviate-build.log"
-        say(f"weaviate: building {MODULE}@v{WEAVIATE_VERSION} with Go (once; 5-15 min on 2 cores), "
-            f"log {build_log}")
+        say(
+            f"weaviate: building {MODULE}@v{WEAVIATE_VERSION} with Go (once; 5-15 min on 2 cores), "
+            f"log {build_log}"
+        )
         env = dict(os.environ, CGO_ENABLED="0", GOBIN=str(self.binary.parent))
         started = time.monotonic()
         with open(build_log, "ab") as log:
-            proc = subprocess.Popen(["go", "install", "-trimpath", f"{MODULE}@v{WEAVIATE_VERSION}"],
-                                    stdout=log, stderr=subprocess.STDOUT, env=env)
+            proc = subprocess.Popen(
+                ["go", "install", "-trimpath", f"{MODULE}@v{WEAVIATE_VERSION}"],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
             while proc.poll() is None:
                 time.sleep(30)
                 if proc.poll() is None:

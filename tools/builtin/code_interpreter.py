@@ -48,26 +48,42 @@ class CodeInterpreter:
             raise RuntimeError(
                 f"the code interpreter's sandbox does not work: {run.error}\n{run.stderr[-2000:]}\n"
                 f"(bubblewrap must be installed, and {self.sandbox.root} and every folder above it searchable "
-                f"by uid {self.sandbox.cfg.sandbox_uid}: set TOKENSTREAM_TOOLS_SANDBOX_DIR, see tools/README.md)")
+                f"by uid {self.sandbox.cfg.sandbox_uid}: set TOKENSTREAM_TOOLS_SANDBOX_DIR, see tools/README.md)"
+            )
 
     async def run(self, call: ToolCall, args: dict) -> Outcome:
         code = args.get("code")
         if not isinstance(code, str) or not code.strip():
-            raise ToolError("code_interpreter needs {\"code\": \"<python source>\"}")
+            raise ToolError('code_interpreter needs {"code": "<python source>"}')
         if len(code) > MAX_CODE_CHARS:
             raise ToolError(f"code is longer than {MAX_CODE_CHARS} characters")
         if not call.conversation_id:
             raise ToolError("code_interpreter needs the call's conversation_id (its working folder)")
         run = await self.sandbox.run(call.tenant, call.conversation_id, code)
-        output = json.dumps({"stdout": run.stdout, "stderr": run.stderr, "value": run.value, "files": run.files,
-                             "exit_code": run.exit_code, "truncated": run.truncated})
+        output = json.dumps(
+            {
+                "stdout": run.stdout,
+                "stderr": run.stderr,
+                "value": run.value,
+                "files": run.files,
+                "exit_code": run.exit_code,
+                "truncated": run.truncated,
+            }
+        )
         meta = {"wall_s": f"{run.wall_s:.3f}", "exit_code": str(run.exit_code)}
         if run.files:  # kept as the container's files, for the client to list and download (the model reads
             # `output`; the ids are for the client, in meta)
-            kept = await self.containers.keep(call.tenant, call.conversation_id, call.call_id,
-                                              self.sandbox.workdir(call.tenant, call.conversation_id), run.files)
+            kept = await self.containers.keep(
+                call.tenant,
+                call.conversation_id,
+                call.call_id,
+                self.sandbox.workdir(call.tenant, call.conversation_id),
+                run.files,
+            )
             meta["container_id"] = K.container_id(call.conversation_id)
-            meta["files"] = json.dumps([{k: f[k] for k in ("path", "bytes", "file_id", "kept")} for f in kept])
+            meta["files"] = json.dumps(
+                [{k: f[k] for k in ("path", "bytes", "file_id", "kept")} for f in kept]
+            )
         if run.cpu_s is not None:
             meta["cpu_s"] = f"{run.cpu_s:.3f}"
         if run.max_rss_kb is not None:

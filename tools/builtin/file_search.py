@@ -52,16 +52,18 @@ class FileSearch:
             index.close()
 
     def unavailable(self) -> ToolUnavailable:
-        return ToolUnavailable(f"the file index (Weaviate) is unavailable ({self.breaker.last_error}); "
-                               "try again shortly", "weaviate")
+        return ToolUnavailable(
+            f"the file index (Weaviate) is unavailable ({self.breaker.last_error}); try again shortly",
+            "weaviate",
+        )
 
     async def run(self, call: ToolCall, args: dict) -> Outcome:
         query, stores = args.get("query"), args.get("vector_store_ids")
         k = args.get("max_num_results", 5)
         if not isinstance(query, str) or not query.strip() or len(query) > MAX_QUERY_CHARS:
-            raise ToolError(f"file_search needs a \"query\" of 1 to {MAX_QUERY_CHARS} characters")
+            raise ToolError(f'file_search needs a "query" of 1 to {MAX_QUERY_CHARS} characters')
         if not isinstance(stores, list) or not stores or not all(isinstance(s, str) for s in stores):
-            raise ToolError("file_search needs \"vector_store_ids\": a list of vector store ids")
+            raise ToolError('file_search needs "vector_store_ids": a list of vector store ids')
         if not isinstance(k, int) or not 1 <= k <= MAX_RESULTS:
             raise ToolError(f"max_num_results must be an integer from 1 to {MAX_RESULTS}")
         if not self.breaker.allow():
@@ -74,7 +76,9 @@ class FileSearch:
         except Exception as exc:  # noqa: BLE001 - Weaviate's client raises assorted errors
             await asyncio.to_thread(self._forget)
             if isinstance(exc, TimeoutError) or not await vectordb.aready(1.0):
-                self.breaker.failed(f"no answer within {timeout_s:g} s" if isinstance(exc, TimeoutError) else exc)
+                self.breaker.failed(
+                    f"no answer within {timeout_s:g} s" if isinstance(exc, TimeoutError) else exc
+                )
                 raise self.unavailable() from exc
             raise ToolError(f"file search failed: {type(exc).__name__}: {exc}") from exc
         self.breaker.succeeded()

@@ -25,8 +25,13 @@ class MiniLM:
         vectors: list[list[float]] = []
         with self.lock, torch.inference_mode():
             for i in range(0, len(texts), batch_size):
-                batch = self.tokenizer(texts[i:i + batch_size], padding=True, truncation=True, max_length=256,
-                                       return_tensors="pt")
+                batch = self.tokenizer(
+                    texts[i : i + batch_size],
+                    padding=True,
+                    truncation=True,
+                    max_length=256,
+                    return_tensors="pt",
+                )
                 hidden = self.model(**batch).last_hidden_state
                 mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
                 pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)

@@ -55,9 +55,13 @@ class ChunkIndex:
         """Connecting and each query time out after `timeout_s`, each insert after `insert_s`."""
         cfg = settings()
         # skip_init_checks: no version look-up on PyPI at connect (tools run offline)
-        client = weaviate.connect_to_local(host=cfg.weaviate_host, port=cfg.weaviate_http_port,
-                                           grpc_port=cfg.weaviate_grpc_port, skip_init_checks=True,
-                                           additional_config=client_config(timeout_s, insert_s))
+        client = weaviate.connect_to_local(
+            host=cfg.weaviate_host,
+            port=cfg.weaviate_http_port,
+            grpc_port=cfg.weaviate_grpc_port,
+            skip_init_checks=True,
+            additional_config=client_config(timeout_s, insert_s),
+        )
         try:
             return cls(client)
         except BaseException:
@@ -84,7 +88,8 @@ class ChunkIndex:
                         Property(name="filename", data_type=DataType.TEXT),
                         Property(name="vector_store_id", data_type=DataType.TEXT, skip_vectorization=True),
                         Property(name="chunk_index", data_type=DataType.INT),
-                    ])
+                    ],
+                )
             except weaviate.exceptions.UnexpectedStatusCodeError:
                 if not self.client.collections.exists(COLLECTION):  # not a concurrent create
                     raise
@@ -102,17 +107,31 @@ class ChunkIndex:
 
     def add(self, tenant: str, store_id: str, file_id: str, filename: str, chunks: list[str]) -> int:
         shard = self._tenant(tenant, create=True)
-        shard.data.delete_many(where=Filter.by_property("file_id").equal(file_id)
-                               & Filter.by_property("vector_store_id").equal(store_id))
+        shard.data.delete_many(
+            where=Filter.by_property("file_id").equal(file_id)
+            & Filter.by_property("vector_store_id").equal(store_id)
+        )
         vectors = embedder()(chunks)
-        objects = [DataObject(properties={"text": text, "file_id": file_id, "filename": filename,
-                                          "vector_store_id": store_id, "chunk_index": i},
-                              vector=vector, uuid=generate_uuid5(f"{store_id}/{file_id}/{i}"))
-                   for i, (text, vector) in enumerate(zip(chunks, vectors))]
+        objects = [
+            DataObject(
+                properties={
+                    "text": text,
+                    "file_id": file_id,
+                    "filename": filename,
+                    "vector_store_id": store_id,
+                    "chunk_index": i,
+                },
+                vector=vector,
+                uuid=generate_uuid5(f"{store_id}/{file_id}/{i}"),
+            )
+            for i, (text, vector) in enumerate(zip(chunks, vectors))
+        ]
         result = shard.data.insert_many(objects)
         if result.has_errors:
             first = next(iter(result.errors.values()))
-            raise RuntimeError(f"Weaviate refused {len(result.errors)} of {len(objects)} chunks: {first.message}")
+            raise RuntimeError(
+                f"Weaviate refused {len(result.errors)} of {len(objects)} chunks: {first.message}"
+            )
         return len(objects)
 
     def remove(self, tenant: str, store_id: str, file_id: str) -> int:
@@ -120,18 +139,34 @@ class ChunkIndex:
         shard = self._tenant(tenant, create=False)
         if shard is None:
             return 0
-        result = shard.data.delete_many(where=Filter.by_property("file_id").equal(file_id)
-                                        & Filter.by_property("vector_store_id").equal(store_id))
+        result = shard.data.delete_many(
+            where=Filter.by_property("file_id").equal(file_id)
+            & Filter.by_property("vector_store_id").equal(store_id)
+        )
         return int(result.successful)
 
-    def search(self, tenant: str, store_ids: list[str], query: str, k: int = 5, alpha: float = 0.5) -> list[Hit]:
+    def search(
+        self, tenant: str, store_ids: list[str], query: str, k: int = 5, alpha: float = 0.5
+    ) -> list[Hit]:
         shard = self._tenant(tenant, create=False)
         if shard is None or not store_ids:
             return []
         found = shard.query.hybrid(
-            query=query, vector=embedder()([query])[0], alpha=alpha, limit=k,
+            query=query,
+            vector=embedder()([query])[0],
+            alpha=alpha,
+            limit=k,
             filters=Filter.by_property("vector_store_id").contains_any(store_ids),
-            return_metadata=MetadataQuery(score=True))
-        return [Hit(o.properties["file_id"], o.properties["filename"], o.properties["vector_store_id"],
-                    int(o.properties["chunk_index"]), o.properties["text"], float(o.metadata.score or 0.0))
-                for o in found.objects]
+            return_metadata=MetadataQuery(score=True),
+        )
+        return [
+            Hit(
+                o.properties["file_id"],
+                o.properties["filename"],
+                o.properties["vector_store_id"],
+                int(o.properties["chunk_index"]),
+                o.properties["text"],
+                float(o.metadata.score or 0.0),
+            )
+            for o in found.objects
+        ]

@@ -19,7 +19,9 @@ class Ingested:
     seconds: float
 
 
-def ingest(index: ChunkIndex, tenant: str, store_id: str, file_id: str, filename: str, data: bytes) -> Ingested:
+def ingest(
+    index: ChunkIndex, tenant: str, store_id: str, file_id: str, filename: str, data: bytes
+) -> Ingested:
     if len(data) > MAX_FILE_BYTES:
         raise ValueError(f"{filename!r} is larger than {MAX_FILE_BYTES >> 20} MiB")
     started = time.monotonic()

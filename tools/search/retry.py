@@ -27,18 +27,28 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-
 class IndexUnavailable(RuntimeError):
     """Weaviate stayed away longer than the outage budget: the process should exit."""
 
 
 class IndexRetry:
-    def __init__(self, attempts: int, outage_s: float, reachable: Callable[[], Awaitable[bool]],
-                 permanent: tuple[type[BaseException], ...] = (), *,
-                 clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-                 on_retry: Callable[[], None] | None = None) -> None:
-        self.attempts, self.outage_s, self.reachable, self.permanent = attempts, outage_s, reachable, permanent
+    def __init__(
+        self,
+        attempts: int,
+        outage_s: float,
+        reachable: Callable[[], Awaitable[bool]],
+        permanent: tuple[type[BaseException], ...] = (),
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        on_retry: Callable[[], None] | None = None,
+    ) -> None:
+        self.attempts, self.outage_s, self.reachable, self.permanent = (
+            attempts,
+            outage_s,
+            reachable,
+            permanent,
+        )
         self.clock, self.sleep, self.on_retry = clock, sleep, on_retry
         self.outage_since: float | None = None  # while the index is away: since when (this call)
         self._outage_tries = self._failures = 0
@@ -46,8 +56,14 @@ class IndexRetry:
     async def run(self, work: Callable[[], Awaitable[T]]) -> T:
         self.outage_since, self._outage_tries, self._failures = None, 0, 0
         try:
-            async for attempt in AsyncRetrying(retry=self._retry, stop=self._stop, wait=self._wait,
-                                               sleep=self.sleep, before_sleep=self._before_sleep, reraise=True):
+            async for attempt in AsyncRetrying(
+                retry=self._retry,
+                stop=self._stop,
+                wait=self._wait,
+                sleep=self.sleep,
+                before_sleep=self._before_sleep,
+                reraise=True,
+            ):
                 with attempt:
                     result = await work()
                     self.outage_since = None
@@ -56,8 +72,10 @@ class IndexRetry:
             raise
         except Exception as exc:
             if self.outage_since is not None:
-                raise IndexUnavailable(f"Weaviate unreachable for {self.clock() - self.outage_since:.0f} s "
-                                       f"(budget {self.outage_s:.0f} s): {exc}") from exc
+                raise IndexUnavailable(
+                    f"Weaviate unreachable for {self.clock() - self.outage_since:.0f} s "
+                    f"(budget {self.outage_s:.0f} s): {exc}"
+                ) from exc
             raise
         raise AssertionError("unreachable")
 
@@ -88,10 +106,21 @@ class IndexRetry:
         exc = state.outcome.exception()
         if self.outage_since is not None:
             if self._outage_tries == 1:
-                log.warning("the index (Weaviate) is unreachable (%s): the event is held and tried again every "
-                            "%.2f-%.0f s for up to %.0f s", exc, BACKOFF_FIRST_S, BACKOFF_MOST_S, self.outage_s)
+                log.warning(
+                    "the index (Weaviate) is unreachable (%s): the event is held and tried again every "
+                    "%.2f-%.0f s for up to %.0f s",
+                    exc,
+                    BACKOFF_FIRST_S,
+                    BACKOFF_MOST_S,
+                    self.outage_s,
+                )
         else:
-            log.warning("the index failed (%s); attempt %d of %d in %.0f s", exc, self._failures + 1,
-                        self.attempts, state.upcoming_sleep)
+            log.warning(
+                "the index failed (%s); attempt %d of %d in %.0f s",
+                exc,
+                self._failures + 1,
+                self.attempts,
+                state.upcoming_sleep,
+            )
         if self.on_retry is not None:
             self.on_retry()

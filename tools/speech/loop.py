@@ -38,8 +38,9 @@ class SpeechLoop(SerialConsumer):
         self.redis = aioredis.Redis.from_url(redis_url or settings().redis_url)
 
     async def _send(self, job: SpeechJob, event) -> asyncio.Future:
-        return await publish(self.producer, TOKENS, event, key=job.request_id, partition=job.reply_partition,
-                             wait=False)
+        return await publish(
+            self.producer, TOKENS, event, key=job.request_id, partition=job.reply_partition, wait=False
+        )
 
     def _ids(self, job: SpeechJob) -> dict:
         return {"request_id": job.request_id, "conversation_id": job.conversation_id, "tenant": job.tenant}
@@ -50,8 +51,14 @@ class SpeechLoop(SerialConsumer):
         audio = sealing.open_stored(await self.redis.get(job.audio_key)) if job.audio_key else None
         acks, seq, started = [], 0, time.monotonic()
         if audio is None:
-            acks.append(await self._send(job, TranscriptDone(**self._ids(job), seq=0, error="the recording is gone "
-                                                             "(kept an hour); send it again")))
+            acks.append(
+                await self._send(
+                    job,
+                    TranscriptDone(
+                        **self._ids(job), seq=0, error="the recording is gone (kept an hour); send it again"
+                    ),
+                )
+            )
             await asyncio.gather(*acks)
             return "failed: the recording is gone"
         loop = asyncio.get_running_loop()
@@ -75,21 +82,45 @@ class SpeechLoop(SerialConsumer):
                 recording = value
             elif what == "segment":
                 texts.append(value.text)
-                acks.append(await self._send(job, TranscriptSegment(
-                    **self._ids(job), seq=seq, start=value.start, end=value.end, text=value.text,
-                    words=[Word(w, s, e) for w, s, e in value.words], seek=value.seek, tokens=value.tokens,
-                    temperature=value.temperature, avg_logprob=value.avg_logprob,
-                    compression_ratio=value.compression_ratio, no_speech_prob=value.no_speech_prob)))
+                acks.append(
+                    await self._send(
+                        job,
+                        TranscriptSegment(
+                            **self._ids(job),
+                            seq=seq,
+                            start=value.start,
+                            end=value.end,
+                            text=value.text,
+                            words=[Word(w, s, e) for w, s, e in value.words],
+                            seek=value.seek,
+                            tokens=value.tokens,
+                            temperature=value.temperature,
+                            avg_logprob=value.avg_logprob,
+                            compression_ratio=value.compression_ratio,
+                            no_speech_prob=value.no_speech_prob,
+                        ),
+                    )
+                )
                 seq += 1
             else:
                 error = None if what == "end" else str(value)
                 break
         await thread
         seconds = time.monotonic() - started
-        acks.append(await self._send(job, TranscriptDone(
-            **self._ids(job), seq=seq, text="".join(texts).strip(), error=error,
-            language=recording.language if recording else "", seconds=seconds,
-            duration_s=recording.duration_s if recording else 0.0)))
+        acks.append(
+            await self._send(
+                job,
+                TranscriptDone(
+                    **self._ids(job),
+                    seq=seq,
+                    text="".join(texts).strip(),
+                    error=error,
+                    language=recording.language if recording else "",
+                    seconds=seconds,
+                    duration_s=recording.duration_s if recording else 0.0,
+                ),
+            )
+        )
         await asyncio.gather(*acks)
         await self.redis.delete(job.audio_key)
         if error:
@@ -113,13 +144,32 @@ class SpeechLoop(SerialConsumer):
             sentence, data, count = part
             samples += count
             for at in range(0, len(data), MAX_AUDIO_EVENT):
-                acks.append(await self._send(job, SpeechAudio(**self._ids(job), seq=seq, audio=data[at:at + MAX_AUDIO_EVENT],
-                                                              text=sentence if at == 0 else "")))
-                seq, total = seq + 1, total + len(data[at:at + MAX_AUDIO_EVENT])
-        acks.append(await self._send(job, SpeechDone(**self._ids(job), seq=seq, bytes_total=total,
-                                                     duration_s=samples / RATE, error=error)))
+                acks.append(
+                    await self._send(
+                        job,
+                        SpeechAudio(
+                            **self._ids(job),
+                            seq=seq,
+                            audio=data[at : at + MAX_AUDIO_EVENT],
+                            text=sentence if at == 0 else "",
+                        ),
+                    )
+                )
+                seq, total = seq + 1, total + len(data[at : at + MAX_AUDIO_EVENT])
+        acks.append(
+            await self._send(
+                job,
+                SpeechDone(
+                    **self._ids(job), seq=seq, bytes_total=total, duration_s=samples / RATE, error=error
+                ),
+            )
+        )
         await asyncio.gather(*acks)
-        return f"failed: {error}" if error else f"{total} bytes of {params.format}, {samples / RATE:.1f} s of speech"
+        return (
+            f"failed: {error}"
+            if error
+            else f"{total} bytes of {params.format}, {samples / RATE:.1f} s of speech"
+        )
 
     async def handle(self, job: SpeechJob) -> str:
         return await (self.transcribe(job) if job.kind == "transcribe" else self.speak(job))

@@ -68,15 +68,30 @@ def transcribe(audio: bytes, params: TranscribeParams) -> Recording:
     if len(samples) == 0:
         raise ValueError("the file holds no audio")
     segments, info = model().transcribe(
-        samples, language=params.language or "en", initial_prompt=params.prompt or None,
-        temperature=params.temperature, beam_size=5, word_timestamps=params.word_timestamps,
-        condition_on_previous_text=False, vad_filter=False)
+        samples,
+        language=params.language or "en",
+        initial_prompt=params.prompt or None,
+        temperature=params.temperature,
+        beam_size=5,
+        word_timestamps=params.word_timestamps,
+        condition_on_previous_text=False,
+        vad_filter=False,
+    )
 
     def heard() -> Iterator[Heard]:
         for s in segments:
             words = [(w.word, float(w.start), float(w.end)) for w in (s.words or [])]  # (numpy floats)
-            yield Heard(float(s.start), float(s.end), s.text, words, int(s.seek), [int(t) for t in s.tokens],
-                        float(s.temperature or 0.0), float(s.avg_logprob), float(s.compression_ratio),
-                        float(s.no_speech_prob))
+            yield Heard(
+                float(s.start),
+                float(s.end),
+                s.text,
+                words,
+                int(s.seek),
+                [int(t) for t in s.tokens],
+                float(s.temperature or 0.0),
+                float(s.avg_logprob),
+                float(s.compression_ratio),
+                float(s.no_speech_prob),
+            )
 
     return Recording(info.language, float(info.duration), heard())

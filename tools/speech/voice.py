@@ -26,8 +26,12 @@ from schemas.speech import VOICES
 
 RATE = 24_000
 _SENTENCE = re.compile(r"(?<=[.!?;:])\s+|\n+")
-_CONTAINERS = {"mp3": ("mp3", "libmp3lame"), "opus": ("ogg", "libopus"), "aac": ("adts", "aac"),
-               "flac": ("flac", "flac")}
+_CONTAINERS = {
+    "mp3": ("mp3", "libmp3lame"),
+    "opus": ("ogg", "libopus"),
+    "aac": ("adts", "aac"),
+    "flac": ("flac", "flac"),
+}
 
 
 def sentences(text: str) -> list[str]:
@@ -42,8 +46,21 @@ def available() -> str | None:
 def speak(sentence: str, voice: str, speed: float) -> np.ndarray:
     """One sentence as 16-bit samples at RATE Hz."""
     words_per_minute = max(80, min(450, round(175 * speed)))
-    done = subprocess.run(["espeak-ng", "--stdout", "-v", VOICES.get(voice, voice), "-s", str(words_per_minute),
-                           "--", sentence], capture_output=True, timeout=60, check=True)
+    done = subprocess.run(
+        [
+            "espeak-ng",
+            "--stdout",
+            "-v",
+            VOICES.get(voice, voice),
+            "-s",
+            str(words_per_minute),
+            "--",
+            sentence,
+        ],
+        capture_output=True,
+        timeout=60,
+        check=True,
+    )
     with wave.open(io.BytesIO(done.stdout)) as w:
         rate, samples = w.getframerate(), np.frombuffer(w.readframes(w.getnframes()), dtype="<i2")
     if rate != RATE and len(samples):
@@ -92,14 +109,20 @@ class Encoder:
 
     def _new_bytes(self) -> bytes:
         data = self.buffer.getvalue()
-        new, self.read = data[self.read:], len(data)
+        new, self.read = data[self.read :], len(data)
         return new
 
 
 def _wav_header() -> bytes:
     """A RIFF header whose sizes say "open" (0xFFFFFFFF): players read the samples as they stream."""
-    return (b"RIFF" + struct.pack("<I", 0xFFFFFFFF) + b"WAVEfmt " + struct.pack("<IHHIIHH", 16, 1, 1, RATE, RATE * 2, 2, 16)
-            + b"data" + struct.pack("<I", 0xFFFFFFFF))
+    return (
+        b"RIFF"
+        + struct.pack("<I", 0xFFFFFFFF)
+        + b"WAVEfmt "
+        + struct.pack("<IHHIIHH", 16, 1, 1, RATE, RATE * 2, 2, 16)
+        + b"data"
+        + struct.pack("<I", 0xFFFFFFFF)
+    )
 
 
 def spoken(text: str, voice: str, speed: float, fmt: str) -> Iterator[tuple[str, bytes, int]]:
