@@ -13,8 +13,8 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
-from rich.table import Table
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
 
 from audit import ledger_cli
 from audit.report import Exporter, Summary, timeline
@@ -176,9 +176,9 @@ def rescreen(
 ) -> None:
     """Re-judge stored inputs and answers under another safety policy, into its own verdict topic."""
     from audit.rescreen import Rescreener, commit_progress, group_of
+    from producers import start_producer
     from safety_model.classifier import SafetyClassifier
     from safety_model.policies import POLICIES_FILE, named_policy
-    from producers import start_producer
 
     try:
         chosen = named_policy(policy, policies or POLICIES_FILE)

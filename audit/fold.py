@@ -141,8 +141,7 @@ class Audit:
         self.events += 1
         if not self.first_ms or timestamp < self.first_ms:
             self.first_ms = timestamp
-        if timestamp > self.last_ms:
-            self.last_ms = timestamp
+        self.last_ms = max(self.last_ms, timestamp)
         if not self.tenant:
             self.conversation_id, self.tenant = event.conversation_id, event.tenant
         self._note(topic, event, timestamp)
@@ -174,8 +173,7 @@ class Audit:
         """A token chunk on the tokens topic: most of every request's events, so kept to the essentials."""
         self.events += 1
         self.tools_only = False
-        if timestamp > self.last_ms:
-            self.last_ms = timestamp
+        self.last_ms = max(self.last_ms, timestamp)
         if not self.first_ms or timestamp < self.first_ms:
             self.first_ms = timestamp
         if not self.tenant:

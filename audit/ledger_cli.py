@@ -28,7 +28,8 @@ def register(app: typer.Typer, parse_time) -> None:
         heartbeat: Path = typer.Option(None, help="a file touched each round (a liveness probe's)"),
     ) -> None:
         """Chain every audited topic's new records and write signed checkpoints to ts.audit.ledger."""
-        from audit.notary import notarize as run, run_forever
+        from audit.notary import notarize as run
+        from audit.notary import run_forever
 
         signer, bootstrap = Signer.load(), settings().kafka_bootstrap
         if follow:

@@ -100,8 +100,7 @@ async def merged(
             most = latest[tp]
             stamps = times[tp]
             for r in fetched:
-                if r.timestamp > most:
-                    most = r.timestamp
+                most = max(most, r.timestamp)
                 stamps.append(most)
             latest[tp] = most
             records[tp] += fetched

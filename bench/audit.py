@@ -38,6 +38,7 @@ HORIZON_S = 10.0
 
 
 async def write_run(bootstrap: str, requests: int, chunks: int, say) -> tuple[int, int, int]:
+    from common import id_key
     from producers import publish, start_producer
     from schemas import (
         ChatMessage,
@@ -49,7 +50,6 @@ async def write_run(bootstrap: str, requests: int, chunks: int, say) -> tuple[in
         Transcript,
         Usage,
     )
-    from common import id_key
     from schemas.ids import new_request_id
     from topics import (
         CHAT_REQUESTS,
@@ -209,7 +209,7 @@ def main(
     from topics.registry import all_topics
 
     console = Console()
-    say = lambda m: console.print(m, highlight=False)  # noqa: E731
+    say = lambda m: console.print(m, highlight=False)
     logging.getLogger("aiokafka").setLevel(logging.ERROR)
     per_request = chunks + 8
     requests = -(-events // per_request)

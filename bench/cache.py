@@ -61,12 +61,11 @@ async def _run(requests: int, limiter_calls: int, entries: int, lookups: int) ->
     import tempfile
 
     from tokenstream.stack import Stack
-
     from tokenstream.stack.stack import use
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-cache-"))
     stack = Stack.ephemeral(tmp)
-    say = lambda m: print(m, flush=True)  # noqa: E731
+    say = lambda m: print(m, flush=True)
     stack.up(say)
     use(stack.environment())
     try:

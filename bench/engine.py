@@ -332,11 +332,11 @@ def main(
     from rich.table import Table
 
     from bench.worker import workload
-    from gpu_workers.model_loader import smollm2_dir
     from common.models import load_tokenizer
+    from gpu_workers.model_loader import smollm2_dir
 
     console = Console(width=None if sys.stdout.isatty() else 160)  # logs: the tables whole, not cut to 80
-    say = lambda m: console.print(f"[dim]{time.strftime('%H:%M:%S')}[/] {m}", highlight=False)  # noqa: E731
+    say = lambda m: console.print(f"[dim]{time.strftime('%H:%M:%S')}[/] {m}", highlight=False)
     threads = threads or os.cpu_count() or 1
     load_before = os.getloadavg()
     tok = load_tokenizer("smollm2")

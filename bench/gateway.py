@@ -116,12 +116,11 @@ async def _run(streams: int, rate: float, tokens: int, light_requests: int) -> d
     import psutil
 
     from tokenstream.stack import Stack
-
     from tokenstream.stack.stack import use
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
     stack = Stack.ephemeral(tmp)
-    say = lambda m: print(m, flush=True)  # noqa: E731
+    say = lambda m: print(m, flush=True)
     stack.kafka.start(say)
     stack.redis.start(say)
     stack.cache.start(say)

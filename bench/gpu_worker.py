@@ -385,10 +385,9 @@ def stage_profile() -> None:
 
 
 def stage_vllm() -> None:
+    import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
-
-    import vllm
 
     k = knobs()
     ps = prompts(k)

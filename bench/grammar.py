@@ -147,7 +147,7 @@ def constrained_column(
             for out in outputs:  # a request that ended is replaced at once by the same one anew
                 if out.finish_reason is not None:
                     engine.add(fresh(out.seq.tag, constrained))
-        for seq in [*engine.running, *engine.waiting, *engine._inbox]:  # noqa: SLF001
+        for seq in [*engine.running, *engine.waiting, *engine._inbox]:
             engine.cancel(seq.request_id)
         while engine.has_work:
             engine.step()

@@ -29,10 +29,38 @@ from bench.rawhttp import chat_post
 
 RESULTS = Path(__file__).parent / "results" / "routing.json"
 MODEL = "smollm2"
-WORDS = (
-    "harbour ferry lighthouse tide gull net anchor pier rope sail keel mast storm calm fog wave "
-    "shore cliff island boat market fish salt wind rain sun moon star chart compass"
-).split()
+WORDS = [
+    "harbour",
+    "ferry",
+    "lighthouse",
+    "tide",
+    "gull",
+    "net",
+    "anchor",
+    "pier",
+    "rope",
+    "sail",
+    "keel",
+    "mast",
+    "storm",
+    "calm",
+    "fog",
+    "wave",
+    "shore",
+    "cliff",
+    "island",
+    "boat",
+    "market",
+    "fish",
+    "salt",
+    "wind",
+    "rain",
+    "sun",
+    "moon",
+    "star",
+    "chart",
+    "compass",
+]
 
 
 def paragraph(rng: random.Random, words: int) -> str:

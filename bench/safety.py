@@ -17,9 +17,10 @@ import platform
 import re
 import statistics
 import time
-from datetime import datetime, timezone
+from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Callable
+from typing import Annotated
 
 import typer
 
@@ -287,7 +288,7 @@ def main(
         "command": "tokenstream bench safety"
         + (f" --iterations {iterations}" if iterations != 100 else "")
         + (f" --threads {threads}" if threads else ""),
-        "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "measured_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": {
             "cpus": os.cpu_count(),
             "torch_threads": torch.get_num_threads(),

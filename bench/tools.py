@@ -26,17 +26,43 @@ import subprocess
 import tempfile
 import time
 import uuid
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 RESULTS = Path(__file__).resolve().parent / "results" / "tools.json"
-WORDS = (
-    "harbour ferry lighthouse library bakery island fjord winter keeper map loaf puffin cliff pier "
-    "storm ticket crossing oven cellar season village club pitch goal tower lamp reef mason"
-).split()
+WORDS = [
+    "harbour",
+    "ferry",
+    "lighthouse",
+    "library",
+    "bakery",
+    "island",
+    "fjord",
+    "winter",
+    "keeper",
+    "map",
+    "loaf",
+    "puffin",
+    "cliff",
+    "pier",
+    "storm",
+    "ticket",
+    "crossing",
+    "oven",
+    "cellar",
+    "season",
+    "village",
+    "club",
+    "pitch",
+    "goal",
+    "tower",
+    "lamp",
+    "reef",
+    "mason",
+]
 
 
 def percentiles_ms(samples_s: list[float]) -> dict[str, float]:
@@ -153,12 +179,12 @@ def main(
     out: Annotated[Path, typer.Option(help="where to write the JSON results")] = RESULTS,
 ) -> None:
     """Sandbox start-up, ingestion pages/s and search latency, each beside its baseline."""
+    import logging
+
     from rich.console import Console
     from rich.table import Table
 
     from common.config import settings
-
-    import logging
 
     logging.getLogger("httpx").setLevel(logging.WARNING)
     console = Console()
@@ -212,7 +238,7 @@ def main(
     result = {
         "benchmark": "tools",
         "command": f"tokenstream bench tools --calls {calls} --pages {pages} --queries {queries}",
-        "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "measured_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": {
             "cpus": os.cpu_count(),
             "platform": platform.platform(),

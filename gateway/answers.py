@@ -23,7 +23,6 @@ from gateway.pipeline import Gateway
 from gateway.screening import held_until_screened
 from schemas import Completion, Event, SafetyVerdict, TokenChunk
 
-
 Settle = Callable[[Completion, list[str]], Awaitable[None]]  # the completion, the texts delivered
 BeforeEnd = Callable[[Completion], Awaitable[None]]  # done with the completion before the client sees the end
 

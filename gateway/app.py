@@ -27,7 +27,6 @@ from gateway.limits import BodyLimits
 from gateway.pipeline import Gateway
 from gateway.routes import ROUTERS
 
-
 UPLOAD_FORM_BYTES = 64 * 1024  # the multipart framing and the purpose field around an uploaded file
 
 

@@ -16,7 +16,6 @@ import logging
 import msgspec
 
 from common import sealing
-
 from schemas import ChatMessage, ChatRequest, Completion, Event, SamplingParams, TokenChunk, Usage
 from schemas import keys as K
 

@@ -17,9 +17,9 @@ def gateway(
     """The gateway: POST /v1/chat/completions (OpenAI-compatible, SSE), resumable streams, chat page at /."""
     import uvicorn
 
+    from common.config import settings
     from gateway.app import create_app
     from gateway.config import GatewaySettings
-    from common.config import settings
 
     overrides = {
         k: v

@@ -13,10 +13,10 @@ from __future__ import annotations
 import asyncio
 from functools import lru_cache
 
+from common.models import context_length, load_tokenizer, prompt_budget, tokens_at_most
 from gateway import openai_api as api
 from schemas import ChatMessage, OutputSpec
 from schemas.prompt import instructions, prompt_ids
-from common.models import context_length, load_tokenizer, prompt_budget, tokens_at_most
 
 
 @lru_cache(maxsize=64)

@@ -193,7 +193,7 @@ class Fanout:
             )
             self.metrics.slow_readers.inc()
             blocking.dropped = True
-            blocking._ready.set()  # noqa: SLF001 - wakes its reader, which ends the connection
+            blocking._ready.set()
             self.unsubscribe(blocking.request_id)  # delivers the parked records, resumes
             if tp in self.paused_at:  # blocked again at once, by another stream: its own clock starts now
                 self.paused_at[tp] = now

@@ -79,7 +79,7 @@ class KeyHomes:
                         await consumer.stop()
 
     async def _partitions(self, consumer) -> list[TopicPartition]:
-        cluster = await consumer._client.fetch_all_metadata()  # noqa: SLF001 - every topic, not just assigned ones
+        cluster = await consumer._client.fetch_all_metadata()
         missing = [t for t in self.topics if not cluster.partitions_for_topic(t)]
         if missing:  # a region's copy appears once MirrorMaker has started and its source exists
             raise RuntimeError(f"no topic {', '.join(missing)} yet")

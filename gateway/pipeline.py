@@ -14,6 +14,7 @@ import logging
 
 import redis.asyncio as aioredis
 
+from common.config import settings
 from gateway.admission import Admission
 from gateway.cache import ExactCache
 from gateway.cancel import Canceller
@@ -25,13 +26,12 @@ from gateway.key_homes import KeyHomes
 from gateway.metrics import Metrics
 from gateway.ratelimit import RateLimiter
 from gateway.searches import ToolSearches
-from gateway.stored_chats import StoredChats
 from gateway.semantic import SemanticCache
+from gateway.stored_chats import StoredChats
 from gateway.uploads import Uploads
 from producers import start_consumer, start_producer
 from schemas import keys as K
 from schemas.keys import GATEWAY_META_TTL_S as META_TTL_S
-from common.config import settings
 from topics import TOKENS
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ class Gateway:
             stale_s=cfg.broker_stale_s,
         )
         self.canceller = Canceller(redis_url, cfg.cancel_grace_s, self.metrics)
-        self.redis = self.canceller._redis  # noqa: SLF001 - one connection pool for both uses
+        self.redis = self.canceller._redis
         self.limiter = RateLimiter(self.redis, self.metrics)
         self.inflight = Inflight(
             self.limiter,
@@ -138,7 +138,7 @@ class Gateway:
                 consumer = await start_consumer(group=None, bootstrap=self.bootstrap)
                 total = consumer.partitions_for_topic(TOKENS.name)
                 if not total:
-                    await consumer._client.force_metadata_update()  # noqa: SLF001
+                    await consumer._client.force_metadata_update()
                     total = consumer.partitions_for_topic(TOKENS.name)
                 if not total:
                     raise RuntimeError(f"topic {TOKENS.name} does not exist (run `tokenstream topics apply`)")

@@ -14,8 +14,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gateway import openai_api as api
-from gateway.compaction import summary_message, superseded, unseal
 from gateway import tool_params as tp
+from gateway.compaction import summary_message, superseded, unseal
 from schemas import ChatMessage, FunctionCall, MessageToolCall, OutputSpec, RunSpec
 
 MAX_INPUT_ITEMS = 1024

@@ -48,7 +48,7 @@ class ToolSearches:
             consumer = await start_consumer(group=None, bootstrap=self.bootstrap)
             partitions = consumer.partitions_for_topic(TOOL_RESULTS.name)
             if not partitions:
-                await consumer._client.force_metadata_update()  # noqa: SLF001
+                await consumer._client.force_metadata_update()
                 partitions = consumer.partitions_for_topic(TOOL_RESULTS.name) or set()
             tps = [TopicPartition(TOOL_RESULTS.name, p) for p in sorted(partitions)]
             if not tps:

@@ -20,10 +20,10 @@ import time
 from dataclasses import dataclass
 
 from common import sealing
+from common.vectordb import Breaker, client_config
 from gateway.cache import Entry
 from schemas import ChatMessage
 from schemas.keys import SEMANTIC_CACHE_COLLECTION
-from common.vectordb import Breaker, client_config
 
 log = logging.getLogger(__name__)
 STORE_TIMEOUT_S = 5.0  # a store follows the answer: time for a first connect and the collection's creation
@@ -155,7 +155,7 @@ class SemanticCache:
                     vector_index_config=Configure.VectorIndex.hnsw(distance_metric=VectorDistances.COSINE)
                 ),
             )
-        except Exception:  # noqa: BLE001 - another gateway created it meanwhile
+        except Exception:
             if not await client.collections.exists(SEMANTIC_CACHE_COLLECTION):
                 raise
 

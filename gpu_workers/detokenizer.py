@@ -15,7 +15,7 @@ WINDOW = 5  # tokens of context decoded before the new ones when resuming
 
 
 class Detokenizer:
-    __slots__ = ("tokenizer", "ids", "text", "prefix_offset", "read_offset")
+    __slots__ = ("ids", "prefix_offset", "read_offset", "text", "tokenizer")
 
     def __init__(self, tokenizer, ids: list[int] | None = None) -> None:
         self.tokenizer = tokenizer

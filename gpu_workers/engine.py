@@ -27,17 +27,17 @@ import time
 
 import torch
 
+from gpu_workers.attention import Chunk, StepPlan, install
 from gpu_workers.backend import Intake
+from gpu_workers.cpu_kernels import available
 from gpu_workers.detokenizer import Detokenizer
 from gpu_workers.grammar import mask_rows
-from gpu_workers.attention import Chunk, StepPlan, install
-from gpu_workers.cpu_kernels import available
-from gpu_workers.llama_step import LlamaStep, supports
 from gpu_workers.kv_cache import PagedKVCache, SlotPool
 from gpu_workers.linears import engine_forward, pack
+from gpu_workers.llama_step import LlamaStep, supports
+from gpu_workers.logits import Logprobs, shape
 from gpu_workers.prefix_cache import PrefixCache, page_hashes
 from gpu_workers.priority import enqueue
-from gpu_workers.logits import Logprobs, shape
 from gpu_workers.sampling import new_seed, sample
 from gpu_workers.sequence import Output, Sequence
 from gpu_workers.streaming import TextStream

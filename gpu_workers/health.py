@@ -18,9 +18,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from common.health import Report
 from gpu_workers.config import WorkerConfig
 from producers.membership import Standing
-from common.health import Report
 
 
 class WorkerHealth:

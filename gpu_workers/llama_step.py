@@ -29,7 +29,9 @@ import torch.nn.functional as F
 
 from gpu_workers import cpu_kernels
 from gpu_workers.attention import paged_attention
-from gpu_workers.linears import available as packing_available, pack_weight, packed_linear as _linear
+from gpu_workers.linears import available as packing_available
+from gpu_workers.linears import pack_weight
+from gpu_workers.linears import packed_linear as _linear
 
 ops = torch.ops.tokenstream
 

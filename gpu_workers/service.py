@@ -21,13 +21,14 @@ from aiokafka import ConsumerRebalanceListener
 from aiokafka.errors import KafkaError
 from aiokafka.structs import TopicPartition
 
-from gpu_workers.config import WorkerConfig
-from gpu_workers.backend import Backend
-from gpu_workers.grammar import GrammarError, Grammars
+from common import sealing, tracing
 from gpu_workers.announce import Announcer
+from gpu_workers.backend import Backend
+from gpu_workers.config import WorkerConfig
+from gpu_workers.grammar import GrammarError, Grammars
 from gpu_workers.handover import Handover
-from gpu_workers.logits import TokenTexts
 from gpu_workers.health import WorkerHealth
+from gpu_workers.logits import TokenTexts
 from gpu_workers.metrics import WorkerMetrics
 from gpu_workers.offsets import OffsetTracker
 from gpu_workers.recovery import TokenLog
@@ -50,7 +51,6 @@ from schemas import (
     encode,
 )
 from schemas.headers import EVENT_TYPE
-from common import sealing, tracing
 from schemas.prompt import prompt_ids
 from topics import CONTROL, SHADOW_ANSWERS, TOKENS, TOOL_CALLS, inference_topic
 

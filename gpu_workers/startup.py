@@ -12,18 +12,18 @@ import os
 
 import torch
 
+from common import tracing
+from common.config import settings
+from common.health import HealthServer
+from common.models import context_length
+from gpu_workers import model_loader
 from gpu_workers.config import WorkerConfig
 from gpu_workers.engine import Engine
 from gpu_workers.health import WorkerHealth
 from gpu_workers.kv_cache import PagedKVCache
 from gpu_workers.metrics import WorkerMetrics
-from gpu_workers import model_loader
 from gpu_workers.service import Worker
 from gpu_workers.torch_thread import on_torch_thread
-from common import tracing
-from common.config import settings
-from common.health import HealthServer
-from common.models import context_length
 from topics import CONTROL, SHADOW_ANSWERS, TOKENS, TOOL_CALLS, inference_topic
 from topics.admin import require
 
@@ -170,8 +170,8 @@ async def _own_engine(cfg: WorkerConfig, metrics: WorkerMetrics, health: WorkerH
 def _vllm_engine(cfg: WorkerConfig, metrics: WorkerMetrics):
     """The vLLM backend (gpu_workers/backend_vllm.py), built on the torch thread. Options that have no
     meaning for vLLM are refused rather than ignored."""
-    from gpu_workers.backend_vllm import VllmEngine
     from common.models import model_folder
+    from gpu_workers.backend_vllm import VllmEngine
 
     refused = [
         name

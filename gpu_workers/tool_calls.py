@@ -13,8 +13,8 @@ over replays the text already emitted (discarding the output) and continues iden
 
 from __future__ import annotations
 
-from schemas import FunctionCall, MessageToolCall, ToolCallDelta, call_id
 from gpu_workers.grammar import CALL_OPEN
+from schemas import FunctionCall, MessageToolCall, ToolCallDelta, call_id
 
 NAME_PREFIX = CALL_OPEN + '{"name": "'
 ARGS_PREFIX = '", "arguments": '

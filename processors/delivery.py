@@ -68,8 +68,8 @@ def refetch_discarded(app: faust.App) -> None:
 
     def resume_and_refetch() -> None:
         oldest: dict = {}
-        for queue in list(flow._queues):  # noqa: SLF001 - the queues resume() is about to empty
-            for item in list(queue._queue):  # noqa: SLF001
+        for queue in list(flow._queues):
+            for item in list(queue._queue):
                 message = getattr(item, "message", None)
                 if message is not None:
                     oldest[message.tp] = min(message.offset, oldest.get(message.tp, message.offset))
@@ -86,7 +86,7 @@ def refetch_discarded(app: faust.App) -> None:
             if tp in assigned and at is not None and offset < at:
                 # synchronously, as faust's own Consumer.seek does: no record of this partition
                 # can be delivered between the queue being emptied and the position moving back
-                consumer._thread.seek(tp, offset)  # noqa: SLF001
+                consumer._thread.seek(tp, offset)
 
     flow.resume = resume_and_refetch
 
@@ -94,9 +94,9 @@ def refetch_discarded(app: faust.App) -> None:
 def _position(consumer, tp) -> int | None:
     """The partition's fetch position now; None while it waits for a reset (to the committed offset,
     which is no later than anything queued)."""
-    kafka = consumer._thread._ensure_consumer()  # noqa: SLF001 - the aiokafka consumer faust's thread owns
+    kafka = consumer._thread._ensure_consumer()
     try:
-        state = kafka._subscription.subscription.assignment.state_value(tp)  # noqa: SLF001 - no public getter
+        state = kafka._subscription.subscription.assignment.state_value(tp)
     except (AttributeError, KeyError):
         return None
     return state.position if state is not None and state.has_valid_position else None
@@ -105,11 +105,11 @@ def _position(consumer, tp) -> int | None:
 def rewind_uncommitted(app: faust.App) -> None:
     """Make faust's "seek to committed offsets" also rewind partitions with no commit yet."""
     consumer = app.consumer
-    thread = consumer._thread  # noqa: SLF001 - faust's thread that owns the aiokafka consumer
+    thread = consumer._thread
     inputs = app.topics.acks_enabled_for  # the agents' input topics, not changelogs
 
     async def seek_in_thread() -> dict:
-        kafka = thread._ensure_consumer()  # noqa: SLF001
+        kafka = thread._ensure_consumer()
         committed = await kafka.seek_to_committed()
         for tp, offset in committed.items():
             if not offset and inputs(tp.topic):
@@ -125,10 +125,10 @@ def rewind_uncommitted(app: faust.App) -> None:
 def commit_contiguous(app: faust.App) -> None:
     """Commit a partition only up to its first offset that was not acked, and never backwards."""
     consumer = app.consumer
-    new_offset = consumer._new_offset  # noqa: SLF001
+    new_offset = consumer._new_offset
 
     def contiguous_offset(tp):
-        acked, committed = consumer._acked[tp], consumer._committed_offset[tp]  # noqa: SLF001
+        acked, committed = consumer._acked[tp], consumer._committed_offset[tp]
         if acked and committed is not None:
             if min(acked) < committed:
                 _forget_committed(consumer, tp, acked, committed)
@@ -136,7 +136,7 @@ def commit_contiguous(app: faust.App) -> None:
                 return None  # the record at `committed` was not processed yet: wait for it
         return new_offset(tp)
 
-    consumer._new_offset = contiguous_offset  # noqa: SLF001
+    consumer._new_offset = contiguous_offset
 
 
 def _forget_committed(consumer, tp, acked: list[int], committed: int) -> None:
@@ -151,7 +151,7 @@ def _forget_committed(consumer, tp, acked: list[int], committed: int) -> None:
     """
     stale = [offset for offset in acked if offset < committed]
     acked[:] = [offset for offset in acked if offset >= committed]
-    consumer._acked_index[tp].difference_update(stale)  # noqa: SLF001
+    consumer._acked_index[tp].difference_update(stale)
     log.info(
         "dropped acks of %s[%d] below its committed offset %d: %s",
         tp.topic,
@@ -169,7 +169,7 @@ def record_only_done_commits(app: faust.App) -> None:
     A commit fails when the group has rebalanced, and the seek to the committed offsets that ends
     the rebalance sets them from the group (before this answer or after it; either way right)."""
     consumer = app.consumer
-    commit = consumer._commit  # noqa: SLF001
+    commit = consumer._commit
 
     async def commit_or_record_nothing(offsets) -> bool:
         done = await commit(offsets)
@@ -177,7 +177,7 @@ def record_only_done_commits(app: faust.App) -> None:
             offsets.clear()
         return done
 
-    consumer._commit = commit_or_record_nothing  # noqa: SLF001
+    consumer._commit = commit_or_record_nothing
 
 
 def ack_only_processed(app: faust.App) -> None:
@@ -212,12 +212,12 @@ def _fetch_again(consumer, message) -> None:
         log.info(
             "fetching again %s[%d]@%d, handed over from an earlier generation", tp.topic, tp.partition, offset
         )
-        consumer._thread.seek(tp, offset)  # noqa: SLF001 - synchronously, as in refetch_discarded
+        consumer._thread.seek(tp, offset)
 
 
 def at_least_once(app: faust.App) -> None:
     """Apply all of the above to `app` (before its worker starts)."""
-    app.consumer._read_offset = _NoReadOffsets()  # noqa: SLF001
+    app.consumer._read_offset = _NoReadOffsets()
     refetch_discarded(app)
     rewind_uncommitted(app)
     commit_contiguous(app)

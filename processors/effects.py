@@ -25,8 +25,9 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from schemas.keys import EFFECT_TTL_S as TTL_S, effect_done
 from common.config import settings
+from schemas.keys import EFFECT_TTL_S as TTL_S
+from schemas.keys import effect_done
 
 log = logging.getLogger(__name__)
 

@@ -11,6 +11,8 @@ from collections.abc import AsyncIterator, Callable
 import faust
 from faust.types import EventT
 
+from common import kafka_auth, sealing, tracing
+from common.config import settings
 from processors import table_store
 from processors.delivery import at_least_once
 from processors.recovery_watch import watch_recovery
@@ -18,8 +20,6 @@ from producers.membership import member_client_id
 from producers.settings import FAUST, faust_liveness
 from schemas import DeadLetter, DecodeError, Erased, Event, TraceContext, decode, encode
 from schemas.headers import EVENT_TYPE as TYPE_HEADER
-from common import kafka_auth, sealing, tracing
-from common.config import settings
 from topics import DEAD_LETTER, TopicSpec, processor_group
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ def _commit_nothing_revoked() -> None:
     drill's conversation takeover took 17-27 s). Committing nothing is what it should do."""
     from faust.transport.drivers.aiokafka import AIOKafkaConsumerThread
 
-    commit = AIOKafkaConsumerThread._commit  # noqa: SLF001 - the method that crashes
+    commit = AIOKafkaConsumerThread._commit
     if getattr(commit, "keeps_empty_commits", False):
         return
 
@@ -44,7 +44,7 @@ def _commit_nothing_revoked() -> None:
         return await commit(self, offsets)
 
     _commit.keeps_empty_commits = True
-    AIOKafkaConsumerThread._commit = _commit  # noqa: SLF001
+    AIOKafkaConsumerThread._commit = _commit
 
 
 def _seek_unread_changelogs_from_the_start() -> None:
@@ -57,7 +57,7 @@ def _seek_unread_changelogs_from_the_start() -> None:
     deleted away is reset to the earliest offset by the consumer): the same for None."""
     from faust.tables.recovery import Recovery
 
-    seek = Recovery._seek_offsets  # noqa: SLF001 - the method that passes None on
+    seek = Recovery._seek_offsets
     if getattr(seek, "unread_from_the_start", False):
         return
 
@@ -68,7 +68,7 @@ def _seek_unread_changelogs_from_the_start() -> None:
         return await seek(self, consumer, tps, offsets, title)
 
     _seek_offsets.unread_from_the_start = True
-    Recovery._seek_offsets = _seek_offsets  # noqa: SLF001
+    Recovery._seek_offsets = _seek_offsets
 
 
 def make_app(role: str, **overrides) -> faust.App:
@@ -103,7 +103,7 @@ def make_app(role: str, **overrides) -> faust.App:
     # faust would log "Agent ... Crashed" and go on as a live process that consumes nothing (and
     # commit what came before the failing record). An agent that cannot go on ends the process
     # instead, without committing: its supervisor restarts it and the record is read again.
-    app._on_agent_error = _exit_on_agent_crash  # noqa: SLF001 - read by app.agent() when agents are declared
+    app._on_agent_error = _exit_on_agent_crash
     return app
 
 

@@ -30,8 +30,8 @@ def stalled(recovery, now: float, stall_s: float) -> dict[TP, int]:
     """The active changelog partitions with records left to read and none read for `stall_s` (records left)."""
     if not recovery.in_recovery:
         return {}
-    started = recovery._recovery_started_at  # noqa: SLF001 - faust keeps its recovery's progress private
-    received = recovery._active_events_received_at  # noqa: SLF001
+    started = recovery._recovery_started_at
+    received = recovery._active_events_received_at
     return {
         tp: left
         for tp, left in recovery.active_remaining().items()

@@ -90,7 +90,7 @@ def _ask_log_starts_only_when_unknown() -> None:
     `earliest` reset moves the read to the log's start), so only unknown partitions are asked."""
     from faust.tables.recovery import Recovery
 
-    build = Recovery._build_offsets  # noqa: SLF001 - the step that asks
+    build = Recovery._build_offsets
     if getattr(build, "only_unknown", False):
         return
 
@@ -100,7 +100,7 @@ def _ask_log_starts_only_when_unknown() -> None:
             await build(self, consumer, unknown, destination, title)
 
     _build_offsets.only_unknown = True
-    Recovery._build_offsets = _build_offsets  # noqa: SLF001
+    Recovery._build_offsets = _build_offsets
 
 
 def register() -> str:

@@ -13,11 +13,11 @@ from producers.publish import decode_record, publish
 
 __all__ = [
     "commit_past",
-    "stop_clients",
     "dead_letter",
-    "events",
     "decode_record",
+    "events",
     "publish",
     "start_consumer",
     "start_producer",
+    "stop_clients",
 ]

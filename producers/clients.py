@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
-from producers.settings import CONSUMER, FOLLOW_FETCH_MAX_WAIT_MS, PRODUCER, liveness
 from common import kafka_auth, sealing
 from common.config import settings
+from producers.settings import CONSUMER, FOLLOW_FETCH_MAX_WAIT_MS, PRODUCER, liveness
 from topics import TopicSpec
 
 

@@ -7,11 +7,10 @@ from collections.abc import AsyncIterator
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
-from schemas import DecodeError, Event
-from topics import TopicSpec
-
 from producers.deadletter import dead_letter
 from producers.publish import decode_record
+from schemas import DecodeError, Event
+from topics import TopicSpec
 
 
 async def events(

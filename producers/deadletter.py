@@ -7,10 +7,9 @@ import logging
 from aiokafka import AIOKafkaProducer
 from aiokafka.structs import ConsumerRecord
 
+from producers.publish import publish
 from schemas import DeadLetter, DecodeError, Erased
 from topics import DEAD_LETTER
-
-from producers.publish import publish
 
 log = logging.getLogger(__name__)
 

@@ -78,7 +78,7 @@ class LagSampler:
         admin, consumer = await self._clients()
         partitions = consumer.partitions_for_topic(topic)
         if not partitions:
-            await consumer._client.force_metadata_update()  # noqa: SLF001 - a topic created since
+            await consumer._client.force_metadata_update()
             partitions = consumer.partitions_for_topic(topic)
         if not partitions:
             return [], {}, {}

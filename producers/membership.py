@@ -141,7 +141,7 @@ async def _evict_on(admin: AIOKafkaAdminClient, node: int, pid: int, host: str |
                     continue
                 # aiokafka has no public call for another member's LeaveGroup; its own consumer's
                 # leave (group_coordinator.py) sends this request
-                answer = await admin._send_request(LeaveGroupRequest(g["group"], m["member_id"]), node)  # noqa: SLF001
+                answer = await admin._send_request(LeaveGroupRequest(g["group"], m["member_id"]), node)
                 if answer.error_code == 0:
                     left.append(g["group"])
                 else:  # gone already (its session ended) or the group moved: nothing left to take

@@ -24,7 +24,6 @@ import torch.nn.functional as F
 
 from safety_model.config import Policy, SafetySettings, safety_settings
 
-
 # A sentence: text up to . ! ? (with any closing quotes or brackets), or up to a line break.
 SENTENCE = re.compile(r"[^.!?\n]*[.!?]+[\"')\]]*|[^.!?\n]+")
 
@@ -175,7 +174,7 @@ class Head:
         save_file(tensors, str(path), metadata=meta)
 
     @classmethod
-    def load(cls, path: Path) -> "Head":
+    def load(cls, path: Path) -> Head:
         from safetensors import safe_open
 
         if not Path(path).exists():
@@ -204,7 +203,7 @@ class SafetyClassifier:
         self._columns = torch.tensor([head.categories.index(c) for c in self.categories])
 
     @classmethod
-    def load(cls, policy: Policy | None = None, settings: SafetySettings | None = None) -> "SafetyClassifier":
+    def load(cls, policy: Policy | None = None, settings: SafetySettings | None = None) -> SafetyClassifier:
         s = settings or safety_settings()
         return cls(
             get_embedder(s),
@@ -213,7 +212,7 @@ class SafetyClassifier:
             sentences=s.sentence_units,
         )
 
-    def with_policy(self, policy: Policy) -> "SafetyClassifier":
+    def with_policy(self, policy: Policy) -> SafetyClassifier:
         """The same model under another policy (no reload)."""
         return SafetyClassifier(self.embedder, self.head, policy, self.sentences)
 

@@ -35,7 +35,7 @@ class Policy:
         return self.thresholds.get(category, self.default_threshold)
 
     @classmethod
-    def from_settings(cls, settings: "SafetySettings | None" = None) -> "Policy":
+    def from_settings(cls, settings: SafetySettings | None = None) -> Policy:
         s = settings or safety_settings()
         return cls(
             version=s.policy_version,
@@ -77,7 +77,7 @@ class SafetySettings(BaseSettings):
         return v
 
     @model_validator(mode="after")
-    def _thresholds_known(self) -> "SafetySettings":
+    def _thresholds_known(self) -> SafetySettings:
         unknown = set(self.thresholds) - set(self.categories)
         if unknown:
             raise ValueError(f"thresholds for unknown categories: {sorted(unknown)}")

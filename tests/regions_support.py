@@ -95,7 +95,7 @@ async def records_on(kafka) -> dict[str, int]:
     from aiokafka.structs import TopicPartition
 
     async with _consumer(kafka) as consumer:
-        cluster = await consumer._client.fetch_all_metadata()  # noqa: SLF001
+        cluster = await consumer._client.fetch_all_metadata()
         parts = [
             TopicPartition(t, p)
             for t in cluster.topics()
@@ -120,7 +120,7 @@ async def topics_holding(
 
     found: dict[bytes, set[str]] = {n: set() for n in needles}
     async with _consumer(kafka) as consumer:
-        cluster = await consumer._client.fetch_all_metadata()  # noqa: SLF001
+        cluster = await consumer._client.fetch_all_metadata()
         parts = [
             TopicPartition(t, p)
             for t in (topics or cluster.topics())

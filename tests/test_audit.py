@@ -394,7 +394,7 @@ async def test_range_finds_exactly_the_requests_admitted_in_the_window(topics_re
         outcome = await auditor.range(since, until, found.append)
     assert sorted(a.request_id for a in found) == sorted(inside)
     assert outcome.failed == 0 and not set(before + after) & {a.request_id for a in found}
-    iso = lambda ms: time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ms / 1000)) + f".{ms % 1000:03d}"  # noqa: E731
+    iso = lambda ms: time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ms / 1000)) + f".{ms % 1000:03d}"
     out = cli("range", "--since", iso(since), "--until", iso(until), "--tenant", tenant, "--horizon", "30")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "3 request(s), 0 failing" in out.stdout

@@ -8,7 +8,7 @@ import pytest
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
 from producers import publish, start_consumer, start_producer
-from schemas import InferenceRequest, ChatMessage
+from schemas import ChatMessage, InferenceRequest
 from tokenstream.ops.autoscale import Autoscaler, ScaleMemory, ScalePolicy, decide
 from topics import inference_topic, worker_group
 from topics.admin import apply

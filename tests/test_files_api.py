@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import signal
 import shutil
+import signal
 import time
 
 import httpx
@@ -15,13 +15,13 @@ import openai
 import pytest
 import redis
 
-from tests.gateway_support import Chromium, api_client, default_key, new_key, start_gateway
-from tests.test_file_search import FACTS, document, tiny_pdf
-from tests.tool_support import sandbox_root, serving, tools_env
 from producers import publish, start_producer
 from schemas import FileIngest
 from schemas import keys as K
 from schemas.files import ingest_key
+from tests.gateway_support import Chromium, api_client, default_key, new_key, start_gateway
+from tests.test_file_search import FACTS, document, tiny_pdf
+from tests.tool_support import sandbox_root, serving, tools_env
 from tools.search.extract import chunks
 from topics.admin import apply
 from topics.registry import FILE_INGEST, all_topics

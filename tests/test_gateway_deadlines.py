@@ -152,11 +152,13 @@ async def test_a_slow_reader_is_dropped_and_resumes_while_others_go_on(gateway, 
 
     # it resumes from the log, at its own pace, and the two parts make the whole answer
     rid = last_id.rsplit(":", 1)[0]
-    async with client(gateway, timeout=60) as http:
-        async with http.stream(
+    async with (
+        client(gateway, timeout=60) as http,
+        http.stream(
             "GET", f"/v1/chat/completions/chatcmpl-{rid}/stream", headers={"Last-Event-ID": last_id}
-        ) as resumed:
-            assert resumed.status_code == 200
-            rest = [data async for _, data in sse(resumed)]
+        ) as resumed,
+    ):
+        assert resumed.status_code == 200
+        rest = [data async for _, data in sse(resumed)]
     assert rest[-1] == "[DONE]"
     assert received + "".join(content_of(d) for d in rest) == " ".join(words)

@@ -440,7 +440,7 @@ async def test_usage_of_a_request_whose_client_left_is_counted_at_its_completion
     deadline = time.monotonic() + 30
     while (
         not all(s.finish_reason for s in pipeline.served.values() if s.request.tenant == "left-tenant")
-        or int((r.hget(K.usage(key_id, K.usage_day()), "requests") or b"0")) < 2
+        or int(r.hget(K.usage(key_id, K.usage_day()), "requests") or b"0") < 2
     ):
         assert time.monotonic() < deadline, r.hgetall(K.usage(key_id, K.usage_day()))
         await asyncio.sleep(0.2)

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from gateway.framing import Framer
 from gateway.fanout import Stream
+from gateway.framing import Framer
 from gateway.resume import NOTHING_SEEN, new_request_id, parse_last_event_id, parse_request_id
 from schemas import Completion, TokenChunk, Usage
 

@@ -16,13 +16,13 @@ from types import SimpleNamespace
 
 import pytest
 
+from common.health import HealthServer, Report
+from common.vectordb import Breaker
 from gateway.cache import Entry
 from gateway.semantic import STORE_TIMEOUT_S, SemanticCache
 from gpu_workers.config import WorkerConfig
 from gpu_workers.health import WorkerHealth
 from producers.membership import Standing
-from common.health import HealthServer, Report
-from common.vectordb import Breaker
 from tools.search.retry import IndexRetry, IndexUnavailable
 
 
@@ -196,7 +196,7 @@ async def test_a_semantic_lookup_without_weaviate_is_a_miss_within_its_timeout_t
             )
             _, took = await timed(cache.store("t", "m", "", "q", [0.1] * 384, entry=entry))
             assert took < STORE_TIMEOUT_S + 1.0, took  # skipped, refused, or given up on: never a hang
-            unavailable = cache.metrics.cache.labels("semantic", "unavailable")._value.get()  # noqa: SLF001
+            unavailable = cache.metrics.cache.labels("semantic", "unavailable")._value.get()
             assert unavailable == 2
         finally:
             await cache.close()
@@ -204,8 +204,8 @@ async def test_a_semantic_lookup_without_weaviate_is_a_miss_within_its_timeout_t
 
 @pytest.mark.parametrize("away", ["refusing", "silent"])
 async def test_file_search_without_weaviate_is_a_clear_tool_error_within_its_timeout(monkeypatch, away):
-    from schemas import ToolCall
     from common.config import settings
+    from schemas import ToolCall
     from tools.base import ToolUnavailable
     from tools.builtin.file_search import FileSearch
     from tools.config import tool_settings

@@ -19,7 +19,6 @@ from aiokafka.structs import OffsetAndMetadata, TopicPartition
 from producers import publish, start_consumer, start_producer
 from schemas import ChatMessage, InferenceRequest
 from tests.kafka_support import group_settled, wait_for
-from tokenstream.stack.service import free_port
 from tokenstream.stack.scale import (
     ScaleError,
     Supervisor,
@@ -29,6 +28,7 @@ from tokenstream.stack.scale import (
     instances,
     parse_targets,
 )
+from tokenstream.stack.service import free_port
 from topics import inference_topic, processor_group, worker_group
 from topics.admin import apply, partition_counts
 from topics.registry import all_topics, co_partitioned

@@ -7,8 +7,10 @@ from collections import Counter
 
 import pytest
 
+from common.models import load_tokenizer
 from processors.conversation.history import bounded, carries_full_history, merge, with_answer
-from processors.conversation.presets import apply_preset, presets as configured_presets
+from processors.conversation.presets import apply_preset
+from processors.conversation.presets import presets as configured_presets
 from processors.conversation.window import PromptTooLong, prompt_counter, trim
 from processors.router.config import Route
 from processors.router.policy import decide, weighted_pick
@@ -23,7 +25,6 @@ from schemas import (
     TokenChunk,
     ToolSpec,
 )
-from common.models import load_tokenizer
 
 
 def user(text: str) -> ChatMessage:

@@ -19,6 +19,8 @@ import pytest
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
 from common import kafka_auth
+from common.config import settings
+from common.models import load_tokenizer
 from processors.conversation.window import prompt_counter, trim
 from producers import publish, start_producer
 from schemas import (
@@ -36,8 +38,6 @@ from schemas import (
 )
 from schemas.keys import conversation_key
 from tests.kafka_support import Tap, group_settled, key_on_partition_of, one_key_per_partition, wait_for
-from common.models import load_tokenizer
-from common.config import settings
 from tokenstream.chaos.verify import drained
 from tokenstream.shadow.gate import new_gate, record
 from topics import (

@@ -20,12 +20,12 @@ import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.structs import TopicPartition
 
-from common import kafka_auth
 from audit.rescreen import Rescreener, commit_progress, group_of
 from audit.run import Auditor, Options
+from common import kafka_auth
+from producers import publish, start_consumer, start_producer
 from safety_model.classifier import SafetyClassifier
 from safety_model.config import Policy
-from producers import publish, start_consumer, start_producer
 from schemas import ChatMessage, Completion, InferenceRequest, SafetyVerdict, TokenChunk
 from schemas.ids import new_request_id
 from tests.kafka_support import Tap

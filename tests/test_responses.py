@@ -14,9 +14,8 @@ import signal
 import subprocess
 import sys
 import tempfile
-import uuid
-
 import typing
+import uuid
 
 import httpx
 import openai
@@ -24,8 +23,8 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 
 from schemas import ToolCall, ToolResult
-from tests import open_responses
 from schemas.ids import run_id_of, step_request_id
+from tests import open_responses
 from tests.conftest import Roles
 from tests.gateway_support import api_client, auth_headers, new_key, start_gateway
 from tests.kafka_support import Tap
@@ -180,7 +179,7 @@ def ran_as_here(call) -> None:
     except SyntaxError:
         return
     if done.returncode == 0 and "open(" not in call.code:
-        assert result["value"] == repr(eval(expression, {})), (call.code, result)  # noqa: S307 - the test's own check
+        assert result["value"] == repr(eval(expression, {})), (call.code, result)
         assert logs.rstrip("\n").endswith(result["value"]), (logs, result)  # shown as a notebook shows it
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import msgspec
-
 import pytest
 from pydantic import ValidationError
 

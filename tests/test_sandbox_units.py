@@ -8,8 +8,8 @@ import os
 import time
 
 from gateway.file_objects import page
-from schemas.files import file_kind
 from schemas import ToolResult
+from schemas.files import file_kind
 from schemas.ids import FILE_ID, VECTOR_STORE_ID, new_file_id, new_vector_store_id
 from schemas.tools import notebook_logs
 from tests.tool_support import sandbox_root

@@ -18,8 +18,8 @@ from schemas import SpeechAudio, SpeechDone, SpeechJob, TranscriptDone, Transcri
 from tests.conftest import Roles
 from tests.gateway_support import api_client, auth_headers, start_gateway
 from tests.kafka_support import Tap
-from tests.tool_support import sandbox_root, tools_env
 from tests.test_worker_kafka import wait_for_log
+from tests.tool_support import sandbox_root, tools_env
 from topics import SPEECH_JOBS, TOKENS
 
 pytestmark = pytest.mark.slow

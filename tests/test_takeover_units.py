@@ -16,7 +16,6 @@ from producers.settings import faust_liveness, liveness
 from tokenstream.chaos.clients import Outcome
 from tokenstream.chaos.drill import plan, worst_answer, worst_stall
 
-
 pytestmark = pytest.mark.usefixtures("no_broker")  # the apps are only built: no broker is reached
 
 
@@ -46,7 +45,7 @@ class _Thread:
     async def crash(self, exc: BaseException) -> None:
         self.crashes.append(exc)
 
-    class log:  # noqa: N801 - faust's logger, as the method calls it
+    class log:
         @staticmethod
         def exception(*args, **kwargs) -> None:
             pass

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-
 import asyncio
 import json
 import os
@@ -12,6 +10,7 @@ import time
 
 import msgspec
 import openai
+import pytest
 import redis
 
 from producers import decode_record, publish, start_consumer

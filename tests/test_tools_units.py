@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from bench.tool_schemas import tools
+from common.models import load_tokenizer
 from gateway.tool_params import BadField, Tool, check_tool_messages, output_spec
 from gpu_workers.grammar import GrammarError, Grammars, grammar_text
 from gpu_workers.tool_calls import ToolCallParser
-from schemas.prompt import render
 from schemas import (
     ChatMessage,
     ChatRequest,
@@ -27,7 +27,7 @@ from schemas import (
     decode,
     encode,
 )
-from common.models import load_tokenizer
+from schemas.prompt import render
 
 WEATHER = {
     "type": "function",

@@ -13,12 +13,12 @@ import signal
 
 import pytest
 
+from gpu_workers.startup import needed_topics
 from gpu_workers.tool_calls import ToolCallParser
 from producers import publish, start_producer
 from schemas import OutputSpec, call_id
 from tests.kafka_support import Tap
 from tests.test_worker_kafka import TokenReader, assert_gap_free, request, tiny_dir, tiny_loaded, wait_for_log  # noqa: F401
-from gpu_workers.startup import needed_topics
 from topics import TOOL_CALLS, inference_topic
 from topics.admin import apply
 

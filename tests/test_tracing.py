@@ -19,9 +19,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from schemas import ChatRequest, Completion, SamplingParams, ToolCall, TraceContext, Usage
 from common import tracing
-
+from schemas import ChatRequest, Completion, SamplingParams, ToolCall, TraceContext, Usage
 
 # ------------------------------------------------------------------ an OTLP/HTTP receiver
 
@@ -35,7 +34,7 @@ class Receiver:
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            def do_POST(self) -> None:
                 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
                     ExportTraceServiceRequest,
                     ExportTraceServiceResponse,
@@ -209,14 +208,13 @@ def receiver():
 @pytest.mark.slow
 @pytest.mark.heavy  # every role as a process (about 30 s): make test-all; the in-process span tests stay in make test
 async def test_one_request_is_one_trace_across_every_role(stack, bootstrap, roles, receiver, tmp_path):
+    from gpu_workers.random_model import build
     from tests.gateway_support import openai_client, start_gateway
     from tests.test_worker_kafka import wait_for_log
     from tests.tool_support import sandbox_root, tools_env, wait_ready
     from topics import inference_topic
     from topics.admin import apply
     from topics.registry import all_topics
-
-    from gpu_workers.random_model import build
 
     model = f"traced-{uuid.uuid4().hex[:6]}"
     await apply(all_topics([model]), bootstrap)

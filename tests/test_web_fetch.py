@@ -22,7 +22,7 @@ the world. It was built between 1807 and 1810 by Robert Stevenson on the Inchcap
 
 
 class Pages(BaseHTTPRequestHandler):
-    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+    def do_GET(self) -> None:
         port = self.server.server_address[1]
         if self.path == "/article":
             self._send(200, "text/html; charset=utf-8", ARTICLE.encode())

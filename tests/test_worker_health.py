@@ -15,8 +15,8 @@ import uuid
 import httpx
 import pytest
 
-from tests.gateway_support import free_port
 from gpu_workers.startup import needed_topics
+from tests.gateway_support import free_port
 from topics.admin import apply
 
 pytestmark = pytest.mark.slow

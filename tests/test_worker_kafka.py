@@ -10,7 +10,6 @@ import threading
 import time
 import uuid
 from collections import defaultdict
-
 from types import SimpleNamespace
 
 import httpx
@@ -669,6 +668,7 @@ def test_the_sticky_assignor_keeps_partitions_with_their_owner_and_reports_its_g
     coming back takes only its share, and the present owner's claim wins over a stale one."""
     from aiokafka.cluster import ClusterMetadata
     from aiokafka.coordinator.protocol import ConsumerProtocolMemberMetadata
+
     from producers.sticky import StickyAssignor
 
     topic = "ts.inference.units"

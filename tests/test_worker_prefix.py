@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common.models import load_tokenizer
 from gpu_workers.detokenizer import Detokenizer
 from gpu_workers.engine import Engine, Sequence
 from gpu_workers.kv_cache import PagedKVCache
@@ -12,7 +13,6 @@ from gpu_workers.model_loader import load
 from gpu_workers.prefix_cache import PrefixCache, page_hashes
 from gpu_workers.random_model import build
 from gpu_workers.sampling import sample
-from common.models import load_tokenizer
 
 
 @pytest.fixture(scope="module")

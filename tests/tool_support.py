@@ -61,7 +61,7 @@ class ToolBus:
         self.bootstrap = bootstrap
         self.results: list[ToolResult] = []
 
-    async def __aenter__(self) -> "ToolBus":
+    async def __aenter__(self) -> ToolBus:
         # every topic the processor uses (its speech loop too: a topic it may not read ends the process)
         await apply([TOOL_CALLS, TOOL_RESULTS, FILE_INGEST, SPEECH_JOBS, TOKENS, DEAD_LETTER], self.bootstrap)
         self.producer = await start_producer(self.bootstrap)

@@ -31,7 +31,7 @@ def parse_expiry(value: str | None, now: float | None = None) -> float:
     except ValueError:
         raise ValueError(f"--expires: {value!r} is neither a duration like 30d/12h nor an ISO date") from None
     if when.tzinfo is None:
-        when = when.replace(tzinfo=dt.timezone.utc)
+        when = when.replace(tzinfo=dt.UTC)
     return when.timestamp()
 
 

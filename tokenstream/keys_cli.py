@@ -9,8 +9,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from schemas import keys as K
 from common.config import settings
+from schemas import keys as K
 from tokenstream.keys import KeyStore
 
 app = typer.Typer(help="API keys: tenant, tier, limits; stored hashed in Redis.", no_args_is_help=True)
@@ -22,7 +22,7 @@ def _store() -> KeyStore:
 
 
 def _when(ts: float) -> str:
-    return dt.datetime.fromtimestamp(ts, dt.timezone.utc).strftime("%Y-%m-%d %H:%M") if ts else "-"
+    return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%Y-%m-%d %H:%M") if ts else "-"
 
 
 @app.command("create")

@@ -21,8 +21,8 @@ from pathlib import Path
 import redis.asyncio as aioredis
 
 from common import sealing
-from schemas import keys as K
 from common.config import settings
+from schemas import keys as K
 
 
 def read_regular(path: Path, limit: int) -> bytes | None:

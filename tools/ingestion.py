@@ -21,14 +21,14 @@ import time
 
 import redis.asyncio as aioredis
 
+from common import sealing, vectordb
+from common.config import settings
+from producers import start_consumer
 from schemas import FileIngest
 from schemas import keys as K
 from schemas.files import COMPLETED, FAILED, IN_PROGRESS
-from common import sealing, vectordb
-from common.config import settings
 from tools.config import ToolSettings, tool_settings
 from tools.search.retry import IndexRetry, IndexUnavailable
-from producers import start_consumer
 from tools.serial import ONE_AT_A_TIME, SerialConsumer
 from topics.registry import FILE_INGEST, INGEST_GROUP
 

@@ -25,9 +25,9 @@ import logging
 
 import redis.asyncio as aioredis
 
+from common.config import settings
 from schemas import ToolResult, decode, encode
 from schemas.keys import EFFECT_TTL_S, tool_claim, tool_published, tool_result
-from common.config import settings
 
 log = logging.getLogger("tools.ledger")
 

@@ -19,6 +19,8 @@ import uuid
 
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
+from common import tracing
+from common.config import settings
 from producers import (
     commit_past,
     dead_letter,
@@ -30,8 +32,6 @@ from producers import (
 )
 from producers.membership import GroupWatch, member_client_id
 from schemas import DecodeError, ToolCall, ToolResult, TraceContext
-from common import tracing
-from common.config import settings
 from tools.base import Outcome, Tool, ToolError, ToolUnavailable, builtin_tools
 from tools.config import ToolSettings, tool_settings
 from tools.ledger import CallLedger
@@ -60,7 +60,7 @@ async def run_tool(tool: Tool, call: ToolCall, timeout_s: float) -> ToolResult:
         outcome = Outcome("", ok=False, error=str(exc), meta={"unavailable": exc.dependency})
     except ToolError as exc:
         outcome = Outcome("", ok=False, error=str(exc))
-    except Exception as exc:  # noqa: BLE001 - a bug in one tool must not stop the processor
+    except Exception as exc:
         log.exception("tool %s failed on call %s", call.name, call.call_id)
         outcome = Outcome("", ok=False, error=f"internal error in tool {call.name}: {type(exc).__name__}")
     return ToolResult(

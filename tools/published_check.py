@@ -29,7 +29,7 @@ async def in_log(call_id: str, key: str, since_ms: int) -> bool:
     try:
         partitions = sorted(consumer.partitions_for_topic(TOOL_RESULTS.name) or ())
         if not partitions:
-            await consumer._client.force_metadata_update()  # noqa: SLF001 - first use: no metadata yet
+            await consumer._client.force_metadata_update()
             partitions = sorted(consumer.partitions_for_topic(TOOL_RESULTS.name) or ())
         if not partitions:
             raise RuntimeError(f"topic {TOOL_RESULTS.name} does not exist (run `tokenstream topics apply`)")

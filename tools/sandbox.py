@@ -302,7 +302,7 @@ class Sandbox:
         out, err = await readers
         try:
             trailer = json.loads(await asyncio.wait_for(reporter, 5) or b"null")
-        except (ValueError, asyncio.TimeoutError):
+        except (TimeoutError, ValueError):
             trailer = None
         run.wall_s = time.monotonic() - started
         run.stdout, run.stderr = out.decode(errors="replace"), err.decode(errors="replace")

@@ -20,7 +20,6 @@ from producers import commit_past, dead_letter, decode_record, start_producer, s
 from schemas import DecodeError, Event
 from topics import TopicSpec
 
-
 #: start_consumer's options for such a group: one record per poll, a poll interval that outlasts any event
 ONE_AT_A_TIME = {"from_beginning": True, "max_poll_records": 1, "max_poll_interval_ms": 900_000}
 

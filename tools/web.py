@@ -20,7 +20,6 @@ from urllib.parse import urljoin, urlsplit
 import httpx
 
 from common.documents import readable
-
 from tools.base import ToolError
 from tools.config import ToolSettings
 

@@ -15,7 +15,6 @@ from common import kafka_auth
 from topics.access_admin import apply_access
 from topics.registry import TopicSpec
 
-
 TOPIC_ALREADY_EXISTS = 36  # another `apply` created it between our list and create
 DYNAMIC_TOPIC_CONFIG = 1  # config_source of a value set on the topic itself
 MAX_COPIES = 3  # of a partition, when `apply` is not told: one per broker up to this
@@ -99,7 +98,7 @@ async def require(specs: list[TopicSpec], bootstrap: str, timeout_s: float = 30.
     )
     await consumer.start()
     try:
-        await consumer._client.force_metadata_update()  # noqa: SLF001 - the cluster's topics now
+        await consumer._client.force_metadata_update()
         problems = []
         for spec in specs:
             partitions = consumer.partitions_for_topic(spec.name)

@@ -15,8 +15,8 @@ from enum import StrEnum
 
 from schemas import (
     Cancel,
-    Checkpoint,
     ChatRequest,
+    Checkpoint,
     Completion,
     ConversationHistory,
     DeadLetter,
@@ -27,8 +27,8 @@ from schemas import (
     OutputWindow,
     PrefixHeld,
     RouteUpdate,
-    ShadowGate,
     SafetyVerdict,
+    ShadowGate,
     SpeechAudio,
     SpeechDone,
     SpeechJob,

@@ -11,6 +11,8 @@ from collections.abc import AsyncIterator
 import msgspec
 from fastapi import APIRouter, Depends, Request
 
+from common import tracing
+from common.presets import presets
 from gateway import context
 from gateway import openai_api as api
 from gateway.answers import collect, live_events, sse_response
@@ -18,13 +20,13 @@ from gateway.auth import principal
 from gateway.cache import Entry, hit_events
 from gateway.caching import look_up
 from gateway.chat_fields import refuse_unhonoured
+from gateway.conversations import chat_items
 from gateway.deps import pipeline
 from gateway.framing import Framer
 from gateway.pipeline import Gateway
-from gateway.conversations import chat_items
-from gateway.stored_chats import completion_of
 from gateway.ratelimit import estimate_prompt_tokens
 from gateway.resume import NOTHING_SEEN, new_request_id
+from gateway.stored_chats import completion_of
 from gateway.tool_params import BadField, check_tool_messages, output_spec
 from producers import publish
 from schemas import (
@@ -40,8 +42,6 @@ from schemas import (
     TraceContext,
 )
 from schemas.keys import ApiKey, conversation_key
-from common import tracing
-from common.presets import presets
 from topics import CHAT_REQUESTS, TOKENS
 
 log = logging.getLogger(__name__)

@@ -16,12 +16,12 @@ from urllib.parse import quote
 from fastapi import APIRouter, Depends
 from fastapi.responses import Response
 
+from common import sealing
 from gateway import openai_api as api
 from gateway.auth import principal
 from gateway.deps import pipeline
 from gateway.file_objects import check_paging, page
 from gateway.pipeline import Gateway
-from common import sealing
 from schemas import keys as K
 from schemas.keys import ApiKey
 

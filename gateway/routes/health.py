@@ -8,10 +8,10 @@ from pathlib import Path
 from fastapi import APIRouter, Depends
 from fastapi.responses import FileResponse, JSONResponse, Response
 
+from common import vectordb
 from gateway.auth import admin
 from gateway.deps import pipeline
 from gateway.pipeline import Gateway
-from common import vectordb
 
 STATIC = Path(__file__).parent.parent / "static"
 router = APIRouter()

@@ -23,26 +23,26 @@ from fastapi.responses import JSONResponse
 from pydantic import TypeAdapter, ValidationError
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
+from common import sealing
+from common.models import load_tokenizer
+from common.presets import presets
 from gateway import background, compaction, context
 from gateway import openai_api as api
 from gateway.answers import KeepAlive, live_events
-from gateway.input_files import read_files
 from gateway.auth import principal
 from gateway.deps import pipeline
+from gateway.input_files import read_files
 from gateway.pipeline import Gateway
 from gateway.ratelimit import estimate_prompt_tokens
-from gateway.resume import NOTHING_SEEN, new_request_id, parse_last_event_id, replay
 from gateway.responses_api import ResponseCreate, ResponseTool, input_items, messages_of, output_and_run
 from gateway.responses_framing import ResponseFramer, base_response
+from gateway.resume import NOTHING_SEEN, new_request_id, parse_last_event_id, replay
 from gateway.routes.chat import admit
 from gateway.screening import held_until_screened
 from producers import publish
 from schemas import ChatRequest, Completion, Event, RunSpec, SamplingParams, Usage
 from schemas import keys as K
 from schemas.ids import event_id, run_id_of, step_request_id
-from common import sealing
-from common.models import load_tokenizer
-from common.presets import presets
 from schemas.prompt import prompt_ids
 from topics import CHAT_REQUESTS
 
@@ -287,7 +287,7 @@ async def create(body: ResponseCreate, gw: Gateway = Depends(pipeline), key: K.A
 
     source = live_events(gw, stream)
     framer = _framer(rid, note)
-    cleanup = lambda: gw.fanout.unsubscribe(rid)  # noqa: E731
+    cleanup = lambda: gw.fanout.unsubscribe(rid)
     if body.background:  # followed here to its end; any instance answers GET from the log meanwhile
         gw.background(background.follow(gw, framer, source, generation, cleanup, _finisher(gw, note)))
         queued = _framer(rid, note).response

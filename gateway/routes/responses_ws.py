@@ -140,7 +140,7 @@ class Socket:
                 await self.respond(lane, event)
             except (WebSocketDisconnect, RuntimeError):
                 return  # the connection is gone: serve() ends it
-            except Exception as exc:  # noqa: BLE001 - one response's failure, the connection goes on
+            except Exception as exc:
                 log.exception("websocket response failed")
                 await self.send(
                     _error(500, f"internal error: {type(exc).__name__}", "server_error", lane=lane)

@@ -224,7 +224,7 @@ async def list_store_files(
     order: str = "desc",
     after: str | None = None,
     before: str | None = None,
-    filter: str | None = None,  # noqa: A002 - OpenAI's name
+    filter: str | None = None,
     gw: Gateway = Depends(pipeline),
     key: ApiKey = Depends(principal),
 ) -> dict:

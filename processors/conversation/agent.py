@@ -23,6 +23,9 @@ from __future__ import annotations
 import logging
 import time
 
+from common import tracing
+from common.config import settings
+from common.models import load_tokenizer, prompt_budget
 from processors.conversation import runs
 from processors.conversation.config import ConversationSettings
 from processors.conversation.history import (
@@ -50,9 +53,6 @@ from schemas import (
     decode,
 )
 from schemas.keys import conversation_key
-from common import tracing
-from common.config import settings
-from common.models import load_tokenizer, prompt_budget
 from topics import (
     CHAT_REQUESTS,
     CONVERSATION_TURNS,

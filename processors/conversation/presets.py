@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
-from schemas import ChatMessage, SamplingParams
 from common.presets import Preset, load_presets, presets
+from schemas import ChatMessage, SamplingParams
 
 __all__ = ["Preset", "apply_preset", "load_presets", "presets"]
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from common.models import tokens_at_most
 from schemas import ChatMessage, OutputSpec
 from schemas.prompt import instructions, prompt_ids
-from common.models import tokens_at_most
 
 
 class PromptTooLong(ValueError):

@@ -14,6 +14,8 @@ import msgspec
 from aiokafka.errors import KafkaError
 from aiokafka.structs import TopicPartition
 
+from common import tracing
+from common.config import settings
 from processors.effects import Ledger
 from processors.faust_app import make_app, send, topic, traced, typed
 from processors.router.config import Route, RouterSettings
@@ -23,8 +25,6 @@ from producers import start_consumer
 from producers.consume import caught_up
 from producers.lag import LagSampler
 from schemas import Completion, DecodeError, InferenceRequest, PrefixHeld, RouteUpdate, WorkerLoad, decode
-from common import tracing
-from common.config import settings
 from topics import DEAD_LETTER, KV_PREFIXES, PREPARED, ROUTES, SCREENED, TOKENS, inference_topic, worker_group
 
 log = logging.getLogger(__name__)

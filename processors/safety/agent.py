@@ -16,12 +16,12 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from common import tracing
 from processors.effects import Ledger
 from processors.faust_app import get, make_app, put, send, table, topic, traced, typed
-from safety_model.classifier import Judgement, SafetyClassifier
 from processors.safety.windows import WindowSettings, due, fold, judged
+from safety_model.classifier import Judgement, SafetyClassifier
 from schemas import REFUSAL, Cancel, Completion, InferenceRequest, OutputWindow, SafetyVerdict, TokenChunk
-from common import tracing
 from topics import CONTROL, DEAD_LETTER, PREPARED, SAFETY_WINDOWS, SCREENED, TOKENS, VERDICTS
 
 log = logging.getLogger(__name__)

@@ -56,7 +56,7 @@ async def sse_events(response: httpx.Response):
             event_id, data = None, []
         elif not line.startswith(":"):
             name, _, value = line.partition(":")
-            value = value[1:] if value.startswith(" ") else value
+            value = value.removeprefix(" ")
             if name == "id":
                 event_id = value
             elif name == "data":

@@ -21,8 +21,8 @@ from pathlib import Path
 
 from common import secret_files
 from tokenstream.stack.kafka import SCRAM
-from topics.access import MIRROR
 from tokenstream.stack.service import Service, maven_copy
+from topics.access import MIRROR
 
 MIRROR_VERSION = "4.3.1"  # connect-mirror: the newest the registry here resolves; it speaks to 4.4 brokers
 POM = Path(__file__).with_name("mirror.pom.xml")

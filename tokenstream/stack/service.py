@@ -18,7 +18,6 @@ from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 
-
 _handed_out: set[int] = set()
 
 

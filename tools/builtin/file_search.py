@@ -11,9 +11,9 @@ import asyncio
 import json
 from dataclasses import asdict
 
-from schemas import ToolCall
 from common import vectordb
 from common.vectordb import Breaker
+from schemas import ToolCall
 from tools.base import Outcome, ToolError, ToolUnavailable
 from tools.config import tool_settings
 
@@ -73,7 +73,7 @@ class FileSearch:
             # the client's own timeouts end the thread's work; this bounds the call whatever it waits on
             async with asyncio.timeout(timeout_s + 1):
                 hits = await asyncio.to_thread(self._search, call.tenant, stores, query, k)
-        except Exception as exc:  # noqa: BLE001 - Weaviate's client raises assorted errors
+        except Exception as exc:
             await asyncio.to_thread(self._forget)
             if isinstance(exc, TimeoutError) or not await vectordb.aready(1.0):
                 self.breaker.failed(

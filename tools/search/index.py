@@ -51,7 +51,7 @@ class ChunkIndex:
         self._tenants: set[str] = set()
 
     @classmethod
-    def connect(cls, timeout_s: float = 5.0, insert_s: float = 90.0) -> "ChunkIndex":
+    def connect(cls, timeout_s: float = 5.0, insert_s: float = 90.0) -> ChunkIndex:
         """Connecting and each query time out after `timeout_s`, each insert after `insert_s`."""
         cfg = settings()
         # skip_init_checks: no version look-up on PyPI at connect (tools run offline)

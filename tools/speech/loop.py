@@ -17,13 +17,13 @@ import time
 
 import redis.asyncio as aioredis
 
+from common import sealing
+from common.config import settings
 from producers import publish, start_consumer
 from schemas import SpeechAudio, SpeechDone, SpeechJob, TranscriptDone, TranscriptSegment
 from schemas.speech import Word
-from common import sealing
-from common.config import settings
-from topics import TOKENS
 from tools.serial import ONE_AT_A_TIME, SerialConsumer
+from topics import TOKENS
 from topics.registry import SPEECH_GROUP, SPEECH_JOBS
 
 log = logging.getLogger("tools.speech")
