@@ -1,6 +1,9 @@
-"""The stages of `bench/gpu_worker.sh`: the engine against its peers on one GPU, in one run.
+"""The stages of `bench/gpu_engine.sh`: the engine in-process, without Kafka, against its peers on one
+GPU, in one run. Nothing here starts a broker or the worker service: each stage drives `Engine.step()`
+(or the peer's own API) directly, so the figures are the engine's, not the worker's through Kafka
+(that is `tokenstream bench engine`'s `worker` column).
 
-Each stage is a separate process (`python -m bench.gpu_worker STAGE`) so that every engine starts
+Each stage is a separate process (`python -m bench.gpu_engine STAGE`) so that every engine starts
 with the GPU to itself; the stages share a work folder ($WORK) and the knobs in the environment
 (see the shell script). Stages:
 
@@ -13,7 +16,7 @@ with the GPU to itself; the stages share a work folder ($WORK) and the knobs in 
                 (bf16 rounding makes near-ties flip, so agreement is checked where it is meaningful)
   profile       a full batch's decode step: wall time against device-busy time, top host operators
   vllm          vLLM serving the same requests (run by vLLM's python, if it has vLLM)
-  report        the table and bench/results/gpu_worker.json
+  report        the table and bench/results/gpu_engine.json
 
 Import-light at module level: the `vllm` stage runs under another virtualenv.
 """
@@ -429,16 +432,16 @@ def stage_report() -> None:
     measured = [r for r in peers.values() if isinstance(r, dict) and "tokens_per_s" in r]
     hf = max(measured, key=lambda r: r["tokens_per_s"]) if measured else {"skipped": str(peers)[:300]}
     bf16 = runs.get("bf16", {})
-    print(f"\n{'engine':28s} {'tokens/s':>9s} {'wall s':>7s} {'peak GiB':>9s}")
+    print("\nthe engine in-process, without Kafka, against its peers on this GPU")
+    print(f"{'engine':28s} {'tokens/s':>9s} {'wall s':>7s} {'peak GiB':>9s}")
     for name, r in [
         *((f"tokenstream {mode}", r) for mode, r in runs.items()),
         *((f"transformers {name}", r) for name, r in peers.items() if isinstance(r, dict)),
         ("vLLM bf16", vl),
     ]:
         if "tokens_per_s" in r:
-            print(
-                f"{name[:28]:28s} {r['tokens_per_s']:9.1f} {r['wall_s']:7.2f} {r.get('peak_gpu_mem_gib', '-')!s:>9s}"
-            )
+            peak = r.get("peak_gpu_mem_gib", "-")
+            print(f"{name[:28]:28s} {r['tokens_per_s']:9.1f} {r['wall_s']:7.2f} {peak!s:>9s}")
         else:
             print(f"{name[:28]:28s} skipped: {r.get('skipped')}")
     out = {
@@ -457,7 +460,7 @@ def stage_report() -> None:
         f"engine bf16 / transformers' faster ({hf.get('how', '-')}): {out['engine_vs_transformers_bf16']}x; "
         f"greedy agreement: {agree.get('identical', '-')}/{agree.get('requests', '-')}"
     )
-    target = Path(ENV.get("RESULT", ROOT / "bench" / "results" / "gpu_worker.json"))
+    target = Path(ENV.get("RESULT", ROOT / "bench" / "results" / "gpu_engine.json"))
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps(out, indent=2))
     print(f"written {target}")
@@ -473,4 +476,9 @@ STAGES = {
 }
 
 if __name__ == "__main__":
+    if len(sys.argv) != 2 or sys.argv[1] not in STAGES:
+        sys.exit(
+            f"usage: python -m bench.gpu_engine {{{'|'.join(STAGES)}}}\n"
+            "one stage of bench/gpu_engine.sh: the engine in-process, without Kafka, on one GPU"
+        )
     STAGES[sys.argv[1]]()

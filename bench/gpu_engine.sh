@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# The engine against its peers on one GPU, same model, same prompts, same run: a random-initialised
+# The engine in-process, without Kafka (no broker, no worker service: Engine.step() called directly),
+# against its peers on one GPU, same model, same prompts, same run: a random-initialised
 # ~1.2B Llama (Llama-3.2-1B shape, SmolLM2 vocabulary and tokenizer) built from a config, 128-token
 # prompts, up to 128 new tokens, sampled (temperature 0.8, top-p 0.95, a seed per request). Stages
-# (bench/gpu_worker.py, one process each): the engine's real path (incremental detokenisation, EOS,
+# (bench/gpu_engine.py, one process each): the engine's real path (incremental detokenisation, EOS,
 # stops, on-device sampling, prefix cache on) in bf16, bitsandbytes 8-bit and 4-bit nf4; transformers
 # on the same requests as the baseline of this run; greedy agreement of the engine with HF generate()
 # (fp32); vLLM if importable by $VLLM_PY (default: the same python). Prints tokens/s and the ratios;
-# writes bench/results/gpu_worker.json. About 4 minutes on an H100/H200-class GPU.
+# writes bench/results/gpu_engine.json. About 4 minutes on an H100/H200-class GPU.
 #
-#   bench/gpu_worker.sh                                            # defaults below
-#   VLLM_PY=/path/to/venv/bin/python bench/gpu_worker.sh           # vLLM from another virtualenv
-#   SHAPE=tiny DEVICE=cpu REQUESTS=8 PROMPT=32 OUTPUT=16 KV_GB=0.05 MODES=bf16 AGREEMENT=2 VLLM=0 bench/gpu_worker.sh  # CPU smoke
+#   bench/gpu_engine.sh                                            # defaults below
+#   VLLM_PY=/path/to/venv/bin/python bench/gpu_engine.sh           # vLLM from another virtualenv
+#   SHAPE=tiny DEVICE=cpu REQUESTS=8 PROMPT=32 OUTPUT=16 KV_GB=0.05 MODES=bf16 AGREEMENT=2 VLLM=0 bench/gpu_engine.sh  # CPU smoke
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -24,14 +25,14 @@ VLLM=${VLLM:-1}
 export HF_HUB_DISABLE_PROGRESS_BARS=1 TQDM_DISABLE=1
 T="timeout ${STAGE_TIMEOUT:-0}"  # seconds per stage (0: none), for a GPU lent for minutes
 
-$T "$PY" -m bench.gpu_worker engine || echo "engine stage stopped (rc $?): reporting the modes it finished"
-$T "$PY" -m bench.gpu_worker agreement || echo "{\"skipped\": \"agreement stage failed or timed out (see above)\"}" > "$WORK/agreement.json"
-$T "$PY" -m bench.gpu_worker profile || echo "{\"skipped\": \"profile stage failed or timed out (see above)\"}" > "$WORK/profile.json"
-$T "$PY" -m bench.gpu_worker transformers || echo "{\"skipped\": \"transformers stage failed or timed out (see above)\"}" > "$WORK/transformers.json"
+$T "$PY" -m bench.gpu_engine engine || echo "engine stage stopped (rc $?): reporting the modes it finished"
+$T "$PY" -m bench.gpu_engine agreement || echo "{\"skipped\": \"agreement stage failed or timed out (see above)\"}" > "$WORK/agreement.json"
+$T "$PY" -m bench.gpu_engine profile || echo "{\"skipped\": \"profile stage failed or timed out (see above)\"}" > "$WORK/profile.json"
+$T "$PY" -m bench.gpu_engine transformers || echo "{\"skipped\": \"transformers stage failed or timed out (see above)\"}" > "$WORK/transformers.json"
 if [ "$VLLM" = "1" ]; then
   VPY=${VLLM_PY:-$PY}
   if "$VPY" -c "import vllm" 2>/dev/null; then
-    VLLM_ENABLE_V1_MULTIPROCESSING=0 $T "$VPY" -m bench.gpu_worker vllm \
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 $T "$VPY" -m bench.gpu_engine vllm \
       || echo '{"skipped": "vLLM run failed (see above)"}' > "$WORK/vllm.json"
   else
     echo "vLLM: skipped: 'import vllm' fails for $VPY (set VLLM_PY to a python with vLLM installed)"
@@ -40,4 +41,4 @@ if [ "$VLLM" = "1" ]; then
 else
   echo '{"skipped": "VLLM=0"}' > "$WORK/vllm.json"
 fi
-"$PY" -m bench.gpu_worker report
+"$PY" -m bench.gpu_engine report
