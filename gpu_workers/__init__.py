@@ -1,1 +1,2 @@
-"""The GPU worker role: continuous batching over a paged KV cache, consuming ts.inference.<model>, writing ts.tokens."""
+"""The GPU worker role: continuous batching over a dense KV slot pool (one slot per running request),
+consuming ts.inference.<model>, writing ts.tokens."""

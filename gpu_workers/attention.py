@@ -128,7 +128,10 @@ class StepPlan:
 
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """query [1, H, T, D], key/value [1, KVH, T, D] of the step's T packed tokens -> [1, T, H, D]."""
+    """query [1, H, T, D], key/value [1, KVH, T, D] of the step's T packed tokens -> [1, T, H, D].
+
+    The name notwithstanding, there is no page table: keys and values are read in place from the
+    dense slot pool (`kv_cache.SlotPool`, one contiguous slot per running request)."""
     plan: StepPlan | None = kwargs.pop("ts_plan", None)
     if plan is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward

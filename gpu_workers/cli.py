@@ -59,7 +59,7 @@ def worker(
     worker_id: str = typer.Option(None, help="name in emitted events (default host-pid)"),
     step_delay: float = typer.Option(None, help="sleep after each step, seconds (throttling, tests)"),
 ) -> None:
-    """Run a GPU worker: iteration-level batching over a paged KV cache, fed from Kafka."""
+    """Run a GPU worker: iteration-level batching over a dense KV slot pool, fed from Kafka."""
     import asyncio
     import signal
 

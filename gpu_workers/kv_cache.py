@@ -48,7 +48,11 @@ class BlockAllocator:
 
 
 class PagedKVCache:
-    """The KV budget (pages) and the shape of the per-request storage, per layer and device."""
+    """The KV budget (pages) and the shape of the per-request storage, per layer and device.
+
+    Despite the name, nothing is stored in pages: the page (`block_size` tokens) is the unit in
+    which admission counts the budget; the keys and values live in `SlotPool`, one contiguous
+    slot per running request."""
 
     def __init__(
         self,
