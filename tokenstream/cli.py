@@ -1,4 +1,4 @@
-"""`tokenstream` command line, the top of the house: the stack, the topics, each role and the operator tools."""
+"""`tokenstream` command line, the top of the house: the stack, the topics, each role, the operator tools."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from tokenstream.stack_cli import (
     each_region,
     mirror_status,
     print_status,
+    print_table,
     stack_down,
     stack_up,
     use_brokers,
@@ -155,7 +156,7 @@ def topics_apply(
     colour = {"created": "green", "updated": "yellow", "unchanged": "dim"}
     for c in changes:
         table.add_row(c.topic, f"[{colour[c.action]}]{c.action}[/]", c.detail)
-    console.print(table)
+    print_table(table)
 
 
 @topics_app.command("describe")
@@ -201,7 +202,7 @@ def topics_describe(
         )
     for name in specs.keys() - found:
         table.add_row(name, "[red]missing[/]", specs[name].key, "", "run `tokenstream topics apply`", "")
-    console.print(table)
+    print_table(table)
 
 
 def _access_table(model: list[str] | None) -> None:
@@ -223,7 +224,7 @@ def _access_table(model: list[str] | None) -> None:
                 ", ".join(g.operation for g in grants),
                 f"[red]missing {', '.join(missing)}[/]" if missing else "yes",
             )
-    console.print(table)
+    print_table(table)
 
 
 @topics_app.command("export")
@@ -278,7 +279,7 @@ def topics_grow(
     table = Table("topic", "action", "detail", title="grown together" if len(names) > 1 else None)
     for c in changes:
         table.add_row(c.topic, c.action, c.detail)
-    console.print(table)
+    print_table(table)
 
 
 bench_app = typer.Typer(
@@ -373,6 +374,15 @@ def _broker_user(argv: list[str]) -> str:
     return ADMIN
 
 
+def quiet_kafka_clients() -> None:
+    """An operator's command (one run as admin) prints what it found on stdout. aiokafka logs each
+    connection at INFO ("Authenticated as admin via SCRAM-SHA-512", one per broker asked, e.g. for each
+    role's group in `system status`), which came between the lines of its tables in `make run > log
+    2>&1`: only its warnings and errors are shown. A role's process keeps the INFO lines (its group
+    joins and rebalances are read in its log)."""
+    logging.getLogger("aiokafka").setLevel(logging.WARNING)
+
+
 def main() -> None:
     import sys
 
@@ -387,7 +397,10 @@ def main() -> None:
         if argv[:1] == ["--region"]
         else argv
     )
-    kafka_auth.act_as(_broker_user(words))
+    user = _broker_user(words)
+    kafka_auth.act_as(user)
+    if user == kafka_auth.ADMIN:
+        quiet_kafka_clients()
     _apply_region(argv)
     use_brokers(None)  # the local stack's cluster, when `stack up --brokers` made one
     _register()

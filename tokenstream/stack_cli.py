@@ -8,6 +8,7 @@ import asyncio
 
 import typer
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 
 from common.config import settings
@@ -178,4 +179,15 @@ def print_status(kind: str, statuses) -> None:
         else:
             state = "[yellow]not ready[/]" if s.running else "[red]stopped[/]"
         table.add_row(s.name, state, str(s.pid or "-"), s.address, s.detail or "", str(s.log))
-    console.print(table)
+    print_table(table)
+
+
+def print_table(table: Table) -> None:
+    """Print `table` with every cell whole. On a terminal rich fits it to the window. Into a file or a
+    pipe (`make run > log`, a supervisor's log) rich takes 80 columns and cuts the long cells (a log's
+    path, a degraded role's detail) or folds them, so there the table is as wide as its rows need."""
+    if console.is_terminal:
+        console.print(table)
+        return
+    needed = Measurement.get(console, console.options.update_width(10_000), table).maximum  # no edge
+    Console(file=console.file, width=max(needed, console.width)).print(table)
