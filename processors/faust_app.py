@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -166,7 +167,8 @@ async def typed(
         message = event.message
         try:
             decoded = await sealing.patiently(
-                lambda: decode(event.value or b"", *specs[message.topic].events), stream.app.conf.id
+                functools.partial(decode, event.value or b"", *specs[message.topic].events),
+                stream.app.conf.id,
             )
         except Erased:
             log.info("passed over erased %s[%d]@%d", message.topic, message.partition, message.offset)

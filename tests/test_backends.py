@@ -262,8 +262,9 @@ async def test_prefix_reuse_stays_within_a_tenant(chain: Chain):
             first = await ask(own, f"Is the harbour open today? ({attempt})")
             second = await ask(own, f"When does the ferry leave? ({attempt})")
             foreign = await ask(other, f"Where is the fish market? ({attempt})")
+            foreign_id = foreign.id.removeprefix("chatcmpl-")
             await tap.wait_for(
-                lambda e: isinstance(e, Completion) and e.request_id == foreign.id.removeprefix("chatcmpl-")
+                lambda e, foreign_id=foreign_id: isinstance(e, Completion) and e.request_id == foreign_id
             )
         worker = {e.request_id: e.worker_id for e, _ in tap.events if isinstance(e, Completion)}
         ids = [x.id.removeprefix("chatcmpl-") for x in (first, second, foreign)]
@@ -343,12 +344,14 @@ async def test_kill9_successor_continues_to_the_same_greedy_answer(chain: Chain)
                 rid = req.request_id
                 first = (
                     await tap.wait_for(
-                        lambda e: e.request_id == rid and isinstance(e, TokenChunk), timeout=120
+                        lambda e, rid=rid: e.request_id == rid and isinstance(e, TokenChunk), timeout=120
                     )
                 )[0]
                 if first.worker_id == "A":
                     break
-                await tap.wait_for(lambda e: e.request_id == rid and isinstance(e, Completion), timeout=120)
+                await tap.wait_for(
+                    lambda e, rid=rid: e.request_id == rid and isinstance(e, Completion), timeout=120
+                )
             else:
                 pytest.fail("no request landed on worker A")
             await tap.wait_for(lambda e: e.request_id == rid and isinstance(e, TokenChunk), count=6)

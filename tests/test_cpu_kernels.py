@@ -77,7 +77,7 @@ def test_the_fused_llama_steps_equal_transformers_own_ops():
     g = torch.Generator().manual_seed(1)
     for dtype, tol in ((torch.bfloat16, 0.0), (torch.float32, 1e-5)):
 
-        def rnd(*shape):
+        def rnd(*shape, dtype=dtype):
             return torch.randn(*shape, generator=g).to(dtype)
 
         norm = llama.LlamaRMSNorm(96, eps=1e-5).to(dtype)

@@ -94,7 +94,7 @@ async def test_poison_on_every_input_topic_is_dead_lettered_and_the_next_event_s
                     [done] = await tokens.wait_for(completion_of(valid), timeout=120)
                 except AssertionError:
                     seen = {
-                        t.spec.name: bool(t.matching(lambda e: e.request_id == valid.request_id))
+                        t.spec.name: bool(t.matching(lambda e, rid=valid.request_id: e.request_id == rid))
                         for t in (prepared, screened, routed, tokens)
                     }
                     raise AssertionError(

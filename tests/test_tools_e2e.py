@@ -357,9 +357,8 @@ async def test_client_tool_round_trip_without_and_with_conversation_id(client):
             answer = second.choices[0].message
             assert second.choices[0].finish_reason in ("stop", "length") and not answer.tool_calls
             assert answer.content and "<tool_call>" not in answer.content
-            [seen] = await prepared.wait_for(
-                lambda e, r=second.id.removeprefix("chatcmpl-"): e.request_id == r
-            )
+            second_id = second.id.removeprefix("chatcmpl-")
+            [seen] = await prepared.wait_for(lambda e, r=second_id: e.request_id == r)
             roles = [
                 (m.role, [c.id for c in m.tool_calls], m.tool_call_id)
                 for m in seen.messages

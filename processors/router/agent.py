@@ -8,6 +8,7 @@ rollback is one event. Load is the consumer lag of each target's worker group.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 
 import msgspec
@@ -168,7 +169,7 @@ async def route(stream):
             continue  # screened in series: it comes back on ts.requests.screened if it passes
         # a request routed before a restart is not routed again
         with traced(raw, f"route {request.model}", tracing.request_attributes(request)) as span:
-            await ledger.once("routed", request.request_id, lambda: forward(request, span))
+            await ledger.once("routed", request.request_id, functools.partial(forward, request, span))
 
 
 async def forward(request: InferenceRequest, span: tracing.Hop) -> None:

@@ -14,6 +14,7 @@ Every verdict, allowed or not, is written to ts.safety.verdicts with the policy 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 
 from common import tracing
@@ -71,7 +72,7 @@ async def screen_inputs(stream):
     async for request, raw in typed(stream, {PREPARED.name: PREPARED}, dead_letters):
         # a request judged and forwarded before a restart is not judged again
         with traced(raw, f"screen_input {request.model}", tracing.request_attributes(request)) as span:
-            await ledger.once("input", request.request_id, lambda: screen(request, span))
+            await ledger.once("input", request.request_id, functools.partial(screen, request, span))
 
 
 async def screen(request: InferenceRequest, span: tracing.Hop) -> None:
@@ -175,12 +176,14 @@ async def watch_outputs(stream):
                     await ledger.once(
                         "block",
                         event.request_id,
-                        lambda: block_output(event, result, window, raw.message.partition, trace),
+                        functools.partial(block_output, event, result, window, raw.message.partition, trace),
                     )
             window = judged(window, windows_cfg, result.blocked, result.scores)
         if final and event.moderated:
             await ledger.once(
-                "moderation", event.request_id, lambda: moderation(event, window, raw.message.partition)
+                "moderation",
+                event.request_id,
+                functools.partial(moderation, event, window, raw.message.partition),
             )
         put(windows_table, event.request_id, None if final else window)
 
