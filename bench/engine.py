@@ -19,6 +19,7 @@ and without prefix KV reuse. Import-light at module level.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import statistics
@@ -76,7 +77,7 @@ def summarise(got: dict, reqs: list[dict], eos: set[int], reference: dict[str, l
             stamps = g["times"][: max(n, 1)]
             if stamps:
                 ttft.append(stamps[0] - g.get("submitted", r["arrival"]))
-                itl += [b - a for a, b in zip(stamps, stamps[1:])]
+                itl += [b - a for a, b in itertools.pairwise(stamps)]
     agree = None
     if reference is not None:
         compared = [r for r in reqs if r["rid"] in reference]
@@ -116,7 +117,13 @@ def run_runner(cmd: list[str], spec: dict, env: dict | None = None, timeout: flo
         src, dst = Path(tmp) / "in.json", Path(tmp) / "out.json"
         src.write_text(json.dumps(spec))
         proc = subprocess.run(
-            [*cmd, str(src), str(dst)], env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT
+            [*cmd, str(src), str(dst)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=ROOT,
+            check=False,
         )
         if proc.returncode != 0 or not dst.exists():
             tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-4:])

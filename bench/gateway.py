@@ -81,18 +81,24 @@ async def synthetic_gateway(stack, tmp: Path, key_name: str):
         # the synthetic worker stands in for the processors too: no input verdicts come
         "TOKENSTREAM_GATEWAY_SCREENING": "serial",
     }
-    with open(tmp / "gateway.log", "wb") as log:
-        gateway = subprocess.Popen(
-            [sys.executable, "-m", "tokenstream.cli", "gateway", "--port", str(port)],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+
+    def start() -> subprocess.Popen:
+        with open(tmp / "gateway.log", "wb") as log:
+            return subprocess.Popen(
+                [sys.executable, "-m", "tokenstream.cli", "gateway", "--port", str(port)],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    gateway = await asyncio.to_thread(start)
     try:
         for _ in range(300):
             try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health/ready", timeout=1)
+                await asyncio.to_thread(
+                    urllib.request.urlopen, f"http://127.0.0.1:{port}/health/ready", None, 1
+                )
                 break
             except Exception:  # noqa: BLE001
                 await asyncio.sleep(0.2)
@@ -103,7 +109,7 @@ async def synthetic_gateway(stack, tmp: Path, key_name: str):
     finally:
         gateway.terminate()
         try:
-            gateway.wait(10)
+            await asyncio.to_thread(gateway.wait, 10)
         except Exception:  # noqa: BLE001
             gateway.kill()
 

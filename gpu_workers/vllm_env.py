@@ -116,7 +116,7 @@ def _run_steps(steps, say: Callable[[str], None], label: str) -> None:
         argv = cmd() if callable(cmd) else cmd
         if not argv:
             continue
-        proc = subprocess.run(argv, capture_output=True, text=True)
+        proc = subprocess.run(argv, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
             raise RuntimeError(f"step '{what}' failed: {' | '.join(tail)}")
@@ -147,6 +147,7 @@ def ensure_vllm(say: Callable[[str], None] = print) -> tuple[bool, str]:
             capture_output=True,
             text=True,
             env=vllm_env(),
+            check=False,
         )
         if check.returncode != 0:
             raise RuntimeError("import vllm failed: " + " | ".join(check.stderr.strip().splitlines()[-3:]))
@@ -219,6 +220,7 @@ def ensure_worker_deps(say: Callable[[str], None] = print) -> tuple[bool, str]:
             text=True,
             env=vllm_env(),
             cwd="/",
+            check=False,
         )
         if check.returncode != 0:
             raise RuntimeError(

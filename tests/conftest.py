@@ -58,12 +58,17 @@ def unique() -> str:
     return uuid.uuid4().hex[:8]
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL it when the test session's process ends, however it ends (a
-    pytest killed by a timeout runs no teardown, and a role outlives a dead broker by design)."""
-    import ctypes
-
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+# What a role's process runs first: it asks to be SIGKILLed when the test session's process ends, however
+# it ends (a pytest killed by a timeout runs no teardown, and a role outlives a dead broker by design),
+# then becomes `python -m tokenstream.cli ARGS`, the same process. (Not a preexec_fn: those are unsafe in
+# a process with threads, as the test session is.) argv: the session's pid, then the role's arguments.
+_DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL('libc.so.6', use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    os._exit(1)  # the session ended before the signal was asked for\n"
+    "os.execv(sys.executable, [sys.executable, '-m', 'tokenstream.cli', *sys.argv[2:]])\n"
+)
 
 
 class Roles:
@@ -81,23 +86,23 @@ class Roles:
         self, *args: str, env: dict[str, str] | None = None, name: str | None = None
     ) -> subprocess.Popen:
         name = name or "-".join(args[:2])
-        log = open(self.log_dir / f"{name}-{len(self.procs)}.log", "wb")
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "tokenstream.cli", *args],
-            # every role of the suite shares this host's cores: a worker's threads sleep rather than spin
-            # (as the local stacks run it, tokenstream.stack.roles.shared_host_worker_args)
-            env={
-                **os.environ,
-                **self.stack.environment(),
-                "PYTHONUNBUFFERED": "1",
-                "TOKENSTREAM_WORKER_SPIN_WAIT": "false",
-                **(env or {}),
-            },
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=_die_with_parent,
-        )
+        # the child keeps its copy of the log's descriptor; this process needs none
+        with open(self.log_dir / f"{name}-{len(self.procs)}.log", "wb") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *args],
+                # every role of the suite shares this host's cores: a worker's threads sleep rather than
+                # spin (as the local stacks run it, tokenstream.stack.roles.shared_host_worker_args)
+                env={
+                    **os.environ,
+                    **self.stack.environment(),
+                    "PYTHONUNBUFFERED": "1",
+                    "TOKENSTREAM_WORKER_SPIN_WAIT": "false",
+                    **(env or {}),
+                },
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         proc.log_path = log.name  # type: ignore[attr-defined]
         self.procs.append(proc)
         return proc

@@ -67,6 +67,7 @@ def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
         text=True,
         timeout=300,
         env={**os.environ, "COLUMNS": "220", **(env or {})},
+        check=False,
     )
 
 

@@ -19,6 +19,7 @@ def test_bench_audit_replays_every_event_and_reports_its_figures(tmp_path):
         text=True,
         timeout=600,
         env={**os.environ, "COLUMNS": "200"},
+        check=False,
     )
     assert run.returncode == 0, run.stdout + run.stderr
     figures = json.loads(out.read_text())

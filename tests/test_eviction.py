@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -64,7 +63,7 @@ async def test_a_dead_processs_partitions_reach_the_survivor_before_its_session_
     )
     await survivor.start()
     polling = asyncio.create_task(_poll(survivor))
-    child = subprocess.Popen([sys.executable, "-c", MEMBER, bootstrap, topic, group])
+    child = await asyncio.create_subprocess_exec(sys.executable, "-c", MEMBER, bootstrap, topic, group)
     try:
 
         async def two_members_split() -> bool:
@@ -74,7 +73,7 @@ async def test_a_dead_processs_partitions_reach_the_survivor_before_its_session_
         await wait_for(two_members_split, 120, "the dead-to-be member and the survivor share the topic")
 
         child.kill()
-        child.wait()
+        await child.wait()
         killed = time.monotonic()
         assert await evict(bootstrap, child.pid) == [group]
         await wait_for(
@@ -88,7 +87,9 @@ async def test_a_dead_processs_partitions_reach_the_survivor_before_its_session_
 
         assert await evict(bootstrap, child.pid) == []  # nothing left of it to take
     finally:
-        child.kill()
+        if child.returncode is None:
+            child.kill()
+            await child.wait()
         polling.cancel()
         await asyncio.gather(polling, return_exceptions=True)
         await survivor.stop()
@@ -107,12 +108,16 @@ async def test_the_guard_takes_its_dead_role_out_of_its_group_and_exits_with_its
     group = processor_group("router")
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, **kafka_auth.client_options())
     await admin.start()
-    guard = subprocess.Popen(
-        [sys.executable, "-m", "tokenstream.cli", "guard", "processor", "router"],
+    guard = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "tokenstream.cli",
+        "guard",
+        "processor",
+        "router",
         env={**os.environ, "TOKENSTREAM_KAFKA_SESSION_TIMEOUT_S": str(SESSION_MS // 1000)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
     )
     try:
         role = await wait_for(lambda: _child_of(guard.pid), 30, "the guard's role process")
@@ -124,11 +129,13 @@ async def test_the_guard_takes_its_dead_role_out_of_its_group_and_exits_with_its
 
         os.kill(role, signal.SIGKILL)
         killed = time.monotonic()
-        await wait_for(lambda: guard.poll() is not None, SESSION_MS / 1000 / 2, "the guard's exit")
+        await wait_for(lambda: guard.returncode is not None, SESSION_MS / 1000 / 2, "the guard's exit")
         assert not await members_of_role()
         assert time.monotonic() - killed < SESSION_MS / 1000 / 2
         assert guard.returncode == 128 + signal.SIGKILL
-        assert f"taken out of {group}" in guard.stdout.read()
+        assert f"taken out of {group}" in (await guard.stdout.read()).decode()
     finally:
-        guard.kill()
+        if guard.returncode is None:
+            guard.kill()
+            await guard.wait()
         await admin.close()

@@ -82,7 +82,9 @@ async def test_each_instance_gets_only_its_partitions(gateways, pipeline):
         parts = {int(p) for p in re.findall(r'gateway_token_events_total\{partition="(\d+)"\}', text)}
         assert parts == {p for p in range(12) if p % 2 == instance}
         assert metric(url, "gateway_token_events_total") > 0
-        ids = {json.loads(httpx.get(url + "/health/ready").text)["instance"]}
+        async with httpx.AsyncClient() as http:
+            ready = await http.get(url + "/health/ready")
+        ids = {json.loads(ready.text)["instance"]}
         assert ids == {f"gw{instance}-{url.rsplit(':', 1)[1]}"}
 
 
@@ -136,14 +138,16 @@ async def test_resume_on_another_instance(gateways, pipeline):
 
 async def dropped(url: str, model: str) -> str:
     """The request id of a stream whose client leaves after three chunks and does not come back."""
-    async with httpx.AsyncClient(timeout=30, headers=auth_headers()) as http:
-        async with http.stream("POST", url + "/v1/chat/completions", json=body(model, LONG)) as r:
-            n = 0
-            async for _, data in sse(r):
-                cid = json.loads(data)["id"]
-                n += bool(content_of(data))
-                if n >= 3:
-                    break
+    async with (
+        httpx.AsyncClient(timeout=30, headers=auth_headers()) as http,
+        http.stream("POST", url + "/v1/chat/completions", json=body(model, LONG)) as r,
+    ):
+        n = 0
+        async for _, data in sse(r):
+            cid = json.loads(data)["id"]
+            n += bool(content_of(data))
+            if n >= 3:
+                break
     return cid.removeprefix("chatcmpl-")
 
 
@@ -186,18 +190,20 @@ async def test_disconnect_cancels_after_grace_and_frees_the_slot(gateways, pipel
 
 async def test_stop_route_cancels_now(gateways, pipeline):
     _, b = gateways
-    async with httpx.AsyncClient(timeout=30, headers=auth_headers()) as http:
-        async with http.stream("POST", b + "/v1/chat/completions", json=body(pipeline.model, LONG)) as r:
-            got, finish = "", None
-            async for _, data in sse(r):
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
-                got += content_of(data)
-                finish = chunk["choices"][0]["finish_reason"] or finish
-                if len(got.split()) == 3 and finish is None:
-                    stop = await http.post(f"{b}/v1/chat/completions/{chunk['id']}/cancel")
-                    assert stop.status_code == 200 and stop.json()["cancelled"] is True
+    async with (
+        httpx.AsyncClient(timeout=30, headers=auth_headers()) as http,
+        http.stream("POST", b + "/v1/chat/completions", json=body(pipeline.model, LONG)) as r,
+    ):
+        got, finish = "", None
+        async for _, data in sse(r):
+            if data == "[DONE]":
+                break
+            chunk = json.loads(data)
+            got += content_of(data)
+            finish = chunk["choices"][0]["finish_reason"] or finish
+            if len(got.split()) == 3 and finish is None:
+                stop = await http.post(f"{b}/v1/chat/completions/{chunk['id']}/cancel")
+                assert stop.status_code == 200 and stop.json()["cancelled"] is True
     assert finish == "stop"
     assert 3 <= len(got.split()) < 40
     assert pipeline.served[chunk["id"].removeprefix("chatcmpl-")].finish_reason == "cancelled"

@@ -41,6 +41,7 @@ def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
         text=True,
         timeout=180,
         env={**os.environ, "COLUMNS": "220", **(env or {})},
+        check=False,
     )
 
 

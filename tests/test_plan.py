@@ -70,6 +70,7 @@ def test_the_command_uses_the_measured_figures_and_shows_the_arithmetic():
         text=True,
         timeout=120,
         env={**os.environ, "COLUMNS": "200"},
+        check=False,
     )
     assert out.returncode == 0, out.stderr
     expected = plan(10, 200, 150, 5, m, 0.7, 2.5)

@@ -627,7 +627,7 @@ async def flushed(producer, prepared: Tap, screened: Tap | None = None, routed: 
                     request_id=request_id, conversation_id="c-flush", model="smollm2", messages=hello
                 ),
             )
-        await tap.wait_for(lambda e: e.request_id in set(ids), count=len(ids), timeout=90)
+        await tap.wait_for(lambda e, ids=frozenset(ids): e.request_id in ids, count=len(ids), timeout=90)
         await tap.caught_up()
 
 
@@ -638,6 +638,7 @@ def route_cli(*args: str) -> str:
         text=True,
         timeout=120,
         env={**os.environ, "COLUMNS": "200"},
+        check=False,
     )
     assert out.returncode == 0, out.stdout + out.stderr
     return out.stdout
@@ -653,12 +654,14 @@ async def test_canary_weights_change_at_run_time_and_roll_back(processors):
     canary_route = ("set", "canary-x", "-w", "canary-x=0.9", "-w", "canary-x-v2=0.1")
     # a canary needs a passed shadow gate (`tokenstream shadow`, tests/test_shadow.py): refused without one,
     # then set once the gate an evaluation records is on ts.shadow.gates
-    refused = subprocess.run(
+    refused = await asyncio.to_thread(
+        subprocess.run,
         [sys.executable, "-m", "tokenstream.cli", "route", *canary_route],
         capture_output=True,
         text=True,
         timeout=120,
         env={**os.environ, "COLUMNS": "200"},
+        check=False,
     )
     assert refused.returncode == 1 and "canary-x-v2 has no shadow evaluation" in refused.stdout, (
         refused.stdout

@@ -16,6 +16,7 @@ import sys
 import tempfile
 import typing
 import uuid
+from pathlib import Path
 
 import httpx
 import openai
@@ -169,6 +170,7 @@ def ran_as_here(call) -> None:
         text=True,
         timeout=30,
         cwd=tempfile.mkdtemp(),
+        check=False,
     )
     logs, result = call.outputs[0].logs, call.model_extra["result"]
     assert logs.startswith(done.stdout), (call.code, logs, done.stdout)
@@ -351,8 +353,7 @@ async def test_previous_response_id_continues_the_conversation_and_its_working_f
     # that writes a file is beyond this model: the tool processor's tests run code-to-code persistence)
     conversation = run_id_of(first.id)
     folder = f"{system['env']['TOKENSTREAM_TOOLS_SANDBOX_DIR']}/{folder_name('test', conversation)}"
-    with open(f"{folder}/notes.txt", "w") as f:
-        f.write("41")
+    await asyncio.to_thread(Path(folder, "notes.txt").write_text, "41")
     async with Tap(TOOL_CALLS) as calls:
         third = await client.responses.create(
             **create(
@@ -372,13 +373,15 @@ async def test_previous_response_id_continues_the_conversation_and_its_working_f
     assert "notes.txt" not in before.model_extra["result"]["value"], before
     assert "notes.txt" in listing.model_extra["result"]["value"], listing
     other = openai.AsyncOpenAI(base_url=system["url"] + "/v1", api_key=new_key("another"), max_retries=0)
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.BadRequestError) as refused:  # another's: as if it did not exist
         await other.responses.create(**create(input="hi", previous_response_id=first.id))
+    assert refused.value.code == "previous_response_not_found"
     unstored = await client.responses.create(**create(input="hi", store=False, max_output_tokens=4))
     async with httpx.AsyncClient(base_url=system["url"], timeout=60, headers=auth_headers()) as http:
         assert (await http.get(f"/v1/responses/{unstored.id}")).status_code == 404
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.BadRequestError) as refused:
         await client.responses.create(**create(input="hi", previous_response_id=unstored.id))
+    assert refused.value.code == "previous_response_not_found"
 
 
 async def _until_created(stream):

@@ -16,7 +16,12 @@ from tokenstream.stack.service import ServiceError, free_port, maven_copy
 
 def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "tokenstream.cli", *args], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "tokenstream.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
 
 

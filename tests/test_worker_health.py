@@ -61,6 +61,7 @@ def probe(*args: str) -> tuple[int, str]:
         text=True,
         timeout=60,
         env=dict(os.environ),
+        check=False,
     )
     return done.returncode, done.stdout + done.stderr
 

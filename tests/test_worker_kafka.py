@@ -92,7 +92,7 @@ class TokenReader:
         deadline = time.monotonic() + timeout
         while not done(self):
             assert time.monotonic() < deadline, (
-                f"timed out; seen {dict((k, len(v)) for k, v in self.events.items())}"
+                f"timed out; seen { {k: len(v) for k, v in self.events.items()} }"
             )
             for records in (await self.consumer.getmany(timeout_ms=200)).values():
                 for rec in records:
@@ -494,7 +494,9 @@ def _held_worker(tiny_loaded, generation: int):
 
     class Consumer:
         _coordinator = SimpleNamespace(generation=generation)
-        seeks: list = []
+
+        def __init__(self):
+            self.seeks: list = []
 
         def assignment(self):
             return set(tps)
@@ -623,7 +625,7 @@ async def test_a_request_fetched_while_its_partition_is_revoked_and_kept_is_star
     revocation and an assignment that keeps the partition: it is started (its outputs held until the
     assignment, then written). Skipping it lost it: a kept partition is not read again from its commit
     for an offset this worker tracks (the chaos drill's request that never finished). Unit test."""
-    worker, tps, seqs, sent, aborted = _held_worker(tiny_loaded, generation=6)
+    worker, tps, _seqs, _sent, _aborted = _held_worker(tiny_loaded, generation=6)
     worker.handover.assigned_in = {tps[0]: 5, tps[1]: 5}
     started: list = []
     worker.engine.add = started.append
@@ -727,7 +729,8 @@ async def test_the_next_step_runs_while_the_event_loop_is_busy():
     while not steps:
         await asyncio.sleep(0.005)
     busy_from = time.perf_counter()
-    time.sleep(0.3)  # the event loop's thread busy for 300 ms: nothing awaits the steps meanwhile
+    # the event loop's thread busy for 300 ms: nothing awaits the steps meanwhile
+    time.sleep(0.3)  # noqa: ASYNC251 - blocking the loop is what this test measures
     busy_till = time.perf_counter()
     while len(steps) < 6:
         await asyncio.sleep(0.01)

@@ -95,6 +95,7 @@ def maven_copy(pom: Path, folder: Path, what: str) -> None:
         ],
         capture_output=True,
         text=True,
+        check=False,
     )
     if done.returncode != 0:
         tail = ESCAPE.sub("", done.stdout + done.stderr).strip()[-2000:]
