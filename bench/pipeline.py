@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import platform
 import time
@@ -40,6 +41,7 @@ from bench.broker_warmup import WARM_ROUND_TRIPS, warm_broker
 from bench.rawhttp import chat_post, first_token
 from bench.stats import nearest_rank
 
+log = logging.getLogger(__name__)
 RESULTS = Path(__file__).parent / "results" / "pipeline.json"
 MODEL = "smollm2"
 MODES = ("serial", "parallel")
@@ -266,7 +268,8 @@ class Timeline:
                 for record in records:
                     try:
                         event = decode_record(record, spec)
-                    except Exception:  # noqa: BLE001 - not ours to judge here
+                    except Exception as exc:  # noqa: BLE001 - not ours to judge here
+                        log.debug("timeline: %s@%d not decoded: %s", tp, record.offset, exc)
                         continue
                     marks = self.marks.setdefault(event.request_id, Marks())
                     name = self.topics[tp.topic]

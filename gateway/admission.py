@@ -16,6 +16,8 @@ import math
 import time
 from dataclasses import dataclass
 
+from aiokafka.errors import KafkaError
+
 from gateway.metrics import Metrics
 from gateway.openai_api import overloaded, unavailable
 from producers.lag import LagSampler
@@ -101,8 +103,10 @@ class Admission:
                 await self._sample_all()
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # broker down or restarting: keep trying, stay stale
+            except (KafkaError, OSError, TimeoutError) as exc:  # broker down or restarting: stay stale
                 log.warning("admission sample failed: %s", exc)
+            except Exception:  # anything else is a bug, but admission keeps sampling (stale meanwhile)
+                log.exception("admission sample failed")
             await asyncio.sleep(self.poll_s)
 
     async def close(self) -> None:

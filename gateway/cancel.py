@@ -62,8 +62,8 @@ class Canceller:
             try:
                 value = await self._redis.get(self._key(request_id))
                 return int(value or 0)
-            except Exception:  # noqa: BLE001
-                pass
+            except Exception as exc:  # noqa: BLE001 - Redis away: this instance's own count serves
+                log.debug("cancel generation of %s from Redis failed: %s", request_id, exc)
         return self._local.get(request_id, 0)
 
     def release(self, request_id: str) -> None:

@@ -13,6 +13,7 @@ than `semantic_cache_ttl_s`. The embedder loads on the first eligible request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -267,8 +268,7 @@ _SKIPPED = object()  # what _bounded returns when Weaviate was not (or could not
 
 
 async def _close_quietly(client) -> None:
-    try:
+    # closing a client whose server is gone: its error is of no interest
+    with contextlib.suppress(Exception):
         async with asyncio.timeout(2.0):
             await client.close()
-    except Exception:  # noqa: BLE001 - closing a client whose server is gone
-        pass

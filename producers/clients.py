@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 from common import kafka_auth, sealing
@@ -59,10 +61,8 @@ async def stop_clients(*clients) -> None:
     """Stop each client that was started, even when its broker is gone (shutdown must not hang on it)."""
     for client in clients:
         if client is not None:
-            try:
+            with contextlib.suppress(Exception):  # stopping clients of a broker that is gone
                 await client.stop()
-            except Exception:  # noqa: BLE001 - stopping clients of a broker that is gone
-                pass
 
 
 async def commit_past(consumer: AIOKafkaConsumer, tp, offset: int, log) -> bool:

@@ -11,6 +11,7 @@ so history written before the group existed is not taken for a backlog.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -51,10 +52,8 @@ class LagSampler:
         admin, consumer, self._admin, self._consumer = self._admin, self._consumer, None, None
         for stop in (consumer.stop if consumer else None, admin.close if admin else None):
             if stop is not None:
-                try:
+                with contextlib.suppress(Exception):  # closing a client of a broker that is gone
                     await stop()
-                except Exception:  # noqa: BLE001 - closing a client of a broker that is gone
-                    pass
 
     async def _clients(self) -> tuple[AIOKafkaAdminClient, AIOKafkaConsumer]:
         if self._admin is None or self._consumer is None:

@@ -14,6 +14,7 @@ without a network call of its own:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -59,7 +60,8 @@ def states(responses) -> dict[str, GroupState]:
                     continue
                 try:
                     assignment = ConsumerProtocolMemberAssignment.decode(raw)
-                except Exception:  # noqa: BLE001 - a non-consumer protocol: no partitions to show
+                except Exception as exc:  # noqa: BLE001 - a non-consumer protocol: no partitions to show
+                    log.debug("member %s: assignment not a consumer's (%s)", m["client_id"], exc)
                     continue
                 for topic, partitions in assignment.assignment:
                     hosts[host] += len(partitions)
@@ -188,8 +190,10 @@ class Standing:
             return [f"group {self.group}: this consumer is not a member (group {self.state or 'unknown'})"]
         if self.partitions == 0 and self.should_hold():
             return [
-                f"group {self.group}: this consumer holds no partition although the group is stable "
-                f"with {self.members} member(s) for {self.topic_partitions} partition(s)"
+                (
+                    f"group {self.group}: this consumer holds no partition although the group is stable "
+                    f"with {self.members} member(s) for {self.topic_partitions} partition(s)"
+                )
             ]
         return []
 
@@ -214,11 +218,9 @@ class GroupWatch:
     async def _close(self) -> None:
         admin, self._admin = self._admin, None
         if admin is not None:
-            try:
+            with contextlib.suppress(Exception):  # closing a client of a broker that is gone
                 async with asyncio.timeout(self.timeout_s):
                     await admin.close()
-            except Exception:  # noqa: BLE001 - closing a client of a broker that is gone
-                pass
 
     async def check(self) -> Standing:
         s = self.standing

@@ -30,25 +30,25 @@ def main():
     os.set_inheritable(report.fileno(), False)
     me = os.getpid()
     code = sys.stdin.read()
-    sys.stdin = open(os.devnull)
     value, error = None, None
-    try:
-        tree = ast.parse(code, "<code>")
-        last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
-        main_module = types.ModuleType("__main__")  # the code's module: functions it defines pickle
-        sys.modules["__main__"] = main_module  # by name, so multiprocessing's workers find them
-        scope = main_module.__dict__
-        exec(compile(tree, "<code>", "exec"), scope)
-        if last is not None:
-            result = eval(compile(ast.Expression(last.value), "<code>", "eval"), scope)
-            if result is not None:
-                value = repr(result)[: limits["value_chars"]]
-    except BaseException as exc:  # noqa: BLE001 - the code's own failure is its output
-        error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-        frames = exc.__traceback__  # from the code's first frame on: this runner's are not the code's
-        while frames is not None and frames.tb_frame.f_code.co_filename != "<code>":
-            frames = frames.tb_next
-        traceback.print_exception(type(exc), exc, frames)
+    with open(os.devnull) as sys.stdin:  # the code's stdin: empty (its code was read)
+        try:
+            tree = ast.parse(code, "<code>")
+            last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+            main_module = types.ModuleType("__main__")  # the code's module: functions it defines pickle
+            sys.modules["__main__"] = main_module  # by name, so multiprocessing's workers find them
+            scope = main_module.__dict__
+            exec(compile(tree, "<code>", "exec"), scope)  # noqa: S102 - running it is the point
+            if last is not None:
+                result = eval(compile(ast.Expression(last.value), "<code>", "eval"), scope)
+                if result is not None:
+                    value = repr(result)[: limits["value_chars"]]
+        except BaseException as exc:  # noqa: BLE001 - the code's own failure is its output
+            error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+            frames = exc.__traceback__  # from the code's first frame on: this runner's are not the code's
+            while frames is not None and frames.tb_frame.f_code.co_filename != "<code>":
+                frames = frames.tb_next
+            traceback.print_exception(type(exc), exc, frames)
     sys.stdout.flush()
     if os.getpid() != me:  # a child the code forked: only the runner itself reports
         os._exit(1)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import logging
 import os
 import subprocess
 import uuid
@@ -22,6 +23,7 @@ from pathlib import Path
 from common.kafka_auth import ensure_password, scram_options
 from tokenstream.stack.service import Service, ServiceError, maven_copy, port_open
 
+log = logging.getLogger(__name__)
 KAFKA_VERSION = "4.4.0"
 POM = Path(__file__).with_name("kafka.pom.xml")
 MAIN = "kafka.Kafka"
@@ -294,7 +296,8 @@ async def _brokers(bootstrap: str, options: dict) -> set[int]:
         await admin.start()
         cluster = await admin.describe_cluster()
         return {b["node_id"] for b in cluster.get("brokers") or ()}
-    except Exception:
+    except Exception:  # not answering (yet): whatever the client raised, the node lists no broker
+        log.debug("%s: no broker list", bootstrap, exc_info=True)
         return set()
     finally:
         await admin.close()

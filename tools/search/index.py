@@ -12,6 +12,7 @@ property inside a tenant (`vector_store_id`), filtered on each search.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from dataclasses import dataclass
 
@@ -70,10 +71,8 @@ class ChunkIndex:
 
     def close(self) -> None:
         """Close the client; an error closing one whose server is gone is of no interest."""
-        try:
+        with contextlib.suppress(Exception):  # closing a client whose server is gone
             self.client.close()
-        except Exception:  # noqa: BLE001 - closing a client whose server is gone
-            pass
 
     def _collection(self):
         if not self.client.collections.exists(COLLECTION):
