@@ -14,7 +14,7 @@ import inspect
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Self, Union
 
 import msgspec
 from aiokafka.structs import ConsumerRecord, TopicPartition
@@ -79,7 +79,7 @@ class Auditor:
         self.opts = opts
         self.timelines = True  # range scans without --timeline turn this off (only the check is kept)
 
-    async def __aenter__(self) -> Auditor:
+    async def __aenter__(self) -> Self:
         self.consumer = await start_consumer(
             group=None, bootstrap=self.opts.bootstrap, max_partition_fetch_bytes=FETCH_BYTES
         )

@@ -16,7 +16,7 @@ def nearest_rank(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
     s = sorted(values)
-    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
+    return s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))]
 
 
 def inclusive(xs: list[float], p: int) -> float | None:

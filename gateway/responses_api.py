@@ -239,17 +239,21 @@ class Moderation(_Strict):
         """(message, param) of what this server cannot honour, or None."""
         if self.model not in MODERATION_MODELS:
             return (
-                f"moderation.model {self.model!r} is not served here; use one of "
-                f"{', '.join(MODERATION_MODELS)} (each is this deployment's safety classifier).",
+                (
+                    f"moderation.model {self.model!r} is not served here; use one of "
+                    f"{', '.join(MODERATION_MODELS)} (each is this deployment's safety classifier)."
+                ),
                 "moderation.model",
             )
         for side in ("input", "output"):
             mode = getattr(self.policy, side, None) if self.policy else None
             if mode is not None and mode.mode == "score":
                 return (
-                    f"moderation.policy.{side}.mode 'score' (report, never block) is not offered: this "
-                    "deployment's safety policy blocks flagged content. Send 'block', or no policy: the "
-                    "results are reported either way.",
+                    (
+                        f"moderation.policy.{side}.mode 'score' (report, never block) is not offered: this "
+                        "deployment's safety policy blocks flagged content. Send 'block', or no policy: the "
+                        "results are reported either way."
+                    ),
                     f"moderation.policy.{side}.mode",
                 )
         return None

@@ -29,13 +29,12 @@ def shape(logits: torch.Tensor, seqs) -> None:
     """Apply each row's penalties and logit bias to `logits` ([len(seqs), V]) in place."""
     vocab = logits.shape[-1]
     for row, seq in enumerate(seqs):
-        if seq.presence_penalty or seq.frequency_penalty:
-            if seq.generated:
-                ids = torch.tensor(seq.generated, device=logits.device)
-                counts = torch.bincount(ids[ids < vocab], minlength=vocab).to(logits.dtype)
-                logits[row] -= seq.frequency_penalty * counts + seq.presence_penalty * (counts > 0).to(
-                    logits.dtype
-                )
+        if (seq.presence_penalty or seq.frequency_penalty) and seq.generated:
+            ids = torch.tensor(seq.generated, device=logits.device)
+            counts = torch.bincount(ids[ids < vocab], minlength=vocab).to(logits.dtype)
+            logits[row] -= seq.frequency_penalty * counts + seq.presence_penalty * (counts > 0).to(
+                logits.dtype
+            )
         if seq.logit_bias:
             ids = [t for t in seq.logit_bias if t < vocab]
             if ids:

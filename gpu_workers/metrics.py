@@ -97,7 +97,7 @@ class WorkerMetrics:
             self.itl.labels(self.model).observe(now - seq.last_token_at)
 
     def finished(self, seq) -> None:
-        queue, prefill, decode = seq.timings()
+        _queue, prefill, decode = seq.timings()
         self.e2e.labels(self.model).observe(max(0.0, (seq.finished_at or 0) - seq.arrival))
         self.prefill.labels(self.model).observe(prefill)
         self.decode.labels(self.model).observe(decode)

@@ -85,7 +85,7 @@ class System:
 
     def worker_gauge(self, name: str) -> float:
         for line in httpx.get(self.worker_metrics, timeout=5).text.splitlines():
-            if line.startswith(name + " ") or line.startswith(name + "{"):
+            if line.startswith((name + " ", name + "{")):
                 return float(line.rsplit(" ", 1)[1])
         return -1.0
 

@@ -7,6 +7,7 @@ import inspect
 import itertools
 import time
 from collections.abc import Callable
+from typing import Self
 
 from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.structs import TopicPartition
@@ -71,7 +72,7 @@ class Tap:
         self.undecodable = 0
         self._task: asyncio.Task | None = None
 
-    async def __aenter__(self) -> Tap:
+    async def __aenter__(self) -> Self:
         self.consumer = await start_consumer(group=None, isolation_level="read_committed")
         tps = [TopicPartition(self.spec.name, p) for p in range(self.spec.partitions)]
         self.consumer.assign(tps)

@@ -5,6 +5,7 @@ stream of writes: kill -9 of a node, then of the active controller, then a rolli
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import time
@@ -94,7 +95,7 @@ class Load:
     def worst_gap(self, since: float) -> float:
         """The longest time without an acknowledged write from `since` to now."""
         times = [since, *(t for t in self.acked_at if t > since), time.monotonic()]
-        return max(b - a for a, b in zip(times, times[1:]))
+        return max(b - a for a, b in itertools.pairwise(times))
 
     async def more(self, n: int, timeout_s: float = 90) -> None:
         """Wait until `n` more writes are acknowledged (the cluster takes writes again)."""

@@ -115,16 +115,18 @@ async def test_cancel_ends_the_stream_and_frees_the_worker_slot(system: System):
         stream=True,
         stream_options={"include_usage": True},
     )
-    async with system.http() as http:
-        async with http.stream("POST", system.gateways[0] + "/v1/chat/completions", json=request) as r:
-            seen, cancelled = [], False
-            async for _, data in sse(r):
-                seen.append(data)
-                if not cancelled and sum(1 for d in seen if content_of(d)) >= 3:
-                    cid = json.loads(data)["id"]
-                    answer = await http.post(f"{system.gateways[1]}/v1/chat/completions/{cid}/cancel")
-                    assert answer.status_code == 200 and answer.json()["cancelled"] is True
-                    cancelled = True
+    async with (
+        system.http() as http,
+        http.stream("POST", system.gateways[0] + "/v1/chat/completions", json=request) as r,
+    ):
+        seen, cancelled = [], False
+        async for _, data in sse(r):
+            seen.append(data)
+            if not cancelled and sum(1 for d in seen if content_of(d)) >= 3:
+                cid = json.loads(data)["id"]
+                answer = await http.post(f"{system.gateways[1]}/v1/chat/completions/{cid}/cancel")
+                assert answer.status_code == 200 and answer.json()["cancelled"] is True
+                cancelled = True
     assert seen[-1] == "[DONE]"
     usage = json.loads(seen[-2])["usage"]
     assert usage["completion_tokens"] < 400
@@ -375,7 +377,7 @@ async def test_every_documented_chat_field_is_honoured_or_refused(system: System
     assert b"".join(bytes(e["bytes"]) for e in reported).decode("utf-8", "replace").startswith(text)
     assert len(reported) <= usage["completion_tokens"]
     for e in reported:  # greedy: the chosen token is the most likely one, and the three are in order
-        assert [t["token"] for t in e["top_logprobs"]][0] == e["token"] and len(e["top_logprobs"]) == 3
+        assert e["top_logprobs"][0]["token"] == e["token"] and len(e["top_logprobs"]) == 3
         assert e["logprob"] == e["top_logprobs"][0]["logprob"] <= 0
         assert [t["logprob"] for t in e["top_logprobs"]] == sorted(
             (t["logprob"] for t in e["top_logprobs"]), reverse=True
@@ -874,7 +876,7 @@ async def test_weaviate_outage_under_the_running_system(system: System, stack):
             await asyncio.sleep(0.3)
         return time.monotonic() - started
 
-    fact, query, expected = FACTS[0]
+    _fact, query, expected = FACTS[0]
 
     async def search() -> list:
         return (await client.vector_stores.search(store.id, query=query, max_num_results=3)).data

@@ -35,7 +35,7 @@ async def pipeline(stack, bootstrap):
 @pytest.fixture(scope="module")
 def gateway(stack, pipeline, tmp_path_factory):
     roles = Roles(stack, tmp_path_factory.mktemp("gateway-api"))
-    url, proc = start_gateway(roles, [pipeline.model, "smollm2"])
+    url, _proc = start_gateway(roles, [pipeline.model, "smollm2"])
     yield url
     roles.stop_all()
 

@@ -101,23 +101,27 @@ async def test_real_worker_resume_and_cancel(stack, bootstrap, tmp_path, tiny_mo
 
         # a dropped stream: cancelled after the grace period, the worker's slot freed
         long = dict(request, max_tokens=400)
-        async with httpx.AsyncClient(timeout=120, headers=auth_headers()) as http:
-            async with http.stream("POST", a + "/v1/chat/completions", json=long) as r:
-                n = 0
-                async for _, data in sse(r):
-                    cid = json.loads(data)["id"]
-                    n += bool(content_of(data))
-                    if n >= 3:
-                        break
+        async with (
+            httpx.AsyncClient(timeout=120, headers=auth_headers()) as http,
+            http.stream("POST", a + "/v1/chat/completions", json=long) as r,
+        ):
+            n = 0
+            async for _, data in sse(r):
+                cid = json.loads(data)["id"]
+                n += bool(content_of(data))
+                if n >= 3:
+                    break
         metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         assert await asyncio.to_thread(running, metrics_url) == 1
         deadline = time.monotonic() + 15
         while await asyncio.to_thread(running, metrics_url) != 0:
             assert time.monotonic() < deadline, "the worker never freed the slot"
             await asyncio.sleep(0.2)
-        async with httpx.AsyncClient(timeout=60, headers=auth_headers()) as http:
-            async with http.stream("GET", f"{a}/v1/chat/completions/{cid}/stream?include_usage=true") as r:
-                events = [e async for e in sse(r)]
+        async with (
+            httpx.AsyncClient(timeout=60, headers=auth_headers()) as http,
+            http.stream("GET", f"{a}/v1/chat/completions/{cid}/stream?include_usage=true") as r,
+        ):
+            events = [e async for e in sse(r)]
         usage = json.loads(events[-2][1])["usage"]
         assert usage["completion_tokens"] < 400
         assert cid.removeprefix("chatcmpl-") in processor.cancels

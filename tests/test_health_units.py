@@ -13,6 +13,7 @@ import time
 import urllib.error
 import urllib.request
 from types import SimpleNamespace
+from typing import Self
 
 import pytest
 
@@ -101,7 +102,7 @@ async def test_an_outage_holds_the_work_and_it_is_done_within_two_seconds_of_wea
 
 async def test_an_outage_longer_than_the_budget_raises_index_unavailable():
     c = clock()
-    work, calls = failing(10_000)
+    work, _calls = failing(10_000)
     r = retry(c, [False] * 10_000, outage_s=30.0)
     with pytest.raises(IndexUnavailable, match="budget 30 s"):
         await r.run(work)
@@ -150,7 +151,7 @@ def closed_port() -> int:
 class Silent:
     """A TCP server that accepts connections and never answers (a Weaviate that hangs)."""
 
-    async def __aenter__(self) -> Silent:
+    async def __aenter__(self) -> Self:
         self.held: list = []
 
         async def hold(reader, writer) -> None:

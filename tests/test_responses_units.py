@@ -362,7 +362,7 @@ def test_a_runs_events_fold_into_openais_stream_events_the_same_in_any_batching(
             out += framer.feed(batch)
         return framer, out
 
-    framer, out = fold([events])
+    _framer, out = fold([events])
     names = [e["type"] for e in out]
     assert names == [
         "response.created",

@@ -45,9 +45,11 @@ def _cases(
         "huge_output": ("while True: print('x' * 1000)", "output limit exceeded"),
         "file_size_bomb": ("open('big', 'wb').write(b'x' * (4 << 20))", "File too large"),
         "ptrace": (
-            "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
-            f"rc = libc.ptrace(16, {processor_pid}, 0, 0)\n"
-            "if rc != 0: raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))",
+            (
+                "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                f"rc = libc.ptrace(16, {processor_pid}, 0, 0)\n"
+                "if rc != 0: raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))"
+            ),
             "Operation not permitted",
         ),  # seccomp; without it the pid namespace: "No such process"
         "kill_processor": (f"import os; os.kill({processor_pid}, 9)", "ProcessLookupError"),

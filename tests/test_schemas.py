@@ -234,8 +234,10 @@ def test_decode_restricted_to_a_topic_types_rejects_others():
         b'{"type": "no_such_event", "request_id": "r"}',
         b'{"type": "token_chunk", "request_id": "r", "seq": "three", "text": "x"}',
         b'{"type": "token_chunk", "seq": 1, "text": "x"}',
-        b'{"type": "inference_request", "request_id": "r", "model": "m", "messages": [],'
-        b' "sampling": {"max_tokens": 0}}',
+        (
+            b'{"type": "inference_request", "request_id": "r", "model": "m", "messages": [],'
+            b' "sampling": {"max_tokens": 0}}'
+        ),
     ],
 )
 def test_malformed_events_raise_typed_error(payload):

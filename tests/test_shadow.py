@@ -17,13 +17,15 @@ import pytest
 from gpu_workers.model_loader import smollm2_dir
 from producers import publish, start_producer
 from schemas import Completion, InferenceRequest
+from tests import test_worker_kafka
 from tests.kafka_support import Tap
-from tests.test_worker_kafka import TokenReader, request, tiny_dir, wait_for_log  # noqa: F401 - fixture
+from tests.test_worker_kafka import TokenReader, request, wait_for_log
 from topics import ROUTES, SHADOW_ANSWERS, SHADOW_GATES, TOKENS, inference_topic
 from topics.admin import apply
 from topics.registry import all_topics
 
 pytestmark = pytest.mark.slow
+tiny_dir = test_worker_kafka.tiny_dir  # its fixture, used here too
 
 
 def cli(roles, *args: str, timeout: float = 180) -> tuple[int, str]:

@@ -106,7 +106,7 @@ async def test_a_chart_and_a_table_the_code_writes_are_listed_and_downloaded_by_
     ).path == "plot.png"
     if os.path.exists(CHROMIUM):  # the chat page shows the chart inline and offers the table
         item, citations = framed(result, call.conversation_id)
-        size, text = await chart_on_the_page(url, item, citations, tmp_path)
+        _size, text = await chart_on_the_page(url, item, citations, tmp_path)
         assert text == "month,sales\n1,3\n2,5\n3,8\n"
     stranger = openai.AsyncOpenAI(base_url=url + "/v1", api_key=new_key("someone-else"), max_retries=0)
     with pytest.raises(openai.NotFoundError):

@@ -17,12 +17,15 @@ from gpu_workers.startup import needed_topics
 from gpu_workers.tool_calls import ToolCallParser
 from producers import publish, start_producer
 from schemas import OutputSpec, call_id
+from tests import test_worker_kafka
 from tests.kafka_support import Tap
-from tests.test_worker_kafka import TokenReader, assert_gap_free, request, tiny_dir, tiny_loaded, wait_for_log  # noqa: F401
+from tests.test_worker_kafka import TokenReader, assert_gap_free, request, wait_for_log
 from topics import TOOL_CALLS, inference_topic
 from topics.admin import apply
 
 pytestmark = pytest.mark.slow
+# test_worker_kafka's fixtures, used here too
+tiny_dir, tiny_loaded = test_worker_kafka.tiny_dir, test_worker_kafka.tiny_loaded
 TOOL = {
     "type": "function",
     "function": {

@@ -11,6 +11,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Self
 
 from producers import decode_record, publish, start_consumer, start_producer
 from schemas import ToolCall, ToolResult
@@ -61,7 +62,7 @@ class ToolBus:
         self.bootstrap = bootstrap
         self.results: list[ToolResult] = []
 
-    async def __aenter__(self) -> ToolBus:
+    async def __aenter__(self) -> Self:
         # every topic the processor uses (its speech loop too: a topic it may not read ends the process)
         await apply([TOOL_CALLS, TOOL_RESULTS, FILE_INGEST, SPEECH_JOBS, TOKENS, DEAD_LETTER], self.bootstrap)
         self.producer = await start_producer(self.bootstrap)

@@ -96,8 +96,10 @@ def plan(
     lines.append(
         (
             "utilisation allowed",
-            f"min(target {target_utilisation:g}, measured u_b {m.utilisation:.2f} x SLO "
-            f"{ttft_slo_s:g} s / TTFT p99 {m.ttft_p99_s:.2f} s = {allowed:.2f})",
+            (
+                f"min(target {target_utilisation:g}, measured u_b {m.utilisation:.2f} x SLO "
+                f"{ttft_slo_s:g} s / TTFT p99 {m.ttft_p99_s:.2f} s = {allowed:.2f})"
+            ),
             f"{u:.2f}",
         )
     )

@@ -20,6 +20,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Self
 
 PROCESSORS = ("conversation", "safety", "router")
 
@@ -151,7 +152,7 @@ class LocalSystem:
         return [p for p in self.procs.values() if p.role == role]
 
     # ---------------------------------------------------------------- lifecycle
-    async def __aenter__(self) -> LocalSystem:
+    async def __aenter__(self) -> Self:
         from tokenstream.stack.roles import shared_host_worker_args
         from tokenstream.stack.service import free_port
         from tokenstream.stack.stack import use
