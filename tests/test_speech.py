@@ -23,13 +23,21 @@ from tests.tool_support import sandbox_root, tools_env
 from topics import SPEECH_JOBS, TOKENS
 
 pytestmark = pytest.mark.slow
+# Judged as a set, never one sentence alone: Whisper tiny.en mishears a single eSpeak recording now
+# and then (the first one as "Well, time does not rain to land ..." on an AVX2 machine, in int8,
+# float32 and CTranslate2's generic kernels alike). The eight together: word error rate 0.07 there.
 SENTENCES = [
     "What time does the train to London leave tomorrow morning?",
     "Please send me the report before the meeting on Friday.",
     "The weather will be sunny and warm this afternoon.",
     "My favourite colour is blue and I like to read books.",
+    "We will meet at the station after lunch.",
+    "Can you help me find the nearest pharmacy?",
+    "The children played in the garden until dinner.",
+    "Turn left at the bank and walk to the end of the street.",
 ]
 MAX_WER = 0.20
+PLAIN = SENTENCES[1]  # the formats test's recording: one the model hears word for word
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +63,18 @@ def spoken(text: str, voice: str = "en-us") -> bytes:
     ).stdout
 
 
+SPELLINGS = {"favorite": "favourite", "color": "colour"}  # American and British spellings are one word
+
+
 def words(text: str) -> list[str]:
-    return re.sub(r"[^a-z0-9' ]", " ", text.lower().replace("favorite", "favourite")).split()
+    spelled = re.sub(r"[^a-z0-9' ]", " ", text.lower()).split()
+    return [SPELLINGS.get(w, w) for w in spelled]
+
+
+def cue_words(subtitles: str) -> list[str]:
+    """The words of an SRT or WebVTT file's cues (its numbers, timings and header left out)."""
+    lines = subtitles.splitlines()
+    return words(" ".join(x for x in lines if x and x != "WEBVTT" and not x.isdigit() and "-->" not in x))
 
 
 def wer(reference: str, heard: str) -> float:
@@ -109,11 +127,11 @@ async def test_speech_is_transcribed_through_the_log_within_the_word_error_rate(
 
 async def test_each_response_format_and_the_stream(system):
     client = api_client(system["url"], timeout=120)
-    audio = spoken(SENTENCES[0])
+    audio = spoken(PLAIN)
     text = await client.audio.transcriptions.create(
         model="whisper-tiny.en", file=("q.wav", audio), response_format="text"
     )
-    assert isinstance(text, str) and wer(SENTENCES[0], text) < 0.3
+    assert isinstance(text, str) and wer(PLAIN, text) < MAX_WER, text
     srt = await client.audio.transcriptions.create(
         model="whisper-1", file=("q.wav", audio), response_format="srt"
     )
@@ -122,6 +140,7 @@ async def test_each_response_format_and_the_stream(system):
         model="whisper-1", file=("q.wav", audio), response_format="vtt"
     )
     assert vtt.startswith("WEBVTT\n\n00:00:00.000 --> "), vtt
+    assert cue_words(srt) == cue_words(vtt) == words(text)  # every format carries the same words
     verbose = await client.audio.transcriptions.create(
         model="whisper-1",
         file=("q.wav", audio),
@@ -129,7 +148,7 @@ async def test_each_response_format_and_the_stream(system):
         timestamp_granularities=["word", "segment"],
     )
     assert verbose.language == "english" and 2 < verbose.duration < 8 and verbose.segments
-    assert [w.word.lower().strip(",.?") for w in verbose.words][:3] == words(SENTENCES[0])[:3]
+    assert words("".join(w.word for w in verbose.words)) == words(text)  # the same words as the text
     assert all(a.end <= b.start + 0.01 for a, b in zip(verbose.words, verbose.words[1:]))
     assert verbose.segments[0].tokens and verbose.segments[0].avg_logprob < 0
     stream = await client.audio.transcriptions.create(model="whisper-1", file=("q.wav", audio), stream=True)
