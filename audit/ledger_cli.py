@@ -47,7 +47,8 @@ def register(app: typer.Typer, parse_time) -> None:
             None, help="TOPIC=COPY: check a copy of TOPIC against its checkpoints (repeatable)"
         ),
     ) -> None:
-        """Prove a range whole and in order, or name the first record changed, removed, reordered or inserted."""
+        """Prove a range whole and in order, or name the first record changed, removed, reordered or
+        inserted."""
         from audit.proof import prove
 
         since_ms, until_ms = _range(since, until)

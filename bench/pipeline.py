@@ -126,8 +126,8 @@ def _sealing_cost(off: dict, on: dict) -> dict:
     if codec:
         print(
             f"token event encode+decode: {codec['clear_us']} us clear, {codec['sealed_us']} us sealed "
-            f"({codec['ratio']}x): {codec['sealed_and_opened_per_s']:,} token events sealed and opened a second "
-            f"on one core"
+            f"({codec['ratio']}x): {codec['sealed_and_opened_per_s']:,} token events sealed and opened "
+            f"a second on one core"
         )
     return {"client_ttft_p50_added_ms": cost, "overhead_p50_added_ms": overhead, "codec": codec}
 
@@ -207,7 +207,10 @@ async def _run(requests: int, max_tokens: int, think_ms: float) -> dict:
         codec = _codec_cost() if sealer() is not None else {}
     return {
         "codec": codec,
-        "command": f"tokenstream bench pipeline --requests {requests} --max-tokens {max_tokens} --think-ms {think_ms:g}",
+        "command": (
+            f"tokenstream bench pipeline --requests {requests} --max-tokens {max_tokens} "
+            f"--think-ms {think_ms:g}"
+        ),
         "machine": {
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
@@ -357,6 +360,7 @@ def _table(r: dict) -> None:
     if s["p50"] and p["p50"]:
         print(
             f"parallel / serial overhead: p50 {p['p50'] / s['p50']:.2f}x, p99 {p['p99'] / s['p99']:.2f}x "
-            f"(targets: p50 <= {r['targets']['overhead_p50_ms']} ms, p99 <= {r['targets']['overhead_p99_ms']} ms)"
+            f"(targets: p50 <= {r['targets']['overhead_p50_ms']} ms, "
+            f"p99 <= {r['targets']['overhead_p99_ms']} ms)"
         )
     print(f"load average (1 min) at the end: {r['machine']['load_average_1m_at_end']}")

@@ -175,8 +175,10 @@ def main(
     last = turns - 1
     on, off = runs["on"]["turns"][last], runs["off"]["turns"][last]
     result = {
-        "command": f"tokenstream bench routing --conversations {conversations} --turns {turns} --words {words} "
-        f"--answer-tokens {answer_tokens} --seed {seed}",
+        "command": (
+            f"tokenstream bench routing --conversations {conversations} --turns {turns} --words {words} "
+            f"--answer-tokens {answer_tokens} --seed {seed}"
+        ),
         "at_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "load_avg_before": load_before,
         "load_avg_after": os.getloadavg()[0],

@@ -49,7 +49,8 @@ def main(
     rounds: int = typer.Option(5, help="times each recording and the speech text are sent"),
     out: Path = typer.Option(RESULTS, help="where the JSON results go"),
 ) -> None:
-    """Transcription real-time factor and speech time to first byte through the log, beside the models alone."""
+    """Transcription real-time factor and speech time to first byte through the log, beside the models
+    alone."""
     result = asyncio.run(_run(rounds))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
@@ -180,7 +181,8 @@ def _table(r: dict) -> None:
     t, s = r["transcription"], r["speech"]
     print(f"transcription of {t['recording_s']} s recordings, real-time factor (lower is faster)")
     print(
-        f"  through the log   p50 {t['through_the_log_rtf']['p50']:.3f}  p90 {t['through_the_log_rtf']['p90']:.3f}"
+        f"  through the log   p50 {t['through_the_log_rtf']['p50']:.3f}  "
+        f"p90 {t['through_the_log_rtf']['p90']:.3f}"
     )
     print(f"  model alone       p50 {t['model_alone_rtf']['p50']:.3f}  p90 {t['model_alone_rtf']['p90']:.3f}")
     print(f"  ratio (p50)       {t['ratio_p50']:.2f}x")
@@ -188,6 +190,7 @@ def _table(r: dict) -> None:
     print(f"  first byte        p50 {s['first_byte_s']['p50']:.3f}  p90 {s['first_byte_s']['p90']:.3f}")
     print(f"  last byte         p50 {s['last_byte_s']['p50']:.3f}  p90 {s['last_byte_s']['p90']:.3f}")
     print(
-        f"  whole mp3 alone   p50 {s['whole_mp3_alone_s']['p50']:.3f}  p90 {s['whole_mp3_alone_s']['p90']:.3f}"
+        f"  whole mp3 alone   p50 {s['whole_mp3_alone_s']['p50']:.3f}  "
+        f"p90 {s['whole_mp3_alone_s']['p90']:.3f}"
     )
     print(f"  first byte / whole alone (p50) {s['first_byte_vs_whole_alone_p50']:.2f}x")

@@ -6,7 +6,8 @@
 the request but the tool processor's half-second Weaviate readiness check): `live` false only for
 what a restart cures (a stuck engine), `ready` false while the role cannot take work (`detail`
 says why), `degraded` lists what only some requests need and is away (Weaviate). /health/ready
-answers 200 or 503 with the report as JSON; /health/live 200 or 503; /metrics is the role's Prometheus registry, when it has one.
+answers 200 or 503 with the report as JSON; /health/live 200 or 503; /metrics is the role's Prometheus
+registry, when it has one.
 """
 
 from __future__ import annotations

@@ -110,8 +110,8 @@ def sse_response(
                 yield ServerSentEvent(
                     json.dumps(
                         api.error_body(
-                            f"The model made no progress for {gw.cfg.progress_timeout_s:.0f}s; the request was cancelled. "
-                            "Please retry.",
+                            f"The model made no progress for {gw.cfg.progress_timeout_s:.0f}s; "
+                            "the request was cancelled. Please retry.",
                             "server_error",
                             None,
                             "timeout",

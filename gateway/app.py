@@ -3,7 +3,7 @@
     POST /v1/chat/completions                      a ChatRequest event; the answer from token events
     GET  /v1/chat/completions/{id}/stream          resume a stream (Last-Event-ID), on any instance
     POST /v1/chat/completions/{id}/cancel          stop generating now (the chat page's stop button)
-    POST /v1/files, /v1/vector_stores ...          uploads and vector stores (routes/files.py, vector_stores.py)
+    POST /v1/files, /v1/vector_stores ...          uploads, vector stores (routes/files.py, vector_stores.py)
     POST /v1/responses, GET /v1/responses/{id}     the Responses API: a run of steps through server tools
     GET  /v1/models, /health/live, /health/ready, /metrics, / (the chat page)
 

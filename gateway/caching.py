@@ -72,7 +72,8 @@ async def look_up(
             return found
     turn = single_turn(messages)
     if key.semantic_cache and turn and not sampling.shapes_tokens():  # a similar question's answer
-        # was not drawn under this request's penalties or bias: only the exact cache (keyed by them) may answer
+        # was not drawn under this request's penalties or bias: only the exact cache (keyed by them) may
+        # answer
         vector = await gw.semantic_cache.embed(turn[1])
         found.semantic = (*turn, vector)
         found.headers[HEADER] = "miss"

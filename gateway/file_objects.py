@@ -1,4 +1,5 @@
-"""OpenAI's shapes of files, vector stores and their files; list pages; the ingestion events the routes write."""
+"""OpenAI's shapes of files, vector stores and their files; list pages; the ingestion events the routes
+write."""
 
 from __future__ import annotations
 

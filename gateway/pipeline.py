@@ -112,7 +112,8 @@ class Gateway:
         return self.fanout is not None and self.admission.healthy()
 
     async def redis_reachable(self) -> bool:
-        """Whether the durable Redis answers now: without it no API key or rate limit can be checked (503s)."""
+        """Whether the durable Redis answers now: without it no API key or rate limit can be checked
+        (503s)."""
         return await _answers(self.redis)
 
     async def cache_reachable(self) -> bool:
@@ -199,7 +200,8 @@ class Gateway:
         return self.partitions[next(self._next) % len(self.partitions)]
 
     async def remember(self, request_id: str, meta: dict) -> None:
-        """Who owns the request (tenant) and what a resume elsewhere needs to rebuild chunks (model, usage option)."""
+        """Who owns the request (tenant) and what a resume elsewhere needs to rebuild chunks (model, usage
+        option)."""
         if self.redis is not None:
             with contextlib.suppress(Exception):
                 await self.redis.set(K.gateway_request(request_id), json.dumps(meta), ex=META_TTL_S)

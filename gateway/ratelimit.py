@@ -26,7 +26,8 @@ from gateway import openai_api as api
 from schemas import Completion
 from schemas import keys as K
 
-# KEYS: 4 bucket prefixes (key requests, key tokens, tenant requests, tenant tokens), the key's open-streams set
+# KEYS: 4 bucket prefixes (key requests, key tokens, tenant requests, tenant tokens), the key's
+#       open-streams set
 # ARGV: their 4 limits (0 = no limit: not counted), tokens to reserve, most open streams (0 = no limit),
 #       request id, lease seconds
 # returns {admitted 0|1, index of the limit hit (0 if none, 5: open streams), minute number, seconds to its

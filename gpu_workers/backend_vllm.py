@@ -9,8 +9,8 @@ re-executes itself there). Per request:
   within one tenant only), `priority` = minus the tier (vLLM serves lower values first; the engine is
   built with `scheduling_policy="priority"`);
 - sampling: temperature, top_p, seed, max_tokens, presence/frequency penalties, logit_bias and
-  logprobs (vLLM's raw log probabilities, the own engine's measure too); vLLM returns token ids only (`detokenize=False`,
-  no stop strings): detokenisation, stop strings and chunking are the own engine's
+  logprobs (vLLM's raw log probabilities, the own engine's measure too); vLLM returns token ids only
+  (`detokenize=False`, no stop strings): detokenisation, stop strings and chunking are the own engine's
   (`gpu_workers/streaming.py`), so both backends stream the same text in the same chunks;
 - constraints (tools, response_format): the request's llguidance grammar (the very text the own engine
   uses, `grammar.grammar_text`) as `StructuredOutputsParams(grammar=...)` on vLLM's guidance backend;
@@ -23,8 +23,8 @@ re-executes itself there). Per request:
 Limits against the own engine: a seeded sample (temperature > 0) follows vLLM's generator, so it
 differs from the own engine's and does not continue the same draw after a takeover (greedy does);
 vLLM counts penalised tokens among those it generated itself, so after a takeover the tokens
-the previous worker emitted are not penalised (the own engine counts them); the queue/prefill split of the timings is taken at the hand-over to vLLM (vLLM's own queue time
-counts as prefill).
+the previous worker emitted are not penalised (the own engine counts them); the queue/prefill split
+of the timings is taken at the hand-over to vLLM (vLLM's own queue time counts as prefill).
 """
 
 from __future__ import annotations

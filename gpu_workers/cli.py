@@ -1,4 +1,5 @@
-"""`tokenstream worker`: serve one model from its inference topic. Import-light: torch loads in the command."""
+"""`tokenstream worker`: serve one model from its inference topic. Import-light: torch loads in the
+command."""
 
 from __future__ import annotations
 

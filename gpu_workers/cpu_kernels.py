@@ -1,4 +1,5 @@
-"""The engine's own CPU kernels (`csrc/`: decode attention; a Llama layer's fused steps), built once per machine.
+"""The engine's own CPU kernels (`csrc/`: decode attention; a Llama layer's fused steps), built once per
+machine.
 
 PyTorch's SDPA on a CPU serves a decoding row's single query token poorly: each call runs its
 flash kernel's blocking for a handful of query positions (about 400 us per call for 16 rows of
@@ -11,8 +12,9 @@ of a Llama layer (`csrc/fused_ops.cpp`, used by llama_step.py).
 
 It is built by the set-up (`make setup` runs `python -m gpu_workers.cpu_kernels`), into
 `~/.cache/tokenstream/kernels/<torch>-<cpu>-<source hash>/`; an engine loads it if built and
-otherwise runs SDPA and transformers' forward (and says so once): an engine never stops to compile. A worker's `TOKENSTREAM_WORKER_CPU_KERNELS=false`
-(an engine's `cpu_kernels=False`) runs without them, for comparisons.
+otherwise runs SDPA and transformers' forward (and says so once): an engine never stops to compile.
+A worker's `TOKENSTREAM_WORKER_CPU_KERNELS=false` (an engine's `cpu_kernels=False`) runs without them,
+for comparisons.
 """
 
 from __future__ import annotations
@@ -80,7 +82,8 @@ def build(verbose: bool = False) -> Path:
 
 
 def available() -> bool:
-    """Load the built kernels once per process; False (torch's own ops serve) when not built or not loadable."""
+    """Load the built kernels once per process; False (torch's own ops serve) when not built or not
+    loadable."""
     global _loaded
     if _loaded is None:
         _loaded = False

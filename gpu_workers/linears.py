@@ -1,4 +1,5 @@
-"""The engine's linear layers on the CPU: weights prepacked once for oneDNN, used by the engine's forward only.
+"""The engine's linear layers on the CPU: weights prepacked once for oneDNN, used by the engine's forward
+only.
 
 `torch.nn.functional.linear` on a CPU calls MKL's sgemm, which re-packs the weight matrix into its
 blocked layout on every call: for the engine's small batches (1-64 rows per step) that packing is a

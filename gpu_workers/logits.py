@@ -21,7 +21,8 @@ import torch
 
 from schemas import TokenLogprob, TopLogprob
 
-# One reported token: (token id, log probability, [(alternative id, its log probability), ...] most likely first)
+# One reported token: (token id, log probability, [(alternative id, its log probability), ...] most
+# likely first)
 Reported = tuple[int, float, list[tuple[int, float]]]
 
 

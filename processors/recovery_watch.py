@@ -27,7 +27,8 @@ EXIT_RECOVERY_STALLED = 71
 
 
 def stalled(recovery, now: float, stall_s: float) -> dict[TP, int]:
-    """The active changelog partitions with records left to read and none read for `stall_s` (records left)."""
+    """The active changelog partitions with records left to read and none read for `stall_s` (records
+    left)."""
     if not recovery.in_recovery:
         return {}
     started = recovery._recovery_started_at

@@ -60,13 +60,13 @@ def liveness() -> dict[str, int]:
 
     The session timeout is the takeover time after a death no supervisor sees (a host lost, a
     process frozen): the classic group protocol only notices a silent member when its heartbeats
-    stop for that long. A clean stop leaves at once, and so, in effect, does a process killed
-    under a supervisor, which sends its LeaveGroup for it (membership.evict). 3 s (Kafka's client default is 45 s, aiokafka's 10): heartbeats every 0.5 s, six a session,
-    so a member must miss six in a row, which an event loop busy for a moment does not do (the
-    worker's steps run on a thread of their own, faust's consumer too). 2 s was tried: on three
-    brokers a controller kill then expired the survivors too, whose heartbeats the coordinator
-    answers only after its pending writes, which wait while the dead node is still counted in
-    sync (docs/guarantees.md, "A standby takes over").
+    stop for that long. A clean stop leaves at once, and so, in effect, does a process killed under
+    a supervisor, which sends its LeaveGroup for it (membership.evict). 3 s (Kafka's client default
+    is 45 s, aiokafka's 10): heartbeats every 0.5 s, six a session, so a member must miss six in a
+    row, which an event loop busy for a moment does not do (the worker's steps run on a thread of
+    their own, faust's consumer too). 2 s was tried: on three brokers a controller kill then expired
+    the survivors too, whose heartbeats the coordinator answers only after its pending writes, which
+    wait while the dead node is still counted in sync (docs/guarantees.md, "A standby takes over").
     """
     session_ms = int(settings().kafka_session_timeout_s * 1000)
     return dict(session_timeout_ms=session_ms, heartbeat_interval_ms=max(100, session_ms // 6))

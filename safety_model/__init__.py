@@ -1,4 +1,5 @@
-"""The safety model: its classifier, policies, training data and training, used by the safety processor and audits.
+"""The safety model: its classifier, policies, training data and training, used by the safety processor
+and audits.
 
 Config names import eagerly; the classifier (which imports torch) loads on first access.
 """

@@ -12,7 +12,8 @@ Read this package and `topics/` to follow a request end to end:
     FileIngest (an uploaded file into a vector store's index, or out of it)
     KeyHome (which region serves an API key: gateways send its requests home)
     PrefixHeld, WorkerLoad (which worker holds which conversation prefix: prefix-aware routing)
-    SpeechJob -> TranscriptSegment* -> TranscriptDone, or SpeechAudio* -> SpeechDone (voice: schemas/speech.py)
+    SpeechJob -> TranscriptSegment* -> TranscriptDone, or SpeechAudio* -> SpeechDone
+                                                          (voice: schemas/speech.py)
 
 All events are msgspec Structs, encoded as JSON by `schemas.codec`.
 """

@@ -1,9 +1,9 @@
-"""Where a key's requests are served (`KeyHome`, on the compacted ts.key.homes, mirrored to every
-other region), and what workers tell the router about themselves, on the compacted ts.kv.prefixes: which conversation
-prefixes their KV caches hold (`PrefixHeld`, keyed by the prefix's digest: the latest holder wins)
-and which partitions of their inference topic they own, with their load (`WorkerLoad`, keyed by
-the worker). The router sends a conversation's next turn to the partition of the worker holding its
-prefix unless that worker is overloaded or has not been heard from (processors/router/prefixes.py).
+"""Where a key's requests are served (`KeyHome`, on the compacted ts.key.homes, mirrored to every other
+region), and what workers tell the router about themselves, on the compacted ts.kv.prefixes: which
+conversation prefixes their KV caches hold (`PrefixHeld`, keyed by the prefix's digest: the latest
+holder wins) and which partitions of their inference topic they own, with their load (`WorkerLoad`,
+keyed by the worker). The router sends a conversation's next turn to the partition of the worker holding
+its prefix unless that worker is overloaded or has not been heard from (processors/router/prefixes.py).
 
 A prefix is named by the messages it renders, not by tokens: the worker that answered a turn holds
 the keys and values of that turn's messages plus its answer, which are exactly the messages before

@@ -30,7 +30,8 @@ class Sealer(Protocol):
     """What the codec needs of a keyring (common/sealing.py is the one the roles install)."""
 
     def seal(self, tenant: str, scope: str, plaintext: bytes) -> str:
-        """Encrypt `plaintext` with the key of (tenant, scope), made if there is none; a token without quotes."""
+        """Encrypt `plaintext` with the key of (tenant, scope), made if there is none; a token without
+        quotes."""
 
     def open(self, token: str) -> bytes | None:
         """The plaintext of `token`, or None when its key was destroyed (the content is erased)."""

@@ -1,7 +1,7 @@
-"""Structural schemas of the custom resources deploy/k8s uses, written from the CRDs' documented
-fields (KEDA keda.sh/v1alpha1 ScaledObject with a kafka trigger, Strimzi kafka.strimzi.io/v1beta2
-KafkaTopic, KafkaUser and KafkaMirrorMaker2, KEDA's TriggerAuthentication, prometheus-operator monitoring.coreos.com/v1
-PrometheusRule).
+"""Structural schemas of the custom resources deploy/k8s uses, written from the CRDs' documented fields
+(KEDA keda.sh/v1alpha1 ScaledObject with a kafka trigger, Strimzi kafka.strimzi.io/v1beta2 KafkaTopic,
+KafkaUser and KafkaMirrorMaker2, KEDA's TriggerAuthentication, prometheus-operator
+monitoring.coreos.com/v1 PrometheusRule).
 
 kubernetes-validate knows the built-in kinds only; these schemas check what each operator
 requires and the types it accepts, with unknown fields refused so a misspelt key fails.

@@ -1,6 +1,7 @@
-"""A three-node Kafka cluster (`tokenstream stack up --brokers 3`, tokenstream/stack/cluster.py) under a steady
-stream of writes: kill -9 of a node, then of the active controller, then a rolling restart of every node
-(the chaos drill's broker faults). Nothing acknowledged is lost or written twice, and a consumer group follows to the end."""
+"""A three-node Kafka cluster (`tokenstream stack up --brokers 3`, tokenstream/stack/cluster.py) under a
+steady stream of writes: kill -9 of a node, then of the active controller, then a rolling restart of every
+node (the chaos drill's broker faults). Nothing acknowledged is lost or written twice, and a consumer group
+follows to the end."""
 
 from __future__ import annotations
 

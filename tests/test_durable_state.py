@@ -1,4 +1,5 @@
-"""Durable state never lives where it can be evicted: filling the cache store loses no key, file or ledger entry.
+"""Durable state never lives where it can be evicted: filling the cache store loses no key, file or
+ledger entry.
 
 API keys, usage, files, vector stores and the once-per-effect ledgers live in the durable Redis
 (`noeviction`); the exact response cache alone lives in the cache Redis (`allkeys-lru` under

@@ -1,4 +1,5 @@
-"""File search: a document of 20 facts ingested into the real Weaviate, 20 questions through a real tool processor."""
+"""File search: a document of 20 facts ingested into the real Weaviate, 20 questions through a real tool
+processor."""
 
 from __future__ import annotations
 

@@ -127,7 +127,8 @@ async def the_same_event_again_is_passed_over(roles, proc, bootstrap, vs_id: str
 
 
 def upload_through_the_chat_page(url: str, vs_id: str, tmp_path) -> None:
-    """The chat page in headless Chromium: choose the store, upload a file into it, see it indexed, search it."""
+    """The chat page in headless Chromium: choose the store, upload a file into it, see it indexed,
+    search it."""
     notes = tmp_path / "harbour.md"
     notes.write_text("# Harbour notes\n\nThe harbour master's cat is named Pepper and sleeps on the crane.\n")
     browser = Chromium(tmp_path / "profile", CHROMIUM)

@@ -281,7 +281,8 @@ async def test_a_chat_in_a_conversation_reads_its_items_and_adds_its_turns(syste
 
 
 # Every documented field of POST /v1/chat/completions beyond those the tests above send, each with a value
-# that asks for something: the honoured ones change the answer as documented, the others are a 400 naming them.
+# that asks for something: the honoured ones change the answer as documented, the others are a 400 naming
+# them.
 REFUSED_FIELDS = {
     "audio": {"voice": "alloy", "format": "wav"},
     "modalities": ["text", "audio"],
@@ -636,9 +637,9 @@ async def test_erasing_a_tenant_leaves_nothing_of_its_content_readable_anywhere(
 async def test_a_key_at_home_in_eu_is_served_by_eu_through_the_us_gateway_and_nothing_of_it_lands_in_us(
     system: System, stack, tmp_path
 ):
-    """Residency: the session's stack is region eu, a second cluster region us (tests/regions_support.py).
-    A key made in eu is served through us's gateway by eu's pipeline, and nothing of its tenant reaches
-    us's cluster or stores (nor eu's broker passwords: MirrorMaker's connector configs there hold placeholders),
+    """Residency: the session's stack is region eu, a second cluster region us (tests/regions_support.py). A
+    key made in eu is served through us's gateway by eu's pipeline, and nothing of its tenant reaches us's
+    cluster or stores (nor eu's broker passwords: MirrorMaker's connector configs there hold placeholders),
     while eu's cluster does hold it (the scan's positive control)."""
     from tests.regions_support import files_holding, records_on, topics_holding, two_regions
     from tokenstream.stack.stack import used

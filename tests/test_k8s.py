@@ -189,7 +189,8 @@ def test_the_kafka_users_are_what_the_registry_generates():
 
 
 def test_the_regions_users_are_what_the_registry_generates():
-    """The region overlay's KafkaUsers: MirrorMaker's, new, and the others whose grants name the other region."""
+    """The region overlay's KafkaUsers: MirrorMaker's, new, and the others whose grants name the other
+    region."""
     folder = K8S / "overlays" / "region-eu"
     base = {u["metadata"]["name"]: u for u in strimzi_users(all_topics(["smollm2"]), "tokenstream", peers=())}
     region = strimzi_users(all_topics(["smollm2"]), "tokenstream", peers=("us",))
@@ -381,7 +382,8 @@ def _downward(container: dict, env: str) -> str:
 
 @pytest.mark.parametrize("folder", [K8S / "base", K8S / "overlays" / "canary"], ids=lambda p: p.name)
 def test_the_gateway_instance_count_is_its_replica_count(folder):
-    """Index from the pod ordinal, count from spec.replicas (copied into an annotation): nothing hard-coded."""
+    """Index from the pod ordinal, count from spec.replicas (copied into an annotation): nothing
+    hard-coded."""
     gateway = _gateway(build(folder))
     [container] = gateway["spec"]["template"]["spec"]["containers"]
     assert not any("instance" in a for a in container.get("args", []) + container.get("command", []))

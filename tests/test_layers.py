@@ -3,7 +3,7 @@
 Layers, bottom up (a package may import its own layer's shared packages and any layer below):
 
     schemas                                   the event contracts
-    common, safety_model                      the leaf (configuration, tracing, models, ...) and the safety model
+    common, safety_model                      the leaf (configuration, tracing, models, ...), the safety model
     topics, producers                         the registry and the one place Kafka clients come from
     gateway, processors, gpu_workers, tools,  the roles (and the auditors' reader of the log);
     audit                                     none imports another

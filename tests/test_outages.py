@@ -57,9 +57,9 @@ def start_conversation(roles, **env):
 
 
 async def alone_in_its_group(bootstrap: str, timeout: float = 60) -> None:
-    """Until the conversation group is stable with this processor alone, so that no rebalance (a member
-    an earlier test of the session left behind, expiring after the 10 s session timeout) falls inside
-    the measured recovery. It does not explain the 10.8 s seen in full runs (docs/guarantees.md, known issues)."""
+    """Until the conversation group is stable with this processor alone, so that no rebalance (a member an
+    earlier test of the session left behind, expiring after the 10 s session timeout) falls inside the
+    measured recovery. It does not explain the 10.8 s seen in full runs (docs/guarantees.md, known issues)."""
     from aiokafka.admin import AIOKafkaAdminClient
 
     from producers.membership import describe
@@ -94,7 +94,8 @@ async def serving(stack, roles, **env):
         await producer.stop()
 
 
-@pytest.mark.heavy  # took 10.8 s in two clean-clone runs of make test (0.3 s alone): see docs/guarantees.md, known issues
+# took 10.8 s in two clean-clone runs of make test (0.3 s alone): see docs/guarantees.md, known issues
+@pytest.mark.heavy
 async def test_a_short_redis_outage_is_ridden_out(stack, roles):
     async with serving(stack, roles) as (proc, producer, prepared):
         during = chat_request()

@@ -64,7 +64,8 @@ async def test_no_trace_of_the_parent_environment_anywhere_inside(sandbox, monke
         "for n in names:\n"
         "    for part in ('environ', 'cmdline'):\n"
         "        try:\n"
-        "            seen[f'/proc/{n}/{part}'] = open(f'/proc/{n}/{part}', 'rb').read().decode(errors='replace')\n"
+        "            seen[f'/proc/{n}/{part}'] = open(f'/proc/{n}/{part}', 'rb').read()"
+        ".decode(errors='replace')\n"
         "        except OSError as e:\n"
         "            seen[f'/proc/{n}/{part}'] = f'refused: {e}'\n"
         "seen['os.environ'] = repr(dict(os.environ))\nseen"
@@ -223,7 +224,8 @@ async def test_a_conversation_cannot_write_where_another_reads(sandbox):
         sandbox,
         (
             "import os\nr = {'root': sorted(os.listdir('/')), 'up': sorted(os.listdir('/work/..'))}\n"
-            f"for path in ('{a_dir}/notes.txt', '/work/../{a_dir.name}/notes.txt', '/tmp/../{a_dir.name}/notes.txt'):\n"
+            f"for path in ('{a_dir}/notes.txt', '/work/../{a_dir.name}/notes.txt', "
+            f"'/tmp/../{a_dir.name}/notes.txt'):\n"
             "    try:\n"
             "        open(path, 'w').write('theirs'); r[path] = 'written'\n"
             "    except OSError as e:\n"
@@ -285,10 +287,12 @@ async def test_ordinary_python_keeps_working_under_the_allow_list(sandbox):
         "db = sqlite3.connect('db.sqlite'); db.execute('create table t(x)'); db.commit()\n"
         "with tempfile.TemporaryFile() as f: f.write(b'x' * 100000); f.seek(0); tmp = len(f.read())\n"
         "from multiprocessing import shared_memory\n"
-        "sm = shared_memory.SharedMemory(create=True, size=4096); sm.buf[0] = 7; shm = sm.buf[0]; sm.close(); sm.unlink()\n"
+        "sm = shared_memory.SharedMemory(create=True, size=4096); sm.buf[0] = 7; shm = sm.buf[0]; "
+        "sm.close(); sm.unlink()\n"
         "async def main():\n"
         "    p = await asyncio.create_subprocess_exec('true'); return await p.wait()\n"
-        "{'pool': pooled, 'threads': threaded, 'echo': echoed, 'tmp': tmp, 'shm': shm, 'async': asyncio.run(main())}"
+        "{'pool': pooled, 'threads': threaded, 'echo': echoed, 'tmp': tmp, 'shm': shm, "
+        "'async': asyncio.run(main())}"
     )
     r = await run_json(sandbox, code)
     assert r == {

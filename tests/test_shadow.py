@@ -1,10 +1,12 @@
-"""`tokenstream shadow` and the gate `tokenstream route set` asks for, against the real broker and real workers.
+"""`tokenstream shadow` and the gate `tokenstream route set` asks for, against the real broker and real
+workers.
 
 A worker of tiny random model weights serves four requests, one after another (as the router would hand
 them on); two candidates are tried on that recorded traffic: the same weights under another name, and
-another model (SmolLM2-135M-Instruct, which answers in words where the tiny one repeats a token). The candidates' answers go to ts.shadow.answers only; the evaluation of the other
-weights fails `agreement>=0.9` and `route set` refuses it; the same weights pass and `route set` sends the
-canary its share.
+another model (SmolLM2-135M-Instruct, which answers in words where the tiny one repeats a token). The
+candidates' answers go to ts.shadow.answers only; the evaluation of the other weights fails
+`agreement>=0.9` and `route set` refuses it; the same weights pass and `route set` sends the canary its
+share.
 """
 
 from __future__ import annotations

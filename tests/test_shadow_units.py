@@ -1,4 +1,5 @@
-"""The shadow evaluation's figures and gate on hand-made answers (no broker: tests/test_shadow.py runs it whole)."""
+"""The shadow evaluation's figures and gate on hand-made answers (no broker: tests/test_shadow.py runs
+it whole)."""
 
 from __future__ import annotations
 

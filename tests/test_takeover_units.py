@@ -63,7 +63,8 @@ async def test_a_survivor_commits_nothing_when_the_rebalance_took_every_partitio
 
 
 class _Recovering:
-    """What faust's Recovery._seek_offsets asks of a consumer: seek_wait, checked as aiokafka's seek checks."""
+    """What faust's Recovery._seek_offsets asks of a consumer: seek_wait, checked as aiokafka's seek
+    checks."""
 
     def __init__(self) -> None:
         self.sought: dict = {}

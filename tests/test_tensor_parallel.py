@@ -1,6 +1,7 @@
 """A model sharded over processes: the vLLM backend with `--tensor-parallel-size 3`, through the whole chain
 
-    SDK -> gateway -> conversation -> safety -> router -> ts.inference.<model> -> worker (3 vLLM ranks) -> ts.tokens
+    SDK -> gateway -> conversation -> safety -> router -> ts.inference.<model>
+        -> worker (3 vLLM ranks) -> ts.tokens
 
 SmolLM2-135M has 9 attention heads and 3 key/value heads, so it shards over 3 ranks (not 2); each rank
 holds a third of every layer's heads and MLP columns and the ranks sum their parts after each layer.

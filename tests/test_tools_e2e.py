@@ -95,7 +95,8 @@ def parameters(tool: dict) -> dict:
 
 
 async def streamed(client, **kw) -> tuple[list[dict], str | None, str]:
-    """(calls as {id, name, arguments}, finish_reason, content) of a streamed answer, checking the chunk shape."""
+    """(calls as {id, name, arguments}, finish_reason, content) of a streamed answer, checking the chunk
+    shape."""
     calls: list[dict] = []
     finish, content = None, ""
     stream = await client.chat.completions.create(stream=True, **kw)

@@ -87,7 +87,10 @@ def test_gateway_checks():
 
 
 def test_old_events_decode_with_defaults():
-    old = b'{"type":"chat_request","request_id":"r","model":"m","messages":[{"role":"user","content":"hi"}],"v":1}'
+    old = (
+        b'{"type":"chat_request","request_id":"r","model":"m",'
+        b'"messages":[{"role":"user","content":"hi"}],"v":1}'
+    )
     request = decode(old, ChatRequest)
     assert request.output == OutputSpec() and not request.output.constrained
     again = decode(
@@ -181,7 +184,8 @@ def test_grammar_shapes():
 
 def test_parser_any_split_gives_the_same_calls():
     text = (
-        '<tool_call>{"name": "get_weather", "arguments": {"city": "Pa\\"ri}s", "x": [1, {"a": 2}]}}</tool_call>\n'
+        '<tool_call>{"name": "get_weather", '
+        '"arguments": {"city": "Pa\\"ri}s", "x": [1, {"a": 2}]}}</tool_call>\n'
         '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
     )
     rng = random.Random(3)

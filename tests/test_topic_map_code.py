@@ -46,8 +46,10 @@ UNRESOLVED_IN_ROLES = {
     (
         "gateway/key_homes.py",
         "TopicPartition(copy, p)",
-    ): "the other regions' copies of ts.key.homes (<region>.ts.key.homes, MirrorMaker 2's), read as the registry's "
-    "reader of the mirrored topic reads it (TopicSpec.mirrored; topics/access.py grants them)",
+    ): (
+        "the other regions' copies of ts.key.homes (<region>.ts.key.homes, MirrorMaker 2's), read as the "
+        "registry's reader of the mirrored topic reads it (TopicSpec.mirrored; topics/access.py grants them)"
+    ),
     (
         "tokenstream/chaos/verify.py",
         "sampler.sample(group, topic)",

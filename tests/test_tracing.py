@@ -206,7 +206,8 @@ def receiver():
 
 
 @pytest.mark.slow
-@pytest.mark.heavy  # every role as a process (about 30 s): make test-all; the in-process span tests stay in make test
+# every role as a process (about 30 s): make test-all; the in-process span tests stay in make test
+@pytest.mark.heavy
 async def test_one_request_is_one_trace_across_every_role(stack, bootstrap, roles, receiver, tmp_path):
     from gpu_workers.random_model import build
     from tests.gateway_support import openai_client, start_gateway

@@ -744,7 +744,8 @@ async def test_the_next_step_runs_while_the_event_loop_is_busy():
 
 
 async def test_a_duplicate_arriving_while_the_original_runs_is_committed(bootstrap, unique, tiny_loaded):
-    """The duplicate a processor may re-emit (docs/guarantees.md, known issues) must not hold its partition's commits."""
+    """The duplicate a processor may re-emit (docs/guarantees.md, known issues) must not hold its partition's
+    commits."""
     model = f"tiny-{unique}"
     cfg = WorkerConfig(model=model, max_running=4, worker_id="w-dup", step_delay_s=0.05)
     stop, task = await start_inprocess(cfg, tiny_loaded, bootstrap)
@@ -798,7 +799,8 @@ async def test_takeover_of_32_in_flight_requests_resumes_them_together(
             for r in reqs:
                 await publish(producer, inference_topic(model), r)
             rids = [r.request_id for r in reqs]
-            # a long history on the tokens partition, as in production: each lookup has thousands of events to read
+            # a long history on the tokens partition, as in production: each lookup has thousands of events
+            # to read
             await reader.until(lambda rd: all(len(rd.chunks(x)) >= 100 for x in rids), timeout=180)
             os.killpg(a.pid, signal.SIGKILL)
             assigned_at: list[float] = []

@@ -10,8 +10,8 @@ writes  publish(producer, SPEC, ...)            producers.publish
         dead_letter(...)                        producers.dead_letter: ts.deadletter
         typed(stream, specs, TOPIC)             processors.faust_app.typed dead-letters what it cannot decode
         events(consumer, producer, specs)       producers.events does the same
-        table(app, SPEC, name)                  a faust table writes its changelog and reads it back (group-less)
-reads   @app.agent(TOPIC)                       a faust agent, in group ts-<role> of `app = make_app("<role>")`
+        table(app, SPEC, name)                  a faust table writes its changelog, reads it back (group-less)
+reads   @app.agent(TOPIC)                       a faust agent, in group ts-<role> of app = make_app("<role>")
         start_consumer(*SPECS, group=G)         producers.start_consumer subscribed at once
         AIOKafkaConsumer(*NAMES, group_id=G)    the same, made directly
         <consumer>.subscribe([SPEC.name, ...])  in the group its start_consumer / AIOKafkaConsumer named

@@ -9,7 +9,8 @@ from topics.registry import Reader, TopicSpec, Writer
 
 
 def _writers(writers: tuple[Writer, ...]) -> str:
-    """One line per distinct `when`, naming every role that writes then (ts.deadletter: five roles, one rule)."""
+    """One line per distinct `when`, naming every role that writes then (ts.deadletter: five roles,
+    one rule)."""
     by_when: dict[str, list[str]] = {}
     for w in writers:
         by_when.setdefault(w.when, []).append(w.role.title)
@@ -20,7 +21,8 @@ def _writers(writers: tuple[Writer, ...]) -> str:
 
 def _reader(r: Reader) -> str:
     purpose = f" ({escape(r.purpose)})" if r.purpose else ""
-    return f"[bold]{escape(r.role.title)}[/]{purpose} [cyan]{escape(r.group or 'group-less')}[/]: {escape(r.commit)}"
+    group = escape(r.group or "group-less")
+    return f"[bold]{escape(r.role.title)}[/]{purpose} [cyan]{group}[/]: {escape(r.commit)}"
 
 
 def flow_table(specs: list[TopicSpec]) -> Table:

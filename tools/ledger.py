@@ -32,7 +32,10 @@ from schemas.keys import EFFECT_TTL_S, tool_claim, tool_published, tool_result
 log = logging.getLogger("tools.ledger")
 
 # KEYS[1] the claim; ARGV[1] the holder's token (ARGV[2] the lease, ms). 1 when done, 0 when not ours.
-RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
+RENEW = (
+    "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end "
+    "return 0"
+)
 RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
 # KEYS[1] the published mark, KEYS[2] the claim; ARGV[1] the token, ARGV[2] the mark's lifetime (s)
 PUBLISHED = (

@@ -1,12 +1,12 @@
 """The tool processor: ToolCall events on ts.tool.calls -> ToolResult events on ts.tool.results.
 
 One consumer group (`ts-tools`); add processes to scale (the calls' partitions are shared among
-them). Calls of one partition run in order, partitions run side by side (at most
-`concurrency` calls at once). A call's offset is committed only after its result is
-acknowledged by the broker, so a processor that dies mid-call leaves it to the next one; the
-ledger (tools/ledger.py) makes sure a call runs to completion once and its result is replayed,
-never recomputed, and never published twice (tools/published_check.py). Calls naming a tool this processor does not serve (function tools, answered
-by the client) are passed over.
+them). Calls of one partition run in order, partitions run side by side (at most `concurrency` calls
+at once). A call's offset is committed only after its result is acknowledged by the broker, so a
+processor that dies mid-call leaves it to the next one; the ledger (tools/ledger.py) makes sure a
+call runs to completion once and its result is replayed, never recomputed, and never published twice
+(tools/published_check.py). Calls naming a tool this processor does not serve (function tools,
+answered by the client) are passed over.
 """
 
 from __future__ import annotations

@@ -165,7 +165,8 @@ def _raise_errors(results: list[dict], ignore: frozenset[int] | set[int] = froze
     if failed:
         raise RuntimeError(
             "; ".join(
-                f"{r.get('topic') or r.get('resource_name')}: error {r['error_code']} {r['error_message'] or ''}"
+                f"{r.get('topic') or r.get('resource_name')}: "
+                f"error {r['error_code']} {r['error_message'] or ''}"
                 for r in failed
             )
         )

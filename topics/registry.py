@@ -276,7 +276,10 @@ TOKENS = TopicSpec(
             Role.OPERATOR,
             None,
             "every partition from a start time to its end; nothing committed",
-            "`tokenstream chaos`: the drill's check of every answer; `tokenstream shadow`: the served answers",
+            (
+                "`tokenstream chaos`: the drill's check of every answer; "
+                "`tokenstream shadow`: the served answers"
+            ),
         ),
         AUDITOR,
     ),

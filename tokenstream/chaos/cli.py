@@ -32,9 +32,9 @@ def chaos(
     max_tokens: int = typer.Option(24, help="tokens per answer"),
     report_file: Path = typer.Option(None, "--report", help="also write the report as JSON here"),
 ) -> None:
-    """Kill -9 every role in turn, restart the broker, stall clients and (--freezes) stop processes a
-    while under load, exactly as many of each as asked, spread evenly over the run; then prove that no token was lost or repeated, every
-    group drained and nothing is left generating."""
+    """Kill -9 every role in turn, restart the broker, stall clients and (--freezes) stop processes a while
+    under load, exactly as many of each as asked, spread evenly over the run; then prove that no token was
+    lost or repeated, every group drained and nothing is left generating."""
     import asyncio
     import json
 

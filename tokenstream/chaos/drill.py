@@ -146,8 +146,8 @@ async def run(
         else:
             every_s = minutes * 60 / (len(schedule) + 1)
         say(
-            f"chaos: {clients} clients, {len(schedule)} faults, one every {every_s:.1f} s for {minutes:g} min "
-            f"(logs in {root})"
+            f"chaos: {clients} clients, {len(schedule)} faults, one every {every_s:.1f} s "
+            f"for {minutes:g} min (logs in {root})"
         )
         supervisor_stop = asyncio.Event()
         supervisor = asyncio.create_task(system.supervise(supervisor_stop))

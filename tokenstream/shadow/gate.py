@@ -86,8 +86,8 @@ def refusal(model: str, targets: list[str], gates: dict[str, ShadowGate]) -> str
         gate = gates.get(target)
         if gate is None:
             return (
-                f"{target} has no shadow evaluation: run `tokenstream shadow --model {target} --served {model} "
-                f"--since ... --require agreement>=0.9` first"
+                f"{target} has no shadow evaluation: run `tokenstream shadow --model {target} "
+                f"--served {model} --since ... --require agreement>=0.9` first"
             )
         if gate.served != model:
             return f"{target}'s latest shadow evaluation was against {gate.served}, not {model}"

@@ -123,7 +123,8 @@ class Kafka(Service):
         if stamp.exists():
             return
         say(
-            f"kafka: resolving kafka_2.13:{KAFKA_VERSION} and its runtime jars from Maven Central into {self.libs}"
+            f"kafka: resolving kafka_2.13:{KAFKA_VERSION} and its runtime jars from Maven Central "
+            f"into {self.libs}"
         )
         maven_copy(POM, self.libs, "kafka")
         stamp.write_text(KAFKA_VERSION)
@@ -184,7 +185,8 @@ class Kafka(Service):
             # that long, the group coordinators' own writes too, and every heartbeat they answer meanwhile
             # (a classic group's heartbeat is answered after the coordinator's pending writes commit). So it
             # must stay well under the members' 3 s session (producers/settings.py), or a node kill expires
-            # the members of groups coordinated on the surviving nodes too (docs/guarantees.md, bench/RESULTS.md)
+            # the members of groups coordinated on the surviving nodes too (docs/guarantees.md,
+            # bench/RESULTS.md)
             "broker.session.timeout.ms": "1500",
             "broker.heartbeat.interval.ms": "250",
             # a dead active controller is replaced after 1 s without its fetch answers, not 2 s; the broker
@@ -208,11 +210,15 @@ class Kafka(Service):
             "sasl.mechanism.inter.broker.protocol": SCRAM,
             "sasl.mechanism.controller.protocol": "PLAIN",
             "listener.name.client.sasl.enabled.mechanisms": SCRAM,
-            f"listener.name.client.{SCRAM.lower()}.sasl.jaas.config": f'org.apache.kafka.common.security.scram.ScramLoginModule required username="{ADMIN}" '
-            f'password="{admin}";',
+            f"listener.name.client.{SCRAM.lower()}.sasl.jaas.config": (
+                "org.apache.kafka.common.security.scram.ScramLoginModule required "
+                f'username="{ADMIN}" password="{admin}";'
+            ),
             "listener.name.controller.sasl.enabled.mechanisms": "PLAIN",
-            "listener.name.controller.plain.sasl.jaas.config": f'org.apache.kafka.common.security.plain.PlainLoginModule required username="{CONTROLLER_USER}" '
-            f'password="{controller}" user_{CONTROLLER_USER}="{controller}";',
+            "listener.name.controller.plain.sasl.jaas.config": (
+                "org.apache.kafka.common.security.plain.PlainLoginModule required "
+                f'username="{CONTROLLER_USER}" password="{controller}" user_{CONTROLLER_USER}="{controller}";'
+            ),
             "authorizer.class.name": "org.apache.kafka.metadata.authorizer.StandardAuthorizer",
             "super.users": f"User:{ADMIN};User:{CONTROLLER_USER}",
             "allow.everyone.if.no.acl.found": "false",

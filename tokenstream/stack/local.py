@@ -1,11 +1,12 @@
 """The whole system on a throwaway stack, for benchmarks and fault drills: every role a real process.
 
-`LocalSystem` starts Kafka (one node, or a cluster of `brokers`) and Redis on free ports, applies the topics, then `instances` processes
-of each processor and of the worker, and one gateway per entry of `gateways` (each with its own
-environment and its own share of the tokens partitions). Every process can be killed (-9) and
-started again with the same arguments. `key` is an API key of tenant `local` (paid, no limits, exact
-cache off) for the clients of a benchmark or drill. `supervise()` restarts any that exits, with back-off, as
-a process supervisor (systemd, Kubernetes) would. Logs stay in the given folder.
+`LocalSystem` starts Kafka (one node, or a cluster of `brokers`) and Redis on free ports, applies the
+topics, then `instances` processes of each processor and of the worker, and one gateway per entry of
+`gateways` (each with its own environment and its own share of the tokens partitions). Every process can
+be killed (-9) and started again with the same arguments. `key` is an API key of tenant `local` (paid,
+no limits, exact cache off) for the clients of a benchmark or drill. `supervise()` restarts any that
+exits, with back-off, as a process supervisor (systemd, Kubernetes) would. Logs stay in the given
+folder.
 """
 
 from __future__ import annotations

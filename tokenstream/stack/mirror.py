@@ -108,8 +108,10 @@ class MirrorMaker(Service):
                 props |= {
                     f"{region}.security.protocol": "SASL_PLAINTEXT",
                     f"{region}.sasl.mechanism": SCRAM,
-                    f"{region}.sasl.jaas.config": "org.apache.kafka.common.security.scram.ScramLoginModule required "
-                    f'username="{MIRROR}" password="${{file:{self.secrets_file}:{region}}}";',
+                    f"{region}.sasl.jaas.config": (
+                        "org.apache.kafka.common.security.scram.ScramLoginModule required "
+                        f'username="{MIRROR}" password="${{file:{self.secrets_file}:{region}}}";'
+                    ),
                 }
             for other in regions:
                 if other != region:

@@ -47,8 +47,9 @@ class CodeInterpreter:
         if run.value != "2":
             raise RuntimeError(
                 f"the code interpreter's sandbox does not work: {run.error}\n{run.stderr[-2000:]}\n"
-                f"(bubblewrap must be installed, and {self.sandbox.root} and every folder above it searchable "
-                f"by uid {self.sandbox.cfg.sandbox_uid}: set TOKENSTREAM_TOOLS_SANDBOX_DIR, see tools/README.md)"
+                f"(bubblewrap must be installed, and {self.sandbox.root} and every folder above it "
+                f"searchable by uid {self.sandbox.cfg.sandbox_uid}: set TOKENSTREAM_TOOLS_SANDBOX_DIR, "
+                "see tools/README.md)"
             )
 
     async def run(self, call: ToolCall, args: dict) -> Outcome:

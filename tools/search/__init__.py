@@ -1,1 +1,2 @@
-"""File search: uploaded files -> text -> chunks -> MiniLM vectors -> Weaviate (one tenant per tokenstream tenant)."""
+"""File search: uploaded files -> text -> chunks -> MiniLM vectors -> Weaviate (one tenant per tokenstream
+tenant)."""

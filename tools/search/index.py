@@ -41,7 +41,8 @@ class Hit:
 
 
 def weaviate_tenant(tenant: str) -> str:
-    """Weaviate tenant names allow [A-Za-z0-9_-]{1,64}: a hash, so every tokenstream tenant maps to its own."""
+    """Weaviate tenant names allow [A-Za-z0-9_-]{1,64}: a hash, so every tokenstream tenant maps to its
+    own."""
     return "t_" + hashlib.sha256(tenant.encode()).hexdigest()[:40]
 
 
