@@ -385,7 +385,8 @@ def _framer(rid: str, note: dict) -> ResponseFramer:
 
 
 async def _keep_input(gw: Gateway, body: ResponseCreate, rid: str, note: dict) -> None:
-    """A stored response's input items, for GET .../input_items (best effort: the answer does not wait on it)."""
+    """A stored response's input items, for GET .../input_items (best effort: the answer does not wait
+    on it)."""
     if body.store and gw.redis is not None:
         await gw.redis.set(
             K.response_input(rid),
