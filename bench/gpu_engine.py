@@ -432,7 +432,7 @@ def stage_report() -> None:
     measured = [r for r in peers.values() if isinstance(r, dict) and "tokens_per_s" in r]
     hf = max(measured, key=lambda r: r["tokens_per_s"]) if measured else {"skipped": str(peers)[:300]}
     bf16 = runs.get("bf16", {})
-    print("\nthe engine in-process, without Kafka, against its peers on this GPU")
+    print(f"\nthe engine in-process, without Kafka, against its peers on {k['device']}")
     print(f"{'engine':28s} {'tokens/s':>9s} {'wall s':>7s} {'peak GiB':>9s}")
     for name, r in [
         *((f"tokenstream {mode}", r) for mode, r in runs.items()),
