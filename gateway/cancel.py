@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from aiokafka import AIOKafkaProducer
 
+from common.redis_pool import bounded
 from gateway.metrics import Metrics
 from producers import publish
 from schemas import Cancel
@@ -35,9 +36,7 @@ class Canceller:
         self._timers: set[asyncio.Task] = set()
         self._redis = None
         if redis_url:
-            import redis.asyncio as aioredis
-
-            self._redis = aioredis.from_url(redis_url, socket_timeout=1, socket_connect_timeout=1)
+            self._redis = bounded(redis_url, socket_timeout=1, socket_connect_timeout=1)
 
     @staticmethod
     def _key(request_id: str) -> str:

@@ -12,9 +12,8 @@ import itertools
 import json
 import logging
 
-import redis.asyncio as aioredis
-
 from common.config import settings
+from common.redis_pool import bounded
 from gateway.admission import Admission
 from gateway.cache import ExactCache
 from gateway.cancel import Canceller
@@ -69,7 +68,7 @@ class Gateway:
         )
         self.inflight.attached = lambda rid: self.fanout is not None and rid in self.fanout.streams
         self.cache_redis = (
-            aioredis.from_url(cache_url, socket_timeout=1, socket_connect_timeout=1) if cache_url else None
+            bounded(cache_url, socket_timeout=1, socket_connect_timeout=1) if cache_url else None
         )
         self.exact_cache = ExactCache(
             self.cache_redis, cfg.exact_cache_ttl_s, cfg.exact_cache_max_chars, self.metrics
@@ -87,7 +86,7 @@ class Gateway:
         )
         # files and vector stores: their own Redis connection, with room for a file's bytes
         self.files_redis = (
-            aioredis.from_url(redis_url, socket_timeout=10, socket_connect_timeout=2) if redis_url else None
+            bounded(redis_url, socket_timeout=10, socket_connect_timeout=2) if redis_url else None
         )
         self.uploads = Uploads(self.files_redis, cfg.tenant_files_max_bytes) if self.files_redis else None
         self.searches = ToolSearches(bootstrap)
