@@ -378,7 +378,30 @@ def messages_of(
     return out
 
 
-def _as_function(tool: ResponseTool) -> tp.Tool:
+#: the most of the user's input a forced file_search searches with (the grammar writes it token by token)
+FORCED_QUERY_CHARS = 500
+
+
+def user_query(body: ResponseCreate) -> str | None:
+    """What a forced file_search searches with: the user's last message (its text parts), or None."""
+    items = [MessageItem(role="user", content=body.input)] if isinstance(body.input, str) else body.input
+    for item in reversed(items):
+        if isinstance(item, MessageItem) and item.role == "user":
+            parts = [item.content] if isinstance(item.content, str) else item.content
+            text = " ".join(
+                p if isinstance(p, str) else p.text for p in parts if isinstance(p, str | InputText)
+            )
+            text = " ".join(text.split())[:FORCED_QUERY_CHARS]
+            return text or None
+    return None
+
+
+def _forced(choice: ResponseToolChoice | None, name: str) -> bool:
+    return isinstance(choice, HostedTool | NamedFunction) and _name(choice) == name
+
+
+def _as_function(tool: ResponseTool, query: str | None = None) -> tp.Tool:
+    """The tool as a function spec; `query`: the text a forced file_search searches with."""
     if isinstance(tool, FunctionTool):
         return tp.Tool(
             type="function",
@@ -390,7 +413,9 @@ def _as_function(tool: ResponseTool) -> tp.Tool:
         return tp.Tool(type="function", function=CODE_TOOL)
     if isinstance(tool, WebFetchTool):
         return tp.Tool(type="function", function=WEB_TOOL)
-    # the stores and the result count are fixed by the request: the grammar writes them as given
+    # the stores and the result count are fixed by the request: the grammar writes them as given. A
+    # forced call searches with the user's input, written by the grammar too: a small model forced to
+    # call writes an empty query (which finds nothing), and a search query is never empty.
     return tp.Tool(
         type="function",
         function=tp.FunctionDef(
@@ -399,7 +424,7 @@ def _as_function(tool: ResponseTool) -> tp.Tool:
             parameters={
                 "type": "object",
                 "properties": {
-                    "query": {"type": "string"},
+                    "query": {"type": "string"} if query is None else {"type": "string", "enum": [query]},
                     "vector_store_ids": {
                         "type": "array",
                         "items": {"type": "string", "enum": tool.vector_store_ids},
@@ -457,8 +482,9 @@ def output_and_run(
     try:
         # with max_tool_calls a step makes one call at most, so the run's count is its step number
         parallel = False if body.max_tool_calls is not None else body.parallel_tool_calls
+        query = user_query(body) if _forced(body.tool_choice, "file_search") else None
         spec = tp.output_spec(
-            [_as_function(t) for t in tools], _choice(body.tool_choice), parallel, _format(body.text)
+            [_as_function(t, query) for t in tools], _choice(body.tool_choice), parallel, _format(body.text)
         )
     except tp.BadField as exc:
         raise api.invalid_request(str(exc), exc.param) from None

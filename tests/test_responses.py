@@ -373,13 +373,15 @@ async def test_previous_response_id_continues_the_conversation_and_its_working_f
     assert "notes.txt" not in before.model_extra["result"]["value"], before
     assert "notes.txt" in listing.model_extra["result"]["value"], listing
     other = openai.AsyncOpenAI(base_url=system["url"] + "/v1", api_key=new_key("another"), max_retries=0)
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.BadRequestError) as refused:  # another's: as if it did not exist
         await other.responses.create(**create(input="hi", previous_response_id=first.id))
+    assert refused.value.code == "previous_response_not_found"
     unstored = await client.responses.create(**create(input="hi", store=False, max_output_tokens=4))
     async with httpx.AsyncClient(base_url=system["url"], timeout=60, headers=auth_headers()) as http:
         assert (await http.get(f"/v1/responses/{unstored.id}")).status_code == 404
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.BadRequestError) as refused:
         await client.responses.create(**create(input="hi", previous_response_id=unstored.id))
+    assert refused.value.code == "previous_response_not_found"
 
 
 async def _until_created(stream):

@@ -2,13 +2,15 @@
 `compaction` item holding the model's own summary of everything (gateway/compaction.py).
 
 The summary is a response run through the pipeline like any other (stored false, greedy), so it is
-screened, limited and counted as the key's usage; its usage is the compaction's.
+screened, limited and counted as the key's usage; its usage is the compaction's. `prompt_cache_key` and
+`service_tier` mean what they mean on `POST /v1/responses` (the run carries them); any other field is a
+400 naming it.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends
 from fastapi.exceptions import RequestValidationError
@@ -35,6 +37,8 @@ class CompactRequest(api.UnicodeBody):
     input: Annotated[str, Field(max_length=MAX_TEXT)] | list[InputItem]
     instructions: str | None = Field(None, max_length=MAX_TEXT)
     previous_response_id: str | None = Field(None, description="refused: send the items to compact")
+    prompt_cache_key: str | None = Field(None, max_length=api.MAX_CACHE_KEY_CHARS)  # the summary run's
+    service_tier: Literal["auto", "default", "flex"] | None = None  # the summary run's
 
 
 @router.post("/responses/compact")
@@ -52,7 +56,9 @@ async def compact(body: CompactRequest, gw: Gateway = Depends(pipeline), key: K.
         raise RequestValidationError(exc.errors()) from None
     await read_files(gw, key.tenant, given)
     summary, usage = await compaction.summarise(
-        summary_run(gw, key, body.model), messages_of(given, key.tenant), context.window(body.model)
+        summary_run(gw, key, body.model, body.prompt_cache_key, body.service_tier),
+        messages_of(given, key.tenant),
+        context.window(body.model),
     )
     items = [MessageItem(role="user", content=body.input)] if isinstance(body.input, str) else body.input
     kept = [

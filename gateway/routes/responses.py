@@ -54,11 +54,29 @@ FLEX_SHARE = 0.25  # of the admission wait budget
 _tools = TypeAdapter(list[ResponseTool])
 
 
+def no_response(response: str) -> api.APIError:
+    """The one answer for a response id the caller does not own, whatever its shape: an id no gateway
+    made, another tenant's, an expired or deleted one alike (nothing tells them apart)."""
+    return api.not_found(f"No response with id {response!r}.")
+
+
+def no_previous_response(response: str) -> api.APIError:
+    """`previous_response_id` naming a response the caller cannot continue (unknown, not its own, or
+    made with store false): the specification's previous_response_not_found, the same for each."""
+    return api.APIError(
+        400,
+        f"Previous response with id {response!r} not found.",
+        "invalid_request_error",
+        param="previous_response_id",
+        code="previous_response_not_found",
+    )
+
+
 def response_run_id(response: str) -> str:
     try:
         return run_id_of(response)
     except ValueError:
-        raise api.not_found(f"No response with id {response!r}.") from None
+        raise no_response(response) from None
 
 
 async def owned_response(gw: Gateway, rid: str, response: str, tenant: str) -> dict:
@@ -66,8 +84,22 @@ async def owned_response(gw: Gateway, rid: str, response: str, tenant: str) -> d
     if meta == {}:
         raise api.unavailable("The owner of this response cannot be checked right now (Redis unreachable).")
     if meta is None or meta.get("tenant") != tenant or "run" not in meta:
-        raise api.not_found(f"No response with id {response!r} (or it has expired).")
+        raise no_response(response)
     return meta
+
+
+async def previous_response(gw: Gateway, response: str, tenant: str, unstored: frozenset[str]) -> dict:
+    """The response a request continues: the caller's own, stored, or one of `unstored` (store false
+    responses its WebSocket connection made); any other is previous_response_not_found."""
+    try:
+        before = await owned_response(gw, response_run_id(response), response, tenant)
+    except api.APIError as exc:
+        if exc.status == 404:
+            raise no_previous_response(response) from None
+        raise
+    if not before.get("store") and response not in unstored:
+        raise no_previous_response(response)
+    return before
 
 
 def _preset_tools(name: str | None) -> list:
@@ -153,6 +185,14 @@ def _tool_echo(tool) -> dict[str, Any]:
 
 @router.post("/responses")
 async def create(body: ResponseCreate, gw: Gateway = Depends(pipeline), key: K.ApiKey = Depends(principal)):
+    return await create_response(body, gw, key)
+
+
+async def create_response(
+    body: ResponseCreate, gw: Gateway, key: K.ApiKey, unstored: frozenset[str] = frozenset()
+):
+    """A response, over HTTP or a WebSocket; `unstored`: the store-false responses it may continue (its
+    WebSocket connection's own, as OpenAI's WebSocket mode keeps them on the connection)."""
     field = body.unsupported()
     if field is not None:
         raise api.invalid_request(f"`{field}` is not supported by this server.", field)
@@ -173,18 +213,7 @@ async def create(body: ResponseCreate, gw: Gateway = Depends(pipeline), key: K.A
     await read_files(gw, key.tenant, body)
     messages = messages_of(body, key.tenant, earlier)
     if body.previous_response_id is not None:
-        before = await owned_response(
-            gw, response_run_id(body.previous_response_id), body.previous_response_id, key.tenant
-        )
-        if not before.get("store"):
-            raise api.APIError(
-                404,
-                f"Previous response {body.previous_response_id!r} was created with store "
-                "false and cannot be continued.",
-                "invalid_request_error",
-                param="previous_response_id",
-                code="not_found",
-            )
+        before = await previous_response(gw, body.previous_response_id, key.tenant, unstored)
         conversation = before["conversation_id"]
     if body.context_management and body.previous_response_id is not None:
         raise api.invalid_request(
@@ -319,8 +348,15 @@ def flex(body: ResponseCreate) -> bool:
     return body.service_tier == "flex"
 
 
-def summary_run(gw: Gateway, key: K.ApiKey, model: str):
-    """compaction.summarise's runner: a stored-false, greedy response run of this key through the pipeline."""
+def summary_run(
+    gw: Gateway,
+    key: K.ApiKey,
+    model: str,
+    cache_key: str | None = None,
+    service_tier: str | None = None,
+):
+    """compaction.summarise's runner: a stored-false, greedy response run of this key through the pipeline,
+    with the compaction request's prompt_cache_key and service_tier."""
 
     async def run(instructions: str, text: str, max_tokens: int) -> dict:
         body = ResponseCreate(
@@ -330,6 +366,8 @@ def summary_run(gw: Gateway, key: K.ApiKey, model: str):
             store=False,
             temperature=0,
             max_output_tokens=max_tokens,
+            prompt_cache_key=cache_key,
+            service_tier=service_tier,
         )
         return json.loads((await create(body, gw, key)).body)
 

@@ -28,7 +28,7 @@ from pydantic import ValidationError
 from gateway import openai_api as api
 from gateway.auth import key_of
 from gateway.responses_api import ResponseCreate
-from gateway.routes.responses import create
+from gateway.routes.responses import create_response
 from schemas import keys as K
 
 log = logging.getLogger(__name__)
@@ -69,6 +69,9 @@ class Socket:
         self.lanes: dict[str | None, asyncio.Queue] = {}
         self.runners: set[asyncio.Task] = set()
         self.writing = asyncio.Lock()
+        # store-false responses made on this connection: only this connection may continue them (a
+        # reconnected client's previous_response_id naming one is previous_response_not_found)
+        self.unstored: set[str] = set()
 
     async def send(self, event: dict[str, Any]) -> None:
         async with self.writing:
@@ -164,7 +167,7 @@ class Socket:
             await self.send(_invalid(f"{first.get('msg', 'invalid request')} ({param})", param, lane))
             return
         try:
-            answer = await create(body, self.gw, self.key)
+            answer = await create_response(body, self.gw, self.key, frozenset(self.unstored))
         except api.APIError as exc:
             await self.send(_error(exc.status, exc.message, exc.type, exc.param, exc.code, lane))
             return
@@ -172,6 +175,15 @@ class Socket:
         try:
             async for frame in frames:
                 shown = json.loads(frame.data)
+                if shown.get("type") == "error" and "error" not in shown:  # the stream's own end (a timeout)
+                    shown = {
+                        **_error(
+                            504, shown["message"], "server_error", shown.get("param"), shown.get("code")
+                        ),
+                        "sequence_number": shown.get("sequence_number"),
+                    }
+                if shown.get("type") == "response.created" and not body.store:
+                    self.unstored.add(shown["response"]["id"])
                 if lane is not None:
                     shown["stream_id"] = lane
                 await self.send(shown)
