@@ -142,7 +142,7 @@ async def _run(streams: int, rate: float, tokens: int, light_requests: int) -> d
                 say("(b) light load: TTFT overhead")
                 light = await _light(port, key, worker, light_requests)
                 say(f"(a) fan-out: {streams} streams, {tokens} tokens at {rate}/s each")
-                fan = await _fanout(port, key, worker, proc, streams, rate, tokens)
+                fan = await fanout(port, key, worker, proc, streams, rate, tokens)
             finally:
                 await worker.stop()
             return {
@@ -296,18 +296,20 @@ async def _light(port: int, key: str, worker: SyntheticWorker, n: int) -> dict:
     }
 
 
-async def _fanout(
+async def fanout(
     port: int, key: str, worker: SyntheticWorker, proc, streams: int, rate: float, tokens: int
 ) -> dict:
+    """`streams` SSE streams open at once, each fed `tokens` tokens at `rate`/s; delivery and lag."""
     import asyncio
 
     received: dict[str, dict[int, float]] = {}
+    out_of_order = 0
     rid_of: list[str | None] = [None] * streams
     opened = asyncio.Event()
     errors = 0
 
     async def client(i: int) -> None:
-        nonlocal errors
+        nonlocal errors, out_of_order
         try:
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
         except OSError:
@@ -325,7 +327,9 @@ async def _fanout(
             for m in ID_RE.finditer(buf):
                 rid, seq = m.group(1).decode(), int(m.group(2))
                 rid_of[i] = rid
-                received.setdefault(rid, {})[seq] = now
+                got = received.setdefault(rid, {})
+                out_of_order += bool(got) and seq <= max(got)
+                got[seq] = now
                 end = m.end()
             tail = buf[end:][-256:]
         writer.close()
@@ -385,6 +389,7 @@ async def _fanout(
         "events_per_s": round(len(rids) * rate, 1),
         "tokens_delivered": len(lags),
         "tokens_missing": missing,
+        "frames_out_of_order": out_of_order,
         "delivery_lag_ms": {
             "p50": _pct(lags, 50),
             "p90": _pct(lags, 90),
