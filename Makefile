@@ -1,5 +1,5 @@
 # The two commands of the README. Both are idempotent and set everything up on first use.
-.PHONY: run test test-all setup install-services vllm-venv stop status
+.PHONY: run test test-all lint setup install-services vllm-venv stop status
 
 TS := .venv/bin/tokenstream
 
@@ -14,17 +14,22 @@ run: install-services
 	@$(TS) system up
 	@$(TS) system status
 
-## make test: the suite against a real Kafka, Redis and Weaviate it starts on free ports
-## (all but the `heavy` acceptance runs and drills: about 13 minutes on 2 cores)
-test: install-services
+## make test: the linter, then the suite against a real Kafka, Redis and Weaviate it starts on free
+## ports (all but the `heavy` acceptance runs and drills: under 15 minutes on 2 cores)
+test: install-services lint
 	.venv/bin/python -m pytest -ra -m "not heavy" $(PYTEST_ARGS)
+
+## make lint: ruff's rules and its formatting (configured in pyproject.toml), changing nothing
+lint: setup
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
 
 ## vLLM's CPU build in its own virtualenv with the project (the worker's `vllm` backend; once, minutes)
 vllm-venv: setup
 	.venv/bin/python -m bench.peers vllm
 
 ## make test-all: everything, the heavy runs and drills included, the vLLM backend's too (about 20 minutes more)
-test-all: install-services vllm-venv
+test-all: install-services lint vllm-venv
 	.venv/bin/python -m pytest -ra $(PYTEST_ARGS)
 
 stop:
