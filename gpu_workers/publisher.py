@@ -1,0 +1,207 @@
+"""Publishing: a step's outputs -> the tokens topic; an acknowledged Completion -> its offset committed.
+
+Rule: a request's offset is committed only after its Completion is acknowledged by the broker
+(acks=all), and only up to the lowest offset still in flight on that partition (gpu_workers/offsets.py).
+Outputs of a request its worker no longer owns (given up, or taken over afresh) are dropped; those of a
+held partition wait for the next assignment (gpu_workers/rebalance.py). A shadow replay's answer is its
+Completion alone, on the shadow answers topic. Events are queued for the producer under `publish_lock`,
+so that a revocation can flush everything a publish under way queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from aiokafka.errors import KafkaError
+from aiokafka.structs import TopicPartition
+
+from common import tracing
+from gpu_workers.logits import TokenTexts
+from gpu_workers.sequence import Output
+from producers import publish
+from schemas import Completion, Timings, TokenChunk, ToolCall, Usage, encode
+from schemas.headers import EVENT_TYPE
+from topics import SHADOW_ANSWERS, TOKENS, TOOL_CALLS
+
+COMPLETED_KEPT = 10_000  # request ids remembered as done, to drop a duplicate of one
+
+log = logging.getLogger(__name__)
+
+
+class Publisher:
+    """Outputs -> Kafka, and the commits, for `worker` (a gpu_workers.service.Worker, its state)."""
+
+    def __init__(self, worker) -> None:
+        self.worker = worker
+        self.token_texts = TokenTexts(worker.engine.tokenizer)  # for reported log probabilities
+        self.commit_lock = asyncio.Lock()
+
+    async def publish(self, outputs: list[Output]) -> None:
+        async with self.worker.publish_lock:
+            await self.publish_locked(outputs)
+
+    async def publish_locked(self, outputs: list[Output]) -> None:
+        w = self.worker
+        for out in outputs:
+            rid = out.seq.request_id
+            owned = w.owned.get(rid)
+            if owned is None or owned[3] is not out.seq:
+                continue  # aborted: its partition belongs to another worker now (or it was taken over afresh)
+            tp, offset, request, _ = owned
+            if w.handover.holds(tp):
+                w.handover.wait(tp, out)  # revoked: written only if the next assignment keeps it
+                continue
+            parser = w.parsers.get(rid)
+            span = w.spans.get(rid)
+            trace = span.trace if span is not None else None
+            # every chunk names the span only while spans are exported (its children are the output
+            # checks): otherwise the header would add about 70 bytes to each record of ts.tokens
+            chunk_trace = trace if span is not None and span.span is not None else None
+            if out.chunk_seq is not None:
+                text, calls, raw = out.text, [], None
+                if parser is not None:  # the model's text -> content and call deltas
+                    (text, calls), raw = parser.feed(out.text), out.text
+                chunk = TokenChunk(
+                    request_id=rid,
+                    conversation_id=request.conversation_id,
+                    tenant=request.tenant,
+                    seq=out.chunk_seq,
+                    text=text,
+                    token_ids=out.token_ids,
+                    tool_calls=calls,
+                    raw=raw,
+                    worker_id=w.worker_id,
+                    logprobs=self.token_texts.report(out.logprobs) if out.logprobs else [],
+                )
+                if not request.shadow_of:  # a shadow replay's answer is its Completion alone
+                    await publish(
+                        w.producer,
+                        TOKENS,
+                        chunk,
+                        partition=request.reply_partition,
+                        wait=False,
+                        trace=chunk_trace,
+                    )
+                w.chunks_written[rid] = out.chunk_seq + 1
+                if rid in w.resuming:  # where a takeover's time goes: taken in -> its next token out
+                    log.info(
+                        "worker %s resumed %s at chunk %d, %.2f s after taking it over",
+                        w.worker_id,
+                        rid,
+                        out.chunk_seq,
+                        time.monotonic() - w.resuming.pop(rid),
+                    )
+            if out.finish_reason is not None and w.owned.get(rid) is owned:  # not given up meanwhile
+                seq = out.seq
+                reason, error = out.finish_reason, out.error
+                if seq.grammar is not None and seq.grammar.error is not None and reason == "stop":
+                    reason, error = "error", seq.grammar.error
+                if parser is not None:
+                    w.parsers.pop(rid, None)
+                    if parser.calls and reason == "stop":
+                        reason = "tool_calls"
+                    for call in [] if request.shadow_of else parser.calls:  # the audit trail (by call_id)
+                        await publish(
+                            w.producer,
+                            TOOL_CALLS,
+                            ToolCall(
+                                request_id=rid,
+                                conversation_id=request.conversation_id,
+                                tenant=request.tenant,
+                                call_id=call.id,
+                                name=call.function.name,
+                                arguments=call.function.arguments,
+                            ),
+                            wait=False,
+                            trace=trace,
+                        )
+                queue, prefill, decode = seq.timings()
+                done = Completion(
+                    request_id=rid,
+                    conversation_id=request.conversation_id,
+                    tenant=request.tenant,
+                    seq=out.completion_seq,
+                    finish_reason=reason,
+                    error=error,
+                    text=seq.emitted_text if parser is None else parser.text,
+                    tool_calls=[] if parser is None else parser.calls,
+                    usage=Usage(
+                        prompt_tokens=len(seq.prompt_ids),
+                        completion_tokens=len(seq.generated),
+                        cached_tokens=seq.cached_tokens,
+                        cache_write_tokens=seq.cache_written,
+                    ),
+                    timings=Timings(
+                        queue_s=queue,
+                        prefill_s=prefill,
+                        decode_s=decode,
+                        pipeline_s=max(0.0, seq.arrival - (request.admitted_at or request.created_at)),
+                    ),
+                    dropped_messages=request.dropped_messages,
+                    worker_id=w.worker_id,
+                    model=w.cfg.model,
+                    tier=request.tier,
+                    moderated=request.output.moderated,
+                )
+                headers = [(EVENT_TYPE, b"completion"), *(trace.headers() if trace else ())]
+                if request.shadow_of:  # never a client's: apart from ts.tokens, for `tokenstream shadow`
+                    future = await w.producer.send(
+                        SHADOW_ANSWERS.name, encode(done), key=rid.encode(), headers=headers
+                    )
+                else:
+                    future = await w.producer.send(
+                        TOKENS.name,
+                        encode(done),
+                        key=rid.encode(),
+                        partition=request.reply_partition,
+                        headers=headers,
+                    )
+                if span is not None and span.span is not None:
+                    span.set(tracing.completion_attributes(done, request.model))
+                    if reason == "error":
+                        span.fail(error or "error")
+                self.end_span(rid)
+                if (
+                    reason in ("stop", "length") and not request.shadow_of
+                ):  # its messages and answer: in the KV cache
+                    await w.announcer.held(request, done.text)
+                w.owned.pop(rid, None)
+                w.chunks_written.pop(rid, None)
+                w.resuming.pop(rid, None)
+                w.completed[rid] = None
+                while len(w.completed) > COMPLETED_KEPT:
+                    w.completed.popitem(last=False)
+                task = asyncio.create_task(self._after_delivery(future, tp, offset))
+                w.pending_completions.add(task)
+                task.add_done_callback(w.pending_completions.discard)
+
+    def end_span(self, rid: str, attributes: dict | None = None) -> None:
+        span = self.worker.spans.pop(rid, None)
+        if span is not None:
+            span.set(attributes or {})
+            span.end()
+
+    async def _after_delivery(self, future, tp: TopicPartition, offset: int) -> None:
+        await future  # acknowledged by the broker (acks=all): now the request may be committed
+        await self.done(tp, offset)
+
+    async def done(self, tp: TopicPartition, offset: int) -> None:
+        self.worker.tracker.done(tp, offset)
+        await self.commit()
+
+    async def commit(self) -> None:
+        w = self.worker
+        async with self.commit_lock:
+            assignment = w.consumer.assignment()
+            offsets = {tp: off for tp, off in w.tracker.committable().items() if tp in assignment}
+            if not offsets:
+                return
+            try:
+                await w.consumer.commit(offsets)
+            except (KafkaError, AssertionError) as exc:  # rebalancing: the new owner redoes the rest
+                log.warning("commit of %s failed: %s", offsets, exc)
+                return
+            w.tracker.mark_committed(offsets)
+            w.metrics.commits.labels(w.cfg.model).inc()
