@@ -11,6 +11,10 @@ A client that keeps its partition paused longer than `slow_reader_s` holds up ev
 stream on it: its Stream is dropped instead (its connection ends with an error event, and the
 client resumes from the log with Last-Event-ID, at its own pace), and the partition resumes.
 
+The Fanout outlives its consumer: when reading fails (a broker error, a decode or sealing outage),
+the gateway gives it a new consumer (`attach`), which continues each partition at the first record
+not yet delivered, so every live stream stays attached and misses nothing, and gets nothing twice.
+
 Besides the connections, a `watcher` (gateway/inflight.py) hears of every event of the requests
 this instance admitted, with or without a connection, and gets each one's Completion decoded
 (told apart by the event-type header, so other events of unwatched requests are never decoded).
@@ -114,7 +118,7 @@ def _is_completion(record: ConsumerRecord) -> bool:
 class Fanout:
     def __init__(
         self,
-        consumer: AIOKafkaConsumer,
+        consumer: AIOKafkaConsumer | None,
         partitions: list[int],
         metrics: Metrics,
         capacity: int = 64,
@@ -135,16 +139,35 @@ class Fanout:
         # At most one fetch response each (max_partition_fetch_bytes): bounded.
         self.parked: dict[TopicPartition, deque[ConsumerRecord]] = {}
         self.paused_at: dict[TopicPartition, float] = {}
+        self.next_offset: dict[TopicPartition, int] = {}  # per partition: the first record not delivered
+        self.connected = False  # a consumer is attached and positioned
         self.last_poll = 0.0
         self._counters = {
             tp.partition: metrics.token_events.labels(str(tp.partition)) for tp in self.partitions
         }
 
     async def start(self) -> None:
-        self.consumer.assign(self.partitions)
-        await self.consumer.seek_to_end(*self.partitions)
+        await self.attach(self.consumer)
+
+    async def attach(self, consumer: AIOKafkaConsumer) -> None:
+        """Read with `consumer` from now on: each partition from its first record not yet delivered
+        (the log's end on the first attach). Records parked for a full stream are read again."""
+        self.connected = False
+        self.consumer = consumer
+        self.parked.clear()
+        self.paused_at.clear()
+        for stream in self.streams.values():
+            stream.blocked_on = None
+        self.metrics.paused.set(0)
+        consumer.assign(self.partitions)
+        fresh = [tp for tp in self.partitions if tp not in self.next_offset]
+        if fresh:
+            await consumer.seek_to_end(*fresh)
         for tp in self.partitions:  # resolve positions now: a request admitted later sees all its events
-            await self.consumer.position(tp)
+            if tp in self.next_offset:
+                consumer.seek(tp, self.next_offset[tp])
+            self.next_offset[tp] = await consumer.position(tp)
+        self.connected = True
 
     def subscribe(self, request_id: str, aliases: tuple[str, ...] = ()) -> Stream:
         """The stream of `request_id`'s events, and of the `aliases`' (a response run's later steps),
@@ -225,6 +248,7 @@ class Fanout:
             if watched:
                 self.watcher.heard(key, event if isinstance(event, Completion) else None)
             records.popleft()
+            self.next_offset[tp] = record.offset + 1
         return True
 
     async def run(self) -> None:

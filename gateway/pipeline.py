@@ -108,7 +108,12 @@ class Gateway:
     @property
     def ready(self) -> bool:
         """The pipeline side: connected to the tokens partitions and the broker answers."""
-        return self.fanout is not None and self.admission.healthy()
+        return self.streaming and self.admission.healthy()
+
+    @property
+    def streaming(self) -> bool:
+        """Whether the tokens fan-out reads its partitions now."""
+        return self.fanout is not None and self.fanout.connected
 
     async def redis_reachable(self) -> bool:
         """Whether the durable Redis answers now: without it no API key or rate limit can be checked
@@ -145,24 +150,28 @@ class Gateway:
                 self.partitions = self.cfg.owned_partitions(len(total))
                 if not self.partitions:
                     raise RuntimeError("this instance owns no tokens partition")
-                fanout = Fanout(
-                    consumer,
-                    self.partitions,
-                    self.metrics,
-                    self.cfg.buffer_events,
-                    self.cfg.coalesce_chars,
-                    self.cfg.slow_reader_s,
-                    watcher=self.inflight,
-                )
-                await fanout.start()
-                self.fanout = fanout
+                if self.fanout is None:
+                    self.fanout = Fanout(
+                        None,
+                        self.partitions,
+                        self.metrics,
+                        self.cfg.buffer_events,
+                        self.cfg.coalesce_chars,
+                        self.cfg.slow_reader_s,
+                        watcher=self.inflight,
+                    )
+                elif [tp.partition for tp in self.fanout.partitions] != self.partitions:
+                    raise RuntimeError(f"tokens partitions changed under a live gateway: {self.partitions}")
+                # the same Fanout across reconnects: its live streams continue where they were
+                await self.fanout.attach(consumer)
                 log.info("gateway %s owns tokens partitions %s", self.cfg.instance_id, self.partitions)
-                await fanout.run()
+                await self.fanout.run()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001
                 log.warning("gateway not connected to the pipeline: %s", exc)
-                self.fanout = None
+                if self.fanout is not None:
+                    self.fanout.connected = False
                 if consumer is not None:
                     with contextlib.suppress(Exception):
                         await consumer.stop()

@@ -43,7 +43,7 @@ async def ready(gw: Gateway = Depends(pipeline)) -> JSONResponse:
     redis, cache, weaviate = await asyncio.gather(
         gw.redis_reachable(), gw.cache_reachable(), vectordb.aready(timeout_s=0.5)
     )
-    broker, fanout = gw.admission.healthy(), gw.fanout is not None
+    broker, fanout = gw.admission.healthy(), gw.streaming
     homes = gw.key_homes is None or gw.key_homes.caught_up
     ready = broker and fanout and redis and homes  # gw.ready, with Redis
     missing = [
