@@ -188,17 +188,21 @@ async def test_single_turn_websocket_runs_end_as_their_http_streams_do(client, s
     reaches the terminal event its HTTP stream reaches, with the same events in the same order."""
 
     async def over_http(given: list) -> list[str]:
-        stream = await client.responses.create(model=MODEL, input=given, stream=True, max_output_tokens=24)
+        stream = await client.responses.create(**create(input=given, stream=True, max_output_tokens=24))
         return [e.type async for e in stream]
 
-    async def over_ws(given: list) -> list[str]:
-        async with client.responses.connect() as conn:
-            await conn.response.create(model=MODEL, input=given, max_output_tokens=24)
+    async def over_ws(given: list, stream: bool) -> list[str]:
+        async with client.responses.connect() as conn:  # the HTTP body as it is, `stream` included
+            await conn.send(
+                {"type": "response.create", **create(input=given, stream=stream, max_output_tokens=24)}
+            )
             return [e.type for e in await asyncio.wait_for(_ended(conn), 240)]
 
     cases = list(COMPLIANCE.values())
     http = await asyncio.gather(*(over_http(given) for given in cases))
-    ws = await asyncio.gather(*(over_ws(given) for given in cases))
+    ws = await asyncio.gather(
+        *(over_ws(given, name.startswith("streaming")) for name, given in COMPLIANCE.items())
+    )
     for name, sse, socket in zip(COMPLIANCE, http, ws, strict=True):
         assert sse[-1] in ("response.completed", "response.incomplete"), (name, sse)
         assert [t for t in socket if "delta" not in t] == [t for t in sse if "delta" not in t], (name, socket)

@@ -1,12 +1,12 @@
 """WebSocket mode of the Responses API: `wss://.../v1/responses`.
 
 The client sends `response.create` events (the fields of `POST /v1/responses`; `stream` is implicit,
-`background` is refused) and receives each response's stream events as JSON messages, the same
-events, in the same order and with the same `sequence_number`s as the SSE mode, because they are the
-same fold of the log (gateway/routes/responses.py `create`, run here once per event). Responses with
-the same `stream_id` (a lane) run one after another in the order sent, and their events echo the
-lane; different lanes run side by side. A response continues another with `previous_response_id` or
-`conversation`, as over HTTP.
+and either value of it is taken; `background` is refused) and receives each response's stream events
+as JSON messages, the same events, in the same order and with the same `sequence_number`s as the SSE
+mode, because they are the same fold of the log (gateway/routes/responses.py `create_response`, run
+here once per event). Responses with the same `stream_id` (a lane) run one after another in the order
+sent, and their events echo the lane; different lanes run side by side. A response continues another
+with `previous_response_id` or `conversation`, as over HTTP.
 
 A dropped connection leaves its responses as a dropped SSE stream does: each is cancelled unless a
 client resumes it within the cancel grace, from any gateway, with `GET /v1/responses/{id}?stream=true
@@ -152,13 +152,18 @@ class Socket:
     async def respond(self, lane: str | None, event: dict[str, Any]) -> None:
         """One response.create: its events as they are made, each tagged with the lane."""
         event.pop("type")
-        for name, allowed in (("stream", (True,)), ("background", (False,))):
-            if name in event and event[name] not in allowed:
-                why = (
-                    "stream is implicit" if name == "stream" else "background is not supported over WebSocket"
-                )
-                await self.send(_invalid(f"{name}: {why}; use POST /v1/responses for it.", name, lane))
-                return
+        # the connection streams every response's events: `stream`, true or false (what a client that sends
+        # its HTTP bodies as they are writes), changes nothing here; refusing `stream: false` left such a
+        # client waiting for a terminal response event that never came
+        if not isinstance(event.pop("stream", None), bool | None):
+            await self.send(
+                _invalid("stream must be a boolean (the connection streams either way).", "stream", lane)
+            )
+            return
+        if event.get("background") not in (False, None):
+            why = "background is not supported over WebSocket; use POST /v1/responses for it."
+            await self.send(_invalid(f"background: {why}", "background", lane))
+            return
         try:
             body = ResponseCreate.model_validate({**event, "stream": True})
         except ValidationError as exc:
