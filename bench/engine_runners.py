@@ -45,10 +45,10 @@ def run_tokenstream(spec: dict) -> dict:
     import torch
 
     from gpu_workers.engine import Engine, Sequence
-    from gpu_workers.kv_cache import PagedKVCache
+    from gpu_workers.kv_cache import KVBudget
 
     loaded = _setup(spec, spec.get("dtype", "auto"))  # the worker's default: bf16 where the CPU has it
-    cache = PagedKVCache.for_model(loaded.model, None, spec.get("block_size", 16), spec.get("kv_gb", 1.0))
+    cache = KVBudget.for_model(loaded.model, None, spec.get("block_size", 16), spec.get("kv_gb", 1.0))
     kw = {"prefix_cache": spec.get("prefix_cache", True)} if _has_prefix_cache(Engine) else {}
     if (
         "packed_linears" in spec
@@ -286,13 +286,13 @@ def run_conversations(spec: dict) -> dict:
     """Multi-turn chats through the engine, with and without prefix reuse: per turn TTFT and prefill
     tokens."""
     from gpu_workers.engine import Engine, Sequence
-    from gpu_workers.kv_cache import PagedKVCache
+    from gpu_workers.kv_cache import KVBudget
 
     loaded = _setup(spec, "float32")
     tok = loaded.tokenizer
     result = {}
     for reuse in (False, True):
-        cache = PagedKVCache.for_model(loaded.model, None, 16, spec.get("kv_gb", 1.0))
+        cache = KVBudget.for_model(loaded.model, None, 16, spec.get("kv_gb", 1.0))
         eng = Engine(
             loaded.model,
             tok,

@@ -103,7 +103,7 @@ def _engine_run(k: dict, mode: str) -> dict:
     import torch
 
     from gpu_workers.engine import Engine, Sequence
-    from gpu_workers.kv_cache import PagedKVCache
+    from gpu_workers.kv_cache import KVBudget
     from gpu_workers.model_loader import load
 
     quant = {"bf16": "none", "8bit": "8bit", "4bit": "4bit"}[mode]
@@ -113,7 +113,7 @@ def _engine_run(k: dict, mode: str) -> dict:
     t = time.perf_counter()
     m = load(k["shape"], folder(k), dtype=dtype_name(k), quantization=quant, device=k["device"])
     load_s = time.perf_counter() - t
-    cache = PagedKVCache.for_model(m.model, None, 16, k["kv_gb"])
+    cache = KVBudget.for_model(m.model, None, 16, k["kv_gb"])
     eng = Engine(
         m.model,
         m.tokenizer,
@@ -293,7 +293,7 @@ def stage_agreement() -> None:
     import torch
 
     from gpu_workers.engine import Engine, Sequence
-    from gpu_workers.kv_cache import PagedKVCache
+    from gpu_workers.kv_cache import KVBudget
     from gpu_workers.model_loader import load
 
     k = knobs()
@@ -307,7 +307,7 @@ def stage_agreement() -> None:
     eng = Engine(
         m.model,
         m.tokenizer,
-        PagedKVCache.for_model(m.model, None, 16, 1.0),
+        KVBudget.for_model(m.model, None, 16, 1.0),
         max_running=n,
         prefill_chunk=8192,
         max_model_len=k["prompt"] + length + 16,
@@ -345,7 +345,7 @@ def stage_profile() -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from gpu_workers.engine import Engine, Sequence
-    from gpu_workers.kv_cache import PagedKVCache
+    from gpu_workers.kv_cache import KVBudget
     from gpu_workers.model_loader import load
 
     k = knobs()
@@ -353,7 +353,7 @@ def stage_profile() -> None:
     eng = Engine(
         m.model,
         m.tokenizer,
-        PagedKVCache.for_model(m.model, None, 16, k["kv_gb"]),
+        KVBudget.for_model(m.model, None, 16, k["kv_gb"]),
         max_running=k["max_running"],
         prefill_chunk=8192,
         max_model_len=k["prompt"] + k["output"] + 16,

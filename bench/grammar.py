@@ -96,7 +96,7 @@ def constrained_column(
     from gateway.tool_params import Tool, output_spec
     from gpu_workers.engine import Engine, Sequence
     from gpu_workers.grammar import Grammars
-    from gpu_workers.kv_cache import PagedKVCache
+    from gpu_workers.kv_cache import KVBudget
     from schemas import ChatMessage
     from schemas.prompt import prompt_ids
 
@@ -104,7 +104,7 @@ def constrained_column(
     engine = Engine(
         loaded.model,
         loaded.tokenizer,
-        PagedKVCache.for_model(loaded.model, 4096, 16, 1.0),
+        KVBudget.for_model(loaded.model, 4096, 16, 1.0),
         max_running=rows,
         prefill_chunk=2048,
     )

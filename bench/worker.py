@@ -375,7 +375,7 @@ def main(
     from rich.console import Console
     from rich.table import Table
 
-    from gpu_workers.kv_cache import PagedKVCache
+    from gpu_workers.kv_cache import KVBudget
     from gpu_workers.model_loader import load
     from gpu_workers.torch_thread import run_on_torch_thread
 
@@ -387,7 +387,7 @@ def main(
     loaded = run_on_torch_thread(load, "smollm2")
     model, tok = loaded.model, loaded.tokenizer
     cfg = model.config
-    bpt = PagedKVCache.bytes_per_token(
+    bpt = KVBudget.bytes_per_token(
         cfg.num_hidden_layers,
         cfg.num_key_value_heads,
         cfg.hidden_size // cfg.num_attention_heads,

@@ -1,7 +1,7 @@
 """The attention of the engine's packed forward: decoding rows batched per slot range, prefill chunks per row.
 
 A step's forward packs the new tokens of every row on one axis: first the decoding rows (one
-token each) in slot order, then the prefill chunks. `paged_attention`, registered with
+token each) in slot order, then the prefill chunks. `slot_attention`, registered with
 transformers as attention implementation "tokenstream", receives that step's `StepPlan`
 (keyword `ts_plan`) in every layer and
   1. writes the new keys/values of all T tokens into their slots with ONE index_put per layer;
@@ -127,10 +127,10 @@ class StepPlan:
         return self._moved[key]
 
 
-def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def slot_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """query [1, H, T, D], key/value [1, KVH, T, D] of the step's T packed tokens -> [1, T, H, D].
 
-    The name notwithstanding, there is no page table: keys and values are read in place from the
+    There is no page table: keys and values are read in place from the
     dense slot pool (`kv_cache.SlotPool`, one contiguous slot per running request)."""
     plan: StepPlan | None = kwargs.pop("ts_plan", None)
     if plan is None:
@@ -186,7 +186,7 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
 
 
 def install(model) -> None:
-    """Make `model` use `paged_attention` (idempotent); masks for other callers stay SDPA's."""
+    """Make `model` use `slot_attention` (idempotent); masks for other callers stay SDPA's."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -195,7 +195,7 @@ def install(model) -> None:
         # every step: measured on an H200, 2.8 ms of host time per call, 72% of a 128-row step. The
         # flash and memory-efficient kernels need no plan. (Process-wide: one engine per worker.)
         torch.backends.cuda.enable_cudnn_sdp(False)
-    AttentionInterface.register(ATTN_NAME, paged_attention)
+    AttentionInterface.register(ATTN_NAME, slot_attention)
     AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
     if model.config._attn_implementation != ATTN_NAME:
         model.set_attn_implementation(ATTN_NAME)

@@ -32,7 +32,7 @@ from gpu_workers.backend import Intake
 from gpu_workers.cpu_kernels import available
 from gpu_workers.detokenizer import Detokenizer
 from gpu_workers.grammar import mask_rows
-from gpu_workers.kv_cache import PagedKVCache, SlotPool
+from gpu_workers.kv_cache import KVBudget, SlotPool
 from gpu_workers.linears import engine_forward, pack
 from gpu_workers.llama_step import LlamaStep, supports
 from gpu_workers.logits import Logprobs, shape
@@ -54,7 +54,7 @@ class Engine(Intake, TextStream):
         self,
         model,
         tokenizer,
-        cache: PagedKVCache,
+        cache: KVBudget,
         *,
         max_running: int = 32,
         prefill_chunk: int = 256,

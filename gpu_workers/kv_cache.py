@@ -47,10 +47,10 @@ class BlockAllocator:
         self._free.extend(reversed(blocks))
 
 
-class PagedKVCache:
+class KVBudget:
     """The KV budget (pages) and the shape of the per-request storage, per layer and device.
 
-    Despite the name, nothing is stored in pages: the page (`block_size` tokens) is the unit in
+    Nothing is stored in pages: the page (`block_size` tokens) is the unit in
     which admission counts the budget; the keys and values live in `SlotPool`, one contiguous
     slot per running request."""
 
@@ -100,11 +100,11 @@ class PagedKVCache:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         layers = list(model.get_decoder().layers)
         devices = [next(layer.parameters()).device for layer in layers]
-        dtype = PagedKVCache.key_dtype(model, layers[0], cfg.hidden_size, devices[0])
+        dtype = KVBudget.key_dtype(model, layers[0], cfg.hidden_size, devices[0])
         return len(layers), kv_heads, head_dim, dtype, devices
 
     @classmethod
-    def for_model(cls, model, num_blocks: int | None, block_size: int, memory_gb: float) -> PagedKVCache:
+    def for_model(cls, model, num_blocks: int | None, block_size: int, memory_gb: float) -> KVBudget:
         layers, kv_heads, head_dim, dtype, devices = cls.model_shape(model)
         if num_blocks is None:
             per_block = cls.bytes_per_token(layers, kv_heads, head_dim, dtype) * block_size
@@ -141,7 +141,7 @@ class SlotPool:
 
     LONG = 256  # tokens (prompt + max_tokens) from which a request counts as long
 
-    def __init__(self, cache: PagedKVCache, slots: int, max_len: int) -> None:
+    def __init__(self, cache: KVBudget, slots: int, max_len: int) -> None:
         self.slots = slots
         self.max_len = max_len
         shape = (slots, 2, cache.kv_heads, max_len, cache.head_dim)

@@ -9,7 +9,7 @@ Through transformers' modules a step's forward makes about 40 Python calls a lay
     h = rms_norm(x)                                  (the layer's input norm)
     q, k, v = split(h @ W_qkv)                       (one matmul: q, k and v prepacked together)
     q, k = rotary(q, k)                              (the model's own rotary embedding's cos / sin)
-    o = attention(q, k, v) @ W_o                     (attention.paged_attention: the slot pool)
+    o = attention(q, k, v) @ W_o                     (attention.slot_attention: the slot pool)
     x, h = x + o, rms_norm(x + o)                    (residual and norm in one pass)
     x = x + silu_and_mul(h @ W_gate_up) @ W_down     (gate and up prepacked together)
 
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from gpu_workers import cpu_kernels
-from gpu_workers.attention import paged_attention
+from gpu_workers.attention import slot_attention
 from gpu_workers.linears import available as packing_available
 from gpu_workers.linears import pack_weight
 from gpu_workers.linears import packed_linear as _linear
@@ -73,7 +73,7 @@ def supports(model) -> bool:
 
 @dataclass(slots=True)
 class _Layer:
-    attn: torch.nn.Module  # for paged_attention: layer_idx, head counts
+    attn: torch.nn.Module  # for slot_attention: layer_idx, head counts
     norm_in: torch.Tensor
     norm_post: torch.Tensor
     qkv: torch.Tensor  # prepacked [q; k; v]
@@ -131,7 +131,7 @@ class LlamaStep:
             )
             v = qkv[:, layer.q_size + layer.kv_size :].view(1, t, self.kv_heads, d).transpose(1, 2)
             q, k = ops.rotary(q, k, cos, sin)
-            attn, _ = paged_attention(layer.attn, q, k, v, None, scaling=layer.attn.scaling, ts_plan=plan)
+            attn, _ = slot_attention(layer.attn, q, k, v, None, scaling=layer.attn.scaling, ts_plan=plan)
             x, h = ops.add_rms_norm(x, _linear(attn.reshape(t, layer.q_size), layer.o), layer.norm_post, eps)
             mlp = _linear(ops.silu_and_mul(_linear(h, layer.gate_up)), layer.down)
             following = self.layers[i + 1].norm_in if i + 1 < len(self.layers) else self.norm

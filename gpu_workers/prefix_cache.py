@@ -23,7 +23,7 @@ from collections import OrderedDict
 
 import torch
 
-from gpu_workers.kv_cache import PagedKVCache
+from gpu_workers.kv_cache import KVBudget
 
 
 def page_hashes(tokens: list[int], tenant: str, block_size: int, pages: int | None = None) -> list[bytes]:
@@ -41,7 +41,7 @@ def page_hashes(tokens: list[int], tenant: str, block_size: int, pages: int | No
 
 
 class PrefixCache:
-    def __init__(self, cache: PagedKVCache, num_pages: int) -> None:
+    def __init__(self, cache: KVBudget, num_pages: int) -> None:
         self.block_size = cache.block_size
         self.num_pages = num_pages
         size = num_pages * cache.block_size

@@ -20,7 +20,7 @@ from gpu_workers import model_loader
 from gpu_workers.config import WorkerConfig
 from gpu_workers.engine import Engine
 from gpu_workers.health import WorkerHealth
-from gpu_workers.kv_cache import PagedKVCache
+from gpu_workers.kv_cache import KVBudget
 from gpu_workers.metrics import WorkerMetrics
 from gpu_workers.service import Worker
 from gpu_workers.torch_thread import on_torch_thread
@@ -113,7 +113,7 @@ async def _own_engine(cfg: WorkerConfig, metrics: WorkerMetrics, health: WorkerH
     # the pool's allocation and the engine's construction (packing the linears) open parallel regions:
     # on the torch thread, like every step (gpu_workers/torch_thread.py)
     cache = await on_torch_thread(
-        PagedKVCache.for_model, loaded.model, cfg.kv_blocks, cfg.block_size, cfg.kv_memory_gb
+        KVBudget.for_model, loaded.model, cfg.kv_blocks, cfg.block_size, cfg.kv_memory_gb
     )
     health.phase = "building the engine"
     if cfg.metrics_port:  # (its port answering means the model is loaded, as it always has)

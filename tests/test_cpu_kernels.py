@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from gpu_workers.cpu_kernels import available, library
 from gpu_workers.engine import Engine, Sequence
-from gpu_workers.kv_cache import PagedKVCache
+from gpu_workers.kv_cache import KVBudget
 from gpu_workers.model_loader import load
 
 
@@ -122,7 +122,7 @@ def test_the_engines_llama_forward_equals_transformers_and_leaves_the_model_alon
     with torch.inference_mode():
         want = model.get_decoder()(input_ids=tokens).last_hidden_state[0]
     assert supports(model)
-    cache = PagedKVCache.for_model(model, 64, 16, 1.0)
+    cache = KVBudget.for_model(model, 64, 16, 1.0)
     Engine(model, loaded.tokenizer, cache)  # registers the engine's attention with transformers
     pool = SlotPool(cache, 2, 64)
     slot = pool.take(64)
@@ -160,7 +160,7 @@ def test_smollm2_greedy_is_the_same_with_the_cpu_kernels_as_without():
     ]
 
     def run(kernel: bool) -> tuple[list[list[int]], Engine]:
-        cache = PagedKVCache.for_model(loaded.model, 256, 16, 1.0)
+        cache = KVBudget.for_model(loaded.model, 256, 16, 1.0)
         eng = Engine(
             loaded.model, tok, cache, max_running=8, prefill_chunk=64, cpu_kernels=kernel, prefix_cache=False
         )

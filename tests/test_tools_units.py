@@ -283,10 +283,10 @@ def tiny(tmp_path_factory):
 def test_stop_strings_never_cut_what_the_grammar_forces(tiny):
     """A stop string inside a forced call or JSON answer does not end it; in free text it does."""
     from gpu_workers.engine import Engine, Sequence
-    from gpu_workers.kv_cache import PagedKVCache
+    from gpu_workers.kv_cache import KVBudget
     from schemas.prompt import prompt_ids
 
-    engine = Engine(tiny.model, tiny.tokenizer, PagedKVCache.for_model(tiny.model, 256, 16, 1.0))
+    engine = Engine(tiny.model, tiny.tokenizer, KVBudget.for_model(tiny.model, 256, 16, 1.0))
     grammars = Grammars(tiny.tokenizer, engine.eos_ids, timeout_s=30)
     shape = {
         "type": "object",

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gpu_workers.engine import Engine, Sequence
-from gpu_workers.kv_cache import PagedKVCache
+from gpu_workers.kv_cache import KVBudget
 from gpu_workers.model_loader import load
 from gpu_workers.random_model import build
 from gpu_workers.stops import StopMatcher
@@ -24,7 +24,7 @@ def smol():
 
 
 def engine(loaded, blocks=256, block_size=16, **kw) -> Engine:
-    cache = PagedKVCache.for_model(loaded.model, blocks, block_size, 1.0)
+    cache = KVBudget.for_model(loaded.model, blocks, block_size, 1.0)
     return Engine(loaded.model, loaded.tokenizer, cache, **kw)
 
 
@@ -290,10 +290,10 @@ class _Bf16Keys(torch.nn.Module):
 def test_kv_pool_dtype_is_what_the_key_projection_returns(tiny):
     attn = tiny.model.get_decoder().layers[0].self_attn
     real = attn.k_proj
-    assert PagedKVCache.model_shape(tiny.model)[3] == torch.float32
+    assert KVBudget.model_shape(tiny.model)[3] == torch.float32
     attn.k_proj = _Bf16Keys(real)
     try:
-        assert PagedKVCache.model_shape(tiny.model)[3] == torch.bfloat16
+        assert KVBudget.model_shape(tiny.model)[3] == torch.bfloat16
     finally:
         attn.k_proj = real
 

@@ -217,7 +217,7 @@ async def test_loading_building_and_every_step_run_on_the_one_torch_thread(
     not wander over asyncio's default executor even while other work keeps that executor busy."""
     import gpu_workers.model_loader
     import gpu_workers.startup
-    from gpu_workers.kv_cache import PagedKVCache
+    from gpu_workers.kv_cache import KVBudget
 
     model = f"tiny-{unique}"
     cfg = WorkerConfig(model=model, max_running=4, worker_id="w1")
@@ -230,7 +230,7 @@ async def test_loading_building_and_every_step_run_on_the_one_torch_thread(
         built["load"] = threading.get_ident()
         return tiny_loaded
 
-    pool_for_model = PagedKVCache.for_model
+    pool_for_model = KVBudget.for_model
 
     def pool(*args, **kwargs):
         built["pool"] = threading.get_ident()
@@ -243,7 +243,7 @@ async def test_loading_building_and_every_step_run_on_the_one_torch_thread(
         return engine_class(*args, **kwargs)
 
     monkeypatch.setattr(gpu_workers.model_loader, "load", loading)
-    monkeypatch.setattr(PagedKVCache, "for_model", staticmethod(pool))
+    monkeypatch.setattr(KVBudget, "for_model", staticmethod(pool))
     monkeypatch.setattr(gpu_workers.startup, "Engine", engine)
 
     def on_ready(worker):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gpu_workers.engine import Engine, Sequence
-from gpu_workers.kv_cache import PagedKVCache
+from gpu_workers.kv_cache import KVBudget
 from gpu_workers.logits import Logprobs, TokenTexts, shape
 from gpu_workers.model_loader import load
 from gpu_workers.sampling import sample
@@ -64,7 +64,7 @@ def test_engine_reports_each_streamed_token_and_honours_bias_and_penalties(smol)
 
     def run(**kw) -> tuple[Sequence, list]:
         seq = Sequence("s", prompt, max_tokens=12, temperature=0, **kw)
-        eng = Engine(smol.model, tok, PagedKVCache.for_model(smol.model, 64, 16, 1.0))
+        eng = Engine(smol.model, tok, KVBudget.for_model(smol.model, 64, 16, 1.0))
         outputs = eng.generate([seq])["s"]
         return seq, [r for o in outputs for r in o.logprobs]
 

@@ -8,7 +8,7 @@ import torch
 from common.models import load_tokenizer
 from gpu_workers.detokenizer import Detokenizer
 from gpu_workers.engine import Engine, Sequence
-from gpu_workers.kv_cache import PagedKVCache
+from gpu_workers.kv_cache import KVBudget
 from gpu_workers.model_loader import load
 from gpu_workers.prefix_cache import PrefixCache, page_hashes
 from gpu_workers.random_model import build
@@ -26,7 +26,7 @@ def smol():
 
 
 def engine(loaded, blocks=256, **kw) -> Engine:
-    return Engine(loaded.model, loaded.tokenizer, PagedKVCache.for_model(loaded.model, blocks, 16, 1.0), **kw)
+    return Engine(loaded.model, loaded.tokenizer, KVBudget.for_model(loaded.model, blocks, 16, 1.0), **kw)
 
 
 def chat(tok, messages) -> list[int]:
@@ -80,7 +80,7 @@ def test_batched_sampling_depends_only_on_seed_and_index():
 
 
 def test_prefix_pages_chain_by_tenant_and_evict_lru(tiny):
-    cache = PagedKVCache.for_model(tiny.model, 64, 4, 1.0)
+    cache = KVBudget.for_model(tiny.model, 64, 4, 1.0)
     pc = PrefixCache(cache, num_pages=3)
     tokens = list(range(100, 120))
     assert page_hashes(tokens, "a", 4)[:2] == page_hashes(tokens[:9], "a", 4)[:2]
@@ -178,7 +178,7 @@ def test_requests_admitted_together_share_the_prefix_one_of_them_prefills(tiny):
 def test_slots_keep_short_and_long_requests_apart_and_release_long_ones(tiny):
     from gpu_workers.kv_cache import SlotPool
 
-    cache = PagedKVCache.for_model(tiny.model, 64, 16, 1.0)
+    cache = KVBudget.for_model(tiny.model, 64, 16, 1.0)
     pool = SlotPool(cache, 4, 2048)
     short, long_ = pool.take(40), pool.take(SlotPool.LONG + 1)
     assert (short, long_) == (0, 3) and pool.take(10) == 1
@@ -195,7 +195,7 @@ def test_the_pool_starts_zeroed_even_over_reused_memory(tiny):
     logits into NaN. Memory freed by earlier tensors is reused by the allocator and may hold NaN."""
     from gpu_workers.kv_cache import SlotPool
 
-    cache = PagedKVCache.for_model(tiny.model, 64, 16, 1.0)
+    cache = KVBudget.for_model(tiny.model, 64, 16, 1.0)
     for _ in range(3):  # leave NaN-filled blocks of the pool's size behind in the allocator
         poison = torch.full((4, 2, cache.kv_heads, 2048, cache.head_dim), float("nan"), dtype=cache.dtype)
         del poison
