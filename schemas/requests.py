@@ -17,7 +17,8 @@ Role = Literal["system", "user", "assistant", "tool"]
 #: "parallel"  the router forwards the prepared request at once while safety judges it; safety writes
 #:             its input verdict in band to the request's tokens partition, and the gateway holds the
 #:             answer back until that verdict (a block cancels generation; no token reaches the client).
-Screening = Literal["serial", "parallel"]
+# moderation: an input judged only (POST /v1/moderations), its verdict in band; nothing is generated
+Screening = Literal["serial", "parallel", "moderation"]
 
 MAX_LOGIT_BIAS = 300  # token ids one request may bias (OpenAI's limit)
 MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's limit)

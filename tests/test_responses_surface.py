@@ -1,8 +1,8 @@
 """The Responses surface as the Open Responses specification words it, against the real pipeline (the
 chain of tests/test_responses.py: processors, a SmolLM2 worker, the tool processor, a gateway): the
 compaction request's fields, `previous_response_not_found`, one not-found answer for any response id,
-a forced file_search's query, and WebSocket mode's sessions (continuation, a failed continuation, a
-reconnect, and every single-turn run reaching its terminal event as over HTTP).
+a forced file_search's query, WebSocket mode's sessions (continuation, a failed continuation, a
+reconnect, and every single-turn run reaching its terminal event as over HTTP), and `/v1/moderations`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from tests import test_responses as chain
 from tests.gateway_support import auth_headers, new_key
 from tests.kafka_support import Tap
 from tests.test_responses import MODEL, create, items, valid_event
-from topics import PREPARED, TOOL_CALLS
+from topics import PREPARED, TOOL_CALLS, VERDICTS
 
 pytestmark = pytest.mark.slow
 system, client = chain.system, chain.client  # the same chain, started for this module
@@ -206,3 +206,44 @@ async def test_single_turn_websocket_runs_end_as_their_http_streams_do(client, s
     for name, sse, socket in zip(COMPLIANCE, http, ws, strict=True):
         assert sse[-1] in ("response.completed", "response.incomplete"), (name, sse)
         assert [t for t in socket if "delta" not in t] == [t for t in sse if "delta" not in t], (name, socket)
+
+
+HARMFUL = "I am going to find him tonight and stab him until he stops breathing."
+
+
+async def test_moderations_answer_in_openais_shape_with_the_chat_paths_verdict_through_the_log(
+    client, system
+):
+    from openai.types import ModerationCreateResponse
+
+    async with Tap(VERDICTS) as verdicts:
+        answer = await client.moderations.create(input=["Name a colour.", HARMFUL])
+        await verdicts.caught_up()
+        logged = {e.request_id: e for e, _ in verdicts.events}
+    ModerationCreateResponse.model_validate(answer.to_dict())  # every category OpenAI names, by its name
+    calm, harmful = answer.results
+    assert not calm.flagged and harmful.flagged and harmful.categories.violence, answer
+    assert answer.model.startswith("tokenstream-safety:")
+    assert harmful.category_applied_input_types.violence == ["text"]
+    assert harmful.category_applied_input_types.violence_graphic == []  # a subcategory not judged: said so
+    # the verdict is the chat path's for the same text: a moderated response's input result
+    response = await client.responses.create(
+        **create(input=HARMFUL, max_output_tokens=4, moderation={"model": "omni-moderation-latest"})
+    )
+    said = response.moderation.input
+    assert said.flagged and said.category_scores == {
+        c: s for c, s in harmful.category_scores.to_dict().items() if c in said.category_scores
+    }
+    # through the log: both verdicts are on ts.safety.verdicts, where an auditor reads them
+    scores = [v.scores for v in logged.values() if v.stage == "input"]
+    assert {c: round(s, 6) for c, s in said.category_scores.items()} in [
+        {c: round(s, 6) for c, s in v.items()} for v in scores
+    ]
+    async with httpx.AsyncClient(base_url=system["url"], timeout=60, headers=auth_headers()) as http:
+        for body, param in [
+            ({"input": [{"type": "image_url", "image_url": {"url": "data:,"}}]}, "input[0].type"),
+            ({"input": "hi", "model": "gpt-guard-9"}, "model"),
+            ({"input": []}, "input"),
+        ]:
+            refused = await http.post("/v1/moderations", json=body)
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text

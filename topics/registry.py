@@ -199,7 +199,10 @@ PREPARED = TopicSpec(
     "requests with their full, trimmed history; input to the safety processor (and, for requests "
     "screened in parallel, to the router at once)",
     _retained(7),
-    writers=(Writer(Role.CONVERSATION, "history, preset and trimming applied"),),
+    writers=(
+        Writer(Role.CONVERSATION, "history, preset and trimming applied"),
+        Writer(Role.GATEWAY, "POST /v1/moderations: a text to judge only (screening moderation)"),
+    ),
     readers=(
         Reader(Role.SAFETY, SAFETY_GROUP, FAUST_COMMIT, "the input check"),
         Reader(Role.ROUTER, ROUTER_GROUP, FAUST_COMMIT, "requests screened in parallel only"),

@@ -10,6 +10,7 @@ from gateway.routes import (
     files,
     health,
     models,
+    moderations,
     response_inputs,
     responses,
     responses_ws,
@@ -20,6 +21,7 @@ from gateway.routes import (
 ROUTERS = (
     health.router,
     models.router,
+    moderations.router,
     chat.router,
     chat_store.router,
     streams.router,

@@ -5,6 +5,7 @@
              on its tokens partition instead, and a Cancel to ts.control when blocked
     outputs: ts.tokens windows    -> verdicts; a block also goes in band to the answer's tokens
              partition (the gateway cuts the stream) and a Cancel to ts.control (the worker stops)
+    moderation requests (POST /v1/moderations): judged, the verdict in band, never forwarded
     moderated requests (a response's `moderation`): the input verdict in band too, and after the
              Completion a verdict over the whole answer (each category's highest score), which the
              gateway waits for before the response ends
@@ -87,6 +88,10 @@ async def screen(request: InferenceRequest, span: tracing.Hop) -> None:
     span.set(verdict_attributes(result))
     judged_input = verdict(request, result, "input")
     await send(verdicts_out, VERDICTS, judged_input, key=request.request_id, trace=trace)
+    if request.screening == "moderation":  # POST /v1/moderations: judged only, the verdict in band
+        where = dict(key=request.request_id, partition=request.reply_partition, trace=trace)
+        await send(tokens_out, TOKENS, judged_input, **where)
+        return
     if request.screening == "parallel" or request.output.moderated:  # the gateway waits for it, or reports it
         await send(
             tokens_out,
