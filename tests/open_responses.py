@@ -50,6 +50,16 @@ def response(body: dict) -> spec.ResponseResource:
     return spec.ResponseResource.model_validate(_within_spec(body))
 
 
+def ws_error(body: dict) -> spec.WebSocketErrorEvent:
+    """A WebSocket mode error event as the specification's WebSocketErrorEvent (status, error, its code)."""
+    return spec.WebSocketErrorEvent.model_validate({k: v for k, v in body.items() if k != "stream_id"})
+
+
+def error(body: dict) -> spec.Error:
+    """An HTTP error body's `error` object as the specification's Error (type, code, message, param)."""
+    return spec.Error.model_validate(body["error"])
+
+
 def event(body: dict) -> bool:
     """A streamed event validated against the specification's model of its type; False for an event type
     the specification does not define (a server tool's progress events), True when it validated."""

@@ -14,6 +14,7 @@ import uuid
 import httpx
 import pytest
 
+from tests import open_responses
 from tests import test_responses as chain
 from tests.gateway_support import auth_headers, new_key
 from tests.kafka_support import Tap
@@ -68,6 +69,7 @@ async def test_an_unknown_previous_response_is_previous_response_not_found_and_a
                 "/v1/responses", headers=headers, json=create(input="hi", previous_response_id=previous)
             )
             assert answer.status_code == 400, answer.text
+            open_responses.error(answer.json())
             assert answer.json()["error"] == {
                 "message": f"Previous response with id {previous!r} not found.",
                 "type": "invalid_request_error",
@@ -80,7 +82,7 @@ async def test_an_unknown_previous_response_is_previous_response_not_found_and_a
             for response, headers in [("resp_nothing_a_gateway_made", None), (mine.id, theirs)]:
                 method = http.post if path == "/cancel" else http.get
                 answer = await method(f"/v1/responses/{response}{path}", headers=headers)
-                error = answer.json()["error"]
+                error = open_responses.error(answer.json()).model_dump()
                 answers.append((answer.status_code, error["code"], error["message"].replace(response, "ID")))
             assert answers[0] == answers[1] == (404, "not_found", "No response with id 'ID'."), answers
 
@@ -124,6 +126,8 @@ async def _ended(conn, count: int = 1) -> list:
         events.append(event)
         if event.type != "error":
             valid_event(event.to_dict())
+        else:  # WebSocket mode's own error event, as the specification has it
+            open_responses.ws_error(event.to_dict())
         if event.type in TERMINAL:
             ended += 1
             if ended == count:
@@ -151,6 +155,14 @@ async def test_a_multi_turn_websocket_session_continues_fails_and_reconnects(cli
         assert (failed.error.code, failed.error.param) == (
             "previous_response_not_found",
             "previous_response_id",
+        )
+        # a request refused before it runs: an error event with a code too (the specification requires one)
+        await conn.send({"type": "response.create", **create(input="hi", background=True)})
+        refused = (await _ended(conn))[-1]
+        assert (refused.status, refused.error.param, refused.error.code) == (
+            400,
+            "background",
+            "invalid_request_error",
         )
         # store false: continued on the connection that made it
         await conn.response.create(**create(input="I like tea.", store=False, max_output_tokens=4))

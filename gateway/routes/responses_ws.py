@@ -49,7 +49,8 @@ def _error(
     event: dict[str, Any] = {
         "type": "error",
         "status": status,
-        "error": {"type": type_, "code": code, "message": message, "param": param},
+        # the specification's WebSocket error always has a code: one with none more specific, its type
+        "error": {"type": type_, "code": code or type_, "message": message, "param": param},
     }
     if lane is not None:
         event["stream_id"] = lane
