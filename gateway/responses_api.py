@@ -22,8 +22,9 @@ MAX_INPUT_ITEMS = 1024
 MAX_TEXT = 1_000_000
 #: Fields of OpenAI's request this server does not implement: sent with a value, they are a 400.
 UNSUPPORTED = ("prompt", "reasoning", "prompt_cache_retention")
-#: `include` values whose content every response carries anyway.
-INCLUDED = ("code_interpreter_call.outputs", "file_search_call.results")
+#: `include` values whose content every response carries anyway; `reasoning.encrypted_content` (in the
+#: specification's include values) has nothing to include: the model writes no reasoning items.
+INCLUDED = ("code_interpreter_call.outputs", "file_search_call.results", "reasoning.encrypted_content")
 
 CODE_TOOL = tp.FunctionDef(
     name="code_interpreter",
@@ -288,7 +289,10 @@ class ResponseCreate(api.UnicodeBody):
     include: (
         list[
             Literal[
-                "code_interpreter_call.outputs", "file_search_call.results", "message.output_text.logprobs"
+                "code_interpreter_call.outputs",
+                "file_search_call.results",
+                "message.output_text.logprobs",
+                "reasoning.encrypted_content",
             ]
         ]
         | None

@@ -53,6 +53,20 @@ async def test_compaction_takes_prompt_cache_key_and_its_summary_run_carries_it(
         assert refused.status_code == 400 and "prompt_cache_retention" in refused.text, refused.text
 
 
+async def test_every_include_value_of_the_specification_is_taken(client):
+    """`reasoning.encrypted_content` (what clients that keep no state send with store false): the model
+    writes no reasoning items, so there is nothing to include, and the response runs."""
+    response = await client.responses.create(
+        **create(
+            input="hi",
+            store=False,
+            max_output_tokens=2,
+            include=["reasoning.encrypted_content", "message.output_text.logprobs"],
+        )
+    )
+    assert response.status in ("completed", "incomplete") and not items(response, "reasoning")
+
+
 async def test_an_unknown_previous_response_is_previous_response_not_found_and_any_unowned_id_one_404(
     client, system
 ):
