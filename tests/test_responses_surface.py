@@ -38,7 +38,8 @@ async def test_compaction_takes_prompt_cache_key_and_its_summary_run_carries_it(
         Tap(PREPARED) as prepared,
     ):
         made = await http.post(
-            "/v1/responses/compact", json={"model": MODEL, "input": turns, "prompt_cache_key": key}
+            "/v1/responses/compact",
+            json={"model": MODEL, "input": turns, "prompt_cache_key": key, "service_tier": "auto"},
         )
         assert made.status_code == 200, made.text
         assert made.json()["output"][-1]["type"] == "compaction"
