@@ -18,8 +18,9 @@ from gateway.deps import pipeline
 from gateway.file_objects import check_paging, page
 from gateway.input_files import read_files
 from gateway.pipeline import Gateway
+from gateway.response_owners import owned_response, response_run_id
 from gateway.responses_api import ResponseCreate, messages_of, output_and_run
-from gateway.routes.responses import in_conversation, owned_response, response_run_id
+from gateway.routes.responses import in_conversation
 from schemas import keys as K
 from schemas.prompt import prompt_ids
 

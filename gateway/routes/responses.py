@@ -34,6 +34,7 @@ from gateway.deps import pipeline
 from gateway.input_files import read_files
 from gateway.pipeline import Gateway
 from gateway.ratelimit import estimate_prompt_tokens
+from gateway.response_owners import owned_response, previous_response, response_run_id
 from gateway.responses_api import ResponseCreate, ResponseTool, input_items, messages_of, output_and_run
 from gateway.responses_framing import ResponseFramer, base_response
 from gateway.resume import NOTHING_SEEN, new_request_id, parse_last_event_id, replay
@@ -42,7 +43,7 @@ from gateway.screening import held_until_screened
 from producers import publish
 from schemas import ChatRequest, Completion, Event, RunSpec, SamplingParams, Usage
 from schemas import keys as K
-from schemas.ids import event_id, run_id_of, step_request_id
+from schemas.ids import event_id, step_request_id
 from schemas.prompt import prompt_ids
 from topics import CHAT_REQUESTS
 
@@ -52,54 +53,6 @@ DEFAULT_MAX_TOKENS = 256
 FLEX_PRIORITY = -1  # below the free tier's 0 (schemas.keys.TIER_PRIORITY)
 FLEX_SHARE = 0.25  # of the admission wait budget
 _tools = TypeAdapter(list[ResponseTool])
-
-
-def no_response(response: str) -> api.APIError:
-    """The one answer for a response id the caller does not own, whatever its shape: an id no gateway
-    made, another tenant's, an expired or deleted one alike (nothing tells them apart)."""
-    return api.not_found(f"No response with id {response!r}.")
-
-
-def no_previous_response(response: str) -> api.APIError:
-    """`previous_response_id` naming a response the caller cannot continue (unknown, not its own, or
-    made with store false): the specification's previous_response_not_found, the same for each."""
-    return api.APIError(
-        400,
-        f"Previous response with id {response!r} not found.",
-        "invalid_request_error",
-        param="previous_response_id",
-        code="previous_response_not_found",
-    )
-
-
-def response_run_id(response: str) -> str:
-    try:
-        return run_id_of(response)
-    except ValueError:
-        raise no_response(response) from None
-
-
-async def owned_response(gw: Gateway, rid: str, response: str, tenant: str) -> dict:
-    meta = await gw.recall(rid)
-    if meta == {}:
-        raise api.unavailable("The owner of this response cannot be checked right now (Redis unreachable).")
-    if meta is None or meta.get("tenant") != tenant or "run" not in meta:
-        raise no_response(response)
-    return meta
-
-
-async def previous_response(gw: Gateway, response: str, tenant: str, unstored: frozenset[str]) -> dict:
-    """The response a request continues: the caller's own, stored, or one of `unstored` (store false
-    responses its WebSocket connection made); any other is previous_response_not_found."""
-    try:
-        before = await owned_response(gw, response_run_id(response), response, tenant)
-    except api.APIError as exc:
-        if exc.status == 404:
-            raise no_previous_response(response) from None
-        raise
-    if not before.get("store") and response not in unstored:
-        raise no_previous_response(response)
-    return before
 
 
 def _preset_tools(name: str | None) -> list:
