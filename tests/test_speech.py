@@ -148,7 +148,7 @@ async def test_each_response_format_and_the_stream(system):
         timestamp_granularities=["word", "segment"],
     )
     assert verbose.language == "english" and 2 < verbose.duration < 8 and verbose.segments
-    assert words("".join(w.word for w in verbose.words)) == words(text)  # the same words as the text
+    assert words(" ".join(w.word for w in verbose.words)) == words(text)  # the same words as the text
     assert all(a.end <= b.start + 0.01 for a, b in zip(verbose.words, verbose.words[1:]))
     assert verbose.segments[0].tokens and verbose.segments[0].avg_logprob < 0
     stream = await client.audio.transcriptions.create(model="whisper-1", file=("q.wav", audio), stream=True)
