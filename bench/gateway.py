@@ -304,6 +304,9 @@ async def fanout(
 
     received: dict[str, dict[int, float]] = {}
     out_of_order = 0
+    statuses: dict[str, int] = {}  # HTTP status of each stream's answer
+    refusals: dict[str, str] = {}  # the first body of each status other than 200
+    refused = [False] * streams
     rid_of: list[str | None] = [None] * streams
     opened = asyncio.Event()
     errors = 0
@@ -317,10 +320,18 @@ async def fanout(
             return
         writer.write(_post(port, f"stream {i}", key))
         tail = b""
+        first = True
         while True:
             data = await reader.read(65536)
             if not data:
                 break
+            if first:  # the status line: "HTTP/1.1 200 OK"
+                status = data.split(b" ", 2)[1].decode() if data.startswith(b"HTTP/") else "?"
+                statuses[status] = statuses.get(status, 0) + 1
+                if status != "200":
+                    refusals.setdefault(status, data.partition(b"\r\n\r\n")[2][:300].decode(errors="replace"))
+                    refused[i] = True
+                first = False
             now = time.time()
             buf = tail + data
             end = 0
@@ -350,7 +361,7 @@ async def fanout(
         if i % 100 == 99:
             await asyncio.sleep(0.05)
     deadline = time.time() + 120
-    while sum(1 for r in rid_of if r) < streams - errors and time.time() < deadline:
+    while sum(1 for r in rid_of if r) < streams - errors - sum(refused) and time.time() < deadline:
         await asyncio.sleep(0.1)
     rids = [r for r in rid_of if r and r in worker.arrived]
     open_s = time.time() - t_open
@@ -383,6 +394,8 @@ async def fanout(
         "streams_requested": streams,
         "streams_open": len(rids),
         "connect_errors": errors,
+        "http_statuses": statuses,
+        "refusals": refusals,
         "open_all_s": round(open_s, 2),
         "tokens_per_stream": tokens,
         "rate_per_stream": rate,

@@ -3,7 +3,8 @@
 redis-py's default pool opens a connection per concurrent command and fails the 101st with
 "Too many connections"; under thousands of live streams that failure reached every stream. Here
 each client holds at most `max_connections`, and a command that finds them all busy waits up to
-`wait_s` for one (then raises, as an outage would). One client per store and process: commands
+`wait_s` for one (then raises, as an outage would: a Redis that is down refuses connections at
+once, so only load makes a command wait here). One client per store and process: commands
 pipeline over the few connections instead of opening one each.
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 import redis.asyncio as aioredis
 
 MAX_CONNECTIONS = 32  # per client; Redis answers a command in microseconds, so few are needed
-WAIT_S = 5.0  # how long a command waits for a free connection before it fails
+WAIT_S = 30.0  # how long a command waits for a free connection (a load, not an outage) before it fails
 
 
 def bounded(

@@ -7,6 +7,8 @@ shape (`invalid_api_key`). Redis unreachable: 503 (a key that cannot be checked 
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import Depends, Request
 
 from gateway import openai_api as api
@@ -41,7 +43,7 @@ async def key_of(header: str, gw: Gateway) -> K.ApiKey:
     if gw.redis is None:
         raise api.unavailable("API keys cannot be checked: the gateway has no Redis.")
     try:
-        raw = await gw.redis.hgetall(K.api_key(K.digest(secret)))
+        raw = await _record(gw, K.digest(secret))
     except Exception:  # noqa: BLE001
         raise api.unavailable("API keys cannot be checked right now (Redis unreachable).") from None
     if not raw:
@@ -52,6 +54,23 @@ async def key_of(header: str, gw: Gateway) -> K.ApiKey:
         state = "been revoked" if problem == "revoked" else "expired"
         raise invalid_key(f"The API key {record.key_id} has {state}.")
     return record
+
+
+async def _record(gw: Gateway, digest: str) -> dict:
+    """The key's record; lookups of one key while another is in flight share its round trip (a burst
+    of a thousand requests with one key costs one HGETALL), so the answer is never older than one."""
+    pending = gw.key_lookups.get(digest)
+    if pending is None:
+        pending = asyncio.ensure_future(gw.redis.hgetall(K.api_key(digest)))
+        gw.key_lookups[digest] = pending
+        pending.add_done_callback(lambda done: _forget(gw, digest, done))
+    return await asyncio.shield(pending)  # a waiter that goes away leaves the lookup to the others
+
+
+def _forget(gw: Gateway, digest: str, done: asyncio.Future) -> None:
+    gw.key_lookups.pop(digest, None)
+    if not done.cancelled():
+        done.exception()  # retrieved here, so a lookup every waiter left is not reported unretrieved
 
 
 async def admin(key: K.ApiKey = Depends(principal)) -> K.ApiKey:

@@ -36,7 +36,9 @@ class Canceller:
         self._timers: set[asyncio.Task] = set()
         self._redis = None
         if redis_url:
-            self._redis = bounded(redis_url, socket_timeout=1, socket_connect_timeout=1)
+            # the gateway's durable-store client (keys, limits, attachments): a busy event loop reads
+            # an answer late, so the timeout leaves room for a burst's queue before it calls Redis away
+            self._redis = bounded(redis_url, socket_timeout=5, socket_connect_timeout=1)
 
     @staticmethod
     def _key(request_id: str) -> str:

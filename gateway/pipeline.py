@@ -98,6 +98,7 @@ class Gateway:
             if base.region and base.regions
             else None
         )
+        self.key_lookups: dict[str, asyncio.Future] = {}  # API key lookups in flight (gateway/auth.py)
         self._background: set[asyncio.Task] = set()
         self.producer = None
         self.fanout: Fanout | None = None
