@@ -26,7 +26,8 @@ from pathlib import Path
 
 import typer
 
-from bench.gateway import ID_RE, MODEL, SyntheticWorker, synthetic_gateway
+from bench.gateway import MODEL, SyntheticWorker, synthetic_gateway
+from bench.rawhttp import ID_RE
 from bench.stats import nearest_rank as _pct
 
 RESULTS = Path(__file__).parent / "results" / "cache.json"

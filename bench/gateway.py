@@ -25,7 +25,7 @@ from pathlib import Path
 
 import typer
 
-from bench.rawhttp import ID_RE, chat_post, first_token
+from bench.rawhttp import chat_post, first_token
 from bench.stats import nearest_rank
 
 RESULTS = Path(__file__).parent / "results" / "gateway.json"
@@ -299,52 +299,14 @@ async def _light(port: int, key: str, worker: SyntheticWorker, n: int) -> dict:
 async def fanout(
     port: int, key: str, worker: SyntheticWorker, proc, streams: int, rate: float, tokens: int
 ) -> dict:
-    """`streams` SSE streams open at once, each fed `tokens` tokens at `rate`/s; delivery and lag."""
+    """`streams` SSE streams open at once (held by a process of their own), each fed `tokens` tokens
+    at `rate`/s; delivery, lag and the gateway's memory."""
     import asyncio
 
-    received: dict[str, dict[int, float]] = {}
-    out_of_order = 0
-    statuses: dict[str, int] = {}  # HTTP status of each stream's answer
-    refusals: dict[str, str] = {}  # the first body of each status other than 200
-    refused = [False] * streams
-    rid_of: list[str | None] = [None] * streams
-    opened = asyncio.Event()
-    errors = 0
+    from bench.sse_clients import Clients
 
-    async def client(i: int) -> None:
-        nonlocal errors, out_of_order
-        try:
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        except OSError:
-            errors += 1
-            return
-        writer.write(_post(port, f"stream {i}", key))
-        tail = b""
-        first = True
-        while True:
-            data = await reader.read(65536)
-            if not data:
-                break
-            if first:  # the status line: "HTTP/1.1 200 OK"
-                status = data.split(b" ", 2)[1].decode() if data.startswith(b"HTTP/") else "?"
-                statuses[status] = statuses.get(status, 0) + 1
-                if status != "200":
-                    refusals.setdefault(status, data.partition(b"\r\n\r\n")[2][:300].decode(errors="replace"))
-                    refused[i] = True
-                first = False
-            now = time.time()
-            buf = tail + data
-            end = 0
-            for m in ID_RE.finditer(buf):
-                rid, seq = m.group(1).decode(), int(m.group(2))
-                rid_of[i] = rid
-                got = received.setdefault(rid, {})
-                out_of_order += bool(got) and seq <= max(got)
-                got[seq] = now
-                end = m.end()
-            tail = buf[end:][-256:]
-        writer.close()
-
+    before = set(worker.arrived)  # requests of earlier parts
+    clients = Clients(port, [_post(port, f"stream {i}", key) for i in range(streams)])
     rss = [proc.memory_info().rss]
     stop_sampling = asyncio.Event()
 
@@ -355,17 +317,28 @@ async def fanout(
 
     sampler = asyncio.create_task(sample())
     t_open = time.time()
-    tasks = []
-    for i in range(streams):  # open in waves so the accept queue never overflows
-        tasks.append(asyncio.create_task(client(i)))
-        if i % 100 == 99:
-            await asyncio.sleep(0.05)
-    deadline = time.time() + 120
-    while sum(1 for r in rid_of if r) < streams - errors - sum(refused) and time.time() < deadline:
-        await asyncio.sleep(0.1)
-    rids = [r for r in rid_of if r and r in worker.arrived]
-    open_s = time.time() - t_open
-    opened.set()
+    clients.start()
+    try:
+        deadline = time.time() + 120
+        while clients.settled < streams and time.time() < deadline:
+            await asyncio.sleep(0.1)
+        open_s = time.time() - t_open
+        while len(set(worker.arrived) - before) < clients.opened.value and time.time() < deadline:
+            await asyncio.sleep(0.05)  # a stream's request reaches the worker as its first event goes out
+        rids = [r for r in worker.arrived if r not in before]
+        fed = await _feed(worker, rids, rate, tokens)
+        seen = await clients.result(timeout=120)
+    finally:
+        clients.stop()
+    stop_sampling.set()
+    await sampler
+    return _delivery(seen, fed, streams, open_s, rate, tokens, rss)
+
+
+async def _feed(worker: SyntheticWorker, rids: list[str], rate: float, tokens: int) -> dict:
+    """`tokens` tokens to each of `rids` at `rate`/s: {rid: {seq: created_at}}."""
+    import asyncio
+
     created: dict[str, dict[int, float]] = {r: {} for r in rids}
     # each stream gets its own phase within the token interval: a steady feed, not bursts of 1,000
     groups = 10
@@ -376,12 +349,15 @@ async def fanout(
             await asyncio.sleep(max(0.0, target - time.time()))
             for rid, at in (await worker.tick(rids[g::groups], seq, last=seq == tokens - 1)).items():
                 created[rid][seq] = at
-    await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
-    stop_sampling.set()
-    await sampler
+    return created
+
+
+def _delivery(seen, created: dict, streams: int, open_s: float, rate: float, tokens: int, rss: list) -> dict:
+    """Each token's delivery lag (client receipt - the event's created_at; one host, one clock)."""
+    rids = list(created)
     lags, missing, by_seq = [], 0, {}
     for rid in rids:
-        got = received.get(rid, {})
+        got = seen.received.get(rid, {})
         for seq, at in created[rid].items():
             # a coalesced frame carries the id of its last token: earlier tokens arrive with it
             later = [t for s, t in got.items() if s >= seq]
@@ -392,17 +368,17 @@ async def fanout(
             by_seq.setdefault(seq, []).append(lags[-1])
     return {
         "streams_requested": streams,
-        "streams_open": len(rids),
-        "connect_errors": errors,
-        "http_statuses": statuses,
-        "refusals": refusals,
+        "streams_open": sum(1 for r in seen.rid_of if r),
+        "connect_errors": seen.connect_errors,
+        "http_statuses": seen.statuses,
+        "refusals": seen.refusals,
         "open_all_s": round(open_s, 2),
         "tokens_per_stream": tokens,
         "rate_per_stream": rate,
         "events_per_s": round(len(rids) * rate, 1),
         "tokens_delivered": len(lags),
         "tokens_missing": missing,
-        "frames_out_of_order": out_of_order,
+        "frames_out_of_order": seen.out_of_order,
         "delivery_lag_ms": {
             "p50": _pct(lags, 50),
             "p90": _pct(lags, 90),
@@ -411,6 +387,7 @@ async def fanout(
         },
         "delivery_lag_p99_by_token_ms": {s: round(_pct(v, 99), 1) for s, v in sorted(by_seq.items())},
         "gateway_rss_mb": {
+            "per_stream_kb": round((max(rss) - rss[0]) / 1024 / max(1, len(rids)), 1),
             "before": round(rss[0] / 2**20, 1),
             "peak": round(max(rss) / 2**20, 1),
             "after": round(rss[-1] / 2**20, 1),

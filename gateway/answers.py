@@ -82,11 +82,17 @@ def sse_response(
                 yield frame
             try:
                 async for batch in source:
+                    ending = before_end is not None and any(isinstance(e, Completion) for e in batch)
+                    if ending:  # the tokens before the end go out now; the end waits on before_end
+                        cut = next(i for i, e in enumerate(batch) if isinstance(e, Completion))
+                        for frame in framer.frames(batch[:cut]):
+                            yield frame
+                        batch = batch[cut:]
                     out = framer.frames(batch)
                     if framer.first_token_at is not None and started and not observed:
                         gw.metrics.ttft.observe(framer.first_token_at - started)
                         observed = True
-                    if framer.done and framer.completion is not None and before_end is not None:
+                    if ending and framer.done and framer.completion is not None:
                         await before_end(framer.completion)
                     for frame in out:
                         yield frame

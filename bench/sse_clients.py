@@ -1,0 +1,111 @@
+"""The load generator of `bench gateway`'s fan-out: SSE streams held by a process of their own.
+
+`Clients.start` spawns a process that opens the streams (raw sockets, HTTP/1.0, bench/rawhttp.py) in
+waves and reads each to its end, noting when every SSE id (`request:seq`) arrived. The parent sees how
+many streams are open or refused while it runs, and gets every stream's record when all have ended.
+Apart from the gateway it measures, nothing shares this process's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import time
+from dataclasses import dataclass, field
+
+from bench.rawhttp import ID_RE
+
+
+@dataclass
+class Received:
+    """What the clients saw: per stream its request id and when each of its SSE ids arrived."""
+
+    rid_of: list[str | None]
+    received: dict[str, dict[int, float]] = field(default_factory=dict)
+    statuses: dict[str, int] = field(default_factory=dict)  # HTTP status of each answer
+    refusals: dict[str, str] = field(default_factory=dict)  # the first body of each status but 200
+    out_of_order: int = 0  # frames whose id is not above the stream's last one
+    connect_errors: int = 0
+
+
+class Clients:
+    """`streams` SSE streams, each a POST of `requests[i]`, in a spawned process."""
+
+    def __init__(self, port: int, requests: list[bytes]) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.opened = ctx.Value("i", 0)  # streams whose first SSE event arrived
+        self.refused = ctx.Value("i", 0)  # streams answered other than 200, or not connected
+        self._results = ctx.Queue()
+        self._proc = ctx.Process(
+            target=_main, args=(port, requests, self.opened, self.refused, self._results), daemon=True
+        )
+        self.streams = len(requests)
+
+    def start(self) -> Clients:
+        self._proc.start()
+        return self
+
+    @property
+    def settled(self) -> int:
+        """Streams open or refused so far."""
+        return self.opened.value + self.refused.value
+
+    async def result(self, timeout: float) -> Received:
+        """Every stream's record, once all have ended (or `timeout` seconds passed)."""
+        got = await asyncio.to_thread(self._results.get, True, timeout)
+        await asyncio.to_thread(self._proc.join, 10)
+        return got
+
+    def stop(self) -> None:
+        if self._proc.is_alive():
+            self._proc.kill()
+
+
+def _main(port: int, requests: list[bytes], opened, refused, results) -> None:
+    results.put(asyncio.run(_run(port, requests, opened, refused)))
+
+
+async def _run(port: int, requests: list[bytes], opened, refused) -> Received:
+    seen = Received(rid_of=[None] * len(requests))
+
+    async def client(i: int) -> None:
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            seen.connect_errors += 1
+            with refused.get_lock():
+                refused.value += 1
+            return
+        writer.write(requests[i])
+        tail, first = b"", True
+        while data := await reader.read(65536):
+            now = time.time()
+            if first:  # the status line: "HTTP/1.1 200 OK"
+                first = False
+                status = data.split(b" ", 2)[1].decode() if data.startswith(b"HTTP/") else "?"
+                seen.statuses[status] = seen.statuses.get(status, 0) + 1
+                if status != "200":
+                    seen.refusals.setdefault(status, data.partition(b"\r\n\r\n")[2][:300].decode("replace"))
+                    with refused.get_lock():
+                        refused.value += 1
+            buf, end = tail + data, 0
+            for m in ID_RE.finditer(buf):
+                rid, seq = m.group(1).decode(), int(m.group(2))
+                if seen.rid_of[i] is None:
+                    seen.rid_of[i] = rid
+                    with opened.get_lock():
+                        opened.value += 1
+                got = seen.received.setdefault(rid, {})
+                seen.out_of_order += bool(got) and seq <= max(got)
+                got[seq] = now
+                end = m.end()
+            tail = buf[end:][-256:]
+        writer.close()
+
+    tasks = []
+    for i in range(len(requests)):  # open in waves so the accept queue never overflows
+        tasks.append(asyncio.create_task(client(i)))
+        if i % 100 == 99:
+            await asyncio.sleep(0.05)
+    await asyncio.gather(*tasks)
+    return seen
