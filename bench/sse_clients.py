@@ -85,7 +85,9 @@ async def _run(port: int, requests: list[bytes], opened, refused) -> Received:
                 status = data.split(b" ", 2)[1].decode() if data.startswith(b"HTTP/") else "?"
                 seen.statuses[status] = seen.statuses.get(status, 0) + 1
                 if status != "200":
-                    seen.refusals.setdefault(status, data.partition(b"\r\n\r\n")[2][:300].decode("replace"))
+                    seen.refusals.setdefault(
+                        status, data.partition(b"\r\n\r\n")[2][:300].decode(errors="replace")
+                    )
                     with refused.get_lock():
                         refused.value += 1
             buf, end = tail + data, 0
