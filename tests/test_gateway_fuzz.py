@@ -22,8 +22,8 @@ from tests.conftest import Roles
 from tests.gateway_support import FakePipeline, client, headers, start_gateway
 
 # raised by schemathesis's own strategies, not by this test
-# heavy (make test-all): the fuzzing took 58 s of a 20-minute make test on 2026-12-07; make test keeps
-# tests/test_gateway_hostile.py and every route's own tests
+# heavy (make test-all, about a minute); make test keeps tests/test_gateway_hostile.py and every route's
+# own tests
 pytestmark = [
     pytest.mark.filterwarnings("ignore::hypothesis.errors.HypothesisDeprecationWarning"),
     pytest.mark.heavy,

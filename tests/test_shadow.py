@@ -37,7 +37,7 @@ def cli(roles, *args: str, timeout: float = 180) -> tuple[int, str]:
     return proc.returncode, roles.log(proc)
 
 
-@pytest.mark.heavy  # about 36 s: make test-all (make test ran 15 min 57 s on a clean clone, 2026-12-06 23:41)
+@pytest.mark.heavy  # about 36 s: make test-all (tests/test_shadow_units.py in make test)
 async def test_a_candidate_is_tried_on_recorded_traffic_and_route_set_asks_for_its_passed_gate(
     bootstrap, unique, roles, tiny_dir
 ):
