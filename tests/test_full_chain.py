@@ -634,6 +634,7 @@ async def test_erasing_a_tenant_leaves_nothing_of_its_content_readable_anywhere(
     assert again.choices[0].message.content
 
 
+@pytest.mark.heavy  # a second cluster, about 40 s: make test-all; make test keeps tests/test_regions.py
 async def test_a_key_at_home_in_eu_is_served_by_eu_through_the_us_gateway_and_nothing_of_it_lands_in_us(
     system: System, stack, tmp_path
 ):

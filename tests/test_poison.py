@@ -33,6 +33,8 @@ POISONS = [
 ]
 
 
+@pytest.mark.heavy  # every role started, about 35 s: make test-all; make test keeps the dead-letter tests of
+# tests/test_broker.py and tests/test_tools_processor.py
 async def test_poison_on_every_input_topic_is_dead_lettered_and_the_next_event_served(stack, roles, tmp_path):
     model = f"tiny-{uuid.uuid4().hex[:6]}"
     await apply(all_topics([model]), stack.kafka.address)
