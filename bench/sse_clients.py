@@ -39,7 +39,6 @@ class Clients:
         self._proc = ctx.Process(
             target=_main, args=(port, requests, self.opened, self.refused, self._results), daemon=True
         )
-        self.streams = len(requests)
 
     def start(self) -> Clients:
         self._proc.start()
@@ -77,7 +76,7 @@ async def _run(port: int, requests: list[bytes], opened, refused) -> Received:
                 refused.value += 1
             return
         writer.write(requests[i])
-        tail, first = b"", True
+        tail, first, last = b"", True, None  # last: the highest SSE id seq seen on this stream
         while data := await reader.read(65536):
             now = time.time()
             if first:  # the status line: "HTTP/1.1 200 OK"
@@ -98,7 +97,8 @@ async def _run(port: int, requests: list[bytes], opened, refused) -> Received:
                     with opened.get_lock():
                         opened.value += 1
                 got = seen.received.setdefault(rid, {})
-                seen.out_of_order += bool(got) and seq <= max(got)
+                seen.out_of_order += last is not None and seq <= last
+                last = seq if last is None else max(last, seq)
                 got[seq] = now
                 end = m.end()
             tail = buf[end:][-256:]
