@@ -158,13 +158,41 @@ def traced(raw: EventT, name: str, attributes: dict | None = None) -> tracing.Ho
     )
 
 
+def _header(headers, name: str) -> bytes | None:
+    """A record header's value (faust hands them over as pairs, or as a mapping), None when absent."""
+    if not headers:
+        return None
+    for key, value in headers.items() if isinstance(headers, dict) else headers:
+        if key == name:
+            return bytes(value)
+    return None
+
+
 async def typed(
-    stream: faust.StreamT, specs: dict[str, TopicSpec], dead_letters: faust.TopicT
+    stream: faust.StreamT,
+    specs: dict[str, TopicSpec],
+    dead_letters: faust.TopicT,
+    *,
+    wants: tuple[type[Event], ...] | None = None,
 ) -> AsyncIterator[tuple[Event, EventT]]:
     """Yield (event, faust event) for each record; undecodable ones go to the dead-letter topic, erased
-    ones (their content's key destroyed by `tokenstream erase`) are passed over."""
+    ones (their content's key destroyed by `tokenstream erase`) are passed over.
+
+    `wants`, the event types the agent uses: a record whose event-type header names another type is
+    passed over unopened (neither unsealed nor decoded); one without the header is decoded (and
+    dead-lettered when malformed) and passed over when of another type.
+    On a stream whose acks are manual (`stream.noack()`) every record not yielded is acknowledged
+    here; the agent acknowledges those it is given."""
+    tags = None if wants is None else frozenset(t.__struct_config__.tag.encode() for t in wants)
+    manual = not stream.enable_acks
     async for event in stream.events():
         message = event.message
+        if tags is not None:
+            tag = _header(message.headers, TYPE_HEADER)
+            if tag is not None and tag not in tags:
+                if manual:
+                    event.ack()
+                continue
         try:
             decoded = await sealing.patiently(
                 functools.partial(decode, event.value or b"", *specs[message.topic].events),
@@ -172,6 +200,8 @@ async def typed(
             )
         except Erased:
             log.info("passed over erased %s[%d]@%d", message.topic, message.partition, message.offset)
+            if manual:
+                event.ack()
             continue
         except DecodeError as exc:
             log.warning(
@@ -193,6 +223,12 @@ async def typed(
                 headers=[(k, bytes(v)) for k, v in items],
             )
             await send(dead_letters, DEAD_LETTER, letter, key=letter.request_id)
+            if manual:
+                event.ack()
+            continue
+        if wants is not None and not isinstance(decoded, wants):
+            if manual:
+                event.ack()
             continue
         yield decoded, event
 

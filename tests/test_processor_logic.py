@@ -1,9 +1,12 @@
-"""The processors' pure decisions: history merging, trimming with the real tokenizer, routing, windows."""
+"""The processors' decisions: history merging, trimming with the real tokenizer, routing, windows, the
+acknowledgements held windows hold back, and the records an agent passes over unopened."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 
@@ -12,19 +15,26 @@ from processors.conversation.history import bounded, carries_full_history, merge
 from processors.conversation.presets import apply_preset
 from processors.conversation.presets import presets as configured_presets
 from processors.conversation.window import PromptTooLong, prompt_counter, trim
+from processors.faust_app import typed
 from processors.router.config import Route
 from processors.router.policy import decide, weighted_pick
+from processors.safety.held import HeldWindows
 from processors.safety.windows import WindowSettings, due, fold, judged
 from schemas import (
     ChatMessage,
     Completion,
+    DeadLetter,
     FunctionSpec,
     OutputSpec,
     OutputWindow,
     SamplingParams,
     TokenChunk,
     ToolSpec,
+    decode,
+    encode,
 )
+from schemas.headers import EVENT_TYPE
+from topics import TOKENS
 
 
 def user(text: str) -> ChatMessage:
@@ -170,3 +180,88 @@ def test_output_window_folds_each_chunk_once_and_judges_every_n_tokens():
     later = judged(after, cfg, blocked=False, scores={"violence": 0.05, "hate": 0.3})
     assert later.peak == {"violence": 0.2, "hate": 0.3}  # each category's highest, for a moderated answer
     assert not due(judged(w, cfg, blocked=True), cfg, final=True)
+
+
+class Record:
+    """A faust event as an agent sees it: a message (topic, partition, offset, key, headers), a value,
+    and an acknowledgement."""
+
+    def __init__(self, value: bytes, headers=(), offset: int = 0) -> None:
+        self.value, self.acked = value, False
+        self.message = SimpleNamespace(
+            topic=TOKENS.name, partition=0, offset=offset, key=b"r", headers=list(headers)
+        )
+
+    def ack(self) -> bool:
+        self.acked = True
+        return True
+
+
+def test_a_held_window_is_acknowledged_only_once_its_checkpoint_covers_it():
+    cfg = WindowSettings(every_tokens=100, checkpoint_chunks=3, checkpoint_s=2.0, held_windows=2)
+    table: dict = {}
+    generation = [1]
+    windows = HeldWindows(table, cfg, lambda: generation[0])
+
+    def chunk(request_id: str, seq: int) -> tuple[TokenChunk, Record]:
+        return TokenChunk(request_id=request_id, seq=seq, text=f"{seq} ", token_ids=[1]), Record(b"")
+
+    def feed(request_id: str, seq: int) -> Record:
+        event, raw = chunk(request_id, seq)
+        held = windows.take(event)
+        folded = fold(held.window, event, cfg)
+        if folded is not None:
+            held.window = folded
+        windows.hold(request_id, held, raw, seq)
+        return raw
+
+    first = [feed("a", 0), feed("a", 1)]
+    assert not any(r.acked for r in first) and b"a" not in table  # in memory only, nothing acknowledged
+    windows.checkpoint("a", windows.take(chunk("a", 1)[0]))  # as after a judgement
+    assert all(r.acked for r in first) and decode(table[b"a"], OutputWindow).text == "0 1 "
+    assert feed("a", 1).acked  # a replay the checkpoint covers: at once
+    pending = feed("a", 2)
+    assert not feed("a", 2).acked and not pending.acked  # a replay of what only memory holds: held back
+    assert windows.overdue(now=windows.held["a"].since + 1.0) == 0
+    assert windows.overdue(now=windows.held["a"].since + 2.0) == 1 and pending.acked  # the time bound
+    three = [feed("b", seq) for seq in range(3)]
+    assert all(r.acked for r in three) and decode(table[b"b"], OutputWindow).last_seq == 2  # the count bound
+    held_c = feed("c", 0)  # a third window: the least recently used ("a") is checkpointed and let go
+    assert list(windows.held) == ["b", "c"] and not held_c.acked
+    done = Record(b"")
+    windows.end("c", windows.take(Completion(request_id="c", seq=1, finish_reason="stop")), done)
+    assert held_c.acked and done.acked and b"c" not in table  # the answer's end deletes its row
+    stale = feed("b", 3)
+    generation[0] = 2  # a rebalance: the window held in generation 1 is dropped unwritten
+    assert windows.take(chunk("b", 4)[0]).window.last_seq == 2 and not stale.acked
+    assert decode(table[b"b"], OutputWindow).last_seq == 2
+
+
+async def test_typed_passes_over_records_of_unwanted_types_unopened():
+    letters: list[bytes] = []
+
+    async def send(**kw):
+        letters.append(kw["value"])
+        done = asyncio.get_running_loop().create_future()
+        done.set_result(None)
+        return done
+
+    app = SimpleNamespace(conf=SimpleNamespace(id="ts-test"))
+    dead_letters = SimpleNamespace(send=send, app=app)
+    completion = Completion(request_id="r", seq=1, finish_reason="stop")
+    records = [
+        Record(b"not an event", [(EVENT_TYPE, b"token_chunk")]),  # named another type: never opened
+        Record(encode(completion), [(EVENT_TYPE, b"completion")]),
+        Record(encode(TokenChunk(request_id="r", seq=0, text="x"))),  # no header: decoded, passed over
+        Record(b"not an event either"),  # no header, malformed: dead-lettered as before
+    ]
+
+    async def events():
+        for record in records:
+            yield record
+
+    stream = SimpleNamespace(enable_acks=False, app=app, events=events)
+    got = [e async for e, _ in typed(stream, {TOKENS.name: TOKENS}, dead_letters, wants=(Completion,))]
+    assert got == [completion]
+    assert letters and decode(letters[0], DeadLetter).payload == b"not an event either"
+    assert [r.acked for r in records] == [True, False, True, True]  # the agent acknowledges what it is given

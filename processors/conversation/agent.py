@@ -401,9 +401,10 @@ async def wake_overdue_turns() -> None:
 
 @app.agent(tokens_in)
 async def answers(stream):
-    """Completions, re-keyed by conversation so the history agent sees them in its partition."""
-    async for event, raw in typed(stream, {TOKENS.name: TOKENS}, dead_letters):
-        if isinstance(event, Completion) and event.conversation_id:
+    """Completions, re-keyed by conversation so the history agent sees them in its partition (every
+    other record on ts.tokens, token chunks above all, is passed over unopened)."""
+    async for event, raw in typed(stream, {TOKENS.name: TOKENS}, dead_letters, wants=(Completion,)):
+        if event.conversation_id:
             with traced(raw, "rekey answer", {"tokenstream.request_id": event.request_id}) as span:
                 await send(
                     turns_out,

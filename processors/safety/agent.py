@@ -20,7 +20,8 @@ import logging
 
 from common import tracing
 from processors.effects import Ledger
-from processors.faust_app import get, make_app, put, send, table, topic, traced, typed
+from processors.faust_app import make_app, send, table, topic, traced, typed
+from processors.safety.held import Held, HeldWindows
 from processors.safety.windows import WindowSettings, due, fold, judged
 from safety_model.classifier import Judgement, SafetyClassifier
 from schemas import REFUSAL, Cancel, Completion, InferenceRequest, OutputWindow, SafetyVerdict, TokenChunk
@@ -32,6 +33,7 @@ windows_cfg = WindowSettings()
 app = make_app("safety")
 ledger = Ledger("safety")
 windows_table = table(app, SAFETY_WINDOWS, "windows")
+windows = HeldWindows(windows_table, windows_cfg, lambda: app.consumer_generation_id)
 prepared_in, tokens_in = topic(app, PREPARED), topic(app, TOKENS)
 screened_out, tokens_out = topic(app, SCREENED), topic(app, TOKENS)
 verdicts_out, control_out, dead_letters = topic(app, VERDICTS), topic(app, CONTROL), topic(app, DEAD_LETTER)
@@ -147,50 +149,74 @@ async def refuse(request: InferenceRequest, result: Judgement, trace) -> None:
 
 @app.agent(tokens_in)
 async def watch_outputs(stream):
-    async for event, raw in typed(stream, {TOKENS.name: TOKENS}, dead_letters):
-        if not isinstance(event, TokenChunk | Completion):
-            continue  # our own in-band verdicts, a response run's tool results
-        window = get(windows_table, event.request_id, OutputWindow) or OutputWindow(
-            request_id=event.request_id, conversation_id=event.conversation_id, tenant=event.tenant
-        )
+    """Fold each chunk into its answer's window held in memory and judge the window when due; records
+    are acknowledged only as checkpoints cover them (the rule: processors/safety/held.py)."""
+    specs = {TOKENS.name: TOKENS}
+    async for event, raw in typed(stream.noack(), specs, dead_letters, wants=(TokenChunk, Completion)):
+        key = event.request_id
+        held = windows.take(event)
         final = isinstance(event, Completion)
-        if isinstance(event, TokenChunk):
-            window = fold(window, event, windows_cfg)
-            if window is None:
-                continue  # replayed chunk
-        if due(window, windows_cfg, final=final):
-            with traced(
-                raw,
-                "screen_output",
-                {
-                    "tokenstream.request_id": event.request_id,
-                    "tokenstream.safety.window_end_seq": window.last_seq,
-                },
-            ) as span:
-                result = await judge(window.text)
-                span.set(verdict_attributes(result))
-                trace = span.trace
-                await send(
-                    verdicts_out,
-                    VERDICTS,
-                    verdict(event, result, "output", window.last_seq),
-                    key=event.request_id,
-                    trace=trace,
+        if not final:
+            folded = fold(held.window, event, windows_cfg)
+            if folded is None:  # a replayed chunk
+                windows.hold(key, held, raw, event.seq)
+                continue
+            held.window = folded
+        judged_now = due(held.window, windows_cfg, final=final)
+        if judged_now:
+            held.busy = True
+            try:
+                await screen_output(event, held, raw)
+            finally:
+                held.busy = False
+        if final:
+            if event.moderated:
+                await ledger.once(
+                    "moderation",
+                    key,
+                    functools.partial(moderation, event, held.window, raw.message.partition),
                 )
-                if result.blocked:
-                    await ledger.once(
-                        "block",
-                        event.request_id,
-                        functools.partial(block_output, event, result, window, raw.message.partition, trace),
-                    )
-            window = judged(window, windows_cfg, result.blocked, result.scores)
-        if final and event.moderated:
+            windows.end(key, held, raw)
+        elif judged_now:
+            windows.checkpoint(key, held, raw)
+        else:
+            windows.hold(key, held, raw, event.seq)
+
+
+@app.timer(interval=min(1.0, windows_cfg.checkpoint_s / 2))
+async def checkpoint_overdue_windows() -> None:
+    """The time bound on a held window's acknowledgements (not while a rebalance is on: faust reads the
+    partitions again from their committed offsets after it)."""
+    if app.flow_control.is_active():
+        windows.overdue()
+
+
+async def screen_output(event: TokenChunk | Completion, held: Held, raw) -> None:
+    """Judge `held`'s window: its verdict to ts.safety.verdicts, a block in band and as a Cancel; then it
+    keeps only the overlap (windows.judged)."""
+    window = held.window
+    with traced(
+        raw,
+        "screen_output",
+        {"tokenstream.request_id": event.request_id, "tokenstream.safety.window_end_seq": window.last_seq},
+    ) as span:
+        result = await judge(window.text)
+        span.set(verdict_attributes(result))
+        trace = span.trace
+        await send(
+            verdicts_out,
+            VERDICTS,
+            verdict(event, result, "output", window.last_seq),
+            key=event.request_id,
+            trace=trace,
+        )
+        if result.blocked:
             await ledger.once(
-                "moderation",
+                "block",
                 event.request_id,
-                functools.partial(moderation, event, window, raw.message.partition),
+                functools.partial(block_output, event, result, window, raw.message.partition, trace),
             )
-        put(windows_table, event.request_id, None if final else window)
+    held.window = judged(window, windows_cfg, result.blocked, result.scores)
 
 
 async def moderation(done: Completion, window: OutputWindow, partition: int) -> None:

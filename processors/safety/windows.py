@@ -23,6 +23,15 @@ class WindowSettings(BaseSettings):
         description="text kept from the last window, so a phrase cut at a boundary is still seen whole",
     )
     max_chars: int = Field(2000, ge=64, description="longest text held per answer")
+    held_windows: int = Field(
+        10_000, ge=1, description="windows held in memory; the least recently used is checkpointed and let go"
+    )
+    checkpoint_chunks: int = Field(
+        256, ge=1, description="checkpoint a window holding this many chunks unacknowledged (safety/held.py)"
+    )
+    checkpoint_s: float = Field(
+        2.0, gt=0, description="checkpoint a window whose oldest unacknowledged chunk is this old"
+    )
 
 
 def fold(window: OutputWindow, chunk: TokenChunk, cfg: WindowSettings) -> OutputWindow | None:
