@@ -14,7 +14,7 @@ class WorkerConfig(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="TOKENSTREAM_WORKER_", extra="ignore")
 
-    backend: Literal["transformers", "vllm"] = Field(
+    backend: Literal["transformers", "vllm", "synthetic"] = Field(
         "transformers",
         description="the engine: the own engine over transformers, or vLLM's (in vLLM's virtualenv)",
     )

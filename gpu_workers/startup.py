@@ -67,6 +67,12 @@ async def run_worker(
                 os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
                 cfg.metrics_port or "off",
             )
+        elif cfg.backend == "synthetic":  # `tokenstream bench tokens`' stand-in for a GPU, never served
+            from gpu_workers.backend_synthetic import synthetic_engine
+
+            engine = synthetic_engine(cfg, metrics)
+            if cfg.metrics_port:
+                server = HealthServer(cfg.metrics_port, health.report, metrics.registry)
         else:
             engine, server = await _own_engine(cfg, metrics, health, loaded)
         tracing.setup("worker")
