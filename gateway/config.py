@@ -35,8 +35,9 @@ class GatewaySettings(BaseSettings):
     # prefill and holds the answer back until the verdict; "serial" judges before routing.
     screening: Literal["serial", "parallel"] = "parallel"
 
-    # Per-connection buffer: at most buffer_events pending events; when full, new text is
-    # merged into the last pending chunk up to coalesce_chars, then the partition is paused.
+    # Per-connection buffer: at most buffer_events pending events; when full, a new chunk is
+    # merged into the last pending one (text, call deltas and log probabilities all kept) until that
+    # holds coalesce_chars characters of the model's output, then the partition is paused.
     buffer_events: int = Field(64, ge=2)
     coalesce_chars: int = Field(4096, ge=16)
     # A client whose full buffer keeps its partition paused this long is dropped (its stream ends

@@ -3,10 +3,12 @@
 One consumer per gateway instance, manually assigned to the instance's own partitions of
 the tokens topic (each request names one of them as its reply_partition), so no instance
 reads another's tokens. Events are routed by request_id to a bounded per-connection
-Stream. A Stream that is full merges new text into its last pending chunk (a slow client
-gets fewer, larger chunks); when even that is exhausted, the fanout parks the rest of the
-fetched records of that partition (one fetch response at most) and pauses the partition
-until the client has drained its buffer; then it delivers the parked records and resumes.
+Stream. A Stream that is full merges a new chunk into its last pending one
+(schemas.tokens.merge_chunks: text, token ids, log probabilities and tool-call deltas all kept), so a
+slow client gets fewer, larger chunks; when even that is exhausted (the last chunk holds
+`coalesce_chars` characters of the model's output), the fanout parks the rest of the fetched records
+of that partition (one fetch response at most) and pauses the partition until the client has drained
+its buffer; then it delivers the parked records and resumes.
 A client that keeps its partition paused longer than `slow_reader_s` holds up every other
 stream on it: its Stream is dropped instead (its connection ends with an error event, and the
 client resumes from the log with Last-Event-ID, at its own pace), and the partition resumes.
@@ -28,13 +30,13 @@ from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
-import msgspec
 from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from gateway.metrics import Metrics
 from schemas import Completion, DecodeError, Event, TokenChunk, decode
 from schemas.headers import EVENT_TYPE
+from schemas.tokens import merge_chunks
 from topics import TOKENS
 
 COMPLETION_TYPE = Completion.__struct_config__.tag.encode()
@@ -72,11 +74,9 @@ class Stream:
         if (
             isinstance(event, TokenChunk)
             and isinstance(tail, TokenChunk)
-            and len(tail.text) < self.coalesce_chars
+            and _size(tail) < self.coalesce_chars
         ):
-            self.items[-1] = msgspec.structs.replace(
-                tail, seq=event.seq, text=tail.text + event.text, token_ids=tail.token_ids + event.token_ids
-            )
+            self.items[-1] = merge_chunks(tail, event)
             self.coalesced += 1
             self._ready.set()
             return True
@@ -103,6 +103,16 @@ class Stream:
         if self.blocked_on is not None:
             self._on_drain(self)
         return batch
+
+
+def _size(chunk: TokenChunk) -> int:
+    """What a pending chunk holds, in characters of the model's output (its raw text, else its content
+    and call arguments), or in tokens where it holds more tokens than characters."""
+    if chunk.raw is not None:
+        chars = len(chunk.raw)
+    else:
+        chars = len(chunk.text) + sum(len(d.arguments) for d in chunk.tool_calls)
+    return max(chars, len(chunk.token_ids))
 
 
 class Watcher(Protocol):

@@ -55,6 +55,39 @@ class TokenChunk(Event, tag="token_chunk"):
     logprobs: list[TokenLogprob] = msgspec.field(default_factory=list)
 
 
+def merge_chunks(earlier: TokenChunk, later: TokenChunk) -> TokenChunk:
+    """Two consecutive chunks of one request as one, losing nothing: what a reader of the merged chunk
+    sees (text, raw, token ids, log probabilities, the calls its deltas assemble, and the OpenAI stream
+    frames they make) is what it would see from the two in order.
+
+    text, token_ids and logprobs are joined; raw is joined where either has one (a chunk without raw
+    stands for its text). Call deltas follow the stream's own rule (the worker writes them so, the
+    gateway frames them so): a delta that names a call (its id) stands alone, and an argument fragment
+    is appended to the delta before it when that one is an argument fragment of the same call.
+    Every other field (seq, worker_id, created_at) is the later chunk's.
+    """
+    raw = None
+    if earlier.raw is not None or later.raw is not None:
+        raw = (earlier.text if earlier.raw is None else earlier.raw) + (
+            later.text if later.raw is None else later.raw
+        )
+    calls = list(earlier.tool_calls)
+    for delta in later.tool_calls:
+        last = calls[-1] if calls else None
+        if last is not None and not delta.id and not last.id and last.index == delta.index:
+            calls[-1] = ToolCallDelta(index=last.index, arguments=last.arguments + delta.arguments)
+        else:
+            calls.append(delta)
+    return msgspec.structs.replace(
+        later,
+        text=earlier.text + later.text,
+        token_ids=earlier.token_ids + later.token_ids,
+        tool_calls=calls,
+        raw=raw,
+        logprobs=earlier.logprobs + later.logprobs,
+    )
+
+
 class Usage(msgspec.Struct, kw_only=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0

@@ -9,7 +9,7 @@ import pytest
 from gateway.fanout import Stream
 from gateway.framing import Framer
 from gateway.resume import NOTHING_SEEN, new_request_id, parse_last_event_id, parse_request_id
-from schemas import Completion, TokenChunk, Usage
+from schemas import Completion, TokenChunk, Usage, call_id
 
 
 def chunk(seq: int, text: str = "x") -> TokenChunk:
@@ -28,6 +28,47 @@ async def test_stream_is_bounded_and_coalesces_then_refuses():
     batch = await s.take()
     assert [e.seq for e in batch] == [0, 1, 4] and drained == [s] and not s.items
     assert await s.take(timeout=0.01) == []
+
+
+async def test_a_full_stream_merges_calls_and_logprobs_into_frames_a_client_reads_alike():
+    """A slow reader's merged chunks frame to the same content, calls and log probabilities as the
+    chunks one by one, each call's first entry (id, type, name, arguments "") standing alone."""
+    from tests.test_schemas import _tool_chunks
+
+    chunks = _tool_chunks()
+    s = Stream("r", capacity=2, coalesce_chars=4096, on_drain=lambda _: None)
+    assert all(s.offer(c) for c in chunks) and len(s.items) == 2 and s.coalesced == len(chunks) - 2
+    merged = Framer("r", "m", 0, False, NOTHING_SEEN).frames(await s.take())
+    fast = Framer("r", "m", 0, False, NOTHING_SEEN)
+    one_by_one = [f for c in chunks for f in fast.frames([c])]
+    assert len(merged) == 1 and len(one_by_one) == 6 and merged[-1].id == one_by_one[-1].id == "r:5"
+    assert _read(merged) == _read(one_by_one)
+    assert _read(merged)[1] == {
+        0: {"id": call_id("r", 0), "type": "function", "name": "weather", "arguments": '{"city": "Oslo"}'},
+        1: {"id": call_id("r", 1), "type": "function", "name": "time", "arguments": "{}"},
+    }
+
+
+def _read(frames) -> tuple[str, dict, list]:
+    """What an OpenAI client assembles from chunk frames: content, calls by index, log probabilities."""
+    content, calls, logprobs = "", {}, []
+    for f in frames:
+        choice = json.loads(f.data)["choices"][0]
+        content += choice["delta"].get("content") or ""
+        logprobs += (choice["logprobs"] or {}).get("content", [])
+        for entry in choice["delta"].get("tool_calls", []):
+            if "id" in entry:  # a call's first entry names it and holds no arguments
+                assert entry["index"] not in calls and entry["function"]["arguments"] == ""
+                calls[entry["index"]] = {
+                    "id": entry["id"],
+                    "type": entry["type"],
+                    "name": entry["function"]["name"],
+                    "arguments": "",
+                }
+            else:
+                assert set(entry) == {"index", "function"} and set(entry["function"]) == {"arguments"}
+                calls[entry["index"]]["arguments"] += entry["function"]["arguments"]
+    return content, calls, logprobs
 
 
 def test_request_ids_name_partition_and_time():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import reduce
+
 import msgspec
 import pytest
 
@@ -32,6 +34,7 @@ from schemas import (
     TokenChunk,
     TokenLogprob,
     ToolCall,
+    ToolCallDelta,
     ToolResult,
     TopLogprob,
     TraceContext,
@@ -43,10 +46,12 @@ from schemas import (
     UnsupportedVersion,
     Usage,
     WorkerLoad,
+    call_id,
     decode,
     encode,
 )
 from schemas.speech import Word
+from schemas.tokens import merge_chunks
 
 MESSAGES = [ChatMessage(role="system", content="be brief"), ChatMessage(role="user", content="hello")]
 
@@ -260,3 +265,79 @@ def test_trace_context_round_trips_through_headers():
     child = trace.child()
     assert child.trace_id == trace.trace_id and child.span_id != trace.span_id
     assert TraceContext.parse("garbage") is None
+
+
+def _lp(token: str, logprob: float) -> TokenLogprob:
+    return TokenLogprob(
+        token=token,
+        bytes=list(token.encode()),
+        logprob=logprob,
+        top_logprobs=[TopLogprob(token=token, bytes=list(token.encode()), logprob=logprob)],
+    )
+
+
+def _tool_chunks() -> list[TokenChunk]:
+    """A worker's chunks of an answer with some content and two calls, one token each."""
+    parts = [
+        ("Sure", [], None),
+        ("", [ToolCallDelta(index=0, id=call_id("r", 0), name="weather")], '<call>{"name":"weather"'),
+        ("", [ToolCallDelta(index=0, arguments='{"city":')], ',"arguments":{"city":'),
+        ("", [ToolCallDelta(index=0, arguments=' "Oslo"}')], ' "Oslo"}}'),
+        ("", [ToolCallDelta(index=1, id=call_id("r", 1), name="time")], '<call>{"name":"time"'),
+        ("", [ToolCallDelta(index=1, arguments="{}")], ',"arguments":{}}'),
+    ]
+    return [
+        TokenChunk(
+            request_id="r",
+            seq=i,
+            text=text,
+            tool_calls=calls,
+            raw=raw,
+            token_ids=[i],
+            logprobs=[_lp(str(i), -i)],
+        )
+        for i, (text, calls, raw) in enumerate(parts)
+    ]
+
+
+def _calls(chunks: list[TokenChunk]) -> dict[int, dict]:
+    """The calls a client assembles from the chunks' deltas (OpenAI's rule: by index)."""
+    out: dict[int, dict] = {}
+    for c in chunks:
+        for d in c.tool_calls:
+            call = out.setdefault(d.index, {"id": "", "name": "", "arguments": ""})
+            call["id"] = call["id"] or d.id
+            call["name"] = call["name"] or d.name
+            call["arguments"] += d.arguments
+    return out
+
+
+def test_merging_chunks_keeps_text_raw_tokens_logprobs_and_calls():
+    chunks = _tool_chunks()
+    for start in range(len(chunks)):
+        for end in range(start + 1, len(chunks) + 1):
+            part = chunks[start:end]
+            merged = reduce(merge_chunks, part)
+            assert merged.seq == part[-1].seq
+            assert merged.text == "".join(c.text for c in part)
+            behind = merged.text if merged.raw is None else merged.raw  # a chunk without raw: its text
+            assert behind == "".join(c.text if c.raw is None else c.raw for c in part)
+            assert merged.token_ids == [i for c in part for i in c.token_ids]
+            assert merged.logprobs == [lp for c in part for lp in c.logprobs]
+            assert _calls([merged]) == _calls(part)
+            # a call's first delta (its id and name) stands alone; its argument fragments are joined
+            assert all(not d.arguments for d in merged.tool_calls if d.id)
+            indexes = [d.index for d in merged.tool_calls if not d.id]
+            assert len(indexes) == len(set(indexes))
+    whole = reduce(merge_chunks, chunks)
+    assert [(d.index, d.id != "", d.arguments) for d in whole.tool_calls] == [
+        (0, True, ""),
+        (0, False, '{"city": "Oslo"}'),
+        (1, True, ""),
+        (1, False, "{}"),
+    ]
+    assert chunks[2].tool_calls[0].arguments == '{"city":'  # the merged chunks are left as they were
+    plain = merge_chunks(
+        TokenChunk(request_id="r", seq=0, text="a"), TokenChunk(request_id="r", seq=1, text="b")
+    )
+    assert plain.raw is None and plain.text == "ab" and plain.tool_calls == [] and plain.logprobs == []
