@@ -7,7 +7,9 @@ worker (both being built elsewhere). It plays them for real over the broker:
     group worker.<model>, `slots` at a time, committing offsets)--> ts.tokens[reply_partition]
 
 The worker double's answer is deterministic: the words of the last user message echoed
-back, one word per TokenChunk, `token_delay` seconds apart (max_tokens and stop honoured).
+back, one word per TokenChunk, `token_delay` seconds apart (max_tokens and stop honoured);
+a message starting `[[calls]]` is answered with tool calls instead (`call_answer`), with log
+probabilities when the request asks for them.
 It honours Cancel events on ts.control. Nothing here is used by the gateway itself.
 """
 
@@ -26,7 +28,20 @@ from pathlib import Path
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
 from producers import publish, start_consumer, start_producer
-from schemas import ChatRequest, Completion, InferenceRequest, TokenChunk, Usage, decode
+from schemas import (
+    ChatRequest,
+    Completion,
+    FunctionCall,
+    InferenceRequest,
+    MessageToolCall,
+    TokenChunk,
+    TokenLogprob,
+    ToolCallDelta,
+    TopLogprob,
+    Usage,
+    call_id,
+    decode,
+)
 from tokenstream.chaos.clients import sse_events
 from tokenstream.stack.service import free_port  # never the same port twice in a process
 from topics import CHAT_REQUESTS, CONTROL, TOKENS, inference_topic
@@ -50,6 +65,36 @@ def expected_answer(prompt: str, max_tokens: int | None = None, stop: list[str] 
             break
         out.append(w)
     return " ".join(out)
+
+
+CALLS = "[[calls]]"
+CALLS_TEXT = "Calling."
+
+
+def call_answer(request_id: str, prompt: str) -> list[tuple[str, list[ToolCallDelta], str]]:
+    """What the worker double answers to `[[calls]] a b | c`: the content CALLS_TEXT, then one call per
+    `|`-separated group, named f0, f1, ..., whose arguments are {"words": "<the group>"}: a chunk naming
+    the call, then one chunk per argument fragment. Each entry: (text, call deltas, raw text)."""
+    groups = [g.split() for g in prompt.removeprefix(CALLS).split("|")]
+    out: list[tuple[str, list[ToolCallDelta], str]] = [(CALLS_TEXT, [], CALLS_TEXT)]
+    for k, words in enumerate(groups):
+        out.append(("", [ToolCallDelta(index=k, id=call_id(request_id, k), name=f"f{k}")], f"<call f{k}>"))
+        for frag in ['{"words": "', *(w if i == 0 else " " + w for i, w in enumerate(words)), '"}']:
+            out.append(("", [ToolCallDelta(index=k, arguments=frag)], frag))
+    return out
+
+
+def token_logprob(seq: int, token: str) -> TokenLogprob:
+    """The worker double's log probability of its token at `seq`, with two alternatives."""
+    return TokenLogprob(
+        token=token,
+        bytes=list(token.encode()),
+        logprob=-(seq + 1) / 8,
+        top_logprobs=[
+            TopLogprob(token=token, bytes=list(token.encode()), logprob=-(seq + 1) / 8),
+            TopLogprob(token="?", bytes=[63], logprob=-(seq + 1) / 8 - 1),
+        ],
+    )
 
 
 @dataclass
@@ -158,6 +203,9 @@ class FakePipeline:
         if rid in self._pending_cancel:
             flag.set()
         prompt = next((m.content for m in reversed(req.messages) if m.role == "user"), "")
+        if prompt.startswith(CALLS):
+            await self._call(req, prompt)
+            return
         words = _words(prompt)
         seq, reason = 0, "stop"
         try:
@@ -200,6 +248,48 @@ class FakePipeline:
             )
             await publish(self._producer, TOKENS, done, partition=req.reply_partition)
             served.finish_reason = reason
+        finally:
+            self.active.discard(rid)
+            self._cancel_flags.pop(rid, None)
+
+    async def _call(self, req: InferenceRequest, prompt: str) -> None:
+        """Answer `prompt` with tool calls (`call_answer`), one token per chunk."""
+        rid, parts = req.request_id, call_answer(req.request_id, prompt)
+        try:
+            for seq, (text, calls, raw) in enumerate(parts):
+                chunk = TokenChunk(
+                    request_id=rid,
+                    seq=seq,
+                    text=text,
+                    token_ids=[seq],
+                    tool_calls=calls,
+                    raw=raw,
+                    worker_id="fake",
+                    logprobs=[token_logprob(seq, raw)] if req.sampling.logprobs is not None else [],
+                )
+                await publish(self._producer, TOKENS, chunk, partition=req.reply_partition, wait=False)
+                if self.token_delay:
+                    await asyncio.sleep(self.token_delay)
+            made = [
+                MessageToolCall(id=d.id, function=FunctionCall(name=d.name, arguments=""))
+                for _, calls, _ in parts
+                for d in calls
+                if d.id
+            ]
+            for _, calls, _ in parts:
+                for d in calls:
+                    made[d.index].function.arguments += d.arguments
+            done = Completion(
+                request_id=rid,
+                seq=len(parts),
+                finish_reason="tool_calls",
+                text=CALLS_TEXT,
+                tool_calls=made,
+                worker_id="fake",
+                usage=Usage(prompt_tokens=len(prompt.split()), completion_tokens=len(parts)),
+            )
+            await publish(self._producer, TOKENS, done, partition=req.reply_partition)
+            self.served[rid].finish_reason = "tool_calls"
         finally:
             self.active.discard(rid)
             self._cancel_flags.pop(rid, None)

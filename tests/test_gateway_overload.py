@@ -1,5 +1,6 @@
 """Backpressure: lag-based 429s with Retry-After while admitted requests complete, bounded
-gateway memory, and a slow client that gets coalesced chunks while its partition pauses."""
+gateway memory, a slow client that gets coalesced chunks while its partition pauses, and tool calls
+and log probabilities that reach a slow client whole through every merge."""
 
 from __future__ import annotations
 
@@ -7,11 +8,26 @@ import asyncio
 import json
 import uuid
 
+import httpx
 import openai
 import pytest
 
+from schemas import call_id
 from tests.conftest import Roles
-from tests.gateway_support import FakePipeline, default_key, metric, metrics_text, rss_bytes, start_gateway
+from tests.gateway_support import (
+    CALLS,
+    CALLS_TEXT,
+    FakePipeline,
+    auth_headers,
+    call_answer,
+    default_key,
+    metric,
+    metrics_text,
+    rss_bytes,
+    sse,
+    start_gateway,
+    token_logprob,
+)
 from tests.kafka_support import wait_for
 
 WORDS = " ".join(f"v{i}" for i in range(10))
@@ -148,3 +164,80 @@ async def test_slow_client_gets_coalesced_chunks_and_partition_pauses(gateway, f
     assert metric(url, "gateway_coalesced_chunks_total") > 0
     assert rss_stalled - rss_before < 20 * 2**20
     assert metric(url, "gateway_paused_partitions") == 0
+
+
+async def test_a_slow_client_gets_the_calls_and_logprobs_of_a_fast_one_through_every_merge(
+    gateway, pipeline, fast
+):
+    """The same answer (content, two calls, log probabilities), read by a prompt client of the paced
+    double and by a client of the double that writes it at once: the second one's Stream (4 events)
+    fills and merges chunk after chunk, and its client assembles exactly what the first one does."""
+    url, _ = gateway
+    groups = [" ".join(f"g{k}w{i}" for i in range(14)) for k in range(2)]
+    prompt = CALLS + " " + " | ".join(groups)
+    tools = [
+        {"type": "function", "function": {"name": f"f{k}", "parameters": {"type": "object"}}}
+        for k in range(2)
+    ]
+    body = {"messages": [{"role": "user", "content": prompt}], "stream": True, "tools": tools}
+    body |= {"logprobs": True, "top_logprobs": 2}
+
+    async def read(model: str) -> tuple[str, list[dict], list[dict], int]:
+        async with (
+            httpx.AsyncClient(timeout=60, headers=auth_headers()) as http,
+            http.stream("POST", url + "/v1/chat/completions", json={"model": model, **body}) as r,
+        ):
+            assert r.status_code == 200, await r.aread()
+            frames = [json.loads(d) for _, d in [e async for e in sse(r)] if d != "[DONE]"]
+        rid = frames[0]["id"].removeprefix("chatcmpl-")
+        content, calls, logprobs = _assembled(frames)
+        assert [c.pop("id") for c in calls] == [call_id(rid, k) for k in range(2)]
+        assert frames[-1]["choices"][0]["finish_reason"] == "tool_calls"
+        return content, calls, logprobs, sum(bool(f["choices"][0]["delta"]) for f in frames[1:-1])
+
+    parts = call_answer("r", prompt)  # 35 chunks
+    reference = await read(pipeline.model)  # written 30 ms apart: read as they come
+    merges = metric(url, "gateway_coalesced_chunks_total")
+    slow = await read(fast.model)  # written at once: 4 pending, the rest merged into the last
+    assert metric(url, "gateway_coalesced_chunks_total") > merges, "the slow client's chunks were merged"
+    assert slow[3] < reference[3] and slow[3] < len(parts)
+    assert slow[:3] == reference[:3]
+    assert slow[0] == CALLS_TEXT
+    assert slow[1] == [
+        {"type": "function", "name": f"f{k}", "arguments": json.dumps({"words": groups[k]})} for k in range(2)
+    ]
+    assert slow[2] == [
+        {
+            "token": raw,
+            "logprob": lp.logprob,
+            "bytes": lp.bytes,
+            "top_logprobs": [
+                {"token": t.token, "logprob": t.logprob, "bytes": t.bytes} for t in lp.top_logprobs
+            ],
+        }
+        for seq, (_, _, raw) in enumerate(parts)
+        for lp in [token_logprob(seq, raw)]
+    ]
+
+
+def _assembled(frames: list[dict]) -> tuple[str, list[dict], list[dict]]:
+    """Content, calls (by index) and log probabilities as an OpenAI client assembles them from chunks;
+    a call's first entry names it (id, type, name) with no arguments, later ones add arguments only."""
+    content, calls, logprobs = "", {}, []
+    for frame in frames:
+        for choice in frame["choices"]:
+            content += choice["delta"].get("content") or ""
+            logprobs += (choice.get("logprobs") or {}).get("content") or []
+            for entry in choice["delta"].get("tool_calls") or []:
+                if "id" in entry:
+                    assert entry["index"] not in calls and entry["function"]["arguments"] == ""
+                    calls[entry["index"]] = {
+                        "id": entry["id"],
+                        "type": entry["type"],
+                        "name": entry["function"]["name"],
+                    }
+                    calls[entry["index"]]["arguments"] = ""
+                else:
+                    assert set(entry) == {"index", "function"} and set(entry["function"]) == {"arguments"}
+                    calls[entry["index"]]["arguments"] += entry["function"]["arguments"]
+    return content, [calls[k] for k in sorted(calls)], logprobs
