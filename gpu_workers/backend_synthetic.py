@@ -4,8 +4,8 @@ does nothing else. It is never served.
 `tokenstream bench tokens` runs the real worker process with it behind the engine seam
 (gpu_workers/backend.py), to find what the token path around an engine (the worker's own per-token
 work and publishing, the log, the processors, the gateway, the clients) carries at GPU rates. Each
-step lasts the step time (TOKENSTREAM_BENCH_SYNTHETIC_STEP_MS, default 20 ms, from the end of the
-step before when steps follow each other, as a GPU's forward would) and samples one token for every
+step lasts the step time (TOKENSTREAM_BENCH_SYNTHETIC_STEP_MS, default 20 ms, on schedule after the
+step before when the worker asks for it in time, as a GPU's forward would) and samples one token for every
 running request (at most `max_running`: the batch size): the next word of a fixed small vocabulary,
 until the request's max_tokens. Requests beyond the batch wait for a slot. The tokens then take the
 path every backend's take (gpu_workers/streaming.py: detokenisation, stop strings, max_tokens, the
@@ -34,9 +34,6 @@ STEP_ENV = "TOKENSTREAM_BENCH_SYNTHETIC_STEP_MS"
 DEFAULT_STEP_MS = 20.0
 # benign words (the output check judges them): one token each, a sentence in a loop
 VOCABULARY = (" The", " log", " carries", " every", " token", " in", " order", ".")
-# a step called within this long after the previous one's end follows it back to back (the sleep's
-# overshoot is not added to every step)
-BACK_TO_BACK_S = 0.002
 
 
 def enabled() -> bool:
@@ -95,7 +92,10 @@ class SyntheticEngine(Intake, TextStream):
         if not self.live:
             return outputs
         now = time.monotonic()
-        start = self._deadline if now - self._deadline < BACK_TO_BACK_S else now
+        # a step called within one step time of the previous one's end follows it on schedule (a late
+        # wake-up of this thread is made up, as a GPU's queue of launched work would); a later call
+        # means the worker kept its GPU waiting, and the step starts now
+        start = self._deadline if now - self._deadline < self.step_s else now
         self._deadline = start + self.step_s
         time.sleep(max(0.0, self._deadline - now))
         at = time.time()

@@ -314,6 +314,7 @@ ROLE_COMMANDS = {
     (bench_app, "grammar"): "bench.grammar:main",
     (bench_app, "engine"): "bench.engine:main",
     (bench_app, "routing"): "bench.routing:main",
+    (bench_app, "tokens"): "bench.tokens:main",
     (processor_app, "conversation"): "processors.cli:conversation",
     (processor_app, "safety"): "processors.cli:safety",
     (processor_app, "router"): "processors.cli:router",
