@@ -11,7 +11,8 @@ re-executes itself there). Per request:
 - sampling: temperature, top_p, seed, max_tokens, presence/frequency penalties, logit_bias and
   logprobs (vLLM's raw log probabilities, the own engine's measure too); vLLM returns token ids only
   (`detokenize=False`, no stop strings): detokenisation, stop strings and chunking are the own engine's
-  (`gpu_workers/streaming.py`), so both backends stream the same text in the same chunks;
+  (`gpu_workers/streaming.py`), so both backends stream the same text in the same chunks; the tokens of
+  one vLLM output are one chunk at most, under the request's stream interval (never one per token);
 - constraints (tools, response_format): the request's llguidance grammar (the very text the own engine
   uses, `grammar.grammar_text`) as `StructuredOutputsParams(grammar=...)` on vLLM's guidance backend;
   the worker's own grammar state follows each token too (stop-string scope, tool-call parsing, errors).
@@ -112,6 +113,7 @@ class VllmEngine(Intake, TextStream):
         self._vid: dict[Sequence, str] = {}
         self._n = 0
         self.steps = 0
+        self._generated = 0  # tokens taken in this step
 
     # ---- called from any thread (add, cancel, abort: backend.Intake) ----
     @property
@@ -145,7 +147,9 @@ class VllmEngine(Intake, TextStream):
                 self._take(ro, outputs)
         self.steps += 1
         if self.metrics is not None:
+            self.metrics.generated(self._generated)  # counted once per step
             self.metrics.engine_state(len(self.running), self.queued, self.kv_usage())
+        self._generated = 0
         return outputs
 
     def _accept(self, seq: Sequence, outputs: list[Output]) -> None:
@@ -213,13 +217,13 @@ class VllmEngine(Intake, TextStream):
             tokens[-1:] = [next(iter(self.eos_ids))] if self.eos_ids else []  # its stop token, as EOS
         elif ro.finished:
             seq.vllm_ended = True
-        now = time.time()
-        for i, token in enumerate(tokens):
-            if self._vid.get(seq) is None:
-                return  # ended by the last token (EOS, stop string, max_tokens)
-            self._append(
-                seq, token, now, outputs, _reported(done.logprobs, i, seq.logprobs, done.token_ids[i])
-            )
+        reports = None
+        if seq.logprobs is not None:
+            reports = [
+                _reported(done.logprobs, i, seq.logprobs, done.token_ids[i]) for i in range(len(tokens))
+            ]
+        # the output's tokens are one chunk at most, under the stream interval (gpu_workers/streaming.py)
+        self._generated += self._append_step(seq, tokens, time.time(), outputs, reports)
         if ro.finished and self._vid.get(seq) is not None:  # vLLM ended it for a reason of its own
             self._emit(seq, self._final_text(seq), outputs)
             reason = _REASONS.get(done.finish_reason or "", "error")

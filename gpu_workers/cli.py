@@ -56,6 +56,14 @@ def worker(
     ),
     max_running: int = typer.Option(None, help="most requests in the running batch"),
     prefill_chunk: int = typer.Option(None, help="most prompt tokens prefilled per step"),
+    stream_interval: int = typer.Option(
+        None,
+        help="write a request's pending text once this many tokens are pending (default 32; 1: every step)",
+    ),
+    stream_interval_ms: int = typer.Option(
+        None,
+        help="... or once this many ms have passed since its last chunk (default 20; 0: tokens only)",
+    ),
     metrics_port: int = typer.Option(None, help="serve Prometheus metrics on this port"),
     worker_id: str = typer.Option(None, help="name in emitted events (default host-pid)"),
     step_delay: float = typer.Option(None, help="sleep after each step, seconds (throttling, tests)"),
@@ -84,6 +92,8 @@ def worker(
         spin_wait=spin_wait,
         max_running=max_running,
         prefill_chunk=prefill_chunk,
+        stream_interval=stream_interval,
+        stream_interval_ms=stream_interval_ms,
         metrics_port=metrics_port,
         worker_id=worker_id,
         step_delay_s=step_delay,

@@ -91,6 +91,22 @@ class WorkerConfig(BaseSettings):
     health_interval_s: float = Field(
         1.0, gt=0, description="seconds between two checks of the group's standing"
     )
+    stream_interval: int = Field(
+        32,
+        ge=1,
+        le=1024,
+        description="stream interval, tokens: a request's pending text is written as one chunk once "
+        "this many tokens are pending (its first text and its end at once; 1: every step, as vLLM's "
+        "default); a request's own `stream_interval` overrides it (gpu_workers/streaming.py)",
+    )
+    stream_interval_ms: int = Field(
+        20,
+        ge=0,
+        le=10_000,
+        description="stream interval, milliseconds: pending text is written once this long has "
+        "passed since the request's last chunk (0: tokens only); tokens further apart than this "
+        "go out one by one; a request's own `stream_interval_ms` overrides it",
+    )
     takeover_margin_s: float = Field(5.0, description="look this far before created_at for emitted tokens")
     step_delay_s: float = Field(0.0, ge=0, description="sleep after each step (throttling / failover tests)")
     grammar_timeout_s: float = Field(

@@ -14,7 +14,9 @@ Each `step()`:
      engine's own decode kernel, cpu_kernels.py); on a CPU the linear layers run on weights
      prepacked once for oneDNN (linears.py), and a Llama runs the engine's own forward on fused
      kernels (llama_step.py);
-  4. samples the batch on the device, detokenises incrementally, applies stop strings, stores
+  4. samples the batch on the device, detokenises incrementally, applies stop strings and the
+     stream interval (gpu_workers/streaming.py: a request's text is written as a chunk at its first
+     text, its end, or once enough tokens or milliseconds have passed since its last chunk), stores
      the full prompt pages of requests that finished prefilling in the prefix cache, and frees
      the pages of every request that finished, at once.
 """
@@ -304,6 +306,8 @@ class Engine(Intake, TextStream):
         now = time.time()
         for row, (seq, token) in enumerate(zip(picked, tokens)):
             self._append(seq, token, now, outputs, reported.of(row, token))
+        if self.metrics is not None:
+            self.metrics.generated(len(picked))  # counted once per step, not per token
 
     def _finish(
         self, seq: Sequence, reason: str | None, outputs: list[Output], error: str | None = None

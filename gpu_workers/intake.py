@@ -115,6 +115,11 @@ class Intake:
                 tag=(tp, offset),
                 priority=request.priority,
                 tenant=request.tenant,
+                # the request's own stream interval, else the deployment's (gpu_workers/streaming.py)
+                stream_interval=s.stream_interval or w.cfg.stream_interval,
+                stream_interval_ms=w.cfg.stream_interval_ms
+                if s.stream_interval_ms is None
+                else s.stream_interval_ms,
             )
             before = emitted.get(request.request_id)
             if before is not None and before.completion is not None:

@@ -78,27 +78,43 @@ class WorkerMetrics:
             buckets=_LATENCY,
             registry=r,
         )
+        m = self.model
+        self._ttft, self._itl, self._e2e = self.ttft.labels(m), self.itl.labels(m), self.e2e.labels(m)
+        self._queue, self._prefill, self._decode = (
+            self.queue.labels(m),
+            self.prefill.labels(m),
+            self.decode.labels(m),
+        )
+        self._running, self._waiting = self.running.labels(m), self.waiting.labels(m)
+        self._kv_usage, self._prompt_tokens = self.kv_usage.labels(m), self.prompt_tokens.labels(m)
+        self._generation_tokens = self.generation_tokens.labels(m)
 
-    # engine hooks
+    # engine hooks (the label's children looked up once: these run every step)
     def engine_state(self, running: int, waiting: int, kv: float) -> None:
-        self.running.labels(self.model).set(running)
-        self.waiting.labels(self.model).set(waiting)
-        self.kv_usage.labels(self.model).set(kv)
+        self._running.set(running)
+        self._waiting.set(waiting)
+        self._kv_usage.set(kv)
 
     def scheduled(self, seq) -> None:
-        self.queue.labels(self.model).observe(max(0.0, seq.scheduled_at - seq.arrival))
-        self.prompt_tokens.labels(self.model).inc(len(seq.prompt_ids) + len(seq.generated))
+        self._queue.observe(max(0.0, seq.scheduled_at - seq.arrival))
+        self._prompt_tokens.inc(len(seq.prompt_ids) + len(seq.generated))
 
-    def token(self, seq, now: float) -> None:
-        self.generation_tokens.labels(self.model).inc()
+    def latency(self, seq, now: float) -> None:
+        """A step brought `seq` new tokens at `now` (before its first_token_at / last_token_at move):
+        its time to first token, or the time since its previous step's tokens."""
         if seq.first_token_at is None:
-            self.ttft.labels(self.model).observe(max(0.0, now - seq.arrival))
+            self._ttft.observe(max(0.0, now - seq.arrival))
         elif seq.last_token_at is not None:
-            self.itl.labels(self.model).observe(now - seq.last_token_at)
+            self._itl.observe(now - seq.last_token_at)
+
+    def generated(self, n: int) -> None:
+        """A step's generated tokens, all requests together."""
+        if n:
+            self._generation_tokens.inc(n)
 
     def finished(self, seq) -> None:
         _queue, prefill, decode = seq.timings()
-        self.e2e.labels(self.model).observe(max(0.0, (seq.finished_at or 0) - seq.arrival))
-        self.prefill.labels(self.model).observe(prefill)
-        self.decode.labels(self.model).observe(decode)
+        self._e2e.observe(max(0.0, (seq.finished_at or 0) - seq.arrival))
+        self._prefill.observe(prefill)
+        self._decode.observe(decode)
         self.finished_total.labels(self.model, seq.finish_reason or "aborted").inc()

@@ -32,6 +32,10 @@ class Sequence:
     tag: Any = None  # the caller's handle (the Kafka record)
     grammar: Any = None  # gpu_workers.grammar.GrammarState of a constrained request (tools, response_format)
     tenant: str = ""  # prefix KV entries are shared only within one tenant
+    # the stream interval (gpu_workers/streaming.py): pending text is written once this many tokens are
+    # pending, or this many milliseconds after the last chunk (0: no time bound); 1: every step
+    stream_interval: int = 1
+    stream_interval_ms: float = 0.0
 
     blocks: list[int] = field(default_factory=list)  # pages of the KV budget this request holds
     slot: int | None = None  # its slot of the KV storage (kv_cache.SlotPool) while running
@@ -45,6 +49,7 @@ class Sequence:
     text: str = ""  # decoded text of `generated` (what the detokenizer has completed)
     unsent_ids: list[int] = field(default_factory=list)
     unsent_logprobs: list = field(default_factory=list)  # gpu_workers.logits.Reported, one per unsent id
+    last_chunk_at: float | None = None  # when this worker last wrote a chunk of it (None: not yet)
     resumed: int = 0
     scheduled_at: float | None = None
     first_token_at: float | None = None

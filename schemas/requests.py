@@ -22,6 +22,8 @@ Screening = Literal["serial", "parallel", "moderation"]
 
 MAX_LOGIT_BIAS = 300  # token ids one request may bias (OpenAI's limit)
 MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's limit)
+MAX_STREAM_INTERVAL = 1024  # tokens a request may ask its text to be held for (stream_interval)
+MAX_STREAM_INTERVAL_MS = 10_000  # milliseconds (stream_interval_ms)
 
 
 class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -47,6 +49,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     logit_bias: dict[int, float] = msgspec.field(default_factory=dict)  # token id -> added to its logit
     # None: no log probabilities; k >= 0: each answer token's, with the k most likely alternatives
     logprobs: int | None = None
+    # the stream interval (gpu_workers/streaming.py): the worker writes a request's pending text as one
+    # chunk once this many tokens are pending, or this many milliseconds after its last chunk (0: no
+    # time bound); its first text and its end at once. None: the worker deployment's setting
+    stream_interval: int | None = None
+    stream_interval_ms: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -66,6 +73,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             )
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
+        if self.stream_interval is not None and not 1 <= self.stream_interval <= MAX_STREAM_INTERVAL:
+            raise ValueError(f"stream_interval must be in [1, {MAX_STREAM_INTERVAL}]")
+        if self.stream_interval_ms is not None and not 0 <= self.stream_interval_ms <= MAX_STREAM_INTERVAL_MS:
+            raise ValueError(f"stream_interval_ms must be in [0, {MAX_STREAM_INTERVAL_MS}]")
 
     def shapes_tokens(self) -> bool:
         """Whether penalties or a logit bias change the distribution the model's tokens are drawn from."""
