@@ -27,9 +27,14 @@ def deterministic(sampling: SamplingParams) -> bool:
     return sampling.temperature == 0 or sampling.seed is not None
 
 
+#: sampling fields that shape how the answer is chunked, not the answer: not part of the key
+NOT_KEYED = ("stream_interval", "stream_interval_ms")
+
+
 def cache_key(tenant: str, model: str, messages: list[ChatMessage], sampling: SamplingParams) -> str:
+    keyed = {k: v for k, v in msgspec.structs.asdict(sampling).items() if k not in NOT_KEYED}
     material = msgspec.json.encode(
-        {"tenant": tenant, "model": model, "messages": messages, "sampling": msgspec.structs.asdict(sampling)}
+        {"tenant": tenant, "model": model, "messages": messages, "sampling": keyed}
     )
     return K.exact_cache(hashlib.sha256(material).hexdigest())
 

@@ -12,7 +12,8 @@ seed, n (1), user, safety_identifier (recorded as the request's user), presence_
 frequency_penalty, logit_bias, logprobs, top_logprobs, tools, tool_choice, parallel_tool_calls,
 response_format, store and metadata (stored completions, gateway/stored_chats.py), prompt_cache_key
 (the router's placement, processors/router/prefixes.py), and the extensions
-conversation_id, assistant, cache.
+conversation_id, assistant, cache, stream_interval and stream_interval_ms (the worker's stream interval,
+gpu_workers/streaming.py; out of range: a 400 naming the field, as for every declared field).
 """
 
 from __future__ import annotations

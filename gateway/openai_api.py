@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from starlette.exceptions import HTTPException
 
 from gateway.tool_params import CallInHistory, ResponseFormat, Tool, ToolChoice
-from schemas.requests import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
+from schemas.requests import MAX_LOGIT_BIAS, MAX_STREAM_INTERVAL, MAX_STREAM_INTERVAL_MS, MAX_TOP_LOGPROBS
 
 # Limits on one request (the body itself is bounded by GatewaySettings.max_body_bytes).
 MAX_MESSAGES = 1024
@@ -128,6 +128,19 @@ class ChatCompletionRequest(UnicodeBody):
         description="an assistant preset: system prompt, model and sampling settings",
     )
     cache: bool = Field(True, description="false: never answer this request from the response cache")
+    stream_interval: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_STREAM_INTERVAL,
+        description="the worker writes the answer's pending text as one chunk once this many tokens are "
+        "pending (1: every token); default: the worker deployment's",
+    )
+    stream_interval_ms: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_STREAM_INTERVAL_MS,
+        description="... or once this many milliseconds have passed since its last chunk (0: tokens only)",
+    )
 
     @field_validator("stop")
     @classmethod

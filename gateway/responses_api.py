@@ -305,6 +305,9 @@ class ResponseCreate(api.UnicodeBody):
     moderation: Moderation | None = None
     # tokenstream extensions (extra_body): an assistant preset; no response cache applies here
     assistant: str | None = Field(None, min_length=1, max_length=api.MAX_NAME_CHARS)
+    # the stream interval of the answer's text (gpu_workers/streaming.py), as on chat completions
+    stream_interval: int | None = Field(None, ge=1, le=api.MAX_STREAM_INTERVAL)
+    stream_interval_ms: int | None = Field(None, ge=0, le=api.MAX_STREAM_INTERVAL_MS)
 
     def logprobs_asked(self) -> int | None:
         """How many alternatives each output token's log probability comes with (None: not asked)."""

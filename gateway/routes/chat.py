@@ -83,6 +83,8 @@ def sampling_of(body: api.ChatCompletionRequest, vocab: int | None = None) -> Sa
             frequency_penalty=body.frequency_penalty or 0.0,
             logit_bias=bias,
             logprobs=body.logprobs_asked(),
+            stream_interval=body.stream_interval,
+            stream_interval_ms=body.stream_interval_ms,
         )
     except ValueError as exc:
         raise api.invalid_request(str(exc)) from None

@@ -87,6 +87,8 @@ def _sampling(body: ResponseCreate) -> SamplingParams:
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
             logprobs=body.logprobs_asked(),
+            stream_interval=body.stream_interval,
+            stream_interval_ms=body.stream_interval_ms,
         )
     except ValueError as exc:
         raise api.invalid_request(str(exc)) from None
