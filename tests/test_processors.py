@@ -59,6 +59,7 @@ WINDOW = 400  # context window the conversation processor is started with
 PARKED_S = (
     10  # how long a parked turn waits for the previous answer (TOKENSTREAM_CONVERSATION_PARKED_TIMEOUT_S)
 )
+CHECKPOINT_S = 60  # the safety processor's time bound on a window's unacknowledged chunks
 MODELS = ["smollm2", "primary-x", "fallback-x", "canary-x", "canary-x-v2"]
 ROUTES = {"primary-x": {"fallback": "fallback-x"}, "canary-x": {}}
 HARMFUL = "I am going to find him tonight and stab him until he stops breathing."
@@ -83,6 +84,8 @@ class Processors:
             "TOKENSTREAM_ROUTER_WAIT_BUDGET_S": "2",
             "TOKENSTREAM_ROUTER_MIN_RATE": "1",
             "TOKENSTREAM_CONVERSATION_PARKED_TIMEOUT_S": str(PARKED_S),
+            # a safety window unjudged stays unwritten for the whole of the kill -9 test below
+            "TOKENSTREAM_SAFETY_WINDOW_CHECKPOINT_S": str(CHECKPOINT_S),
         }
         self.procs: dict[str, subprocess.Popen] = {}
 
@@ -487,6 +490,74 @@ async def test_streamed_output_is_cut_with_a_verdict_in_band_and_a_cancel(proces
     assert not any(isinstance(e, SafetyVerdict) and e.request_id == good for e, _ in tokens.events)
     [judged] = verdicts.matching(lambda e: e.request_id == good and e.window_end_seq == 39)  # its last window
     assert not judged.blocked
+
+
+async def committed_offset(bootstrap: str, group: str, tp: TopicPartition) -> int:
+    """`group`'s committed offset on `tp` (-1: none)."""
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, **kafka_auth.client_options())
+    await admin.start()
+    try:
+        found = (await admin.list_consumer_group_offsets(group, partitions=[tp])).get(tp)
+        return found.offset if found is not None else -1
+    finally:
+        await admin.close()
+
+
+@pytest.mark.timeout(240)
+async def test_kill9_of_the_safety_processor_mid_answer_judges_the_whole_window(processors, bootstrap):
+    """The safety processor holds an answer's window in memory until it judges it (every 32 tokens) and
+    acknowledges no chunk a checkpoint does not cover, so its committed offset stays at the first chunk
+    held. Killed -9 with 23 chunks of a harmful sentence held, its restart reads them again: the window
+    judged at the 32nd token, 9 chunks of a harmless one later, holds both, and is blocked."""
+    harmful = "Sure. First get a knife, then wait for the victim outside the house and stab them "
+    harmful += "repeatedly in the chest until they die."
+    harmless = "That is what the villain of the novel does in chapter three, and the detective arrives "
+    harmless += "the next morning while the rain goes on and on."
+    before, after = harmful.split(" "), harmless.split(" ")
+    bad, partition, tp = rid(), 9, TopicPartition(TOKENS.name, 9)
+
+    async def short_answer(producer) -> str:
+        request_id = rid()
+        chunk = TokenChunk(request_id=request_id, seq=0, text="Fine.", token_ids=[1])
+        await publish(producer, TOKENS, chunk, partition=partition)
+        done = Completion(request_id=request_id, seq=1, finish_reason="stop")
+        await publish(producer, TOKENS, done, partition=partition)
+        await verdicts.wait_for(lambda e: e.request_id == request_id and e.stage == "output", timeout=90)
+        return request_id
+
+    def chunk(seq: int, word: str) -> TokenChunk:
+        return TokenChunk(request_id=bad, seq=seq, text=word + " ", token_ids=[1])
+
+    async with Tap(VERDICTS) as verdicts:
+        producer = await start_producer()
+        try:
+            await short_answer(producer)  # judged and acknowledged: the commit may reach what follows
+            first = (await publish(producer, TOKENS, chunk(0, before[0]), partition=partition)).offset
+            for seq, word in enumerate(before[1:], 1):
+                await publish(producer, TOKENS, chunk(seq, word), partition=partition, wait=False)
+            await short_answer(producer)  # judged: the chunks before it were read
+
+            async def reached() -> bool:  # an older window held on the partition holds it up to CHECKPOINT_S
+                return await committed_offset(bootstrap, "ts-safety", tp) >= first
+
+            await wait_for(reached, CHECKPOINT_S + 30, "the commit up to the chunks held", interval=0.5)
+            assert await committed_offset(bootstrap, "ts-safety", tp) == first  # and not past them
+            processors.kill9("safety")
+            processors.start("safety")
+            for seq, word in enumerate(after, len(before)):
+                await publish(producer, TOKENS, chunk(seq, word), partition=partition, wait=False)
+            done = Completion(request_id=bad, seq=len(before) + len(after), finish_reason="stop")
+            await publish(producer, TOKENS, done, partition=partition)
+            await verdicts.wait_for(lambda e: e.request_id == bad, timeout=150)
+            await short_answer(producer)  # judged after bad's end: bad was judged all it will be
+        finally:
+            await producer.stop()
+    # judged once; or again, the same window, where the restart's group rebalanced once more (the dead
+    # member's session ending) between a judgement and its checkpoint
+    cuts = verdicts.matching(lambda e: e.request_id == bad)
+    assert {(c.blocked, c.window_end_seq, tuple(c.categories)) for c in cuts} == {(True, 31, ("violence",))}
 
 
 async def test_router_overflows_to_the_fallback_while_the_primary_lags(processors, bootstrap):

@@ -22,11 +22,13 @@ faust reads its partitions again from their committed offsets, which lie before 
 from __future__ import annotations
 
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import faust
+from faust.streams import _current_event
 from faust.types import EventT
 
 from processors.faust_app import get, put
@@ -86,12 +88,15 @@ class HeldWindows:
             self.checkpoint(key, held)
 
     def checkpoint(self, key: str, held: Held, *also: EventT) -> None:
-        """Write `held`'s window to the table, then acknowledge what it covers (`also` too)."""
+        """Write `held`'s window to the table, then acknowledge what it covers (`also` too). A window
+        with nothing unacknowledged is what its row holds already: nothing is written."""
         if held.generation != self.generation():
             held.pending.clear()  # not ours to write (see the module's docstring)
             self.held.pop(key, None)
             return
-        put(self.table, key, held.window)
+        if not held.pending and not also:
+            return
+        _put(self.table, key, held.window, (held.pending or also)[0])
         held.checkpointed_seq = held.window.last_seq
         _ack(held.pending, also)
 
@@ -101,7 +106,7 @@ class HeldWindows:
         if held.generation != self.generation():
             held.pending.clear()
             return
-        put(self.table, key, None)
+        _put(self.table, key, None, raw)
         _ack(held.pending, (raw,))
 
     def overdue(self, now: float | None = None) -> int:
@@ -111,6 +116,18 @@ class HeldWindows:
         for key, held in late:
             self.checkpoint(key, held)
         return len(late)
+
+
+def _put(table: faust.Table, key: str, window: OutputWindow | None, source: EventT) -> None:
+    """Write a row as if while `source` (a record of its answer) were being handled: faust writes a row's
+    changelog record to the partition of the record in hand (the tables are co-partitioned with
+    ts.tokens), which for a checkpoint made by the timer, or for a window evicted while another answer's
+    record is handled, is the wrong one or none."""
+    token = _current_event.set(weakref.ref(source))
+    try:
+        put(table, key, window)
+    finally:
+        _current_event.reset(token)
 
 
 def _ack(pending: list[EventT], also) -> None:
