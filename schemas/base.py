@@ -12,12 +12,16 @@ import msgspec
 SCHEMA_VERSION = 1
 
 
+def _version() -> int:
+    return SCHEMA_VERSION
+
+
 def now() -> float:
     """Wall-clock time in seconds since the epoch, the unit of every `*_at` field."""
     return time.time()
 
 
-class Event(msgspec.Struct, kw_only=True, tag_field="type", forbid_unknown_fields=False):
+class Event(msgspec.Struct, kw_only=True, tag_field="type", forbid_unknown_fields=False, omit_defaults=True):
     """Base of every event. `type` (the tag) names the concrete class on the wire.
 
     request_id       one user request, end to end (also the Kafka key on per-request topics)
@@ -25,6 +29,9 @@ class Event(msgspec.Struct, kw_only=True, tag_field="type", forbid_unknown_field
     tenant           who pays: rate limits and routing tiers are per tenant
     created_at       when the event was made (seconds since the epoch)
     v                schema version of the writer
+
+    A field left at its default is not written (a decoder fills it in), except `created_at` and `v`,
+    which every record carries: a reader of any version sees which version wrote it.
 
     `content` names the fields that hold a tenant's content: they are written sealed with a key of the
     tenant's conversation, and read back transparently (schemas/sealing.py, `tokenstream erase`).
@@ -36,4 +43,4 @@ class Event(msgspec.Struct, kw_only=True, tag_field="type", forbid_unknown_field
     conversation_id: str = ""
     tenant: str = "default"
     created_at: float = msgspec.field(default_factory=now)
-    v: int = SCHEMA_VERSION
+    v: int = msgspec.field(default_factory=_version)  # a factory: written even at its default

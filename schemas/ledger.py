@@ -17,13 +17,15 @@ import msgspec
 from schemas.base import Event
 
 
-class Checkpoint(Event, tag="ledger_checkpoint", kw_only=True):
+class Checkpoint(Event, tag="ledger_checkpoint", kw_only=True, omit_defaults=False):
     """Records `first_offset`..`last_offset` of `topic`/`partition`, attested in order.
 
     request_id holds "<topic>/<partition>" (the record key: one partition's checkpoints in order).
     record_digests[i] is the digest of the i-th attested record (hex); offsets names each one's offset
     (the log may skip offsets: transaction markers, compaction). signature signs `signed_bytes()` of
     `audit/ledger_math.py` with the notary's key, whose public half `key_id` names (its sha256, hex).
+    Written whole, defaults included: its fields as plain JSON are what the signature covers and what
+    a bundle's verifier reads, and checkpoints signed before events left out their defaults still verify.
     """
 
     topic: str

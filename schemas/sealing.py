@@ -9,16 +9,20 @@ once: on the topics, in their replicas and in anything copied from them, althoug
 rewritten (the ledger's digests, taken over the sealed bytes, still verify).
 
 On the wire a sealed event is its clear fields with one more, first: `"sealed": "s1.<key id>.<sealed>"`,
-where the sealed part holds the content fields as one JSON object. `schemas.codec` splices the two back
-together before its typed decode, so a reader sees the event it would have seen unsealed.
+where the sealed part holds the content fields as one JSON object. As in any event, a field at its
+default is written in neither part (schemas/base.py); an event whose content is all at its default has
+nothing to seal and is written in clear. `schemas.codec` splices the two back together before its typed
+decode, so a reader sees the event it would have seen unsealed.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from operator import attrgetter
+from typing import Any, Protocol
 
 import msgspec
 
+from schemas.base import Event
 from schemas.errors import Erased, MalformedEvent
 
 #: the field a sealed event carries its content in; the codec writes it first
@@ -53,17 +57,74 @@ _encoder = msgspec.json.Encoder()
 _untyped = msgspec.json.Decoder()
 
 
+class _Plan:
+    """How one event type is written sealed: its content fields as one object (left at their default:
+    not written), and its clear fields after the seal. Each part is a struct made for it, so a record
+    is two direct encodes (the content, sealed; the clear part with the seal), no intermediate copy."""
+
+    def __init__(self, cls: type) -> None:
+        fields = msgspec.structs.fields(cls)
+        content = [f for f in fields if f.name in cls.content]
+        clear = [f for f in fields if f.name not in cls.content]
+        config = cls.__struct_config__
+        self.content_view = _view(cls.__name__ + "Content", [], content, config.omit_defaults)
+        self.clear_view = _view(
+            cls.__name__ + "Clear",
+            [(SEALED_FIELD, str), (config.tag_field, str)],
+            clear,
+            config.omit_defaults,
+        )
+        self.tag = config.tag
+        self.content = _getter([f.name for f in _ordered(content)])
+        self.clear = _getter([f.name for f in _ordered(clear)])
+
+
+def _ordered(fields: list) -> list:
+    return [f for f in fields if f.required] + [f for f in fields if not f.required]
+
+
+def _view(name: str, first: list[tuple[str, type]], fields: list, omit_defaults: bool) -> type:
+    """A struct of `first`, then `fields` (required ones first, so it is built positionally), each with
+    its default and its name on the wire, written as the event writes them (defaults left out or not)."""
+    spec: list = list(first)
+    for f in _ordered(fields):
+        if f.required:
+            spec.append((f.name, Any))
+        elif f.default_factory is not msgspec.NODEFAULT:
+            spec.append((f.name, Any, msgspec.field(default_factory=f.default_factory)))
+        else:
+            spec.append((f.name, Any, f.default))
+    rename = {f.name: f.encode_name for f in fields if f.encode_name != f.name}
+    return msgspec.defstruct(name, spec, omit_defaults=omit_defaults, rename=rename or None, gc=False)
+
+
+def _getter(names: list[str]):
+    get = attrgetter(*names)
+    return get if len(names) > 1 else lambda event: (get(event),)
+
+
+_plans: dict[type, _Plan | None] = {}
+#: the clear fields every event has, at their defaults (not written): what an erased record's clear
+#: fields read as when absent
+_BASE_DEFAULTS = {
+    f.name: f.default for f in msgspec.structs.fields(Event) if f.default is not msgspec.NODEFAULT
+}
+
+
 def seal(event, sealer: Sealer) -> bytes | None:
     """The wire bytes of `event` with its content sealed, or None when it has no content to seal."""
-    fields = type(event).content
-    if not fields:
+    cls = type(event)
+    try:
+        plan = _plans[cls]
+    except KeyError:
+        plan = _plans[cls] = _Plan(cls) if cls.content else None
+    if plan is None:
         return None
-    clear = msgspec.to_builtins(event)
-    content = {name: clear.pop(name) for name in fields if name in clear}
-    if not content:
+    content = _encoder.encode(plan.content_view(*plan.content(event)))
+    if content == b"{}":  # every content field at its default: nothing to seal
         return None
-    token = sealer.seal(event.tenant, event.conversation_id, _encoder.encode(content))
-    return _encoder.encode({SEALED_FIELD: token, **clear})
+    token = sealer.seal(event.tenant, event.conversation_id, content)
+    return _encoder.encode(plan.clear_view(token, plan.tag, *plan.clear(event)))
 
 
 def unseal(data: bytes, sealer: Sealer | None) -> bytes:
@@ -87,7 +148,7 @@ def unseal(data: bytes, sealer: Sealer | None) -> bytes:
             clear = {}
         raise Erased(
             f"erased: the key of {token.split('.')[1] if token.count('.') >= 2 else '?'} was destroyed",
-            clear if isinstance(clear, dict) else {},
+            {**_BASE_DEFAULTS, **clear} if isinstance(clear, dict) else {},
         )
     if not (plain.startswith(b"{") and plain.endswith(b"}")):
         raise MalformedEvent("malformed event: its sealed content is not a JSON object")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 from functools import reduce
 
 import msgspec
@@ -16,6 +17,7 @@ from schemas import (
     Completion,
     ConversationHistory,
     DeadLetter,
+    Erased,
     FileIngest,
     InferenceRequest,
     KeyHome,
@@ -50,6 +52,7 @@ from schemas import (
     decode,
     encode,
 )
+from schemas.codec import sealer, use_sealer
 from schemas.speech import Word
 from schemas.tokens import merge_chunks
 
@@ -341,3 +344,52 @@ def test_merging_chunks_keeps_text_raw_tokens_logprobs_and_calls():
         TokenChunk(request_id="r", seq=0, text="a"), TokenChunk(request_id="r", seq=1, text="b")
     )
     assert plain.raw is None and plain.text == "ab" and plain.tool_calls == [] and plain.logprobs == []
+
+
+class _PlainSealer:
+    """A keyring stand-in for unit tests: 'seals' by base64 (its key id 'k'), opens unless erased."""
+
+    def __init__(self) -> None:
+        self.erased = False
+
+    def seal(self, tenant: str, scope: str, plaintext: bytes) -> str:
+        return "s1.k." + base64.urlsafe_b64encode(plaintext).decode().rstrip("=")
+
+    def open(self, token: str) -> bytes | None:
+        body = token.split(".", 2)[2]
+        return None if self.erased else base64.urlsafe_b64decode(body + "=" * (-len(body) % 4))
+
+
+@pytest.fixture
+def plain_sealer():
+    before, keys = sealer(), _PlainSealer()
+    use_sealer(keys)
+    yield keys
+    use_sealer(before)
+
+
+def test_fields_at_their_default_are_not_written_but_created_at_and_v_are():
+    chunk = TokenChunk(request_id="r", seq=0, text="a")
+    assert set(msgspec.json.decode(encode(chunk))) == {"type", "request_id", "seq", "text", "created_at", "v"}
+    assert decode(encode(chunk)) == chunk
+    cp = Checkpoint(request_id="t/0", topic="t", partition=0, first_offset=0, last_offset=0)
+    written = msgspec.json.decode(encode(cp))  # signed as plain JSON: written whole
+    assert written["prev_head"] == "00" * 32 and written["tenant"] == "default" and written["offsets"] == []
+
+
+def test_a_sealed_event_writes_neither_part_s_defaults_and_reads_back_whole(plain_sealer):
+    chunk = TokenChunk(request_id="r", conversation_id="c", seq=3, text="a", token_ids=[5])
+    wire = encode(chunk)
+    assert wire.startswith(b'{"sealed":"s1.k.') and decode(wire) == chunk
+    clear = msgspec.json.decode(wire)
+    assert set(clear) == {"sealed", "type", "request_id", "conversation_id", "seq", "created_at", "v"}
+    assert msgspec.json.decode(plain_sealer.open(clear["sealed"])) == {"text": "a", "token_ids": [5]}
+    done = Completion(request_id="r", seq=4, finish_reason="stop")  # no content: nothing to seal
+    assert not encode(done).startswith(b'{"sealed"') and decode(encode(done)) == done
+    for event in sample_events():
+        assert decode(encode(event)) == event
+    plain_sealer.erased = True
+    with pytest.raises(Erased) as erased:
+        decode(encode(TokenChunk(request_id="r2", seq=0, text="gone")))
+    clear = erased.value.clear  # the base fields left out at their default read as that default
+    assert (clear["request_id"], clear["conversation_id"], clear["tenant"]) == ("r2", "", "default")
