@@ -167,6 +167,44 @@ async def test_invalid_request_is_400(client, pipeline, kwargs, param):
     assert err.body["message"]
 
 
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("stream_interval", 0),
+        ("stream_interval", 1025),
+        ("stream_interval", "often"),
+        ("stream_interval_ms", -1),
+        ("stream_interval_ms", 10_001),
+    ],
+)
+async def test_a_stream_interval_out_of_range_is_400_naming_it(gateway, client, pipeline, field, value):
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.chat.completions.create(
+            model=pipeline.model, messages=ask(), stream=True, extra_body={field: value}
+        )
+    assert info.value.body["type"] == "invalid_request_error" and info.value.body["param"] == field
+    async with httpx.AsyncClient(timeout=30) as http:  # the Responses API shares the field
+        r = await http.post(
+            gateway + "/v1/responses",
+            json={"model": pipeline.model, "input": PROMPT, field: value},
+            headers=auth_headers(),
+        )
+    assert r.status_code == 400 and r.json()["error"]["param"] == field
+
+
+async def test_a_stream_interval_is_carried_to_the_worker(client, pipeline):
+    stream = await client.chat.completions.create(
+        model=pipeline.model,
+        messages=ask(),
+        stream=True,
+        extra_body={"stream_interval": 4, "stream_interval_ms": 0},
+    )
+    chunks = [c async for c in stream]
+    sampling = pipeline.requests[chunks[0].id.removeprefix("chatcmpl-")].sampling
+    assert (sampling.stream_interval, sampling.stream_interval_ms) == (4, 0)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected_answer(PROMPT)
+
+
 async def test_unknown_model_is_404(client):
     with pytest.raises(openai.NotFoundError) as info:
         await client.chat.completions.create(model="no-such-model", messages=ask())
