@@ -35,6 +35,7 @@ the ratio. Results go to bench/results/tokens.json.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -84,7 +85,11 @@ def main(
         catch_up_s=catch_up_s,
         perf_records=perf_records,
     )
-    result = asyncio.run(_interruptible(run(plan, **options)))
+    try:
+        result = asyncio.run(_interruptible(run(plan, **options)))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        print("bench tokens: interrupted; every process it started is stopped", flush=True)
+        raise typer.Exit(130) from None
     result["command"] = (
         f"tokenstream bench tokens --streams {streams} --step-ms {step_ms:g} --window-s {window_s:g} "
         f"--warm-s {warm_s:g} --lag-limit-ms {lag_limit_ms:g} --catch-up-s {catch_up_s:g} "
@@ -101,6 +106,17 @@ async def _interruptible(work):
     task = asyncio.ensure_future(work)
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
     return await task
+
+
+@contextlib.asynccontextmanager
+async def _started(system):
+    """`system` started, and stopped however its start or its use ends (interrupted half-started too:
+    LocalSystem's own `async with` stops nothing when its start is what was interrupted)."""
+    try:
+        await system.__aenter__()
+        yield system
+    finally:
+        await system.__aexit__(None, None, None)
 
 
 def machine() -> dict:
@@ -152,7 +168,7 @@ async def run(
     worker = ("--backend", "synthetic", "--max-running", str(max(plan)))
     ok = False
     try:
-        async with LocalSystem(tmp, MODEL, {GATEWAY: {}}, worker_args=worker) as system:
+        async with _started(LocalSystem(tmp, MODEL, {GATEWAY: {}}, worker_args=worker)) as system:
             from common import sealing
 
             sealing.install(system.stack.redis.address)  # the chunks' sealed content is read back
