@@ -56,7 +56,7 @@ KEPT_UP = 0.9  # least share of the offered tokens the worker must write for a s
 
 
 def main(
-    streams: str = typer.Option("8,16,32,64,128,256", help="concurrent streams of each stage, rising"),
+    streams: str = typer.Option("2,4,8,16,32,64,128,256", help="concurrent streams of each stage, rising"),
     step_ms: float = typer.Option(20.0, help="the synthetic GPU's step time (one token per stream a step)"),
     window_s: float = typer.Option(5.0, help="measured seconds of each stage"),
     warm_s: float = typer.Option(1.0, help="seconds each stage runs before its window"),
