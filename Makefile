@@ -24,7 +24,9 @@ lint: setup
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
 
-## vLLM's CPU build in its own virtualenv with the project (the worker's `vllm` backend; once, minutes)
+## vLLM's CPU build in its own virtualenv with the project (the worker's `vllm` backend; once, minutes),
+## its allocator (tcmalloc: `setup`), then one start of vLLM per configuration the project starts it in,
+## which builds its compile cache (minutes more, once), so a first `worker --backend vllm` starts warm
 vllm-venv: setup
 	.venv/bin/python -m bench.peers vllm
 

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import typer
 
+from bench.engine_checks import check_peers, usable
 from bench.runenv import py_env
 from bench.stats import inclusive
 
@@ -112,23 +113,36 @@ def median_run(runs: list[dict]) -> dict:
     return chosen
 
 
-def run_runner(cmd: list[str], spec: dict, env: dict | None = None, timeout: float = 1800) -> dict:
+def run_runner(
+    cmd: list[str], spec: dict, env: dict | None = None, timeout: float = 1800, log: Path | None = None
+) -> dict:
+    """Run one runner on `spec`; with `log`, its whole output (stdout and stderr) is appended there."""
     with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
         src, dst = Path(tmp) / "in.json", Path(tmp) / "out.json"
         src.write_text(json.dumps(spec))
-        proc = subprocess.run(
-            [*cmd, str(src), str(dst)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            cwd=ROOT,
-            check=False,
-        )
+        out = Path(tmp) / "output.log" if log is None else log
+        with open(out, "a") as sink:
+            start = sink.tell()
+            proc = subprocess.run(
+                [*cmd, str(src), str(dst)],
+                env=env,
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                timeout=timeout,
+                cwd=ROOT,
+                check=False,
+            )
         if proc.returncode != 0 or not dst.exists():
-            tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-4:])
-            raise RuntimeError(f"exit {proc.returncode}: {tail}")
+            with open(out) as text:
+                text.seek(start)
+                tail = " | ".join(text.read().strip().splitlines()[-4:])
+            raise RuntimeError(f"exit {proc.returncode}: {tail}" + (f" (whole output: {log})" if log else ""))
         return json.loads(dst.read_text())
+
+
+def vllm_log(name: str) -> Path:
+    """Where a vLLM column's whole output goes (vLLM's own log lines), beside the results."""
+    return RESULTS.parent / f"engine-{name}.log"
 
 
 def reference_outputs(reqs: list[dict], spec: dict, say) -> dict[str, list[int]]:
@@ -206,14 +220,16 @@ def serve(name: str, spec: dict, baseline_engine: Path | None, say) -> dict:
     """Run the workload in `spec` through engine `name`, in its own process."""
     from bench import peers
 
-    if name in ("vllm", "vllm-defaults"):
+    if name in ("vllm", "vllm-defaults", "vllm-offline"):
         ready, why = peers.ensure_vllm(say)
         if not ready:
             raise RuntimeError(f"vLLM CPU venv not ready: {why}")
+        # vLLM's CPU environment as its docs advise: tcmalloc preloaded, its threads bound to the cores
         return run_runner(
             [str(peers.vllm_python()), "bench/engine_vllm.py"],
-            dict(spec, defaults=name == "vllm-defaults"),
+            dict(spec, defaults=name != "vllm", offline=name == "vllm-offline"),
             env=peers.vllm_env(spec["threads"]),
+            log=vllm_log(name),
         )
     if name in ("worker-vllm", "worker-vllm-fp32"):  # the worker with its vLLM backend, in vLLM's virtualenv
         ready, why = peers.ensure_worker_deps(say)
@@ -223,6 +239,7 @@ def serve(name: str, spec: dict, baseline_engine: Path | None, say) -> dict:
             [str(peers.vllm_python()), "-m", "bench.engine_runners", name],
             spec,
             env=peers.vllm_env(spec["threads"]),
+            log=vllm_log(name),
         )
     if name == "tokenstream-before":
         return run_runner(
@@ -307,10 +324,11 @@ def main(
     rate: float = typer.Option(8.0, help="Poisson mode: mean arrivals per second"),
     modes: str = typer.Option("saturated,poisson", help="saturated, poisson and/or streams"),
     engines: str = typer.Option(
-        "tokenstream,tokenstream-fp32,worker,worker-vllm,worker-vllm-fp32,vllm-defaults,vllm",
+        "tokenstream,tokenstream-fp32,worker,worker-vllm,worker-vllm-fp32,vllm-defaults,vllm-offline,vllm",
         help="comma-separated subset of tokenstream, tokenstream-fp32, worker, worker-clear "
         "(the worker with sealing off), worker-vllm, worker-vllm-fp32, "
-        "vllm-defaults, vllm (same limits as ours), transformers",
+        "vllm-defaults, vllm-offline (vLLM's LLM.generate at its defaults: the check of vllm-defaults, "
+        "saturated mode), vllm (same limits as ours), transformers",
     ),
     poisson_engines: str = typer.Option("tokenstream,vllm", help="the engines also run in Poisson mode"),
     streams: int = typer.Option(
@@ -363,6 +381,8 @@ def main(
     results: dict = {}
     skipped: dict[str, str] = {}
     reference = None
+    for name in chosen:  # this run's vLLM logs replace the last run's
+        vllm_log(name).unlink(missing_ok=True)
     for mode in [m.strip() for m in modes.split(",") if m.strip()]:
         work = workload(tok, requests, rate, seed)
         reqs = [
@@ -419,6 +439,8 @@ def main(
                 )
         for name, got_runs in runs.items():
             results[mode][name] = median_run(got_runs)
+        for name, why in check_peers(results[mode]).items():
+            say(f"[red]{mode}: {name} is invalid[/]: {why}")
         machine = cpu_info()
         table = Table(
             title=f"bench engine, {mode}: {len(reqs)} requests, SmolLM2-135M, {threads} threads of "
@@ -438,7 +460,7 @@ def main(
             table.add_column(k, justify="right")
         for name, r in results[mode].items():
             table.add_row(
-                name,
+                name + (" (INVALID)" if r.get("invalid") else ""),
                 *(str(r.get(k, "")) for k in keys)
                 if "skipped" not in r
                 else ["skipped: " + r["skipped"][:60]] + [""] * (len(keys) - 1),
@@ -446,17 +468,18 @@ def main(
         console.print(table)
     ratios = {}
     sat = results.get("saturated", {})
-    ts = sat.get("tokenstream", {}).get("tokens_per_s")
+    ts = usable(sat, "tokenstream")
     for other in (
         "vllm-defaults",
+        "vllm-offline",
         "vllm",
         "transformers",
         "worker",
         "tokenstream-before",
         "tokenstream-fp32",
     ):
-        if ts and sat.get(other, {}).get("tokens_per_s"):
-            ratios[f"tokenstream_vs_{other}"] = round(ts / sat[other]["tokens_per_s"], 2)
+        if ts and usable(sat, other):
+            ratios[f"tokenstream_vs_{other}"] = round(ts / usable(sat, other), 2)
     for mine, peer in (
         ("worker-vllm", "vllm-defaults"),
         ("worker-vllm-fp32", "vllm"),
@@ -464,11 +487,16 @@ def main(
         ("tokenstream-fp32", "vllm"),
         ("worker", "worker-clear"),
     ):
-        a, b = sat.get(mine, {}).get("tokens_per_s"), sat.get(peer, {}).get("tokens_per_s")
+        a, b = usable(sat, mine), usable(sat, peer)
         if a and b:
             ratios[f"{mine}_vs_{peer}"] = round(a / b, 2)
     if ratios:
         console.print("saturated ratios: " + ", ".join(f"{k} {v}x" for k, v in ratios.items()))
+    for name, r in sat.items():
+        if r.get("invalid"):
+            console.print(f"[red]{name}: invalid, no ratio formed with it[/]: {r['invalid']}")
+        elif r.get("checked_against"):
+            console.print(f"{name} checked against {r['checked_against']}")
     reuse = None
     if conversations:
         say(f"prefix reuse: {conversations} conversations x {turns} turns, with and without reuse")

@@ -4,7 +4,12 @@
 
 Same protocol as `bench/engine_runners.py`: requests submitted at their arrival offsets to an
 `AsyncLLM` (engine core in this process, so VmHWM is the whole engine's peak), prompts given as
-token ids, greedy, streamed as deltas; the time of every token is recorded.
+token ids, greedy, streamed as deltas; the time of every token is recorded. With `offline` in the
+spec: vLLM's own offline API instead, `LLM.generate` on every request at once in its multiprocess
+engine core (vLLM measuring itself: the check of the `vllm-defaults` column; no per-token times).
+
+Every mode warms up outside the timed window on the workload's own shapes (every request, 4 tokens
+each: the prefill batches and decode batches the run will step), then empties the prefix cache.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+WARM_TOKENS = 4
 
 
 def peak_rss_mib() -> float:
@@ -72,8 +77,8 @@ async def serve(spec: dict) -> dict:
             tokens[r["rid"]] += new
             times[r["rid"]] += [stamp] * len(new)
 
-    warm = dict(reqs[0], arrival=0.0, max_tokens=4)
-    await one(warm, time.perf_counter(), tag="-warm")
+    warm = [dict(r, arrival=0.0, max_tokens=WARM_TOKENS) for r in reqs]
+    await asyncio.gather(*(one(r, time.perf_counter(), tag="-warm") for r in warm))
     if llm.vllm_config.cache_config.enable_prefix_caching:
         await llm.reset_prefix_cache()
     t0 = time.perf_counter()
@@ -109,8 +114,54 @@ async def serve(spec: dict) -> dict:
     }
 
 
+def offline(spec: dict) -> dict:
+    """vLLM's `LLM.generate` at its defaults (its multiprocess engine core) on every request at once."""
+    import torch
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=spec["model_dir"], disable_log_stats=True)
+    reqs = spec["requests"]
+    prompts = [TokensPrompt(prompt_token_ids=r["prompt_ids"]) for r in reqs]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=WARM_TOKENS), use_tqdm=False)
+    llm.reset_prefix_cache()
+    params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"]) for r in reqs]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    cfg = llm.llm_engine.vllm_config
+    info = {
+        "engine": "vLLM LLM.generate (offline, multiprocess engine core) at its defaults",
+        "vllm": vllm.__version__,
+        "torch": torch.__version__,
+        "dtype": str(cfg.model_config.dtype).removeprefix("torch."),
+        "max_num_seqs": cfg.scheduler_config.max_num_seqs,
+        "max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens,
+        "prefix_caching": cfg.cache_config.enable_prefix_caching,
+        "max_model_len": cfg.model_config.max_model_len,
+        "compiled": not cfg.model_config.enforce_eager,
+        "omp_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
+        "kv_cache_space_gib": os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
+        "multiprocessing": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0",
+        "peak_rss": "not measured (the engine core is a child process)",
+    }
+    return {
+        "requests": [
+            {"rid": r["rid"], "times": [], "tokens": list(o.outputs[0].token_ids), "submitted": 0.0}
+            for r, o in zip(reqs, outs, strict=True)
+        ],
+        "wall_s": wall,
+        "info": info,
+        "no_latency": True,
+    }
+
+
 if __name__ == "__main__":
     src, dst = sys.argv[1:3]
-    got = asyncio.run(serve(json.loads(Path(src).read_text())))
-    got["peak_rss_mib"] = round(peak_rss_mib(), 1)
+    spec = json.loads(Path(src).read_text())
+    if not spec.get("offline"):  # AsyncLLM's engine core in this process (read when vLLM starts)
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    got = offline(spec) if spec.get("offline") else asyncio.run(serve(spec))
+    got["peak_rss_mib"] = None if spec.get("offline") else round(peak_rss_mib(), 1)
     Path(dst).write_text(json.dumps(got))

@@ -3,7 +3,8 @@
 vLLM's recipe lives with the worker that runs it (`gpu_workers/vllm_env.py`: `tokenstream worker
 --backend vllm` runs in that venv); this module re-exports it for the benchmark.
 Runnable on its own to prepare the venv ahead of a benchmark: `python -m bench.peers vllm` (vLLM, then
-the project and the worker's light dependencies in it).
+the project and the worker's light dependencies in it, then one start of vLLM per configuration the
+project starts it in, which builds its compile cache: `make vllm-venv`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from gpu_workers.vllm_env import (  # noqa: F401 - the benchmark's names
     vllm_env,
     vllm_python,
     vllm_status,
+    warm_vllm,
     worker_ready,
 )
 
@@ -29,6 +31,9 @@ if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "vllm"
     if what != "vllm":
         raise SystemExit(f"unknown peer {what!r}")
-    ready, reason = ensure_worker_deps(lambda m: print(time.strftime("%H:%M:%S"), m, flush=True))
+    say = lambda m: print(time.strftime("%H:%M:%S"), m, flush=True)
+    ready, reason = ensure_worker_deps(say)
+    if ready:
+        ready, reason = warm_vllm(say)
     print("ready" if ready else f"not ready: {reason}")
     raise SystemExit(0 if ready else 1)

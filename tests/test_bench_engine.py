@@ -44,3 +44,31 @@ def test_the_workers_streamed_tokens_are_compared_with_the_reference_up_to_eos_a
     del got["outputs"]["a"]  # a request whose tokens never arrived does not agree
     assert summarise(got, reqs, eos, reference)["greedy_agreement"] == "1/3"
     assert summarise(got, reqs, eos, None)["greedy_agreement"] is None
+
+
+def test_a_vllm_defaults_column_far_below_vllm_offline_is_invalid_and_forms_no_ratio():
+    from bench.engine_checks import PLAUSIBLE, check_peers, usable
+
+    sat = {
+        "tokenstream": run(87.5, 9.0),
+        "vllm-defaults": run(13.9, 84.3),  # the column of issue 51: four times slower than vLLM itself
+        "vllm-offline": run(60.4, None),
+    }
+    invalid = check_peers(sat)
+    assert set(invalid) == {"vllm-defaults"} and "vllm-offline" in invalid["vllm-defaults"]
+    assert sat["vllm-defaults"]["invalid"] == invalid["vllm-defaults"]
+    assert sat["vllm-defaults"]["tokens_per_s"] == 13.9  # its figures stay, marked
+    assert usable(sat, "vllm-defaults") is None and usable(sat, "tokenstream") == 87.5
+    assert PLAUSIBLE == 0.85
+
+
+def test_a_vllm_defaults_column_within_the_bound_is_checked_and_usable():
+    from bench.engine_checks import check_peers, usable
+
+    sat = {"vllm-defaults": run(52.0, 3.0), "vllm-offline": run(60.0, None)}  # 0.87x
+    assert check_peers(sat) == {}
+    assert sat["vllm-defaults"]["checked_against"].startswith("vllm-offline: 0.87x")
+    assert usable(sat, "vllm-defaults") == 52.0
+    alone = {"vllm-defaults": run(52.0, 3.0), "vllm-offline": {"skipped": "exit 1"}}
+    assert check_peers(alone) == {} and "unchecked" in alone["vllm-defaults"]["checked_against"]
+    assert usable({"x": {"skipped": "exit 1"}}, "x") is None
