@@ -27,7 +27,8 @@ from tokenstream.stack.stack import use
 from topics import TopicSpec
 from topics.admin import apply
 
-pytestmark = pytest.mark.slow
+# about 65 s: make test-all, beside the chaos drill on three brokers
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 STREAMS = 6  # keys written side by side, each its own ordered sequence
 log = logging.getLogger("test.cluster")
 

@@ -532,6 +532,8 @@ async def test_compaction_condenses_an_input_into_a_summary_the_next_response_re
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "previous_response_id"
 
 
+# about 20 s: make test-all; make test compacts on request (compaction_condenses, test_responses_surface)
+@pytest.mark.heavy
 async def test_context_management_compacts_a_conversation_past_its_threshold(client, system):
     from gateway.compaction import SUMMARY_PREFIX, unseal
 
@@ -778,6 +780,8 @@ async def test_input_files_are_read_as_text_uploaded_or_inline(client, system):
             )
 
 
+# about 15 s: make test-all; make test keeps a forced file_search run (test_responses_surface)
+@pytest.mark.heavy
 async def test_an_assistant_with_knowledge_searches_its_stores_without_the_client_sending_tools(client):
     from tools.search.index import ChunkIndex
     from tools.search.ingest import ingest
@@ -812,6 +816,8 @@ async def test_an_assistant_with_knowledge_searches_its_stores_without_the_clien
     assert response.tools[0].type == "file_search"
 
 
+# about 20 s: make test-all; make test keeps /v1/moderations through the safety processor (surface)
+@pytest.mark.heavy
 async def test_moderation_reports_the_safety_processors_scores_of_the_input_and_the_whole_output(client):
     """`moderation` on a response: the safety processor's verdicts come in band, the input's and one over the
     whole answer after its Completion, and the response ends with both (the SDK parses them); a flagged
@@ -1029,6 +1035,7 @@ async def test_unsupported_fields_and_bad_tools_are_400_naming_them(system):
         assert (await http.get("/v1/responses/resp_nothing")).status_code == 404
 
 
+@pytest.mark.heavy  # about 20 s: make test-all, beside its kill -9 form below
 async def test_a_background_response_outlives_the_gateway_that_took_it_and_can_be_cancelled(client, system):
     """Created on gateway A, which is then killed (-9); gateway B, another process that never saw the
     request, answers GET from the log while the run goes on and stores it at its end; the answer is the

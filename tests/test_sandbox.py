@@ -70,6 +70,8 @@ def _cases(
 
 
 @pytest.mark.timeout(600)
+# about 25 s: make test-all; make test keeps every escape against the sandbox itself (test_sandbox_escape)
+@pytest.mark.heavy
 async def test_escapes_are_contained_and_the_processor_keeps_serving(roles, bootstrap, stack):
     root = sandbox_root()
     async with serving(
