@@ -5,7 +5,7 @@
 The specification covers messages, function calls and their outputs, reasoning and compaction. Items
 and tools outside it (OpenAI's server tools: code_interpreter_call, file_search_call, mcp_call, ...) are
 the provider's extensions; they are set aside here and checked by the official SDK's models instead
-(tests/test_responses.py `conforms`, `valid_event`).
+(tests/responses/test_responses.py `conforms`, `valid_event`).
 """
 
 from __future__ import annotations

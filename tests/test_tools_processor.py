@@ -183,7 +183,9 @@ async def test_a_call_read_twice_runs_once_a_completed_one_is_replayed_and_bad_e
         assert bus.count(call.call_id) == 1
 
 
-@pytest.mark.heavy  # make test-all; make test kills the tool processor mid-run in tests/test_responses.py
+# make test-all, with the kill -9 mid-run of tests/responses/test_responses.py; make test keeps a call read
+# twice running once (above)
+@pytest.mark.heavy
 async def test_kill_9_mid_call_the_next_processor_completes_it_once(roles, bootstrap):
     root = sandbox_root()
     env = tools_env(root, TOKENSTREAM_TOOLS_WALL_S="20")

@@ -26,17 +26,14 @@ from openai.types.responses import Response, ResponseStreamEvent
 from schemas import ToolCall, ToolResult
 from schemas.ids import run_id_of, step_request_id
 from tests import open_responses
-from tests.conftest import Roles
 from tests.gateway_support import api_client, auth_headers, new_key, start_gateway
 from tests.kafka_support import Tap
-from tests.test_worker_kafka import wait_for_log
-from tests.tool_support import sandbox_root, tools_env, wait_ready
+from tests.responses.chain import MODEL, worker_args
 from tokenstream.chaos.verify import drained
 from topics import CONVERSATION_TURNS, PREPARED, TOKENS, TOOL_CALLS, TOOL_RESULTS
 from topics.registry import processor_group
 
 pytestmark = pytest.mark.slow
-MODEL = f"smollm2-resp-{uuid.uuid4().hex[:6]}"
 CODE = {"type": "code_interpreter", "container": {"type": "auto"}}
 FORCE_CODE = {"type": "code_interpreter"}
 # SmolLM2-135M copies a short expression into the call; asked to write code of its own, it rarely
@@ -44,49 +41,6 @@ FORCE_CODE = {"type": "code_interpreter"}
 RUN_CODE = "Run the user's Python code with code_interpreter."
 PROMPT = "open('n.txt', 'w').write(str(19 + 23))"
 LIST_FILES = "The code is: import os; os.listdir('.')"
-
-
-def _worker_args() -> tuple[str, ...]:
-    from gpu_workers.model_loader import smollm2_dir
-
-    return ("worker", "--model", MODEL, "--model-path", str(smollm2_dir()))
-
-
-@pytest.fixture(scope="module")
-def system(stack, tmp_path_factory):
-    """The three processors, a SmolLM2 worker under its own model name, a tool processor, a gateway."""
-    from topics.admin import apply
-    from topics.registry import all_topics
-
-    asyncio.run(apply(all_topics([MODEL]), stack.kafka.address))
-    roles = Roles(stack, tmp_path_factory.mktemp("responses"))
-    env = tools_env(sandbox_root())
-    try:
-        procs = {
-            name: roles.start("processor", name, "--loglevel", "info", name=f"processor-{name}")
-            for name in ("conversation", "safety", "router")
-        }
-        tools = roles.start("tools", env=env, name="tools")
-        worker = procs["worker"] = roles.start(*_worker_args(), name="worker")
-        url, _ = start_gateway(
-            roles,
-            [MODEL],
-            timeout=120,
-            env={
-                "TOKENSTREAM_GATEWAY_RESPONSES_MAX_STEPS": "3",
-                "TOKENSTREAM_GATEWAY_PROGRESS_TIMEOUT_S": "240",
-            },
-        )
-        wait_for_log(roles, worker, "worker ready", 300)
-        asyncio.run(wait_ready(tools, roles.log))
-        yield {"url": url, "roles": roles, "tools": tools, "env": env, "procs": procs}
-    finally:
-        roles.stop_all()
-
-
-@pytest.fixture
-def client(system):
-    return api_client(system["url"], timeout=300)
 
 
 def create(**kw) -> dict:
@@ -1109,7 +1063,7 @@ async def test_a_background_response_survives_kill_9_of_its_gateway_the_conversa
         await tokens.wait_for(lambda e: e.request_id == step_request_id(rid, 1), timeout=240)
         os.killpg(procs["worker"].pid, signal.SIGKILL)  # writing the step after the tool's
         procs["worker"].wait()
-        procs["worker"] = roles.start(*_worker_args(), name="worker-after-kill")
+        procs["worker"] = roles.start(*worker_args(), name="worker-after-kill")
         b = api_client(url_b, timeout=300)
         deadline = asyncio.get_running_loop().time() + 300
         while (got := await b.responses.retrieve(created.id)).status in ("queued", "in_progress"):

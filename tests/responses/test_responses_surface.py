@@ -1,8 +1,9 @@
 """The Responses surface as the Open Responses specification words it, against the real pipeline (the
-chain of tests/test_responses.py: processors, a SmolLM2 worker, the tool processor, a gateway): the
-compaction request's fields, `previous_response_not_found`, one not-found answer for any response id,
-a forced file_search's query, WebSocket mode's sessions (continuation, a failed continuation, a
-reconnect, and every single-turn run reaching its terminal event as over HTTP), and `/v1/moderations`.
+chain both modules of this package share, tests/responses/conftest.py: processors, a SmolLM2 worker,
+the tool processor, a gateway): the compaction request's fields, `previous_response_not_found`, one
+not-found answer for any response id, a forced file_search's query, WebSocket mode's sessions
+(continuation, a failed continuation, a reconnect, and every single-turn run reaching its terminal
+event as over HTTP), and `/v1/moderations`.
 """
 
 from __future__ import annotations
@@ -15,14 +16,13 @@ import httpx
 import pytest
 
 from tests import open_responses
-from tests import test_responses as chain
 from tests.gateway_support import auth_headers, new_key
 from tests.kafka_support import Tap
-from tests.test_responses import MODEL, create, items, valid_event
+from tests.responses.chain import MODEL
+from tests.responses.test_responses import create, items, valid_event
 from topics import PREPARED, TOOL_CALLS, VERDICTS
 
 pytestmark = pytest.mark.slow
-system, client = chain.system, chain.client  # the same chain, started for this module
 TERMINAL = ("response.completed", "response.incomplete", "response.failed", "error")
 
 
@@ -200,7 +200,8 @@ async def test_a_multi_turn_websocket_session_continues_fails_and_reconnects(cli
         assert lost.type == "error" and lost.error.code == "previous_response_not_found", lost
 
 
-COMPLIANCE = {  # the single-turn cases of the Open Responses compliance suite (tests/test_responses.py)
+# the single-turn cases of the Open Responses compliance suite (tests/responses/test_responses.py)
+COMPLIANCE = {
     "basic-response": [{"type": "message", "role": "user", "content": "Say hello in exactly 3 words."}],
     "streaming-response": [{"type": "message", "role": "user", "content": "Count from 1 to 5."}],
     "system-prompt": [
