@@ -24,6 +24,12 @@ id_key.install()
 # Workers compute in float32 in the tests: their greedy answers are compared with HF generate() in
 # float32, and are then the same on every CPU (`auto` picks bf16 where the CPU has it natively).
 os.environ.setdefault("TOKENSTREAM_WORKER_DTYPE", "float32")
+# Workers coalesce their text in the tests: a chunk every 3 tokens, whatever the time (the stream
+# interval, gpu_workers/streaming.py): takeover, resume, cancel, erasure and audit replay are tested
+# over chunks of several tokens (the deployment default, 32 tokens or 20 ms, would send this CPU
+# engine's tokens one by one).
+os.environ.setdefault("TOKENSTREAM_WORKER_STREAM_INTERVAL", "3")
+os.environ.setdefault("TOKENSTREAM_WORKER_STREAM_INTERVAL_MS", "0")
 
 
 @pytest.fixture(scope="session")

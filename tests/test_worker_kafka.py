@@ -166,6 +166,10 @@ async def test_worker_streams_commits_and_exports_metrics(bootstrap, unique, tin
             text = "".join(c.text for c in reader.chunks(r.request_id))
             assert text == tiny_loaded.tokenizer.decode(ids, skip_special_tokens=True)
             assert done.worker_id == "w1" and done.timings.decode_s >= 0 and done.timings.prefill_s > 0
+        # the suite's workers coalesce (tests/conftest.py): a chunk per 3 tokens, the first text at once
+        assert (cfg.stream_interval, cfg.stream_interval_ms) == (3, 0)
+        sizes = [len(c.token_ids) for r in reqs for c in reader.chunks(r.request_id)]
+        assert max(sizes) >= 3 and len(sizes) < sum(sizes)
         # offsets are committed once completions are durable: all 6 requests, across partitions
         deadline = time.monotonic() + 10
         while await committed(bootstrap, model) < len(reqs):
@@ -188,6 +192,8 @@ async def test_worker_streams_commits_and_exports_metrics(bootstrap, unique, tin
             assert name in body
         line = next(x for x in body.splitlines() if x.startswith("vllm:e2e_request_latency_seconds_count"))
         assert float(line.split()[-1]) == 6
+        line = next(x for x in body.splitlines() if x.startswith("vllm:generation_tokens_total"))
+        assert float(line.split()[-1]) >= sum(sizes)  # counted per step (an EOS counts, is never sent)
 
         # an upstream processor re-emitting a request after a crash: it is not generated again
         async with TokenReader(bootstrap) as reader:
