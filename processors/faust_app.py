@@ -20,7 +20,9 @@ from processors.recovery_watch import watch_recovery
 from producers.membership import member_client_id
 from producers.settings import FAUST, faust_liveness
 from schemas import DeadLetter, DecodeError, Erased, Event, TraceContext, decode, encode
+from schemas.codec import decoder
 from schemas.headers import EVENT_TYPE as TYPE_HEADER
+from schemas.sealing import SealingUnavailable
 from topics import DEAD_LETTER, TopicSpec, processor_group
 
 log = logging.getLogger(__name__)
@@ -185,6 +187,7 @@ async def typed(
     here; the agent acknowledges those it is given."""
     tags = None if wants is None else frozenset(t.__struct_config__.tag.encode() for t in wants)
     manual = not stream.enable_acks
+    openers: dict[str, Callable[[bytes], Event]] = {}
     async for event in stream.events():
         message = event.message
         if tags is not None:
@@ -194,10 +197,15 @@ async def typed(
                     event.ack()
                 continue
         try:
-            decoded = await sealing.patiently(
-                functools.partial(decode, event.value or b"", *specs[message.topic].events),
-                stream.app.conf.id,
-            )
+            opener = openers.get(message.topic)
+            if opener is None:
+                opener = openers[message.topic] = decoder(*specs[message.topic].events)
+            try:
+                decoded = opener(event.value or b"")
+            except SealingUnavailable:  # the keyring's Redis: ridden out, the input held meanwhile
+                decoded = await sealing.patiently(
+                    functools.partial(opener, event.value or b""), stream.app.conf.id
+                )
         except Erased:
             log.info("passed over erased %s[%d]@%d", message.topic, message.partition, message.offset)
             if manual:
