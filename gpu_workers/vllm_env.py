@@ -21,7 +21,8 @@ that list changes). vLLM's own pins win: a package the venv already has is left 
 vLLM compiles its model graphs (torch.compile, Inductor's C++ kernels) on its first start with a
 configuration: minutes on a small CPU. `warm_vllm` (the last step of `make vllm-venv`) starts vLLM once
 on the model in each configuration this project starts it in (the worker's default, `worker --backend
-vllm`, and vLLM at its defaults, the benchmark's peer), so their caches (under VLLM_CACHE_ROOT, default
+vllm`, and vLLM's engine at its serving defaults, the benchmark's peer; vLLM's offline `LLM` defaults
+to another token budget per step, hence another compile), so their caches (under VLLM_CACHE_ROOT, default
 ~/.cache/vllm, and Inductor's) are there before the first real start; its output goes to
 `<venv>/warm-<what>.log`, and `warmed` records when it was done. Its allocator, tcmalloc, is a system
 package (`libtcmalloc-minimal4`, installed by deploy/bootstrap.sh); `vllm_env` preloads it.
@@ -295,11 +296,20 @@ def _warm_here(what: str) -> None:
         engine.add_request("warm", prompt, SamplingParams(temperature=0, max_tokens=8))
         while engine.has_unfinished_requests():
             engine.step()
-    else:  # vLLM at its defaults (the benchmark's vllm-defaults and vllm-offline columns)
-        from vllm import LLM, SamplingParams
+    else:  # vLLM's engine at its serving defaults (`vllm serve`, the benchmark's vllm-defaults column)
+        import asyncio
 
-        llm = LLM(model=str(smollm2_dir()), disable_log_stats=True)
-        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+        from vllm import SamplingParams
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        async def once() -> None:
+            llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=str(smollm2_dir()), disable_log_stats=True))
+            async for _ in llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8), "warm"):
+                pass
+            llm.shutdown()
+
+        asyncio.run(once())
     print(f"vllm warm-up: {what}: started and generated in {time.monotonic() - t0:.0f} s", flush=True)
 
 
