@@ -404,7 +404,8 @@ async def test_worker_joining_mid_stream_hands_over_without_gap_or_duplicate(
 ):
     model = f"tiny-{unique}"
     await apply(needed_topics(model), bootstrap)
-    args = ["worker", "--model", model, "--model-path", str(tiny_dir), "--step-delay", "0.05"]
+    # 300 tokens at 0.1 s a step: A streams for 30 s, time for B to load on a busy 2-core machine
+    args = ["worker", "--model", model, "--model-path", str(tiny_dir), "--step-delay", "0.1"]
     a = roles.start(*args, "--worker-id", "A", name="worker-A")
     await asyncio.to_thread(wait_for_log, roles, a, "worker ready")
     producer = await start_producer(bootstrap)
