@@ -100,8 +100,11 @@ class SyntheticEngine(Intake, TextStream):
         time.sleep(max(0.0, self._deadline - now))
         at = time.time()
         words = self.words
-        for seq in list(self.live.values()):
+        running = list(self.live.values())
+        for seq in running:
             self._append(seq, words[len(seq.generated) % len(words)], at, outputs)
+        if self.metrics is not None:
+            self.metrics.generated(len(running))  # counted once per step, as the engine does
         self.steps += 1
         return outputs
 
