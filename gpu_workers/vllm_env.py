@@ -22,11 +22,12 @@ vLLM compiles its model graphs (torch.compile, Inductor's C++ kernels) on its fi
 configuration: minutes on a small CPU. `warm_vllm` (the last step of `make vllm-venv`) starts vLLM once
 on the model in each configuration this project starts it in (the worker's default, `worker --backend
 vllm`, and vLLM's engine at its serving defaults, the benchmark's peer; vLLM's offline `LLM` defaults
-to another token budget per step, hence another compile), so their caches (under VLLM_CACHE_ROOT, default
-~/.cache/vllm, and Inductor's) are there before the first real start (vLLM 0.32.0's CPU build fails to
-load its own AOT artifact and compiles again on every start; Inductor's kernel cache still serves); its output goes to
-`<venv>/warm-<what>.log`, and `warmed` records when it was done. Its allocator, tcmalloc, is a system
-package (`libtcmalloc-minimal4`, installed by deploy/bootstrap.sh); `vllm_env` preloads it.
+to another token budget per step, hence another compile), so their caches (under VLLM_CACHE_ROOT,
+default ~/.cache/vllm, and Inductor's) are there before the first real start. vLLM 0.32.0's CPU build
+fails to load its own AOT artifact and compiles again on every start; Inductor's kernel cache still
+serves. The warm-up's output goes to `<venv>/warm-<what>.log`; `warmed` records when it was done.
+Its allocator, tcmalloc, is a system package (`libtcmalloc-minimal4`, installed by
+deploy/bootstrap.sh); `vllm_env` preloads it.
 """
 
 from __future__ import annotations
