@@ -72,3 +72,35 @@ def test_a_vllm_defaults_column_within_the_bound_is_checked_and_usable():
     alone = {"vllm-defaults": run(52.0, 3.0), "vllm-offline": {"skipped": "exit 1"}}
     assert check_peers(alone) == {} and "unchecked" in alone["vllm-defaults"]["checked_against"]
     assert usable({"x": {"skipped": "exit 1"}}, "x") is None
+
+
+async def test_the_readiness_wait_says_what_it_waits_for_and_ends_at_ready_or_at_the_starts_error():
+    import asyncio
+
+    import pytest
+
+    from gpu_workers.startup import waited
+
+    said: list[str] = []
+    ready = asyncio.Event()
+
+    async def start() -> None:  # a start that takes a while, then serves on
+        await asyncio.sleep(0.05)
+        ready.set()
+        await asyncio.sleep(3600)
+
+    task = asyncio.ensure_future(start())
+    assert await waited(task, "the worker to be ready", said.append, 0.01, ready) is None
+    assert ready.is_set() and not task.done()  # the wait ends at ready; the worker goes on serving
+    assert said and all(m.startswith("worker: waiting for the worker to be ready: ") for m in said)
+    task.cancel()
+
+    async def failing() -> None:
+        await asyncio.sleep(0.03)
+        raise RuntimeError("vLLM could not start")
+
+    with pytest.raises(RuntimeError, match="vLLM could not start"):  # no time limit, the start's own error
+        await waited(failing(), "vLLM's engine to start", said.append, 0.01, asyncio.Event())
+    assert await waited(
+        asyncio.sleep(0.02, result="engine"), "vLLM's engine to start", said.append, 0.01
+    ) == ("engine")
