@@ -15,7 +15,7 @@ run: install-services
 	@$(TS) system status
 
 ## make test: the linter, then the suite against a real Kafka, Redis and Weaviate it starts on free
-## ports (all but the `heavy` acceptance runs and drills: 15 to 20 minutes on 2 cores, its budget 15)
+## ports (all but the `heavy` acceptance runs and drills: about 14 minutes on 2 cores, its budget 15)
 test: install-services lint
 	.venv/bin/python -m pytest -ra -m "not heavy" $(PYTEST_ARGS)
 
