@@ -26,7 +26,8 @@ reached its client, and the worker wrote at least 90% of the tokens its stand-in
 whose host work falls behind slows its GPU down); with `--catch-up-s`, also every processor committed
 past the stage within that many seconds after its streams ended (by default only reported: a
 processor may hold its commits back by design, as the safety processor does for its open windows).
-Stages stop at the first that is not; the capacity is the delivered tokens/s of the last sustained one.
+Stages stop at the first that is not; the capacity is the delivered tokens/s of the last sustained one
+(without `--catch-up-s`, a delivery capacity: it names the processors still behind at that stage).
 Then, on the same broker, Kafka's ProducerPerformance (bench/producer_perf.py) writes records of the
 mean ts.tokens record's size at Kafka's producer defaults with acks=all: capacity / its records/s is
 the ratio. Results go to bench/results/tokens.json.
@@ -220,6 +221,10 @@ async def run(
         "lag_limit_ms": lag_limit_ms,
         "capacity_tokens_per_s": rate,
         "capacity_stage": capacity["streams"] if capacity else None,
+        # what the capacity leaves out unless --catch-up-s makes it a criterion: the consumer groups of
+        # ts.tokens still behind when the meter stopped waiting for them at that stage
+        "capacity_requires_catch_up": bool(catch_up_s),
+        "behind_at_capacity": _behind(capacity) if capacity else [],
         "baseline": base,
         "capacity_vs_baseline": round(rate / base["records_per_s"], 3) if rate and base else None,
         "stages": stages,
@@ -371,6 +376,11 @@ def _figures(streams, step_s, opened_s, start, end, chunks, seen, caught) -> dic
     }
 
 
+def _behind(f: dict) -> list[str]:
+    """The processors' consumer groups still behind the stage when the meter stopped waiting."""
+    return [g for g, s in f["catch_up_s"].items() if not isinstance(s, float | int)]
+
+
 def _line(number: int, total: int, f: dict) -> str:
     roles = ", ".join(f"{n} {v:g}" for n, v in sorted(f["cpu_us_per_token"].items(), key=lambda kv: -kv[1]))
     caught = ", ".join(
@@ -404,8 +414,10 @@ def _summary(r: dict) -> None:
     Console(width=160).print(table)
     base = r["baseline"]
     if base:
+        behind = r.get("behind_at_capacity") or []
+        caveat = f" (delivered; behind at that stage: {', '.join(behind)})" if behind else ""
         print(
-            f"capacity {r['capacity_tokens_per_s']} tokens/s; Kafka's ProducerPerformance "
+            f"capacity {r['capacity_tokens_per_s']} tokens/s{caveat}; Kafka's ProducerPerformance "
             f"{base['records_per_s']:,.0f} records/s of {base['record_size']} bytes (acks=all): "
             f"ratio {r['capacity_vs_baseline']}"
         )
