@@ -19,6 +19,12 @@ opening anything in every running role at once, or within that TTL where a role'
 process never sees it again. A key nobody sent is fetched: one round trip to the durable Redis (then
 held); a Redis outage raises SealingUnavailable, which a reader treats as the outage it is (never as bad
 input).
+
+No fetch runs on an event loop (common/unblocked.py): code on a loop seals and opens through
+`unblocked(work, ...)` (or `patiently`, which uses it), where a key not held is fetched in a thread while
+the loop goes on, then the work runs again with it; a loop reading a batch of records calls `hold_keys`
+first, which fetches every key the batch lacks in one thread hop. Code off any loop (threads, CLIs,
+tests) fetches where it stands. A fetch still made on a loop, outside both, is logged once per process.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import redis
@@ -39,10 +45,11 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from common.config import settings
 from common.key_feed import CHANNEL, KeyFeed, destroyed_message, made_message
+from common.unblocked import needed, unblocked
 from schemas.codec import sealer as installed_sealer
 from schemas.codec import use_sealer
 from schemas.errors import MalformedEvent
-from schemas.sealing import SealingUnavailable
+from schemas.sealing import SEALED_PREFIX, KeyNotHeld, SealingUnavailable  # noqa: F401 - re-exported
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -139,10 +146,15 @@ class Keyring:
         return since is not None and stamp >= since and now - stamp < HELD_S
 
     def _write_key(self, tenant: str, scope: str) -> tuple[str, AESGCM]:
+        held = self._writing.get((tenant, scope))
+        if held is not None and self._fresh(held[2], time.monotonic()):
+            return held[0], held[1]
+        return needed((tenant, scope), lambda: self._fetch_write(tenant, scope))
+
+    def _fetch_write(self, tenant: str, scope: str) -> tuple[str, AESGCM]:
+        """The current key of (tenant, scope) from the store, made there if there is none (blocking)."""
         now = time.monotonic()
         held = self._writing.get((tenant, scope))
-        if held is not None and self._fresh(held[2], now):
-            return held[0], held[1]
         fresh_id, material = os.urandom(8).hex(), os.urandom(32)
         try:
             key_id, material = self._make(
@@ -174,10 +186,15 @@ class Keyring:
         return key_id, aead
 
     def _read_key(self, key_id: str) -> AESGCM | None:
+        held = self._reading.get(key_id)
+        if held is not None and self._fresh(held[1], time.monotonic()):
+            return held[0]
+        return needed(key_id, lambda: self._fetch_read(key_id))
+
+    def _fetch_read(self, key_id: str) -> AESGCM | None:
+        """The key `key_id` from the store, None when destroyed (blocking)."""
         now = time.monotonic()
         held = self._reading.get(key_id)
-        if held is not None and self._fresh(held[1], now):
-            return held[0]
         try:
             material, tenant, scope = self.redis.hmget(key_hash(key_id), "key", "tenant", "scope")
         except redis.RedisError as exc:
@@ -219,6 +236,38 @@ class Keyring:
             for scope, held in list(self._writing.items()):
                 if held[0] in key_ids:
                     del self._writing[scope]
+
+    def not_held(self, values: Iterable[bytes | None]) -> set[str]:
+        """The key ids the sealed events among `values` are sealed with and this process does not hold."""
+        now, wanted = time.monotonic(), set()
+        for value in values:
+            if not value or not value.startswith(SEALED_PREFIX):
+                continue
+            parts = value[len(SEALED_PREFIX) : len(SEALED_PREFIX) + 64].split(b".", 2)
+            if len(parts) < 3 or parts[0] != PREFIX.encode():
+                continue  # not a sealed value: its decode says so
+            key_id = parts[1].decode("ascii", "replace")
+            held = self._reading.get(key_id)
+            if held is None or not self._fresh(held[1], now):
+                wanted.add(key_id)
+        return wanted
+
+    def fetch(self, key_ids: Iterable[str]) -> None:
+        """Fetch the keys `key_ids` from the store (blocking: off the loop), then hold them."""
+        for key_id in key_ids:
+            self._fetch_read(key_id)
+
+
+async def hold_keys(values: Iterable[bytes | None]) -> None:
+    """Hold the keys of the sealed events among `values` (record values), each one not held fetched in
+    one thread hop: a batch read on a loop then decodes there without a round trip. An unreachable
+    store raises SealingUnavailable, as the decode would; nothing to do with sealing off."""
+    keys = keyring()
+    if keys is None:
+        return
+    wanted = keys.not_held(values)
+    if wanted:
+        await asyncio.to_thread(keys.fetch, wanted)
 
 
 def _put(held: dict, key, value) -> None:
@@ -278,16 +327,17 @@ def open_text(value: str) -> str | None:
 
 
 async def patiently(work: Callable[[], T], role: str) -> T:
-    """`work()` (a decode or an encode), tried again while the keyring is unreachable: back-off from 0.1 s
-    doubling to 1 s for up to the Redis outage budget (TOKENSTREAM_REDIS_OUTAGE_S), the input held
-    meanwhile, as every role rides out its Redis; past it SealingUnavailable, which ends the role for
-    its supervisor to restart. (Only a conversation's first event in a process needs the store: keys
-    held are used on through an outage.)"""
+    """`work()` (a decode or an encode) run `unblocked` (a key not held is fetched in a thread at once,
+    no wait, no warning), tried again while the keyring is unreachable: back-off from 0.1 s doubling to
+    1 s for up to the Redis outage budget (TOKENSTREAM_REDIS_OUTAGE_S), the input held meanwhile, as
+    every role rides out its Redis; past it SealingUnavailable, which ends the role for its supervisor to
+    restart. (Only a conversation's first event in a process needs the store: keys held are used on
+    through an outage.)"""
     budget = settings().redis_outage_s
     deadline, delay, warned = time.monotonic() + budget, 0.1, False
     while True:
         try:
-            result = work()
+            result = await unblocked(work)
         except SealingUnavailable as exc:
             if time.monotonic() + delay > deadline:
                 raise SealingUnavailable(f"{exc} (for {budget:.0f} s)") from exc

@@ -17,6 +17,7 @@ decode, so a reader sees the event it would have seen unsealed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from operator import attrgetter
 from typing import Any, Protocol
 
@@ -47,6 +48,18 @@ class SealingUnavailable(RuntimeError):
     Never a DecodeError: a record that cannot be opened now is not dead-lettered; its reader holds it
     and tries again within the Redis outage budget (common.sealing.patiently), then stops for its
     supervisor to restart it; the gateway answers 503."""
+
+
+class KeyNotHeld(SealingUnavailable):
+    """A key this process does not hold, needed on an event loop, which never waits on the keyring's store.
+
+    Raised only inside `common.sealing.unblocked`, which calls `fetch()` (the round trip to the store) in
+    a thread and runs the work again with the key it returned (`wanted`: a key id, or (tenant, scope)
+    for sealing); it never reaches a caller."""
+
+    def __init__(self, message: str, wanted: Any, fetch: Callable[[], Any]) -> None:
+        super().__init__(message)
+        self.wanted, self.fetch = wanted, fetch
 
 
 class Unsealed(RuntimeError):

@@ -3,17 +3,23 @@ conversation and by tenant, and an unreachable keyring told apart from bad input
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import threading
 import time
 import typing
 
 import msgspec
 import pytest
 
+from common import sealing
+from common import unblocked as unblocked_module
 from common.sealing import Keyring, destroy
 from schemas import ChatMessage, ChatRequest, Completion, DecodeError, Erased, TokenChunk, decode, encode
 from schemas.codec import sealer, use_sealer
 from schemas.events import ALL_EVENTS
-from schemas.sealing import SealingUnavailable
+from schemas.sealing import KeyNotHeld, SealingUnavailable
+from schemas.sealing import seal as seal_event
 
 # Text-bearing fields left in clear on purpose: ids, names, model and routing facts, verdicts, offsets.
 METADATA = {
@@ -218,3 +224,67 @@ def test_keys_reach_running_roles_when_made_and_leave_them_when_destroyed(stack,
     finally:
         writer.close()
         reader.close()
+
+
+class Gated:
+    """A keyring's store client whose key fetches wait for `gate` (set by a task on the loop) and note
+    the thread they ran on."""
+
+    def __init__(self, client) -> None:
+        self.client, self.gate, self.threads = client, threading.Event(), []
+
+    def hmget(self, *args):
+        self.threads.append(threading.get_ident())
+        assert self.gate.wait(5), "the loop did not run while a key was fetched"
+        return self.client.hmget(*args)
+
+
+async def test_on_a_loop_a_key_not_held_is_fetched_in_a_thread_while_the_loop_runs(stack, unique):
+    tenant = f"t-{unique}"
+    writer = Keyring(stack.redis.address, feed=False)
+    reader = Keyring(stack.redis.address, ttl_s=0.0, feed=False)  # holds nothing: every open needs a fetch
+    before = sealer()
+    use_sealer(reader)
+    try:
+        token = await asyncio.to_thread(writer.seal, tenant, "c1", b"the quick zebra")
+        gated = reader.redis = Gated(reader.redis)
+        ticks = asyncio.Event()
+
+        async def tick() -> None:  # runs only if the loop is free while the fetch waits
+            ticks.set()
+            gated.gate.set()
+
+        ticking = asyncio.create_task(tick())
+        assert await sealing.unblocked(reader.open, token) == b"the quick zebra"
+        await ticking
+        assert ticks.is_set() and gated.threads and threading.get_ident() not in gated.threads
+
+        # an event sealed on the loop: its scope's key made in a thread too, then the decode of a batch
+        # whose keys were held first (hold_keys) makes no fetch on the loop
+        made = threading.get_ident(), []
+        make = reader._make
+        reader._make = lambda **kw: made[1].append(threading.get_ident()) or make(**kw)
+        reader.ttl_s = 60.0
+        wire = await sealing.unblocked(encode, _request(tenant, "c2", "a slow tortoise"))
+        assert b"tortoise" not in wire and made[1] and made[0] not in made[1]
+        other = await asyncio.to_thread(seal_event, _request(tenant, "c3", "x"), writer)
+        reader._reading.clear()
+        fetches = len(gated.threads)
+        await sealing.hold_keys([wire, other, b'{"type":"clear"}', None])
+        assert len(gated.threads) == fetches + 2 and threading.get_ident() not in gated.threads
+        assert decode(wire).messages[0].content == "a slow tortoise" and len(gated.threads) == fetches + 2
+    finally:
+        use_sealer(before)
+
+
+async def test_on_a_loop_an_unreachable_keyring_is_still_an_outage(caplog, monkeypatch):
+    monkeypatch.setattr(unblocked_module, "_warned_on_loop", False)
+    keys = Keyring("redis://127.0.0.1:1/0", timeout_s=0.5, feed=False)
+    sealed = f"s1.{'0' * 16}.AAAA"
+    with pytest.raises(SealingUnavailable) as raised:
+        await sealing.unblocked(keys.open, sealed)
+    assert not isinstance(raised.value, KeyNotHeld)
+    # outside `unblocked` a fetch on a loop still happens (as off it), and is logged once
+    with caplog.at_level(logging.WARNING, logger="common.unblocked"), pytest.raises(SealingUnavailable):
+        keys.open(sealed)
+    assert any("on an event loop" in r.getMessage() for r in caplog.records)

@@ -1,0 +1,72 @@
+"""The keyring's rule on event loops: no fetch of a key from the store runs on one (common/sealing.py).
+
+Work on a loop that seals or opens goes through `unblocked`: a key it needs and does not hold raises
+KeyNotHeld inside it, is fetched in a thread while the loop goes on, and the work runs again with it.
+Elsewhere (threads, CLIs, tests) a key not held is fetched where it is needed; a fetch made on a loop
+outside `unblocked` is logged once per process, with where it came from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from schemas.sealing import KeyNotHeld
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# The keys the work `unblocked` runs may use without holding them (fetched for it in a thread): present
+# only while that work runs, on the loop's thread; absent, a key not held is fetched where it is needed.
+_local = threading.local()
+_warned_on_loop = False
+
+
+def needed(wanted: Any, fetch: Callable[[], T]) -> T:
+    """A key the keyring does not hold: fetched here, or, inside `unblocked`, the one fetched for it
+    (KeyNotHeld asks for it)."""
+    pins = getattr(_local, "pins", None)
+    if pins is None:
+        _note_on_loop(wanted)
+        return fetch()
+    if wanted in pins:
+        return pins[wanted]
+    raise KeyNotHeld(f"the keyring does not hold the key of {wanted}", wanted, fetch)
+
+
+def _note_on_loop(wanted: Any) -> None:
+    global _warned_on_loop
+    if _warned_on_loop:
+        return
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return  # off any loop: a blocking fetch is fine here
+    _warned_on_loop = True
+    log.warning(
+        "the keyring fetched the key of %s on an event loop, blocking it: seal and open there through "
+        "common.sealing.unblocked or hold_keys (logged once)",
+        wanted,
+        stack_info=True,
+    )
+
+
+async def unblocked(work: Callable[..., T], *args: Any) -> T:
+    """`work(*args)` (an encode or decode, a seal or open of a stored value) on the event loop, never
+    waiting there on the keyring's store: each key it needs and does not hold is fetched in a thread
+    (the loop goes on meanwhile), then it runs again with that key. An unreachable store raises
+    SealingUnavailable, as a fetch in place would; any other outcome is the work's own."""
+    pins: dict = {}
+    while True:
+        outer = getattr(_local, "pins", None)
+        _local.pins = pins
+        try:
+            return work(*args)
+        except KeyNotHeld as missing:
+            wanted, fetch = missing.wanted, missing.fetch
+        finally:
+            _local.pins = outer
+        pins[wanted] = await asyncio.to_thread(fetch)
