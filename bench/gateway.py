@@ -165,7 +165,8 @@ async def _run(streams: int, rate: float, tokens: int, light_requests: int) -> d
 
 
 class SyntheticWorker:
-    """Stands in for the pipeline: reads ChatRequests, writes token events where they ask."""
+    """Stands in for the pipeline: reads ChatRequests, writes token events where they ask, and notes
+    each request's first record in Redis as a worker does (common/first_records.py)."""
 
     def __init__(self, bootstrap: str) -> None:
         self.bootstrap = bootstrap
@@ -179,9 +180,12 @@ class SyntheticWorker:
 
         from aiokafka.structs import TopicPartition
 
+        from common.config import settings
+        from common.first_records import FirstRecords
         from producers import start_consumer, start_producer
         from topics import CHAT_REQUESTS
 
+        self.first = FirstRecords(settings().redis_url)
         self.producer = await start_producer(self.bootstrap)
         self.consumer = await start_consumer(group=None, bootstrap=self.bootstrap)
         tps = [TopicPartition(CHAT_REQUESTS.name, p) for p in range(CHAT_REQUESTS.partitions)]
@@ -196,6 +200,7 @@ class SyntheticWorker:
         self.task.cancel()
         await self.consumer.stop()
         await self.producer.stop()
+        await self.first.close()
 
     async def _read(self) -> None:
         import time as _t
@@ -217,13 +222,14 @@ class SyntheticWorker:
         from schemas import Completion, TokenChunk, Usage
         from topics import TOKENS
 
-        await publish(
+        ack = await publish(
             self.producer,
             TOKENS,
             TokenChunk(request_id=rid, seq=0, text="hello"),
             partition=partition,
             wait=False,
         )
+        self.first.note(rid, ack)
         self.first_written[rid] = time.time()
         await publish(
             self.producer,
@@ -245,7 +251,9 @@ class SyntheticWorker:
         for rid in rids:
             ev = TokenChunk(request_id=rid, seq=seq, text=f" t{seq}")
             created[rid] = ev.created_at
-            await publish(self.producer, TOKENS, ev, partition=self.arrived[rid][0], wait=False)
+            ack = await publish(self.producer, TOKENS, ev, partition=self.arrived[rid][0], wait=False)
+            if seq == 0:  # the request's first record (no processor writes before it here)
+                self.first.note(rid, ack)
             if last:
                 await publish(
                     self.producer,
@@ -326,13 +334,18 @@ async def fanout(
         while len(set(worker.arrived) - before) < clients.opened.value and time.time() < deadline:
             await asyncio.sleep(0.05)  # a stream's request reaches the worker as its first event goes out
         rids = [r for r in worker.arrived if r not in before]
+        cpu_open = sum(proc.cpu_times()[:2])
         fed = await _feed(worker, rids, rate, tokens)
         seen = await clients.result(timeout=120)
+        cpu_fed = sum(proc.cpu_times()[:2]) - cpu_open
     finally:
         clients.stop()
     stop_sampling.set()
     await sampler
-    return _delivery(seen, fed, streams, open_s, rate, tokens, rss)
+    result = _delivery(seen, fed, streams, open_s, rate, tokens, rss)
+    # the gateway's CPU from the first token to the last stream's end, per token delivered
+    result["gateway_cpu_us_per_token"] = round(cpu_fed * 1e6 / max(1, result["tokens_delivered"]), 1)
+    return result
 
 
 async def _feed(worker: SyntheticWorker, rids: list[str], rate: float, tokens: int) -> dict:
@@ -411,6 +424,7 @@ def _table(r: dict) -> None:
         f"{f['delivery_lag_ms']['p50']:.1f} / {f['delivery_lag_ms']['p99']:.1f} ms",
         "",
     )
+    t.add_row("(a) gateway CPU per token delivered", f"{f['gateway_cpu_us_per_token']:.1f} us", "")
     t.add_row(
         "(a) gateway RSS before / peak / after",
         "{before} / {peak} / {after} MB".format(**f["gateway_rss_mb"]),
