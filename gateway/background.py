@@ -93,7 +93,7 @@ async def snapshot(gw: Gateway, framer: ResponseFramer, meta: dict, finish: Fini
 
 async def stored(gw: Gateway, run_id: str) -> dict | None:
     raw = await gw.redis.get(K.stored_response(run_id)) if gw.redis is not None else None
-    return sealing.open_json(raw)  # None: absent or erased (`tokenstream erase`)
+    return await sealing.unblocked(sealing.open_json, raw)  # None: absent or erased (`tokenstream erase`)
 
 
 async def cancel(gw: Gateway, new_framer: Callable[[], ResponseFramer], meta: dict, finish: Finish) -> dict:

@@ -63,8 +63,9 @@ class ExactCache:
         if raw is None:
             self.metrics.cache.labels("exact", "miss").inc()
             return None
+        plain = await sealing.unblocked(sealing.open_stored, raw)
         try:
-            entry = msgspec.json.decode(sealing.open_stored(raw) or b"", type=Entry)  # b"": erased
+            entry = msgspec.json.decode(plain or b"", type=Entry)  # b"": erased
         except msgspec.DecodeError:
             return None
         self.metrics.cache.labels("exact", "hit").inc()
@@ -76,9 +77,8 @@ class ExactCache:
         if sum(len(c) for c in entry.chunks) > self.max_chars:
             return False
         try:
-            await self.redis.set(
-                key, sealing.seal_stored(tenant, "", msgspec.json.encode(entry)), ex=int(self.ttl_s), nx=True
-            )
+            sealed = await sealing.unblocked(sealing.seal_stored, tenant, "", msgspec.json.encode(entry))
+            await self.redis.set(key, sealed, ex=int(self.ttl_s), nx=True)
             return True
         except Exception as exc:  # noqa: BLE001
             log.warning("exact cache: could not store %s: %s", entry.request_id, exc)

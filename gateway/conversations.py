@@ -117,7 +117,7 @@ class Conversations:
         for item in items:
             if item["id"] not in seen:
                 seen.add(item["id"])
-                args += [item["id"], sealing.seal_json(tenant, conv_id, item)]
+                args += [item["id"], await sealing.unblocked(sealing.seal_json, tenant, conv_id, item)]
         added = await self._append(
             keys=[K.conversation(conv_id), K.conversation_items(conv_id), K.conversation_order(conv_id)],
             args=args,
@@ -136,10 +136,12 @@ class Conversations:
         if not ids:
             return []
         raw = await self.redis.hmget(K.conversation_items(conv_id), ids)
-        return [item for item in map(sealing.open_json, raw) if item is not None]
+        items = await sealing.unblocked(lambda: list(map(sealing.open_json, raw)))
+        return [item for item in items if item is not None]
 
     async def item(self, conv_id: str, item_id: str) -> dict[str, Any] | None:
-        return sealing.open_json(await self._store().hget(K.conversation_items(conv_id), item_id))
+        raw = await self._store().hget(K.conversation_items(conv_id), item_id)
+        return await sealing.unblocked(sealing.open_json, raw)
 
     async def remove(self, conv_id: str, item_id: str) -> bool:
         async with self._store().pipeline(transaction=True) as pipe:

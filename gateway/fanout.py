@@ -33,6 +33,7 @@ from typing import Protocol
 from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
+from common import sealing
 from gateway.metrics import Metrics
 from schemas import Completion, DecodeError, Event, TokenChunk, decode
 from schemas.headers import EVENT_TYPE
@@ -274,6 +275,7 @@ class Fanout:
                 if tp in self.parked:  # cannot happen while paused; keep order if it ever does
                     self.parked[tp].extend(pending)
                     continue
+                await sealing.hold_keys(pending, self.streams, self.aliases)  # no key fetch in _deliver
                 if not self._deliver(tp, pending):
                     self.parked[tp] = pending
                     self.paused_at[tp] = self.last_poll

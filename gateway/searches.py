@@ -18,6 +18,7 @@ import time
 
 from aiokafka.structs import TopicPartition
 
+from common.unblocked import unblocked
 from producers import decode_record, publish, start_consumer
 from schemas import DecodeError, ToolCall, ToolResult
 from schemas.ids import new_request_id
@@ -70,7 +71,7 @@ class ToolSearches:
                 for records in batches.values():
                     for record in records:
                         try:
-                            result = decode_record(record, TOOL_RESULTS)
+                            result = await unblocked(decode_record, record, TOOL_RESULTS)
                         except DecodeError:
                             continue  # the tool processor dead-letters what it cannot read; not ours
                         future = self.waiting.get(result.call_id)

@@ -211,7 +211,7 @@ class SemanticCache:
                 digest(system),
             ) or similarity < self.threshold:
                 continue
-            chunks = sealing.open_text(p["chunks"])
+            chunks = await sealing.unblocked(sealing.open_text, p["chunks"])
             if chunks is None:  # its tenant was erased
                 continue
             self.metrics.cache.labels("semantic", "hit").inc()
@@ -239,13 +239,14 @@ class SemanticCache:
 
         async def insert():
             collection = await self._collection()
+            chunks = json.dumps(entry.chunks)
             await collection.data.insert(
                 {
                     "tenant": tenant,
                     "model": model,
                     "system": digest(system),
-                    "prompt": sealing.seal_text(tenant, "", prompt),
-                    "chunks": sealing.seal_text(tenant, "", json.dumps(entry.chunks)),
+                    "prompt": await sealing.unblocked(sealing.seal_text, tenant, "", prompt),
+                    "chunks": await sealing.unblocked(sealing.seal_text, tenant, "", chunks),
                     "finish_reason": entry.finish_reason,
                     "request_id": entry.request_id,
                     "prompt_tokens": entry.prompt_tokens,

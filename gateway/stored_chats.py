@@ -63,8 +63,9 @@ class StoredChats:
     ) -> None:
         """Keep a completion (`scope`: the conversation its events were sealed under)."""
         record = {"tenant": tenant, "scope": scope, "completion": completion, "messages": messages}
+        sealed = await sealing.unblocked(_sealed, record)
         async with self._store().pipeline(transaction=True) as pipe:
-            pipe.set(K.stored_chat(rid), _sealed(record), ex=K.RESPONSE_TTL_S)
+            pipe.set(K.stored_chat(rid), sealed, ex=K.RESPONSE_TTL_S)
             pipe.zadd(K.tenant_chats(tenant), {rid: completion["created"]})
             await pipe.execute()
 
@@ -74,7 +75,8 @@ class StoredChats:
             rid = api.request_id_of(completion_id)
         except ValueError:
             rid = None
-        record = sealing.open_json(await self._store().get(K.stored_chat(rid))) if rid else None
+        raw = await self._store().get(K.stored_chat(rid)) if rid else None
+        record = await sealing.unblocked(sealing.open_json, raw)
         if record is None or record["tenant"] != tenant:
             raise api.not_found(f"No stored chat completion with id {completion_id!r}.")
         return rid, record
@@ -86,11 +88,12 @@ class StoredChats:
         gone = [r for r, raw in zip(rids, raws) if raw is None]
         if gone:
             await self.redis.zrem(K.tenant_chats(tenant), *gone)
-        return [record for record in map(sealing.open_json, raws) if record is not None]
+        records = await sealing.unblocked(lambda: list(map(sealing.open_json, raws)))
+        return [record for record in records if record is not None]
 
     async def relabel(self, rid: str, record: dict[str, Any], metadata: dict[str, str]) -> dict[str, Any]:
         record["completion"]["metadata"] = metadata
-        await self._store().set(K.stored_chat(rid), _sealed(record), keepttl=True)
+        await self._store().set(K.stored_chat(rid), await sealing.unblocked(_sealed, record), keepttl=True)
         return record["completion"]
 
     async def forget(self, tenant: str, rid: str) -> None:

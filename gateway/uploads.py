@@ -52,8 +52,9 @@ class Uploads:
             "bytes": str(len(data)),
             "created_at": str(now),
         }
+        sealed = await sealing.unblocked(sealing.seal_stored, tenant, "", data)
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.set(K.file_data(file_id), sealing.seal_stored(tenant, "", data))
+            pipe.set(K.file_data(file_id), sealed)
             pipe.hset(K.file_record(file_id), mapping=record)
             pipe.zadd(K.tenant_files(tenant), {file_id: time.time()})
             await pipe.execute()
@@ -74,7 +75,7 @@ class Uploads:
 
     async def content(self, file_id: str) -> bytes | None:
         """A file's bytes (None when gone or erased)."""
-        return sealing.open_stored(await self.redis.get(K.file_data(file_id)))
+        return await sealing.unblocked(sealing.open_stored, await self.redis.get(K.file_data(file_id)))
 
     async def stores_of(self, file_id: str) -> list[str]:
         return sorted(s.decode() for s in await self.redis.smembers(K.file_stores(file_id)))

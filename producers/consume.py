@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
+from common.unblocked import unblocked
 from producers.deadletter import dead_letter
 from producers.publish import decode_record
 from schemas import DecodeError, Event
@@ -33,7 +34,7 @@ async def events(
         for records in batches.values():
             for record in records:
                 try:
-                    event = decode_record(record, specs[record.topic])
+                    event = await unblocked(decode_record, record, specs[record.topic])
                 except DecodeError as exc:  # (an erased record is only passed over)
                     await dead_letter(producer, record, exc, group=group)
                     continue

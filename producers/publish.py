@@ -7,6 +7,7 @@ import asyncio
 from aiokafka import AIOKafkaProducer
 from aiokafka.structs import ConsumerRecord, RecordMetadata
 
+from common.unblocked import unblocked
 from schemas import Event, TraceContext, decode, encode
 from schemas.headers import EVENT_TYPE as TYPE_HEADER
 from topics import TopicSpec
@@ -39,7 +40,7 @@ async def publish(
         raise TypeError(f"{type(event).__name__} does not belong on topic {spec.name}")
     future = await producer.send(
         spec.name,
-        encode(event),
+        await unblocked(encode, event),  # a key not held: fetched in a thread, never on the loop
         key=(key if key is not None else event.request_id).encode(),
         partition=partition,
         headers=_headers(event, trace),
@@ -48,7 +49,8 @@ async def publish(
 
 
 def decode_record(record: ConsumerRecord, spec: TopicSpec) -> Event:
-    """Decode a record as one of the event types its topic carries (raises DecodeError)."""
+    """Decode a record as one of the event types its topic carries (raises DecodeError). On an event loop:
+    `await unblocked(decode_record, record, spec)` (common/unblocked.py)."""
     return decode(record.value or b"", *spec.events)
 
 

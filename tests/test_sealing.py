@@ -226,6 +226,11 @@ def test_keys_reach_running_roles_when_made_and_leave_them_when_destroyed(stack,
         reader.close()
 
 
+class Record(typing.NamedTuple):
+    key: bytes | None
+    value: bytes | None
+
+
 class Gated:
     """A keyring's store client whose key fetches wait for `gate` (set by a task on the loop) and note
     the thread they ran on."""
@@ -270,9 +275,14 @@ async def test_on_a_loop_a_key_not_held_is_fetched_in_a_thread_while_the_loop_ru
         other = await asyncio.to_thread(seal_event, _request(tenant, "c3", "x"), writer)
         reader._reading.clear()
         fetches = len(gated.threads)
-        await sealing.hold_keys([wire, other, b'{"type":"clear"}', None])
+        clear = Record(b"r-x", b'{"type":"x"}')
+        batch = [Record(b"r-c2", wire), Record(b"r-c3", other), clear, Record(None, None)]
+        await sealing.hold_keys(batch, {"r-c2"})  # only the records a reader here will decode
+        assert len(gated.threads) == fetches + 1
+        await sealing.hold_keys(batch)  # every record: the one key still missing
         assert len(gated.threads) == fetches + 2 and threading.get_ident() not in gated.threads
-        assert decode(wire).messages[0].content == "a slow tortoise" and len(gated.threads) == fetches + 2
+        assert decode(wire).messages[0].content == "a slow tortoise"  # held: no fetch on the loop
+        assert len(gated.threads) == fetches + 2
     finally:
         use_sealer(before)
 

@@ -239,9 +239,8 @@ async def transcriptions(request: Request, gw: Gateway = Depends(pipeline), key:
     partition, created_at = gw.reply_partition(), time.time()
     rid = new_request_id(partition, created_at)
     await gw.limiter.take(key, 0, rid)
-    await gw.files_redis.set(
-        K.speech_audio(rid), sealing.seal_stored(key.tenant, rid, data), ex=RECORDING_TTL_S
-    )
+    sealed = await sealing.unblocked(sealing.seal_stored, key.tenant, rid, data)
+    await gw.files_redis.set(K.speech_audio(rid), sealed, ex=RECORDING_TTL_S)
     job = SpeechJob(
         request_id=rid,
         conversation_id=rid,

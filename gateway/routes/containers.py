@@ -115,7 +115,8 @@ async def file_content(
     container_id: str, file_id: str, gw: Gateway = Depends(pipeline), key: ApiKey = Depends(principal)
 ) -> Response:
     record = await _record(gw, key, container_id, file_id)
-    data = sealing.open_stored(await gw.files_redis.get(K.container_file(file_id)))  # None: expired or erased
+    raw = await gw.files_redis.get(K.container_file(file_id))
+    data = await sealing.unblocked(sealing.open_stored, raw)  # None: expired or erased
     if data is None:
         raise api.not_found(f"The file {file_id!r} has expired.")
     name = posixpath.basename(record["path"])

@@ -97,7 +97,7 @@ async def list_input_items(
     rid = response_run_id(response)
     meta = await owned_response(gw, rid, response, key.tenant)
     raw = await gw.redis.get(K.response_input(rid)) if meta.get("store") and gw.redis is not None else None
-    given = sealing.open_json(raw)  # None: erased (`tokenstream erase`)
+    given = await sealing.unblocked(sealing.open_json, raw)  # None: erased (`tokenstream erase`)
     if given is None:
         raise api.not_found(
             f"Response {response!r} has no stored input (created with store false, or expired)."
