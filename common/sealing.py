@@ -45,7 +45,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from common.config import settings
 from common.key_feed import CHANNEL, KeyFeed, destroyed_message, made_message
-from common.unblocked import needed, unblocked
+from common.unblocked import held_only, needed, unblocked  # noqa: F401 - held_only re-exported
 from schemas.codec import sealer as installed_sealer
 from schemas.codec import use_sealer
 from schemas.errors import MalformedEvent

@@ -54,6 +54,18 @@ def _note_on_loop(wanted: Any) -> None:
     )
 
 
+def held_only(work: Callable[..., T], *args: Any) -> T:
+    """`work(*args)` with the keys held only: a key not held raises KeyNotHeld (a SealingUnavailable)
+    instead of being fetched. The sync first try of a hot path on a loop, whose `except
+    SealingUnavailable` goes on with `patiently` or `unblocked`."""
+    outer = getattr(_local, "pins", None)
+    _local.pins = outer if outer is not None else {}
+    try:
+        return work(*args)
+    finally:
+        _local.pins = outer
+
+
 async def unblocked(work: Callable[..., T], *args: Any) -> T:
     """`work(*args)` (an encode or decode, a seal or open of a stored value) on the event loop, never
     waiting there on the keyring's store: each key it needs and does not hold is fetched in a thread

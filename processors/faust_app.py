@@ -201,8 +201,9 @@ async def typed(
             if opener is None:
                 opener = openers[message.topic] = decoder(*specs[message.topic].events)
             try:
-                decoded = opener(event.value or b"")
-            except SealingUnavailable:  # the keyring's Redis: ridden out, the input held meanwhile
+                decoded = sealing.held_only(opener, event.value or b"")  # no key fetch on the loop
+            except SealingUnavailable:  # a key not held (fetched in a thread), or the keyring's Redis
+                # away: ridden out, the input held meanwhile
                 decoded = await sealing.patiently(
                     functools.partial(opener, event.value or b""), stream.app.conf.id
                 )

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 
-from common import tracing
+from common import sealing, tracing
 from common.config import settings
 from common.models import load_tokenizer, prompt_budget
 from processors.conversation import runs
@@ -338,7 +338,7 @@ async def conversations(stream):
     specs = {CHAT_REQUESTS.name: CHAT_REQUESTS, CONVERSATION_TURNS.name: CONVERSATION_TURNS}
     async for event, raw in typed(stream, specs, dead_letters):
         key = conversation_key(event.tenant, event.conversation_id or event.request_id)
-        state = get(history_table, key, ConversationHistory)
+        state = await sealing.unblocked(get, history_table, key, ConversationHistory)
         if state is None:
             if isinstance(event, TurnDeadline):
                 continue  # nothing waits there
@@ -360,7 +360,7 @@ async def conversations(stream):
             with traced(raw, "record answer", tracing.completion_attributes(event)) as span:
                 await _on_answer(event, state, span.trace)
         state.request_id = event.request_id
-        put(history_table, key, state)
+        await sealing.unblocked(put, history_table, key, state)
         _index(key.encode(), state)
 
 
@@ -379,7 +379,7 @@ async def index_parked() -> None:
     parked_due.clear()
     for row, raw in list(history_table.items()):
         if raw and b'"parked":[{' in raw:  # a cheap filter; JSON strings cannot hold this unescaped
-            _index(row, decode(raw, ConversationHistory))
+            _index(row, await sealing.unblocked(decode, raw, ConversationHistory))
 
 
 @app.timer(interval=1.0)
