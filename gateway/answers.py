@@ -14,26 +14,17 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
-from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from gateway import openai_api as api
 from gateway.fanout import SlowReader, Stream
 from gateway.framing import Framer, call_delta, content_filtered
 from gateway.pipeline import Gateway
 from gateway.screening import held_until_screened
+from gateway.sse import SSEResponse, frame
 from schemas import Completion, Event, SafetyVerdict, TokenChunk
 
 Settle = Callable[[Completion, list[str]], Awaitable[None]]  # the completion, the texts delivered
 BeforeEnd = Callable[[Completion], Awaitable[None]]  # done with the completion before the client sees the end
-
-
-class KeepAlive(ServerSentEvent):
-    """The keep-alive: a comment line without the blank line that would end an event. The openai
-    SDK keeps the last event id (as the SSE spec says) and so turns a blank-line-ended ping after
-    an event with an id into an empty event that it fails to parse as JSON."""
-
-    def encode(self) -> bytes:
-        return b": ping\r\n"
 
 
 def live_events(
@@ -66,7 +57,7 @@ def sse_response(
     settle: Settle | None = None,
     before_end: BeforeEnd | None = None,
     headers: dict[str, str] | None = None,
-) -> EventSourceResponse:
+) -> SSEResponse:
     """Stream `source` as OpenAI chunks; `started` (monotonic) is the admission time for TTFT, or 0.
 
     `settle` runs (in the background) with the completion and the texts sent once the answer has ended;
@@ -78,15 +69,13 @@ def sse_response(
     async def frames():
         observed = timed_out = False
         try:
-            for frame in framer.start():
-                yield frame
+            yield framer.start()
             try:
                 async for batch in source:
                     ending = before_end is not None and any(isinstance(e, Completion) for e in batch)
                     if ending:  # the tokens before the end go out now; the end waits on before_end
                         cut = next(i for i, e in enumerate(batch) if isinstance(e, Completion))
-                        for frame in framer.frames(batch[:cut]):
-                            yield frame
+                        yield framer.frames(batch[:cut])
                         batch = batch[cut:]
                     out = framer.frames(batch)
                     if framer.first_token_at is not None and started and not observed:
@@ -94,36 +83,27 @@ def sse_response(
                         observed = True
                     if ending and framer.done and framer.completion is not None:
                         await before_end(framer.completion)
-                    for frame in out:
-                        yield frame
+                    yield out
                     if framer.done:
                         return
             except SlowReader:  # dropped for holding up others: the client resumes at its own pace
-                yield ServerSentEvent(
-                    json.dumps(
-                        api.error_body(
-                            "This stream fell too far behind and was ended; resume it with GET "
-                            f"/v1/chat/completions/{framer.cid}/stream and the Last-Event-ID header.",
-                            "server_error",
-                            None,
-                            "slow_reader",
-                        )
+                yield [
+                    _error_frame(
+                        "This stream fell too far behind and was ended; resume it with GET "
+                        f"/v1/chat/completions/{framer.cid}/stream and the Last-Event-ID header.",
+                        "slow_reader",
                     )
-                )
+                ]
                 return
             if not framer.done:  # no progress within the deadline: the client hears why, the work stops
                 timed_out = True
-                yield ServerSentEvent(
-                    json.dumps(
-                        api.error_body(
-                            f"The model made no progress for {gw.cfg.progress_timeout_s:.0f}s; "
-                            "the request was cancelled. Please retry.",
-                            "server_error",
-                            None,
-                            "timeout",
-                        )
+                yield [
+                    _error_frame(
+                        f"The model made no progress for {gw.cfg.progress_timeout_s:.0f}s; "
+                        "the request was cancelled. Please retry.",
+                        "timeout",
                     )
-                )
+                ]
         finally:
             cleanup()
             with contextlib.suppress(Exception):
@@ -137,12 +117,11 @@ def sse_response(
             else:
                 gw.canceller.detached(framer.rid, generation)
 
-    return EventSourceResponse(
-        frames(),
-        ping=gw.cfg.ping_s,
-        ping_message_factory=KeepAlive,
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})},
-    )
+    return gw.sse.response(frames(), headers)
+
+
+def _error_frame(message: str, code: str) -> bytes:
+    return frame(json.dumps(api.error_body(message, "server_error", None, code)))
 
 
 async def collect(

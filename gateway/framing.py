@@ -5,10 +5,9 @@ from __future__ import annotations
 import json
 import time
 
-from sse_starlette import ServerSentEvent
-
 from gateway import openai_api as api
 from gateway.resume import event_id
+from gateway.sse import frame
 from schemas import Completion, Event, SafetyVerdict, TokenChunk, ToolCallDelta
 
 
@@ -48,12 +47,12 @@ class Framer:
     def _data(self, body: dict) -> str:
         return json.dumps(body, separators=(",", ":"))
 
-    def start(self) -> list[ServerSentEvent]:
+    def start(self) -> list[bytes]:
         if self.last >= -1:
             return []
         self.last = -1
         return [
-            ServerSentEvent(
+            frame(
                 self._data(
                     api.chunk(
                         self.cid,
@@ -68,12 +67,12 @@ class Framer:
             )
         ]
 
-    def frames(self, events: list[Event]) -> list[ServerSentEvent]:
+    def frames(self, events: list[Event]) -> list[bytes]:
         """Frames for new events: the chunks of a batch are coalesced into one frame whose SSE id is
         the last chunk's seq (a resume never splits a chunk). Its delta has the text as `content`
         and the call deltas as `tool_calls`: a call's first entry (index, id, type, name,
         arguments "") stands alone, later argument fragments of one call are joined."""
-        out: list[ServerSentEvent] = []
+        out: list[bytes] = []
         text: list[str] = []
         calls: list[dict] = []
         logprobs: list = []  # the chunks' schemas.TokenLogprob entries, when the request asked for them
@@ -107,7 +106,7 @@ class Framer:
             out.append(self._delta_frame("".join(text), calls, upto, logprobs))
         return out
 
-    def _delta_frame(self, text: str, calls: list[dict], seq: int, logprobs: list) -> ServerSentEvent:
+    def _delta_frame(self, text: str, calls: list[dict], seq: int, logprobs: list) -> bytes:
         self.last = seq
         self.sent.append(text)
         if self.first_token_at is None:
@@ -121,9 +120,9 @@ class Framer:
             include_usage=self.include_usage,
             logprobs=logprobs,
         )
-        return ServerSentEvent(self._data(body), id=event_id(self.rid, seq))
+        return frame(self._data(body), id=event_id(self.rid, seq))
 
-    def _completion_frames(self, c: Completion) -> list[ServerSentEvent]:
+    def _completion_frames(self, c: Completion) -> list[bytes]:
         self.completion = c
         frames: list[tuple[int, str]] = []
         if c.finish_reason == "error":
@@ -162,7 +161,7 @@ class Framer:
                     )
                 )
         frames.append((c.seq + 2, "[DONE]"))
-        out = [ServerSentEvent(data, id=event_id(self.rid, pos)) for pos, data in frames if pos > self.last]
+        out = [frame(data, id=event_id(self.rid, pos)) for pos, data in frames if pos > self.last]
         self.last = max(self.last, c.seq + 2)
         return out
 

@@ -26,6 +26,7 @@ from gateway.metrics import Metrics
 from gateway.ratelimit import RateLimiter
 from gateway.searches import ToolSearches
 from gateway.semantic import SemanticCache
+from gateway.sse import Streams
 from gateway.stored_chats import StoredChats
 from gateway.uploads import Uploads
 from producers import start_consumer, start_producer
@@ -98,6 +99,7 @@ class Gateway:
             if base.region and base.regions
             else None
         )
+        self.sse = Streams(cfg.ping_s, stuck_s=cfg.slow_reader_s)  # the open SSE streams (gateway/sse.py)
         self.key_lookups: dict[str, asyncio.Future] = {}  # API key lookups in flight (gateway/auth.py)
         self._background: set[asyncio.Task] = set()
         self.producer = None
@@ -130,6 +132,7 @@ class Gateway:
         self._tasks.append(asyncio.create_task(self._connect(), name="gateway-connect"))
         self._tasks.append(asyncio.create_task(self.admission.run(), name="gateway-admission"))
         self._tasks.append(asyncio.create_task(self.inflight.run(), name="gateway-inflight"))
+        self._tasks.append(asyncio.create_task(self.sse.run(), name="gateway-sse"))
         if self.key_homes is not None:
             self._tasks += self.key_homes.tasks()
 

@@ -234,22 +234,27 @@ def test_rendering_describes_tools_and_replays_calls():
 
 def test_keep_alive_between_events_is_invisible_to_the_openai_sdk():
     """The SDK keeps the last event id, so a blank-line-ended ping after an event with an id became an
-    empty event it failed to parse; the gateway's KeepAlive ends no event."""
+    empty event it failed to parse; the gateway's ping ends no event."""
     from openai._streaming import SSEDecoder
-    from sse_starlette import ServerSentEvent
 
-    from gateway.answers import KeepAlive
+    from gateway.sse import PING, frame
 
-    wire = (
-        ServerSentEvent('{"a": 1}', id="r:0").encode()
-        + KeepAlive().encode()
-        + KeepAlive().encode()
-        + ServerSentEvent('{"a": 2}', id="r:1").encode()
-    )
+    wire = frame('{"a": 1}', id="r:0") + PING + PING + frame('{"a": 2}', id="r:1")
     events = list(SSEDecoder().iter_bytes(iter([wire])))
     assert [json.loads(e.data) for e in events] == [{"a": 1}, {"a": 2}]
-    old = ServerSentEvent('{"a": 1}', id="r:0").encode() + ServerSentEvent(comment="ping").encode()
+    assert [e.id for e in events] == ["r:0", "r:1"]
+    old = frame('{"a": 1}', id="r:0") + b": ping\r\n\r\n"
     assert [e.data for e in SSEDecoder().iter_bytes(iter([old]))] == ['{"a": 1}', ""]  # what broke before
+
+
+def test_an_sse_frame_keeps_every_line_of_its_data_and_one_line_ids():
+    from openai._streaming import SSEDecoder
+
+    from gateway.sse import frame
+
+    wire = frame("one\ntwo\r\nthree", id="r:\n7", event="response.done")
+    (event,) = SSEDecoder().iter_bytes(iter([wire]))
+    assert (event.data, event.id, event.event) == ("one\ntwo\nthree", "r:7", "response.done")
 
 
 def test_history_keeps_calls_and_finds_unanswered_tool_messages():

@@ -21,14 +21,13 @@ import msgspec
 from fastapi import APIRouter, Depends, Header
 from fastapi.responses import JSONResponse
 from pydantic import TypeAdapter, ValidationError
-from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from common import sealing
 from common.models import load_tokenizer
 from common.presets import presets
 from gateway import background, compaction, context
 from gateway import openai_api as api
-from gateway.answers import KeepAlive, live_events
+from gateway.answers import live_events
 from gateway.auth import principal
 from gateway.deps import pipeline
 from gateway.input_files import read_files
@@ -40,6 +39,7 @@ from gateway.responses_framing import ResponseFramer, base_response
 from gateway.resume import NOTHING_SEEN, new_request_id, parse_last_event_id, replay
 from gateway.routes.chat import admit
 from gateway.screening import held_until_screened
+from gateway.sse import SSEResponse, frame
 from producers import publish
 from schemas import ChatRequest, Completion, Event, RunSpec, SamplingParams, Usage
 from schemas import keys as K
@@ -465,12 +465,12 @@ def _sse(
     note: dict,
     cleanup,
     headers: dict[str, str] | None = None,
-) -> EventSourceResponse:
+) -> SSEResponse:
     """Stream the run's events after position `last` (NOTHING_SEEN: all of them)."""
 
-    def frames(events: list[dict]) -> list[ServerSentEvent]:
+    def frames(events: list[dict]) -> list[bytes]:
         return [
-            ServerSentEvent(
+            frame(
                 json.dumps(e, separators=(",", ":")),
                 event=e["type"],
                 id=event_id(framer.run_id, e["sequence_number"]),
@@ -481,29 +481,29 @@ def _sse(
 
     async def run():
         try:
-            for frame in frames(framer.start()):
-                yield frame
+            yield frames(framer.start())
             async for batch in source:
                 shown = frames(framer.feed(batch))
                 if framer.done and note.get("in_conversation"):  # in it before the client sees the end
                     await _into_conversation(gw, framer.run_id, note, framer.response)
-                for frame in shown:
-                    yield frame
+                yield shown
                 if framer.done:
                     return
-            yield ServerSentEvent(
-                json.dumps(
-                    {
-                        "type": "error",
-                        "code": "timeout",
-                        "message": f"The model made no progress for {gw.cfg.progress_timeout_s:.0f}s; "
-                        "the response was cancelled.",
-                        "param": None,
-                        "sequence_number": framer.seq,
-                    }
-                ),
-                event="error",
-            )
+            yield [
+                frame(
+                    json.dumps(
+                        {
+                            "type": "error",
+                            "code": "timeout",
+                            "message": f"The model made no progress for {gw.cfg.progress_timeout_s:.0f}s; "
+                            "the response was cancelled.",
+                            "param": None,
+                            "sequence_number": framer.seq,
+                        }
+                    ),
+                    event="error",
+                )
+            ]
         finally:
             cleanup()
             await source.aclose()
@@ -515,12 +515,7 @@ def _sse(
                 if note.get("in_conversation"):  # the conversation waits for the run's end: see it here
                     gw.background(_finish_when_ended(gw, framer.run_id, note))
 
-    return EventSourceResponse(
-        run(),
-        ping=gw.cfg.ping_s,
-        ping_message_factory=KeepAlive,
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})},
-    )
+    return gw.sse.response(run(), headers)
 
 
 @router.get("/responses/{response}")
