@@ -28,6 +28,7 @@ from audit.sources import (
     keyed_by_request,
     request_partitions,
 )
+from common import sealing
 from producers import start_consumer
 from schemas import DecodeError, Erased, Event, TokenChunk
 from schemas.codec import SUPPORTED_VERSIONS, decoder, sealer
@@ -181,6 +182,7 @@ class Auditor:
     async def _collect(self, spans: list[Span]) -> list[tuple[ConsumerRecord, Event]]:
         out = []
         async for batch in merged(self.consumer, spans, self.order):
+            await sealing.hold_keys(batch)  # the keys it lacks fetched off the loop
             for record in batch:
                 event = self._decode(record)
                 if event is not None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from aiokafka.structs import TopicPartition
 
 from audit.scan import merged, spans_between
+from common import sealing
 from producers import decode_record, start_consumer
 from schemas import Completion, DecodeError, Transcript
 from topics import TOKENS, TRANSCRIPTS
@@ -72,6 +73,7 @@ async def from_log(
         spans = await spans_between(consumer, tps, since_ms, until_ms)
         specs = {TRANSCRIPTS.name: TRANSCRIPTS, TOKENS.name: TOKENS}
         async for batch in merged(consumer, spans, {TRANSCRIPTS.name: 0, TOKENS.name: 1}):
+            await sealing.hold_keys(batch)  # the keys it lacks fetched off the loop
             for record in batch:
                 try:
                     event = decode_record(record, specs[record.topic])

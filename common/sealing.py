@@ -262,9 +262,9 @@ async def hold_keys(records: Iterable[Any], *readers: Container[str]) -> None:
     """Hold the keys of the sealed events among `records` (Kafka records; with `readers`, only those
     whose key is in one of them: the ones that will be decoded), each one not held fetched in one thread
     hop: the batch then decodes on the loop without a round trip. An unreachable store raises
-    SealingUnavailable, as the decode would; nothing to do with sealing off."""
-    keys = keyring()
-    if keys is None:
+    SealingUnavailable, as the decode would; nothing to do without a keyring installed (the codec's)."""
+    keys = installed_sealer()
+    if not isinstance(keys, Keyring):
         return
     if readers:
         records = [r for r in records if r.key and any(r.key.decode() in of for of in readers)]

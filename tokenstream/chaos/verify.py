@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from common import kafka_auth
+from common.unblocked import unblocked
 from tokenstream.chaos.clients import Outcome
 
 
@@ -92,7 +93,7 @@ async def read_answers(bootstrap: str, rids: set[str], since: float) -> dict[str
                     answer = answers.get((record.key or b"").decode())
                     if answer is not None:
                         try:
-                            answer.add(decode(record.value or b"", *TOKENS.events))
+                            answer.add(await unblocked(decode, record.value or b"", *TOKENS.events))
                         except DecodeError:
                             pass
                     if record.offset + 1 >= ends[tp]:

@@ -19,6 +19,7 @@ import msgspec
 from aiokafka.structs import TopicPartition
 
 from audit.scan import merged, spans_between
+from common.unblocked import unblocked
 from producers import decode_record, publish, start_consumer, start_producer
 from schemas import Completion, DecodeError, InferenceRequest
 from schemas.ids import new_request_id
@@ -56,7 +57,7 @@ async def recorded(
         async for batch in merged(consumer, await spans_between(consumer, tps, since_ms, until_ms), {}):
             for record in batch:
                 try:
-                    request = decode_record(record, spec)
+                    request = await unblocked(decode_record, record, spec)
                 except DecodeError:
                     continue
                 if request.shadow_of or (tenant and request.tenant != tenant):
@@ -72,7 +73,7 @@ async def recorded(
                 if record.key not in wanted:
                     continue
                 try:
-                    event = decode_record(record, TOKENS)
+                    event = await unblocked(decode_record, record, TOKENS)
                 except DecodeError:
                     continue
                 if isinstance(event, Completion):
@@ -162,7 +163,7 @@ async def _collect(consumer, by_id: dict[str, Pair], pairs: list[Pair]) -> None:
         for records in (await consumer.getmany(timeout_ms=500)).values():
             for record in records:
                 try:
-                    event = decode_record(record, SHADOW_ANSWERS)
+                    event = await unblocked(decode_record, record, SHADOW_ANSWERS)
                 except DecodeError:
                     continue
                 pair = by_id.get(event.request_id)
