@@ -149,7 +149,7 @@ class Keyring:
         held = self._writing.get((tenant, scope))
         if held is not None and self._fresh(held[2], time.monotonic()):
             return held[0], held[1]
-        return needed((tenant, scope), lambda: self._fetch_write(tenant, scope))
+        return needed(self, (tenant, scope), lambda: self._fetch_write(tenant, scope))
 
     def _fetch_write(self, tenant: str, scope: str) -> tuple[str, AESGCM]:
         """The current key of (tenant, scope) from the store, made there if there is none (blocking)."""
@@ -189,7 +189,7 @@ class Keyring:
         held = self._reading.get(key_id)
         if held is not None and self._fresh(held[1], time.monotonic()):
             return held[0]
-        return needed(key_id, lambda: self._fetch_read(key_id))
+        return needed(self, key_id, lambda: self._fetch_read(key_id))
 
     def _fetch_read(self, key_id: str) -> AESGCM | None:
         """The key `key_id` from the store, None when destroyed (blocking)."""

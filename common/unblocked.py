@@ -25,16 +25,17 @@ _local = threading.local()
 _warned_on_loop = False
 
 
-def needed(wanted: Any, fetch: Callable[[], T]) -> T:
-    """A key the keyring does not hold: fetched here, or, inside `unblocked`, the one fetched for it
-    (KeyNotHeld asks for it)."""
+def needed(keyring: object, what: Any, fetch: Callable[[], T]) -> T:
+    """A key `keyring` does not hold (`what`: its id, or (tenant, scope) to seal with): fetched here,
+    or, inside `unblocked`, the one fetched for it (KeyNotHeld asks for it)."""
     pins = getattr(_local, "pins", None)
     if pins is None:
-        _note_on_loop(wanted)
+        _note_on_loop(what)
         return fetch()
+    wanted = (id(keyring), what)
     if wanted in pins:
         return pins[wanted]
-    raise KeyNotHeld(f"the keyring does not hold the key of {wanted}", wanted, fetch)
+    raise KeyNotHeld(f"the keyring does not hold the key of {what}", wanted, fetch)
 
 
 def _note_on_loop(wanted: Any) -> None:
@@ -81,4 +82,24 @@ async def unblocked(work: Callable[..., T], *args: Any) -> T:
             wanted, fetch = missing.wanted, missing.fetch
         finally:
             _local.pins = outer
-        pins[wanted] = await asyncio.to_thread(fetch)
+        pins[wanted] = await _fetched(wanted, fetch)
+
+
+# A key being fetched for a loop, by (loop, key): the works that miss it meanwhile wait on that one fetch
+# (a burst of requests after a restart takes one thread, not the whole default pool).
+_fetching: dict[tuple[Any, Any], asyncio.Future] = {}
+
+
+async def _fetched(wanted: Any, fetch: Callable[[], T]) -> T:
+    at = (asyncio.get_running_loop(), wanted)
+    shared = _fetching.get(at)
+    if shared is None:
+        shared = _fetching[at] = asyncio.ensure_future(asyncio.to_thread(fetch))
+        shared.add_done_callback(lambda done: _ended(at, done))
+    return await asyncio.shield(shared)  # a waiter cancelled leaves the fetch to the others
+
+
+def _ended(at: tuple[Any, Any], done: asyncio.Future) -> None:
+    _fetching.pop(at, None)
+    if not done.cancelled():
+        done.exception()  # taken: an outage nobody waits on any more is not logged as never retrieved

@@ -298,3 +298,32 @@ async def test_on_a_loop_an_unreachable_keyring_is_still_an_outage(caplog, monke
     with caplog.at_level(logging.WARNING, logger="common.unblocked"), pytest.raises(SealingUnavailable):
         keys.open(sealed)
     assert any("on an event loop" in r.getMessage() for r in caplog.records)
+
+
+class Untouchable:
+    """A store client no call may reach."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"the store was called ({name})")
+
+
+async def test_a_key_not_held_never_reaches_the_store_on_the_loop_and_one_fetch_serves_all(
+    stack, unique, caplog
+):
+    tenant = f"t-{unique}"
+    writer = Keyring(stack.redis.address, feed=False)
+    reader = Keyring(stack.redis.address, ttl_s=60.0, feed=False)
+    token = await asyncio.to_thread(writer.seal, tenant, "c1", b"the quick zebra")
+    store, reader.redis = reader.redis, Untouchable()
+    with pytest.raises(KeyNotHeld):  # a hot path's first try: no round trip, no wait
+        sealing.held_only(reader.open, token)
+
+    reader.redis = Counting(store)
+    opened = await asyncio.gather(*(sealing.unblocked(reader.open, token) for _ in range(20)))
+    assert opened == [b"the quick zebra"] * 20 and reader.redis.fetches == 1  # twenty misses, one fetch
+
+    # patiently: a key merely not held is fetched at once, without the outage's back-off or warning
+    other = await asyncio.to_thread(writer.seal, tenant, "c2", b"a slow tortoise")
+    with caplog.at_level(logging.WARNING, logger="common.sealing"):
+        assert await sealing.patiently(lambda: reader.open(other), "test") == b"a slow tortoise"
+    assert reader.redis.fetches == 2 and not [r for r in caplog.records if "unreachable" in r.getMessage()]
