@@ -22,6 +22,7 @@ T = TypeVar("T")
 # The keys the work `unblocked` runs may use without holding them (fetched for it in a thread): present
 # only while that work runs, on the loop's thread; absent, a key not held is fetched where it is needed.
 _local = threading.local()
+_NONE: dict = {}  # no key pinned (`held_only`; never written)
 _warned_on_loop = False
 
 
@@ -60,7 +61,7 @@ def held_only(work: Callable[..., T], *args: Any) -> T:
     instead of being fetched. The sync first try of a hot path on a loop, whose `except
     SealingUnavailable` goes on with `patiently` or `unblocked`."""
     outer = getattr(_local, "pins", None)
-    _local.pins = outer if outer is not None else {}
+    _local.pins = outer if outer is not None else _NONE
     try:
         return work(*args)
     finally:

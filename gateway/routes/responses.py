@@ -381,11 +381,9 @@ async def _keep_input(gw: Gateway, body: ResponseCreate, rid: str, note: dict) -
     """A stored response's input items, for GET .../input_items (best effort: the answer does not wait
     on it)."""
     if body.store and gw.redis is not None:
-        await gw.redis.set(
-            K.response_input(rid),
-            sealing.seal_json(note["tenant"], note["conversation_id"], input_items(body, rid)),
-            ex=K.RESPONSE_TTL_S,
-        )
+        items = input_items(body, rid)
+        sealed = await sealing.unblocked(sealing.seal_json, note["tenant"], note["conversation_id"], items)
+        await gw.redis.set(K.response_input(rid), sealed, ex=K.RESPONSE_TTL_S)
 
 
 def _finisher(gw: Gateway, note: dict) -> background.Finish:
@@ -414,11 +412,10 @@ async def _finish(gw: Gateway, rid: str, note: dict, framer: ResponseFramer) -> 
         await _into_conversation(gw, rid, note, framer.response)
     if note.get("store") and gw.redis is not None:
         try:
-            await gw.redis.set(
-                K.stored_response(rid),
-                sealing.seal_json(note["tenant"], note["conversation_id"], framer.response),
-                ex=K.RESPONSE_TTL_S,
+            sealed = await sealing.unblocked(
+                sealing.seal_json, note["tenant"], note["conversation_id"], framer.response
             )
+            await gw.redis.set(K.stored_response(rid), sealed, ex=K.RESPONSE_TTL_S)
         except Exception as exc:  # noqa: BLE001 - the answer went out; only GET misses it
             log.warning("response %s not stored: %s", rid, exc)
 
@@ -446,7 +443,7 @@ async def _into_conversation(gw: Gateway, rid: str, note: dict, response: dict) 
     log's), then the conversation free for its next response."""
     conv = note["conversation_id"]
     try:
-        given = sealing.open_json(await gw.redis.get(K.response_input(rid))) or []
+        given = await sealing.unblocked(sealing.open_json, await gw.redis.get(K.response_input(rid))) or []
         await gw.conversations.append(conv, note["tenant"], [*given, *response["output"]])
     except api.APIError as exc:  # deleted meanwhile, or full: the response stands on its own
         log.warning("response %s not added to conversation %s: %s", rid, conv, exc.message)
