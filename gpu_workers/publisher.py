@@ -2,6 +2,8 @@
 
 Rule: a request's offset is committed only after its Completion is acknowledged by the broker
 (acks=all), and only up to the lowest offset still in flight on that partition (gpu_workers/offsets.py).
+A request's first record on the tokens topic has its offset noted in the durable Redis once acknowledged
+(`note_first`, common/first_records.py): resumes and takeovers seek there.
 Outputs of a request its worker no longer owns (given up, or taken over afresh) are dropped; those of a
 held partition wait for the next assignment (gpu_workers/rebalance.py). A shadow replay's answer is its
 Completion alone, on the shadow answers topic. Events are queued for the producer under `publish_lock`,
@@ -18,6 +20,7 @@ from aiokafka.errors import KafkaError
 from aiokafka.structs import TopicPartition
 
 from common import tracing
+from common.first_records import starts_stream
 from gpu_workers.logits import TokenTexts
 from gpu_workers.sequence import Output
 from producers import publish
@@ -76,7 +79,7 @@ class Publisher:
                     logprobs=self.token_texts.report(out.logprobs) if out.logprobs else [],
                 )
                 if not request.shadow_of:  # a shadow replay's answer is its Completion alone
-                    await publish(
+                    ack = await publish(
                         w.producer,
                         TOKENS,
                         chunk,
@@ -84,6 +87,7 @@ class Publisher:
                         wait=False,
                         trace=chunk_trace,
                     )
+                    self.note_first(request, out.chunk_seq, ack)
                 w.chunks_written[rid] = out.chunk_seq + 1
                 if rid in w.resuming:  # where a takeover's time goes: taken in -> its next token out
                     log.info(
@@ -158,6 +162,7 @@ class Publisher:
                         partition=request.reply_partition,
                         headers=headers,
                     )
+                    self.note_first(request, out.completion_seq, future)
                 if span is not None and span.span is not None:
                     span.set(tracing.completion_attributes(done, request.model))
                     if reason == "error":
@@ -176,6 +181,13 @@ class Publisher:
                 task = asyncio.create_task(self._after_delivery(future, tp, offset))
                 w.pending_completions.add(task)
                 task.add_done_callback(w.pending_completions.discard)
+
+    def note_first(self, request, seq: int | None, ack) -> None:
+        """The request's first record on the tokens topic (its chunk 0, or a Completion at seq 0): where it
+        lies goes to the durable Redis on its ack, for resumes and takeovers (common/first_records.py)."""
+        first = getattr(getattr(self.worker, "tokens", None), "first", None)
+        if first is not None and starts_stream(seq, request.screening, request.output.moderated):
+            first.note(request.request_id, ack)
 
     def end_span(self, rid: str, attributes: dict | None = None) -> None:
         span = self.worker.spans.pop(rid, None)

@@ -8,6 +8,9 @@ store refuses writes rather than drop an API key, a file or a ledger entry) exce
 
     ts:gateway:req:<request_id>              JSON notes a resume on any gateway needs (owner tenant,
                                              model, created, include_usage); GATEWAY_META_TTL_S
+    ts:tokens:first:<request_id>             "<partition>:<offset>" of the request's first record on the
+                                             tokens topic, set once (NX) by the worker that wrote it, on
+                                             its ack; resumes and takeovers seek there; GATEWAY_META_TTL_S
     ts:gateway:attach:<request_id>           attachment generation of the connection serving the
                                              request (cancel after a disconnect); GATEWAY_ATTACH_TTL_S
     ts:done:<role>:<effect>:<request_id>     an effect a processor has emitted for the request
@@ -77,6 +80,12 @@ EFFECT_TTL_S = 7 * 24 * 3600  # as long as the processors' input topics keep the
 def gateway_request(request_id: str) -> str:
     """What the gateway remembers of an admitted request: owner tenant, model, usage option."""
     return f"ts:gateway:req:{request_id}"
+
+
+def first_record(request_id: str) -> str:
+    """Where the request's first record on the tokens topic lies: "<partition>:<offset>"
+    (common/first_records.py)."""
+    return f"ts:tokens:first:{request_id}"
 
 
 def gateway_attachment(request_id: str) -> str:

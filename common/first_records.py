@@ -1,0 +1,136 @@
+"""Where a request's first record on the tokens topic lies, kept in the durable Redis.
+
+A reader of a request's events (a gateway resume, a worker taking the request over) seeks to that
+offset instead of scanning the reply partition from shortly before the request's admission.
+
+Writer (the worker, and the benchmark's synthetic worker, through `FirstRecords`): the writer of a
+request's first record passes the send's acknowledgement future to `note`; once the broker acknowledges
+it, "<partition>:<offset>" is set under `schemas.keys.first_record(request_id)` with SET NX (the first
+writer's offset stays) and a TTL of GATEWAY_META_TTL_S. Writes never block the writer's loop: the
+acknowledgements resolved together (a produce batch, so an engine step) go to Redis in one pipeline, in a
+task of their own; a failure is logged and the readers fall back to the scan.
+
+A writer notes only a record it knows to be the request's first on the topic: its chunk 0 (or a
+Completion at seq 0), of a request no other role writes in-band records for before it (not under
+parallel screening, where the input verdict may come first, nor with moderated output, whose input
+verdict is in band too). Where the key is absent (Redis down, or the writer died before its ack) the
+reader scans as before.
+
+A reader that had to scan from before a request's admission (a takeover) knows its first record: it
+sets the key (NX) with `record_found`, so later readers seek there.
+
+Reader: `first_offsets` answers with the offsets found, one MGET for a batch; {} when Redis cannot say.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from functools import partial
+
+from common.redis_pool import bounded
+from schemas import keys as K
+
+log = logging.getLogger(__name__)
+
+MAX_CONNECTIONS = 4  # one pipeline per produce batch: a writer needs few
+
+
+def client(url: str):
+    """A small bounded client of the durable Redis for these keys (one per process and loop)."""
+    return bounded(url, socket_timeout=2, socket_connect_timeout=1, max_connections=MAX_CONNECTIONS)
+
+
+class FirstRecords:
+    """The writer's side: `note(request_id, ack)` for a request's first record."""
+
+    def __init__(self, url: str | None, ttl_s: int = K.GATEWAY_META_TTL_S) -> None:
+        self.redis = client(url) if url else None
+        self.ttl_s = ttl_s
+        self._pending: dict[str, tuple[int, int]] = {}
+        self._flushing: asyncio.Task | None = None
+        self._failing = False
+        self.written = 0  # keys written (tests and logs)
+
+    def note(self, request_id: str, ack: asyncio.Future) -> None:
+        """Record where `request_id`'s first record lies once `ack` (the send's future of its
+        RecordMetadata) resolves; nothing when it fails (the record was not written)."""
+        if self.redis is not None:
+            ack.add_done_callback(partial(self._acked, request_id))
+
+    def _acked(self, request_id: str, ack: asyncio.Future) -> None:
+        if ack.cancelled() or ack.exception() is not None:
+            return
+        meta = ack.result()
+        self._pending.setdefault(request_id, (meta.partition, meta.offset))
+        if self._flushing is None or self._flushing.done():
+            self._flushing = asyncio.get_running_loop().create_task(self._flush())
+
+    async def _flush(self) -> None:
+        while self._pending:
+            batch, self._pending = self._pending, {}
+            try:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    for rid, (partition, offset) in batch.items():
+                        pipe.set(K.first_record(rid), f"{partition}:{offset}", ex=self.ttl_s, nx=True)
+                    await pipe.execute()
+                self.written += len(batch)
+                if self._failing:
+                    self._failing = False
+                    log.info("first-record offsets written to Redis again")
+            except Exception as exc:  # noqa: BLE001 - readers fall back to the scan
+                if not self._failing:
+                    log.warning("first-record offsets of %d requests not written: %s", len(batch), exc)
+                self._failing = True
+
+    async def close(self) -> None:
+        """Write what is pending, then close the client."""
+        if self._flushing is not None:
+            await asyncio.gather(self._flushing, return_exceptions=True)
+        if self.redis is not None:
+            await self.redis.aclose()
+
+
+def starts_stream(seq: int | None, screening: str, moderated: bool) -> bool:
+    """Whether a worker's record at chunk/completion `seq` is its request's first on the tokens topic
+    (module docstring): seq 0 of a request no other role writes before."""
+    return seq == 0 and screening != "parallel" and not moderated
+
+
+async def first_offsets(redis, partitions: dict[str, int]) -> dict[str, int]:
+    """The first record's offset of each request id of `partitions` (request id -> its reply partition)
+    whose key is set, for that partition; {} when Redis cannot answer."""
+    if redis is None or not partitions:
+        return {}
+    rids = list(partitions)
+    try:
+        values = await redis.mget([K.first_record(r) for r in rids])
+    except Exception as exc:  # noqa: BLE001 - the caller scans instead
+        log.warning("first-record offsets unavailable (%s): scanning instead", exc)
+        return {}
+    found: dict[str, int] = {}
+    for rid, value in zip(rids, values, strict=True):
+        if value is None:
+            continue
+        try:
+            text = value.decode() if isinstance(value, bytes) else value
+            partition, offset = (int(x) for x in text.split(":"))
+        except ValueError:
+            continue
+        if partition == partitions[rid]:
+            found[rid] = offset
+    return found
+
+
+async def record_found(redis, found: dict[str, tuple[int, int]], ttl_s: int = K.GATEWAY_META_TTL_S) -> None:
+    """Set (NX) the keys of requests a reader found the first records of by a scan from before their
+    admission ({request id: (partition, offset)}); a failure is logged only."""
+    if redis is None or not found:
+        return
+    try:
+        async with redis.pipeline(transaction=False) as pipe:
+            for rid, (partition, offset) in found.items():
+                pipe.set(K.first_record(rid), f"{partition}:{offset}", ex=ttl_s, nx=True)
+            await pipe.execute()
+    except Exception as exc:  # noqa: BLE001
+        log.warning("first-record offsets of %d requests not written: %s", len(found), exc)

@@ -1,0 +1,172 @@
+"""Resumes and takeovers read a request's events from its first record, not from its admission.
+
+Real Kafka and Redis: the benchmark's synthetic worker writes token events and notes each request's
+first record the way a worker does (common/first_records.py). Between the requests' admission and
+their first tokens, other requests' records fill their partitions: a read from the admission time
+would read all of them, a read from the first records reads none.
+
+- A gateway that restarts with many live streams: every stream resumes at once (gateway.resume.replay,
+  on a fresh process's readers), gets every token once and in order through one consumer per partition,
+  and no reader ever seeks before the lowest first record of the streams it serves.
+- A request whose note is missing (its writer died before the ack) falls back to the admission time.
+- A worker's takeover read (gpu_workers.recovery.TokenLog) starts at the first records too, and notes
+  the first record it found of a request that had none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import redis.asyncio as aioredis
+
+from bench.gateway import SyntheticWorker
+from gateway import replays
+from gateway.resume import read_so_far, replay
+from gpu_workers.recovery import TokenLog
+from producers import publish
+from schemas import Completion, TokenChunk
+from schemas import keys as K
+from schemas.ids import new_request_id
+from topics import CHAT_REQUESTS, TOKENS
+from topics.admin import apply
+
+STREAMS = 1000
+PARTITIONS = (3, 4)
+FILLER = 1500  # other requests' records on each partition between admission and first tokens
+TOKENS_BEFORE = 3  # tokens written before the restart
+TOKENS_AFTER = 3  # tokens written while the resumes are live
+
+
+async def _until(condition, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+async def _fill(worker: SyntheticWorker, partition: int, n: int) -> None:
+    other = new_request_id(partition, time.time())
+    for i in range(n):
+        await publish(
+            worker.producer,
+            TOKENS,
+            TokenChunk(request_id=other, seq=i, text="x"),
+            partition=partition,
+            wait=False,
+        )
+    await worker.producer.flush()
+
+
+async def _ends(bootstrap: str, partitions) -> dict[int, int]:
+    from aiokafka.structs import TopicPartition
+
+    from producers import start_consumer
+
+    consumer = await start_consumer(group=None, bootstrap=bootstrap)
+    try:
+        tps = [TopicPartition(TOKENS.name, p) for p in partitions]
+        return {tp.partition: off for tp, off in (await consumer.end_offsets(tps)).items()}
+    finally:
+        await consumer.stop()
+
+
+@pytest.fixture
+async def worker(stack):
+    await apply([CHAT_REQUESTS, TOKENS], stack.kafka.address)
+    w = await SyntheticWorker(stack.kafka.address).start()
+    yield w
+    await w.stop()
+
+
+async def test_a_restart_with_1000_live_streams_resumes_each_from_its_first_record(stack, worker):
+    bootstrap = stack.kafka.address
+    now = time.time()
+    rids = [new_request_id(PARTITIONS[i % len(PARTITIONS)], now) for i in range(STREAMS)]
+    for i, rid in enumerate(rids):
+        worker.arrived[rid] = (PARTITIONS[i % len(PARTITIONS)], now)
+    for p in PARTITIONS:  # traffic of other requests after their admission, before their first tokens
+        await _fill(worker, p, FILLER)
+    before_first = await _ends(bootstrap, PARTITIONS)
+    for seq in range(TOKENS_BEFORE):
+        await worker.tick(rids, seq, last=False)
+    await _until(lambda: worker.first.written >= STREAMS)
+
+    # the restarted gateway: a fresh process's readers, every stream resuming at once
+    hub = replays.hub(bootstrap)
+    await hub.close()
+    hub.stats = replays.Stats()
+    got: dict[str, list] = {}
+
+    async def resume(rid: str) -> None:
+        got[rid] = []
+        async for batch in replay(bootstrap, rid, idle_timeout_s=60):
+            got[rid].extend(batch)
+
+    tasks = [asyncio.create_task(resume(r)) for r in rids]
+    await _until(lambda: sum(len(v) for v in got.values()) >= STREAMS * TOKENS_BEFORE)
+    for seq in range(TOKENS_BEFORE, TOKENS_BEFORE + TOKENS_AFTER):  # live from here on
+        await worker.tick(rids, seq, last=seq == TOKENS_BEFORE + TOKENS_AFTER - 1)
+    await asyncio.wait_for(asyncio.gather(*tasks), 60)
+
+    want = list(range(TOKENS_BEFORE + TOKENS_AFTER + 1))
+    for rid in rids:  # every token once, in order, then the completion
+        assert [e.seq for e in got[rid]] == want, (rid, got[rid])
+        assert isinstance(got[rid][-1], Completion)
+    stats = hub.stats
+    assert stats.consumers_started == len(PARTITIONS), stats  # one consumer per partition
+    assert stats.exact == STREAMS and stats.fallback == 0, stats
+    for partition, offset in stats.seeks:  # never before the streams' first records: no filler read
+        assert offset >= before_first[partition], (partition, offset, before_first)
+    ends = await _ends(bootstrap, PARTITIONS)
+    written = sum(ends[p] - before_first[p] for p in PARTITIONS)
+    assert stats.records_read <= len(stats.seeks) * written, stats.records_read
+    scan = sum(FILLER + ends[p] - before_first[p] for p in PARTITIONS) // len(PARTITIONS) * STREAMS
+    print(
+        f"{STREAMS} resumes: {stats.records_read} records read by {stats.consumers_started} consumers in"
+        f" {len(stats.seeks)} seeks; one consumer per resume reading from admission: ~{scan} records"
+    )
+    await hub.close()
+
+
+async def test_a_missing_note_falls_back_to_the_admission_time(stack, worker):
+    bootstrap = stack.kafka.address
+    partition = 5
+    noted, lost = new_request_id(partition, time.time()), new_request_id(partition, time.time())
+    worker.arrived.update({noted: (partition, time.time()), lost: (partition, time.time())})
+    await _fill(worker, partition, 200)
+    for seq in range(3):
+        await worker.tick([noted, lost], seq, last=seq == 2)
+    await _until(lambda: worker.first.written >= 2)
+    r = aioredis.from_url(stack.redis.address)
+    assert (await r.get(K.first_record(noted))) is not None
+    await r.delete(K.first_record(lost))  # as if its writer died before the ack
+    hub = replays.hub(bootstrap)
+    await hub.close()
+    hub.stats = replays.Stats()
+    events = {rid: await read_so_far(bootstrap, rid) for rid in (noted, lost)}
+    for rid in (noted, lost):
+        assert [e.seq for e in events[rid]] == [0, 1, 2, 3], events[rid]
+    assert hub.stats.exact == 1 and hub.stats.fallback == 1, hub.stats
+
+    # a takeover: one read from the noted request's first record; the other's is found and noted
+    log = TokenLog(bootstrap, stack.redis.address)
+    await log.start()
+    try:
+        wanted = [(rid, partition, time.time() - 30) for rid in (noted, lost)]
+        emitted = await log.emitted(wanted)
+        assert [c.seq for c in emitted[noted].chunks] == [0, 1, 2] and emitted[noted].completion is not None
+        assert [c.seq for c in emitted[lost].chunks] == [0, 1, 2] and emitted[lost].completion is not None
+        first = int((await r.get(K.first_record(noted))).split(b":")[1])
+        assert await r.get(K.first_record(lost)) == f"{partition}:{first + 1}".encode()  # noted by the read
+        scanned = log.records_read
+        emitted = await log.emitted(
+            [(noted, partition, time.time() - 30), (lost, partition, time.time() - 30)]
+        )
+        assert [c.seq for c in emitted[lost].chunks] == [0, 1, 2]
+        assert log.records_read - scanned == 8, log.records_read - scanned  # the filler is not read again
+    finally:
+        await log.stop()
+        await r.aclose()
+        await hub.close()
