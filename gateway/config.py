@@ -37,11 +37,11 @@ class GatewaySettings(BaseSettings):
 
     # Per-connection buffer: at most buffer_events pending events; when full, a new chunk is
     # merged into the last pending one (text, call deltas and log probabilities all kept) until that
-    # holds coalesce_chars characters of the model's output, then the partition is paused.
+    # holds coalesce_chars characters of the model's output; then the stream is dropped (it ends with
+    # an error event, code slow_reader, and the client resumes from the log with Last-Event-ID).
     buffer_events: int = Field(64, ge=2)
     coalesce_chars: int = Field(4096, ge=16)
-    # A client whose full buffer keeps its partition paused this long is dropped (its stream ends
-    # with an error event; it resumes from the log with Last-Event-ID), so others on it go on.
+    # A stream whose write waits this long on a client that reads nothing is ended (gateway/sse.py).
     slow_reader_s: float = Field(30.0, gt=0)
 
     # Largest request body accepted (413 beyond): below the broker's message size (1 MiB by default),

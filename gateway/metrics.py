@@ -49,17 +49,11 @@ class Metrics:
             "token chunks merged into a pending chunk of a slow client",
             registry=r,
         )
-        self.pauses = Counter(
-            "gateway_partition_pauses_total",
-            "times a tokens partition was paused because a client buffer was full",
-            registry=r,
-        )
         self.slow_readers = Counter(
             "gateway_slow_readers_dropped_total",
-            "streams ended because their reader kept a partition paused too long",
+            "streams dropped because their reader fell too far behind (they resume from the log)",
             registry=r,
         )
-        self.paused = Gauge("gateway_paused_partitions", "tokens partitions paused now", registry=r)
         self.cancels = Counter("gateway_cancels_total", "cancel events written", ["reason"], registry=r)
         self.resumes = Counter("gateway_resumes_total", "streams resumed with Last-Event-ID", registry=r)
         self.ttft = Histogram(

@@ -161,7 +161,6 @@ class Gateway:
                         self.metrics,
                         self.cfg.buffer_events,
                         self.cfg.coalesce_chars,
-                        self.cfg.slow_reader_s,
                         watcher=self.inflight,
                     )
                 elif [tp.partition for tp in self.fanout.partitions] != self.partitions:

@@ -2,32 +2,49 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
 
-from gateway.fanout import Stream
+from gateway.fanout import SlowReader, Stream
 from gateway.framing import Framer
 from gateway.resume import NOTHING_SEEN, new_request_id, parse_last_event_id, parse_request_id
 from schemas import Completion, TokenChunk, Usage, call_id
+
+
+def parsed(frame: bytes) -> tuple[str | None, str]:
+    """(id, data) of one SSE frame as gateway/sse.py writes it."""
+    fields = dict(line.split(": ", 1) for line in frame.decode().split("\r\n") if ": " in line)
+    return fields.get("id"), fields["data"]
 
 
 def chunk(seq: int, text: str = "x") -> TokenChunk:
     return TokenChunk(request_id="r", seq=seq, text=text)
 
 
-async def test_stream_is_bounded_and_coalesces_then_refuses():
-    drained = []
-    s = Stream("r", capacity=3, coalesce_chars=5, on_drain=drained.append)
+async def test_stream_is_bounded_and_coalesces_then_refuses_and_a_dropped_one_ends_after_its_events():
+    s = Stream("r", capacity=3, coalesce_chars=5)
     assert all(s.offer(chunk(i, "ab")) for i in range(3))
     assert s.offer(chunk(3, "cd")) and s.offer(chunk(4, "ef"))  # merged into the tail: "abcdef"
     assert len(s.items) == 3 and s.items[-1].text == "abcdef" and s.items[-1].seq == 4
-    assert not s.offer(chunk(5, "gh"))  # tail is full: refused, the caller pauses
-    assert not s.offer(Completion(request_id="r", seq=6, finish_reason="stop"))
-    s.blocked_on = object()
+    assert not s.offer(chunk(5, "gh"))  # tail is full: refused, the fan-out drops the stream
+    assert s.offer(Completion(request_id="r", seq=5, finish_reason="stop"))  # cannot merge: appended
+    assert s.offer(chunk(0, "a")) and s.offer(chunk(1, "b"))  # a run's next step: appended, then merged
+    assert s.offer(Completion(request_id="r", seq=2, finish_reason="stop"))
+    assert len(s.items) == 6 and not s.offer(Completion(request_id="r", seq=3, finish_reason="stop"))
     batch = await s.take()
-    assert [e.seq for e in batch] == [0, 1, 4] and drained == [s] and not s.items
+    assert [e.seq for e in batch] == [0, 1, 4, 5, 1, 2] and not s.items
     assert await s.take(timeout=0.01) == []
+    waiting = asyncio.create_task(s.take(timeout=5))
+    await asyncio.sleep(0)
+    s.offer(chunk(5, "gh"))
+    assert [e.seq for e in await waiting] == [5]  # a waiting reader wakes at an offer
+    s.offer(chunk(6, "ij"))
+    s.drop()
+    assert [e.seq for e in await s.take()] == [6]  # what it held first
+    with pytest.raises(SlowReader):
+        await s.take()
 
 
 async def test_a_full_stream_merges_calls_and_logprobs_into_frames_a_client_reads_alike():
@@ -36,12 +53,13 @@ async def test_a_full_stream_merges_calls_and_logprobs_into_frames_a_client_read
     from tests.test_schemas import _tool_chunks
 
     chunks = _tool_chunks()
-    s = Stream("r", capacity=2, coalesce_chars=4096, on_drain=lambda _: None)
+    s = Stream("r", capacity=2, coalesce_chars=4096)
     assert all(s.offer(c) for c in chunks) and len(s.items) == 2 and s.coalesced == len(chunks) - 2
     merged = Framer("r", "m", 0, False, NOTHING_SEEN).frames(await s.take())
     fast = Framer("r", "m", 0, False, NOTHING_SEEN)
     one_by_one = [f for c in chunks for f in fast.frames([c])]
-    assert len(merged) == 1 and len(one_by_one) == 6 and merged[-1].id == one_by_one[-1].id == "r:5"
+    assert len(merged) == 1 and len(one_by_one) == 6
+    assert parsed(merged[-1])[0] == parsed(one_by_one[-1])[0] == "r:5"
     assert _read(merged) == _read(one_by_one)
     assert _read(merged)[1] == {
         0: {"id": call_id("r", 0), "type": "function", "name": "weather", "arguments": '{"city": "Oslo"}'},
@@ -53,7 +71,7 @@ def _read(frames) -> tuple[str, dict, list]:
     """What an OpenAI client assembles from chunk frames: content, calls by index, log probabilities."""
     content, calls, logprobs = "", {}, []
     for f in frames:
-        choice = json.loads(f.data)["choices"][0]
+        choice = json.loads(parsed(f)[1])["choices"][0]
         content += choice["delta"].get("content") or ""
         logprobs += (choice["logprobs"] or {}).get("content", [])
         for entry in choice["delta"].get("tool_calls", []):
@@ -94,7 +112,7 @@ def frames_after(last: int, include_usage: bool = True) -> list[tuple[str, str]]
         ),
     ]
     out = f.start() + f.frames(events[:2]) + f.frames(events[2:])
-    return [(e.id, e.data) for e in out]
+    return [parsed(e) for e in out]
 
 
 def text(frames) -> str:
@@ -120,7 +138,7 @@ def test_framer_positions_make_resume_exact():
 def test_framer_reports_generation_errors_in_band():
     f = Framer("rid", "m", 0, False, NOTHING_SEEN)
     out = f.frames([chunk(0), Completion(request_id="r", seq=1, finish_reason="error", error="boom")])
-    assert json.loads(out[1].data)["error"]["message"] == "boom" and out[-1].data == "[DONE]"
+    assert json.loads(parsed(out[1])[1])["error"]["message"] == "boom" and parsed(out[-1])[1] == "[DONE]"
 
 
 async def _events(*batches):
