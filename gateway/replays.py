@@ -14,8 +14,9 @@ reader seeks back to the lowest such start (once for all registrations taken in 
 gets only its keys' records at offsets from its own start on, each record once (a record read again after
 a seek back is not given twice). With no resume left for LINGER_S the consumer stops.
 
-`stats` counts what the readers did (records read, seeks, consumers started): the gateway's resume tests
-read them.
+A record's sealed content is opened with the keys held, a key not held fetched off the loop
+(common/unblocked.py). `stats` counts what the readers did (records read, seeks, consumers started);
+each reader logs them when it stops.
 """
 
 from __future__ import annotations
@@ -30,9 +31,11 @@ from aiokafka.structs import TopicPartition
 
 from common.config import settings
 from common.first_records import client, first_offsets
+from common.unblocked import held_only, unblocked
 from producers import start_consumer
 from schemas import DecodeError, Event, decode
 from schemas.ids import parse_request_id
+from schemas.sealing import KeyNotHeld
 from topics import TOKENS
 
 log = logging.getLogger(__name__)
@@ -62,6 +65,7 @@ class Resumer:
     next: int = 0  # the next offset it may be given
     until: int | None = None  # read_so_far: done once the reader is past this offset
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # lists of events; None once done
+    gone: bool = False  # its resume ended
 
 
 class PartitionReader:
@@ -79,6 +83,7 @@ class PartitionReader:
         self.wake.set()
 
     def leave(self, r: Resumer) -> None:
+        r.gone = True  # one being taken in now is dropped there
         if r in self.joining:
             self.joining.remove(r)
         if r in self.resumers:
@@ -93,15 +98,18 @@ class PartitionReader:
 
     async def _run(self) -> None:
         stats = self.hub.stats
-        consumer = await start_consumer(group=None, bootstrap=self.hub.bootstrap, from_beginning=True)
-        stats.consumers_started += 1
+        consumer = None
         position: int | None = None
         try:
+            consumer = await start_consumer(group=None, bootstrap=self.hub.bootstrap, from_beginning=True)
+            stats.consumers_started += 1
             consumer.assign([self.tp])
             while True:
                 if self.joining:
                     position = await self._take_in(consumer, position)
                 if not self.resumers:
+                    if self.joining:
+                        continue
                     self.wake.clear()
                     try:
                         await asyncio.wait_for(self.wake.wait(), LINGER_S)
@@ -116,14 +124,17 @@ class PartitionReader:
                 out: dict[Resumer, list[Event]] = {}
                 for record in batch:
                     stats.records_read += 1
-                    for r in self.by_key.get(record.key, ()):
-                        if record.offset < r.next:
-                            continue
+                    wanting = [r for r in self.by_key.get(record.key, ()) if record.offset >= r.next]
+                    if not wanting:
+                        continue
+                    for r in wanting:
                         r.next = record.offset + 1
-                        try:
-                            out.setdefault(r, []).append(decode(record.value or b"", *TOKENS.events))
-                        except DecodeError:
-                            continue
+                    try:
+                        event = await _decode(record.value or b"")
+                    except DecodeError:
+                        continue
+                    for r in wanting:
+                        out.setdefault(r, []).append(event)
                 if batch:
                     position = batch[-1].offset + 1
                 for r, events in out.items():
@@ -136,10 +147,20 @@ class PartitionReader:
         except Exception as exc:  # noqa: BLE001 - every resume of the partition ends; clients resume again
             log.warning("replay reader of %s failed: %s", self.tp, exc)
         finally:
+            log.info(
+                "replay reader of %s stopped: %d records read, %d seeks, %d resumes from their first"
+                " record, %d from their admission time (all readers of this process)",
+                self.tp,
+                stats.records_read,
+                len(stats.seeks),
+                stats.exact,
+                stats.fallback,
+            )
             self._detach()
             for r in [*self.resumers, *self.joining]:
                 r.queue.put_nowait(None)
-            await consumer.stop()
+            if consumer is not None:
+                await consumer.stop()
 
     def _detach(self) -> None:
         if self.hub.readers.get(self.tp.partition) is self:
@@ -159,6 +180,9 @@ class PartitionReader:
             at = max(0, min(r.admitted_ms for r in unknown) - CLOCK_MARGIN_MS)
             found = (await consumer.offsets_for_times({self.tp: at}))[self.tp]
             fallback = end if found is None else found.offset
+        joining = [r for r in joining if not r.gone]  # ended while their starts were looked up
+        if not joining:
+            return position
         for r in joining:
             r.start = known.get(r.request_id, fallback)
             r.next = r.start
@@ -177,6 +201,14 @@ class PartitionReader:
             stats.seeks.append((self.tp.partition, lowest))
             return lowest
         return position
+
+
+async def _decode(value: bytes) -> Event:
+    """A record's event; a key the keyring does not hold is fetched off the loop (common/unblocked.py)."""
+    try:
+        return held_only(decode, value, *TOKENS.events)
+    except KeyNotHeld:
+        return await unblocked(decode, value, *TOKENS.events)
 
 
 class Hub:
