@@ -66,11 +66,8 @@ class ContainerFiles:
             if not kept:
                 continue
             record = {"id": file_id, "path": entry["path"], "bytes": len(data), "created_at": now}
-            pipe.set(
-                K.container_file(file_id),
-                sealing.seal_stored(tenant, conversation_id, data),
-                ex=K.CONTAINER_TTL_S,
-            )
+            sealed = await sealing.unblocked(sealing.seal_stored, tenant, conversation_id, data)
+            pipe.set(K.container_file(file_id), sealed, ex=K.CONTAINER_TTL_S)
             pipe.hset(K.container(container), f"file:{file_id}", json.dumps(record))
         pipe.expire(K.container(container), K.CONTAINER_TTL_S)
         await pipe.execute()

@@ -86,7 +86,7 @@ class Ingestor(SerialConsumer):
             return "passed over (the file was removed from the store, or added again)"
         if state.get("status") != IN_PROGRESS:
             return f"already {state.get('status')}"
-        data = sealing.open_stored(await self.redis.get(K.file_data(event.file_id)))
+        data = await sealing.unblocked(sealing.open_stored, await self.redis.get(K.file_data(event.file_id)))
         if data is None:
             await self.record(event, status=FAILED, error_code="file_not_found", error="the file was deleted")
             return "failed: the file was deleted"

@@ -26,6 +26,7 @@ import logging
 import redis.asyncio as aioredis
 
 from common.config import settings
+from common.unblocked import unblocked
 from schemas import ToolResult, decode, encode
 from schemas.keys import EFFECT_TTL_S, tool_claim, tool_published, tool_result
 
@@ -59,7 +60,7 @@ class CallLedger:
 
     async def result(self, call_id: str) -> ToolResult | None:
         raw = await self.redis.get(tool_result(call_id))
-        return decode(raw, ToolResult) if raw else None
+        return await unblocked(decode, raw, ToolResult) if raw else None
 
     async def claim(self, call_id: str) -> bool:
         """True when this process now holds the call (no live processor holds it)."""
@@ -98,7 +99,8 @@ class CallLedger:
 
     async def complete(self, result: ToolResult) -> ToolResult:
         """Store `result` unless one is stored already; return the stored one (the one to publish)."""
-        if await self.redis.set(tool_result(result.call_id), encode(result), nx=True, ex=EFFECT_TTL_S):
+        sealed = await unblocked(encode, result)
+        if await self.redis.set(tool_result(result.call_id), sealed, nx=True, ex=EFFECT_TTL_S):
             return result
         return await self.result(result.call_id) or result
 

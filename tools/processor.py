@@ -21,6 +21,7 @@ from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from common import tracing
 from common.config import settings
+from common.unblocked import unblocked
 from producers import (
     commit_past,
     dead_letter,
@@ -124,7 +125,7 @@ class ToolProcessor:
     async def _partition(self, tp: TopicPartition, records: list[ConsumerRecord]) -> None:
         for record in records:
             try:
-                call = decode_record(record, TOOL_CALLS)
+                call = await unblocked(decode_record, record, TOOL_CALLS)
             except DecodeError as exc:
                 await dead_letter(self.producer, record, exc, group=GROUP)
                 call = None

@@ -15,6 +15,7 @@ from __future__ import annotations
 from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.structs import TopicPartition
 
+from common.unblocked import unblocked
 from producers import start_consumer
 from schemas import DecodeError, ToolResult, decode
 from topics.registry import TOOL_RESULTS
@@ -47,7 +48,7 @@ async def in_log(call_id: str, key: str, since_ms: int) -> bool:
                 if record.key != key.encode():
                     continue
                 try:
-                    if decode(record.value or b"", ToolResult).call_id == call_id:
+                    if (await unblocked(decode, record.value or b"", ToolResult)).call_id == call_id:
                         return True
                 except DecodeError:
                     continue

@@ -16,6 +16,7 @@ import time
 
 from aiokafka.structs import TopicPartition
 
+from common.unblocked import unblocked
 from producers import commit_past, dead_letter, decode_record, start_producer, stop_clients
 from schemas import DecodeError, Event
 from topics import TopicSpec
@@ -50,7 +51,7 @@ class SerialConsumer:
     async def _partition(self, tp: TopicPartition, records) -> None:
         for record in records:
             try:
-                event = decode_record(record, self.spec)
+                event = await unblocked(decode_record, record, self.spec)
             except DecodeError as exc:
                 await dead_letter(self.producer, record, exc, group=self.group)
                 event = None

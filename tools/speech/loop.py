@@ -48,7 +48,8 @@ class SpeechLoop(SerialConsumer):
     async def transcribe(self, job: SpeechJob) -> str:
         from tools.speech.recognize import transcribe
 
-        audio = sealing.open_stored(await self.redis.get(job.audio_key)) if job.audio_key else None
+        raw = await self.redis.get(job.audio_key) if job.audio_key else None
+        audio = await sealing.unblocked(sealing.open_stored, raw)
         acks, seq, started = [], 0, time.monotonic()
         if audio is None:
             acks.append(
