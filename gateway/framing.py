@@ -27,6 +27,9 @@ def content_filtered(verdict: SafetyVerdict, seq: int) -> Completion:
     )
 
 
+_HOLE = json.dumps("\x00")  # where a content-only chunk's text goes in its JSON
+
+
 class Framer:
     """Turns a request's token events into OpenAI chunk frames with resumable SSE ids."""
 
@@ -43,6 +46,7 @@ class Framer:
         self.max_chunk_seq = -1  # highest chunk seq met in log order, delivered or not
         self.completion: Completion | None = None  # the event that ended the answer, once seen
         self.sent: list[str] = []  # the text of each content frame sent
+        self._around: list[str] | None = None  # a content-only chunk's JSON before and after its text
 
     def _data(self, body: dict) -> str:
         return json.dumps(body, separators=(",", ":"))
@@ -111,16 +115,16 @@ class Framer:
         self.sent.append(text)
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
-        body = api.chunk(
-            self.cid,
-            self.created,
-            self.model,
-            content=text if text or not calls else None,
-            tool_calls=calls,
-            include_usage=self.include_usage,
-            logprobs=logprobs,
-        )
+        if not calls and not logprobs:  # the common frame: its JSON around the text made once
+            if self._around is None:
+                self._around = self._data(self._chunk(content="\x00")).split(_HOLE)
+            head, tail = self._around
+            return f"id: {self.rid}:{seq}\r\ndata: {head}{json.dumps(text)}{tail}\r\n\r\n".encode()
+        body = self._chunk(content=text if text or not calls else None, tool_calls=calls, logprobs=logprobs)
         return frame(self._data(body), id=event_id(self.rid, seq))
+
+    def _chunk(self, **delta) -> dict:
+        return api.chunk(self.cid, self.created, self.model, include_usage=self.include_usage, **delta)
 
     def _completion_frames(self, c: Completion) -> list[bytes]:
         self.completion = c

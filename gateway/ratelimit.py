@@ -22,6 +22,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from common.redis_batch import Batched
 from gateway import openai_api as api
 from schemas import Completion
 from schemas import keys as K
@@ -93,23 +94,33 @@ return 1
 # KEYS: done flag, key tok prefix, tenant tok prefix, usage hash
 # ARGV: window, tokens to give back (may be negative: used more than reserved), prompt, completion,
 #       cached, flag ttl, usage ttl
+# Settles many requests in one call (common/redis_batch.py): 4 keys and 7 arguments each, one result each.
 SETTLE = """
-if redis.call('SET', KEYS[1], '1', 'NX', 'EX', tonumber(ARGV[6])) == false then return 0 end
-local back = tonumber(ARGV[2])
-if back ~= 0 then
-  for i = 2, 3 do
-    if KEYS[i] ~= '' then
-      local k = KEYS[i] .. ':' .. ARGV[1]
-      if redis.call('EXISTS', k) == 1 then redis.call('DECRBY', k, back) end
+local out = {}
+for j = 0, #KEYS / 4 - 1 do
+  local k, a = 4 * j, 7 * j
+  if redis.call('SET', KEYS[k + 1], '1', 'NX', 'EX', tonumber(ARGV[a + 6])) == false then
+    out[j + 1] = 0
+  else
+    local back = tonumber(ARGV[a + 2])
+    if back ~= 0 then
+      for i = 2, 3 do
+        if KEYS[k + i] ~= '' then
+          local b = KEYS[k + i] .. ':' .. ARGV[a + 1]
+          if redis.call('EXISTS', b) == 1 then redis.call('DECRBY', b, back) end
+        end
+      end
     end
+    local usage = KEYS[k + 4]
+    redis.call('HINCRBY', usage, 'requests', 1)
+    redis.call('HINCRBY', usage, 'prompt', tonumber(ARGV[a + 3]))
+    redis.call('HINCRBY', usage, 'completion', tonumber(ARGV[a + 4]))
+    redis.call('HINCRBY', usage, 'cached', tonumber(ARGV[a + 5]))
+    redis.call('EXPIRE', usage, tonumber(ARGV[a + 7]))
+    out[j + 1] = 1
   end
 end
-redis.call('HINCRBY', KEYS[4], 'requests', 1)
-redis.call('HINCRBY', KEYS[4], 'prompt', tonumber(ARGV[3]))
-redis.call('HINCRBY', KEYS[4], 'completion', tonumber(ARGV[4]))
-redis.call('HINCRBY', KEYS[4], 'cached', tonumber(ARGV[5]))
-redis.call('EXPIRE', KEYS[4], tonumber(ARGV[7]))
-return 1
+return out
 """
 
 USAGE_TTL_S = 400 * 86400
@@ -167,7 +178,7 @@ class RateLimiter:
         self.redis = redis
         self.metrics = metrics
         self._take = redis.register_script(TAKE) if redis is not None else None
-        self._settle = redis.register_script(SETTLE) if redis is not None else None
+        self._settle = Batched(redis.register_script(SETTLE), 4, 7) if redis is not None else None
         self._renew = redis.register_script(RENEW) if redis is not None else None
 
     async def take(

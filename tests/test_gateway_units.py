@@ -192,3 +192,17 @@ def test_a_request_id_reveals_neither_its_partition_nor_its_admission_time():
         parse_request_id("0" * 32)
     with pytest.raises(ValueError):
         parse_request_id(ids[0][:-1] + ("0" if ids[0][-1] != "0" else "1"))
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_a_content_frame_is_the_same_bytes_as_the_general_chunk_frame(include_usage):
+    """The framer writes content-only chunks around a JSON made once; byte for byte what api.chunk
+    and the SSE frame give, whatever the text holds."""
+    from gateway import openai_api as api
+    from gateway.sse import frame
+
+    f = Framer("r", 'm"odel', 123, include_usage, NOTHING_SEEN)
+    f.start()
+    for seq, text in enumerate(['hé"llo\n', "", "\x00z", "😀", "\\u0000"]):
+        body = api.chunk(f.cid, 123, 'm"odel', content=text, include_usage=include_usage)
+        assert f.frames([chunk(seq, text)]) == [frame(json.dumps(body, separators=(",", ":")), id=f"r:{seq}")]
