@@ -21,6 +21,7 @@ from aiokafka.structs import TopicPartition
 
 from common import tracing
 from common.first_records import starts_stream
+from common.unblocked import unblocked
 from gpu_workers.logits import TokenTexts
 from gpu_workers.sequence import Output
 from producers import publish
@@ -150,14 +151,15 @@ class Publisher:
                     moderated=request.output.moderated,
                 )
                 headers = [(EVENT_TYPE, b"completion"), *(trace.headers() if trace else ())]
+                value = await unblocked(encode, done)  # a key not held: fetched in a thread, not on the loop
                 if request.shadow_of:  # never a client's: apart from ts.tokens, for `tokenstream shadow`
                     future = await w.producer.send(
-                        SHADOW_ANSWERS.name, encode(done), key=rid.encode(), headers=headers
+                        SHADOW_ANSWERS.name, value, key=rid.encode(), headers=headers
                     )
                 else:
                     future = await w.producer.send(
                         TOKENS.name,
-                        encode(done),
+                        value,
                         key=rid.encode(),
                         partition=request.reply_partition,
                         headers=headers,
