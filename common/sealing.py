@@ -36,7 +36,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Container, Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import redis
@@ -258,16 +258,14 @@ class Keyring:
             self._fetch_read(key_id)
 
 
-async def hold_keys(records: Iterable[Any], *readers: Container[str]) -> None:
-    """Hold the keys of the sealed events among `records` (Kafka records; with `readers`, only those
-    whose key is in one of them: the ones that will be decoded), each one not held fetched in one thread
-    hop: the batch then decodes on the loop without a round trip. An unreachable store raises
-    SealingUnavailable, as the decode would; nothing to do without a keyring installed (the codec's)."""
+async def hold_keys(records: Iterable[Any]) -> None:
+    """Hold the keys of the sealed events among `records` (Kafka records), each one not held fetched in
+    one thread hop: the batch then decodes on the loop without a round trip (a scan that decodes every
+    record). An unreachable store raises SealingUnavailable, as the decode would; nothing to do without a
+    keyring installed (the codec's)."""
     keys = installed_sealer()
     if not isinstance(keys, Keyring):
         return
-    if readers:
-        records = [r for r in records if r.key and any(r.key.decode() in of for of in readers)]
     wanted = keys.not_held(r.value for r in records)
     if wanted:
         await asyncio.to_thread(keys.fetch, wanted)
