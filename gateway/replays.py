@@ -9,10 +9,12 @@ the request ids it follows and where its records start:
 - today's fallback: the first offset at or after the request's admission less CLOCK_MARGIN_MS
   (offsets_for_times), or, when nothing was written since, the partition's end as it is then.
 
-The reader takes registrations in between reads: when one starts before the reader's position, the
-reader seeks back to the lowest such start (once for all registrations taken in together); every resume
-gets only its keys' records at offsets from its own start on, each record once (a record read again after
-a seek back is not given twice). With no resume left for LINGER_S the consumer stops.
+The reader takes registrations in between reads. It keeps the last RECENT records it read: a
+registration that starts behind the reader's position but among them is served from them; one that
+starts before them makes the reader seek back to the lowest such start (once for all registrations
+taken in together). Every resume gets only its keys' records at offsets from its own start on, each
+record once (a record read again after a seek back is not given twice). With no resume left for
+LINGER_S the consumer stops.
 
 A record's sealed content is opened with the keys held, a key not held fetched off the loop
 (common/unblocked.py). `stats` counts what the readers did (records read, seeks, consumers started);
@@ -24,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -43,6 +46,8 @@ log = logging.getLogger(__name__)
 CLOCK_MARGIN_MS = 5_000  # the fallback starts this much before admission (clock differences between hosts)
 LINGER_S = 5.0  # a reader with no resume left stops after this long
 MAX_RECORDS = 2000
+POLL_MS = 100  # an empty fetch waits this long: how soon a resume is taken in on a quiet partition
+RECENT = 4096  # records kept per reader for resumes that start behind it (a few hundred bytes each)
 
 
 @dataclass
@@ -75,6 +80,10 @@ class PartitionReader:
         self.resumers: set[Resumer] = set()
         self.by_key: dict[bytes, list[Resumer]] = {}
         self.joining: list[Resumer] = []
+        # the records read lately, every one from `covered_from` to the position: a resume starting
+        # among them is served from here without a seek back
+        self.recent: deque = deque()
+        self.covered_from = 0
         self.wake = asyncio.Event()
         self.task = asyncio.create_task(self._run())
 
@@ -118,29 +127,15 @@ class PartitionReader:
                             self._detach()  # no await since the check: a later resume starts a new reader
                             return
                     continue
-                batch = (await consumer.getmany(self.tp, timeout_ms=200, max_records=MAX_RECORDS)).get(
+                batch = (await consumer.getmany(self.tp, timeout_ms=POLL_MS, max_records=MAX_RECORDS)).get(
                     self.tp, ()
                 )
-                out: dict[Resumer, list[Event]] = {}
-                for record in batch:
-                    stats.records_read += 1
-                    wanting = [r for r in self.by_key.get(record.key, ()) if record.offset >= r.next]
-                    if not wanting:
-                        continue
-                    for r in wanting:
-                        r.next = record.offset + 1
-                    try:
-                        event = await _decode(record.value or b"")
-                    except DecodeError:
-                        continue
-                    for r in wanting:
-                        out.setdefault(r, []).append(event)
-                if batch:
-                    position = batch[-1].offset + 1
-                for r, events in out.items():
-                    r.queue.put_nowait(events)
-                if position is None:
-                    position = await consumer.position(self.tp)
+                stats.records_read += len(batch)
+                self.recent.extend(batch)
+                while len(self.recent) > RECENT:
+                    self.covered_from = self.recent.popleft().offset + 1
+                await self._deliver(batch)
+                position = await consumer.position(self.tp)
                 for r in [r for r in self.resumers if r.until is not None and position >= r.until]:
                     r.queue.put_nowait(None)
                     self.leave(r)
@@ -161,6 +156,24 @@ class PartitionReader:
                 r.queue.put_nowait(None)
             if consumer is not None:
                 await consumer.stop()
+
+    async def _deliver(self, records) -> None:
+        """Each resumer's records among `records` (its keys, from its next offset on), in order."""
+        out: dict[Resumer, list[Event]] = {}
+        for record in records:
+            wanting = [r for r in self.by_key.get(record.key, ()) if record.offset >= r.next]
+            if not wanting:
+                continue
+            for r in wanting:
+                r.next = record.offset + 1
+            try:
+                event = await _decode(record.value or b"")
+            except DecodeError:
+                continue
+            for r in wanting:
+                out.setdefault(r, []).append(event)
+        for r, events in out.items():
+            r.queue.put_nowait(events)
 
     def _detach(self) -> None:
         if self.hub.readers.get(self.tp.partition) is self:
@@ -196,10 +209,21 @@ class PartitionReader:
             for k in r.keys:
                 self.by_key.setdefault(k, []).append(r)
         lowest = min(r.start for r in joining)
-        if position is None or lowest < position:
+        seek = position is None or lowest < self.covered_from
+        log.info(
+            "replay reader of %s: %d resumes taken in, %d from their first record; %s",
+            self.tp,
+            len(joining),
+            sum(1 for r in joining if r.request_id in known),
+            f"seek to {lowest}" if seek else f"reading on at {position}",
+        )
+        if seek:
             consumer.seek(self.tp, lowest)
             stats.seeks.append((self.tp.partition, lowest))
+            self.recent.clear()
+            self.covered_from = lowest
             return lowest
+        await self._deliver(list(self.recent))  # those behind the position: from the records kept
         return position
 
 

@@ -7,7 +7,9 @@ would read all of them, a read from the first records reads none.
 
 - A gateway that restarts with many live streams: every stream resumes at once (gateway.resume.replay,
   on a fresh process's readers), gets every token once and in order through one consumer per partition,
-  and no reader ever seeks before the lowest first record of the streams it serves.
+  and no reader ever seeks before the lowest first record of the streams it serves; a resume arriving
+  later, behind the reader, is served from the records it keeps, without a seek or a read.
+  (tests/test_resume_restart.py, `heavy`: the same through two real gateway processes over HTTP.)
 - A request whose note is missing (its writer died before the ack) falls back to the admission time.
 - A worker's takeover read (gpu_workers.recovery.TokenLog) starts at the first records too, and notes
   the first record it found of a request that had none.
@@ -122,6 +124,12 @@ async def test_a_restart_with_1000_live_streams_resumes_each_from_its_first_reco
     ends = await _ends(bootstrap, PARTITIONS)
     written = sum(ends[p] - before_first[p] for p in PARTITIONS)
     assert stats.records_read <= len(stats.seeks) * written, stats.records_read
+    # a resume arriving later, behind the reader's position: served from the records it keeps
+    seeks, read = list(stats.seeks), stats.records_read
+    again = [e for batch in [b async for b in replay(bootstrap, rids[0], idle_timeout_s=60)] for e in batch]
+    assert [e.seq for e in again] == want
+    assert stats.seeks == seeks and stats.consumers_started == len(PARTITIONS), stats.seeks
+    assert stats.records_read == read  # nothing read again (nothing new was written meanwhile)
     scan = sum(FILLER + ends[p] - before_first[p] for p in PARTITIONS) // len(PARTITIONS) * STREAMS
     print(
         f"{STREAMS} resumes: {stats.records_read} records read by {stats.consumers_started} consumers in"
