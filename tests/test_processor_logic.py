@@ -4,6 +4,7 @@ acknowledgements held windows hold back, and the records an agent passes over un
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections import Counter
 from types import SimpleNamespace
@@ -18,8 +19,11 @@ from processors.conversation.window import PromptTooLong, prompt_counter, trim
 from processors.faust_app import typed
 from processors.router.config import Route
 from processors.router.policy import decide, weighted_pick
+from processors.safety.batch import batches
 from processors.safety.held import HeldWindows
+from processors.safety.watch import OutputWatch
 from processors.safety.windows import WindowSettings, due, fold, judged
+from safety_model.classifier import Judgement
 from schemas import (
     ChatMessage,
     Completion,
@@ -265,3 +269,97 @@ async def test_typed_passes_over_records_of_unwanted_types_unopened():
     assert got == [completion]
     assert letters and decode(letters[0], DeadLetter).payload == b"not an event either"
     assert [r.acked for r in records] == [True, False, True, True]  # the agent acknowledges what it is given
+
+
+class Output:
+    """The output check's effects as a unit sees them: a classifier that counts its calls, the verdicts
+    sent, the answers ended."""
+
+    def __init__(self, cfg: WindowSettings) -> None:
+        self.table: dict = {}
+        self.calls: list[list[str]] = []
+        self.sent: list[tuple[str, int, str, bool]] = []  # (answer, last chunk, window text, blocked)
+        self.ended: list[str] = []
+        windows = HeldWindows(self.table, cfg, lambda: 1)
+        self.watch = OutputWatch(windows, cfg, self.judge, self.screen, self.end)
+
+    async def judge(self, texts: list[str]) -> list[Judgement]:
+        self.calls.append(texts)
+        flagged = [["violence"] if "bad" in t else [] for t in texts]
+        return [Judgement(bool(f), f, {"violence": float(bool(f))}, "p1") for f in flagged]
+
+    async def screen(self, event, window: OutputWindow, raw, result: Judgement) -> None:
+        self.sent.append((event.request_id, window.last_seq, window.text, result.blocked))
+
+    async def end(self, done: Completion, window: OutputWindow, raw) -> None:
+        self.ended.append(done.request_id)
+
+
+def answers(*chunks: tuple[str, int, str]) -> list[tuple[TokenChunk | Completion, Record]]:
+    """(answer, seq, text) in order; text None: the answer's Completion."""
+    return [
+        (
+            Completion(request_id=r, seq=seq, finish_reason="stop")
+            if text is None
+            else TokenChunk(request_id=r, seq=seq, text=text, token_ids=[1]),
+            Record(b"", offset=i),
+        )
+        for i, (r, seq, text) in enumerate(chunks)
+    ]
+
+
+async def test_windows_due_in_one_batch_are_judged_in_one_call_each_on_its_own_text_in_order():
+    cfg = WindowSettings(every_tokens=4, overlap_chars=3, checkpoint_chunks=100)
+    chunks = [("a", s, f"{s}a ") for s in range(4)] + [("b", s, f"{s}b ") for s in range(4)]
+    chunks += [("a", 2, "2a "), ("a", 4, "4a "), ("b", 4, None)] + [("a", s, f"{s}a ") for s in range(5, 9)]
+    chunks += [("a", 9, None)]  # "a" due at chunks 3 and 7, and at its end; "b" at chunk 3
+    batched, serial = Output(cfg), Output(cfg)
+    records = answers(*chunks)
+    await batched.watch.batch(records)
+    for event, _ in answers(*chunks):
+        await serial.watch.batch([(event, Record(b""))])
+    assert batched.sent == [
+        ("a", 3, "0a 1a 2a 3a ", False),
+        ("b", 3, "0b 1b 2b 3b ", False),
+        ("a", 7, "3a 4a 5a 6a 7a ", False),  # the overlap kept from the window before, then its own text
+        ("a", 8, "7a 8a ", False),
+    ]
+    assert batched.calls == [[text for _, _, text, _ in batched.sent]] and batched.watch.calls == 1
+    assert serial.sent == batched.sent and len(serial.calls) == 4  # the same verdicts as one at a time
+    assert batched.ended == serial.ended == ["b", "a"] and batched.table == serial.table == {}
+    assert all(raw.acked for _, raw in records)
+
+
+async def test_a_window_after_a_block_in_the_same_batch_gets_no_verdict():
+    cfg = WindowSettings(every_tokens=2, overlap_chars=0, checkpoint_chunks=100)
+    out = Output(cfg)
+    records = answers(("c", 0, "bad "), ("c", 1, "x "), ("c", 2, "y "), ("c", 3, "z "), ("d", 0, "ok "))
+    await out.watch.batch(records)
+    assert out.calls == [["bad x ", "y z "]]  # judged ahead as if allowed
+    assert out.sent == [("c", 1, "bad x ", True)]  # as one at a time: a blocked answer is judged no more
+    held = out.watch.windows.held["c"]
+    assert held.window.blocked and held.window.text == "y z " and held.checkpointed_seq == 1
+    assert [raw.acked for _, raw in records] == [True, True, False, False, False]  # the rule (held.py)
+
+
+async def test_batches_hand_over_what_was_read_meanwhile_then_an_error():
+    feed: asyncio.Queue = asyncio.Queue()
+
+    async def items():
+        while (item := await feed.get()) != "boom":
+            yield item
+        raise RuntimeError("boom")
+
+    async with contextlib.aclosing(batches(items(), 3)) as read:
+        each = aiter(read)
+        feed.put_nowait(1)
+        assert await anext(each) == [1]  # the first waited for
+        for item in (2, 3, 4, 5):
+            feed.put_nowait(item)
+        while not feed.empty():  # the reader runs ahead while the batch is handled
+            await asyncio.sleep(0)
+        assert await anext(each) == [2, 3, 4]  # at most 3
+        assert await anext(each) == [5]
+        feed.put_nowait("boom")
+        with pytest.raises(RuntimeError, match="boom"):
+            await anext(each)

@@ -15,14 +15,17 @@ Every verdict, allowed or not, is written to ts.safety.verdicts with the policy 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 
 from common import tracing
 from processors.effects import Ledger
 from processors.faust_app import make_app, send, table, topic, traced, typed
-from processors.safety.held import Held, HeldWindows
-from processors.safety.windows import WindowSettings, due, fold, judged
+from processors.safety.batch import batches
+from processors.safety.held import HeldWindows
+from processors.safety.watch import OutputWatch
+from processors.safety.windows import WindowSettings
 from safety_model.classifier import Judgement, SafetyClassifier
 from schemas import REFUSAL, Cancel, Completion, InferenceRequest, OutputWindow, SafetyVerdict, TokenChunk
 from topics import CONTROL, DEAD_LETTER, PREPARED, SAFETY_WINDOWS, SCREENED, TOKENS, VERDICTS
@@ -52,8 +55,13 @@ def warm_up() -> None:
     classifier().judge(["warm-up"])
 
 
+async def judge_all(texts: list[str]) -> list[Judgement]:
+    """One classifier call for all of `texts`, in a thread."""
+    return await asyncio.to_thread(classifier().judge, texts)
+
+
 async def judge(text: str) -> Judgement:
-    return (await asyncio.to_thread(classifier().judge, [text]))[0]
+    return (await judge_all([text]))[0]
 
 
 def verdict(of, judgement: Judgement, stage: str, window_end_seq: int = -1) -> SafetyVerdict:
@@ -149,38 +157,22 @@ async def refuse(request: InferenceRequest, result: Judgement, trace) -> None:
 
 @app.agent(tokens_in)
 async def watch_outputs(stream):
-    """Fold each chunk into its answer's window held in memory and judge the window when due; records
-    are acknowledged only as checkpoints cover them (the rule: processors/safety/held.py)."""
-    specs = {TOKENS.name: TOKENS}
-    async for event, raw in typed(stream.noack(), specs, dead_letters, wants=(TokenChunk, Completion)):
-        key = event.request_id
-        held = windows.take(event)
-        final = isinstance(event, Completion)
-        if not final:
-            folded = fold(held.window, event, windows_cfg)
-            if folded is None:  # a replayed chunk
-                windows.hold(key, held, raw, event.seq)
-                continue
-            held.window = folded
-        judged_now = due(held.window, windows_cfg, final=final)
-        if judged_now:
-            held.busy = True
-            try:
-                await screen_output(event, held, raw)
-            finally:
-                held.busy = False
-        if final:
-            if event.moderated:
-                await ledger.once(
-                    "moderation",
-                    key,
-                    functools.partial(moderation, event, held.window, raw.message.partition),
-                )
-            windows.end(key, held, raw)
-        elif judged_now:
-            windows.checkpoint(key, held, raw)
-        else:
-            windows.hold(key, held, raw, event.seq)
+    """Read ts.tokens in batches (what came while the last was handled, at most `batch_records`); judge
+    the windows that come due in a batch in one classifier call, then handle each record in order as if
+    alone: fold each chunk into its answer's window held in memory, send each due window's verdict (two
+    due points of one answer: two windows, two verdicts, in order) and checkpoint, hold or end the window.
+    Records are acknowledged only as checkpoints cover them (the rule: processors/safety/held.py; the
+    batches: processors/safety/batch.py)."""
+    records = typed(stream.noack(), {TOKENS.name: TOKENS}, dead_letters, wants=(TokenChunk, Completion))
+    async with contextlib.aclosing(batches(records, windows_cfg.batch_records)) as read:
+        async for batch in read:
+            await watch.batch(batch)
+
+
+def current(raw) -> bool:
+    """Whether a record read ahead may be handled now: faust's own test when it hands one over (no
+    rebalance on, and read in this consumer generation)."""
+    return app.flow_control.is_active() and raw.message.generation_id == app.consumer_generation_id
 
 
 @app.timer(interval=min(1.0, windows_cfg.checkpoint_s / 2))
@@ -191,16 +183,13 @@ async def checkpoint_overdue_windows() -> None:
         windows.overdue()
 
 
-async def screen_output(event: TokenChunk | Completion, held: Held, raw) -> None:
-    """Judge `held`'s window: its verdict to ts.safety.verdicts, a block in band and as a Cancel; then it
-    keeps only the overlap (windows.judged)."""
-    window = held.window
+async def screen_output(event: TokenChunk | Completion, window: OutputWindow, raw, result: Judgement) -> None:
+    """Send `window`'s verdict to ts.safety.verdicts; a block also in band and as a Cancel."""
     with traced(
         raw,
         "screen_output",
         {"tokenstream.request_id": event.request_id, "tokenstream.safety.window_end_seq": window.last_seq},
     ) as span:
-        result = await judge(window.text)
         span.set(verdict_attributes(result))
         trace = span.trace
         await send(
@@ -216,7 +205,16 @@ async def screen_output(event: TokenChunk | Completion, held: Held, raw) -> None
                 event.request_id,
                 functools.partial(block_output, event, result, window, raw.message.partition, trace),
             )
-    held.window = judged(window, windows_cfg, result.blocked, result.scores)
+
+
+async def finish(done: Completion, window: OutputWindow, raw) -> None:
+    """An answer ended: a moderated one's verdict over all of it."""
+    if done.moderated:
+        partial = functools.partial(moderation, done, window, raw.message.partition)
+        await ledger.once("moderation", done.request_id, partial)
+
+
+watch = OutputWatch(windows, windows_cfg, judge_all, screen_output, finish, current)
 
 
 async def moderation(done: Completion, window: OutputWindow, partition: int) -> None:

@@ -76,6 +76,13 @@ class HeldWindows:
             self.held.pop(oldest, None)
         return held
 
+    def peek(self, key: str) -> OutputWindow | None:
+        """`key`'s window as `take` would find it now, without taking it (None: there is none yet)."""
+        held = self.held.get(key)
+        if held is not None and held.generation == self.generation():
+            return held.window
+        return get(self.table, key, OutputWindow)
+
     def hold(self, key: str, held: Held, raw: EventT, seq: int) -> None:
         """Chunk `seq` (`raw`) is folded into `held`: acknowledge it once a checkpoint covers it."""
         if seq <= held.checkpointed_seq:

@@ -29,6 +29,12 @@ class WindowSettings(BaseSettings):
     checkpoint_chunks: int = Field(
         256, ge=1, description="checkpoint a window holding this many chunks unacknowledged (safety/held.py)"
     )
+    batch_records: int = Field(
+        128,
+        ge=1,
+        description="records of ts.tokens handled as one batch, the windows due among them judged in one "
+        "classifier call (safety/batch.py; 1: one record at a time)",
+    )
     checkpoint_s: float = Field(
         2.0, gt=0, description="checkpoint a window whose oldest unacknowledged chunk is this old"
     )
