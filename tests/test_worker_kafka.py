@@ -67,6 +67,34 @@ def request(model: str, text: str, max_tokens: int, **sampling) -> InferenceRequ
     )
 
 
+async def _first_records(rids: list[str], timeout_s: float = 10.0) -> dict[str, int]:
+    """The first-record offsets the worker noted in Redis for `rids`, once all are there."""
+    from common.config import settings
+    from common.first_records import client, first_offsets
+
+    redis = client(settings().redis_url)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while len(found := await first_offsets(redis, {r: REPLY for r in rids})) < len(rids):
+            assert time.monotonic() < deadline, found
+            await asyncio.sleep(0.05)
+        return found
+    finally:
+        await redis.aclose()
+
+
+async def _record_at(bootstrap: str, partition: int, offset: int) -> ConsumerRecord:
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, **kafka_auth.client_options())
+    await consumer.start()
+    try:
+        tp = TopicPartition(TOKENS.name, partition)
+        consumer.assign([tp])
+        consumer.seek(tp, offset)
+        return (await consumer.getmany(tp, timeout_ms=5000, max_records=1))[tp][0]
+    finally:
+        await consumer.stop()
+
+
 class TokenReader:
     """Reads the reply partition of the tokens topic from where it ended when created."""
 
@@ -166,6 +194,11 @@ async def test_worker_streams_commits_and_exports_metrics(bootstrap, unique, tin
             text = "".join(c.text for c in reader.chunks(r.request_id))
             assert text == tiny_loaded.tokenizer.decode(ids, skip_special_tokens=True)
             assert done.worker_id == "w1" and done.timings.decode_s >= 0 and done.timings.prefill_s > 0
+        # each request's first record is noted where it lies, on its ack (common/first_records.py)
+        noted = await _first_records([r.request_id for r in reqs])
+        for rid, at in noted.items():
+            first = await _record_at(bootstrap, REPLY, at)
+            assert first.key == rid.encode() and decode_record(first, TOKENS).seq == 0, rid
         # the suite's workers coalesce (tests/conftest.py): a chunk per 3 tokens, the first text at once
         assert (cfg.stream_interval, cfg.stream_interval_ms) == (3, 0)
         sizes = [len(c.token_ids) for r in reqs for c in reader.chunks(r.request_id)]
