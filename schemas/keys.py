@@ -10,7 +10,9 @@ store refuses writes rather than drop an API key, a file or a ledger entry) exce
                                              model, created, include_usage); GATEWAY_META_TTL_S
     ts:tokens:first:<request_id>             "<partition>:<offset>" of the request's first record on the
                                              tokens topic, set once (NX) by the worker that wrote it, on
-                                             its ack; resumes and takeovers seek there; GATEWAY_META_TTL_S
+                                             its ack (or by a takeover read that found it); resumes and
+                                             takeovers seek there (common/first_records.py);
+                                             GATEWAY_META_TTL_S
     ts:gateway:attach:<request_id>           attachment generation of the connection serving the
                                              request (cancel after a disconnect); GATEWAY_ATTACH_TTL_S
     ts:done:<role>:<effect>:<request_id>     an effect a processor has emitted for the request
