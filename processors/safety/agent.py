@@ -4,7 +4,8 @@
              a request screened in parallel (the router forwarded it already) gets its verdict in band
              on its tokens partition instead, and a Cancel to ts.control when blocked
     outputs: ts.tokens windows    -> verdicts; a block also goes in band to the answer's tokens
-             partition (the gateway cuts the stream) and a Cancel to ts.control (the worker stops)
+             partition (the gateway cuts the stream) and a Cancel to ts.control (the worker stops);
+             read in batches, the windows due in a batch judged in one classifier call (safety/batch.py)
     moderation requests (POST /v1/moderations): judged, the verdict in band, never forwarded
     moderated requests (a response's `moderation`): the input verdict in band too, and after the
              Completion a verdict over the whole answer (each category's highest score), which the
