@@ -275,13 +275,13 @@ class Output:
     """The output check's effects as a unit sees them: a classifier that counts its calls, the verdicts
     sent, the answers ended."""
 
-    def __init__(self, cfg: WindowSettings) -> None:
+    def __init__(self, cfg: WindowSettings, current=lambda raw: True) -> None:
         self.table: dict = {}
         self.calls: list[list[str]] = []
         self.sent: list[tuple[str, int, str, bool]] = []  # (answer, last chunk, window text, blocked)
         self.ended: list[str] = []
         windows = HeldWindows(self.table, cfg, lambda: 1)
-        self.watch = OutputWatch(windows, cfg, self.judge, self.screen, self.end)
+        self.watch = OutputWatch(windows, cfg, self.judge, self.screen, self.end, current)
 
     async def judge(self, texts: list[str]) -> list[Judgement]:
         self.calls.append(texts)
@@ -332,14 +332,15 @@ async def test_windows_due_in_one_batch_are_judged_in_one_call_each_on_its_own_t
 
 async def test_a_window_after_a_block_in_the_same_batch_gets_no_verdict():
     cfg = WindowSettings(every_tokens=2, overlap_chars=0, checkpoint_chunks=100)
-    out = Output(cfg)
+    out = Output(cfg, current=lambda raw: raw.message.offset != 4)  # the 5th: of an earlier generation
     records = answers(("c", 0, "bad "), ("c", 1, "x "), ("c", 2, "y "), ("c", 3, "z "), ("d", 0, "ok "))
     await out.watch.batch(records)
     assert out.calls == [["bad x ", "y z "]]  # judged ahead as if allowed
     assert out.sent == [("c", 1, "bad x ", True)]  # as one at a time: a blocked answer is judged no more
     held = out.watch.windows.held["c"]
     assert held.window.blocked and held.window.text == "y z " and held.checkpointed_seq == 1
-    assert [raw.acked for _, raw in records] == [True, True, False, False, False]  # the rule (held.py)
+    assert [raw.acked for _, raw in records] == [True, True, False, False, True]  # the rule (held.py)
+    assert "d" not in out.watch.windows.held  # the stale record: acknowledged unhandled (delivery refuses it)
 
 
 async def test_batches_hand_over_what_was_read_meanwhile_then_an_error():
