@@ -10,14 +10,17 @@ writer's offset stays) and a TTL of GATEWAY_META_TTL_S. Writes never block the w
 acknowledgements resolved together (a produce batch, so an engine step) go to Redis in one pipeline, in a
 task of their own; a failure is logged and the readers fall back to the scan.
 
-A writer notes only a record it knows to be the request's first on the topic: its chunk 0 (or a
-Completion at seq 0), of a request no other role writes in-band records for before it (not under
-parallel screening, where the input verdict may come first, nor with moderated output, whose input
-verdict is in band too). Where the key is absent (Redis down, or the writer died before its ack) the
+The worker notes its chunk 0 (or a Completion at seq 0): the request's first record of its own. Where
+the safety processor writes the request's input verdict in band (parallel screening, moderated output:
+`verdict_in_band`), that verdict may come first: the worker's note then ends in ":v", and the verdict's
+writer notes the verdict under `schemas.keys.first_verdict(request_id)` (`note_verdict`). A reader that
+needs the verdict (a gateway resume) starts at the lower of the two, and scans as before while the
+verdict's note is missing; one that reads chunks and Completions only (a takeover) starts at the
+worker's. Where a note is absent (Redis down, the writer died before its ack, nothing written yet) the
 reader scans as before.
 
-A reader that had to scan from before a request's admission (a takeover) knows its first record: it
-sets the key (NX) with `record_found`, so later readers seek there.
+A reader that had to scan from before a request's admission (a takeover) knows where the request's
+first record lies: it sets the key (NX) with `record_found`, so later readers seek there.
 
 Reader: `first_offsets` answers with the offsets found, one MGET for a batch; {} when Redis cannot say.
 """
@@ -47,22 +50,29 @@ class FirstRecords:
     def __init__(self, url: str | None, ttl_s: int = K.GATEWAY_META_TTL_S) -> None:
         self.redis = client(url) if url else None
         self.ttl_s = ttl_s
-        self._pending: dict[str, tuple[int, int]] = {}
+        self._pending: dict[str, str] = {}  # Redis key -> value
         self._flushing: asyncio.Task | None = None
         self._failing = False
         self.written = 0  # keys written (tests and logs)
 
-    def note(self, request_id: str, ack: asyncio.Future) -> None:
+    def note(self, request_id: str, ack: asyncio.Future, *, verdict_first: bool = False) -> None:
         """Record where `request_id`'s first record lies once `ack` (the send's future of its
-        RecordMetadata) resolves; nothing when it fails (the record was not written)."""
+        RecordMetadata) resolves; nothing when it fails (the record was not written). `verdict_first`:
+        the request's input verdict is written in band by another role and may lie before it."""
         if self.redis is not None:
-            ack.add_done_callback(partial(self._acked, request_id))
+            key = K.first_record(request_id)
+            ack.add_done_callback(partial(self._acked, key, ":v" if verdict_first else ""))
 
-    def _acked(self, request_id: str, ack: asyncio.Future) -> None:
+    def note_verdict(self, request_id: str, ack: asyncio.Future) -> None:
+        """The same for the request's input verdict written in band (the safety processor's hook)."""
+        if self.redis is not None:
+            ack.add_done_callback(partial(self._acked, K.first_verdict(request_id), ""))
+
+    def _acked(self, key: str, suffix: str, ack: asyncio.Future) -> None:
         if ack.cancelled() or ack.exception() is not None:
             return
         meta = ack.result()
-        self._pending.setdefault(request_id, (meta.partition, meta.offset))
+        self._pending.setdefault(key, f"{meta.partition}:{meta.offset}{suffix}")
         if self._flushing is None or self._flushing.done():
             self._flushing = asyncio.get_running_loop().create_task(self._flush())
 
@@ -71,8 +81,8 @@ class FirstRecords:
             batch, self._pending = self._pending, {}
             try:
                 async with self.redis.pipeline(transaction=False) as pipe:
-                    for rid, (partition, offset) in batch.items():
-                        pipe.set(K.first_record(rid), f"{partition}:{offset}", ex=self.ttl_s, nx=True)
+                    for key, value in batch.items():
+                        pipe.set(key, value, ex=self.ttl_s, nx=True)
                     await pipe.execute()
                 self.written += len(batch)
                 if self._failing:
@@ -91,34 +101,55 @@ class FirstRecords:
             await self.redis.aclose()
 
 
-def starts_stream(seq: int | None, screening: str, moderated: bool) -> bool:
-    """Whether a worker's record at chunk/completion `seq` is its request's first on the tokens topic
-    (module docstring): seq 0 of a request no other role writes before."""
-    return seq == 0 and screening != "parallel" and not moderated
+def starts_stream(seq: int | None) -> bool:
+    """Whether a worker's record at chunk/completion `seq` is its request's first of its own."""
+    return seq == 0
 
 
-async def first_offsets(redis, partitions: dict[str, int]) -> dict[str, int]:
-    """The first record's offset of each request id of `partitions` (request id -> its reply partition)
-    whose key is set, for that partition; {} when Redis cannot answer."""
+def verdict_in_band(screening: str, moderated: bool) -> bool:
+    """Whether the safety processor writes the request's input verdict in band, maybe before the
+    worker's first record (processors/safety/agent.py)."""
+    return screening == "parallel" or moderated
+
+
+def _offset(value, partition: int) -> tuple[int, bool] | None:
+    """(offset, verdict may precede) of a note on `partition`; None for another partition or garbage."""
+    if value is None:
+        return None
+    try:
+        parts = (value.decode() if isinstance(value, bytes) else value).split(":")
+        if int(parts[0]) != partition:
+            return None
+        return int(parts[1]), parts[2:] == ["v"]
+    except (ValueError, IndexError):
+        return None
+
+
+async def first_offsets(redis, partitions: dict[str, int], *, verdicts: bool = True) -> dict[str, int]:
+    """Where to start reading each request id of `partitions` (request id -> its reply partition), for
+    those whose notes say so; {} when Redis cannot answer. `verdicts`: the reader needs the request's
+    in-band input verdict too (a resume); False: chunks and Completions only (a takeover)."""
     if redis is None or not partitions:
         return {}
     rids = list(partitions)
+    keys = [K.first_record(r) for r in rids] + ([K.first_verdict(r) for r in rids] if verdicts else [])
     try:
-        values = await redis.mget([K.first_record(r) for r in rids])
+        values = await redis.mget(keys)
     except Exception as exc:  # noqa: BLE001 - the caller scans instead
         log.warning("first-record offsets unavailable (%s): scanning instead", exc)
         return {}
     found: dict[str, int] = {}
-    for rid, value in zip(rids, values, strict=True):
-        if value is None:
+    for i, rid in enumerate(rids):
+        own = _offset(values[i], partitions[rid])
+        if own is None:
             continue
-        try:
-            text = value.decode() if isinstance(value, bytes) else value
-            partition, offset = (int(x) for x in text.split(":"))
-        except ValueError:
-            continue
-        if partition == partitions[rid]:
-            found[rid] = offset
+        offset, verdict_first = own
+        if verdicts and verdict_first:
+            verdict = _offset(values[len(rids) + i], partitions[rid])
+            if verdict is None:
+                continue  # the verdict may lie before, unnoted: scan
+            offset = min(offset, verdict[0])
+        found[rid] = offset
     return found
 
 

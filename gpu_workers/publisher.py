@@ -20,7 +20,7 @@ from aiokafka.errors import KafkaError
 from aiokafka.structs import TopicPartition
 
 from common import tracing
-from common.first_records import starts_stream
+from common.first_records import starts_stream, verdict_in_band
 from common.unblocked import unblocked
 from gpu_workers.logits import TokenTexts
 from gpu_workers.sequence import Output
@@ -185,11 +185,12 @@ class Publisher:
                 task.add_done_callback(w.pending_completions.discard)
 
     def note_first(self, request, seq: int | None, ack) -> None:
-        """The request's first record on the tokens topic (its chunk 0, or a Completion at seq 0): where it
+        """The request's first record of this worker's (its chunk 0, or a Completion at seq 0): where it
         lies goes to the durable Redis on its ack, for resumes and takeovers (common/first_records.py)."""
         first = getattr(getattr(self.worker, "tokens", None), "first", None)
-        if first is not None and starts_stream(seq, request.screening, request.output.moderated):
-            first.note(request.request_id, ack)
+        if first is not None and starts_stream(seq):
+            verdict_first = verdict_in_band(request.screening, request.output.moderated)
+            first.note(request.request_id, ack, verdict_first=verdict_first)
 
     def end_span(self, rid: str, attributes: dict | None = None) -> None:
         span = self.worker.spans.pop(rid, None)

@@ -86,7 +86,8 @@ class TokenLog:
     async def _scan(self, wanted: list[tuple[str, int, float]]) -> dict[str, Emitted]:
         consumer = self._consumer
         assert consumer is not None
-        known = await first_offsets(self.first.redis, {rid: partition for rid, partition, _ in wanted})
+        partitions = {rid: partition for rid, partition, _ in wanted}
+        known = await first_offsets(self.first.redis, partitions, verdicts=False)  # chunks only here
         since: dict[TopicPartition, float] = {}  # the earliest admission among requests without a key
         exact: dict[TopicPartition, int] = {}  # the lowest first-record offset among those with one
         parts = set()

@@ -12,7 +12,10 @@ store refuses writes rather than drop an API key, a file or a ledger entry) exce
                                              tokens topic, set once (NX) by the worker that wrote it, on
                                              its ack (or by a takeover read that found it); resumes and
                                              takeovers seek there (common/first_records.py);
-                                             GATEWAY_META_TTL_S
+                                             GATEWAY_META_TTL_S. Ends in ":v" where the input verdict
+                                             is written in band and may come first:
+    ts:tokens:verdict:<request_id>           "<partition>:<offset>" of that verdict, set (NX) by its
+                                             writer on its ack; GATEWAY_META_TTL_S
     ts:gateway:attach:<request_id>           attachment generation of the connection serving the
                                              request (cancel after a disconnect); GATEWAY_ATTACH_TTL_S
     ts:done:<role>:<effect>:<request_id>     an effect a processor has emitted for the request
@@ -88,6 +91,11 @@ def first_record(request_id: str) -> str:
     """Where the request's first record on the tokens topic lies: "<partition>:<offset>"
     (common/first_records.py)."""
     return f"ts:tokens:first:{request_id}"
+
+
+def first_verdict(request_id: str) -> str:
+    """Where the request's in-band input verdict lies on the tokens topic: "<partition>:<offset>"."""
+    return f"ts:tokens:verdict:{request_id}"
 
 
 def gateway_attachment(request_id: str) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from common.first_records import FirstRecords, first_offsets, starts_stream
+from common.first_records import FirstRecords, first_offsets, starts_stream, verdict_in_band
 from schemas import keys as K
 
 
@@ -62,12 +62,26 @@ def _acked(partition: int, offset: int) -> asyncio.Future:
     return future
 
 
-def test_only_a_requests_first_record_is_noted_and_not_where_a_verdict_may_come_first():
-    assert starts_stream(0, "serial", False)
-    assert not starts_stream(3, "serial", False)  # a takeover's next chunk
-    assert not starts_stream(None, "serial", False)
-    assert not starts_stream(0, "parallel", False)  # the input verdict may precede it in band
-    assert not starts_stream(0, "serial", True)  # moderated output: the input verdict is in band
+def test_only_a_workers_first_record_is_noted_flagged_where_a_verdict_may_come_first():
+    assert starts_stream(0) and not starts_stream(3) and not starts_stream(None)  # 3: a takeover's next
+    assert not verdict_in_band("serial", False)
+    assert verdict_in_band("parallel", False)  # the input verdict may precede it in band
+    assert verdict_in_band("serial", True)  # moderated output: the input verdict is in band
+
+
+async def test_a_resume_needs_the_verdicts_note_where_it_may_come_first_a_takeover_does_not():
+    store = _Store()
+    first = _writer(store)
+    first.note("serial", _acked(2, 50))
+    first.note("parallel", _acked(2, 60), verdict_first=True)
+    first.note("judged", _acked(2, 70), verdict_first=True)
+    first.note_verdict("judged", _acked(2, 65))
+    await asyncio.sleep(0)
+    await first.close()
+    assert store.data[K.first_record("parallel")] == "2:60:v"
+    wanted = {"serial": 2, "parallel": 2, "judged": 2}
+    assert await first_offsets(store, wanted) == {"serial": 50, "judged": 65}  # "parallel": scan
+    assert await first_offsets(store, wanted, verdicts=False) == {"serial": 50, "parallel": 60, "judged": 70}
 
 
 async def test_the_acks_of_one_batch_go_in_one_pipeline_the_first_offset_kept():
