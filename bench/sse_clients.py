@@ -64,6 +64,14 @@ def _main(port: int, requests: list[bytes], opened, refused, results) -> None:
     results.put(asyncio.run(_run(port, requests, opened, refused)))
 
 
+async def _read(reader: asyncio.StreamReader) -> bytes:
+    """The next bytes of a stream; b"" at its end, and where the gateway reset it (its tokens missing)."""
+    try:
+        return await reader.read(65536)
+    except OSError:
+        return b""
+
+
 async def _run(port: int, requests: list[bytes], opened, refused) -> Received:
     seen = Received(rid_of=[None] * len(requests))
 
@@ -77,7 +85,7 @@ async def _run(port: int, requests: list[bytes], opened, refused) -> Received:
             return
         writer.write(requests[i])
         tail, first, last = b"", True, None  # last: the highest SSE id seq seen on this stream
-        while data := await reader.read(65536):
+        while data := await _read(reader):
             now = time.time()
             if first:  # the status line: "HTTP/1.1 200 OK"
                 first = False

@@ -49,5 +49,16 @@ def gateway(
     gc.freeze()
     gc.set_threshold(50_000, 20, 20)
     uvicorn.run(
-        app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False, timeout_graceful_shutdown=3
+        app,
+        host=cfg.host,
+        port=cfg.port,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=3,
+        backlog=BACKLOG,
     )
+
+
+# Connections accepted by the kernel and not yet by the gateway: room for a burst of thousands of
+# streams opening at once (the kernel caps it at net.core.somaxconn).
+BACKLOG = 8192

@@ -7,6 +7,7 @@ from fastapi import Request
 from gateway.pipeline import Gateway
 
 
-def pipeline(request: Request) -> Gateway:
-    """The gateway instance's pipeline connections (set up by `gateway.app.create_app`)."""
+async def pipeline(request: Request) -> Gateway:
+    """The gateway instance's pipeline connections (set up by `gateway.app.create_app`); async, so
+    FastAPI calls it on the loop instead of through its thread pool."""
     return request.app.state.gateway

@@ -210,12 +210,21 @@ class Gateway:
     def reply_partition(self) -> int:
         return self.partitions[next(self._next) % len(self.partitions)]
 
-    async def remember(self, request_id: str, meta: dict) -> None:
-        """Who owns the request (tenant) and what a resume elsewhere needs to rebuild chunks (model, usage
-        option)."""
-        if self.redis is not None:
-            with contextlib.suppress(Exception):
-                await self.redis.set(K.gateway_request(request_id), json.dumps(meta), ex=META_TTL_S)
+    async def admitted(self, request_id: str, meta: dict) -> int:
+        """Note a request admitted here (its owner, the tenant, and what a resume elsewhere needs to
+        rebuild its chunks: model, usage option) and make its first attachment (`canceller.attach`), in
+        one round trip; returns the attachment's generation."""
+        if self.redis is None:
+            return await self.canceller.attach(request_id)
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.set(K.gateway_request(request_id), json.dumps(meta), ex=META_TTL_S)
+            pipe.incr(K.gateway_attachment(request_id))
+            pipe.expire(K.gateway_attachment(request_id), K.GATEWAY_ATTACH_TTL_S)
+            _, generation, _ = await pipe.execute()
+            return int(generation)
+        except Exception:  # noqa: BLE001 - Redis away: the canceller's own fallback (local state)
+            return await self.canceller.attach(request_id)
 
     async def recall(self, request_id: str) -> dict | None:
         """The notes of an admitted request; {} when Redis cannot say, None when it never was admitted."""

@@ -1,7 +1,7 @@
 """Whose a response is: the owner checks of every route that names a response id, and the one answer
 for an id the caller does not own (gateway/routes/responses.py, response_inputs.py, responses_ws.py).
 
-A response's owner is the tenant noted at admission (Gateway.remember); nothing tells an id no gateway
+A response's owner is the tenant noted at admission (Gateway.admitted); nothing tells an id no gateway
 made from another tenant's, an expired or a deleted one: each is the same 404, and as
 `previous_response_id` the same 400 `previous_response_not_found`.
 """

@@ -241,7 +241,7 @@ async def _chat(gw: Gateway, body: api.ChatCompletionRequest, request: Request, 
     fanout = gw.fanout
     stream = fanout.subscribe(rid)
     # the write to the pipeline and the two Redis notes go out together
-    written, _, generation = await asyncio.gather(
+    written, generation = await asyncio.gather(
         asyncio.wait_for(
             publish(
                 gw.producer,
@@ -252,8 +252,7 @@ async def _chat(gw: Gateway, body: api.ChatCompletionRequest, request: Request, 
             ),
             timeout=10,
         ),
-        gw.remember(rid, {**note, "screening": gw.cfg.screening}),  # a resume holds the answer like this one
-        gw.canceller.attach(rid),
+        gw.admitted(rid, {**note, "screening": gw.cfg.screening}),  # a resume holds the answer like this one
         return_exceptions=True,
     )
     if isinstance(written, BaseException) or isinstance(generation, BaseException):
@@ -394,7 +393,7 @@ async def _from_cache(
     span.set({"tokenstream.cache": "hit", "tokenstream.cached_request": entry.request_id})
     observe(span, events, body.model)
     span.end()  # answered here: nothing further of this request is traced
-    _, generation = await asyncio.gather(gw.remember(rid, note), gw.canceller.attach(rid))
+    generation = await gw.admitted(rid, note)
     audit = msgspec.structs.replace(event, cached_from=entry.request_id)
     gw.background(
         _write(gw, audit, events, span.trace)

@@ -242,13 +242,12 @@ async def create_response(
     gw.inflight.track(rid, note)  # its slot held while it runs; released, and usage counted, by _finish
     steps = tuple(step_request_id(rid, k) for k in range(1, run.max_steps))
     stream = gw.fanout.subscribe(rid, steps)
-    written, _, generation, kept_input = await asyncio.gather(
+    written, generation, kept_input = await asyncio.gather(
         asyncio.wait_for(
             publish(gw.producer, CHAT_REQUESTS, event, key=K.conversation_key(key.tenant, conversation)),
             timeout=10,
         ),
-        gw.remember(rid, note),
-        gw.canceller.attach(rid),
+        gw.admitted(rid, note),
         _keep_input(gw, body, rid, note),
         return_exceptions=True,
     )
