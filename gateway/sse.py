@@ -42,6 +42,11 @@ def frame(data: str, *, id: str | None = None, event: str | None = None) -> byte
     return "".join(out).encode()
 
 
+def data_of(frame: bytes) -> str:
+    """The data of one frame written by `frame` (its `data:` lines joined as the SSE spec joins them)."""
+    return "\n".join(line[6:] for line in frame.decode().split("\r\n") if line.startswith("data: "))
+
+
 def _one_line(value: str) -> str:
     return value.replace("\r", "").replace("\n", "")
 

@@ -29,6 +29,7 @@ from gateway import openai_api as api
 from gateway.auth import key_of
 from gateway.responses_api import ResponseCreate
 from gateway.routes.responses import create_response
+from gateway.sse import data_of
 from schemas import keys as K
 
 log = logging.getLogger(__name__)
@@ -177,24 +178,26 @@ class Socket:
         except api.APIError as exc:
             await self.send(_error(exc.status, exc.message, exc.type, exc.param, exc.code, lane))
             return
-        frames = answer.body_iterator
+        frames = answer.body_iterator  # batches of SSE frames (gateway/sse.py)
         try:
-            async for frame in frames:
-                shown = json.loads(frame.data)
-                if shown.get("type") == "error" and "error" not in shown:  # the stream's own end (a timeout)
-                    shown = {
-                        **_error(
-                            504, shown["message"], "server_error", shown.get("param"), shown.get("code")
-                        ),
-                        "sequence_number": shown.get("sequence_number"),
-                    }
-                if shown.get("type") == "response.created" and not body.store:
-                    self.unstored.add(shown["response"]["id"])
-                if lane is not None:
-                    shown["stream_id"] = lane
-                await self.send(shown)
+            async for batch in frames:
+                for frame in batch:
+                    await self.send(self._shown(json.loads(data_of(frame)), body, lane))
         finally:
             await frames.aclose()  # a connection that went away: the response is detached, as an SSE one
+
+    def _shown(self, shown: dict, body: ResponseCreate, lane) -> dict:
+        """An SSE event of the response as this connection sends it."""
+        if shown.get("type") == "error" and "error" not in shown:  # the stream's own end (a timeout)
+            shown = {
+                **_error(504, shown["message"], "server_error", shown.get("param"), shown.get("code")),
+                "sequence_number": shown.get("sequence_number"),
+            }
+        if shown.get("type") == "response.created" and not body.store:
+            self.unstored.add(shown["response"]["id"])
+        if lane is not None:
+            shown["stream_id"] = lane
+        return shown
 
     async def close(self) -> None:
         for runner in self.runners:
