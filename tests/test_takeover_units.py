@@ -145,3 +145,21 @@ def test_a_fault_is_recovered_from_at_a_later_requests_first_token_and_its_end()
     unanswered = Fault("kill -9", "safety-0", at=20.0, ended_at=20.5)
     _recoveries([unanswered], [Outcome("d", sent=21.0)])
     assert (unanswered.first_token_s, unanswered.recovery_s) == (None, None)
+
+
+async def test_a_takeover_read_fetches_a_key_not_held_in_a_thread(monkeypatch):
+    import threading
+
+    from common.unblocked import needed
+    from gpu_workers import recovery
+
+    fetched_on: list[int] = []
+
+    def fetch() -> bytes:
+        fetched_on.append(threading.get_ident())
+        return b"key"
+
+    # a decode whose record is sealed with a key the keyring does not hold
+    monkeypatch.setattr(recovery, "decode_record", lambda rec, spec: (rec, needed(fetch, "k", fetch)))
+    assert await recovery._decoded("record") == ("record", b"key")
+    assert fetched_on and threading.get_ident() not in fetched_on  # never on the loop
