@@ -201,7 +201,7 @@ class Record:
         return True
 
 
-def test_a_held_window_is_acknowledged_only_once_its_checkpoint_covers_it():
+async def test_a_held_window_is_acknowledged_only_once_its_checkpoint_covers_it():
     cfg = WindowSettings(every_tokens=100, checkpoint_chunks=3, checkpoint_s=2.0, held_windows=2)
     table: dict = {}
     generation = [1]
@@ -210,35 +210,70 @@ def test_a_held_window_is_acknowledged_only_once_its_checkpoint_covers_it():
     def chunk(request_id: str, seq: int) -> tuple[TokenChunk, Record]:
         return TokenChunk(request_id=request_id, seq=seq, text=f"{seq} ", token_ids=[1]), Record(b"")
 
-    def feed(request_id: str, seq: int) -> Record:
+    async def feed(request_id: str, seq: int) -> Record:
         event, raw = chunk(request_id, seq)
-        held = windows.take(event)
+        held = await windows.take(event)
         folded = fold(held.window, event, cfg)
         if folded is not None:
             held.window = folded
-        windows.hold(request_id, held, raw, seq)
+        await windows.hold(request_id, held, raw, seq)
         return raw
 
-    first = [feed("a", 0), feed("a", 1)]
+    first = [await feed("a", 0), await feed("a", 1)]
     assert not any(r.acked for r in first) and b"a" not in table  # in memory only, nothing acknowledged
-    windows.checkpoint("a", windows.take(chunk("a", 1)[0]))  # as after a judgement
+    await windows.checkpoint("a", await windows.take(chunk("a", 1)[0]))  # as after a judgement
     assert all(r.acked for r in first) and decode(table[b"a"], OutputWindow).text == "0 1 "
-    assert feed("a", 1).acked  # a replay the checkpoint covers: at once
-    pending = feed("a", 2)
-    assert not feed("a", 2).acked and not pending.acked  # a replay of what only memory holds: held back
-    assert windows.overdue(now=windows.held["a"].since + 1.0) == 0
-    assert windows.overdue(now=windows.held["a"].since + 2.0) == 1 and pending.acked  # the time bound
-    three = [feed("b", seq) for seq in range(3)]
+    assert (await feed("a", 1)).acked  # a replay the checkpoint covers: at once
+    pending = await feed("a", 2)
+    replayed = await feed("a", 2)
+    assert not replayed.acked and not pending.acked  # a replay of what only memory holds: held back
+    assert await windows.overdue(now=windows.held["a"].since + 1.0) == 0
+    assert await windows.overdue(now=windows.held["a"].since + 2.0) == 1 and pending.acked  # the time bound
+    three = [await feed("b", seq) for seq in range(3)]
     assert all(r.acked for r in three) and decode(table[b"b"], OutputWindow).last_seq == 2  # the count bound
-    held_c = feed("c", 0)  # a third window: the least recently used ("a") is checkpointed and let go
+    held_c = await feed("c", 0)  # a third window: the least recently used ("a") is checkpointed and let go
     assert list(windows.held) == ["b", "c"] and not held_c.acked
     done = Record(b"")
-    windows.end("c", windows.take(Completion(request_id="c", seq=1, finish_reason="stop")), done)
+    await windows.end("c", await windows.take(Completion(request_id="c", seq=1, finish_reason="stop")), done)
     assert held_c.acked and done.acked and b"c" not in table  # the answer's end deletes its row
-    stale = feed("b", 3)
+    stale = await feed("b", 3)
     generation[0] = 2  # a rebalance: the window held in generation 1 is dropped unwritten
-    assert windows.take(chunk("b", 4)[0]).window.last_seq == 2 and not stale.acked
+    assert (await windows.take(chunk("b", 4)[0])).window.last_seq == 2 and not stale.acked
     assert decode(table[b"b"], OutputWindow).last_seq == 2
+
+
+async def test_a_checkpoint_waiting_for_its_key_never_writes_over_a_later_one(monkeypatch):
+    from processors.safety import held as held_module
+
+    cfg = WindowSettings(every_tokens=100, checkpoint_chunks=100, checkpoint_s=1.0)
+    table: dict = {}
+    windows = HeldWindows(table, cfg, lambda: 1)
+    sealed, gate, waiting = held_module._sealed, asyncio.Event(), []
+
+    async def slowly(window: OutputWindow) -> bytes:  # the first row's key is fetched slowly
+        if not waiting:
+            waiting.append(window)
+            await gate.wait()
+        return await sealed(window)
+
+    monkeypatch.setattr(held_module, "_sealed", slowly)
+    held = await windows.take(TokenChunk(request_id="a", seq=0, text="x", token_ids=[1]))
+    raws = [Record(b""), Record(b"")]
+    for seq in (0, 1):
+        held.window = fold(
+            held.window, TokenChunk(request_id="a", seq=seq, text=f"{seq} ", token_ids=[1]), cfg
+        )
+        await windows.hold("a", held, raws[seq], seq)
+        if seq == 0:
+            timer = asyncio.create_task(windows.overdue(now=held.since + 1.0))
+            while not waiting:
+                await asyncio.sleep(0)
+            assert b"a" not in table and not raws[0].acked  # the timer's checkpoint waits for its key
+    await windows.checkpoint("a", held)  # asked for later, written first
+    gate.set()
+    assert await timer == 1
+    assert decode(table[b"a"], OutputWindow).text == "0 1 " and held.checkpointed_seq == 1
+    assert all(r.acked for r in raws) and not held.pending
 
 
 async def test_typed_passes_over_records_of_unwanted_types_unopened():

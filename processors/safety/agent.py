@@ -181,7 +181,7 @@ async def checkpoint_overdue_windows() -> None:
     """The time bound on a held window's acknowledgements (not while a rebalance is on: faust reads the
     partitions again from their committed offsets after it)."""
     if app.flow_control.is_active():
-        windows.overdue()
+        await windows.overdue()
 
 
 async def screen_output(event: TokenChunk | Completion, window: OutputWindow, raw, result: Judgement) -> None:

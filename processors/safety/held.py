@@ -17,6 +17,11 @@ windows in memory; its row is deleted at its answer's end. Between those, a chun
 A window taken in an earlier consumer generation (a rebalance came between) is dropped unwritten: its
 partition may be another member's now, its acknowledgements would be refused (processors.delivery), and
 faust reads its partitions again from their committed offsets, which lie before its unwritten chunks.
+
+Rows are read and sealed through `sealing.unblocked` (common/unblocked.py): a key not held is fetched in
+a thread, so a checkpoint may wait while the agent and the timer go on. A row is written as the window
+was when its checkpoint was asked for; of two checkpoints of a window waiting at once, the one asked for
+later wins (an earlier one that ends after it writes nothing and acknowledges only what it covered).
 """
 
 from __future__ import annotations
@@ -31,9 +36,10 @@ import faust
 from faust.streams import _current_event
 from faust.types import EventT
 
-from processors.faust_app import get, put
+from common import sealing
+from processors.faust_app import get
 from processors.safety.windows import WindowSettings
-from schemas import Completion, OutputWindow, TokenChunk
+from schemas import Completion, OutputWindow, TokenChunk, encode
 
 
 @dataclass(slots=True)
@@ -46,6 +52,8 @@ class Held:
     pending: list[EventT] = field(default_factory=list)  # records not acknowledged yet, oldest first
     since: float = 0.0  # when the oldest of them was held (time.monotonic)
     busy: bool = False  # being judged: the agent checkpoints it when the judgement is done
+    asked: int = 0  # checkpoints asked for (and ends), in order
+    written: int = 0  # the latest of them whose row was written
 
 
 class HeldWindows:
@@ -55,7 +63,7 @@ class HeldWindows:
         self.table, self.cfg, self.generation = table, cfg, generation
         self.held: OrderedDict[str, Held] = OrderedDict()
 
-    def take(self, event: TokenChunk | Completion) -> Held:
+    async def take(self, event: TokenChunk | Completion) -> Held:
         """The held window of `event`'s answer: from memory, else from its checkpoint, else a new one."""
         key, now = event.request_id, self.generation()
         held = self.held.get(key)
@@ -64,7 +72,7 @@ class HeldWindows:
             return held
         if held is not None:
             del self.held[key]  # of an earlier generation: dropped unwritten
-        window = get(self.table, key, OutputWindow)
+        window = await sealing.unblocked(get, self.table, key, OutputWindow)
         if window is None:
             window = OutputWindow(request_id=key, conversation_id=event.conversation_id, tenant=event.tenant)
         held = self.held[key] = Held(window, now, window.last_seq)
@@ -72,18 +80,19 @@ class HeldWindows:
             oldest, evicted = next(iter(self.held.items()))
             if evicted.busy:
                 break  # the one being judged is never the least recently used for long
-            self.checkpoint(oldest, evicted)
-            self.held.pop(oldest, None)
+            await self.checkpoint(oldest, evicted)
+            if self.held.get(oldest) is evicted:
+                del self.held[oldest]
         return held
 
-    def peek(self, key: str) -> OutputWindow | None:
+    async def peek(self, key: str) -> OutputWindow | None:
         """`key`'s window as `take` would find it now, without taking it (None: there is none yet)."""
         held = self.held.get(key)
         if held is not None and held.generation == self.generation():
             return held.window
-        return get(self.table, key, OutputWindow)
+        return await sealing.unblocked(get, self.table, key, OutputWindow)
 
-    def hold(self, key: str, held: Held, raw: EventT, seq: int) -> None:
+    async def hold(self, key: str, held: Held, raw: EventT, seq: int) -> None:
         """Chunk `seq` (`raw`) is folded into `held`: acknowledge it once a checkpoint covers it."""
         if seq <= held.checkpointed_seq:
             raw.ack()  # a replay of what the checkpoint holds
@@ -92,54 +101,85 @@ class HeldWindows:
             held.since = time.monotonic()
         held.pending.append(raw)
         if len(held.pending) >= self.cfg.checkpoint_chunks:
-            self.checkpoint(key, held)
+            await self.checkpoint(key, held)
 
-    def checkpoint(self, key: str, held: Held, *also: EventT) -> None:
+    async def checkpoint(self, key: str, held: Held, *also: EventT) -> None:
         """Write `held`'s window to the table, then acknowledge what it covers (`also` too). A window
         with nothing unacknowledged is what its row holds already: nothing is written."""
-        if held.generation != self.generation():
-            held.pending.clear()  # not ours to write (see the module's docstring)
-            self.held.pop(key, None)
+        if not self._ours(key, held):
             return
         if not held.pending and not also:
             return
-        _put(self.table, key, held.window, (held.pending or also)[0])
-        held.checkpointed_seq = held.window.last_seq
-        _ack(held.pending, also)
+        window, covered = held.window, list(held.pending)
+        held.asked += 1
+        asked = held.asked
+        row = await _sealed(window)  # may wait for a key: the window may change meanwhile
+        if not self._ours(key, held):
+            return
+        if asked > held.written:  # else a later checkpoint wrote a newer window already
+            _write(self.table, key, row, (covered or also)[0])
+            held.written = asked
+            held.checkpointed_seq = max(held.checkpointed_seq, window.last_seq)
+        _ack(held, covered, also)
 
-    def end(self, key: str, held: Held, raw: EventT) -> None:
+    async def end(self, key: str, held: Held, raw: EventT) -> None:
         """The answer ended (its Completion, `raw`, handled): delete its row, acknowledge everything."""
-        self.held.pop(key, None)
+        if self.held.get(key) is held:
+            del self.held[key]
         if held.generation != self.generation():
             held.pending.clear()
             return
-        _put(self.table, key, None, raw)
-        _ack(held.pending, (raw,))
+        held.asked += 1
+        held.written = held.asked  # a checkpoint still waiting for its key writes nothing after this
+        _write(self.table, key, None, raw)
+        _ack(held, list(held.pending), (raw,))
 
-    def overdue(self, now: float | None = None) -> int:
+    async def overdue(self, now: float | None = None) -> int:
         """Checkpoint each window whose oldest unacknowledged chunk is `checkpoint_s` old; how many."""
         cutoff = (time.monotonic() if now is None else now) - self.cfg.checkpoint_s
         late = [(k, h) for k, h in self.held.items() if h.pending and h.since <= cutoff and not h.busy]
         for key, held in late:
-            self.checkpoint(key, held)
+            await self.checkpoint(key, held)
         return len(late)
 
+    def _ours(self, key: str, held: Held) -> bool:
+        """Whether `held` was taken in this consumer generation; if not, it is dropped unwritten."""
+        if held.generation == self.generation():
+            return True
+        held.pending.clear()  # not ours to write (see the module's docstring)
+        if self.held.get(key) is held:
+            del self.held[key]
+        return False
 
-def _put(table: faust.Table, key: str, window: OutputWindow | None, source: EventT) -> None:
-    """Write a row as if while `source` (a record of its answer) were being handled: faust writes a row's
-    changelog record to the partition of the record in hand (the tables are co-partitioned with
-    ts.tokens), which for a checkpoint made by the timer, or for a window evicted while another answer's
-    record is handled, is the wrong one or none."""
+
+async def _sealed(window: OutputWindow) -> bytes:
+    """A window's row; a key not held is fetched off the loop (common/unblocked.py)."""
+    return await sealing.unblocked(encode, window)
+
+
+def _write(table: faust.Table, key: str, row: bytes | None, source: EventT) -> None:
+    """Write (None: delete) a row as if while `source` (a record of its answer) were being handled: faust
+    writes a row's changelog record to the partition of the record in hand (the tables are co-partitioned
+    with ts.tokens), which for a checkpoint made by the timer, or for a window evicted while another
+    answer's record is handled, is the wrong one or none."""
     token = _current_event.set(weakref.ref(source))
     try:
-        put(table, key, window)
+        if row is None:
+            table.pop(key.encode(), None)
+        else:
+            table[key.encode()] = row
     finally:
         _current_event.reset(token)
 
 
-def _ack(pending: list[EventT], also) -> None:
-    for raw in pending:
-        raw.ack()
-    pending.clear()
+def _ack(held: Held, covered: list[EventT], also) -> None:
+    """Acknowledge `covered` (those of them still pending: another checkpoint may have meanwhile) and
+    `also`."""
+    if covered:
+        done = {id(raw) for raw in covered}
+        for raw in held.pending:
+            if id(raw) in done:
+                raw.ack()
+        held.pending = [raw for raw in held.pending if id(raw) not in done]
     for raw in also:
         raw.ack()

@@ -48,7 +48,8 @@ class OutputWatch:
 
     async def ahead(self, events: list[Event]) -> Prejudged:
         """Every window that comes due in `events`, judged in one call."""
-        coming = due_windows(events, self.windows.peek, self.cfg)
+        found = {key: await self.windows.peek(key) for key in dict.fromkeys(e.request_id for e in events)}
+        coming = due_windows(events, found.get, self.cfg)
         if not coming:
             return Prejudged([], [])
         self.calls += 1
@@ -56,12 +57,12 @@ class OutputWatch:
 
     async def one(self, event: Event, raw: EventT, ready: Prejudged) -> None:
         key = event.request_id
-        held = self.windows.take(event)
+        held = await self.windows.take(event)
         final = isinstance(event, Completion)
         if not final:
             folded = fold(held.window, event, self.cfg)
             if folded is None:  # a replayed chunk
-                self.windows.hold(key, held, raw, event.seq)
+                await self.windows.hold(key, held, raw, event.seq)
                 return
             held.window = folded
         judged_now = due(held.window, self.cfg, final=final)
@@ -79,8 +80,8 @@ class OutputWatch:
                 held.busy = False
         if final:
             await self.finish(event, held.window, raw)
-            self.windows.end(key, held, raw)
+            await self.windows.end(key, held, raw)
         elif judged_now:
-            self.windows.checkpoint(key, held, raw)
+            await self.windows.checkpoint(key, held, raw)
         else:
-            self.windows.hold(key, held, raw, event.seq)
+            await self.windows.hold(key, held, raw, event.seq)
