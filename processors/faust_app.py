@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import os
@@ -250,15 +251,18 @@ async def send(
     key: str,
     partition: int | None = None,
     trace: TraceContext | None = None,
-) -> None:
-    """Write a typed event and wait for the broker's acknowledgement."""
+) -> asyncio.Future:
+    """Write a typed event and wait for the broker's acknowledgement: the send's future, resolved (its
+    RecordMetadata says where the event lies)."""
     if not isinstance(event, spec.events):
         raise TypeError(f"{type(event).__name__} does not belong on topic {spec.name}")
     headers = [(TYPE_HEADER, type(event).__struct_config__.tag.encode())]
     if trace is not None:
         headers += trace.headers()
     value = await sealing.patiently(lambda: encode(event), target.app.conf.id)  # (a key held needs no store)
-    await (await target.send(key=key.encode(), value=value, partition=partition, headers=headers))
+    ack = await target.send(key=key.encode(), value=value, partition=partition, headers=headers)
+    await ack
+    return ack
 
 
 def get(tbl: faust.Table, key: str, kind: type[Event]) -> Event | None:

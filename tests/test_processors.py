@@ -492,6 +492,63 @@ async def test_streamed_output_is_cut_with_a_verdict_in_band_and_a_cancel(proces
     assert not judged.blocked
 
 
+async def test_the_safety_processor_notes_its_input_verdict_in_band_and_a_resume_seeks_to_it(
+    processors, bootstrap
+):
+    """Parallel screening (the gateway's default): the input verdict may lie before the worker's first
+    record. The safety processor notes where it lies (common/first_records.py), so a resume starts at
+    the lower of the two notes instead of scanning from the request's admission."""
+    import redis.asyncio as aioredis
+
+    from common.first_records import FirstRecords
+    from gateway import replays
+    from gateway.resume import read_so_far
+    from schemas import keys as K
+    from schemas.ids import new_request_id
+
+    partition = 9
+    request = InferenceRequest(
+        request_id=new_request_id(partition, time.time()),
+        conversation_id="c-parallel",
+        model="smollm2",
+        reply_partition=partition,
+        screening="parallel",
+        messages=[ChatMessage(role="user", content="What is the capital of France?")],
+    )
+    ids = dict(request_id=request.request_id, conversation_id=request.conversation_id, tenant=request.tenant)
+    redis = aioredis.from_url(settings().redis_url)
+    worker = FirstRecords(settings().redis_url)  # the worker's notes, as gpu_workers/publisher.py writes them
+    producer = await start_producer()
+    hub = replays.hub(bootstrap)
+    try:
+        await publish(producer, PREPARED, request)
+        noted = await wait_for(
+            lambda: redis.get(K.first_verdict(request.request_id)), 90, "the verdict's note"
+        )
+        at, offset = map(int, noted.split(b":"))
+        chunk = TokenChunk(**ids, seq=0, text="Paris.", token_ids=[1])
+        worker.note(
+            request.request_id,
+            await publish(producer, TOKENS, chunk, partition=partition, wait=False),
+            verdict_first=True,
+        )
+        await publish(producer, TOKENS, Completion(**ids, seq=1, finish_reason="stop"), partition=partition)
+        await wait_for(lambda: worker.written == 1, 30, "the worker's note")
+        await hub.close()
+        hub.stats = replays.Stats()
+        events = await read_so_far(bootstrap, request.request_id)
+    finally:
+        await producer.stop()
+        await worker.close()
+        await redis.aclose()
+        await hub.close()
+    assert at == partition
+    assert [type(e) for e in events] == [SafetyVerdict, TokenChunk, Completion], events
+    assert events[0].stage == "input" and not events[0].blocked
+    assert hub.stats.exact == 1 and hub.stats.fallback == 0, hub.stats  # no scan from the admission
+    assert hub.stats.seeks == [(partition, offset)]  # straight to the verdict
+
+
 async def committed_offset(bootstrap: str, group: str, tp: TopicPartition) -> int:
     """`group`'s committed offset on `tp` (-1: none)."""
     from aiokafka.admin import AIOKafkaAdminClient

@@ -10,7 +10,9 @@
     moderated requests (a response's `moderation`): the input verdict in band too, and after the
              Completion a verdict over the whole answer (each category's highest score), which the
              gateway waits for before the response ends
-Every verdict, allowed or not, is written to ts.safety.verdicts with the policy version.
+Every verdict, allowed or not, is written to ts.safety.verdicts with the policy version. Where an input
+verdict in band lies on its tokens partition goes to the durable Redis on its ack (common/first_records.py:
+a resume seeks there instead of scanning from the request's admission).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import functools
 import logging
 
 from common import tracing
+from common.config import settings
+from common.first_records import FirstRecords, verdict_in_band
 from processors.effects import Ledger
 from processors.faust_app import make_app, send, table, topic, traced, typed
 from processors.safety.batch import batches
@@ -41,6 +45,7 @@ windows = HeldWindows(windows_table, windows_cfg, lambda: app.consumer_generatio
 prepared_in, tokens_in = topic(app, PREPARED), topic(app, TOKENS)
 screened_out, tokens_out = topic(app, SCREENED), topic(app, TOKENS)
 verdicts_out, control_out, dead_letters = topic(app, VERDICTS), topic(app, CONTROL), topic(app, DEAD_LETTER)
+first_records = FirstRecords(settings().redis_url)  # written off the agent's path, a failure only logged
 _classifier: SafetyClassifier | None = None
 
 
@@ -103,8 +108,8 @@ async def screen(request: InferenceRequest, span: tracing.Hop) -> None:
         where = dict(key=request.request_id, partition=request.reply_partition, trace=trace)
         await send(tokens_out, TOKENS, judged_input, **where)
         return
-    if request.screening == "parallel" or request.output.moderated:  # the gateway waits for it, or reports it
-        await send(
+    if verdict_in_band(request.screening, request.output.moderated):  # the gateway waits for it or reports it
+        ack = await send(
             tokens_out,
             TOKENS,
             judged_input,
@@ -112,6 +117,7 @@ async def screen(request: InferenceRequest, span: tracing.Hop) -> None:
             partition=request.reply_partition,
             trace=trace,
         )
+        first_records.note_verdict(request.request_id, ack)  # the worker's first record may come after it
     if request.screening == "parallel":
         if result.blocked:
             log.info(
