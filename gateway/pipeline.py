@@ -14,6 +14,7 @@ import logging
 
 from common.config import settings
 from common.redis_pool import bounded
+from gateway import replays
 from gateway.admission import Admission
 from gateway.cache import ExactCache
 from gateway.cancel import Canceller
@@ -197,6 +198,8 @@ class Gateway:
         if self.fanout is not None:
             with contextlib.suppress(Exception):
                 await self.fanout.consumer.stop()
+        with contextlib.suppress(Exception):  # the resumes' readers and their Redis client
+            await replays.hub(self.bootstrap).close()
         if self.producer is not None:
             with contextlib.suppress(Exception):
                 await self.producer.stop()

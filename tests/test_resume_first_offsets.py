@@ -13,6 +13,7 @@ would read all of them, a read from the first records reads none.
 - A request whose note is missing (its writer died before the ack) falls back to the admission time.
 - A worker's takeover read (gpu_workers.recovery.TokenLog) starts at the first records too, and notes
   the first record it found of a request that had none.
+- A gateway that stops (Gateway.stop) stops its resumes' readers; the resumes they serve end.
 """
 
 from __future__ import annotations
@@ -178,3 +179,27 @@ async def test_a_missing_note_falls_back_to_the_admission_time(stack, worker):
         await log.stop()
         await r.aclose()
         await hub.close()
+
+
+async def test_a_gateway_stopping_stops_its_resumes_readers(stack, worker):
+    from gateway.config import GatewaySettings
+    from gateway.pipeline import Gateway
+
+    bootstrap, partition = stack.kafka.address, 6
+    rid = new_request_id(partition, time.time())
+    worker.arrived[rid] = (partition, time.time())
+    await worker.tick([rid], 0, last=False)
+    gw = Gateway(GatewaySettings(models=["smollm2"]), bootstrap, redis_url=None)
+    got: list = []
+
+    async def resume() -> None:
+        async for batch in replay(bootstrap, rid, idle_timeout_s=60):
+            got.extend(batch)
+
+    resuming = asyncio.create_task(resume())
+    await _until(lambda: got)
+    hub = replays.hub(bootstrap)
+    reader = hub.readers[partition]
+    await gw.stop()
+    assert reader.task.done() and hub._redis is None and partition not in hub.readers
+    await asyncio.wait_for(resuming, 10)  # the resume it served ended with it
