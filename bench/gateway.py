@@ -30,6 +30,7 @@ from bench.stats import nearest_rank
 
 RESULTS = Path(__file__).parent / "results" / "gateway.json"
 MODEL = "bench-synthetic"
+OPEN_DEADLINE_S = 300  # how long part (a) waits for all its streams to open
 
 
 _pct = nearest_rank
@@ -80,6 +81,9 @@ async def synthetic_gateway(stack, tmp: Path, key_name: str):
         "TOKENSTREAM_GATEWAY_ADMISSION_BUDGET_S": "100000",
         # the synthetic worker stands in for the processors too: no input verdicts come
         "TOKENSTREAM_GATEWAY_SCREENING": "serial",
+        # every stream waits for its first token until all are open (minutes at 10,000): the progress
+        # deadline (60 s by default) would end the first ones before the feed starts
+        "TOKENSTREAM_GATEWAY_PROGRESS_TIMEOUT_S": str(OPEN_DEADLINE_S + 60),
     }
 
     def start() -> subprocess.Popen:
@@ -327,7 +331,7 @@ async def fanout(
     t_open = time.time()
     clients.start()
     try:
-        deadline = time.time() + 120
+        deadline = time.time() + OPEN_DEADLINE_S
         while clients.settled < streams and time.time() < deadline:
             await asyncio.sleep(0.1)
         open_s = time.time() - t_open
