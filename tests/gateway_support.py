@@ -661,3 +661,19 @@ class Chromium:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
+
+
+async def fill(producer, partition: int, n: int) -> None:
+    """`n` chunks of a request nobody follows on tokens partition `partition` (traffic a reader of
+    other requests must pass over or, better, never read), all acknowledged."""
+    from producers import publish
+    from schemas import TokenChunk
+    from schemas.ids import new_request_id
+    from topics import TOKENS
+
+    other = new_request_id(partition, time.time())
+    for i in range(n):
+        await publish(
+            producer, TOKENS, TokenChunk(request_id=other, seq=i, text="x"), partition=partition, wait=False
+        )
+    await producer.flush()

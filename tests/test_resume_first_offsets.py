@@ -28,10 +28,10 @@ from bench.gateway import SyntheticWorker
 from gateway import replays
 from gateway.resume import read_so_far, replay
 from gpu_workers.recovery import TokenLog
-from producers import publish
-from schemas import Completion, TokenChunk
+from schemas import Completion
 from schemas import keys as K
 from schemas.ids import new_request_id
+from tests.gateway_support import fill
 from topics import CHAT_REQUESTS, TOKENS
 from topics.admin import apply
 
@@ -47,19 +47,6 @@ async def _until(condition, timeout_s: float = 30.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
         await asyncio.sleep(0.02)
-
-
-async def _fill(worker: SyntheticWorker, partition: int, n: int) -> None:
-    other = new_request_id(partition, time.time())
-    for i in range(n):
-        await publish(
-            worker.producer,
-            TOKENS,
-            TokenChunk(request_id=other, seq=i, text="x"),
-            partition=partition,
-            wait=False,
-        )
-    await worker.producer.flush()
 
 
 async def _ends(bootstrap: str, partitions) -> dict[int, int]:
@@ -90,7 +77,7 @@ async def test_a_restart_with_1000_live_streams_resumes_each_from_its_first_reco
     for i, rid in enumerate(rids):
         worker.arrived[rid] = (PARTITIONS[i % len(PARTITIONS)], now)
     for p in PARTITIONS:  # traffic of other requests after their admission, before their first tokens
-        await _fill(worker, p, FILLER)
+        await fill(worker.producer, p, FILLER)
     before_first = await _ends(bootstrap, PARTITIONS)
     for seq in range(TOKENS_BEFORE):
         await worker.tick(rids, seq, last=False)
@@ -144,7 +131,7 @@ async def test_a_missing_note_falls_back_to_the_admission_time(stack, worker):
     partition = 5
     noted, lost = new_request_id(partition, time.time()), new_request_id(partition, time.time())
     worker.arrived.update({noted: (partition, time.time()), lost: (partition, time.time())})
-    await _fill(worker, partition, 200)
+    await fill(worker.producer, partition, 200)
     for seq in range(3):
         await worker.tick([noted, lost], seq, last=seq == 2)
     await _until(lambda: worker.first.written >= 2)

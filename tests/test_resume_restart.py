@@ -21,9 +21,8 @@ import pytest
 from bench.gateway import MODEL, SyntheticWorker, synthetic_gateway
 from bench.rawhttp import chat_post
 from bench.sse_clients import Clients
-from producers import publish, start_consumer
-from schemas import TokenChunk
-from schemas.ids import new_request_id
+from producers import start_consumer
+from tests.gateway_support import fill
 from topics import TOKENS
 
 pytestmark = [pytest.mark.slow, pytest.mark.heavy]  # two gateways and 2,000 streams: about a minute
@@ -83,16 +82,7 @@ async def test_a_gateway_restart_with_1000_live_streams_resumes_each_from_its_fi
             await _until(lambda: len(worker.arrived) >= STREAMS, "every request reached the worker")
             rids = list(worker.arrived)
             for p in range(TOKENS.partitions):  # traffic after admission, before the first tokens
-                other = new_request_id(p, time.time())
-                for i in range(FILLER):
-                    await publish(
-                        worker.producer,
-                        TOKENS,
-                        TokenChunk(request_id=other, seq=i, text="x"),
-                        partition=p,
-                        wait=False,
-                    )
-            await worker.producer.flush()
+                await fill(worker.producer, p, FILLER)
             before_first = await _ends(bootstrap)
             for seq in range(BEFORE):
                 await worker.tick(rids, seq, last=False)
