@@ -79,7 +79,7 @@ UNRESOLVED_IN_SHARED = {
     ): "a group member's assignment, as the broker says it",
     (
         "producers/publish.py",
-        "producer.send(spec.name, encode(event), key=(key if key i...",
+        "producer.send(spec.name, await unblocked(encode, event), ...",
     ): "publish's spec",
 }
 #: The shared functions whose writes the derivation attributes to their callers.
