@@ -80,10 +80,7 @@ class FirstRecords:
         while self._pending:
             batch, self._pending = self._pending, {}
             try:
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    for key, value in batch.items():
-                        pipe.set(key, value, ex=self.ttl_s, nx=True)
-                    await pipe.execute()
+                await _set_new(self.redis, batch, self.ttl_s)
                 self.written += len(batch)
                 if self._failing:
                     self._failing = False
@@ -159,9 +156,15 @@ async def record_found(redis, found: dict[str, tuple[int, int]], ttl_s: int = K.
     if redis is None or not found:
         return
     try:
-        async with redis.pipeline(transaction=False) as pipe:
-            for rid, (partition, offset) in found.items():
-                pipe.set(K.first_record(rid), f"{partition}:{offset}", ex=ttl_s, nx=True)
-            await pipe.execute()
+        notes = {K.first_record(rid): f"{partition}:{offset}" for rid, (partition, offset) in found.items()}
+        await _set_new(redis, notes, ttl_s)
     except Exception as exc:  # noqa: BLE001
         log.warning("first-record offsets of %d requests not written: %s", len(found), exc)
+
+
+async def _set_new(redis, values: dict[str, str], ttl_s: int) -> None:
+    """SET NX each key to its value, with `ttl_s`, in one pipeline: the first note of a key stays."""
+    async with redis.pipeline(transaction=False) as pipe:
+        for key, value in values.items():
+            pipe.set(key, value, ex=ttl_s, nx=True)
+        await pipe.execute()

@@ -44,13 +44,17 @@ class Canceller:
     def _key(request_id: str) -> str:
         return K.gateway_attachment(request_id)
 
+    def attaching(self, pipe, request_id: str) -> None:
+        """Queue on `pipe` the commands of `attach`; the generation is the first of their results."""
+        pipe.incr(self._key(request_id))
+        pipe.expire(self._key(request_id), TTL_S)
+
     async def attach(self, request_id: str) -> int:
         """A connection now serves `request_id`: returns its generation."""
         if self._redis is not None:
             try:
                 pipe = self._redis.pipeline()
-                pipe.incr(self._key(request_id))
-                pipe.expire(self._key(request_id), TTL_S)
+                self.attaching(pipe, request_id)
                 gen, _ = await pipe.execute()
                 return int(gen)
             except Exception as exc:  # noqa: BLE001

@@ -222,8 +222,7 @@ class Gateway:
         try:
             pipe = self.redis.pipeline(transaction=False)
             pipe.set(K.gateway_request(request_id), json.dumps(meta), ex=META_TTL_S)
-            pipe.incr(K.gateway_attachment(request_id))
-            pipe.expire(K.gateway_attachment(request_id), K.GATEWAY_ATTACH_TTL_S)
+            self.canceller.attaching(pipe, request_id)
             _, generation, _ = await pipe.execute()
             return int(generation)
         except Exception:  # noqa: BLE001 - Redis away: the canceller's own fallback (local state)

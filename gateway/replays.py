@@ -34,11 +34,10 @@ from aiokafka.structs import TopicPartition
 
 from common.config import settings
 from common.first_records import client, first_offsets
-from common.unblocked import held_only, unblocked
+from common.unblocked import unblocked
 from producers import start_consumer
 from schemas import DecodeError, Event, decode
 from schemas.ids import parse_request_id
-from schemas.sealing import KeyNotHeld
 from topics import TOKENS
 
 log = logging.getLogger(__name__)
@@ -167,7 +166,7 @@ class PartitionReader:
             for r in wanting:
                 r.next = record.offset + 1
             try:
-                event = await _decode(record.value or b"")
+                event = await unblocked(decode, record.value or b"", *TOKENS.events)
             except DecodeError:
                 continue
             for r in wanting:
@@ -225,14 +224,6 @@ class PartitionReader:
             return lowest
         await self._deliver(list(self.recent))  # those behind the position: from the records kept
         return position
-
-
-async def _decode(value: bytes) -> Event:
-    """A record's event; a key the keyring does not hold is fetched off the loop (common/unblocked.py)."""
-    try:
-        return held_only(decode, value, *TOKENS.events)
-    except KeyNotHeld:
-        return await unblocked(decode, value, *TOKENS.events)
 
 
 class Hub:

@@ -25,10 +25,9 @@ from aiokafka.structs import TopicPartition
 from common import kafka_auth
 from common.config import settings
 from common.first_records import FirstRecords, first_offsets, record_found
-from common.unblocked import held_only, unblocked
+from common.unblocked import unblocked
 from producers import decode_record
 from schemas import Completion, DecodeError, TokenChunk
-from schemas.sealing import KeyNotHeld
 from topics import TOKENS
 
 log = logging.getLogger(__name__)
@@ -47,14 +46,6 @@ class Emitted:
     def text(self) -> str:
         """The model's text so far (for a request with tools, `raw`: content and calls alike)."""
         return "".join(c.text if c.raw is None else c.raw for c in self.chunks)
-
-
-async def _decoded(rec) -> object:
-    """A record's event; a key the keyring does not hold is fetched off the loop (common/unblocked.py)."""
-    try:
-        return held_only(decode_record, rec, TOKENS)
-    except KeyNotHeld:
-        return await unblocked(decode_record, rec, TOKENS)
 
 
 class TokenLog:
@@ -142,8 +133,8 @@ class TokenLog:
                         continue
                     if rec.key in unknown and tp in since:
                         first_seen.setdefault(rec.key.decode(), (tp.partition, rec.offset))
-                    try:
-                        event = await _decoded(rec)
+                    try:  # a key not held is fetched off the loop
+                        event = await unblocked(decode_record, rec, TOKENS)
                     except DecodeError:
                         continue
                     if isinstance(event, Completion):

@@ -75,3 +75,15 @@ def event(body: dict) -> bool:
         body = dict(body, response=_within_spec(body["response"]))
     model.model_validate(body)
     return True
+
+
+# The events of one code_interpreter_call item, in the order OpenAI streams them.
+CODE_INTERPRETER_ITEM_EVENTS = [
+    "response.output_item.added",
+    "response.code_interpreter_call.in_progress",
+    "response.code_interpreter_call_code.delta",
+    "response.code_interpreter_call_code.done",
+    "response.code_interpreter_call.interpreting",
+    "response.code_interpreter_call.completed",
+    "response.output_item.done",
+]

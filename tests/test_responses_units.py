@@ -33,6 +33,7 @@ from schemas import (
     encode,
 )
 from schemas.ids import new_request_id, parse_request_id, run_id_of, step_request_id
+from tests.open_responses import CODE_INTERPRETER_ITEM_EVENTS
 
 RID = new_request_id(3, 1764480000.0)
 
@@ -367,13 +368,7 @@ def test_a_runs_events_fold_into_openais_stream_events_the_same_in_any_batching(
     assert names == [
         "response.created",
         "response.in_progress",
-        "response.output_item.added",
-        "response.code_interpreter_call.in_progress",
-        "response.code_interpreter_call_code.delta",
-        "response.code_interpreter_call_code.done",
-        "response.code_interpreter_call.interpreting",
-        "response.code_interpreter_call.completed",
-        "response.output_item.done",
+        *CODE_INTERPRETER_ITEM_EVENTS,
         "response.output_item.added",
         "response.content_part.added",
         "response.output_text.delta",

@@ -242,15 +242,7 @@ async def test_stream_parses_with_the_sdk_helper_in_openai_order_and_resumes_fro
         for e in events
         if getattr(e, "item_id", None) == first or getattr(getattr(e, "item", None), "id", None) == first
     ]
-    assert order == [
-        "response.output_item.added",
-        "response.code_interpreter_call.in_progress",
-        "response.code_interpreter_call_code.delta",
-        "response.code_interpreter_call_code.done",
-        "response.code_interpreter_call.interpreting",
-        "response.code_interpreter_call.completed",
-        "response.output_item.done",
-    ], names
+    assert order == open_responses.CODE_INTERPRETER_ITEM_EVENTS, names
     assert names.index("response.code_interpreter_call.completed") < names.index(
         "response.content_part.added"
     )
