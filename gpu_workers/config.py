@@ -107,6 +107,11 @@ class WorkerConfig(BaseSettings):
         "passed since the request's last chunk (0: tokens only); tokens further apart than this "
         "go out one by one; a request's own `stream_interval_ms` overrides it",
     )
+    step_records: bool = Field(
+        False,
+        description="write a step's chunks of every request on one reply partition as one record "
+        "(schemas/steps.py); false: each chunk a record of its own",
+    )
     takeover_margin_s: float = Field(5.0, description="look this far before created_at for emitted tokens")
     step_delay_s: float = Field(0.0, ge=0, description="sleep after each step (throttling / failover tests)")
     grammar_timeout_s: float = Field(

@@ -8,6 +8,8 @@ Outputs of a request its worker no longer owns (given up, or taken over afresh) 
 held partition wait for the next assignment (gpu_workers/rebalance.py). A shadow replay's answer is its
 Completion alone, on the shadow answers topic. Events are queued for the producer under `publish_lock`,
 so that a revocation can flush everything a publish under way queued.
+A step's chunks go out as one step record per reply partition (schemas/steps.py, `Steps`), written
+before any Completion on that partition, so a request's Completion follows its last chunk.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from gpu_workers.sequence import Output
 from producers import publish
 from schemas import Completion, Timings, TokenChunk, ToolCall, Usage, encode
 from schemas.headers import EVENT_TYPE
+from schemas.steps import STEP_HEADERS, STEP_MAX_BYTES, StepEntry, entry, step_value
 from topics import SHADOW_ANSWERS, TOKENS, TOOL_CALLS
 
 COMPLETED_KEPT = 10_000  # request ids remembered as done, to drop a duplicate of one
@@ -48,6 +51,7 @@ class Publisher:
 
     async def publish_locked(self, outputs: list[Output]) -> None:
         w = self.worker
+        steps = Steps(self, w.producer) if w.cfg.step_records else None
         for out in outputs:
             rid = out.seq.request_id
             owned = w.owned.get(rid)
@@ -79,7 +83,13 @@ class Publisher:
                     worker_id=w.worker_id,
                     logprobs=self.token_texts.report(out.logprobs) if out.logprobs else [],
                 )
-                if not request.shadow_of:  # a shadow replay's answer is its Completion alone
+                if request.shadow_of:  # a shadow replay's answer is its Completion alone
+                    pass
+                elif steps is not None:
+                    value = await unblocked(encode, chunk)  # a key not held: fetched in a thread
+                    headers = chunk_trace.headers() if chunk_trace is not None else None
+                    await steps.add(request, out.chunk_seq, entry(rid, value, headers), len(value))
+                else:
                     ack = await publish(
                         w.producer,
                         TOKENS,
@@ -150,6 +160,8 @@ class Publisher:
                     tier=request.tier,
                     moderated=request.output.moderated,
                 )
+                if steps is not None:  # its last chunk first
+                    await steps.flush(request.reply_partition)
                 headers = [(EVENT_TYPE, b"completion"), *(trace.headers() if trace else ())]
                 value = await unblocked(encode, done)  # a key not held: fetched in a thread, not on the loop
                 if request.shadow_of:  # never a client's: apart from ts.tokens, for `tokenstream shadow`
@@ -183,6 +195,8 @@ class Publisher:
                 task = asyncio.create_task(self._after_delivery(future, tp, offset))
                 w.pending_completions.add(task)
                 task.add_done_callback(w.pending_completions.discard)
+        if steps is not None:
+            await steps.flush_all()
 
     def note_first(self, request, seq: int | None, ack) -> None:
         """The request's first record of this worker's (its chunk 0, or a Completion at seq 0): where it
@@ -220,3 +234,36 @@ class Publisher:
                 return
             w.tracker.mark_committed(offsets)
             w.metrics.commits.labels(w.cfg.model).inc()
+
+
+class Steps:
+    """The step records of one publish: per reply partition, the entries of its chunks, sent as one
+    record when flushed (or sooner, past STEP_MAX_BYTES), each chunk 0's place then noted."""
+
+    def __init__(self, publisher: Publisher, producer) -> None:
+        self.publisher, self.producer = publisher, producer
+        self.pending: dict[int, tuple[list[StepEntry], list[tuple[object, int]], list[int]]] = {}
+
+    async def add(self, request, seq: int, item: StepEntry, size: int) -> None:
+        entries, firsts, used = self.pending.setdefault(request.reply_partition, ([], [], [0]))
+        entries.append(item)
+        if starts_stream(seq):
+            firsts.append((request, seq))
+        used[0] += size
+        if used[0] >= STEP_MAX_BYTES:
+            await self.flush(request.reply_partition)
+
+    async def flush(self, partition: int) -> None:
+        held = self.pending.pop(partition, None)
+        if held is None:
+            return
+        entries, firsts, _ = held
+        ack = await self.producer.send(
+            TOKENS.name, step_value(entries), partition=partition, headers=STEP_HEADERS
+        )
+        for request, seq in firsts:
+            self.publisher.note_first(request, seq, ack)
+
+    async def flush_all(self) -> None:
+        for partition in list(self.pending):
+            await self.flush(partition)
