@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
+from schemas.steps import unpack_all
+
 LOW_WATER = 1000  # records buffered per partition below which more is taken from what was fetched
 TAKE = 1000  # records taken from a partition's fetched response at a time (parsed lazily by aiokafka)
 WAIT_MS = 500  # longest wait for a partition that holds the watermark back
@@ -97,6 +99,7 @@ async def merged(
             if fetched[-1].offset >= end:
                 fetched = [r for r in fetched if r.offset < end]
                 done(tp)
+            fetched = list(unpack_all(fetched))  # a step record: its chunks, each at the step's offset
             most = latest[tp]
             stamps = times[tp]
             for r in fetched:

@@ -11,6 +11,7 @@ from common.unblocked import unblocked
 from producers.deadletter import dead_letter
 from producers.publish import decode_record
 from schemas import DecodeError, Event
+from schemas.steps import unpack_all
 from topics import TopicSpec
 
 
@@ -24,6 +25,7 @@ async def events(
 ) -> AsyncIterator[tuple[Event, ConsumerRecord]]:
     """Yield (event, record) for every decodable record, in partition order.
 
+    A step record (schemas/steps.py) yields its chunks, each with its `Unpacked` record.
     A record that fails to decode is written to the dead-letter topic (acknowledged
     before this continues) and skipped, an erased one (`tokenstream erase`) only skipped;
     the caller commits offsets as its effects land.
@@ -32,7 +34,7 @@ async def events(
     while True:
         batches = await consumer.getmany(timeout_ms=timeout_ms)
         for records in batches.values():
-            for record in records:
+            for record in unpack_all(records):
                 try:
                     event = await unblocked(decode_record, record, specs[record.topic])
                 except DecodeError as exc:  # (an erased record is only passed over)

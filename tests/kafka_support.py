@@ -16,6 +16,7 @@ from common import kafka_auth
 from producers import start_consumer
 from producers.publish import decode_record
 from schemas import DecodeError, Event
+from schemas.steps import unpack_all
 from topics import TopicSpec
 
 
@@ -88,7 +89,7 @@ class Tap:
     async def _run(self) -> None:
         while True:
             for tp, records in (await self.consumer.getmany(timeout_ms=100)).items():
-                for r in records:
+                for r in unpack_all(records):  # a step record: its chunks, in order
                     try:
                         self.events.append((decode_record(r, self.spec), tp.partition))
                     except DecodeError:  # a poison event (some tests write them): counted, not fatal
