@@ -246,19 +246,29 @@ class SyntheticWorker:
         )
 
     async def tick(self, rids: list[str], seq: int, last: bool) -> dict[str, float]:
-        """One token for each of `rids` (and their completions when `last`); returns created_at."""
+        """One token for each of `rids` (and their completions when `last`); returns created_at. As the
+        worker writes them: the chunks of one tick as one step record per reply partition
+        (schemas/steps.py), each Completion after its partition's step record."""
+        from common.unblocked import unblocked
         from producers import publish
-        from schemas import Completion, TokenChunk
+        from schemas import Completion, TokenChunk, encode
+        from schemas.steps import STEP_HEADERS, entry, step_value
         from topics import TOKENS
 
         created = {}
+        steps: dict[int, list] = {}
         for rid in rids:
             ev = TokenChunk(request_id=rid, seq=seq, text=f" t{seq}")
             created[rid] = ev.created_at
-            ack = await publish(self.producer, TOKENS, ev, partition=self.arrived[rid][0], wait=False)
-            if seq == 0:  # the request's first record (no processor writes before it here)
-                self.first.note(rid, ack)
-            if last:
+            steps.setdefault(self.arrived[rid][0], []).append(entry(rid, await unblocked(encode, ev)))
+        for partition, entries in steps.items():
+            value = step_value(entries)
+            ack = await self.producer.send(TOKENS.name, value, partition=partition, headers=STEP_HEADERS)
+            if seq == 0:  # the requests' first record (no processor writes before it here)
+                for e in entries:
+                    self.first.note(e.key, ack)
+        if last:
+            for rid in rids:
                 await publish(
                     self.producer,
                     TOKENS,

@@ -12,7 +12,9 @@ its own pace. A slow reader never pauses its partition, so no other stream waits
 
 The Fanout outlives its consumer: when reading fails (a broker error, a decode or sealing outage),
 the gateway gives it a new consumer (`attach`), which continues each partition at the first record
-not yet delivered, so every live stream stays attached and misses nothing, and gets nothing twice.
+not yet delivered, so every live stream stays attached and misses nothing, and gets nothing twice
+(a step record, read as its chunks (schemas/steps.py), stays the first not delivered until its last
+chunk went; the chunks met again there are dropped by seq where the stream is framed).
 
 Per event the fan-out does a dict lookup, one decode (only for a stream or watcher that reads it)
 and one wake-up of the stream's connection, whose task then takes every pending event at once; no
@@ -40,6 +42,7 @@ from gateway.metrics import Metrics
 from schemas import Completion, DecodeError, Event, TokenChunk, decode
 from schemas.headers import EVENT_TYPE
 from schemas.sealing import KeyNotHeld
+from schemas.steps import resume_offset, unpack_all
 from schemas.tokens import merge_chunks
 from topics import TOKENS
 
@@ -252,7 +255,7 @@ class Fanout:
             if watched:
                 watcher.heard(key, event if isinstance(event, Completion) else None)
             records.popleft()
-            self.next_offset[tp] = record.offset + 1
+            self.next_offset[tp] = resume_offset(record)
         return None
 
     async def run(self) -> None:
@@ -261,8 +264,8 @@ class Fanout:
             batches = await self.consumer.getmany(timeout_ms=200, max_records=2000)
             self.last_poll = loop.time()
             for tp, records in batches.items():
-                self._counters[tp.partition].inc(len(records))
-                pending = deque(records)
+                pending = deque(unpack_all(records))  # a step record: its chunks, in order
+                self._counters[tp.partition].inc(len(pending))
                 missing = self._deliver(tp, pending)
                 while missing is not None:  # a key not held: fetched in a thread while the loop goes on
                     missing = self._deliver(tp, pending, await self._fetching(tp, pending))
@@ -275,5 +278,5 @@ class Fanout:
         except DecodeError as exc:
             log.warning("undecodable token event %s@%d: %s", tp, record.offset, exc)
             pending.popleft()
-            self.next_offset[tp] = record.offset + 1
+            self.next_offset[tp] = resume_offset(record)
             return None

@@ -38,6 +38,7 @@ from common.unblocked import unblocked
 from producers import start_consumer
 from schemas import DecodeError, Event, decode
 from schemas.ids import parse_request_id
+from schemas.steps import resume_offset, unpack_all
 from topics import TOKENS
 
 log = logging.getLogger(__name__)
@@ -130,6 +131,7 @@ class PartitionReader:
                     self.tp, ()
                 )
                 stats.records_read += len(batch)
+                batch = list(unpack_all(batch))  # a step record: its chunks, each at the step's offset
                 self.recent.extend(batch)
                 while len(self.recent) > RECENT:
                     self.covered_from = self.recent.popleft().offset + 1
@@ -164,7 +166,7 @@ class PartitionReader:
             if not wanting:
                 continue
             for r in wanting:
-                r.next = record.offset + 1
+                r.next = resume_offset(record)
             try:
                 event = await unblocked(decode, record.value or b"", *TOKENS.events)
             except DecodeError:
