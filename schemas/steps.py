@@ -80,7 +80,9 @@ def entries_of(value: bytes) -> list[StepEntry]:
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise MalformedEvent(f"not a token step: {exc}") from exc
     if step.v > SCHEMA_VERSION:
-        raise UnsupportedVersion(f"token step version {step.v} (this reader knows up to {SCHEMA_VERSION})")
+        raise UnsupportedVersion(
+            f"token step version {step.v} (this reader knows up to {SCHEMA_VERSION})", step.v
+        )
     return step.entries
 
 
