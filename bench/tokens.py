@@ -6,6 +6,10 @@ gateway, and the real worker process with the synthetic backend (gpu_workers/bac
 a stand-in for a GPU that gives each running request one token every `--step-ms` and does nothing
 else, its tokens taking the worker's real path (streaming, the stream interval, publishing). The
 streaming clients (chat completions, stream: true) are a process of their own (bench/sse_clients.py).
+The output check judges with the bundled classifier on this CPU (`--judge model`), or with the
+stand-in for a classifier on an accelerator (`--judge stand-in`, safety_model/stand_in.py): the
+safety processor does all its work but the forward pass, which on 2 CPU cores caps the chain near a
+thousand tokens a second whatever the log carries.
 
 Stages raise the offered token rate (`--streams` concurrent streams, each at 1000 / `--step-ms`
 tokens a second): each stage opens its streams, waits until all stream, lets them run `--warm-s`,
@@ -53,6 +57,7 @@ from bench.stats import nearest_rank
 RESULTS = Path(__file__).parent / "results" / "tokens.json"
 MODEL = "smollm2"  # the name served (its tokenizer renders prompts); no model is loaded
 GATEWAY = "tokens"
+JUDGES = ("model", "stand-in")
 KEPT_UP = 0.9  # least share of the offered tokens the worker must write for a stage to count
 
 
@@ -68,6 +73,12 @@ def main(
         "(0: only reported; a processor may hold its commits back by design)",
     ),
     perf_records: int = typer.Option(300_000, help="records of the ProducerPerformance baseline (0: none)"),
+    judge: str = typer.Option(
+        "model",
+        help="the output check's judge: model (the bundled classifier on this CPU) or stand-in (a wait of "
+        "TOKENSTREAM_BENCH_STAND_IN_JUDGE_MS per call, as a classifier on an accelerator: "
+        "safety_model/stand_in.py)",
+    ),
     out: Path = typer.Option(RESULTS, help="where the JSON results go"),
 ) -> None:
     """The token path's capacity (tokens/s at lag p99 <= 100 ms) against Kafka's own producer."""
@@ -76,6 +87,8 @@ def main(
     plan = [int(s) for s in streams.split(",") if s.strip()]
     if not plan or any(n < 1 for n in plan) or step_ms <= 0 or window_s <= 0:
         raise typer.BadParameter("streams: positive counts; step, window: above 0")
+    if judge not in JUDGES:
+        raise typer.BadParameter(f"judge: one of {', '.join(JUDGES)}")
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 65536)), hard))
     options = dict(
@@ -85,6 +98,7 @@ def main(
         lag_limit_ms=lag_limit_ms,
         catch_up_s=catch_up_s,
         perf_records=perf_records,
+        judge=judge,
     )
     try:
         result = asyncio.run(_interruptible(run(plan, **options)))
@@ -94,7 +108,7 @@ def main(
     result["command"] = (
         f"tokenstream bench tokens --streams {streams} --step-ms {step_ms:g} --window-s {window_s:g} "
         f"--warm-s {warm_s:g} --lag-limit-ms {lag_limit_ms:g} --catch-up-s {catch_up_s:g} "
-        f"--perf-records {perf_records}"
+        f"--perf-records {perf_records} --judge {judge}"
     )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
@@ -149,6 +163,7 @@ async def run(
     lag_limit_ms: float = 100.0,
     catch_up_s: float = 0.0,
     perf_records: int = 300_000,
+    judge: str = "model",
     say=lambda m: print(m, flush=True),
 ) -> dict:
     """The stages of `plan` (streams each) on a throwaway system, then the baseline; the results."""
@@ -164,6 +179,10 @@ async def run(
 
     os.environ[ENABLE_ENV] = "1"  # the worker's synthetic backend, this system's only
     os.environ[STEP_ENV] = str(step_ms)
+    if judge == "stand-in":
+        from safety_model import stand_in
+
+        os.environ[stand_in.ENABLE_ENV] = "1"  # the safety processor's judge: this system's only
     tmp = Path(tempfile.mkdtemp(prefix="bench-tokens-"))
     say(f"bench tokens: a throwaway system under {tmp} (logs there)")
     worker = ("--backend", "synthetic", "--max-running", str(max(plan)))
@@ -218,6 +237,7 @@ async def run(
             "note": "every role, the broker and the clients share this host (loopback)",
         },
         "step_ms": step_ms,
+        "judge": judge,
         "lag_limit_ms": lag_limit_ms,
         "capacity_tokens_per_s": rate,
         "capacity_stage": capacity["streams"] if capacity else None,
@@ -371,7 +391,9 @@ def _figures(streams, step_s, opened_s, start, end, chunks, seen, caught) -> dic
         "cpu_us_per_token": cpu,
         "cpu_cores_busy": cores,
         "topics": topics,
-        "tokens_topic_record_bytes_mean": round(sum(c.size for c in inside) / max(1, len(inside)), 1),
+        "tokens_topic_record_bytes_mean": round(  # a step record counted once (its chunks share it)
+            sum(c.size for c in inside) / max(1, len({c.record for c in inside})), 1
+        ),
         "catch_up_s": caught,
     }
 
@@ -421,4 +443,5 @@ def _summary(r: dict) -> None:
             f"{base['records_per_s']:,.0f} records/s of {base['record_size']} bytes (acks=all): "
             f"ratio {r['capacity_vs_baseline']}"
         )
+    print(f"output check's judge: {r['judge']}")
     print(f"machine: {r['machine']['cpu']} ({r['machine']['isa']}), {r['machine']['cpus']} cores")

@@ -30,6 +30,22 @@ def test_the_synthetic_backend_is_refused_unless_a_benchmark_enables_it(monkeypa
         synthetic_engine(SimpleNamespace(model="smollm2", max_running=4, max_model_len=None))
 
 
+def test_the_stand_in_judge_is_refused_unless_a_benchmark_enables_it_and_allows_every_text(monkeypatch):
+    from safety_model import stand_in
+
+    monkeypatch.delenv(stand_in.ENABLE_ENV, raising=False)
+    with pytest.raises(RuntimeError, match="benchmark's only"):
+        stand_in.StandInJudge.load()
+    monkeypatch.setenv(stand_in.ENABLE_ENV, "1")
+    monkeypatch.setenv(stand_in.CALL_MS_ENV, "30")
+    judge = stand_in.StandInJudge.load()
+    started = time.perf_counter()
+    verdicts = judge.judge(["one", "two", "three"])
+    assert time.perf_counter() - started >= 0.03  # one wait per call, whatever the number of texts
+    assert [v.blocked for v in verdicts] == [False] * 3
+    assert set(verdicts[0].scores) == set(judge.policy.categories) and verdicts[0].categories == []
+
+
 def test_the_synthetic_backend_steps_its_batch_at_its_step_time_to_max_tokens():
     from common.models import load_tokenizer
 
@@ -65,9 +81,9 @@ def test_a_stage_s_figures_from_the_log_and_the_clients():
     end = Sample(
         t0 + 2, {"worker": 1.5, "gateway": 2.2}, {("ts.tokens", 0): 16, ("ts.x", 0): 5}, {"ts.tokens": 700}
     )
-    chunks = [Chunk("a", s, t0 + 0.1 * s, 1, 100) for s in range(4)]  # a: seq 0-3
-    chunks += [Chunk("b", 0, t0 + 0.5, 2, 120), Chunk("b", 1, t0 + 0.6, 1, 80)]
-    chunks.append(Chunk("a", 9, t0 + 2.5, 1, 100))  # created after the window: not counted
+    chunks = [Chunk("a", s, t0 + 0.1 * s, 1, 100, (0, 10 + s)) for s in range(4)]  # a: seq 0-3
+    chunks += [Chunk("b", 0, t0 + 0.5, 2, 120, (0, 14)), Chunk("b", 1, t0 + 0.6, 1, 80, (0, 15))]
+    chunks.append(Chunk("a", 9, t0 + 2.5, 1, 100, (0, 16)))  # created after the window: not counted
     seen = Received(rid_of=["a", "b"])
     # a's frames 0 and 1 alone, then one frame for 2 and 3 (merged for a slow reader); b's 1 never came
     seen.received = {"a": {0: t0 + 0.01, 1: t0 + 0.12, 3: t0 + 0.35}, "b": {0: t0 + 0.52}}
@@ -84,6 +100,9 @@ def test_a_stage_s_figures_from_the_log_and_the_clients():
         "ts.tokens": {"records": 6, "bytes": 600, "records_per_token": 1.0, "bytes_per_token": 100.0}
     }
     assert f["tokens_topic_record_bytes_mean"] == pytest.approx(600 / 6, rel=1e-3)
+    # chunks of one step record (schemas/steps.py) share its bytes: the record counts once
+    shared = [Chunk(c.request_id, c.seq, c.created_at, c.tokens, c.size, (0, 10)) for c in chunks]
+    assert _figures(2, 0.02, 0.5, start, end, shared, seen, {})["tokens_topic_record_bytes_mean"] == 600
     held, why = _judge(f, 100.0, 10.0)
     assert not held and any("lag p99" in w for w in why) and any("never reached" in w for w in why)
 
