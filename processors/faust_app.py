@@ -18,12 +18,14 @@ from common.config import settings
 from processors import table_store
 from processors.delivery import at_least_once
 from processors.recovery_watch import watch_recovery
+from processors.shares import headers_of, shares
 from producers.membership import member_client_id
 from producers.settings import FAUST, faust_liveness
 from schemas import DeadLetter, DecodeError, Erased, Event, TraceContext, decode, encode
 from schemas.codec import decoder
 from schemas.headers import EVENT_TYPE as TYPE_HEADER
 from schemas.sealing import SealingUnavailable
+from schemas.steps import CHUNK_TYPE, is_step, unpack
 from topics import DEAD_LETTER, TopicSpec, processor_group
 
 log = logging.getLogger(__name__)
@@ -147,12 +149,13 @@ def table(app: faust.App, spec: TopicSpec, name: str) -> faust.Table:
 
 def traced(raw: EventT, name: str, attributes: dict | None = None) -> tracing.Hop:
     """The span of this processor's handling of `raw`, a child of the hop that wrote it (its
-    traceparent header); `.trace` is what the events written meanwhile carry. Use it with `with`."""
+    traceparent header; a step's entry's own); `.trace` is what the events written meanwhile carry. Use
+    it with `with`."""
     message = raw.message
     group = raw.app.conf.id
     return tracing.hop(
         name,
-        tracing.parent_of(message.headers),
+        tracing.parent_of(headers_of(raw)),
         role=group.removeprefix("ts-"),
         attributes={
             **tracing.record_attributes(message.topic, message.partition, message.offset, group),
@@ -184,63 +187,83 @@ async def typed(
     `wants`, the event types the agent uses: a record whose event-type header names another type is
     passed over unopened (neither unsealed nor decoded); one without the header is decoded (and
     dead-lettered when malformed) and passed over when of another type.
-    On a stream whose acks are manual (`stream.noack()`) every record not yielded is acknowledged
-    here; the agent acknowledges those it is given."""
+    A step record (schemas/steps.py) is one record to pass over unopened where `wants` lacks TokenChunk;
+    otherwise each of its entries is read, in order, as the record it stands for, and yielded with a
+    share of the faust event (processors/shares.py), which acknowledges the faust event once every
+    entry is acknowledged; a step record whose body does not parse is dead-lettered whole.
+    On a stream whose acks are manual (`stream.noack()`) every record (or entry) not yielded is
+    acknowledged here; the agent acknowledges those it is given."""
     tags = None if wants is None else frozenset(t.__struct_config__.tag.encode() for t in wants)
+    steps_wanted = tags is None or CHUNK_TYPE in tags
     manual = not stream.enable_acks
     openers: dict[str, Callable[[bytes], Event]] = {}
-    async for event in stream.events():
-        message = event.message
+
+    async def read(record, value: bytes) -> Event | None:
+        """The event `record` (a faust message, or a step's entry) holds; None: passed over (raises
+        DecodeError for one that cannot be decoded)."""
         if tags is not None:
-            tag = _header(message.headers, TYPE_HEADER)
+            tag = _header(record.headers, TYPE_HEADER)
             if tag is not None and tag not in tags:
-                if manual:
-                    event.ack()
-                continue
+                return None
         try:
-            opener = openers.get(message.topic)
+            opener = openers.get(record.topic)
             if opener is None:
-                opener = openers[message.topic] = decoder(*specs[message.topic].events)
+                opener = openers[record.topic] = decoder(*specs[record.topic].events)
             try:
-                decoded = sealing.held_only(opener, event.value or b"")  # no key fetch on the loop
+                decoded = sealing.held_only(opener, value)  # no key fetch on the loop
             except SealingUnavailable:  # a key not held (fetched in a thread), or the keyring's Redis
                 # away: ridden out, the input held meanwhile
-                decoded = await sealing.patiently(
-                    functools.partial(opener, event.value or b""), stream.app.conf.id
-                )
+                decoded = await sealing.patiently(functools.partial(opener, value), stream.app.conf.id)
         except Erased:
-            log.info("passed over erased %s[%d]@%d", message.topic, message.partition, message.offset)
-            if manual:
+            log.info("passed over erased %s[%d]@%d", record.topic, record.partition, record.offset)
+            return None
+        return decoded if wants is None or isinstance(decoded, wants) else None
+
+    async for event in stream.events():
+        message = event.message
+        if steps_wanted and is_step(message.headers):
+            try:
+                entries = unpack(message)
+            except DecodeError as exc:
+                await dead_letter(dead_letters, stream.app.conf.id, message, event.value or b"", exc)
+                entries = []
+            if not entries and manual:
                 event.ack()
-            continue
-        except DecodeError as exc:
-            log.warning(
-                "dead-lettered %s[%d]@%d: %s", message.topic, message.partition, message.offset, exc.reason
-            )
-            key = message.key if isinstance(message.key, bytes) else None
-            headers = message.headers or []
-            items = headers.items() if isinstance(headers, dict) else headers
-            letter = DeadLetter(
-                request_id=key.decode("utf-8", "replace") if key else "",
-                reason=exc.reason,
-                error_type=type(exc).__name__,
-                source_topic=message.topic,
-                source_partition=message.partition,
-                source_offset=message.offset,
-                consumer_group=stream.app.conf.id,
-                payload=event.value or b"",
-                key=key,
-                headers=[(k, bytes(v)) for k, v in items],
-            )
-            await send(dead_letters, DEAD_LETTER, letter, key=letter.request_id)
-            if manual:
-                event.ack()
-            continue
-        if wants is not None and not isinstance(decoded, wants):
-            if manual:
-                event.ack()
-            continue
-        yield decoded, event
+            records = [(share.record, share.value, share) for share in shares(event, entries)]
+        else:
+            records = [(message, event.value or b"", event)]
+        for record, value, raw in records:
+            try:
+                decoded = await read(record, value)
+            except DecodeError as exc:
+                await dead_letter(dead_letters, stream.app.conf.id, record, value, exc)
+                decoded = None
+            if decoded is not None:
+                yield decoded, raw
+            elif manual:
+                raw.ack()
+
+
+async def dead_letter(dead_letters: faust.TopicT, group: str, record, value: bytes, exc: DecodeError) -> None:
+    """Send what could not be decoded to the dead-letter topic: `record` (a faust message, or a step's
+    entry, named by its step record's topic, partition and offset) with `value`."""
+    log.warning("dead-lettered %s[%d]@%d: %s", record.topic, record.partition, record.offset, exc.reason)
+    key = record.key if isinstance(record.key, bytes) else None
+    headers = record.headers or []
+    items = headers.items() if isinstance(headers, dict) else headers
+    letter = DeadLetter(
+        request_id=key.decode("utf-8", "replace") if key else "",
+        reason=exc.reason,
+        error_type=type(exc).__name__,
+        source_topic=record.topic,
+        source_partition=record.partition,
+        source_offset=record.offset,
+        consumer_group=group,
+        payload=value,
+        key=key,
+        headers=[(k, bytes(v)) for k, v in items],
+    )
+    await send(dead_letters, DEAD_LETTER, letter, key=letter.request_id)
 
 
 async def send(
