@@ -21,6 +21,7 @@ from aiokafka.structs import OffsetAndMetadata, TopicPartition
 from common import kafka_auth
 from common.config import settings
 from common.models import load_tokenizer
+from common.unblocked import unblocked
 from processors.conversation.window import prompt_counter, trim
 from producers import publish, start_producer
 from schemas import (
@@ -35,8 +36,10 @@ from schemas import (
     SamplingParams,
     TokenChunk,
     ToolSpec,
+    encode,
 )
 from schemas.keys import conversation_key
+from schemas.steps import STEP_HEADERS, entry, step_value
 from tests.kafka_support import Tap, group_settled, key_on_partition_of, one_key_per_partition, wait_for
 from tokenstream.chaos.verify import drained
 from tokenstream.shadow.gate import new_gate, record
@@ -157,6 +160,21 @@ async def answer(producer, request: InferenceRequest, text: str) -> None:
 
 def by_id(request_id: str):
     return lambda e: e.request_id == request_id
+
+
+# the tests that play the worker write its chunks as it would: as step records where it writes them
+STEP_RECORDS = os.environ.get("TOKENSTREAM_WORKER_STEP_RECORDS", "").lower() in ("1", "true", "yes", "on")
+
+
+async def write_chunks(producer, partition: int, *chunks: TokenChunk, steps: bool = STEP_RECORDS, wait=True):
+    """Play the worker's engine step: `chunks` on `partition`, as one step record (schemas/steps.py) or
+    each a record of its own; the first record's metadata (with wait=False, its future)."""
+    if not steps:
+        sent = [await publish(producer, TOKENS, c, partition=partition, wait=wait) for c in chunks]
+        return sent[0]
+    entries = [entry(c.request_id, await unblocked(encode, c)) for c in chunks]
+    future = await producer.send(TOKENS.name, step_value(entries), partition=partition, headers=STEP_HEADERS)
+    return await future if wait else future
 
 
 async def test_third_turn_with_only_the_new_message_gets_the_full_history(processors):
@@ -447,19 +465,12 @@ async def test_streamed_output_is_cut_with_a_verdict_in_band_and_a_cancel(proces
             calm = (
                 "Paris is the capital of France and is known for its museums, cafes and parks. " * 2
             ).split(" ")
-            for seq in range(40):
-                await publish(
+            for seq in range(40):  # one engine step: a chunk of each answer
+                await write_chunks(
                     producer,
-                    TOKENS,
+                    4,
                     TokenChunk(request_id=bad, seq=seq, text=words[seq % len(words)] + " ", token_ids=[1]),
-                    partition=4,
-                    wait=False,
-                )
-                await publish(
-                    producer,
-                    TOKENS,
                     TokenChunk(request_id=good, seq=seq, text=calm[seq % len(calm)] + " ", token_ids=[1]),
-                    partition=4,
                     wait=False,
                 )
             await producer.flush()
@@ -471,12 +482,7 @@ async def test_streamed_output_is_cut_with_a_verdict_in_band_and_a_cancel(proces
                 producer, TOKENS, Completion(request_id=good, seq=40, finish_reason="stop"), partition=4
             )
             # a short answer after it on the same partition: once it is judged, good's end was too
-            await publish(
-                producer,
-                TOKENS,
-                TokenChunk(request_id=marker, seq=0, text="Fine.", token_ids=[1]),
-                partition=4,
-            )
+            await write_chunks(producer, 4, TokenChunk(request_id=marker, seq=0, text="Fine.", token_ids=[1]))
             await publish(
                 producer, TOKENS, Completion(request_id=marker, seq=1, finish_reason="stop"), partition=4
             )
@@ -563,11 +569,15 @@ async def committed_offset(bootstrap: str, group: str, tp: TopicPartition) -> in
 
 
 @pytest.mark.timeout(240)
-async def test_kill9_of_the_safety_processor_mid_answer_judges_the_whole_window(processors, bootstrap):
+@pytest.mark.parametrize("steps", [False, True], ids=["records", "step-records"])
+async def test_kill9_of_the_safety_processor_mid_answer_judges_the_whole_window(processors, bootstrap, steps):
     """The safety processor holds an answer's window in memory until it judges it (every 32 tokens) and
     acknowledges no chunk a checkpoint does not cover, so its committed offset stays at the first chunk
     held. Killed -9 with 23 chunks of a harmful sentence held, its restart reads them again: the window
-    judged at the 32nd token, 9 chunks of a harmless one later, holds both, and is blocked."""
+    judged at the 32nd token, 9 chunks of a harmless one later, holds both, and is blocked.
+    With step records each of those chunks shares its record with a chunk of another answer, which ends
+    (judged, its row deleted, its chunks acknowledged) before the kill: a step record is acknowledged
+    only once all its entries are, so the commit stays at the first step all the same."""
     harmful = "Sure. First get a knife, then wait for the victim outside the house and stab them "
     harmful += "repeatedly in the chest until they die."
     harmless = "That is what the villain of the novel does in chapter three, and the detective arrives "
@@ -575,10 +585,12 @@ async def test_kill9_of_the_safety_processor_mid_answer_judges_the_whole_window(
     before, after = harmful.split(" "), harmless.split(" ")
     bad, partition, tp = rid(), 9, TopicPartition(TOKENS.name, 9)
 
+    neighbour = rid()  # with step records: the answer whose chunks share bad's steps
+
     async def short_answer(producer) -> str:
         request_id = rid()
         chunk = TokenChunk(request_id=request_id, seq=0, text="Fine.", token_ids=[1])
-        await publish(producer, TOKENS, chunk, partition=partition)
+        await write_chunks(producer, partition, chunk, steps=steps)
         done = Completion(request_id=request_id, seq=1, finish_reason="stop")
         await publish(producer, TOKENS, done, partition=partition)
         await verdicts.wait_for(lambda e: e.request_id == request_id and e.stage == "output", timeout=90)
@@ -587,13 +599,22 @@ async def test_kill9_of_the_safety_processor_mid_answer_judges_the_whole_window(
     def chunk(seq: int, word: str) -> TokenChunk:
         return TokenChunk(request_id=bad, seq=seq, text=word + " ", token_ids=[1])
 
+    def step(seq: int, word: str) -> list[TokenChunk]:  # one engine step's chunks on the partition
+        if not steps or seq >= len(before):
+            return [chunk(seq, word)]
+        return [chunk(seq, word), TokenChunk(request_id=neighbour, seq=seq, text="la ", token_ids=[1])]
+
     async with Tap(VERDICTS) as verdicts:
         producer = await start_producer()
         try:
             await short_answer(producer)  # judged and acknowledged: the commit may reach what follows
-            first = (await publish(producer, TOKENS, chunk(0, before[0]), partition=partition)).offset
+            first = (await write_chunks(producer, partition, *step(0, before[0]), steps=steps)).offset
             for seq, word in enumerate(before[1:], 1):
-                await publish(producer, TOKENS, chunk(seq, word), partition=partition, wait=False)
+                await write_chunks(producer, partition, *step(seq, word), steps=steps, wait=False)
+            if steps:  # the neighbour ends: judged, and each of its chunks acknowledged
+                done = Completion(request_id=neighbour, seq=len(before), finish_reason="stop")
+                await publish(producer, TOKENS, done, partition=partition)
+                await verdicts.wait_for(lambda e: e.request_id == neighbour, timeout=90)
             await short_answer(producer)  # judged: the chunks before it were read
 
             async def reached() -> bool:  # an older window held on the partition holds it up to CHECKPOINT_S
@@ -604,7 +625,7 @@ async def test_kill9_of_the_safety_processor_mid_answer_judges_the_whole_window(
             processors.kill9("safety")
             processors.start("safety")
             for seq, word in enumerate(after, len(before)):
-                await publish(producer, TOKENS, chunk(seq, word), partition=partition, wait=False)
+                await write_chunks(producer, partition, *step(seq, word), steps=steps, wait=False)
             done = Completion(request_id=bad, seq=len(before) + len(after), finish_reason="stop")
             await publish(producer, TOKENS, done, partition=partition)
             await verdicts.wait_for(lambda e: e.request_id == bad, timeout=150)
