@@ -7,7 +7,8 @@ folded in, or deleted at its answer's end (after the last judgement); a chunk th
 already (a replay) at once. faust flushes the table's changelog writes before it commits offsets, so
 after a kill the committed offset never lies past a chunk whose text the table lacks: the restarted
 processor reads the checkpoint, then those chunks again, and folds them in (`windows.fold` drops the
-chunks folded in before).
+chunks folded in before). A chunk of a step record (schemas/steps.py) is acknowledged by the same rule
+as a share of that record (processors/shares.py): the record itself once all its chunks are.
 
 A window is checkpointed (its table row written) when it is judged, when it holds `checkpoint_chunks`
 chunks unacknowledged, when its oldest unacknowledged chunk is `checkpoint_s` old (a stream that stalls
