@@ -94,12 +94,13 @@ async def test_typed_yields_each_entry_in_order_and_dead_letters_a_bad_one_by_it
         [(EVENT_TYPE, b"completion")],
     )
     broken = Event(b"[not a step", STEP_HEADERS, offset=9)
+    newer = Event(b'{"v": 99, "entries": []}', STEP_HEADERS, offset=10)
     letters: list[DeadLetter] = []
     wants = (TokenChunk, Completion)
     got = [
         pair
         async for pair in typed(
-            stream_of([first, done, broken]), {TOKENS.name: TOKENS}, dead_letters(letters), wants=wants
+            stream_of([first, done, broken, newer]), {TOKENS.name: TOKENS}, dead_letters(letters), wants=wants
         )
     ]
     assert [e for e, _ in got] == [chunk("a", 0), chunk("b", 0), decode(done.value, Completion)]
@@ -107,11 +108,14 @@ async def test_typed_yields_each_entry_in_order_and_dead_letters_a_bad_one_by_it
     assert isinstance(a, Share) and isinstance(b, Share) and end is done
     with traced(a, "screen_output") as span:  # a child of the entry's own trace, at the step's place
         assert span.trace.trace_id == trace.trace_id
-    bad, whole = letters
+    bad, whole, unknown = letters
     assert (bad.source_topic, bad.source_partition, bad.source_offset) == (TOKENS.name, 3, 7)
     assert bad.key == b"x" and bad.payload == b'{"type": "nope"}' and bad.request_id == "x"
     assert (whole.source_offset, whole.payload) == (9, b"[not a step")  # a step that does not parse: whole
-    assert broken.acks == 1 and first.acks == 0  # the bad entry counts as acknowledged; two wait
+    assert unknown.error_type == "UnsupportedVersion" and unknown.source_offset == 10
+    assert (
+        broken.acks == newer.acks == 1 and first.acks == 0
+    )  # the bad entry counts as acknowledged; two wait
     a.ack()
     assert first.acks == 0
     b.ack()
