@@ -6,7 +6,7 @@ Decoding a short window rather than the lone token keeps the spacing rules of to
 strip a leading space or merge bytes (byte-level BPE: one character may span several tokens).
 While the window's text ends in U+FFFD (an incomplete UTF-8 character) nothing is appended and
 the window grows until the character is complete. The text equals `decode(all tokens)` for
-byte-level BPE (`tests/test_worker_prefix.py` checks it against full decodes of every prefix).
+byte-level BPE (`tests/test_detokenizer.py` checks it against full decodes of every prefix).
 
 A fast tokenizer (its `backend_tokenizer` a `tokenizers.Tokenizer`, and no clean-up of spaces in
 the transformers `decode` on top) runs the scheme in Rust: `tokenizers.decoders.DecodeStream` is the
@@ -17,8 +17,8 @@ windows here. Both keep `prefix_offset`/`read_offset` (gpu_workers/streaming.py 
 an incomplete character at the end).
 
 Earlier ids (a takeover resuming a request) are fed one at a time at construction, as if streamed:
-where the windows fall depends on every earlier token, so only this gives a resumed stream exactly
-the text of an uninterrupted one (`tests/test_detokenizer.py`).
+where the windows fall depends on every earlier token, so a resumed stream then has the windows, the
+texts per token and the text of an uninterrupted one (`tests/test_detokenizer.py`, at every split).
 """
 
 from __future__ import annotations
