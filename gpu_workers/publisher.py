@@ -51,7 +51,7 @@ class Publisher:
 
     async def publish_locked(self, outputs: list[Output]) -> None:
         w = self.worker
-        steps = Steps(self, w.producer) if w.cfg.step_records else None
+        steps = Steps(self, w.producer) if w.cfg.step_records and outputs else None
         for out in outputs:
             rid = out.seq.request_id
             owned = w.owned.get(rid)

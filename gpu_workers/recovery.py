@@ -11,6 +11,10 @@ ack; one MGET for the batch). A request without one (not started yet, its writer
 or Redis cannot say) starts the read shortly before it was created instead (offsets_for_times; the
 topic uses LogAppendTime), as every read did before; the first record the read then finds of such a
 request is noted for later readers.
+
+A step record (schemas/steps.py) is read as its entries, each a chunk at the step record's offset: the
+first record found of a request is then the step record holding its chunk, and `records_read` counts
+Kafka records (a step record once).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from common.first_records import FirstRecords, first_offsets, record_found
 from common.unblocked import unblocked
 from producers import decode_record
 from schemas import Completion, DecodeError, TokenChunk
+from schemas.steps import unpack_all
 from topics import TOKENS
 
 log = logging.getLogger(__name__)
@@ -125,10 +130,10 @@ class TokenLog:
         while todo:
             batches = await consumer.getmany(*todo, timeout_ms=500)
             for tp, records in batches.items():
-                for rec in records:
-                    if rec.offset >= todo.get(tp, -1):
-                        continue
-                    read += 1
+                end = todo.get(tp, -1)
+                records = [rec for rec in records if rec.offset < end]
+                read += len(records)
+                for rec in unpack_all(records):  # a step record: its chunks, each at the step's offset
                     if rec.key not in keys:
                         continue
                     if rec.key in unknown and tp in since:

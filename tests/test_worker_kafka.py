@@ -35,6 +35,7 @@ from schemas import (
     decode,
     encode,
 )
+from schemas.steps import unpack, unpack_all
 from topics import CONTROL, TOKENS, inference_topic
 from topics.admin import apply
 
@@ -83,14 +84,15 @@ async def _first_records(rids: list[str], timeout_s: float = 10.0) -> dict[str, 
         await redis.aclose()
 
 
-async def _record_at(bootstrap: str, partition: int, offset: int) -> ConsumerRecord:
+async def _records_at(bootstrap: str, partition: int, offset: int) -> list:
+    """The records the record at `offset` stands for: itself, or a step record's entries."""
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, **kafka_auth.client_options())
     await consumer.start()
     try:
         tp = TopicPartition(TOKENS.name, partition)
         consumer.assign([tp])
         consumer.seek(tp, offset)
-        return (await consumer.getmany(tp, timeout_ms=5000, max_records=1))[tp][0]
+        return unpack((await consumer.getmany(tp, timeout_ms=5000, max_records=1))[tp][0])
     finally:
         await consumer.stop()
 
@@ -123,7 +125,7 @@ class TokenReader:
                 f"timed out; seen { {k: len(v) for k, v in self.events.items()} }"
             )
             for records in (await self.consumer.getmany(timeout_ms=200)).values():
-                for rec in records:
+                for rec in unpack_all(records):  # a step record: its chunks, in order
                     self.events[rec.key.decode()].append(decode_record(rec, TOKENS))
 
     def completion(self, rid: str) -> Completion | None:
@@ -197,8 +199,8 @@ async def test_worker_streams_commits_and_exports_metrics(bootstrap, unique, tin
         # each request's first record is noted where it lies, on its ack (common/first_records.py)
         noted = await _first_records([r.request_id for r in reqs])
         for rid, at in noted.items():
-            first = await _record_at(bootstrap, REPLY, at)
-            assert first.key == rid.encode() and decode_record(first, TOKENS).seq == 0, rid
+            here = [r for r in await _records_at(bootstrap, REPLY, at) if r.key == rid.encode()]
+            assert here and decode_record(here[0], TOKENS).seq == 0, rid  # (a step record: one entry of it)
         # the suite's workers coalesce (tests/conftest.py): a chunk per 3 tokens, the first text at once
         assert (cfg.stream_interval, cfg.stream_interval_ms) == (3, 0)
         sizes = [len(c.token_ids) for r in reqs for c in reader.chunks(r.request_id)]
@@ -524,7 +526,9 @@ def _held_worker(tiny_loaded, generation: int):
 
     class Producer:
         async def send(self, topic, value, key=None, partition=None, headers=None):
-            sent.append((key.decode(), value))
+            rec = SimpleNamespace(topic=topic, partition=partition, offset=0, timestamp=0, timestamp_type=0)
+            rec.key, rec.value, rec.headers = key, value, headers or []
+            sent.extend((one.key.decode(), one.value) for one in unpack(rec))  # a step record: its chunks
             future = asyncio.get_running_loop().create_future()
             future.set_result(None)
             return future
