@@ -108,7 +108,7 @@ class WorkerConfig(BaseSettings):
         "go out one by one; a request's own `stream_interval_ms` overrides it",
     )
     step_records: bool = Field(
-        False,
+        True,
         description="write a step's chunks of every request on one reply partition as one record "
         "(schemas/steps.py); false: each chunk a record of its own",
     )
