@@ -263,12 +263,13 @@ class Timeline:
     async def _run(self) -> None:
         from producers.publish import decode_record
         from schemas import ChatRequest, Completion, TokenChunk
+        from schemas.steps import unpack_all
         from topics.registry import spec_for
 
         while True:
             for tp, records in (await self.consumer.getmany(timeout_ms=100)).items():
                 spec = spec_for(tp.topic)
-                for record in records:
+                for record in unpack_all(records):  # a step record: its chunks, in order
                     try:
                         event = decode_record(record, spec)
                     except Exception as exc:  # noqa: BLE001 - not ours to judge here

@@ -6,8 +6,8 @@
 - `Meter.catch_up(...)`: how long after the window each consumer group reading ts.tokens took to commit
   past the window's last record (the processors keep up, or fall behind);
 - `Meter.chunks(...)`: the ts.tokens records between two samples' offsets, decoded with the project's
-  codec (sealed content opened): each token chunk's request, number, created_at, token count and
-  record size.
+  codec (sealed content opened, a step record's chunks unpacked): each token chunk's request, number,
+  created_at, token count, record and its share of the record's size.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ class Chunk:
     seq: int
     created_at: float
     tokens: int
-    size: int  # key + value + headers, bytes
+    size: float  # its record's key + value + headers, bytes (a step record's shared among its chunks)
+    record: tuple[int, int]  # its record's partition and offset (a step record's chunks: the same)
 
 
 @dataclass
@@ -133,6 +134,7 @@ class Meter:
 
         from schemas import TokenChunk, decode
         from schemas.headers import EVENT_TYPE
+        from schemas.steps import unpack
 
         ranges = {
             TopicPartition(t, p): (start.offsets.get((t, p), 0), off)
@@ -153,13 +155,24 @@ class Meter:
                 for record in records:
                     if record.offset >= last:
                         break
-                    if dict(record.headers or ()).get(EVENT_TYPE) != b"token_chunk":
-                        continue  # a completion, an in-band verdict
-                    event = decode(record.value, TokenChunk)
-                    size = len(record.value) + len(record.key or b"")
+                    size = len(record.value or b"") + len(record.key or b"")
                     size += sum(len(k.encode()) + len(v or b"") for k, v in record.headers or ())
-                    tokens = max(1, len(event.token_ids))
-                    found.append(Chunk(event.request_id, event.seq, event.created_at, tokens, size))
+                    held = unpack(record)  # a step record: its chunks, sharing its size
+                    for one in held:
+                        if dict(one.headers or ()).get(EVENT_TYPE) != b"token_chunk":
+                            continue  # a completion, an in-band verdict
+                        event = decode(one.value, TokenChunk)
+                        tokens = max(1, len(event.token_ids))
+                        found.append(
+                            Chunk(
+                                event.request_id,
+                                event.seq,
+                                event.created_at,
+                                tokens,
+                                size / len(held),
+                                (tp.partition, record.offset),
+                            )
+                        )
             for tp in list(left):
                 if await self.consumer.position(tp) >= ranges[tp][1]:
                     left.discard(tp)

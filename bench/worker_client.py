@@ -44,6 +44,7 @@ async def run(bootstrap: str, spec: dict) -> dict:
     from common import kafka_auth
     from producers import decode_record, publish, start_producer
     from schemas import Completion
+    from schemas.steps import unpack_all
     from topics import TOKENS, inference_topic
 
     topic = inference_topic(spec["model"])
@@ -63,7 +64,7 @@ async def run(bootstrap: str, spec: dict) -> dict:
         while not until():
             for records in (await consumer.getmany(timeout_ms=100)).values():
                 now = time.perf_counter()
-                for rec in records:
+                for rec in unpack_all(records):  # a step record: its chunks, in order
                     take(decode_record(rec, TOKENS), now)
 
     try:
