@@ -30,6 +30,7 @@ from audit.scan import Span, merged, spans_between
 from audit.signer import as_dict
 from producers import start_consumer
 from schemas import ChatRequest, Checkpoint, Completion, DecodeError, SafetyVerdict, ToolCall, decode
+from schemas.steps import unpack
 
 
 @dataclass
@@ -62,24 +63,32 @@ async def _read(consumer, topic: str, partition: int, first: int | None, last: i
     [span] = await spans_between(consumer, [tp], None, None) or [Span(tp, 0, 0)]
     if first is not None:
         span = Span(tp, first, span.stop if last is None else min(span.stop, last + 1))
-    return [r async for batch in merged(consumer, [span], {topic: 0}) for r in batch]
+    return [r async for batch in merged(consumer, [span], {topic: 0}, unpack=False) for r in batch]
 
 
 def _digest(record) -> str:
     return lm.record_digest(record.timestamp, record.key, record.value, list(record.headers))
 
 
+def _events(record) -> list:
+    """The events a record holds, its own or a step record's chunks (schemas/steps.py), each None where
+    no event type reads its bytes."""
+    try:
+        held = unpack(record)
+    except DecodeError:
+        return [None]
+    return [_event(r) for r in held]
+
+
 def _event(record):
-    """The record's event, or None for bytes no event type reads."""
     try:
         return decode(record.value or b"")
     except DecodeError:
         return None
 
 
-def _tenant_of(record) -> str | None:
-    event = _event(record)
-    return None if event is None else event.tenant
+def _tenants_of(record) -> set[str]:
+    return {e.tenant for e in _events(record) if e is not None}
 
 
 async def prove(
@@ -129,7 +138,7 @@ async def _prove_one(
         records = await _read(consumer, topic, partition, cps[0].first_offset, cps[-1].last_offset)
     else:  # a copy holds the range from its own start, at offsets of its own
         records = await _read(consumer, source, partition, None, None)
-    if tenant is not None and tenant not in {_tenant_of(r) for r in records}:
+    if tenant is not None and not any(tenant in _tenants_of(r) for r in records):
         return None
     attested = [(o, d) for c in cps for o, d in zip(c.offsets, c.record_digests, strict=True)]
     problem = lm.check_checkpoints([as_dict(c) for c in cps], public_key) or lm.first_difference(
@@ -202,17 +211,19 @@ async def export(
                 if not cps:
                     continue
                 records = await _read(consumer, topic, partition, cps[0].first_offset, cps[-1].last_offset)
-                events = [_event(r) for r in records]  # each record decoded once
-                if tenant is not None and not any(e is not None and e.tenant == tenant for e in events):
+                events = [_events(r) for r in records]  # each record decoded once
+                if tenant is not None and not any(tenant in {e.tenant for e in es if e} for es in events):
                     continue
                 n_partitions += 1
                 for cp in cps:
                     cps_out.write(json.dumps(as_dict(cp)) + "\n")
-                for r, event in zip(records, events, strict=True):
+                for r, held in zip(records, events, strict=True):
                     n_records += 1
                     row = {"topic": topic, "partition": partition, "offset": r.offset}
-                    if tenant is not None and (event is None or event.tenant != tenant):
-                        row["digest"] = _digest(r)  # another tenant's record: its place, not its content
+                    if tenant is not None and not all(e is not None and e.tenant == tenant for e in held):
+                        # another tenant's record (or a step record holding another's chunk too): its
+                        # place, not its content
+                        row["digest"] = _digest(r)
                     else:
                         row.update(
                             timestamp=r.timestamp,
@@ -220,8 +231,9 @@ async def export(
                             value=_b64(r.value),
                             headers=[[k, base64.b64encode(bytes(v)).decode()] for k, v in r.headers],
                         )
-                        if event is not None:
-                            _request_fields(event, requests)
+                        for event in held:
+                            if event is not None:
+                                _request_fields(event, requests)
                     rec_out.write(json.dumps(row) + "\n")
     finally:
         await consumer.stop()

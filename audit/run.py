@@ -254,11 +254,10 @@ class Auditor:
         filtered = (
             {n for n, spec in self.specs.items() if keyed_by_request(spec)} if keys is not None else set()
         )
-        records = undecodable = since_sweep = 0
+        undecodable = since_sweep = 0
         tenant_ok, tokens, keys_held = self._tenant_ok, TOKENS.name, sealer()
         async with _fewer_collections():
             async for batch in merged(self.consumer, spans, self.order, progress):
-                records += len(batch)
                 for record in batch:
                     topic = record.topic
                     if topic in filtered and record.key not in keys:
@@ -299,7 +298,7 @@ class Auditor:
                     await sweep(batch[-1].timestamp)
         for audit in live.values():
             await close(audit)
-        outcome.records = records
+        outcome.records = read  # records of the log (a step record once, its chunks folded each)
         outcome.undecodable = undecodable
         return outcome
 

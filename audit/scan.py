@@ -68,10 +68,14 @@ async def merged(
     spans: list[Span],
     order: dict[str, int],
     progress: Callable[[int], None] = lambda n: None,
+    *,
+    unpack: bool = True,
 ) -> AsyncIterator[list[ConsumerRecord]]:
     """Every record of `spans` in batches, merged by (timestamp, topic order, partition, offset).
 
-    `progress(n)` is told how many records were read since its last call.
+    A step record (schemas/steps.py) comes out as its entries, each at the step record's offset and
+    timestamp; with `unpack=False` as the record it is (a reader of the records' bytes: the ledger's).
+    `progress(n)` is told how many records of the log were read since its last call (a step record one).
     """
     spans = [s for s in spans if s.size]
     if not spans:
@@ -99,7 +103,9 @@ async def merged(
             if fetched[-1].offset >= end:
                 fetched = [r for r in fetched if r.offset < end]
                 done(tp)
-            fetched = list(unpack_all(fetched))  # a step record: its chunks, each at the step's offset
+            got += len(fetched)
+            if unpack:
+                fetched = list(unpack_all(fetched))  # a step record: its chunks, each at the step's offset
             most = latest[tp]
             stamps = times[tp]
             for r in fetched:
@@ -107,7 +113,6 @@ async def merged(
                 stamps.append(most)
             latest[tp] = most
             records[tp] += fetched
-            got += len(fetched)
             if fetched and fetched[-1].offset + 1 >= end:
                 done(tp)
         progress(got)

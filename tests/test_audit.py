@@ -31,9 +31,11 @@ from schemas import (
     ToolCall,
     ToolResult,
     Usage,
+    encode,
 )
 from schemas.ids import new_request_id
 from schemas.keys import conversation_key
+from schemas.steps import STEP_HEADERS, entry, step_value
 from tests.kafka_support import Tap
 from topics import (
     CHAT_REQUESTS,
@@ -81,7 +83,8 @@ async def play(
     missing_seq: int | None = None,
 ) -> str:
     """Write one request's events as the roles do; `kind`: ok | input_blocked | output_blocked | tool |
-    parallel_ok | parallel_blocked (screened in parallel: generation starts before the input verdict)."""
+    parallel_ok | parallel_blocked (screened in parallel: generation starts before the input verdict) |
+    steps (as ok, its chunks two to a step record, as a worker with step_records writes them)."""
     rid = new_request_id(partition, time.time())
     ids = dict(request_id=rid, conversation_id=conversation, tenant=tenant)
     question = [ChatMessage(role="user", content=f"What colour is the sky? ({kind})")]
@@ -124,7 +127,7 @@ async def play(
         return rid
     await publish(producer, SCREENED, prepared)
     await publish(producer, inference_topic(MODEL), prepared)
-    seq = 0
+    seq, step = 0, []
     for i, word in enumerate(WORDS):
         if kind == "tool" and i == 2:
             await publish(
@@ -152,7 +155,14 @@ async def play(
                 **on_tokens,
             )
             await publish(producer, CONTROL, Cancel(**ids, reason="content_filter"))
-        if seq != missing_seq:
+        if kind == "steps":
+            step.append(entry(rid, encode(TokenChunk(**ids, seq=seq, text=word, worker_id="w1"))))
+            if len(step) == 2 or i == len(WORDS) - 1:
+                await producer.send_and_wait(
+                    TOKENS.name, step_value(step), partition=partition, headers=STEP_HEADERS
+                )
+                step = []
+        elif seq != missing_seq:
             await publish(
                 producer, TOKENS, TokenChunk(**ids, seq=seq, text=word, worker_id="w1"), **on_tokens
             )
@@ -230,7 +240,15 @@ async def test_each_kind_of_request_replays_with_the_text_its_client_saw(topics_
         conv, tenant = f"conv-{uuid.uuid4().hex[:8]}", "t-" + uuid.uuid4().hex[:6]
         rids = {
             kind: await play(producer, conversation=conv, tenant=tenant, kind=kind)
-            for kind in ("ok", "input_blocked", "output_blocked", "tool", "parallel_ok", "parallel_blocked")
+            for kind in (
+                "ok",
+                "input_blocked",
+                "output_blocked",
+                "tool",
+                "parallel_ok",
+                "parallel_blocked",
+                "steps",
+            )
         }
     finally:
         await producer.stop()
@@ -257,6 +275,8 @@ async def test_each_kind_of_request_replays_with_the_text_its_client_saw(topics_
     held = await audit_of(bootstrap, rids["parallel_blocked"])
     assert held.text == REFUSAL and held.finish_reason == "content_filter"
     assert held.problems() == [] and held.withheld == 3  # two chunks held, one after the verdict
+    stepped = await audit_of(bootstrap, rids["steps"])  # chunks unpacked from their step records
+    assert stepped.text == "".join(WORDS) and stepped.finish_reason == "stop" and stepped.problems() == []
 
 
 async def test_the_time_in_each_hop_comes_from_the_broker_timestamps_and_the_worker_timings(

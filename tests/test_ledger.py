@@ -5,6 +5,7 @@ exported bundle checked by its own verify.py, which imports nothing of tokenstre
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
 import json
 import subprocess
@@ -20,8 +21,9 @@ from audit.notary import notarize, read_ledger
 from audit.proof import _records, export, prove
 from audit.signer import Signer
 from producers import publish, start_producer
-from schemas import ChatMessage, ChatRequest
-from topics import CHAT_REQUESTS, TopicSpec
+from schemas import ChatMessage, ChatRequest, TokenChunk, encode
+from schemas.steps import STEP_HEADERS, StepEntry, entry, is_step, step_value
+from topics import CHAT_REQUESTS, TOKENS, TopicSpec
 from topics.admin import apply
 from topics.registry import all_topics
 
@@ -101,6 +103,29 @@ async def _write_requests(bootstrap: str, n: int) -> None:
         await producer.stop()
 
 
+async def _write_steps(bootstrap: str) -> tuple[int, int, int]:
+    """Two step records on a tokens partition (schemas/steps.py): one holding chunks of acme and globex,
+    one of acme alone; the partition and their offsets."""
+    partition = 7
+    producer = await start_producer(bootstrap)
+
+    def chunk(i: int, tenant: str) -> StepEntry:
+        rid = f"ledger-{i}"
+        answer = TokenChunk(request_id=rid, tenant=tenant, seq=0, text=f"answer of {tenant}")
+        return entry(rid, encode(answer))
+
+    try:
+        offsets = []
+        for entries in ([chunk(1, "acme"), chunk(0, "globex")], [chunk(3, "acme")]):
+            sent = await producer.send_and_wait(
+                TOKENS.name, step_value(entries), partition=partition, headers=STEP_HEADERS
+            )
+            offsets.append(sent.offset)
+        return partition, offsets[0], offsets[1]
+    finally:
+        await producer.stop()
+
+
 async def _copy(bootstrap: str, partition: int, records: list, name: str, change) -> None:
     """Re-produce `records` (one partition) into partition `partition` of a new topic, after `change`."""
     await apply(
@@ -127,10 +152,13 @@ async def test_verify_names_each_forgery_of_a_copy_and_the_bundle_verifies_alone
 ):
     await apply(all_topics([MODEL]), bootstrap)
     await _write_requests(bootstrap, 12)
+    step_partition, mixed, own = await _write_steps(bootstrap)
     signer = Signer.load()
-    assert await notarize(bootstrap, signer, interval_s=60) >= 12
-    # The live log is whole and in order (the requests topic: the session's other topics hold more).
-    proofs = await prove(bootstrap, signer.public_key, topics={CHAT_REQUESTS.name})
+    assert await notarize(bootstrap, signer, interval_s=60) >= 14
+    # The live log is whole and in order (the requests topic, and the tokens topic's step records
+    # attested as the records they are: the session's other topics hold more).
+    proofs = await prove(bootstrap, signer.public_key, topics={CHAT_REQUESTS.name, TOKENS.name})
+    assert any(p.topic == TOKENS.name and p.partition == step_partition for p in proofs)
     assert proofs and all(p.problem is None for p in proofs), [p for p in proofs if p.problem]
     # One partition holding our records, as attested.
     ledger = await read_ledger(bootstrap)
@@ -187,13 +215,14 @@ async def test_verify_names_each_forgery_of_a_copy_and_the_bundle_verifies_alone
     rows = [json.loads(line) for line in (bundle / "records.jsonl").read_text().splitlines()]
     assert not any(b"globex" in (r.get("value") or "").encode() for r in rows)
     assert any("digest" in r for r in rows)  # globex's records: their place, not their content
+    steps = {r["offset"]: r for r in rows if r["topic"] == TOKENS.name and r["partition"] == step_partition}
+    assert "digest" in steps[mixed] and "value" not in steps[mixed]  # a step holding globex's chunk too
+    assert is_step([(k, base64.b64decode(v)) for k, v in steps[own]["headers"]]) and "value" in steps[own]
     requests = [json.loads(line) for line in (bundle / "requests.jsonl").read_text().splitlines()]
     assert {r["tenant"] for r in requests if r["request_id"].startswith("ledger-")} == {"acme"}
     ok = await asyncio.to_thread(_standalone, bundle)
     assert ok.returncode == 0 and "verified" in ok.stdout, ok.stdout + ok.stderr
     # Change one attested record's bytes in the bundle: its verifier names it.
-    import base64
-
     i = next(i for i, r in enumerate(rows) if "value" in r and b"ledger-" in base64.b64decode(r["value"]))
     edited = base64.b64decode(rows[i]["value"]).replace(
         MODEL.encode(), MODEL.upper().encode()

@@ -68,6 +68,7 @@ async def read_answers(bootstrap: str, rids: set[str], since: float) -> dict[str
     from aiokafka.structs import TopicPartition
 
     from schemas import DecodeError, decode
+    from schemas.steps import unpack_all
     from topics import TOKENS
 
     consumer = AIOKafkaConsumer(
@@ -89,15 +90,15 @@ async def read_answers(bootstrap: str, rids: set[str], since: float) -> dict[str
         remaining = {tp for tp in tps if await consumer.position(tp) < ends[tp]}
         while remaining:
             for tp, records in (await consumer.getmany(*remaining, timeout_ms=500)).items():
-                for record in records:
+                for record in unpack_all(records):  # a step record: its chunks, in order
                     answer = answers.get((record.key or b"").decode())
                     if answer is not None:
                         try:
                             answer.add(await unblocked(decode, record.value or b"", *TOKENS.events))
                         except DecodeError:
                             pass
-                    if record.offset + 1 >= ends[tp]:
-                        remaining.discard(tp)
+                if records and records[-1].offset + 1 >= ends[tp]:
+                    remaining.discard(tp)
     finally:
         await consumer.stop()
     return answers

@@ -68,7 +68,8 @@ async def recorded(
         answers: dict[str, Completion] = {}
         wanted = {rid.encode() for rid in requests}
         tps = sorted({TopicPartition(TOKENS.name, r.reply_partition) for r in requests.values()})
-        async for batch in merged(consumer, await spans_between(consumer, tps, since_ms, None), {}):
+        spans = await spans_between(consumer, tps, since_ms, None)
+        async for batch in merged(consumer, spans, {}, unpack=False):  # Completions only: never in a step
             for record in batch:
                 if record.key not in wanted:
                     continue
