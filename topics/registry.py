@@ -235,10 +235,18 @@ TOKENS = TopicSpec(
     ),
     "generated tokens and completions (and, in band, blocking output verdicts, the input verdict "
     "of a request screened in parallel, the server tools' results of a response run, and the "
-    "results of speech jobs); the partition is chosen by the gateway that holds the connection",
+    "results of speech jobs); the partition is chosen by the gateway that holds the connection. A "
+    "worker's chunks come as step records (event-type token_step: one record per reply partition per "
+    "engine step, holding every chunk of that step on it; schemas/steps.py), which every reader "
+    "unpacks first; every other event is a record of its own",
     _retained(1, **{"message.timestamp.type": "LogAppendTime"}),
     writers=(
-        Writer(Role.WORKER, "TokenChunk seq 0..n-1 per engine step, then Completion seq n"),
+        Writer(
+            Role.WORKER,
+            "TokenChunk seq 0..n-1 per engine step, a step's chunks as one step record per reply "
+            "partition (schemas/steps.py; step_records=false: each chunk a record of its own), then "
+            "Completion seq n, after the step record holding its last chunk",
+        ),
         Writer(
             Role.SAFETY,
             "a refusal (blocked input screened in series), the input verdict of a "
