@@ -277,6 +277,11 @@ async def test_each_kind_of_request_replays_with_the_text_its_client_saw(topics_
     assert held.problems() == [] and held.withheld == 3  # two chunks held, one after the verdict
     stepped = await audit_of(bootstrap, rids["steps"])  # chunks unpacked from their step records
     assert stepped.text == "".join(WORDS) and stepped.finish_reason == "stop" and stepped.problems() == []
+    # the chaos drill's reader of the log takes the same answer out of the step records
+    from tokenstream.chaos.verify import read_answers
+
+    answers = await read_answers(bootstrap, {rids["steps"]}, time.time() - 120)
+    assert answers[rids["steps"]].text() == "".join(WORDS)
 
 
 async def test_the_time_in_each_hop_comes_from_the_broker_timestamps_and_the_worker_timings(
