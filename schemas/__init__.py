@@ -15,7 +15,9 @@ Read this package and `topics/` to follow a request end to end:
     SpeechJob -> TranscriptSegment* -> TranscriptDone, or SpeechAudio* -> SpeechDone
                                                           (voice: schemas/speech.py)
 
-All events are msgspec Structs, encoded as JSON by `schemas.codec`.
+All events are msgspec Structs, encoded as JSON by `schemas.codec`. A worker's TokenChunks travel as
+step records (`schemas.steps`): one ts.tokens record per reply partition per engine step, holding each
+chunk as the record it would be on its own; every reader unpacks them first.
 """
 
 from schemas.audit import Transcript
