@@ -3,6 +3,34 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+
+from gateway import replays
+
+
+class ResumeReads:
+    """The resumes' readers (gateway/replays.py), counted where they count them, read at each scrape."""
+
+    def collect(self):
+        t = replays.totals()
+        yield CounterMetricFamily(
+            "gateway_resume_readers_started", "consumers started to read resumes", value=t.consumers_started
+        )
+        yield CounterMetricFamily(
+            "gateway_resume_records_read", "ts.tokens records read for resumes", value=t.records_read
+        )
+        yield CounterMetricFamily(
+            "gateway_resume_seeks", "seeks of the resumes' readers", value=t.seeks_total
+        )
+        starts = CounterMetricFamily(
+            "gateway_resume_starts",
+            "resumes by where their reading started: their request's first record (noted when written) "
+            "or, without a note, its admission time",
+            labels=["start"],
+        )
+        starts.add_metric(["first_record"], t.exact)
+        starts.add_metric(["admission"], t.fallback)
+        yield starts
 
 
 class Metrics:
@@ -56,6 +84,7 @@ class Metrics:
         )
         self.cancels = Counter("gateway_cancels_total", "cancel events written", ["reason"], registry=r)
         self.resumes = Counter("gateway_resumes_total", "streams resumed with Last-Event-ID", registry=r)
+        r.register(ResumeReads())
         self.ttft = Histogram(
             "gateway_ttft_seconds",
             "time from request to first token sent",

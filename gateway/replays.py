@@ -47,6 +47,7 @@ CLOCK_MARGIN_MS = 5_000  # the fallback starts this much before admission (clock
 LINGER_S = 5.0  # a reader with no resume left stops after this long
 MAX_RECORDS = 2000
 POLL_MS = 100  # an empty fetch waits this long: how soon a resume is taken in on a quiet partition
+SEEKS_KEPT = 1000  # the latest seeks kept in `stats` (their count is `seeks_total`)
 RECENT = 4096  # records kept per reader for resumes that start behind it (a few hundred bytes each)
 
 
@@ -54,7 +55,8 @@ RECENT = 4096  # records kept per reader for resumes that start behind it (a few
 class Stats:
     consumers_started: int = 0
     records_read: int = 0
-    seeks: list[tuple[int, int]] = field(default_factory=list)  # (partition, offset), in order
+    seeks: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=SEEKS_KEPT))  # the latest
+    seeks_total: int = 0
     exact: int = 0  # registrations that started at their request's first record
     fallback: int = 0  # registrations that started from the admission time (or the end)
 
@@ -148,7 +150,7 @@ class PartitionReader:
                 " record, %d from their admission time (all readers of this process)",
                 self.tp,
                 stats.records_read,
-                len(stats.seeks),
+                stats.seeks_total,
                 stats.exact,
                 stats.fallback,
             )
@@ -220,7 +222,8 @@ class PartitionReader:
         )
         if seek:
             consumer.seek(self.tp, lowest)
-            stats.seeks.append((self.tp.partition, lowest))
+            stats.seeks.append((self.tp.partition, lowest))  # (partition, offset), in order
+            stats.seeks_total += 1
             self.recent.clear()
             self.covered_from = lowest
             return lowest
@@ -270,6 +273,20 @@ class Hub:
 
 
 _hubs: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, Hub]] = weakref.WeakKeyDictionary()
+
+
+def totals() -> Stats:
+    """What every reader of this process did, all hubs together (the gateway's /metrics)."""
+    out = Stats()
+    for by_bootstrap in list(_hubs.values()):
+        for h in by_bootstrap.values():
+            s = h.stats
+            out.consumers_started += s.consumers_started
+            out.records_read += s.records_read
+            out.seeks_total += s.seeks_total
+            out.exact += s.exact
+            out.fallback += s.fallback
+    return out
 
 
 def hub(bootstrap: str) -> Hub:

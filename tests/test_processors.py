@@ -552,7 +552,7 @@ async def test_the_safety_processor_notes_its_input_verdict_in_band_and_a_resume
     assert [type(e) for e in events] == [SafetyVerdict, TokenChunk, Completion], events
     assert events[0].stage == "input" and not events[0].blocked
     assert hub.stats.exact == 1 and hub.stats.fallback == 0, hub.stats  # no scan from the admission
-    assert hub.stats.seeks == [(partition, offset)]  # straight to the verdict
+    assert list(hub.stats.seeks) == [(partition, offset)]  # straight to the verdict
 
 
 async def committed_offset(bootstrap: str, group: str, tp: TopicPartition) -> int:

@@ -23,9 +23,11 @@ import time
 
 import pytest
 import redis.asyncio as aioredis
+from prometheus_client import generate_latest
 
 from bench.gateway import SyntheticWorker
 from gateway import replays
+from gateway.metrics import Metrics
 from gateway.resume import read_so_far, replay
 from gpu_workers.recovery import TokenLog
 from schemas import Completion
@@ -116,8 +118,11 @@ async def test_a_restart_with_1000_live_streams_resumes_each_from_its_first_reco
     seeks, read = list(stats.seeks), stats.records_read
     again = [e for batch in [b async for b in replay(bootstrap, rids[0], idle_timeout_s=60)] for e in batch]
     assert [e.seq for e in again] == want
-    assert stats.seeks == seeks and stats.consumers_started == len(PARTITIONS), stats.seeks
+    assert list(stats.seeks) == seeks and stats.consumers_started == len(PARTITIONS), stats.seeks
     assert stats.records_read == read  # nothing read again (nothing new was written meanwhile)
+    scraped = generate_latest(Metrics().registry).decode()  # what /metrics says of the same readers
+    assert f'gateway_resume_starts_total{{start="first_record"}} {float(STREAMS + 1)}' in scraped, scraped
+    assert f"gateway_resume_records_read_total {float(stats.records_read)}" in scraped
     scan = sum(FILLER + ends[p] - before_first[p] for p in PARTITIONS) // len(PARTITIONS) * STREAMS
     print(
         f"{STREAMS} resumes: {stats.records_read} records read by {stats.consumers_started} consumers in"
