@@ -5,7 +5,8 @@
              on its tokens partition instead, and a Cancel to ts.control when blocked
     outputs: ts.tokens windows    -> verdicts; a block also goes in band to the answer's tokens
              partition (the gateway cuts the stream) and a Cancel to ts.control (the worker stops);
-             read in batches, the windows due in a batch judged in one classifier call (safety/batch.py)
+             read in batches, the windows due in a batch judged together (safety/batch.py), in calls
+             of at most `judge_piece` windows that let a waiting input judgement go first (safety/turns.py)
     moderation requests (POST /v1/moderations): judged, the verdict in band, never forwarded
     moderated requests (a response's `moderation`): the input verdict in band too, and after the
              Completion a verdict over the whole answer (each category's highest score), which the
@@ -17,7 +18,6 @@ a resume seeks there instead of scanning from the request's admission).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import logging
@@ -29,6 +29,7 @@ from processors.effects import Ledger
 from processors.faust_app import make_app, send, table, topic, traced, typed
 from processors.safety.batch import batches
 from processors.safety.held import HeldWindows
+from processors.safety.turns import Turns
 from processors.safety.watch import OutputWatch
 from processors.safety.windows import WindowSettings
 from safety_model import stand_in
@@ -68,13 +69,18 @@ def warm_up() -> None:
     classifier().judge(["warm-up"])
 
 
+turns = Turns(lambda texts: classifier().judge(texts), windows_cfg.judge_piece)
+
+
 async def judge_all(texts: list[str]) -> list[Judgement]:
-    """One classifier call for all of `texts`, in a thread."""
-    return await asyncio.to_thread(classifier().judge, texts)
+    """Output windows: classifier calls of at most `judge_piece` texts, each in a thread, after any
+    input waiting (safety/turns.py)."""
+    return await turns.outputs(texts)
 
 
 async def judge(text: str) -> Judgement:
-    return (await judge_all([text]))[0]
+    """A request's input (or a moderated answer's whole): one call, before any output window waiting."""
+    return (await turns.inputs([text]))[0]
 
 
 def verdict(of, judgement: Judgement, stage: str, window_end_seq: int = -1) -> SafetyVerdict:

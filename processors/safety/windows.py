@@ -35,6 +35,12 @@ class WindowSettings(BaseSettings):
         description="records of ts.tokens handled as one batch, the windows due among them judged in one "
         "classifier call (safety/batch.py; 1: one record at a time)",
     )
+    judge_piece: int = Field(
+        4,
+        ge=1,
+        description="most windows in one classifier call: a request's input judgement waits for one such "
+        "call at most (safety/turns.py)",
+    )
     checkpoint_s: float = Field(
         2.0, gt=0, description="checkpoint a window whose oldest unacknowledged chunk is this old"
     )
