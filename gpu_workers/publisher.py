@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass, field
 
 from aiokafka.errors import KafkaError
 from aiokafka.structs import TopicPartition
@@ -236,32 +237,40 @@ class Publisher:
             w.metrics.commits.labels(w.cfg.model).inc()
 
 
+@dataclass(slots=True)
+class _Step:
+    """One reply partition's step record in the making."""
+
+    entries: list[StepEntry] = field(default_factory=list)
+    firsts: list[tuple[object, int]] = field(default_factory=list)  # (request, seq) of chunks that start
+    size: int = 0  # bytes of the entries' values
+
+
 class Steps:
     """The step records of one publish: per reply partition, the entries of its chunks, sent as one
     record when flushed (or sooner, past STEP_MAX_BYTES), each chunk 0's place then noted."""
 
     def __init__(self, publisher: Publisher, producer) -> None:
         self.publisher, self.producer = publisher, producer
-        self.pending: dict[int, tuple[list[StepEntry], list[tuple[object, int]], list[int]]] = {}
+        self.pending: dict[int, _Step] = {}
 
     async def add(self, request, seq: int, item: StepEntry, size: int) -> None:
-        entries, firsts, used = self.pending.setdefault(request.reply_partition, ([], [], [0]))
-        entries.append(item)
+        step = self.pending.setdefault(request.reply_partition, _Step())
+        step.entries.append(item)
         if starts_stream(seq):
-            firsts.append((request, seq))
-        used[0] += size
-        if used[0] >= STEP_MAX_BYTES:
+            step.firsts.append((request, seq))
+        step.size += size
+        if step.size >= STEP_MAX_BYTES:
             await self.flush(request.reply_partition)
 
     async def flush(self, partition: int) -> None:
-        held = self.pending.pop(partition, None)
-        if held is None:
+        step = self.pending.pop(partition, None)
+        if step is None:
             return
-        entries, firsts, _ = held
         ack = await self.producer.send(
-            TOKENS.name, step_value(entries), partition=partition, headers=STEP_HEADERS
+            TOKENS.name, step_value(step.entries), partition=partition, headers=STEP_HEADERS
         )
-        for request, seq in firsts:
+        for request, seq in step.firsts:
             self.publisher.note_first(request, seq, ack)
 
     async def flush_all(self) -> None:

@@ -21,8 +21,9 @@ from processors.recovery_watch import watch_recovery
 from processors.shares import headers_of, shares
 from producers.membership import member_client_id
 from producers.settings import FAUST, faust_liveness
-from schemas import DeadLetter, DecodeError, Erased, Event, TraceContext, decode, encode
+from schemas import DecodeError, Erased, Event, TraceContext, decode, encode
 from schemas.codec import decoder
+from schemas.deadletter import letter_of
 from schemas.headers import EVENT_TYPE as TYPE_HEADER
 from schemas.sealing import SealingUnavailable
 from schemas.steps import CHUNK_TYPE, is_step, unpack
@@ -248,21 +249,7 @@ async def dead_letter(dead_letters: faust.TopicT, group: str, record, value: byt
     """Send what could not be decoded to the dead-letter topic: `record` (a faust message, or a step's
     entry, named by its step record's topic, partition and offset) with `value`."""
     log.warning("dead-lettered %s[%d]@%d: %s", record.topic, record.partition, record.offset, exc.reason)
-    key = record.key if isinstance(record.key, bytes) else None
-    headers = record.headers or []
-    items = headers.items() if isinstance(headers, dict) else headers
-    letter = DeadLetter(
-        request_id=key.decode("utf-8", "replace") if key else "",
-        reason=exc.reason,
-        error_type=type(exc).__name__,
-        source_topic=record.topic,
-        source_partition=record.partition,
-        source_offset=record.offset,
-        consumer_group=group,
-        payload=value,
-        key=key,
-        headers=[(k, bytes(v)) for k, v in items],
-    )
+    letter = letter_of(record, value, exc.reason, type(exc).__name__, group)
     await send(dead_letters, DEAD_LETTER, letter, key=letter.request_id)
 
 

@@ -8,7 +8,8 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.structs import ConsumerRecord
 
 from producers.publish import publish
-from schemas import DeadLetter, DecodeError, Erased
+from schemas import DecodeError, Erased
+from schemas.deadletter import letter_of
 from topics import DEAD_LETTER
 
 log = logging.getLogger(__name__)
@@ -26,18 +27,6 @@ async def dead_letter(
         log.info("passed over erased %s[%d]@%d", record.topic, record.partition, record.offset)
         return
     reason = exc.reason if isinstance(exc, DecodeError) else f"{type(exc).__name__}: {exc}"
-    key = record.key
-    letter = DeadLetter(
-        request_id=key.decode("utf-8", "replace") if key else "",
-        reason=reason,
-        error_type=type(exc).__name__,
-        source_topic=record.topic,
-        source_partition=record.partition,
-        source_offset=record.offset,
-        consumer_group=group,
-        payload=record.value or b"",
-        key=key,
-        headers=[(k, bytes(v)) for k, v in (record.headers or ())],
-    )
+    letter = letter_of(record, record.value or b"", reason, type(exc).__name__, group)
     log.warning("dead-lettered %s[%d]@%d: %s", record.topic, record.partition, record.offset, reason)
     await publish(producer, DEAD_LETTER, letter, key=letter.request_id)

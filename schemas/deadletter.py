@@ -22,3 +22,23 @@ class DeadLetter(Event, tag="dead_letter"):
     payload: bytes = b""
     key: bytes | None = None
     headers: list[tuple[str, bytes]] = msgspec.field(default_factory=list)
+
+
+def letter_of(record, value: bytes, reason: str, error_type: str, group: str) -> DeadLetter:
+    """The dead letter of `record` (aiokafka's or faust's record, or a step record's entry: its topic,
+    partition, offset, key and headers, pairs or a mapping) whose value is `value`."""
+    key = record.key if isinstance(record.key, bytes) else None
+    headers = record.headers or ()
+    items = headers.items() if isinstance(headers, dict) else headers
+    return DeadLetter(
+        request_id=key.decode("utf-8", "replace") if key else "",
+        reason=reason,
+        error_type=error_type,
+        source_topic=record.topic,
+        source_partition=record.partition,
+        source_offset=record.offset,
+        consumer_group=group,
+        payload=value,
+        key=key,
+        headers=[(k, bytes(v)) for k, v in items],
+    )
